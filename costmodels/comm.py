@@ -1,0 +1,49 @@
+"""Collective times with the alpha-beta (latency-bandwidth) model of ring algorithms.
+
+Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005), and
+NCCL's PERFORMANCE.md "bus bandwidth": a ring all-reduce moves 2(n-1)/n of the buffer over each link,
+all-gather and reduce-scatter (n-1)/n, all-to-all (n-1)/n of each rank's send buffer.
+`bytes_` is always the full logical buffer (the all-reduced tensor, the gathered tensor, a rank's send buffer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """Achieved bus bandwidth (bytes/s) and per-step latency (s) of a ring over one process group."""
+
+    bus_bytes_per_s: float
+    latency_s: float
+    crosses_nodes: bool
+
+
+def all_reduce(bytes_: float, n: int, link: Link) -> float:
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * bytes_ / link.bus_bytes_per_s  # ring: RS + AG
+
+
+def all_gather(bytes_: float, n: int, link: Link) -> float:
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    return (n - 1) * link.latency_s + (n - 1) / n * bytes_ / link.bus_bytes_per_s
+
+
+def reduce_scatter(bytes_: float, n: int, link: Link) -> float:
+    return all_gather(bytes_, n, link)  # same traffic in reverse (Thakur et al. 2005, sec. 4)
+
+
+def all_to_all(bytes_: float, n: int, link: Link) -> float:
+    """Each rank sends (n-1)/n of its buffer to the others; pairwise exchange in n-1 steps."""
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    return (n - 1) * link.latency_s + (n - 1) / n * bytes_ / link.bus_bytes_per_s
+
+
+def p2p(bytes_: float, link: Link) -> float:
+    if bytes_ <= 0:
+        return 0.0
+    return link.latency_s + bytes_ / link.bus_bytes_per_s

@@ -1,0 +1,198 @@
+"""The workload, the parallel configuration (the knobs) and the runtime's behaviour, and their validation.
+
+`resolve()` turns user knobs into a `Layout` whose every degree divides what it must, or raises InputError
+with the rule that failed (the rules are those Megatron-LM's arguments.py enforces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from costmodels.model import ModelSpec
+from hardware_db.errors import InputError
+
+Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
+
+
+class Workload(BaseModel):
+    """What one training step processes: `global_batch` sequences of `seq_len` tokens."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    global_batch: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    moe_imbalance: float = Field(default=1.0, ge=1.0)  # busiest expert's load / mean load
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+class ParallelConfig(BaseModel):
+    """The knobs; None means 'use the default' (documented in docs/cost_model.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    tp: int = Field(default=1, gt=0)
+    pp: int = Field(default=1, gt=0)
+    vpp: int = Field(default=1, gt=0)  # model chunks per pipeline rank (interleaved schedule)
+    dp: int | None = Field(default=None, gt=0)  # default: GPUs / (tp * pp * cp)
+    cp: int = Field(default=1, gt=0)
+    ep: int = Field(default=1, gt=0)
+    etp: int | None = Field(default=None, gt=0)  # expert tensor parallel; default: tp
+    mbs: int = Field(default=1, gt=0)
+    zero: Literal[0, 1, 2, 3] = 1  # 1 = Megatron's --use-distributed-optimizer
+    recompute: Recompute = "none"
+    sp: bool | None = None  # default: on whenever tp > 1
+    schedule: Schedule | None = None  # default: interleaved when vpp > 1, else 1f1b
+    stage_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage; default: balanced
+
+
+class Runtime(BaseModel):
+    """How the training framework executes: what it fuses and what communication it overlaps.
+
+    These are properties of a framework version, not of a run; presets below, each with its source.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    flash_attention: bool  # fused attention core (no s^2 activations, causal blocks skipped)
+    dropout: bool  # dropout masks stored (Megatron GPT defaults: hidden and attention dropout 0.1)
+    overlap_grad_reduce: bool  # DP gradient reduce overlapped with the backward pass
+    overlap_param_gather: bool  # ZeRO param all-gather overlapped with the forward pass
+    tp_comm_overlap: float = Field(ge=0, le=1)  # fraction of TP communication hidden behind GEMMs
+    p2p_overlap: bool  # pipeline send/recv overlapped with compute
+
+
+RUNTIMES: dict[str, Runtime] = {
+    # Megatron-LM as in Narayanan et al. SC'21 and Korthikanti et al. 2022: unfused softmax attention, DP all-reduce
+    # after the backward pass, blocking TP all-reduce and blocking P2P (megatron/schedules.py of that time).
+    "megatron-2022": Runtime(name="megatron-2022", flash_attention=False, dropout=True, overlap_grad_reduce=False,
+                             overlap_param_gather=False, tp_comm_overlap=0.0, p2p_overlap=False),
+    # Megatron-Core r0.8 (2024) with TransformerEngine: flash attention, --overlap-grad-reduce,
+    # --overlap-param-gather, --tp-comm-overlap (userbuffers); NVIDIA/Megatron-LM README "Performance Benchmarking".
+    "megatron-core": Runtime(name="megatron-core", flash_attention=True, dropout=True, overlap_grad_reduce=True,
+                             overlap_param_gather=True, tp_comm_overlap=0.6, p2p_overlap=True),
+    # A plain PyTorch FSDP2 / torchtitan run: flash SDPA, prefetching FSDP (overlapped), no TP overlap.
+    "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
+                          overlap_param_gather=True, tp_comm_overlap=0.0, p2p_overlap=True),
+}
+DEFAULT_RUNTIME = "megatron-core"
+
+
+def get_runtime(name: str) -> Runtime:
+    if name not in RUNTIMES:
+        raise InputError(f"unknown runtime '{name}'; choose one of: {', '.join(RUNTIMES)}")
+    return RUNTIMES[name]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated configuration: every degree known and consistent with model, GPU count and batch."""
+
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    cp: int
+    ep: int
+    etp: int
+    edp: int  # expert data parallel: (tp * cp * dp) / (etp * ep), Megatron "MoE parallel folding"
+    mbs: int
+    num_microbatches: int
+    zero: int
+    recompute: Recompute
+    sp: bool
+    schedule: Schedule
+    stage_layers: tuple[int, ...]  # decoder layers per pipeline stage (pp entries)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    def chunk_layers(self) -> tuple[tuple[int, int], ...]:
+        """(first layer, layer count) of every model chunk, in model order: chunk c*pp + stage holds a slice."""
+        chunks = []
+        start = 0
+        per_stage_chunks = [_split(n, self.vpp) for n in self.stage_layers]
+        for c in range(self.vpp):
+            for s in range(self.pp):
+                n = per_stage_chunks[s][c]
+                chunks.append((start, n))
+                start += n
+        return tuple(chunks)
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """Split as evenly as possible, the larger shares first."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelConfig) -> Layout:
+    """Fill defaults and check every divisibility rule; raise InputError naming the rule and a fix."""
+    tp, pp, cp, vpp = cfg.tp, cfg.pp, cfg.cp, cfg.vpp
+    if num_gpus % (tp * pp * cp):
+        raise InputError(f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide {num_gpus} GPUs")
+    dp = cfg.dp if cfg.dp is not None else num_gpus // (tp * pp * cp)
+    if tp * pp * cp * dp != num_gpus:
+        raise InputError(
+            f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {tp * pp * cp * dp} but the cluster has {num_gpus} GPUs; "
+            f"omit --dp to derive it"
+        )
+    if model.num_heads % tp:
+        raise InputError(f"--tp {tp} does not divide the {model.num_heads} attention heads of {model.name}")
+    if model.mla is None and model.kv_heads % tp:
+        raise InputError(f"--tp {tp} does not divide the {model.kv_heads} KV heads of {model.name} (Megatron needs it)")
+    if cp > 1 and workload.seq_len % (2 * cp):
+        raise InputError(f"--seq {workload.seq_len} is not divisible by 2*cp = {2 * cp} (load-balanced causal CP)")
+    if workload.global_batch % (cfg.mbs * dp):
+        raise InputError(
+            f"global batch {workload.global_batch} is not divisible by mbs*dp = {cfg.mbs}*{dp}; "
+            f"pick --gbs a multiple of {cfg.mbs * dp}"
+        )
+    m = workload.global_batch // (cfg.mbs * dp)
+    if vpp > 1 and pp == 1:
+        raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline ranks)")
+    schedule = cfg.schedule or ("interleaved" if vpp > 1 else "1f1b")
+    if schedule == "interleaved" and vpp == 1 and pp > 1:
+        raise InputError("--schedule interleaved needs --vpp > 1")
+    if schedule != "interleaved" and vpp > 1:
+        raise InputError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
+    if schedule == "interleaved" and m % pp:
+        raise InputError(f"interleaved schedule needs micro-batches ({m}) divisible by pp ({pp}) (Megatron rule)")
+    if cfg.stage_layers is not None:
+        stage_layers = tuple(cfg.stage_layers)
+        if len(stage_layers) != pp or sum(stage_layers) != model.num_layers or min(stage_layers) < vpp:
+            raise InputError(
+                f"stage_layers {list(stage_layers)} must have pp={pp} entries, each >= vpp={vpp}, "
+                f"summing to {model.num_layers} layers"
+            )
+    else:
+        if model.num_layers < pp * vpp:
+            raise InputError(f"{model.num_layers} layers cannot fill pp*vpp = {pp * vpp} model chunks")
+        stage_layers = tuple(_split(model.num_layers, pp))
+    ep = cfg.ep
+    etp = cfg.etp if cfg.etp is not None else tp
+    if model.moe is None:
+        if ep > 1:
+            raise InputError(f"--ep {ep} given but {model.name} has no experts")
+        etp, edp = tp, dp * cp
+    else:
+        if model.moe.num_experts % ep:
+            raise InputError(f"--ep {ep} does not divide the {model.moe.num_experts} experts of {model.name}")
+        dense_group = tp * cp * dp
+        if dense_group % (etp * ep):
+            raise InputError(
+                f"etp*ep = {etp}*{ep} must divide tp*cp*dp = {dense_group} (experts fold onto the same ranks)"
+            )
+        edp = dense_group // (etp * ep)
+    sp = cfg.sp if cfg.sp is not None else tp > 1
+    if sp and tp == 1:
+        sp = False  # sequence parallel is a no-op without tensor parallel
+    return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
+                  num_microbatches=m, zero=cfg.zero, recompute=cfg.recompute, sp=sp, schedule=schedule,
+                  stage_layers=stage_layers)

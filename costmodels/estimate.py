@@ -1,0 +1,412 @@
+"""One configuration's cost: step time (event-simulated pipeline), throughput, MFU/HFU and memory per stage."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from costmodels import comm
+from costmodels.config import Layout, ParallelConfig, Runtime, Workload, get_runtime, DEFAULT_RUNTIME, resolve
+from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdown, embedding_activation_bytes,
+                               layer_activation_bytes, logits_bytes, model_state_bytes, stage_params)
+from costmodels.model import ModelSpec
+from costmodels.ops import ACT_BYTES, Block, Collective, Op, decoder_layer, embedding_block, head_block
+from costmodels.pipeline import StageTimes, build_schedule, simulate
+from hardware_db.cluster import Cluster
+from hardware_db.gpu import GPUSpec
+
+ADAM_BYTES_PER_PARAM = 34  # read grad, master, m, v (16) + write master, m, v (12) + bf16 weight (2) + grad-norm read (4)
+RANK_ORDER = ("tp", "cp", "dp", "pp")  # innermost first: Megatron-LM's default order "tp-cp-ep-dp-pp"
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions that turn peak numbers into time (from the GPU's defaults or a calibration)."""
+
+    gemm_max: float
+    gemm_half_flops: float
+    attention_max: float
+    memory_bandwidth: float
+    kernel_overhead_s: float
+
+    @classmethod
+    def from_gpu(cls, gpu: GPUSpec) -> "Efficiency":
+        e = gpu.efficiency
+        return cls(e.gemm_max, e.gemm_half_flops, e.attention_max, e.memory_bandwidth, e.kernel_overhead_us * 1e-6)
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds for one micro-batch through a block: compute and exposed communication per parallel dimension."""
+
+    fwd_compute: float = 0.0
+    bwd_input_compute: float = 0.0
+    bwd_weight_compute: float = 0.0
+    fwd_comm: dict[str, float] = field(default_factory=dict)
+    bwd_comm: dict[str, float] = field(default_factory=dict)
+    recompute: float = 0.0  # part of the backward spent re-running the forward
+
+    @property
+    def forward(self) -> float:
+        return self.fwd_compute + sum(self.fwd_comm.values())
+
+    @property
+    def backward_input(self) -> float:
+        return self.bwd_input_compute + sum(self.bwd_comm.values()) + self.recompute
+
+    def plus(self, other: "PassTimes") -> "PassTimes":
+        def add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+            return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
+
+        return PassTimes(self.fwd_compute + other.fwd_compute, self.bwd_input_compute + other.bwd_input_compute,
+                         self.bwd_weight_compute + other.bwd_weight_compute, add(self.fwd_comm, other.fwd_comm),
+                         add(self.bwd_comm, other.bwd_comm), self.recompute + other.recompute)
+
+
+@dataclass(frozen=True)
+class StageReport:
+    rank: int
+    layers: tuple[int, int]  # first layer, count (all chunks of the stage together)
+    memory: MemoryBreakdown
+    in_flight: int
+
+    @property
+    def peak_gib(self) -> float:
+        return self.memory.total / GIB
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one configuration costs. Times in seconds, memory in GiB."""
+
+    layout: Layout
+    runtime: str
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    breakdown_s: dict[str, float]
+    stages: tuple[StageReport, ...]
+    hbm_gib: float
+    bubble_fraction: float
+
+    @property
+    def peak_memory_gib(self) -> float:
+        return max(s.peak_gib for s in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_gib <= self.hbm_gib
+
+    def to_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "peak_memory_gib": self.peak_memory_gib,
+            "hbm_gib": self.hbm_gib,
+            "fits": self.fits,
+            "bubble_fraction": self.bubble_fraction,
+            "breakdown_s": self.breakdown_s,
+            "layout": asdict(self.layout),
+            "runtime": self.runtime,
+            "stages": [
+                {"rank": s.rank, "first_layer": s.layers[0], "num_layers": s.layers[1], "in_flight_microbatches": s.in_flight,
+                 "peak_memory_gib": s.peak_gib, "memory_gib": {k: v / GIB for k, v in asdict(s.memory).items()}}
+                for s in self.stages
+            ],
+        }
+
+
+# ---- operator and collective times -------------------------------------------------------------------------------
+
+def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff: Efficiency) -> float:
+    """Roofline: max(FLOPs / (peak x efficiency(size)), bytes / achieved bandwidth) + launch overhead (Williams et
+    al., "Roofline", CACM 2009). Efficiency saturates with the operator's size: e_max * F / (F + F_half)."""
+    if flops <= 0 and bytes_ <= 0:
+        return 0.0
+    t_mem = bytes_ / (hbm * eff.memory_bandwidth)
+    t_flop = 0.0
+    if flops > 0:
+        e_max = eff.attention_max if kind == "attention" else eff.gemm_max
+        t_flop = flops / (peak * e_max * flops / (flops + eff.gemm_half_flops))
+    return max(t_flop, t_mem) + eff.kernel_overhead_s
+
+
+def group_ranks(dim: str, lay: Layout) -> tuple[int, ...]:
+    """Ranks of rank 0's group along `dim` (dense dims in RANK_ORDER; experts fold etp-ep over tp-cp-dp)."""
+    sizes = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp}
+    if dim in sizes:
+        stride = 1
+        for d in RANK_ORDER:
+            if d == dim:
+                return tuple(i * stride for i in range(sizes[d]))
+            stride *= sizes[d]
+    if dim == "etp":
+        return tuple(range(lay.etp))
+    if dim == "ep":
+        return tuple(i * lay.etp for i in range(lay.ep))
+    if dim == "edp":
+        return tuple(i * lay.etp * lay.ep for i in range(lay.edp))
+    raise ValueError(dim)
+
+
+def group_link(cluster: Cluster, ranks: tuple[int, ...]) -> comm.Link:
+    """Achieved bus bandwidth: line rate x the GPU's NCCL efficiency on the level the ring crosses."""
+    e = cluster.gpu.efficiency
+    bw, lat, crosses = cluster.group_link(ranks)
+    if crosses:
+        per_node = len(ranks) // len({cluster.node_of(r) for r in ranks})
+        achieved = min(cluster.scaleup.bytes_per_s * e.scaleup_bandwidth,
+                       max(1, per_node) * cluster.scaleout.bytes_per_s * e.scaleout_bandwidth)
+    else:
+        achieved = bw * e.scaleup_bandwidth
+    return comm.Link(achieved, lat, crosses)
+
+
+def collective_time(c: Collective, n: int, link: comm.Link) -> float:
+    if c.kind == "all_reduce":
+        return comm.all_reduce(c.bytes_, n, link)
+    if c.kind == "all_gather":
+        return comm.all_gather(c.bytes_, n, link)
+    if c.kind == "reduce_scatter":
+        return comm.reduce_scatter(c.bytes_, n, link)
+    if c.kind == "all_to_all":
+        return comm.all_to_all(c.bytes_, n, link)
+    return comm.p2p(c.bytes_, link)
+
+
+# ---- the estimate ------------------------------------------------------------------------------------------------
+
+class _Context:
+    """Everything one estimate needs, resolved once."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, lay: Layout, rt: Runtime,
+                 eff: Efficiency):
+        self.model, self.cluster, self.wl, self.lay, self.rt, self.eff = model, cluster, wl, lay, rt, eff
+        gpu = cluster.gpu
+        self.peak16 = gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16")
+        self.peak_fp8 = gpu.peak_flops("fp8") if wl.dtype == "fp8" else self.peak16
+        self.hbm = gpu.hbm_bytes_per_s
+        sizes = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp, "edp": lay.edp}
+        self.sizes = sizes
+        self.links = {d: group_link(cluster, group_ranks(d, lay)) for d in sizes}
+
+    def block_times(self, block: Block, recompute: str) -> PassTimes:
+        fwd = bwd_i = bwd_w = sel = 0.0
+        attn_core = 0.0
+        for op in block.ops:
+            peak = self.peak_fp8 if (op.kind == "gemm" and op.gemm_dtype_scale > 1) else self.peak16
+            f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, self.eff)
+            fwd += f
+            bwd_i += op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, self.eff)
+            bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, self.eff)
+            if op.selective:
+                sel += f
+            if op.kind == "attention" or op.name.startswith("attn_"):
+                attn_core += f
+        fwd_comm: dict[str, float] = {}
+        bwd_comm: dict[str, float] = {}
+        for c in block.comms:
+            t = collective_time(c, self.sizes[c.dim], self.links[c.dim])
+            if c.overlappable == "tp":
+                t *= 1.0 - self.rt.tp_comm_overlap
+            tf, tb = c.fwd_count * t, c.bwd_count * t
+            if c.overlappable == "cp":
+                # Ring exchange runs under the attention blocks; only what exceeds them is exposed.
+                tf = max(0.0, tf - attn_core)
+                tb = max(0.0, tb - 2.5 * attn_core)
+            fwd_comm[c.dim] = fwd_comm.get(c.dim, 0.0) + tf
+            bwd_comm[c.dim] = bwd_comm.get(c.dim, 0.0) + tb
+        re = 0.0
+        if recompute == "full":
+            re = fwd + sum(fwd_comm.values())  # the whole forward again, its communication included
+        elif recompute == "selective":
+            re = sel
+        return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, re)
+
+
+def _stage_ranges(lay: Layout) -> list[list[tuple[int, int]]]:
+    """Per pipeline rank, per chunk: (first layer, count)."""
+    chunks = lay.chunk_layers()
+    return [[chunks[c * lay.pp + r] for c in range(lay.vpp)] for r in range(lay.pp)]
+
+
+def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
+             runtime: str = DEFAULT_RUNTIME, efficiency: Efficiency | None = None) -> Estimate:
+    """Cost of one configuration; raises InputError when the configuration is inconsistent."""
+    lay = resolve(model, cluster.num_gpus, workload, cfg)
+    rt = get_runtime(runtime)
+    eff = efficiency or Efficiency.from_gpu(cluster.gpu)
+    ctx = _Context(model, cluster, workload, lay, rt, eff)
+    ranges = _stage_ranges(lay)
+    last_rank, last_chunk = lay.pp - 1, lay.vpp - 1
+
+    layer_cache: dict[tuple[bool, int], PassTimes] = {}
+
+    def layer_times(i: int) -> PassTimes:
+        # Layers differ only in being dense or MoE; cache on that (plus index for the MoE pattern's TP pairs).
+        key = (model.is_moe_layer(i), 0)
+        if key not in layer_cache:
+            layer_cache[key] = ctx.block_times(decoder_layer(model, i, lay, workload, rt), lay.recompute)
+        return layer_cache[key]
+
+    emb = ctx.block_times(embedding_block(model, lay, workload), "none")
+    head = ctx.block_times(head_block(model, lay, workload), "none")
+    # P2P of one micro-batch's activations between stages; Megatron sends 1/tp with scatter-gather (SC'21 sec. 4.1).
+    p2p_bytes = ACT_BYTES * lay.mbs * workload.seq_len / lay.cp * model.hidden / lay.tp
+    p2p_s = comm.p2p(p2p_bytes, ctx.links["pp"]) if lay.pp > 1 else 0.0
+
+    chunk_pass: list[list[PassTimes]] = []
+    for r in range(lay.pp):
+        row = []
+        for c, (first, count) in enumerate(ranges[r]):
+            t = PassTimes()
+            for i in range(first, first + count):
+                t = t.plus(layer_times(i))
+            if r == 0 and c == 0:
+                t = t.plus(emb)
+            if r == last_rank and c == last_chunk:
+                t = t.plus(head)
+            row.append(t)
+        chunk_pass.append(row)
+
+    blocking_p2p = 0.0 if rt.p2p_overlap else p2p_s
+    times = [[StageTimes(t.forward + blocking_p2p, t.backward_input + blocking_p2p, t.bwd_weight_compute)
+              for t in row] for row in chunk_pass]
+    sched = build_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+    timeline = simulate(sched, times, p2p_s, split_weight=lay.schedule == "zb")
+    rank_end = [0.0] * lay.pp
+    for r, _, _, end in timeline.events:
+        rank_end[r] = max(rank_end[r], end)
+
+    # Data-parallel gradient reduction, parameter gather and optimizer step, per pipeline rank.
+    m = lay.num_microbatches
+    stages: list[StageReport] = []
+    finish = []
+    dp_exposed_per_rank = []
+    optim_per_rank = []
+    for r in range(lay.pp):
+        first = ranges[r][0][0]
+        count = sum(n for _, n in ranges[r])
+        params = stage_params(model, lay, range(first, first + count), r == 0, r == last_rank)
+        t_reduce, t_gather = _dp_sync_times(ctx, params)
+        bwd_window = sum(t.backward_input + t.bwd_weight_compute for t in chunk_pass[r])
+        fwd_window = sum(t.forward for t in chunk_pass[r])
+        exposed = t_reduce if not rt.overlap_grad_reduce else max(0.0, t_reduce - bwd_window)
+        exposed += t_gather if not rt.overlap_param_gather else max(0.0, t_gather - fwd_window)
+        local_params = (params.dense / (lay.dp * lay.cp) + params.expert / lay.edp) if lay.zero >= 1 else (
+            params.dense + params.expert)
+        optim = local_params * ADAM_BYTES_PER_PARAM / (ctx.hbm * eff.memory_bandwidth)
+        dp_exposed_per_rank.append(exposed)
+        optim_per_rank.append(optim)
+        finish.append(rank_end[r] + exposed + optim)
+        stages.append(StageReport(r, (first, count), _stage_memory(ctx, r, ranges[r], params, timeline), sum(timeline.peak_in_flight[r])))
+
+    step = max(finish)
+    crit = finish.index(step)
+    busy = timeline.busy[crit]
+    per_mb = [t for t in chunk_pass[crit]]
+    comm_by_dim: dict[str, float] = {}
+    compute = recompute = 0.0
+    for t in per_mb:
+        compute += m * (t.fwd_compute + t.bwd_input_compute + t.bwd_weight_compute)
+        recompute += m * t.recompute
+        for d, v in list(t.fwd_comm.items()) + list(t.bwd_comm.items()):
+            comm_by_dim[d] = comm_by_dim.get(d, 0.0) + m * v
+    pp_comm = busy - compute - recompute - sum(comm_by_dim.values())
+    breakdown = {"compute": compute, "recompute": recompute}
+    breakdown.update({f"{d}_comm": v for d, v in sorted(comm_by_dim.items())})
+    breakdown["pp_comm"] = max(0.0, pp_comm)
+    breakdown["pipeline_bubble"] = rank_end[crit] - busy
+    breakdown["dp_comm"] = dp_exposed_per_rank[crit]
+    breakdown["optimizer"] = optim_per_rank[crit]
+
+    tokens = workload.tokens
+    model_flops = model_flops_per_step(model, workload)
+    hw_flops = model_flops + recompute_flops_per_step(model, workload, lay.recompute)
+    gpus = cluster.num_gpus
+    peak = ctx.peak_fp8 if workload.dtype == "fp8" else ctx.peak16
+    return Estimate(
+        layout=lay, runtime=rt.name, step_time_s=step, tokens_per_s=tokens / step,
+        tokens_per_s_per_gpu=tokens / step / gpus, tflops_per_gpu=model_flops / step / gpus / 1e12,
+        mfu=model_flops / step / gpus / peak, hfu=hw_flops / step / gpus / peak, breakdown_s=breakdown,
+        stages=tuple(stages), hbm_gib=cluster.gpu.hbm_gib.value,
+        bubble_fraction=timeline.bubble_fraction(),
+    )
+
+
+def _dp_sync_times(ctx: _Context, params) -> tuple[float, float]:
+    """Gradient reduction and (ZeRO >= 1) parameter all-gather for one stage's parameters.
+
+    Megatron reduces fp32 gradients when training in bf16 (--accumulate-allreduce-grads-in-fp32, arguments.py);
+    ZeRO-0 all-reduces, ZeRO >= 1 reduce-scatters gradients and all-gathers the updated 16-bit weights
+    (Megatron-LM docs, distrib_optimizer.md). ZeRO-3 / FSDP gathers the weights again for the backward.
+    """
+    lay = ctx.lay
+    dense_n, exp_n = lay.dp * lay.cp, lay.edp
+    dense_link = group_link(ctx.cluster, tuple(r for r in range(0, lay.tp * lay.cp * lay.dp, lay.tp)))
+    exp_link = ctx.links["edp"]
+    reduce = gather = 0.0
+    for n_params, n, link in ((params.dense, dense_n, dense_link), (params.expert, exp_n, exp_link)):
+        if n <= 1 or n_params <= 0:
+            continue
+        if lay.zero == 0:
+            reduce += comm.all_reduce(4 * n_params, n, link)
+        else:
+            reduce += comm.reduce_scatter(4 * n_params, n, link)
+            gather += comm.all_gather(2 * n_params, n, link) * (2 if lay.zero == 3 else 1)
+    return reduce, gather
+
+
+def _stage_memory(ctx: _Context, rank: int, chunks: list[tuple[int, int]], params, timeline) -> MemoryBreakdown:
+    model, lay, wl, rt = ctx.model, ctx.lay, ctx.wl, ctx.rt
+    weights, grads, optim = model_state_bytes(params, lay)
+    acts = 0.0
+    for c, (first, count) in enumerate(chunks):
+        held = timeline.peak_in_flight[rank][c]
+        per_mb = sum(layer_activation_bytes(model, i, lay, wl, rt, lay.recompute) for i in range(first, first + count))
+        acts += held * per_mb
+    if rank == 0:
+        acts += sum(timeline.peak_in_flight[0]) * embedding_activation_bytes(model, lay, wl, rt)
+    if lay.recompute != "none":
+        # The layer being recomputed holds its full activations during its backward (Korthikanti sec. 5).
+        first = chunks[0][0]
+        acts += layer_activation_bytes(model, first, lay, wl, rt, "none")
+    logits = logits_bytes(model, lay, wl) if rank == lay.pp - 1 else 0.0
+    buffers = RESERVED_BYTES
+    if lay.zero == 3:
+        biggest = max(model.layer_params(i) for i in range(model.num_layers)) / lay.tp
+        buffers += 2 * 2 * biggest  # two gathered 16-bit layers in flight (prefetch)
+    sub = weights + grads + optim + acts + logits + buffers
+    return MemoryBreakdown(weights, grads, optim, acts, logits, buffers, FRAGMENTATION * sub)
+
+
+def model_flops_per_step(model: ModelSpec, wl: Workload) -> float:
+    """6 x active non-embedding parameters x tokens + attention 6 x L x heads x s x (d_qk + d_v) per token
+    (Chowdhery et al., PaLM, 2022, Appendix B; non-causal convention, LM head counted as Megatron does)."""
+    n = model.active_params() - model.embedding_params()
+    if model.tied_embeddings:
+        n += model.vocab * model.hidden  # the LM head matmul runs even when its weight is the embedding's
+    if model.mla is None:
+        d_qk = d_v = model.head_size
+    else:
+        d_qk, d_v = model.mla.qk_head_dim, model.mla.v_head_dim
+    attn = 6 * model.num_layers * model.num_heads * wl.seq_len * (d_qk + d_v)
+    return (6 * n + attn) * wl.tokens
+
+
+def recompute_flops_per_step(model: ModelSpec, wl: Workload, recompute: str) -> float:
+    """Extra forward FLOPs recomputation executes (counted in HFU, not MFU; Korthikanti et al. 2022, sec. 6)."""
+    if recompute == "full":
+        n = model.active_params() - model.embedding_params() - model.head_params()
+        d = model.head_size if model.mla is None else model.mla.qk_head_dim
+        return (2 * n + 4 * model.num_layers * model.num_heads * wl.seq_len * d) * wl.tokens
+    if recompute == "selective":
+        d = model.head_size if model.mla is None else model.mla.qk_head_dim
+        return 4 * model.num_layers * model.num_heads * wl.seq_len * d * wl.tokens
+    return 0.0

@@ -1,0 +1,139 @@
+"""Memory per GPU on one pipeline stage: model states, activations, logits, buffers, fragmentation allowance.
+
+Model states under mixed-precision Adam: 16-bit weights (2 B/param), fp32 gradient buffer (4), fp32 master weights
+and two Adam moments (12) (Rajbhandari et al., "ZeRO", SC'20, sec. 3.1, K=12; Megatron-LM docs
+distrib_optimizer.md: 6 + 12/d bytes per parameter with the distributed optimizer). ZeRO-2 also shards gradients,
+ZeRO-3 / FSDP also the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodels.config import Layout, Runtime, Workload
+from costmodels.model import ModelSpec
+from costmodels.ops import ACT_BYTES
+
+GIB = 2**30
+FRAGMENTATION = 0.05  # allocator fragmentation allowance, fraction of the rest (stated assumption)
+RESERVED_BYTES = 1.0 * GIB  # CUDA context, NCCL and cuBLAS workspaces (stated assumption)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU on one stage, by category."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    buffers: float
+    fragmentation: float
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.buffers
+                + self.fragmentation)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters held by one GPU of a stage, split into dense (sharded by TP, replicated over DP x CP) and
+    expert (sharded by EP x ETP, replicated over expert-DP)."""
+
+    dense: float
+    expert: float
+
+
+def stage_params(model: ModelSpec, lay: Layout, layers: range, first: bool, last: bool) -> StageParams:
+    dense = 0.0
+    expert = 0.0
+    for i in layers:
+        if model.is_moe_layer(i):
+            moe = model.moe
+            assert moe is not None
+            experts = moe.num_experts * model.mlp_params(moe.expert_ffn_hidden)
+            expert += experts / (lay.ep * lay.etp)
+            dense += (model.layer_params(i) - experts) / lay.tp
+        else:
+            dense += model.layer_params(i) / lay.tp
+    if first:
+        dense += model.embedding_params() / lay.tp
+    if last:
+        dense += model.head_params() / lay.tp
+        if model.tied_embeddings and lay.pp > 1:
+            dense += model.vocab * model.hidden / lay.tp  # Megatron keeps a copy of the tied embedding on the last stage
+    return StageParams(dense, expert)
+
+
+def model_state_bytes(params: StageParams, lay: Layout) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per GPU under the layout's ZeRO stage."""
+    dp_dense = lay.dp * lay.cp  # Megatron shards the distributed optimizer over DP x CP
+    dp_expert = lay.edp
+
+    def shard(n: float, d: int, stage_needed: int) -> float:
+        return n / d if lay.zero >= stage_needed else n
+
+    weights = 2 * (shard(params.dense, dp_dense, 3) + shard(params.expert, dp_expert, 3))
+    grads = 4 * (shard(params.dense, dp_dense, 2) + shard(params.expert, dp_expert, 2))
+    optim = 12 * (shard(params.dense, dp_dense, 1) + shard(params.expert, dp_expert, 1))
+    return weights, grads, optim
+
+
+def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtime,
+                           recompute: str) -> float:
+    """Activations one layer stores for its backward, per micro-batch (Korthikanti et al. 2022, sec. 4, Eq. 1-2,
+    generalised to GQA, SwiGLU, MoE and flash attention; 16-bit tensors, 1-byte dropout masks)."""
+    b, s, h = lay.mbs, wl.seq_len / lay.cp, model.hidden
+    t = lay.tp
+    sp = t if lay.sp else 1
+    sbh = s * b * h
+    if recompute == "full":
+        return ACT_BYTES * sbh / sp  # only the layer input is kept (Korthikanti Eq. 5 with SP)
+    mask = 1.0 if rt.dropout else 0.0
+    # Replicated (or SP-sharded) parts: two norm inputs, two dropout masks (Korthikanti: 10sbh, /t with SP).
+    outside = (2 * ACT_BYTES + 2 * mask) * sbh / sp
+    if model.mla is None:
+        q = model.num_heads * model.head_size
+        kv = model.kv_heads * model.head_size
+        v_dim = q
+    else:
+        q = model.num_heads * model.mla.qk_head_dim
+        kv = model.num_heads * (model.mla.qk_head_dim + model.mla.v_head_dim) / 2
+        v_dim = model.num_heads * model.mla.v_head_dim
+    # Attention: norm output feeding QKV (2sbh), Q and K (and V) for the core, the core output feeding the
+    # out-projection.
+    attn = ACT_BYTES * s * b * (h + q + 2 * kv + v_dim) / t
+    heads = model.num_heads / t
+    if rt.flash_attention:
+        attn += 4 * b * heads * s  # fp32 log-sum-exp per query row (FlashAttention-2)
+    elif recompute != "selective":
+        # softmax output (2), dropout mask (1), dropout output (2) per score: 5as^2b/t (Korthikanti Eq. 1)
+        attn += (2 + mask + (ACT_BYTES if rt.dropout else 0)) * b * heads * s * s
+    if model.is_moe_layer(index):
+        moe = model.moe
+        assert moe is not None
+        assignments = s * b / t * moe.top_k * wl.moe_imbalance
+        ffn = moe.expert_ffn_hidden / lay.etp
+        mlp = ACT_BYTES * assignments * (h + (3 if model.mlp == "swiglu" else 2) * ffn) * lay.etp
+        mlp += ACT_BYTES * s * b * h / sp  # router input
+        if moe.num_shared_experts:
+            f = moe.num_shared_experts * moe.shared_hidden
+            mlp += ACT_BYTES * s * b * (h + (3 if model.mlp == "swiglu" else 2) * f) / t
+    else:
+        f = model.ffn_hidden
+        # MLP: input (2sbh), activation input(s) and output: GELU 2x(sbf), SwiGLU gate+up+product 3x(sbf)
+        mlp = ACT_BYTES * s * b * (h + (3 if model.mlp == "swiglu" else 2) * f) / t
+    return outside + attn + mlp
+
+
+def logits_bytes(model: ModelSpec, lay: Layout, wl: Workload) -> float:
+    """Last stage: 16-bit logits plus their fp32 copy in the cross-entropy (Korthikanti sec. 4.3: 4sbv/t)."""
+    return (ACT_BYTES + 4) * lay.mbs * wl.seq_len / lay.cp * model.vocab / lay.tp
+
+
+def embedding_activation_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> float:
+    """First stage: embedding output dropout mask per in-flight micro-batch (Korthikanti sec. 4.3)."""
+    sp = lay.tp if lay.sp else 1
+    return (1.0 if rt.dropout else 0.0) * lay.mbs * wl.seq_len / lay.cp * model.hidden / sp

@@ -1,0 +1,171 @@
+"""ModelSpec: the architecture the cost model needs, independent of where it was read from."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MLPKind = Literal["gelu", "relu2", "swiglu"]
+
+
+class MoESpec(BaseModel):
+    """Mixture-of-experts block. Layer i is MoE iff i >= first_k_dense and i % layer_freq == 0
+    (the rule of Hugging Face's deepseek_v3 modelling code; Mixtral/Qwen-MoE are first_k_dense=0, layer_freq=1)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    num_experts: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    expert_ffn_hidden: int = Field(gt=0)  # intermediate size of one routed expert
+    num_shared_experts: int = Field(default=0, ge=0)
+    shared_ffn_hidden: int | None = Field(default=None, gt=0)  # per shared expert; default expert_ffn_hidden
+    first_k_dense: int = Field(default=0, ge=0)
+    layer_freq: int = Field(default=1, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoESpec":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe.top_k ({self.top_k}) exceeds moe.num_experts ({self.num_experts})")
+        return self
+
+    @property
+    def shared_hidden(self) -> int:
+        return self.shared_ffn_hidden or self.expert_ffn_hidden
+
+
+class MLASpec(BaseModel):
+    """Multi-head latent attention (DeepSeek-V2 paper, section 2.1)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    q_lora_rank: int | None = Field(default=None, gt=0)  # None: queries are not compressed (V2-Lite)
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+class ModelSpec(BaseModel):
+    """A decoder-only transformer. `ffn_hidden` is the dense MLP's intermediate size (dense layers only for MoE)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    num_layers: int = Field(gt=0)
+    hidden: int = Field(gt=0)
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int | None = Field(default=None, gt=0)  # default: num_heads (MHA)
+    head_dim: int | None = Field(default=None, gt=0)  # default: hidden // num_heads
+    ffn_hidden: int = Field(gt=0)
+    mlp: MLPKind = "swiglu"
+    vocab: int = Field(gt=0)
+    tied_embeddings: bool = False
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    qkv_bias: bool = False
+    linear_bias: bool = False  # bias on out-proj and MLP linears (GPT-2, Megatron GPT)
+    learned_positions: bool = False  # absolute position embeddings (GPT-2) instead of RoPE
+    max_seq_len: int | None = Field(default=None, gt=0)
+    moe: MoESpec | None = None
+    mla: MLASpec | None = None
+    num_mtp_layers: int = Field(default=0, ge=0)  # DeepSeek-V3 multi-token-prediction modules
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        kv = self.kv_heads
+        if self.num_heads % kv:
+            raise ValueError(f"kv heads ({kv}) must divide attention heads ({self.num_heads})")
+        if self.head_dim is None and self.mla is None and self.hidden % self.num_heads:
+            raise ValueError(
+                f"heads ({self.num_heads}) must divide hidden ({self.hidden}), or give head_dim explicitly"
+            )
+        if self.moe is not None and self.moe.first_k_dense > self.num_layers:
+            raise ValueError(f"moe.first_k_dense ({self.moe.first_k_dense}) exceeds num_layers ({self.num_layers})")
+        return self
+
+    # ---- derived shape -------------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.num_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        m = self.moe
+        return m is not None and index >= m.first_k_dense and index % m.layer_freq == 0
+
+    @cached_property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    # ---- parameter counts (weights only; biases and norms included) ----------------------------
+    def attention_params(self) -> int:
+        h = self.hidden
+        if self.mla is not None:
+            a = self.mla
+            n = self.num_heads
+            q = (h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * n * a.qk_head_dim) if a.q_lora_rank else h * n * a.qk_head_dim
+            kv = h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank + a.kv_lora_rank * n * (a.qk_nope_head_dim + a.v_head_dim)
+            return q + kv + n * a.v_head_dim * h
+        d = self.head_size
+        q_out = self.num_heads * d
+        kv_out = self.kv_heads * d
+        params = h * (q_out + 2 * kv_out) + q_out * h
+        if self.qkv_bias:
+            params += q_out + 2 * kv_out
+        if self.linear_bias:
+            params += h
+        return params
+
+    def mlp_params(self, ffn: int) -> int:
+        h = self.hidden
+        mats = 3 if self.mlp == "swiglu" else 2
+        params = mats * h * ffn
+        if self.linear_bias:
+            params += (mats - 1) * ffn + h
+        return params
+
+    def norm_params(self) -> int:
+        return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+    def layer_params(self, index: int, active_only: bool = False) -> int:
+        """Parameters of decoder layer `index`; with active_only, only the experts one token uses."""
+        params = self.attention_params() + 2 * self.norm_params()
+        if not self.is_moe_layer(index):
+            return params + self.mlp_params(self.ffn_hidden)
+        m = self.moe
+        assert m is not None
+        routed = m.top_k if active_only else m.num_experts
+        params += self.hidden * m.num_experts  # router
+        params += routed * self.mlp_params(m.expert_ffn_hidden)
+        params += m.num_shared_experts * self.mlp_params(m.shared_hidden)
+        return params
+
+    def embedding_params(self) -> int:
+        params = self.vocab * self.hidden
+        if self.learned_positions and self.max_seq_len:
+            params += self.max_seq_len * self.hidden
+        return params
+
+    def head_params(self) -> int:
+        """Final norm plus the LM head (zero extra weights when tied)."""
+        return self.norm_params() + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    def mtp_params(self, active_only: bool = False) -> int:
+        """DeepSeek-V3 MTP module: a projection 2h->h, two norms and one (MoE) decoder layer; shares embedding/head."""
+        if not self.num_mtp_layers:
+            return 0
+        per = 2 * self.hidden * self.hidden + 2 * self.norm_params() + self.layer_params(self.num_layers - 1, active_only)
+        return self.num_mtp_layers * per
+
+    def total_params(self, include_mtp: bool = False) -> int:
+        body = sum(self.layer_params(i) for i in range(self.num_layers))
+        return self.embedding_params() + body + self.head_params() + (self.mtp_params() if include_mtp else 0)
+
+    def active_params(self, include_mtp: bool = False) -> int:
+        body = sum(self.layer_params(i, active_only=True) for i in range(self.num_layers))
+        return self.embedding_params() + body + self.head_params() + (self.mtp_params(True) if include_mtp else 0)

@@ -1,0 +1,240 @@
+"""Per-operator FLOPs and HBM bytes of a transformer on one rank, for one micro-batch.
+
+Each operator has a forward, a backward-input and a backward-weight part (zero-bubble schedules need the split;
+Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, sec. 2). Counts are per rank after TP/CP/EP sharding.
+Formulas: a GEMM [m,k]x[k,n] costs 2mnk FLOPs (Narayanan et al. SC'21, sec. 5.1); its backward costs the same
+again for the input gradient and again for the weight gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from costmodels.config import Layout, Runtime, Workload
+from costmodels.model import ModelSpec
+
+OpKind = Literal["gemm", "attention", "memory"]
+Dim = Literal["tp", "cp", "ep", "etp", "dp", "pp"]
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
+
+ACT_BYTES = 2  # bf16/fp16 activations (fp8 GEMMs still keep 16-bit activations between operators)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator on one rank. FLOPs and bytes per pass; `selective` marks what selective recompute recomputes."""
+
+    name: str
+    kind: OpKind
+    fwd_flops: float
+    fwd_bytes: float
+    bwd_input_flops: float
+    bwd_input_bytes: float
+    bwd_weight_flops: float = 0.0
+    bwd_weight_bytes: float = 0.0
+    selective: bool = False
+    gemm_dtype_scale: float = 1.0  # GEMM throughput multiple of the 16-bit peak (fp8 GEMMs run at the fp8 peak)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective in the forward (and its mirror in the backward) of a block."""
+
+    name: str
+    kind: CollectiveKind
+    dim: Dim
+    bytes_: float
+    fwd_count: int  # times in the forward pass
+    bwd_count: int  # times in the backward pass
+    in_recompute: bool = True  # repeated when full recompute re-runs the forward
+    overlappable: Literal["tp", "cp", "none"] = "none"
+
+
+@dataclass(frozen=True)
+class Block:
+    """A decoder layer, the embedding or the head: its operators and its communication."""
+
+    name: str
+    ops: tuple[Op, ...]
+    comms: tuple[Collective, ...] = field(default_factory=tuple)
+
+
+def gemm(name: str, m: float, n: float, k: float, dtype_scale: float = 1.0, weight: bool = True) -> Op:
+    """[m,k] x [k,n]: 2mnk FLOPs each pass; bytes: read both inputs, write the output (16-bit)."""
+    flops = 2.0 * m * n * k
+    io = ACT_BYTES * (m * k + k * n + m * n)
+    return Op(name, "gemm", flops, io, flops, io, flops if weight else 0.0, io if weight else 0.0,
+              gemm_dtype_scale=dtype_scale)
+
+
+def elementwise(name: str, elements_in: float, elements_out: float, bwd_factor: float = 2.0,
+                selective: bool = False) -> Op:
+    """Memory-bound: reads its inputs and writes its outputs once; the backward moves about twice as much."""
+    b = ACT_BYTES * (elements_in + elements_out)
+    return Op(name, "memory", 0.0, b, 0.0, bwd_factor * b, selective=selective)
+
+
+def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8: float) -> list[Op]:
+    """Projections and attention core of one layer (GQA/MHA, or MLA as in DeepSeek-V2 sec. 2.1)."""
+    b, s, h = lay.mbs, wl.seq_len, model.hidden
+    s_local = s / lay.cp
+    tokens = b * s_local
+    heads = model.num_heads / lay.tp
+    ops: list[Op] = []
+    if model.mla is None:
+        d = model.head_size
+        kv = model.kv_heads / lay.tp
+        ops.append(gemm("qkv_proj", tokens, (heads + 2 * kv) * d, h, fp8))
+        ops.append(elementwise("rope", tokens * (heads + kv) * d, tokens * (heads + kv) * d))
+        d_qk = d_v = d
+    else:
+        a = model.mla
+        d_qk, d_v = a.qk_head_dim, a.v_head_dim
+        if a.q_lora_rank:
+            # The down-projections are not split by TP in Megatron's MLA (replicated on every TP rank).
+            ops.append(gemm("q_down_proj", tokens, a.q_lora_rank, h, fp8))
+            ops.append(gemm("q_up_proj", tokens, heads * d_qk, a.q_lora_rank, fp8))
+        else:
+            ops.append(gemm("q_proj", tokens, heads * d_qk, h, fp8))
+        ops.append(gemm("kv_down_proj", tokens, a.kv_lora_rank + a.qk_rope_head_dim, h, fp8))
+        ops.append(gemm("kv_up_proj", tokens, heads * (a.qk_nope_head_dim + d_v), a.kv_lora_rank, fp8))
+        ops.append(elementwise("rope", tokens * (heads + 1) * a.qk_rope_head_dim, tokens * (heads + 1) * a.qk_rope_head_dim))
+    # Attention core: QK^T is 2*s_q*s_k*d_qk and PV 2*s_q*s_k*d_v FLOPs per head (Vaswani et al. 2017).
+    # Each CP rank holds s/cp queries against all s keys (Megatron context parallel, load-balanced causal chunks).
+    scores = b * heads * s_local * s
+    core_flops = 2.0 * scores * (d_qk + d_v)
+    if rt.flash_attention:
+        # FlashAttention-2 (Dao 2023, sec. 3.1) skips the masked half of causal blocks; backward = 2.5x forward
+        # (5 GEMMs vs 2); IO: read Q,K,V,O once, no s^2 tensor in HBM.
+        f = 0.5 * core_flops
+        kv_heads = (model.kv_heads / lay.tp) if model.mla is None else heads
+        io = ACT_BYTES * tokens * (2 * heads * max(d_qk, d_v) + 2 * kv_heads * max(d_qk, d_v))
+        ops.append(Op("attention_core", "attention", f, io, 2.5 * f, 2.5 * io, selective=True))
+    else:
+        # Unfused Megatron path: baddbmm QK^T over the full s x s (mask applied after), fused scale-mask-softmax,
+        # dropout on the probabilities, bmm with V (megatron/model/transformer.py, CoreAttention).
+        qk = 2.0 * scores * d_qk
+        pv = 2.0 * scores * d_v
+        ops.append(Op("attn_scores", "gemm", qk, ACT_BYTES * (tokens * heads * d_qk * 2 + scores), qk,
+                      ACT_BYTES * (tokens * heads * d_qk * 2 + 2 * scores), selective=True))
+        ops.append(elementwise("softmax", scores, scores, bwd_factor=1.5, selective=True))
+        if rt.dropout:
+            ops.append(Op("attn_dropout", "memory", 0.0, ACT_BYTES * 2 * scores + scores, 0.0,
+                          ACT_BYTES * 2 * scores + scores, selective=True))
+        ops.append(Op("attn_pv", "gemm", pv, ACT_BYTES * (2 * scores + tokens * heads * d_v), pv,
+                      ACT_BYTES * (3 * scores + 2 * tokens * heads * d_v), selective=True))
+    ops.append(gemm("out_proj", tokens, h, heads * d_v, fp8))
+    return ops
+
+
+def _mlp_ops(prefix: str, model: ModelSpec, tokens: float, ffn_local: float, fp8: float) -> list[Op]:
+    h = model.hidden
+    if model.mlp == "swiglu":
+        return [
+            gemm(f"{prefix}up_gate_proj", tokens, 2 * ffn_local, h, fp8),
+            elementwise(f"{prefix}swiglu", 2 * tokens * ffn_local, tokens * ffn_local),
+            gemm(f"{prefix}down_proj", tokens, h, ffn_local, fp8),
+        ]
+    act = "gelu" if model.mlp == "gelu" else "relu2"
+    return [
+        gemm(f"{prefix}up_proj", tokens, ffn_local, h, fp8),
+        elementwise(f"{prefix}{act}", tokens * ffn_local, tokens * ffn_local),
+        gemm(f"{prefix}down_proj", tokens, h, ffn_local, fp8),
+    ]
+
+
+def decoder_layer(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtime) -> Block:
+    """One pre-norm decoder layer on one rank (Megatron-LM ParallelTransformerLayer / TransformerLayer)."""
+    fp8 = 2.0 if wl.dtype == "fp8" else 1.0
+    b, h = lay.mbs, model.hidden
+    tokens = b * wl.seq_len / lay.cp
+    norm_tokens = tokens / lay.tp if lay.sp else tokens  # sequence parallel shards norms and dropouts (Korthikanti sec. 4.2.2)
+    residual = elementwise("dropout_add" if rt.dropout else "residual_add", 2 * norm_tokens * h, norm_tokens * h)
+    ops: list[Op] = [elementwise("norm1", norm_tokens * h, norm_tokens * h)]
+    ops += _attention_ops(model, lay, wl, rt, fp8)
+    ops += [residual, elementwise("norm2", norm_tokens * h, norm_tokens * h)]
+    act_bytes = ACT_BYTES * tokens * h
+    comms: list[Collective] = []
+    # TP: two all-reduces of the [b, s, h] activations forward and two backward (Shoeybi et al. 2019, fig. 4);
+    # with sequence parallel each becomes an all-gather plus a reduce-scatter (Korthikanti et al. 2022, sec. 4.2.2).
+    tp_pairs = 1 if model.is_moe_layer(index) else 2
+    if lay.tp > 1:
+        if lay.sp:
+            comms.append(Collective("tp_all_gather", "all_gather", "tp", act_bytes, tp_pairs, tp_pairs, overlappable="tp"))
+            comms.append(Collective("tp_reduce_scatter", "reduce_scatter", "tp", act_bytes, tp_pairs, tp_pairs, overlappable="tp"))
+        else:
+            comms.append(Collective("tp_all_reduce", "all_reduce", "tp", act_bytes, tp_pairs, tp_pairs, overlappable="tp"))
+    if lay.cp > 1:
+        kv_dim = (model.kv_heads * model.head_size) if model.mla is None else model.num_heads * (
+            model.mla.qk_head_dim + model.mla.v_head_dim) / 2
+        kv_bytes = 2 * ACT_BYTES * tokens * kv_dim / lay.tp
+        # Ring attention: cp-1 exchanges of each rank's K,V chunk forward; K,V and their gradients backward
+        # (Liu et al., "Ring Attention", 2023; Megatron-Core context_parallel.rst), overlapped with attention blocks.
+        comms.append(Collective("cp_ring_kv", "p2p", "cp", kv_bytes * (lay.cp - 1), 1, 2, overlappable="cp"))
+    if model.is_moe_layer(index):
+        moe = model.moe
+        assert moe is not None
+        # MoE parallel folding (Megatron-Core moe README): tokens of the TP x CP x DP ranks go to EP x ETP expert shards.
+        local_tokens = tokens / lay.tp
+        assignments = local_tokens * moe.top_k * wl.moe_imbalance
+        experts_local = moe.num_experts / lay.ep
+        tokens_per_expert = assignments * lay.ep * lay.etp / moe.num_experts
+        ffn_local = moe.expert_ffn_hidden / lay.etp
+        ops.append(gemm("router", local_tokens, moe.num_experts, h, weight=True))
+        ops.append(elementwise("router_topk", local_tokens * moe.num_experts, local_tokens * moe.top_k * 2))
+        ops.append(elementwise("permute", assignments * h, assignments * h))
+        for op in _mlp_ops("expert_", model, tokens_per_expert, ffn_local, fp8):
+            ops.append(_scale(op, experts_local))
+        ops.append(elementwise("unpermute", assignments * h, assignments * h / moe.top_k))
+        if moe.num_shared_experts:
+            ops += _mlp_ops("shared_", model, tokens, moe.num_shared_experts * moe.shared_hidden / lay.tp, fp8)
+        if lay.ep > 1:
+            # Dispatch and combine: each rank sends its token copies to the experts' owners (GShard, Lepikhin 2020).
+            comms.append(Collective("ep_all_to_all", "all_to_all", "ep", ACT_BYTES * assignments * h, 2, 2))
+        if lay.etp > 1:
+            comms.append(Collective("etp_all_gather", "all_gather", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
+            comms.append(Collective("etp_reduce_scatter", "reduce_scatter", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
+    else:
+        ops += _mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8)
+    ops.append(residual)
+    return Block(f"layer{index}", tuple(ops), tuple(comms))
+
+
+def _scale(op: Op, times: float) -> Op:
+    """`times` identical GEMMs (one per local expert) as one grouped operator."""
+    return Op(op.name, op.kind, op.fwd_flops * times, op.fwd_bytes * times, op.bwd_input_flops * times,
+              op.bwd_input_bytes * times, op.bwd_weight_flops * times, op.bwd_weight_bytes * times,
+              op.selective, op.gemm_dtype_scale)
+
+
+def embedding_block(model: ModelSpec, lay: Layout, wl: Workload) -> Block:
+    """Vocab-parallel embedding lookup; its partial sums are all-reduced (reduce-scattered with SP) over TP."""
+    tokens = lay.mbs * wl.seq_len / lay.cp
+    out = tokens * model.hidden
+    ops = (elementwise("embedding", tokens, out, bwd_factor=2.0),)
+    comms = ()
+    if lay.tp > 1:
+        kind = "reduce_scatter" if lay.sp else "all_reduce"
+        comms = (Collective("embedding_tp", kind, "tp", ACT_BYTES * out, 1, 0),)
+    return Block("embedding", ops, comms)
+
+
+def head_block(model: ModelSpec, lay: Layout, wl: Workload) -> Block:
+    """Final norm, vocab-parallel LM head and cross-entropy (Megatron vocab_parallel_cross_entropy, fp32 softmax)."""
+    tokens = lay.mbs * wl.seq_len / lay.cp
+    norm_tokens = tokens / lay.tp if lay.sp else tokens
+    vocab_local = model.vocab / lay.tp
+    ops = (
+        elementwise("final_norm", norm_tokens * model.hidden, norm_tokens * model.hidden),
+        gemm("lm_head", tokens, vocab_local, model.hidden),
+        # logits read, cast to fp32, exp/sum/normalise and the gradient written: about 4 passes of fp32 logits.
+        Op("cross_entropy", "memory", 0.0, 4 * 4 * tokens * vocab_local, 0.0, 2 * 4 * tokens * vocab_local),
+    )
+    comms = ()
+    if lay.tp > 1:
+        comms = (
+            Collective("head_gather", "all_gather" if lay.sp else "all_reduce", "tp", ACT_BYTES * tokens * model.hidden, 1, 1),
+            Collective("ce_reductions", "all_reduce", "tp", 3 * 4 * tokens, 1, 0),  # max, sum-exp, target logit
+        )
+    return Block("head", ops, comms)

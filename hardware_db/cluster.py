@@ -1,0 +1,139 @@
+"""ClusterSpec and its topology graph: which link a group of ranks must cross follows from where they sit."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import networkx as nx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hardware_db.errors import InputError
+from hardware_db.gpu import GPUSpec, load_gpu
+
+
+class ClusterSpec(BaseModel):
+    """GPU type and count, GPUs per node, and optional link overrides (NIC in Gb/s, scale-up in GB/s per direction)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    gpu: str
+    num_gpus: int = Field(gt=0)
+    gpus_per_node: int | None = Field(default=None, gt=0)  # default: 8, or the scale-up domain where it is larger
+    nic_gbps: float | None = Field(default=None, gt=0)
+    nvlink_gb_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterSpec":
+        if self.gpus_per_node and self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ValueError(
+                f"num_gpus ({self.num_gpus}) is not a multiple of gpus_per_node ({self.gpus_per_node}); use whole nodes"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class LinkLevel:
+    """One level of the fabric a collective may cross."""
+
+    name: str  # "scale-up" or "scale-out"
+    bytes_per_s: float  # per GPU, per direction, line rate
+    latency_s: float
+
+
+class Cluster:
+    """A resolved cluster: the GPU spec, node layout and a networkx graph of GPUs, node switches and the network.
+
+    Ranks are numbered node-major (rank r sits on node r // gpus_per_node), as torchrun assigns them.
+    """
+
+    def __init__(self, spec: ClusterSpec, gpu: GPUSpec | None = None):
+        self.spec = spec
+        self.gpu = gpu or load_gpu(spec.gpu)
+        domain = int(self.gpu.scaleup_domain.value)
+        per_node = spec.gpus_per_node or (domain if domain > 8 else 8)  # 8-GPU servers unless a larger NVLink domain
+        self.gpus_per_node = min(per_node, spec.num_gpus)  # fewer GPUs than a node: one partial node
+        if spec.num_gpus > self.gpus_per_node and spec.num_gpus % self.gpus_per_node:
+            raise InputError(
+                f"{spec.num_gpus} GPUs do not fill whole nodes of {self.gpus_per_node}; "
+                f"use a multiple of {self.gpus_per_node} or set --gpus-per-node"
+            )
+        eff = self.gpu.efficiency
+        self.scaleup = LinkLevel(
+            "scale-up",
+            (spec.nvlink_gb_s * 1e9) if spec.nvlink_gb_s else self.gpu.scaleup_bytes_per_s,
+            eff.scaleup_latency_us * 1e-6,
+        )
+        self.scaleout = LinkLevel(
+            "scale-out",
+            (spec.nic_gbps * 1e9 / 8) if spec.nic_gbps else self.gpu.nic_bytes_per_s,
+            eff.scaleout_latency_us * 1e-6,
+        )
+
+    @property
+    def num_gpus(self) -> int:
+        return self.spec.num_gpus
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.num_gpus // self.gpus_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    @cached_property
+    def graph(self) -> nx.Graph:
+        """GPUs hang off their node's scale-up switch (NVSwitch) and, through their own NIC, off the network switch."""
+        g = nx.Graph()
+        g.add_node("network", kind="switch")
+        for node in range(self.num_nodes):
+            g.add_node(f"node{node}", kind="scale-up switch")
+        for rank in range(self.num_gpus):
+            gpu = f"gpu{rank}"
+            g.add_node(gpu, kind="gpu", node=self.node_of(rank))
+            g.add_edge(gpu, f"node{self.node_of(rank)}", level="scale-up",
+                       bytes_per_s=self.scaleup.bytes_per_s, latency_s=self.scaleup.latency_s)
+            if self.num_nodes > 1:
+                g.add_edge(gpu, "network", level="scale-out",
+                           bytes_per_s=self.scaleout.bytes_per_s, latency_s=self.scaleout.latency_s)
+        return g
+
+    def group_link(self, ranks: tuple[int, ...]) -> tuple[float, float, bool]:
+        """(bus bandwidth per rank in bytes/s, per-step latency in s, crosses nodes) for a ring over `ranks`.
+
+        Inside one node the ring runs on the scale-up fabric. Across nodes NCCL runs one ring per NIC rail, so the
+        k members a node holds share k NICs: bus bandwidth = min(scale-up, k x NIC) (NCCL docs, "Performance":
+        inter-node bandwidth is the sum of the NICs the ranks of a node use).
+        """
+        nodes: dict[int, int] = {}
+        for r in ranks:
+            nodes[self.node_of(r)] = nodes.get(self.node_of(r), 0) + 1
+        if len(nodes) <= 1:
+            return self.scaleup.bytes_per_s, self.scaleup.latency_s, False
+        per_node = min(nodes.values())
+        bw = min(self.scaleup.bytes_per_s, per_node * self.scaleout.bytes_per_s)
+        return bw, self.scaleout.latency_s, True
+
+    def shortest_path_levels(self, a: int, b: int) -> list[str]:
+        """The link levels a message from rank a to rank b crosses (from the graph)."""
+        path = nx.shortest_path(self.graph, f"gpu{a}", f"gpu{b}")
+        return [self.graph.edges[u, v]["level"] for u, v in zip(path, path[1:])]
+
+
+def load_cluster_file(path: str | Path) -> ClusterSpec:
+    """A cluster file (TOML or JSON) with the ClusterSpec fields."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"cluster file '{p}' not found")
+    try:
+        data = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{p}: cannot parse ({exc})") from None
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+        raise InputError(f"{p}: field '{where}': {first['msg']}") from None
