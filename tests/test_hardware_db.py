@@ -56,7 +56,7 @@ def test_basic_sanity(name: str) -> None:
     assert half.value > gpu.peak_tflops["fp32"].value
     if "fp8" in gpu.peak_tflops:
         assert gpu.peak_tflops["fp8"].value >= half.value
-    assert gpu.efficiency.source == "meshplan defaults"
+    assert "meshplan" in gpu.efficiency.source and 0 < gpu.efficiency.gemm_max <= 1
 
 
 @pytest.mark.parametrize("name", ["a100-40gb", "a100-80gb"])
