@@ -374,9 +374,10 @@ def _stage_memory(ctx: _Context, rank: int, chunks: list[tuple[int, int]], param
     if rank == 0:
         acts += sum(timeline.peak_in_flight[0]) * embedding_activation_bytes(model, lay, wl, rt)
     if lay.recompute != "none":
-        # The layer being recomputed holds its full activations during its backward (Korthikanti sec. 5).
+        # The layer being recomputed holds what recomputation regenerates during its backward (Korthikanti sec. 5).
         first = chunks[0][0]
-        acts += layer_activation_bytes(model, first, lay, wl, rt, "none")
+        acts += (layer_activation_bytes(model, first, lay, wl, rt, "none")
+                 - layer_activation_bytes(model, first, lay, wl, rt, lay.recompute))
     logits = logits_bytes(model, lay, wl) if rank == lay.pp - 1 else 0.0
     buffers = RESERVED_BYTES
     if lay.zero == 3:

@@ -92,8 +92,9 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
     if recompute == "full":
         return ACT_BYTES * sbh / sp  # only the layer input is kept (Korthikanti Eq. 5 with SP)
     mask = 1.0 if rt.dropout else 0.0
-    # Replicated (or SP-sharded) parts: two norm inputs, two dropout masks (Korthikanti: 10sbh, /t with SP).
-    outside = (2 * ACT_BYTES + 2 * mask) * sbh / sp
+    # Outside the TP region (sharded only by SP): two norm inputs, the inputs of the QKV and first MLP linears,
+    # two dropout masks: Korthikanti's replicated 10sbh (Eq. 2), /t with sequence parallel (Eq. 4).
+    outside = (4 * ACT_BYTES + 2 * mask) * sbh / sp
     if model.mla is None:
         q = model.num_heads * model.head_size
         kv = model.kv_heads * model.head_size
@@ -102,9 +103,8 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
         q = model.num_heads * model.mla.qk_head_dim
         kv = model.num_heads * (model.mla.qk_head_dim + model.mla.v_head_dim) / 2
         v_dim = model.num_heads * model.mla.v_head_dim
-    # Attention: norm output feeding QKV (2sbh), Q and K (and V) for the core, the core output feeding the
-    # out-projection.
-    attn = ACT_BYTES * s * b * (h + q + 2 * kv + v_dim) / t
+    # Inside the TP region: Q, K, V for the core and the core output feeding the out-projection (8sbh/t for MHA).
+    attn = ACT_BYTES * s * b * (q + 2 * kv + v_dim) / t
     heads = model.num_heads / t
     if rt.flash_attention:
         attn += 4 * b * heads * s  # fp32 log-sum-exp per query row (FlashAttention-2)
@@ -116,15 +116,15 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
         assert moe is not None
         assignments = s * b / t * moe.top_k * wl.moe_imbalance
         ffn = moe.expert_ffn_hidden / lay.etp
+        # permuted expert inputs and the experts' activation tensors
         mlp = ACT_BYTES * assignments * (h + (3 if model.mlp == "swiglu" else 2) * ffn) * lay.etp
-        mlp += ACT_BYTES * s * b * h / sp  # router input
         if moe.num_shared_experts:
             f = moe.num_shared_experts * moe.shared_hidden
-            mlp += ACT_BYTES * s * b * (h + (3 if model.mlp == "swiglu" else 2) * f) / t
+            mlp += ACT_BYTES * s * b * (3 if model.mlp == "swiglu" else 2) * f / t
     else:
         f = model.ffn_hidden
-        # MLP: input (2sbh), activation input(s) and output: GELU 2x(sbf), SwiGLU gate+up+product 3x(sbf)
-        mlp = ACT_BYTES * s * b * (h + (3 if model.mlp == "swiglu" else 2) * f) / t
+        # MLP activation input(s) and output: GELU/ReLU^2 2x(sbf) (16sbh/t at f=4h), SwiGLU gate, up and product 3x(sbf)
+        mlp = ACT_BYTES * s * b * (3 if model.mlp == "swiglu" else 2) * f / t
     return outside + attn + mlp
 
 

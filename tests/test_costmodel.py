@@ -1,0 +1,226 @@
+"""Cost-model formulas against hand-derived numbers and published equations, plus invariants."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costmodels import comm
+from costmodels.config import ParallelConfig, Workload, get_runtime, resolve
+from costmodels.estimate import estimate, model_flops_per_step
+from costmodels.memory import layer_activation_bytes, model_state_bytes, StageParams
+from costmodels.model import ModelSpec
+from costmodels.ops import decoder_layer, head_block
+from costmodels.pipeline import StageTimes, bubble_closed_form, build_schedule, simulate
+from hardware_db.cluster import Cluster, ClusterSpec
+from hardware_db.errors import InputError
+
+GPT22B = ModelSpec(name="gpt-22b", num_layers=48, hidden=6144, num_heads=64, ffn_hidden=24576, vocab=51200,
+                   mlp="gelu", norm="layernorm", qkv_bias=True, linear_bias=True, tied_embeddings=True)
+LLAMA = ModelSpec(name="llama-small", num_layers=8, hidden=1024, num_heads=16, num_kv_heads=4, ffn_hidden=2816,
+                  vocab=32000)
+MEGATRON = get_runtime("megatron-2022")
+
+
+def layout(model, gpus=8, gbs=8, seq=2048, **kw):
+    return resolve(model, gpus, Workload(global_batch=gbs, seq_len=seq), ParallelConfig(**kw))
+
+
+# ---- collectives ------------------------------------------------------------------------------------------------
+
+def test_ring_collectives_match_hand_computation():
+    link = comm.Link(bus_bytes_per_s=100e9, latency_s=0.0, crosses_nodes=False)
+    size = 1e9
+    assert comm.all_reduce(size, 8, link) == pytest.approx(2 * 7 / 8 * size / 100e9)
+    assert comm.all_gather(size, 8, link) == pytest.approx(7 / 8 * size / 100e9)
+    assert comm.reduce_scatter(size, 4, link) == pytest.approx(3 / 4 * size / 100e9)
+    assert comm.all_to_all(size, 2, link) == pytest.approx(0.5 * size / 100e9)
+    assert comm.all_reduce(size, 1, link) == 0.0
+    with_latency = comm.Link(100e9, 5e-6, False)
+    assert comm.all_reduce(0.0, 8, with_latency) == 0.0
+    assert comm.all_gather(8.0, 8, with_latency) == pytest.approx(7 * 5e-6 + 7 / 8 * 8 / 100e9)
+
+
+def test_group_bandwidth_follows_placement():
+    cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=32))
+    inside, _, crosses = cluster.group_link((0, 1, 2, 3))
+    assert not crosses and inside == pytest.approx(450e9)
+    one_per_node, _, crosses = cluster.group_link((0, 8, 16, 24))
+    assert crosses and one_per_node == pytest.approx(50e9)  # one 400 Gb/s NIC
+    four_per_node, _, _ = cluster.group_link(tuple(range(0, 32, 2)))
+    assert four_per_node == pytest.approx(200e9)  # four rails per node
+    assert cluster.shortest_path_levels(0, 9) == ["scale-out", "scale-out"]
+    assert cluster.shortest_path_levels(0, 7) == ["scale-up", "scale-up"]
+
+
+# ---- FLOPs ------------------------------------------------------------------------------------------------------
+
+def test_layer_flops_match_megatron_formula():
+    """Forward FLOPs of one unfused GPT layer = 24 b s h^2 (1 + s / 6h) (Narayanan et al. SC'21, Eq. 3 derivation)."""
+    b, s, h = 4, 2048, GPT22B.hidden
+    lay = layout(GPT22B, gpus=1, gbs=4, mbs=4)
+    block = decoder_layer(GPT22B, 0, lay, Workload(global_batch=4, seq_len=s), MEGATRON)
+    fwd = sum(op.fwd_flops for op in block.ops)
+    assert fwd == pytest.approx(24 * b * s * h * h * (1 + s / (6 * h)), rel=1e-9)
+    # GEMM backward = input gradient + weight gradient = 2x forward
+    gemm_ops = [op for op in block.ops if op.name.endswith("proj")]
+    assert all(op.bwd_input_flops == op.fwd_flops == op.bwd_weight_flops for op in gemm_ops)
+
+
+def test_tensor_parallel_divides_layer_flops():
+    wl = Workload(global_batch=8, seq_len=1024)
+    one = decoder_layer(LLAMA, 0, layout(LLAMA, 1, 8, 1024), wl, MEGATRON)
+    four = decoder_layer(LLAMA, 0, layout(LLAMA, 4, 8, 1024, tp=4), wl, MEGATRON)
+    total = lambda blk: sum(op.fwd_flops for op in blk.ops)  # noqa: E731
+    assert total(four) == pytest.approx(total(one) / 4)
+
+
+def test_head_flops_are_vocab_parallel():
+    wl = Workload(global_batch=8, seq_len=1024)
+    lay = layout(LLAMA, 2, 8, 1024, tp=2)
+    head = head_block(LLAMA, lay, wl)
+    lm = next(op for op in head.ops if op.name == "lm_head")
+    assert lm.fwd_flops == pytest.approx(2 * 1024 * LLAMA.hidden * LLAMA.vocab / 2)
+
+
+def test_model_flops_match_megatron_eq7():
+    """6N + attention (PaLM App. B) equals Megatron's 72 B s l h^2 (1 + s/6h + V/12lh) up to biases and norms."""
+    wl = Workload(global_batch=4, seq_len=2048)
+    b, s, l, h, v = 4, 2048, 48, 6144, 51200
+    megatron = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    assert model_flops_per_step(GPT22B, wl) == pytest.approx(megatron, rel=2e-3)
+
+
+# ---- memory -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_activation_memory_matches_korthikanti(sp):
+    """Korthikanti et al. 2022: sbh(10 + 24/t + 5as/ht) without SP (Eq. 2), sbh/t (34 + 5as/h) with SP (Eq. 4),
+    34 sbh/t with SP and selective recompute (Eq. 6), 2sbh/t with full recompute and SP."""
+    t, b, s, h, a = 8, 4, 2048, GPT22B.hidden, GPT22B.num_heads
+    wl = Workload(global_batch=4, seq_len=s)
+    lay = layout(GPT22B, gpus=8, gbs=4, seq=s, tp=t, mbs=b, sp=sp)
+    got = layer_activation_bytes(GPT22B, 0, lay, wl, MEGATRON, "none")
+    sbh = s * b * h
+    want = sbh / t * (34 + 5 * a * s / h) if sp else sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert got == pytest.approx(want, rel=1e-9)
+    if sp:
+        assert layer_activation_bytes(GPT22B, 0, lay, wl, MEGATRON, "selective") == pytest.approx(34 * sbh / t)
+        assert layer_activation_bytes(GPT22B, 0, lay, wl, MEGATRON, "full") == pytest.approx(2 * sbh / t)
+
+
+def test_model_states_per_zero_stage():
+    """Mixed-precision Adam: 2 + 4 + 12 bytes/param; ZeRO-1 shards 12, ZeRO-2 also 4, ZeRO-3 also 2 (ZeRO paper)."""
+    params = StageParams(dense=1e9, expert=0.0)
+    totals = []
+    for zero in range(4):
+        lay = layout(LLAMA, gpus=8, gbs=8, zero=zero)
+        totals.append(sum(model_state_bytes(params, lay)))
+    assert totals[0] == pytest.approx(18e9)
+    assert totals[1] == pytest.approx(6e9 + 12e9 / 8)
+    assert totals[2] == pytest.approx(2e9 + 16e9 / 8)
+    assert totals[3] == pytest.approx(18e9 / 8)
+
+
+# ---- pipeline ---------------------------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(pp=st.integers(1, 6), groups=st.integers(1, 4), vpp=st.integers(1, 3),
+       f=st.floats(0.1, 2.0), ratio=st.floats(1.0, 3.0))
+def test_simulated_bubble_equals_closed_form_for_uniform_stages(pp, groups, vpp, f, ratio):
+    m = pp * groups
+    name = "interleaved" if vpp > 1 and pp > 1 else "1f1b"
+    v = vpp if name == "interleaved" else 1
+    times = [[StageTimes(f / v, f * ratio / v, 0.0)] * v for _ in range(pp)]
+    tl = simulate(build_schedule(name, pp, m, v), times)
+    ideal = m * f * (1 + ratio)
+    assert (tl.makespan - ideal) / ideal == pytest.approx(bubble_closed_form(pp, m, v), rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(pp=st.integers(2, 6), m=st.integers(1, 16), f=st.floats(0.1, 1.0), b=st.floats(0.1, 1.0),
+       w=st.floats(0.05, 1.0))
+def test_zero_bubble_never_slower_than_1f1b(pp, m, f, b, w):
+    times = [[StageTimes(f, b, w)] for _ in range(pp)]
+    one = simulate(build_schedule("1f1b", pp, m), times).makespan
+    zb = simulate(build_schedule("zb", pp, m), times, split_weight=True)
+    assert zb.makespan <= one + 1e-9
+    # ZB-H1 keeps 1F1B's memory: stage r holds at most pp - r micro-batches
+    assert all(sum(zb.peak_in_flight[r]) <= pp - r for r in range(pp))
+
+
+def test_1f1b_holds_fewer_microbatches_than_gpipe():
+    times = [[StageTimes(1.0, 2.0, 0.0)] for _ in range(4)]
+    gpipe = simulate(build_schedule("gpipe", 4, 8), times)
+    ofob = simulate(build_schedule("1f1b", 4, 8), times)
+    assert [p[0] for p in gpipe.peak_in_flight] == [8, 8, 8, 8]
+    assert [p[0] for p in ofob.peak_in_flight] == [4, 3, 2, 1]
+
+
+# ---- the whole estimate -----------------------------------------------------------------------------------------
+
+H100x16 = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=16))
+
+
+def peak(mbs=1, recompute="none", **kw):
+    cfg = ParallelConfig(tp=2, pp=2, mbs=mbs, recompute=recompute, **kw)
+    return estimate(LLAMA, H100x16, Workload(global_batch=64, seq_len=2048), cfg).peak_memory_gib
+
+
+@settings(max_examples=20, deadline=None)
+@given(small=st.sampled_from([1, 2, 4]), factor=st.sampled_from([2, 4]),
+       recompute=st.sampled_from(["none", "selective", "full"]))
+def test_memory_never_drops_when_microbatch_grows(small, factor, recompute):
+    assert peak(small * factor, recompute) >= peak(small, recompute)
+
+
+@pytest.mark.parametrize("mbs", [1, 4])
+def test_recompute_never_raises_memory(mbs):
+    assert peak(mbs, "full") <= peak(mbs, "selective") <= peak(mbs, "none")
+
+
+def test_estimate_is_consistent():
+    e = estimate(LLAMA, H100x16, Workload(global_batch=64, seq_len=2048), ParallelConfig(tp=2, pp=2))
+    assert e.step_time_s == pytest.approx(sum(e.breakdown_s.values()), rel=1e-6)
+    assert 0 < e.mfu <= e.hfu < 1
+    assert e.tokens_per_s == pytest.approx(64 * 2048 / e.step_time_s)
+    assert e.layout.dp == 4 and e.layout.num_microbatches == 16
+    assert len(e.stages) == 2 and e.fits
+    # the last stage holds the logits, the first the most in-flight micro-batches
+    assert e.stages[1].memory.logits > 0 and e.stages[0].memory.logits == 0
+    assert e.stages[0].in_flight == 2 and e.stages[1].in_flight == 1
+
+
+def test_fp8_is_faster_than_bf16_on_hopper():
+    cfg = ParallelConfig(tp=2, pp=2)
+    bf16 = estimate(LLAMA, H100x16, Workload(global_batch=64, seq_len=2048), cfg)
+    fp8 = estimate(LLAMA, H100x16, Workload(global_batch=64, seq_len=2048, dtype="fp8"), cfg)
+    assert fp8.step_time_s < bf16.step_time_s
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(tp=3), "does not divide"),
+    (dict(tp=8), "KV heads"),
+    (dict(tp=2, pp=3), "does not divide 16 GPUs"),
+    (dict(dp=3), "tp*pp*cp*dp"),
+    (dict(pp=2, vpp=2, mbs=3), "not divisible by mbs*dp"),
+    (dict(vpp=2), "needs --pp > 1"),
+    (dict(ep=2), "has no experts"),
+    (dict(cp=16), "divisible by 2*cp"),
+])
+def test_inconsistent_degrees_are_rejected(kw, needle):
+    with pytest.raises(InputError, match=re.escape(needle)):
+        estimate(LLAMA, H100x16, Workload(global_batch=64, seq_len=2056), ParallelConfig(**kw))
+
+
+def test_moe_layer_counts_expert_work():
+    moe = ModelSpec(name="tiny-moe", num_layers=4, hidden=1024, num_heads=16, num_kv_heads=4, ffn_hidden=2816,
+                    vocab=32000, moe={"num_experts": 8, "top_k": 2, "expert_ffn_hidden": 1024})
+    wl = Workload(global_batch=64, seq_len=2048)
+    e = estimate(moe, H100x16, wl, ParallelConfig(tp=1, ep=8))
+    assert "ep_comm" in e.breakdown_s and e.breakdown_s["ep_comm"] > 0
+    assert not math.isnan(e.step_time_s) and e.fits
