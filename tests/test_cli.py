@@ -1,0 +1,216 @@
+"""The command line: output of estimate / models / hardware, and one-line errors with exit code 2 for bad input.
+
+Most tests call cli.main.main(argv) in-process (the same function the `meshplan` console script runs) and read
+stdout and stderr apart with capsys; a few run `python -m cli.main` as a subprocess to check the real process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "32", "--seq", "2048"]
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_input_error(code: int, out: str, err: str, *words: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    assert "Traceback" not in err and "Traceback" not in out
+    for w in words:
+        assert w.lower() in lines[0].lower(), (w, err)
+
+
+# ---- estimate ------------------------------------------------------------------------------------------------------
+
+def test_estimate_json_keys_and_sane_values(capsys):
+    code, out, err = run(capsys, *SMALL, "--tp", "2", "--json")
+    assert code == 0, err
+    data = json.loads(out)  # --json prints the JSON document and nothing else
+    for key in ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_memory_gib",
+                "fits", "breakdown_s"):
+        assert key in data, key
+    assert 0 < data["mfu"] < 1
+    assert isinstance(data["fits"], bool) and data["fits"]
+    assert data["step_time_s"] > 0 and data["peak_memory_gib"] > 0
+    assert data["tokens_per_s"] == pytest.approx(32 * 2048 / data["step_time_s"])
+    assert data["tokens_per_s_per_gpu"] == pytest.approx(data["tokens_per_s"] / 8)
+    assert data["layout"]["tp"] == 2 and data["layout"]["dp"] == 4
+
+
+def test_estimate_rich_summary(capsys):
+    code, out, err = run(capsys, *SMALL, "--pp", "2", "--recompute", "selective")
+    assert code == 0, err
+    for text in ("MFU", "HFU", "tokens/s/GPU", "TFLOP/s/GPU", "Memory per GPU", "first stage", "last stage",
+                 "activations", "optimizer", "fragmentation", "pipeline bubble", "% of step", "fits"):
+        assert text in out, text
+
+
+def test_estimate_knobs_reach_the_model(capsys):
+    code, out, _ = run(capsys, *SMALL, "--tp", "2", "--pp", "2", "--vpp", "2", "--mbs", "2", "--zero", "0",
+                       "--no-sp", "--runtime", "torchtitan", "--dtype", "fp8", "--json")
+    assert code == 0
+    data = json.loads(out)
+    lay = data["layout"]
+    assert (lay["tp"], lay["pp"], lay["vpp"], lay["dp"], lay["mbs"], lay["zero"], lay["sp"]) == (2, 2, 2, 2, 2, 0, False)
+    assert lay["schedule"] == "interleaved"
+    assert data["runtime"] == "torchtitan"
+
+
+def test_estimate_not_fitting_is_reported(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "8")
+    assert code == 0
+    assert "NOT fit" in out
+    code, out, _ = run(capsys, "estimate", "--model", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "8", "--json")
+    assert json.loads(out)["fits"] is False
+
+
+def test_readme_quickstart_command_fits(capsys):
+    readme = (ROOT / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if "meshplan estimate" in ln and ln.lstrip().startswith("pip "))
+    args = line.split("meshplan ", 1)[1].split()
+    code, out, err = run(capsys, *args, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["fits"] and 0 < data["mfu"] < 1
+
+
+def test_estimate_with_cluster_file(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "llama3.1-8b", "--cluster",
+                         str(ROOT / "examples/clusters/dgx-h100-64.toml"), "--tp", "8", "--json")
+    assert code == 0, err
+    assert json.loads(out)["layout"]["dp"] == 8
+
+
+def test_estimate_model_file(capsys):
+    code, out, err = run(capsys, "estimate", "--model", str(ROOT / "examples/models/llama3.1-8b.config.json"),
+                         "--gpu", "h100-sxm", "--gpus", "8", "--json")
+    assert code == 0, err
+    assert 0 < json.loads(out)["mfu"] < 1
+
+
+# ---- models and hardware -------------------------------------------------------------------------------------------
+
+def test_models_list(capsys):
+    code, out, _ = run(capsys, "models", "list")
+    assert code == 0
+    assert "llama3.1-8b" in out and "deepseek-v3" in out
+    assert "671" in out  # deepseek-v3 total params in billions
+
+
+def test_models_show(capsys):
+    code, out, _ = run(capsys, "models", "show", "deepseek-v3")
+    assert code == 0
+    for text in ("num_layers", "moe.num_experts", "mla.kv_lora_rank", "total params", "active params", "source"):
+        assert text in out, text
+
+
+def test_hardware_list(capsys):
+    code, out, _ = run(capsys, "hardware", "list")
+    assert code == 0
+    assert "h100-sxm" in out and "989.4" in out and "$/GPU-h" in out
+
+
+def test_hardware_show_prints_sources(capsys):
+    code, out, _ = run(capsys, "hardware", "show", "h100-sxm")
+    assert code == 0
+    assert "datasheet" in out  # the source of the peak numbers
+    assert "989.4" in out and "TFLOP/s" in out and "GiB" in out
+
+
+def test_help_and_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith("meshplan ")
+    code, out, _ = run(capsys, "estimate", "--help")
+    assert code == 0
+    for text in ("--gbs", "in sequences", "Gb/s", "GB/s", "--recompute", "--runtime", "megatron-core"):
+        assert text in out, text
+
+
+# ---- bad input: one line on stderr, exit 2, no traceback -----------------------------------------------------------
+
+def test_unknown_gpu(capsys):
+    assert_input_error(*run(capsys, "estimate", "--model", "llama3.1-8b", "--gpu", "h999", "--gpus", "8"), "h999")
+
+
+def test_unknown_model(capsys):
+    assert_input_error(*run(capsys, "estimate", "--model", "llama9-1t", "--gpu", "h100-sxm", "--gpus", "8"),
+                       "llama9-1t")
+    assert_input_error(*run(capsys, "models", "show", "llama9-1t"), "llama9-1t")
+
+
+def test_malformed_model_json(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x", "layers": 4,')
+    assert_input_error(*run(capsys, "estimate", "--model", str(bad), "--gpu", "h100-sxm", "--gpus", "8"), "JSON")
+
+
+def test_unknown_model_type(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "mamba", "hidden_size": 768, "num_hidden_layers": 24}))
+    assert_input_error(*run(capsys, "estimate", "--model", str(cfg), "--gpu", "h100-sxm", "--gpus", "8"), "mamba")
+
+
+@pytest.mark.parametrize("flag,value", [("--gpus", "0"), ("--gbs", "-1"), ("--tp", "0"), ("--seq", "0"),
+                                        ("--mbs", "-2"), ("--zero", "4")])
+def test_non_positive_sizes(capsys, flag, value):
+    args = ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", flag, value]
+    assert_input_error(*run(capsys, *args), flag)
+
+
+def test_tp_not_dividing_heads(capsys):
+    # 24 GPUs so that tp=3 divides the GPU count; the 32 heads of llama3.1-8b are the failing rule
+    assert_input_error(*run(capsys, *SMALL[:5], "--gpus", "24", "--gbs", "48", "--tp", "3"), "--tp 3", "32")
+
+
+def test_tp_pp_not_dividing_gpus(capsys):
+    assert_input_error(*run(capsys, *SMALL, "--tp", "4", "--pp", "4"), "divide", "8 GPUs")
+
+
+def test_cluster_file_missing_field(capsys, tmp_path):
+    f = tmp_path / "cluster.toml"
+    f.write_text('gpu = "h100-sxm"\ngpus_per_node = 8\n')
+    assert_input_error(*run(capsys, "estimate", "--model", "llama3.1-8b", "--cluster", str(f)), "num_gpus")
+
+
+@pytest.mark.parametrize("args", [
+    ["estimate", "--gpu", "h100-sxm", "--gpus", "8"],  # --model missing
+    ["estimate", "--model", "llama3.1-8b"],  # no cluster
+    ["estimate", "--model", "llama3.1-8b", "--cluster", "nowhere.toml"],
+    ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--dtype", "fp4"],
+    ["estimate", "--model", "llama3.1-8b", "--gpu", "a100-80gb", "--gpus", "8", "--dtype", "fp8"],
+    ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "12"],
+    ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "12"],
+    ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gpus-per-node", "3"],
+    ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--ep", "2"],
+    ["hardware", "show", "nope"],
+    ["estimate", "--bogus"],
+])
+def test_other_bad_input(capsys, args):
+    assert_input_error(*run(capsys, *args))
+
+
+def test_real_process_one_line_error_and_version():
+    cmd = [sys.executable, "-m", "cli.main"]
+    p = subprocess.run([*cmd, "estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "0"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert_input_error(p.returncode, p.stdout, p.stderr, "--gpus")
+    p = subprocess.run([*cmd, "estimate", "--model", "nope", "--gpu", "h100-sxm", "--gpus", "8"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert_input_error(p.returncode, p.stdout, p.stderr, "nope")
+    p = subprocess.run([*cmd, "--version"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.startswith("meshplan ")
