@@ -1,0 +1,37 @@
+"""The reference-run benchmark keeps working: every entry configures, resolves and gets a finite prediction.
+
+Accuracy targets live in benchmarks/RESULTS.md; this only guards the benchmark against rot and unit slips
+(a factor-of-two band catches a wrong byte size or a lost x1e12, not a calibration drift).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+REPO = Path(__file__).resolve().parents[1]
+YAML = REPO.parent / "shared" / "reference_runs" / "training_dev.yaml"
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("reference_runs", REPO / "benchmarks" / "reference_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["reference_runs"] = module  # dataclasses need their module registered
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not YAML.exists(), reason="../shared/reference_runs not present")
+def test_every_reference_run_gets_a_prediction_in_a_sane_band():
+    bench = _benchmark()
+    entries = yaml.safe_load(YAML.read_text())
+    rows = [bench.evaluate(e) for e in entries]
+    assert len(rows) == len(entries) >= 20
+    for row in rows:
+        assert row.step_time_s > 0 and 0 < row.mfu < 1, row
+        assert 0.5 < row.predicted / row.published < 2.0, row
