@@ -127,6 +127,9 @@ def estimate(
         "Data-parallel degree (default: GPUs / (tp x pp x cp)).")) ] = None,
     cp: Annotated[Optional[int], typer.Option("--cp", min=1, rich_help_panel=P_PAR,
                                               help="Context-parallel degree (splits the sequence; default 1).")] = None,
+    cp_comm: Annotated[Optional[Literal["ring", "a2a"]], typer.Option("--cp-comm", rich_help_panel=P_PAR, help=(
+        "Context-parallel communication: ring (K,V passed around a ring, overlapped with attention) or a2a "
+        "(all-to-all over heads, DeepSpeed-Ulysses) (default ring).")) ] = None,
     ep: Annotated[Optional[int], typer.Option("--ep", min=1, rich_help_panel=P_PAR,
                                               help="Expert-parallel degree, MoE models only (default 1).")] = None,
     etp: Annotated[Optional[int], typer.Option("--etp", min=1, rich_help_panel=P_PAR,
@@ -155,7 +158,7 @@ def estimate(
     spec = load_model(model)
     cluster = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
     workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
-    knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
+    knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
                  sp=sp, schedule=schedule)
     cfg = ParallelConfig(**{k: v for k, v in knobs.items() if v is not None})
     est = estimate_cost(spec, cluster, workload, cfg, runtime)

@@ -41,6 +41,7 @@ class ParallelConfig(BaseModel):
     vpp: int = Field(default=1, gt=0)  # model chunks per pipeline rank (interleaved schedule)
     dp: int | None = Field(default=None, gt=0)  # default: GPUs / (tp * pp * cp)
     cp: int = Field(default=1, gt=0)
+    cp_comm: Literal["ring", "a2a"] = "ring"  # ring attention P2P, or all-to-all over heads (DeepSpeed-Ulysses)
     ep: int = Field(default=1, gt=0)
     etp: int | None = Field(default=None, gt=0)  # expert tensor parallel; default: tp
     mbs: int = Field(default=1, gt=0)
@@ -98,6 +99,7 @@ class Layout:
     vpp: int
     dp: int
     cp: int
+    cp_comm: str
     ep: int
     etp: int
     edp: int  # expert data parallel: (tp * cp * dp) / (etp * ep), Megatron "MoE parallel folding"
@@ -147,6 +149,8 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
         raise InputError(f"--tp {tp} does not divide the {model.num_heads} attention heads of {model.name}")
     if model.mla is None and model.kv_heads % tp:
         raise InputError(f"--tp {tp} does not divide the {model.kv_heads} KV heads of {model.name} (Megatron needs it)")
+    if cp > 1 and cfg.cp_comm == "a2a" and (model.num_heads // tp) % cp:
+        raise InputError(f"--cp-comm a2a needs the {model.num_heads // tp} heads per TP rank divisible by cp ({cp})")
     if cp > 1 and workload.seq_len % (2 * cp):
         raise InputError(f"--seq {workload.seq_len} is not divisible by 2*cp = {2 * cp} (load-balanced causal CP)")
     if workload.global_batch % (cfg.mbs * dp):
@@ -193,6 +197,6 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     sp = cfg.sp if cfg.sp is not None else tp > 1
     if sp and tp == 1:
         sp = False  # sequence parallel is a no-op without tensor parallel
-    return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
+    return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cfg.cp_comm, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
                   num_microbatches=m, zero=cfg.zero, recompute=cfg.recompute, sp=sp, schedule=schedule,
                   stage_layers=stage_layers)

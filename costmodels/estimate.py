@@ -388,8 +388,10 @@ def _stage_memory(ctx: _Context, rank: int, chunks: list[tuple[int, int]], param
 
 
 def model_flops_per_step(model: ModelSpec, wl: Workload) -> float:
-    """6 x active non-embedding parameters x tokens + attention 6 x L x heads x s x (d_qk + d_v) per token
-    (Chowdhery et al., PaLM, 2022, Appendix B; non-causal convention, LM head counted as Megatron does)."""
+    """6 x active non-embedding parameters x tokens (LM head included, as Megatron counts it) + causal attention
+    3 x L x heads x s x (d_qk + d_v) per token: the PaLM accounting (Chowdhery et al. 2022, App. B) with the masked
+    half of causal attention left out, so long sequences do not inflate MFU (Megatron-LM's 2021 formula and the
+    published runs count it in full; benchmarks/reference_runs.py uses each run's own accounting)."""
     n = model.active_params() - model.embedding_params()
     if model.tied_embeddings:
         n += model.vocab * model.hidden  # the LM head matmul runs even when its weight is the embedding's
@@ -397,7 +399,7 @@ def model_flops_per_step(model: ModelSpec, wl: Workload) -> float:
         d_qk = d_v = model.head_size
     else:
         d_qk, d_v = model.mla.qk_head_dim, model.mla.v_head_dim
-    attn = 6 * model.num_layers * model.num_heads * wl.seq_len * (d_qk + d_v)
+    attn = 3 * model.num_layers * model.num_heads * wl.seq_len * (d_qk + d_v)
     return (6 * n + attn) * wl.tokens
 
 
@@ -406,8 +408,8 @@ def recompute_flops_per_step(model: ModelSpec, wl: Workload, recompute: str) -> 
     if recompute == "full":
         n = model.active_params() - model.embedding_params() - model.head_params()
         d = model.head_size if model.mla is None else model.mla.qk_head_dim
-        return (2 * n + 4 * model.num_layers * model.num_heads * wl.seq_len * d) * wl.tokens
+        return (2 * n + 2 * model.num_layers * model.num_heads * wl.seq_len * d) * wl.tokens
     if recompute == "selective":
         d = model.head_size if model.mla is None else model.mla.qk_head_dim
-        return 4 * model.num_layers * model.num_heads * wl.seq_len * d * wl.tokens
+        return 2 * model.num_layers * model.num_heads * wl.seq_len * d * wl.tokens  # causal half, as above
     return 0.0

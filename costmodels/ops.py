@@ -169,9 +169,18 @@ def decoder_layer(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: R
         kv_dim = (model.kv_heads * model.head_size) if model.mla is None else model.num_heads * (
             model.mla.qk_head_dim + model.mla.v_head_dim) / 2
         kv_bytes = 2 * ACT_BYTES * tokens * kv_dim / lay.tp
-        # Ring attention: cp-1 exchanges of each rank's K,V chunk forward; K,V and their gradients backward
-        # (Liu et al., "Ring Attention", 2023; Megatron-Core context_parallel.rst), overlapped with attention blocks.
-        comms.append(Collective("cp_ring_kv", "p2p", "cp", kv_bytes * (lay.cp - 1), 1, 2, overlappable="cp"))
+        if lay.cp_comm == "ring":
+            # Ring attention: cp-1 exchanges of each rank's K,V chunk forward; K,V and their gradients backward
+            # (Liu et al., "Ring Attention", 2023; Megatron-Core context_parallel.rst), overlapped with attention.
+            comms.append(Collective("cp_ring_kv", "p2p", "cp", kv_bytes * (lay.cp - 1), 1, 2, overlappable="cp"))
+        else:
+            # Ulysses: all-to-all Q, K, V from sequence- to head-sharded before the core and O back after it;
+            # the backward mirrors it (Jacobs et al., "DeepSpeed Ulysses", 2023, sec. 3). Not overlapped.
+            q_dim = model.num_heads * (model.head_size if model.mla is None else model.mla.qk_head_dim)
+            qkv_bytes = ACT_BYTES * tokens * q_dim / lay.tp + kv_bytes
+            out_bytes = ACT_BYTES * tokens * q_dim / lay.tp
+            comms.append(Collective("cp_a2a_qkv", "all_to_all", "cp", qkv_bytes, 1, 1))
+            comms.append(Collective("cp_a2a_out", "all_to_all", "cp", out_bytes, 1, 1))
     if model.is_moe_layer(index):
         moe = model.moe
         assert moe is not None

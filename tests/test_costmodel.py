@@ -87,11 +87,12 @@ def test_head_flops_are_vocab_parallel():
     assert lm.fwd_flops == pytest.approx(2 * 1024 * LLAMA.hidden * LLAMA.vocab / 2)
 
 
-def test_model_flops_match_megatron_eq7():
-    """6N + attention (PaLM App. B) equals Megatron's 72 B s l h^2 (1 + s/6h + V/12lh) up to biases and norms."""
+def test_model_flops_match_megatron_eq7_with_causal_attention():
+    """6N + causal attention equals Megatron's 72 B s l h^2 (1 + s/6h + V/12lh) (Korthikanti Eq. 7) with the
+    attention term halved (s/12h), up to biases and norms."""
     wl = Workload(global_batch=4, seq_len=2048)
     b, s, l, h, v = 4, 2048, 48, 6144, 51200
-    megatron = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    megatron = 72 * b * s * l * h * h * (1 + s / (12 * h) + v / (12 * l * h))
     assert model_flops_per_step(GPT22B, wl) == pytest.approx(megatron, rel=2e-3)
 
 
@@ -224,3 +225,15 @@ def test_moe_layer_counts_expert_work():
     e = estimate(moe, H100x16, wl, ParallelConfig(tp=1, ep=8))
     assert "ep_comm" in e.breakdown_s and e.breakdown_s["ep_comm"] > 0
     assert not math.isnan(e.step_time_s) and e.fits
+
+
+def test_context_parallel_variants():
+    wl = Workload(global_batch=16, seq_len=8192)
+    ring = estimate(LLAMA, H100x16, wl, ParallelConfig(tp=2, cp=4))
+    a2a = estimate(LLAMA, H100x16, wl, ParallelConfig(tp=2, cp=4, cp_comm="a2a"))
+    assert a2a.breakdown_s["cp_comm"] > 0  # Ulysses all-to-alls are not hidden
+    assert ring.breakdown_s.get("cp_comm", 0.0) >= 0
+    twelve_heads = ModelSpec(name="h12", num_layers=4, hidden=768, num_heads=12, num_kv_heads=4, ffn_hidden=2048,
+                             vocab=32000)
+    with pytest.raises(InputError, match="heads per TP rank"):
+        estimate(twelve_heads, H100x16, wl, ParallelConfig(cp=8, cp_comm="a2a"))
