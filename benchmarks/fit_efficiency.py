@@ -19,27 +19,14 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_runs import DEFAULT_YAML, configure, megatron_flops, megatron_gpt  # noqa: E402
+from reference_runs import DEFAULT_YAML, configure, evaluate  # noqa: E402
 
-from costmodels.estimate import Efficiency, estimate  # noqa: E402
+from costmodels.estimate import Efficiency  # noqa: E402
 
 
 def score(entries: list[dict], eff_for) -> float:
-    errs = []
-    for e in entries:
-        cluster, wl, cfg, runtime = configure(e)
-        est = estimate(megatron_gpt(e), cluster, wl, cfg, runtime=runtime, efficiency=eff_for(cluster))
-        metric = e["metric"]
-        if metric.get("iteration_time_s"):
-            pred, pub = est.step_time_s, metric["iteration_time_s"]
-        elif metric.get("tflops_per_gpu"):
-            flops = megatron_flops(e, "Eq.3" in str(metric.get("flops_accounting", "")))
-            pred, pub = flops / est.step_time_s / cluster.num_gpus / 1e12, metric["tflops_per_gpu"]
-        else:
-            peak = e["hardware"]["peak_tflops_bf16_dense"] * 1e12
-            pred, pub = megatron_flops(e, False) / est.step_time_s / cluster.num_gpus / peak, metric["mfu"]
-        errs.append(abs(pred - pub) / pub)
-    return statistics.mean(errs)
+    """Mean absolute percentage error of the runs, each in its own metric, under eff_for(cluster)."""
+    return statistics.mean(abs(evaluate(e, eff_for(configure(e)[0])).error) for e in entries)
 
 
 def main() -> int:

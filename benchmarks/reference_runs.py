@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from costmodels.config import ParallelConfig, Workload  # noqa: E402
-from costmodels.estimate import estimate  # noqa: E402
+from costmodels.estimate import Efficiency, estimate  # noqa: E402
 from costmodels.model import ModelSpec  # noqa: E402
 from hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
 
@@ -66,19 +66,19 @@ def megatron_gpt(entry: dict) -> ModelSpec:
                      linear_bias=True, learned_positions=True, max_seq_len=m["seq_len"])
 
 
-def megatron_flops(entry: dict, recompute_forward: bool) -> float:
+def megatron_flops(entry: dict, global_batch: int, recompute_forward: bool) -> float:
     """FLOPs per iteration as Megatron counts them: 72 B s l h^2 (1 + s/6h + V/12lh) (Korthikanti et al. Eq. 7;
     Megatron-LM training.py), or 96 B s l h^2 (1 + s/6h + V/16lh) when the recomputed forward is counted
     (Narayanan et al. SC'21, Eq. 3)."""
     m = entry["model"]
-    b, s, l, h, v = entry["batch"]["global_batch_seqs"], m["seq_len"], m["layers"], m["hidden"], m["vocab"]
+    b, s, l, h, v = global_batch, m["seq_len"], m["layers"], m["hidden"], m["vocab"]
     if recompute_forward:
         return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
     return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
 
 
 def configure(entry: dict) -> tuple[Cluster, Workload, ParallelConfig, str]:
-    m, p, hw, bt = entry["model"], entry["parallel"], entry["hardware"], dict(entry["batch"])
+    m, p, hw, bt = entry["model"], entry["parallel"], entry["hardware"], entry["batch"]
     cluster = Cluster(ClusterSpec(gpu=gpu_name(hw["gpu"]), num_gpus=hw["num_gpus"], gpus_per_node=hw["gpus_per_node"]))
     recompute_text = str(p.get("activation_recompute") or "none")
     recompute = "full" if "full" in recompute_text else "selective" if "selective" in recompute_text else "none"
@@ -87,35 +87,34 @@ def configure(entry: dict) -> tuple[Cluster, Workload, ParallelConfig, str]:
         mbs, layers_per_virtual = SC21_SCRIPT[m["layers"]]
         if layers_per_virtual:
             vpp = m["layers"] // p["pp"] // layers_per_virtual
-    if bt.get("global_batch_seqs") is None:
-        # Not published (korthikanti-530b-...-dp8): the DP=1 run's batch per replica, times DP (an assumption).
-        bt["global_batch_seqs"] = 280 * p["dp"]
-        entry["batch"] = bt
+    # Not published for korthikanti-530b-...-dp8: the DP=1 run's batch per replica, times DP (an assumption).
+    global_batch = bt.get("global_batch_seqs") or 280 * p["dp"]
     mbs = mbs or 1  # Megatron-LM's --micro-batch-size when a run does not state it
     vpp = vpp or 1
     runtime = "megatron-core" if entry["id"].startswith("mcore-") else "megatron-2022"
     zero = 1 if (p.get("distributed_optimizer") or runtime == "megatron-core") else 0
     sp = bool(p.get("sequence_parallel")) if p.get("sequence_parallel") is not None else runtime == "megatron-core"
-    wl = Workload(global_batch=bt["global_batch_seqs"], seq_len=m["seq_len"], dtype="bf16")
+    wl = Workload(global_batch=global_batch, seq_len=m["seq_len"], dtype="bf16")
     cfg = ParallelConfig(tp=p["tp"], pp=p["pp"], vpp=vpp, dp=p["dp"], cp=p.get("cp") or 1, mbs=mbs, zero=zero,
                          recompute=recompute, sp=sp and p["tp"] > 1)
     return cluster, wl, cfg, runtime
 
 
-def evaluate(entry: dict) -> Row:
+def evaluate(entry: dict, efficiency: Efficiency | None = None) -> Row:
+    """Predict one run (with the GPU's default efficiencies unless given) in the run's own metric."""
     cluster, wl, cfg, runtime = configure(entry)
-    est = estimate(megatron_gpt(entry), cluster, wl, cfg, runtime=runtime)
+    est = estimate(megatron_gpt(entry), cluster, wl, cfg, runtime=runtime, efficiency=efficiency)
     metric = entry["metric"]
     gpus = cluster.num_gpus
     if metric.get("iteration_time_s"):
         return Row(entry["id"], "iteration s", metric["iteration_time_s"], est.step_time_s, est.step_time_s, est.mfu)
     if metric.get("tflops_per_gpu"):
         counts_recompute = "Eq.3" in str(metric.get("flops_accounting", ""))
-        flops = megatron_flops(entry, counts_recompute)
+        flops = megatron_flops(entry, wl.global_batch, counts_recompute)
         return Row(entry["id"], "TFLOP/s/GPU", metric["tflops_per_gpu"], flops / est.step_time_s / gpus / 1e12,
                    est.step_time_s, est.mfu)
     peak = entry["hardware"]["peak_tflops_bf16_dense"] * 1e12
-    mfu = megatron_flops(entry, False) / est.step_time_s / gpus / peak
+    mfu = megatron_flops(entry, wl.global_batch, False) / est.step_time_s / gpus / peak
     return Row(entry["id"], "MFU", metric["mfu"], mfu, est.step_time_s, est.mfu)
 
 

@@ -146,6 +146,8 @@ def group_ranks(dim: str, lay: Layout) -> tuple[int, ...]:
             if d == dim:
                 return tuple(i * stride for i in range(sizes[d]))
             stride *= sizes[d]
+    if dim == "dp_cp":  # cp and dp are adjacent in RANK_ORDER: the distributed optimizer's group
+        return tuple(i * lay.tp for i in range(lay.cp * lay.dp))
     if dim == "etp":
         return tuple(range(lay.etp))
     if dim == "ep":
@@ -158,14 +160,8 @@ def group_ranks(dim: str, lay: Layout) -> tuple[int, ...]:
 def group_link(cluster: Cluster, ranks: tuple[int, ...]) -> comm.Link:
     """Achieved bus bandwidth: line rate x the GPU's NCCL efficiency on the level the ring crosses."""
     e = cluster.gpu.efficiency
-    bw, lat, crosses = cluster.group_link(ranks)
-    if crosses:
-        per_node = len(ranks) // len({cluster.node_of(r) for r in ranks})
-        achieved = min(cluster.scaleup.bytes_per_s * e.scaleup_bandwidth,
-                       max(1, per_node) * cluster.scaleout.bytes_per_s * e.scaleout_bandwidth)
-    else:
-        achieved = bw * e.scaleup_bandwidth
-    return comm.Link(achieved, lat, crosses)
+    bw, lat, crosses = cluster.group_link(ranks, e.scaleup_bandwidth, e.scaleout_bandwidth)
+    return comm.Link(bw, lat, crosses)
 
 
 def collective_time(c: Collective, n: int, link: comm.Link) -> float:
@@ -192,7 +188,8 @@ class _Context:
         self.peak16 = gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16")
         self.peak_fp8 = gpu.peak_flops("fp8") if wl.dtype == "fp8" else self.peak16
         self.hbm = gpu.hbm_bytes_per_s
-        sizes = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp, "edp": lay.edp}
+        sizes = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp, "edp": lay.edp,
+                 "dp_cp": lay.dp * lay.cp}
         self.sizes = sizes
         self.links = {d: group_link(cluster, group_ranks(d, lay)) for d in sizes}
 
@@ -246,11 +243,10 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     ranges = _stage_ranges(lay)
     last_rank, last_chunk = lay.pp - 1, lay.vpp - 1
 
-    layer_cache: dict[tuple[bool, int], PassTimes] = {}
+    layer_cache: dict[bool, PassTimes] = {}
 
     def layer_times(i: int) -> PassTimes:
-        # Layers differ only in being dense or MoE; cache on that (plus index for the MoE pattern's TP pairs).
-        key = (model.is_moe_layer(i), 0)
+        key = model.is_moe_layer(i)  # decoder layers differ only in being dense or MoE
         if key not in layer_cache:
             layer_cache[key] = ctx.block_times(decoder_layer(model, i, lay, workload, rt), lay.recompute)
         return layer_cache[key]
@@ -310,10 +306,9 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     step = max(finish)
     crit = finish.index(step)
     busy = timeline.busy[crit]
-    per_mb = [t for t in chunk_pass[crit]]
     comm_by_dim: dict[str, float] = {}
     compute = recompute = 0.0
-    for t in per_mb:
+    for t in chunk_pass[crit]:
         compute += m * (t.fwd_compute + t.bwd_input_compute + t.bwd_weight_compute)
         recompute += m * t.recompute
         for d, v in list(t.fwd_comm.items()) + list(t.bwd_comm.items()):
@@ -348,11 +343,9 @@ def _dp_sync_times(ctx: _Context, params) -> tuple[float, float]:
     (Megatron-LM docs, distrib_optimizer.md). ZeRO-3 / FSDP gathers the weights again for the backward.
     """
     lay = ctx.lay
-    dense_n, exp_n = lay.dp * lay.cp, lay.edp
-    dense_link = group_link(ctx.cluster, tuple(r for r in range(0, lay.tp * lay.cp * lay.dp, lay.tp)))
-    exp_link = ctx.links["edp"]
     reduce = gather = 0.0
-    for n_params, n, link in ((params.dense, dense_n, dense_link), (params.expert, exp_n, exp_link)):
+    for n_params, dim in ((params.dense, "dp_cp"), (params.expert, "edp")):
+        n, link = ctx.sizes[dim], ctx.links[dim]
         if n <= 1 or n_params <= 0:
             continue
         if lay.zero == 0:

@@ -47,7 +47,6 @@ class Collective:
     bytes_: float
     fwd_count: int  # times in the forward pass
     bwd_count: int  # times in the backward pass
-    in_recompute: bool = True  # repeated when full recompute re-runs the forward
     overlappable: Literal["tp", "cp", "none"] = "none"
 
 

@@ -100,21 +100,29 @@ class Cluster:
                            bytes_per_s=self.scaleout.bytes_per_s, latency_s=self.scaleout.latency_s)
         return g
 
-    def group_link(self, ranks: tuple[int, ...]) -> tuple[float, float, bool]:
-        """(bus bandwidth per rank in bytes/s, per-step latency in s, crosses nodes) for a ring over `ranks`.
+    def group_link(self, ranks: tuple[int, ...], scaleup_fraction: float = 1.0,
+                   scaleout_fraction: float = 1.0) -> tuple[float, float, bool]:
+        """(bus bandwidth per rank in bytes/s, per-step latency in s, crosses nodes) for a ring over `ranks`,
+        read off the graph: where each rank sits and the bandwidth of the links it would use.
 
         Inside one node the ring runs on the scale-up fabric. Across nodes NCCL runs one ring per NIC rail, so the
         k members a node holds share k NICs: bus bandwidth = min(scale-up, k x NIC) (NCCL docs, "Performance":
-        inter-node bandwidth is the sum of the NICs the ranks of a node use).
+        inter-node bandwidth is the sum of the NICs the ranks of a node use). The fractions turn line rates into
+        achieved rates (the GPU's efficiency defaults or a calibration).
         """
-        nodes: dict[int, int] = {}
+        g = self.graph
+        per_node: dict[int, int] = {}
         for r in ranks:
-            nodes[self.node_of(r)] = nodes.get(self.node_of(r), 0) + 1
-        if len(nodes) <= 1:
-            return self.scaleup.bytes_per_s, self.scaleup.latency_s, False
-        per_node = min(nodes.values())
-        bw = min(self.scaleup.bytes_per_s, per_node * self.scaleout.bytes_per_s)
-        return bw, self.scaleout.latency_s, True
+            node = g.nodes[f"gpu{r}"]["node"]
+            per_node[node] = per_node.get(node, 0) + 1
+        first = f"gpu{ranks[0]}"
+        up = g.edges[first, f"node{g.nodes[first]['node']}"]
+        scaleup = up["bytes_per_s"] * scaleup_fraction
+        if len(per_node) <= 1:
+            return scaleup, up["latency_s"], False
+        out = g.edges[first, "network"]
+        k = min(per_node.values())
+        return min(scaleup, k * out["bytes_per_s"] * scaleout_fraction), out["latency_s"], True
 
     def shortest_path_levels(self, a: int, b: int) -> list[str]:
         """The link levels a message from rank a to rank b crosses (from the graph)."""

@@ -25,7 +25,8 @@ class Sourced(BaseModel):
 class EfficiencyDefaults(BaseModel):
     """Achieved fractions of peak used when no calibration file is given.
 
-    One set per GPU type, never per run. `source` says how the values were chosen.
+    One set per GPU type, never per run. `source` says how the values were chosen. The schema defaults below are
+    meshplan's stated assumptions (docs/cost_model.md, "Efficiency defaults") until `meshplan profile` measures them.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
