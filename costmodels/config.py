@@ -32,6 +32,26 @@ class Workload(BaseModel):
         return self.global_batch * self.seq_len
 
 
+class StagePolicy(BaseModel):
+    """Recomputation on one pipeline stage: none, selective (attention core, Korthikanti et al. 2022 sec. 5), or
+    full on the stage's first `full_layers` layers (Megatron --recompute-method block --recompute-num-layers k)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    granularity: Recompute = "none"
+    full_layers: int = Field(default=0, ge=0)  # "full" only: layers recomputed in full, counted from the stage's first
+
+    def layer_mode(self, position: int) -> Recompute:
+        """The mode of the stage's position-th layer (0 = its first)."""
+        if self.granularity == "full":
+            return "full" if position < self.full_layers else "none"
+        return self.granularity
+
+    def label(self, stage_layers: int) -> str:
+        if self.granularity == "full" and self.full_layers < stage_layers:
+            return f"full:{self.full_layers}"
+        return self.granularity
+
+
 class ParallelConfig(BaseModel):
     """The knobs; None means 'use the default' (documented in docs/cost_model.md)."""
 
@@ -50,6 +70,7 @@ class ParallelConfig(BaseModel):
     sp: bool | None = None  # default: on whenever tp > 1
     schedule: Schedule | None = None  # default: interleaved when vpp > 1, else 1f1b
     stage_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage; default: balanced
+    stage_recompute: tuple[StagePolicy, ...] | None = None  # per pipeline stage; overrides `recompute` when given
 
 
 class Runtime(BaseModel):
@@ -106,10 +127,11 @@ class Layout:
     mbs: int
     num_microbatches: int
     zero: int
-    recompute: Recompute
+    recompute: str  # none | selective | full, or "per-stage" when the stages differ (see stage_recompute)
     sp: bool
     schedule: Schedule
     stage_layers: tuple[int, ...]  # decoder layers per pipeline stage (pp entries)
+    stage_recompute: tuple[StagePolicy, ...]  # recomputation per pipeline stage (pp entries)
 
     @property
     def world(self) -> int:
@@ -197,6 +219,25 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     sp = cfg.sp if cfg.sp is not None else tp > 1
     if sp and tp == 1:
         sp = False  # sequence parallel is a no-op without tensor parallel
+    stage_recompute, recompute = _stage_recompute(cfg, stage_layers)
     return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cfg.cp_comm, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
-                  num_microbatches=m, zero=cfg.zero, recompute=cfg.recompute, sp=sp, schedule=schedule,
-                  stage_layers=stage_layers)
+                  num_microbatches=m, zero=cfg.zero, recompute=recompute, sp=sp, schedule=schedule,
+                  stage_layers=stage_layers, stage_recompute=stage_recompute)
+
+
+def _stage_recompute(cfg: ParallelConfig, stage_layers: tuple[int, ...]) -> tuple[tuple[StagePolicy, ...], str]:
+    """Per-stage policies from --recompute (uniform) or an explicit list; and the layout's one-word summary."""
+    if cfg.stage_recompute is None:
+        k = {"full": None}.get(cfg.recompute, 0)
+        policies = tuple(StagePolicy(granularity=cfg.recompute, full_layers=n if k is None else 0) for n in stage_layers)
+        return policies, cfg.recompute
+    policies = tuple(cfg.stage_recompute)
+    if len(policies) != len(stage_layers):
+        raise InputError(f"stage_recompute has {len(policies)} entries but there are {len(stage_layers)} pipeline stages")
+    for r, (pol, n) in enumerate(zip(policies, stage_layers)):
+        if pol.granularity == "full" and not 1 <= pol.full_layers <= n:
+            raise InputError(f"stage {r}: full recompute of {pol.full_layers} layers, but the stage has {n}")
+        if pol.granularity != "full" and pol.full_layers:
+            raise InputError(f"stage {r}: full_layers is only meaningful with granularity 'full'")
+    labels = {p.label(n) for p, n in zip(policies, stage_layers)}
+    return policies, (labels.pop() if len(labels) == 1 else "per-stage")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 from costmodels import comm
 from costmodels.config import Layout, ParallelConfig, Runtime, Workload, get_runtime, DEFAULT_RUNTIME, resolve
 from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdown, embedding_activation_bytes,
-                               layer_activation_bytes, logits_bytes, model_state_bytes, stage_params)
+                               layer_activation_bytes, logits_bytes, model_state_bytes, stage_params,
+                               StageParams)
 from costmodels.model import ModelSpec
 from costmodels.ops import ACT_BYTES, Block, Collective, Op, decoder_layer, embedding_block, head_block
 from costmodels.pipeline import StageTimes, build_schedule, simulate
@@ -112,7 +114,7 @@ class Estimate:
             "fits": self.fits,
             "bubble_fraction": self.bubble_fraction,
             "breakdown_s": self.breakdown_s,
-            "layout": asdict(self.layout),
+            "layout": layout_dict(self.layout),
             "runtime": self.runtime,
             "stages": [
                 {"rank": s.rank, "first_layer": s.layers[0], "num_layers": s.layers[1], "in_flight_microbatches": s.in_flight,
@@ -120,6 +122,13 @@ class Estimate:
                 for s in self.stages
             ],
         }
+
+
+def layout_dict(lay: Layout) -> dict:
+    d = {k: v for k, v in vars(lay).items()}
+    d["stage_layers"] = list(lay.stage_layers)
+    d["stage_recompute"] = [p.model_dump() for p in lay.stage_recompute]
+    return d
 
 
 # ---- operator and collective times -------------------------------------------------------------------------------
@@ -178,8 +187,37 @@ def collective_time(c: Collective, n: int, link: comm.Link) -> float:
 
 # ---- the estimate ------------------------------------------------------------------------------------------------
 
-class _Context:
-    """Everything one estimate needs, resolved once."""
+@dataclass(frozen=True)
+class SyncCoefficients:
+    """DP gradient reduce and parameter gather over P parameters take alpha + beta * P seconds (ring alpha-beta,
+    comm.py) when P > 0; the optimizer step streams ADAM_BYTES_PER_PARAM bytes per local parameter from HBM."""
+
+    reduce_alpha_dense: float
+    reduce_beta_dense: float
+    reduce_alpha_expert: float
+    reduce_beta_expert: float
+    gather_alpha_dense: float
+    gather_beta_dense: float
+    gather_alpha_expert: float
+    gather_beta_expert: float
+    optimizer_s_per_dense_param: float
+    optimizer_s_per_expert_param: float
+
+    def reduce(self, dense: float, expert: float) -> float:
+        return ((self.reduce_alpha_dense + self.reduce_beta_dense * dense if dense > 0 else 0.0)
+                + (self.reduce_alpha_expert + self.reduce_beta_expert * expert if expert > 0 else 0.0))
+
+    def gather(self, dense: float, expert: float) -> float:
+        return ((self.gather_alpha_dense + self.gather_beta_dense * dense if dense > 0 else 0.0)
+                + (self.gather_alpha_expert + self.gather_beta_expert * expert if expert > 0 else 0.0))
+
+    def optimizer(self, dense: float, expert: float) -> float:
+        return self.optimizer_s_per_dense_param * dense + self.optimizer_s_per_expert_param * expert
+
+
+class CostContext:
+    """Everything one configuration's costs need, resolved once; per-layer results cached (decoder layers differ
+    only in being dense or MoE). estimate() and the planner's partitioner both read their numbers from here."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, lay: Layout, rt: Runtime,
                  eff: Efficiency):
@@ -192,6 +230,83 @@ class _Context:
                  "dp_cp": lay.dp * lay.cp}
         self.sizes = sizes
         self.links = {d: group_link(cluster, group_ranks(d, lay)) for d in sizes}
+        self._layer_times: dict[tuple[bool, str], PassTimes] = {}
+        self._layer_acts: dict[tuple[bool, str], float] = {}
+        self._layer_params: dict[bool, StageParams] = {}
+
+    def layer_times(self, i: int, mode: str) -> PassTimes:
+        key = (self.model.is_moe_layer(i), mode)
+        if key not in self._layer_times:
+            self._layer_times[key] = self.block_times(decoder_layer(self.model, i, self.lay, self.wl, self.rt), mode)
+        return self._layer_times[key]
+
+    def layer_activation(self, i: int, mode: str) -> float:
+        key = (self.model.is_moe_layer(i), mode)
+        if key not in self._layer_acts:
+            self._layer_acts[key] = layer_activation_bytes(self.model, i, self.lay, self.wl, self.rt, mode)
+        return self._layer_acts[key]
+
+    def layer_params(self, i: int) -> StageParams:
+        key = self.model.is_moe_layer(i)
+        if key not in self._layer_params:
+            self._layer_params[key] = stage_params(self.model, self.lay, range(i, i + 1), False, False)
+        return self._layer_params[key]
+
+    @cached_property
+    def embedding(self) -> PassTimes:
+        return self.block_times(embedding_block(self.model, self.lay, self.wl), "none")
+
+    @cached_property
+    def head(self) -> PassTimes:
+        return self.block_times(head_block(self.model, self.lay, self.wl), "none")
+
+    @cached_property
+    def p2p_s(self) -> float:
+        """P2P of one micro-batch's activations between stages; Megatron sends 1/tp with scatter-gather (SC'21 4.1)."""
+        lay = self.lay
+        if lay.pp == 1:
+            return 0.0
+        p2p_bytes = ACT_BYTES * lay.mbs * self.wl.seq_len / lay.cp * self.model.hidden / lay.tp
+        return comm.p2p(p2p_bytes, self.links["pp"])
+
+    @property
+    def blocking_p2p_s(self) -> float:
+        return 0.0 if self.rt.p2p_overlap else self.p2p_s
+
+    @cached_property
+    def sync(self) -> SyncCoefficients:
+        """Megatron reduces fp32 gradients when training in bf16 (--accumulate-allreduce-grads-in-fp32,
+        arguments.py); ZeRO-0 all-reduces, ZeRO >= 1 reduce-scatters gradients and all-gathers the updated 16-bit
+        weights (Megatron-LM docs, distrib_optimizer.md); ZeRO-3 / FSDP gathers the weights again for the backward."""
+        lay = self.lay
+        coef: dict[str, float] = {}
+        for kind, dim in (("dense", "dp_cp"), ("expert", "edp")):
+            n, link = self.sizes[dim], self.links[dim]
+            ra = rb = ga = gb = 0.0
+            if n > 1:
+                # alpha-beta ring (comm.py): all-reduce 2(n-1) steps / 2(n-1)/n of the bytes, RS and AG half of that.
+                steps, share = (2 * (n - 1), 2 * (n - 1) / n) if lay.zero == 0 else (n - 1, (n - 1) / n)
+                ra, rb = steps * link.latency_s, share * 4 / link.bus_bytes_per_s
+                if lay.zero >= 1:
+                    times = 2 if lay.zero == 3 else 1
+                    ga, gb = times * (n - 1) * link.latency_s, times * (n - 1) / n * 2 / link.bus_bytes_per_s
+            coef.update({f"reduce_alpha_{kind}": ra, f"reduce_beta_{kind}": rb, f"gather_alpha_{kind}": ga,
+                         f"gather_beta_{kind}": gb})
+        per_param = ADAM_BYTES_PER_PARAM / (self.hbm * self.eff.memory_bandwidth)
+        shard_dense = lay.dp * lay.cp if lay.zero >= 1 else 1
+        shard_expert = lay.edp if lay.zero >= 1 else 1
+        return SyncCoefficients(**coef, optimizer_s_per_dense_param=per_param / shard_dense,
+                                optimizer_s_per_expert_param=per_param / shard_expert)
+
+    @cached_property
+    def buffer_bytes(self) -> float:
+        """Per-GPU buffers on every stage: the reserved allowance, and under ZeRO-3 two gathered layers in flight."""
+        buffers = RESERVED_BYTES
+        if self.lay.zero == 3:
+            model = self.model
+            biggest = max(model.layer_params(i) for i in range(model.num_layers)) / self.lay.tp
+            buffers += 2 * 2 * biggest  # two gathered 16-bit layers in flight (prefetch)
+        return buffers
 
     def block_times(self, block: Block, recompute: str) -> PassTimes:
         fwd = bwd_i = bwd_w = sel = 0.0
@@ -233,29 +348,44 @@ def _stage_ranges(lay: Layout) -> list[list[tuple[int, int]]]:
     return [[chunks[c * lay.pp + r] for c in range(lay.vpp)] for r in range(lay.pp)]
 
 
+def layer_modes(lay: Layout) -> tuple[str, ...]:
+    """Recompute mode of every decoder layer: a stage's policy applies to its layers in model order."""
+    modes = [""] * sum(lay.stage_layers)
+    for r, chunks in enumerate(_stage_ranges(lay)):
+        position = 0
+        for first, count in chunks:
+            for i in range(first, first + count):
+                modes[i] = lay.stage_recompute[r].layer_mode(position)
+                position += 1
+    return tuple(modes)
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """An estimate together with the simulated timeline it came from (for traces)."""
+
+    estimate: Estimate
+    timeline: Timeline
+    p2p_s: float
+
+
 def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
              runtime: str = DEFAULT_RUNTIME, efficiency: Efficiency | None = None) -> Estimate:
     """Cost of one configuration; raises InputError when the configuration is inconsistent."""
+    return simulate_config(model, cluster, workload, cfg, runtime, efficiency).estimate
+
+
+def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
+                    runtime: str = DEFAULT_RUNTIME, efficiency: Efficiency | None = None,
+                    context: CostContext | None = None) -> Simulated:
+    """estimate() that also returns the timeline; `context` reuses cached layer costs of the same mesh."""
     lay = resolve(model, cluster.num_gpus, workload, cfg)
     rt = get_runtime(runtime)
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
-    ctx = _Context(model, cluster, workload, lay, rt, eff)
+    ctx = context if context is not None and context.lay == lay else CostContext(model, cluster, workload, lay, rt, eff)
     ranges = _stage_ranges(lay)
+    modes = layer_modes(lay)
     last_rank, last_chunk = lay.pp - 1, lay.vpp - 1
-
-    layer_cache: dict[bool, PassTimes] = {}
-
-    def layer_times(i: int) -> PassTimes:
-        key = model.is_moe_layer(i)  # decoder layers differ only in being dense or MoE
-        if key not in layer_cache:
-            layer_cache[key] = ctx.block_times(decoder_layer(model, i, lay, workload, rt), lay.recompute)
-        return layer_cache[key]
-
-    emb = ctx.block_times(embedding_block(model, lay, workload), "none")
-    head = ctx.block_times(head_block(model, lay, workload), "none")
-    # P2P of one micro-batch's activations between stages; Megatron sends 1/tp with scatter-gather (SC'21 sec. 4.1).
-    p2p_bytes = ACT_BYTES * lay.mbs * workload.seq_len / lay.cp * model.hidden / lay.tp
-    p2p_s = comm.p2p(p2p_bytes, ctx.links["pp"]) if lay.pp > 1 else 0.0
 
     chunk_pass: list[list[PassTimes]] = []
     for r in range(lay.pp):
@@ -263,15 +393,15 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
         for c, (first, count) in enumerate(ranges[r]):
             t = PassTimes()
             for i in range(first, first + count):
-                t = t.plus(layer_times(i))
+                t = t.plus(ctx.layer_times(i, modes[i]))
             if r == 0 and c == 0:
-                t = t.plus(emb)
+                t = t.plus(ctx.embedding)
             if r == last_rank and c == last_chunk:
-                t = t.plus(head)
+                t = t.plus(ctx.head)
             row.append(t)
         chunk_pass.append(row)
 
-    blocking_p2p = 0.0 if rt.p2p_overlap else p2p_s
+    p2p_s, blocking_p2p = ctx.p2p_s, ctx.blocking_p2p_s
     times = [[StageTimes(t.forward + blocking_p2p, t.backward_input + blocking_p2p, t.bwd_weight_compute)
               for t in row] for row in chunk_pass]
     sched = build_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
@@ -282,6 +412,7 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
 
     # Data-parallel gradient reduction, parameter gather and optimizer step, per pipeline rank.
     m = lay.num_microbatches
+    sync = ctx.sync
     stages: list[StageReport] = []
     finish = []
     dp_exposed_per_rank = []
@@ -290,18 +421,17 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
         first = ranges[r][0][0]
         count = sum(n for _, n in ranges[r])
         params = stage_params(model, lay, range(first, first + count), r == 0, r == last_rank)
-        t_reduce, t_gather = _dp_sync_times(ctx, params)
+        t_reduce, t_gather = sync.reduce(params.dense, params.expert), sync.gather(params.dense, params.expert)
         bwd_window = sum(t.backward_input + t.bwd_weight_compute for t in chunk_pass[r])
         fwd_window = sum(t.forward for t in chunk_pass[r])
         exposed = t_reduce if not rt.overlap_grad_reduce else max(0.0, t_reduce - bwd_window)
         exposed += t_gather if not rt.overlap_param_gather else max(0.0, t_gather - fwd_window)
-        local_params = (params.dense / (lay.dp * lay.cp) + params.expert / lay.edp) if lay.zero >= 1 else (
-            params.dense + params.expert)
-        optim = local_params * ADAM_BYTES_PER_PARAM / (ctx.hbm * eff.memory_bandwidth)
+        optim = sync.optimizer(params.dense, params.expert)
         dp_exposed_per_rank.append(exposed)
         optim_per_rank.append(optim)
         finish.append(rank_end[r] + exposed + optim)
-        stages.append(StageReport(r, (first, count), _stage_memory(ctx, r, ranges[r], params, timeline), sum(timeline.peak_in_flight[r])))
+        stages.append(StageReport(r, (first, count), _stage_memory(ctx, r, ranges[r], params, timeline, modes),
+                                  sum(timeline.peak_in_flight[r])))
 
     step = max(finish)
     crit = finish.index(step)
@@ -323,59 +453,36 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
 
     tokens = workload.tokens
     model_flops = model_flops_per_step(model, workload)
-    hw_flops = model_flops + recompute_flops_per_step(model, workload, lay.recompute)
+    hw_flops = model_flops + recompute_flops_per_step(model, workload, modes)
     gpus = cluster.num_gpus
     peak = ctx.peak_fp8 if workload.dtype == "fp8" else ctx.peak16
-    return Estimate(
+    est = Estimate(
         layout=lay, runtime=rt.name, step_time_s=step, tokens_per_s=tokens / step,
         tokens_per_s_per_gpu=tokens / step / gpus, tflops_per_gpu=model_flops / step / gpus / 1e12,
         mfu=model_flops / step / gpus / peak, hfu=hw_flops / step / gpus / peak, breakdown_s=breakdown,
         stages=tuple(stages), hbm_gib=cluster.gpu.hbm_gib.value,
         bubble_fraction=timeline.bubble_fraction(),
     )
+    return Simulated(est, timeline, p2p_s)
 
 
-def _dp_sync_times(ctx: _Context, params) -> tuple[float, float]:
-    """Gradient reduction and (ZeRO >= 1) parameter all-gather for one stage's parameters.
-
-    Megatron reduces fp32 gradients when training in bf16 (--accumulate-allreduce-grads-in-fp32, arguments.py);
-    ZeRO-0 all-reduces, ZeRO >= 1 reduce-scatters gradients and all-gathers the updated 16-bit weights
-    (Megatron-LM docs, distrib_optimizer.md). ZeRO-3 / FSDP gathers the weights again for the backward.
-    """
-    lay = ctx.lay
-    reduce = gather = 0.0
-    for n_params, dim in ((params.dense, "dp_cp"), (params.expert, "edp")):
-        n, link = ctx.sizes[dim], ctx.links[dim]
-        if n <= 1 or n_params <= 0:
-            continue
-        if lay.zero == 0:
-            reduce += comm.all_reduce(4 * n_params, n, link)
-        else:
-            reduce += comm.reduce_scatter(4 * n_params, n, link)
-            gather += comm.all_gather(2 * n_params, n, link) * (2 if lay.zero == 3 else 1)
-    return reduce, gather
-
-
-def _stage_memory(ctx: _Context, rank: int, chunks: list[tuple[int, int]], params, timeline) -> MemoryBreakdown:
+def _stage_memory(ctx: CostContext, rank: int, chunks: list[tuple[int, int]], params: StageParams,
+                  timeline: Timeline, modes: tuple[str, ...]) -> MemoryBreakdown:
     model, lay, wl, rt = ctx.model, ctx.lay, ctx.wl, ctx.rt
     weights, grads, optim = model_state_bytes(params, lay)
     acts = 0.0
     for c, (first, count) in enumerate(chunks):
         held = timeline.peak_in_flight[rank][c]
-        per_mb = sum(layer_activation_bytes(model, i, lay, wl, rt, lay.recompute) for i in range(first, first + count))
+        per_mb = sum(ctx.layer_activation(i, modes[i]) for i in range(first, first + count))
         acts += held * per_mb
     if rank == 0:
         acts += sum(timeline.peak_in_flight[0]) * embedding_activation_bytes(model, lay, wl, rt)
-    if lay.recompute != "none":
+    first = chunks[0][0]
+    if lay.stage_recompute[rank].granularity != "none":
         # The layer being recomputed holds what recomputation regenerates during its backward (Korthikanti sec. 5).
-        first = chunks[0][0]
-        acts += (layer_activation_bytes(model, first, lay, wl, rt, "none")
-                 - layer_activation_bytes(model, first, lay, wl, rt, lay.recompute))
+        acts += ctx.layer_activation(first, "none") - ctx.layer_activation(first, modes[first])
     logits = logits_bytes(model, lay, wl) if rank == lay.pp - 1 else 0.0
-    buffers = RESERVED_BYTES
-    if lay.zero == 3:
-        biggest = max(model.layer_params(i) for i in range(model.num_layers)) / lay.tp
-        buffers += 2 * 2 * biggest  # two gathered 16-bit layers in flight (prefetch)
+    buffers = ctx.buffer_bytes
     sub = weights + grads + optim + acts + logits + buffers
     return MemoryBreakdown(weights, grads, optim, acts, logits, buffers, FRAGMENTATION * sub)
 
@@ -396,13 +503,15 @@ def model_flops_per_step(model: ModelSpec, wl: Workload) -> float:
     return (6 * n + attn) * wl.tokens
 
 
-def recompute_flops_per_step(model: ModelSpec, wl: Workload, recompute: str) -> float:
-    """Extra forward FLOPs recomputation executes (counted in HFU, not MFU; Korthikanti et al. 2022, sec. 6)."""
-    if recompute == "full":
-        n = model.active_params() - model.embedding_params() - model.head_params()
-        d = model.head_size if model.mla is None else model.mla.qk_head_dim
-        return (2 * n + 2 * model.num_layers * model.num_heads * wl.seq_len * d) * wl.tokens
-    if recompute == "selective":
-        d = model.head_size if model.mla is None else model.mla.qk_head_dim
-        return 2 * model.num_layers * model.num_heads * wl.seq_len * d * wl.tokens  # causal half, as above
-    return 0.0
+def recompute_flops_per_step(model: ModelSpec, wl: Workload, modes: tuple[str, ...]) -> float:
+    """Extra forward FLOPs recomputation executes (counted in HFU, not MFU; Korthikanti et al. 2022, sec. 6):
+    the whole layer's forward under full, the attention core (causal half, as above) under selective."""
+    d = model.head_size if model.mla is None else model.mla.qk_head_dim
+    core = 2 * model.num_heads * wl.seq_len * d
+    total = 0.0
+    for i, mode in enumerate(modes):
+        if mode == "full":
+            total += 2 * model.layer_params(i, active_only=True) + core
+        elif mode == "selective":
+            total += core
+    return total * wl.tokens
