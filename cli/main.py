@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from costmodels.config import DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, Workload
-from costmodels.estimate import Estimate, estimate as estimate_cost
+from costmodels.estimate import Estimate, estimate as estimate_cost, simulate_config
 from costmodels.model import ModelSpec
 from costmodels.model_io import list_zoo, load_model, load_zoo, zoo_source
 from hardware_db.cluster import Cluster, ClusterSpec, load_cluster_file
@@ -36,7 +36,7 @@ RuntimeName = Literal[tuple(RUNTIMES)]  # type: ignore[valid-type]  # choices fo
 
 app = typer.Typer(
     name="meshplan",
-    help="Parallelism planner for LLM training: estimate step time, throughput, MFU and memory of a configuration.",
+    help="Parallelism planner for LLM training: search the fastest parallel plan that fits, or estimate one.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -91,70 +91,95 @@ def _cluster(cluster_file: Optional[str], gpu: Optional[str], gpus: Optional[int
                                nvlink_gb_s=nvlink_gbs))
 
 
+# Options shared by `estimate` and `plan` (type aliases: one definition, the same help in both commands).
+ModelOpt = Annotated[str, typer.Option("--model", "-m", rich_help_panel=P_MODEL, help=(
+    "Zoo model name (`meshplan models list`), a Hugging Face config.json, a directory holding one, "
+    "or a meshplan model file (.json/.toml, docs/models.md)."))]
+GbsOpt = Annotated[int, typer.Option("--gbs", min=1, rich_help_panel=P_MODEL,
+                                     help="Global batch size per optimizer step, in sequences.")]
+SeqOpt = Annotated[int, typer.Option("--seq", min=1, rich_help_panel=P_MODEL, help="Sequence length, in tokens.")]
+DtypeOpt = Annotated[Literal["bf16", "fp16", "fp8"], typer.Option(
+    "--dtype", rich_help_panel=P_MODEL, help="GEMM precision; MFU is measured against this dtype's dense peak.")]
+GpuOpt = Annotated[Optional[str], typer.Option("--gpu", rich_help_panel=P_CLUSTER, help=(
+    "GPU name (`meshplan hardware list`, e.g. h100-sxm) or a GPU .toml file."))]
+GpusOpt = Annotated[Optional[int], typer.Option("--gpus", min=1, rich_help_panel=P_CLUSTER,
+                                                help="Total number of GPUs.")]
+PerNodeOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", min=1, rich_help_panel=P_CLUSTER, help=(
+    "GPUs per node (scale-up domain); default 8, or the GPU's NVLink domain where larger."))]
+NicOpt = Annotated[Optional[float], typer.Option("--nic-gbps", min=0.001, rich_help_panel=P_CLUSTER, help=(
+    "Scale-out NIC line rate per GPU, in Gb/s (gigabits); default: the GPU spec's."))]
+NvlinkOpt = Annotated[Optional[float], typer.Option("--nvlink-gbs", min=0.001, rich_help_panel=P_CLUSTER, help=(
+    "Scale-up (NVLink) bandwidth per GPU per direction, in GB/s (gigabytes); default: the GPU spec's."))]
+ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", rich_help_panel=P_CLUSTER, help=(
+    "Cluster file (TOML or JSON) with gpu, num_gpus and optional gpus_per_node, nic_gbps, nvlink_gb_s; "
+    "instead of --gpu/--gpus. Example: examples/clusters/dgx-h100-64.toml."))]
+TpOpt = Annotated[Optional[int], typer.Option("--tp", min=1, rich_help_panel=P_PAR, help="Tensor-parallel degree.")]
+PpOpt = Annotated[Optional[int], typer.Option("--pp", min=1, rich_help_panel=P_PAR,
+                                              help="Pipeline-parallel degree (stages).")]
+VppOpt = Annotated[Optional[int], typer.Option("--vpp", min=1, rich_help_panel=P_PAR, help=(
+    "Virtual pipeline stages (model chunks) per pipeline rank; > 1 means the interleaved schedule."))]
+DpOpt = Annotated[Optional[int], typer.Option("--dp", min=1, rich_help_panel=P_PAR, help=(
+    "Data-parallel degree (GPUs / (tp x pp x cp) when unset)."))]
+CpOpt = Annotated[Optional[int], typer.Option("--cp", min=1, rich_help_panel=P_PAR,
+                                              help="Context-parallel degree (splits the sequence).")]
+CpCommOpt = Annotated[Optional[Literal["ring", "a2a"]], typer.Option("--cp-comm", rich_help_panel=P_PAR, help=(
+    "Context-parallel communication: ring (K,V passed around a ring, overlapped with attention) or a2a "
+    "(all-to-all over heads, DeepSpeed-Ulysses)."))]
+EpOpt = Annotated[Optional[int], typer.Option("--ep", min=1, rich_help_panel=P_PAR,
+                                              help="Expert-parallel degree, MoE models only.")]
+EtpOpt = Annotated[Optional[int], typer.Option("--etp", min=1, rich_help_panel=P_PAR,
+                                               help="Expert tensor-parallel degree (estimate: default --tp).")]
+MbsOpt = Annotated[Optional[int], typer.Option("--mbs", min=1, rich_help_panel=P_PAR,
+                                               help="Micro-batch size, in sequences.")]
+ZeroOpt = Annotated[Optional[int], typer.Option("--zero", min=0, max=3, rich_help_panel=P_PAR, help=(
+    "ZeRO stage 0-3: 1 shards optimizer state (Megatron distributed optimizer), 2 also gradients, "
+    "3 also weights (FSDP)."))]
+SpOpt = Annotated[Optional[bool], typer.Option("--sp/--no-sp", rich_help_panel=P_PAR, show_default=False, help=(
+    "Sequence parallelism with TP (estimate: on when --tp > 1)."))]
+ScheduleOpt = Annotated[Optional[Literal["1f1b", "interleaved", "gpipe", "zb"]], typer.Option(
+    "--schedule", rich_help_panel=P_PAR,
+    help="Pipeline schedule (zb = zero-bubble ZB-H1; interleaved needs --vpp > 1).")]
+RuntimeOpt = Annotated[RuntimeName, typer.Option("--runtime", rich_help_panel=P_PAR, help=(
+    "Training framework behaviour: what it fuses and which communication it overlaps (docs/cost_model.md)."))]
+
+
 @app.command()
 def estimate(
-    model: Annotated[str, typer.Option("--model", "-m", rich_help_panel=P_MODEL, help=(
-        "Zoo model name (`meshplan models list`), a Hugging Face config.json, a directory holding one, "
-        "or a meshplan model file (.json/.toml, docs/models.md)."))],
-    gbs: Annotated[int, typer.Option("--gbs", min=1, rich_help_panel=P_MODEL,
-                                     help="Global batch size per optimizer step, in sequences.")] = 256,
-    seq: Annotated[int, typer.Option("--seq", min=1, rich_help_panel=P_MODEL,
-                                     help="Sequence length, in tokens.")] = 4096,
-    dtype: Annotated[Literal["bf16", "fp16", "fp8"], typer.Option(
-        "--dtype", rich_help_panel=P_MODEL,
-        help="GEMM precision; MFU is measured against this dtype's dense peak.")] = "bf16",
-    gpu: Annotated[Optional[str], typer.Option("--gpu", rich_help_panel=P_CLUSTER, help=(
-        "GPU name (`meshplan hardware list`, e.g. h100-sxm) or a GPU .toml file."))] = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, rich_help_panel=P_CLUSTER,
-                                                help="Total number of GPUs.")] = None,
-    gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", min=1, rich_help_panel=P_CLUSTER, help=(
-        "GPUs per node (scale-up domain); default 8, or the GPU's NVLink domain where larger."))] = None,
-    nic_gbps: Annotated[Optional[float], typer.Option("--nic-gbps", min=0.001, rich_help_panel=P_CLUSTER, help=(
-        "Scale-out NIC line rate per GPU, in Gb/s (gigabits); default: the GPU spec's."))] = None,
-    nvlink_gbs: Annotated[Optional[float], typer.Option("--nvlink-gbs", min=0.001, rich_help_panel=P_CLUSTER, help=(
-        "Scale-up (NVLink) bandwidth per GPU per direction, in GB/s (gigabytes); default: the GPU spec's."))] = None,
-    cluster_file: Annotated[Optional[str], typer.Option("--cluster", rich_help_panel=P_CLUSTER, help=(
-        "Cluster file (TOML or JSON) with gpu, num_gpus and optional gpus_per_node, nic_gbps, nvlink_gb_s; "
-        "instead of --gpu/--gpus. Example: examples/clusters/dgx-h100-64.toml."))] = None,
-    tp: Annotated[Optional[int], typer.Option("--tp", min=1, rich_help_panel=P_PAR,
-                                              help="Tensor-parallel degree (default 1).")] = None,
-    pp: Annotated[Optional[int], typer.Option("--pp", min=1, rich_help_panel=P_PAR,
-                                              help="Pipeline-parallel degree (stages; default 1).")] = None,
-    vpp: Annotated[Optional[int], typer.Option("--vpp", min=1, rich_help_panel=P_PAR, help=(
-        "Virtual pipeline stages (model chunks) per pipeline rank; > 1 means the interleaved schedule "
-        "(default 1)."))] = None,
-    dp: Annotated[Optional[int], typer.Option("--dp", min=1, rich_help_panel=P_PAR, help=(
-        "Data-parallel degree (default: GPUs / (tp x pp x cp)).")) ] = None,
-    cp: Annotated[Optional[int], typer.Option("--cp", min=1, rich_help_panel=P_PAR,
-                                              help="Context-parallel degree (splits the sequence; default 1).")] = None,
-    cp_comm: Annotated[Optional[Literal["ring", "a2a"]], typer.Option("--cp-comm", rich_help_panel=P_PAR, help=(
-        "Context-parallel communication: ring (K,V passed around a ring, overlapped with attention) or a2a "
-        "(all-to-all over heads, DeepSpeed-Ulysses) (default ring).")) ] = None,
-    ep: Annotated[Optional[int], typer.Option("--ep", min=1, rich_help_panel=P_PAR,
-                                              help="Expert-parallel degree, MoE models only (default 1).")] = None,
-    etp: Annotated[Optional[int], typer.Option("--etp", min=1, rich_help_panel=P_PAR,
-                                               help="Expert tensor-parallel degree (default: --tp).")] = None,
-    mbs: Annotated[Optional[int], typer.Option("--mbs", min=1, rich_help_panel=P_PAR,
-                                               help="Micro-batch size, in sequences (default 1).")] = None,
-    zero: Annotated[Optional[int], typer.Option("--zero", min=0, max=3, rich_help_panel=P_PAR, help=(
-        "ZeRO stage 0-3: 1 shards optimizer state (Megatron distributed optimizer), 2 also gradients, "
-        "3 also weights (FSDP) (default 1)."))] = None,
+    model: ModelOpt,
+    gbs: GbsOpt = 256,
+    seq: SeqOpt = 4096,
+    dtype: DtypeOpt = "bf16",
+    gpu: GpuOpt = None,
+    gpus: GpusOpt = None,
+    gpus_per_node: PerNodeOpt = None,
+    nic_gbps: NicOpt = None,
+    nvlink_gbs: NvlinkOpt = None,
+    cluster_file: ClusterOpt = None,
+    tp: TpOpt = None,
+    pp: PpOpt = None,
+    vpp: VppOpt = None,
+    dp: DpOpt = None,
+    cp: CpOpt = None,
+    cp_comm: CpCommOpt = None,
+    ep: EpOpt = None,
+    etp: EtpOpt = None,
+    mbs: MbsOpt = None,
+    zero: ZeroOpt = None,
     recompute: Annotated[Optional[Literal["none", "selective", "full"]], typer.Option(
         "--recompute", rich_help_panel=P_PAR,
         help="Activation recomputation: none, selective (attention core) or full (whole layer) (default none).")] = None,
-    sp: Annotated[Optional[bool], typer.Option("--sp/--no-sp", rich_help_panel=P_PAR, show_default=False, help=(
-        "Sequence parallelism with TP (default: on when --tp > 1)."))] = None,
-    schedule: Annotated[Optional[Literal["1f1b", "interleaved", "gpipe", "zb"]], typer.Option(
-        "--schedule", rich_help_panel=P_PAR,
-        help="Pipeline schedule (default: interleaved when --vpp > 1, else 1f1b; zb = zero-bubble).")] = None,
-    runtime: Annotated[RuntimeName, typer.Option("--runtime", rich_help_panel=P_PAR, help=(
-        "Training framework behaviour: what it fuses and which communication it overlaps "
-        "(docs/cost_model.md)."))] = DEFAULT_RUNTIME,
+    sp: SpOpt = None,
+    schedule: ScheduleOpt = None,
+    runtime: RuntimeOpt = DEFAULT_RUNTIME,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
         "Print the estimate as JSON (step_time_s, tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu, hfu, "
         "peak_memory_gib, fits, breakdown_s, stages, ...) and nothing else."))] = False,
 ) -> None:
-    """Estimate one configuration: step time and its breakdown, throughput, MFU/HFU and memory per GPU."""
+    """Estimate one configuration: step time and its breakdown, throughput, MFU/HFU and memory per GPU.
+
+    Unset knobs take defaults: tp, pp, vpp, cp, ep, mbs 1; dp fills the GPUs; ZeRO 1; recompute none;
+    sequence parallelism on with TP; schedule interleaved when vpp > 1, else 1f1b.
+    """
     spec = load_model(model)
     cluster = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
     workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
@@ -235,6 +260,197 @@ def _print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workloa
     else:
         con.print(f"[bold red]memory: does NOT fit[/] (peak {est.peak_memory_gib:.1f} GiB > {est.hbm_gib:.0f} GiB "
                   f"HBM); try more --pp/--tp, --recompute selective|full, a higher --zero or a smaller --mbs")
+
+
+# ---- plan ----------------------------------------------------------------------------------------------------------
+
+@app.command()
+def plan(
+    model: ModelOpt,
+    gbs: GbsOpt = 256,
+    seq: SeqOpt = 4096,
+    dtype: DtypeOpt = "bf16",
+    gpu: GpuOpt = None,
+    gpus: GpusOpt = None,
+    gpus_per_node: PerNodeOpt = None,
+    nic_gbps: NicOpt = None,
+    nvlink_gbs: NvlinkOpt = None,
+    cluster_file: ClusterOpt = None,
+    tp: TpOpt = None,
+    pp: PpOpt = None,
+    vpp: VppOpt = None,
+    dp: DpOpt = None,
+    cp: CpOpt = None,
+    cp_comm: CpCommOpt = None,
+    ep: EpOpt = None,
+    etp: EtpOpt = None,
+    mbs: MbsOpt = None,
+    zero: ZeroOpt = None,
+    recompute: Annotated[Optional[Literal["none", "selective", "full", "per-stage"]], typer.Option(
+        "--recompute", rich_help_panel=P_PAR, help=(
+            "Pin recomputation: none, selective, full, or per-stage (each stage none, selective or full on its "
+            "first k layers, chosen by the CP-SAT partitioner)."))] = None,
+    sp: SpOpt = None,
+    schedule: ScheduleOpt = None,
+    runtime: RuntimeOpt = DEFAULT_RUNTIME,
+    max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, rich_help_panel=P_PAR,
+                                         help="Largest micro-batch size searched.")] = 16,
+    top: Annotated[int, typer.Option("--top", min=1, rich_help_panel=P_OUT,
+                                     help="How many of the best plans to rank in the table.")] = 5,
+    time_limit: Annotated[Optional[float], typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
+        "Stop after this many seconds and return the best plan found with its proven optimality gap."))] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
+        "Write the best plan as Plan JSON (schema v1, planner/plan.schema.json) to this file."))] = None,
+    trace: Annotated[Optional[Path], typer.Option("--trace", rich_help_panel=P_OUT, help=(
+        "Write the best plan's simulated pipeline timeline as a Chrome trace (open in ui.perfetto.dev)."))] = None,
+    explain_: Annotated[bool, typer.Option("--explain", rich_help_panel=P_OUT, help=(
+        "Say why the best plan beats the runner-up and which constraint binds."))] = False,
+    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
+        "Print the best plan as Plan JSON and nothing else."))] = False,
+) -> None:
+    """Search every parallel configuration and return the fastest that fits, proven optimal under the cost model.
+
+    Every knob flag pins that knob; the others are searched: tp (within a node), cp, pp with uneven stages or
+    virtual stages, dp, ep/etp (MoE), micro-batch size, ZeRO 0-3, recomputation (also per stage), sequence
+    parallelism and the schedule. The table ranks the best --top plans; the account below it says how large the
+    space was, what was pruned by which bound, what was infeasible and why, and whether optimality is proven.
+    """
+    from planner.explain import explain
+    from planner.plan import build_plan, write_plan
+    from planner.search import search
+    from planner.space import Pins
+    from planner.trace import chrome_trace, write_trace
+
+    spec = load_model(model)
+    cluster = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
+    workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
+    pins = Pins(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
+                recompute=recompute, sp=sp, schedule=schedule, max_mbs=max_mbs)
+    with _progress(not as_json) as bar:
+        result = search(spec, cluster, workload, pins, runtime, top_k=top, time_limit_s=time_limit, progress=bar)
+    if not result.plans:
+        raise InputError(result.why_nothing_fits or "no plan fits")
+    best = result.plans[0]
+    sim = simulate_config(spec, cluster, workload, best.config, runtime)
+    doc = build_plan(spec, cluster, workload, best.config, sim, runtime, account=result.account, rank=1,
+                     bound_s=best.bound_s, partition_status=best.partition_status)
+    if out is not None:
+        write_plan(doc, out)
+    if trace is not None:
+        write_trace(chrome_trace(sim), trace)
+    if as_json:
+        typer.echo(doc.model_dump_json(indent=2))
+        return
+    con = _console()
+    _print_ranking(con, spec, cluster, workload, result)
+    if explain_:
+        for line in explain(result):
+            con.print(line)
+    if out is not None:
+        con.print(f"plan written to {out}")
+    if trace is not None:
+        con.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
+
+
+class _progress:
+    """A transient rich progress bar on stderr over the search's candidate groups (only on a terminal)."""
+
+    def __init__(self, enabled: bool):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        self.enabled = enabled and sys.stderr.isatty()
+        self.bar = Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.completed}/{task.total} groups"),
+                            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                            disable=not self.enabled)
+        self.task = None
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.task is None:
+            self.task = self.bar.add_task("search", total=total)
+        self.bar.update(self.task, completed=done, total=total)
+
+
+def _stages_text(lay) -> str:
+    if lay.pp == 1:
+        return str(sum(lay.stage_layers))
+    text = "-".join(map(str, lay.stage_layers)) if len(set(lay.stage_layers)) > 1 else f"{lay.pp}x{lay.stage_layers[0]}"
+    return text if lay.vpp == 1 else f"{text} /{lay.vpp}v"
+
+
+def _recompute_text(lay) -> str:
+    if lay.recompute != "per-stage":
+        return lay.recompute
+    return ",".join(p.label(n) for p, n in zip(lay.stage_recompute, lay.stage_layers))
+
+
+def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload, result) -> None:
+    acc = result.account
+    moe = spec.moe is not None
+    con.print(f"[bold]{spec.name}[/] on {cluster.num_gpus} x {cluster.gpu.display_name} ({cluster.num_nodes} node(s) "
+              f"of {cluster.gpus_per_node}); {wl.global_batch} x {wl.seq_len} tokens per step, {wl.dtype}")
+    t = Table(title=f"Best {len(result.plans)} plans (predicted)", title_justify="left")
+    cols = ["#", "tp", "cp", "pp", "dp"] + (["ep", "etp"] if moe else []) + [
+        "mbs", "zero", "sp", "recompute", "schedule", "layers/stage", "step s", "tok/s/GPU", "MFU %", "peak GiB"]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("recompute", "schedule", "layers/stage") else "right")
+    for n, p in enumerate(result.plans, 1):
+        e, lay = p.estimate, p.estimate.layout
+        row = [str(n), str(lay.tp), str(lay.cp) + ("" if lay.cp == 1 else f" {lay.cp_comm}"), str(lay.pp), str(lay.dp)]
+        if moe:
+            row += [str(lay.ep), str(lay.etp)]
+        row += [str(lay.mbs), str(lay.zero), "on" if lay.sp else "off", _recompute_text(lay), lay.schedule,
+                _stages_text(lay), f"{e.step_time_s:.3f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{100 * e.mfu:.1f}",
+                f"{e.peak_memory_gib:.1f}"]
+        t.add_row(*row)
+    con.print(t)
+    pruned = ", ".join(f"{v:,} by {k}" for k, v in sorted(acc.pruned.items(), key=lambda x: -x[1])) or "none"
+    infeasible = ", ".join(f"{v:,} {k}" for k, v in sorted(acc.infeasible.items(), key=lambda x: -x[1])) or "none"
+    con.print(f"search: {acc.space_size:,} candidates in the space; {acc.evaluated:,} simulated, {acc.bounded:,} "
+              f"partition bounds solved ({acc.cpsat_calls} with CP-SAT); {acc.seconds:.2f} s")
+    con.print(f"  pruned: {pruned}")
+    con.print(f"  infeasible: {infeasible}")
+    if acc.status == "optimal":
+        con.print("[green]optimal[/]: no candidate in the space is predicted faster (proven by the bounds above)")
+    else:
+        con.print(f"[yellow]{acc.status}[/]: the best plan is within {100 * acc.gap:.2f} % of optimal "
+                  f"(no candidate can beat {acc.lower_bound_s:.3f} s)")
+
+
+@app.command()
+def show(
+    plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan --out`.")],
+    trace: Annotated[Optional[Path], typer.Option("--trace", help=(
+        "Also write the plan's simulated pipeline timeline as a Chrome trace (open in ui.perfetto.dev)."))] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the validated plan as JSON.")] = False,
+) -> None:
+    """Print a plan file readably (and re-simulate it for --trace); refuses plans of another schema version."""
+    from planner.plan import plan_config, read_plan
+    from planner.trace import chrome_trace, write_trace
+
+    doc = read_plan(plan_file)
+    if as_json:
+        typer.echo(doc.model_dump_json(indent=2))
+    else:
+        spec, cluster, wl, cfg, runtime = plan_config(doc)
+        con = _console()
+        con.print(f"plan {plan_file} (schema v{doc.schema_version}, meshplan {doc.meshplan_version})")
+        sim = simulate_config(spec, cluster, wl, cfg, runtime)
+        _print_estimate(con, spec, cluster, wl, sim.estimate)
+        if doc.search is not None:
+            s = doc.search
+            con.print(f"search: rank {s.rank}, {s.status} (gap {100 * s.gap:.2f} %), {s.space_size:,} candidates, "
+                      f"{s.evaluated:,} simulated, {s.seconds:.2f} s")
+    if trace is not None:
+        spec, cluster, wl, cfg, runtime = plan_config(doc)
+        write_trace(chrome_trace(simulate_config(spec, cluster, wl, cfg, runtime)), trace)
+        if not as_json:
+            _console().print(f"trace written to {trace}")
 
 
 # ---- models --------------------------------------------------------------------------------------------------------

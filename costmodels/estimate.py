@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -231,13 +233,40 @@ class CostContext:
         self.sizes = sizes
         self.links = {d: group_link(cluster, group_ranks(d, lay)) for d in sizes}
         self._layer_times: dict[tuple[bool, str], PassTimes] = {}
+        self._layer_passes: dict[bool, tuple[PassTimes, float]] = {}
         self._layer_acts: dict[tuple[bool, str], float] = {}
         self._layer_params: dict[bool, StageParams] = {}
+
+    def derive(self, lay: Layout) -> "CostContext":
+        """The same costs for a layout that differs only in stage partition or recomputation (what the planner
+        varies once the mesh, micro-batch, ZeRO stage and schedule are fixed)."""
+        mine = dataclasses.replace(self.lay, stage_layers=lay.stage_layers, stage_recompute=lay.stage_recompute,
+                                   recompute=lay.recompute)
+        if mine != lay:
+            raise ValueError("derive() needs the same mesh, micro-batch, ZeRO stage and schedule")
+        other = copy.copy(self)
+        other.lay = lay
+        return other
+
+    def share_layer_cache(self, other: "CostContext") -> None:
+        """Reuse another context's per-layer costs: valid when tp, cp, cp_comm, sp, mbs, ep and etp agree."""
+        for name in ("tp", "cp", "cp_comm", "sp", "mbs", "ep", "etp"):
+            if getattr(self.lay, name) != getattr(other.lay, name):
+                raise ValueError(f"layer costs differ in {name}")
+        self._layer_times, self._layer_acts = other._layer_times, other._layer_acts
+        self._layer_params, self._layer_passes = other._layer_params, other._layer_passes
+        for name in ("embedding", "head"):
+            if name in other.__dict__:
+                self.__dict__[name] = other.__dict__[name]
 
     def layer_times(self, i: int, mode: str) -> PassTimes:
         key = (self.model.is_moe_layer(i), mode)
         if key not in self._layer_times:
-            self._layer_times[key] = self.block_times(decoder_layer(self.model, i, self.lay, self.wl, self.rt), mode)
+            if key[0] not in self._layer_passes:
+                block = decoder_layer(self.model, i, self.lay, self.wl, self.rt)
+                self._layer_passes[key[0]] = self._block_passes(block)
+            base, selective = self._layer_passes[key[0]]
+            self._layer_times[key] = _with_recompute(base, mode, selective)
         return self._layer_times[key]
 
     def layer_activation(self, i: int, mode: str) -> float:
@@ -309,6 +338,11 @@ class CostContext:
         return buffers
 
     def block_times(self, block: Block, recompute: str) -> PassTimes:
+        base, selective = self._block_passes(block)
+        return _with_recompute(base, recompute, selective)
+
+    def _block_passes(self, block: Block) -> tuple[PassTimes, float]:
+        """The block's passes without recomputation, and the forward time of its selective-recompute operators."""
         fwd = bwd_i = bwd_w = sel = 0.0
         attn_core = 0.0
         for op in block.ops:
@@ -334,15 +368,17 @@ class CostContext:
                 tb = max(0.0, tb - 2.5 * attn_core)
             fwd_comm[c.dim] = fwd_comm.get(c.dim, 0.0) + tf
             bwd_comm[c.dim] = bwd_comm.get(c.dim, 0.0) + tb
-        re = 0.0
-        if recompute == "full":
-            re = fwd + sum(fwd_comm.values())  # the whole forward again, its communication included
-        elif recompute == "selective":
-            re = sel
-        return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, re)
+        return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, 0.0), sel
 
 
-def _stage_ranges(lay: Layout) -> list[list[tuple[int, int]]]:
+def _with_recompute(base: PassTimes, recompute: str, selective_s: float) -> PassTimes:
+    """Full recomputation re-runs the whole forward, its communication included; selective only the attention core
+    (Korthikanti et al. 2022, sec. 5)."""
+    re = base.forward if recompute == "full" else selective_s if recompute == "selective" else 0.0
+    return PassTimes(base.fwd_compute, base.bwd_input_compute, base.bwd_weight_compute, base.fwd_comm, base.bwd_comm, re)
+
+
+def stage_ranges(lay: Layout) -> list[list[tuple[int, int]]]:
     """Per pipeline rank, per chunk: (first layer, count)."""
     chunks = lay.chunk_layers()
     return [[chunks[c * lay.pp + r] for c in range(lay.vpp)] for r in range(lay.pp)]
@@ -351,7 +387,7 @@ def _stage_ranges(lay: Layout) -> list[list[tuple[int, int]]]:
 def layer_modes(lay: Layout) -> tuple[str, ...]:
     """Recompute mode of every decoder layer: a stage's policy applies to its layers in model order."""
     modes = [""] * sum(lay.stage_layers)
-    for r, chunks in enumerate(_stage_ranges(lay)):
+    for r, chunks in enumerate(stage_ranges(lay)):
         position = 0
         for first, count in chunks:
             for i in range(first, first + count):
@@ -377,13 +413,15 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
 
 def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
                     runtime: str = DEFAULT_RUNTIME, efficiency: Efficiency | None = None,
-                    context: CostContext | None = None) -> Simulated:
-    """estimate() that also returns the timeline; `context` reuses cached layer costs of the same mesh."""
+                    context: CostContext | None = None, timelines: dict | None = None) -> Simulated:
+    """estimate() that also returns the timeline; `context` reuses cached layer costs of the same mesh, and
+    `timelines` (a dict the caller keeps) reuses the simulation of identical stage times (a planner's ZeRO
+    variants share their pipeline and differ only after it)."""
     lay = resolve(model, cluster.num_gpus, workload, cfg)
     rt = get_runtime(runtime)
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
-    ctx = context if context is not None and context.lay == lay else CostContext(model, cluster, workload, lay, rt, eff)
-    ranges = _stage_ranges(lay)
+    ctx = context.derive(lay) if context is not None else CostContext(model, cluster, workload, lay, rt, eff)
+    ranges = stage_ranges(lay)
     modes = layer_modes(lay)
     last_rank, last_chunk = lay.pp - 1, lay.vpp - 1
 
@@ -404,8 +442,13 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     p2p_s, blocking_p2p = ctx.p2p_s, ctx.blocking_p2p_s
     times = [[StageTimes(t.forward + blocking_p2p, t.backward_input + blocking_p2p, t.bwd_weight_compute)
               for t in row] for row in chunk_pass]
-    sched = build_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
-    timeline = simulate(sched, times, p2p_s, split_weight=lay.schedule == "zb")
+    key = (lay.schedule, lay.num_microbatches, p2p_s, tuple(tuple(row) for row in times))
+    timeline = timelines.get(key) if timelines is not None else None
+    if timeline is None:
+        sched = build_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+        timeline = simulate(sched, times, p2p_s, split_weight=lay.schedule == "zb")
+        if timelines is not None:
+            timelines[key] = timeline
     rank_end = [0.0] * lay.pp
     for r, _, _, end in timeline.events:
         rank_end[r] = max(rank_end[r], end)

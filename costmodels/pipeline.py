@@ -99,6 +99,15 @@ def simulate(schedule: list[list[Pass]], times: list[list[StageTimes]], p2p_s: f
     input-gradient only and its weight pass is queued: a rank runs a queued W whenever its next F/B would wait,
     or before a forward that would hold more micro-batches than 1F1B does.
     """
+    if not split_weight:
+        return _simulate_fixed_order(schedule, times, p2p_s)
+    return simulate_events(schedule, times, p2p_s, split_weight)
+
+
+def simulate_events(schedule: list[list[Pass]], times: list[list[StageTimes]], p2p_s: float = 0.0,
+                    split_weight: bool = False) -> Timeline:
+    """The discrete-event simulation proper (a priority queue of ranks by their next start time); simulate()
+    uses it where weight passes must be placed, and the fixed-order sweep elsewhere (tests check they agree)."""
     pp = len(schedule)
     vpp = len(times[0])
     last_stage = pp * vpp - 1
@@ -184,6 +193,72 @@ def simulate(schedule: list[list[Pass]], times: list[list[StageTimes]], p2p_s: f
             push(q)
     if any(cursor[r] < len(schedule[r]) or pending_w[r] for r in range(pp)):
         raise RuntimeError("pipeline schedule deadlocked (a pass waits on one that never runs)")
+    return Timeline(max(free_at), tuple(busy), tuple(events), tuple(tuple(x) for x in peak))
+
+
+def _simulate_fixed_order(schedule: list[list[Pass]], times: list[list[StageTimes]], p2p_s: float) -> Timeline:
+    """The same simulation when every rank's order is fixed (no weight passes to place): each pass starts at
+    max(its rank is free, its input arrived), so sweeping the ranks in turn and running every pass whose input is
+    ready gives the event simulation's times exactly, without a priority queue."""
+    pp = len(schedule)
+    vpp = len(times[0])
+    last_stage = pp * vpp - 1
+    fwd_done: dict[tuple[int, int], float] = {}  # (micro-batch, model stage) -> end
+    bwd_done: dict[tuple[int, int], float] = {}
+    cursor = [0] * pp
+    free_at = [0.0] * pp
+    busy = [0.0] * pp
+    events: list[tuple[int, Pass, float, float]] = []
+    in_flight = [[0] * vpp for _ in range(pp)]
+    peak = [[0] * vpp for _ in range(pp)]
+    peak_total = [0] * pp
+    remaining = sum(len(s) for s in schedule)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            seq = schedule[r]
+            while cursor[r] < len(seq):
+                p = seq[cursor[r]]
+                stage = p.chunk * pp + r
+                t = times[r][p.chunk]
+                if p.kind == "F":
+                    if stage == 0:
+                        ready = 0.0
+                    else:
+                        dep = fwd_done.get((p.microbatch, stage - 1))
+                        if dep is None:
+                            break
+                        ready = dep + p2p_s
+                    cost = t.forward
+                else:
+                    if stage == last_stage:
+                        ready = fwd_done[(p.microbatch, stage)]  # own forward, already run in this rank's order
+                    else:
+                        dep = bwd_done.get((p.microbatch, stage + 1))
+                        if dep is None:
+                            break
+                        ready = dep + p2p_s
+                    cost = t.backward
+                start = max(free_at[r], ready)
+                end = start + cost
+                free_at[r] = end
+                busy[r] += cost
+                events.append((r, p, start, end))
+                cursor[r] += 1
+                remaining -= 1
+                progressed = True
+                if p.kind == "F":
+                    fwd_done[(p.microbatch, stage)] = end
+                    in_flight[r][p.chunk] += 1
+                    if sum(in_flight[r]) > peak_total[r]:
+                        peak_total[r] = sum(in_flight[r])
+                        peak[r] = list(in_flight[r])
+                else:
+                    bwd_done[(p.microbatch, stage)] = end
+                    in_flight[r][p.chunk] -= 1
+        if not progressed:
+            raise RuntimeError("pipeline schedule deadlocked (a pass waits on one that never runs)")
+    events.sort(key=lambda e: (e[2], e[0]))
     return Timeline(max(free_at), tuple(busy), tuple(events), tuple(tuple(x) for x in peak))
 
 

@@ -60,6 +60,7 @@ class Cluster:
                 f"{spec.num_gpus} GPUs do not fill whole nodes of {self.gpus_per_node}; "
                 f"use a multiple of {self.gpus_per_node} or set --gpus-per-node"
             )
+        self._link_cache: dict[tuple, tuple[float, float, bool]] = {}
         eff = self.gpu.efficiency
         self.scaleup = LinkLevel(
             "scale-up",
@@ -102,6 +103,13 @@ class Cluster:
 
     def group_link(self, ranks: tuple[int, ...], scaleup_fraction: float = 1.0,
                    scaleout_fraction: float = 1.0) -> tuple[float, float, bool]:
+        key = (ranks, scaleup_fraction, scaleout_fraction)
+        if key not in self._link_cache:  # the planner asks for the same groups across thousands of candidates
+            self._link_cache[key] = self._group_link(ranks, scaleup_fraction, scaleout_fraction)
+        return self._link_cache[key]
+
+    def _group_link(self, ranks: tuple[int, ...], scaleup_fraction: float,
+                    scaleout_fraction: float) -> tuple[float, float, bool]:
         """(bus bandwidth per rank in bytes/s, per-step latency in s, crosses nodes) for a ring over `ranks`,
         read off the graph: where each rank sits and the bandwidth of the links it would use.
 

@@ -1,0 +1,79 @@
+"""Full-space search speed: nothing pinned, the four cases of issue 3, each with its optimality status.
+
+Usage:  python benchmarks/search_speed.py [--markdown] [--repeat N]
+
+Targets (benchmarks/RESULTS.md): each case <= 5 s wall on a 2-core machine, Llama-3.1-70B <= 1 s, optimality
+proven. The wall time is the median of --repeat runs of planner.search.search() in one process (imports and the
+model load excluded; the cluster graph is rebuilt every run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from costmodels.config import Workload  # noqa: E402
+from costmodels.model_io import load_model  # noqa: E402
+from hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
+from planner.search import search  # noqa: E402
+
+CASES = [  # (label, model, gpu, gpus, global batch, seq, target seconds)
+    ("Llama-3.1-405B, 16,384 H100", "llama3.1-405b", "h100-sxm", 16384, 2048, 8192, 5.0),
+    ("DeepSeek-V3, 2,048 H800", "deepseek-v3", "h800", 2048, 15360, 4096, 5.0),
+    ("GPT-3 175B, 1,024 A100-80GB", "gpt3-175b", "a100-80gb", 1024, 1536, 2048, 5.0),
+    ("Llama-3.1-70B, 64 H100", "llama3.1-70b", "h100-sxm", 64, 256, 8192, 1.0),
+]
+
+
+def run_case(model: str, gpu: str, gpus: int, gbs: int, seq: int, repeat: int):
+    spec = load_model(model)
+    wl = Workload(global_batch=gbs, seq_len=seq)
+    times, result = [], None
+    for _ in range(repeat):
+        cluster = Cluster(ClusterSpec(gpu=gpu, num_gpus=gpus))
+        t0 = time.perf_counter()
+        result = search(spec, cluster, wl, top_k=5)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    rows = []
+    for label, model, gpu, gpus, gbs, seq, target in CASES:
+        wall, res = run_case(model, gpu, gpus, gbs, seq, args.repeat)
+        acc = res.account
+        best = res.plans[0].estimate if res.plans else None
+        lay = best.layout if best else None
+        plan = (f"tp{lay.tp} cp{lay.cp} pp{lay.pp}{'' if lay.vpp == 1 else f'x{lay.vpp}'} dp{lay.dp}"
+                f"{f' ep{lay.ep} etp{lay.etp}' if lay.ep > 1 else ''} mbs{lay.mbs} z{lay.zero} {lay.recompute} "
+                f"{lay.schedule}" if lay else "none")
+        rows.append((label, wall, target, acc, plan, best))
+    if args.markdown:
+        print("| case | wall s (median) | target s | status | gap | space | simulated | bounds solved | best plan | step s | MFU |")
+        print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+        for label, wall, target, acc, plan, best in rows:
+            print(f"| {label} | {wall:.2f} | {target:g} | {acc.status} | {100 * acc.gap:.2f}% | {acc.space_size:,} | "
+                  f"{acc.evaluated:,} | {acc.bounded:,} | {plan} | {best.step_time_s:.2f} | {100 * best.mfu:.1f}% |")
+    else:
+        for label, wall, target, acc, plan, best in rows:
+            ok = "ok" if wall <= target and acc.status == "optimal" else "MISS"
+            print(f"{label:32s} {wall:6.2f} s (target {target:g})  {acc.status} gap {100 * acc.gap:.2f}%  "
+                  f"space {acc.space_size:,} simulated {acc.evaluated:,} bounds {acc.bounded:,}  [{ok}]")
+            print(f"    best: {plan}  {best.step_time_s:.2f} s/step  MFU {100 * best.mfu:.1f}%")
+            print(f"    pruned: {acc.pruned}")
+            print(f"    infeasible: {acc.infeasible}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,975 @@
+"""Pipeline stage partitioning: which contiguous decoder layers each pipeline rank runs, and what it recomputes.
+
+The objective J is a lower bound on the event-simulated step time (costmodels/pipeline.py) that is tight when no
+stage stalls (meshplan docs/cost_model.md, pipeline bounds). Three solvers minimise it over the same feasible set:
+solve_dp (exact, one recomputation policy on every stage), solve_cpsat (OR-Tools CP-SAT, also per-stage policies)
+and brute_force (enumeration, the test oracle). All results come out of one float evaluation, evaluate().
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+Schedule = Literal["1f1b", "gpipe", "zb"]
+Granularity = Literal["none", "selective", "full"]
+CpPolicies = Literal["uniform-none", "uniform-selective", "uniform-full", "per-stage"]
+
+SCHEDULES = ("1f1b", "gpipe", "zb")
+GRANULARITIES = ("none", "selective", "full")
+CP_POLICIES = ("uniform-none", "uniform-selective", "uniform-full", "per-stage")
+TIE_RTOL = 1e-12  # objectives this close (relative) count as equal; the smallest boundaries win
+NS_PER_S = 1e9  # CP-SAT times are integer nanoseconds
+
+
+def _check_number(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_numbers(name: str, values) -> tuple[float, ...]:
+    """A sequence of finite numbers >= 0 as a tuple of floats (vectorised: the planner builds thousands)."""
+    try:
+        arr = np.asarray(values, dtype=float)
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or arr.ndim != 1:
+        for i, v in enumerate(values):  # name the first offending entry
+            _check_number(f"{name}[{i}]", v)
+        raise ValueError(f"{name} must be a sequence of numbers")
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        _check_number(f"{name}[{i}]", values[i])
+    return tuple(arr.tolist())
+
+
+@dataclass(frozen=True)
+class SyncModel:
+    """Per-stage time after the stage's last backward: exposed DP gradient reduce, exposed param gather, optimizer.
+    A collective over P parameters takes alpha + beta * P seconds when P > 0 (alpha-beta ring model), else 0."""
+
+    reduce_alpha_dense: float
+    reduce_beta_dense: float
+    reduce_alpha_expert: float
+    reduce_beta_expert: float
+    gather_alpha_dense: float
+    gather_beta_dense: float
+    gather_alpha_expert: float
+    gather_beta_expert: float
+    overlap_reduce: bool  # True: only max(0, reduce - backward_window) is exposed
+    overlap_gather: bool  # True: only max(0, gather - forward_window) is exposed
+    optimizer_s_per_dense_param: float
+    optimizer_s_per_expert_param: float
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("overlap_"):
+                if not isinstance(value, (bool, np.bool_)):
+                    raise ValueError(f"{f.name} must be a bool, got {value!r}")
+                object.__setattr__(self, f.name, bool(value))
+            else:
+                object.__setattr__(self, f.name, _check_number(f.name, value))
+
+    @classmethod
+    def zero(cls) -> "SyncModel":
+        """No data parallelism: nothing to reduce, gather or update after the last backward."""
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False, False, 0.0, 0.0)
+
+
+_LAYER_FIELDS = ("layer_forward", "layer_backward", "layer_selective_extra", "layer_full_extra", "layer_state_bytes",
+                 "layer_act_none", "layer_act_selective", "layer_act_full", "layer_params_dense",
+                 "layer_params_expert")
+_SCALAR_FIELDS = ("first_forward", "first_backward", "first_state_bytes", "first_act_bytes", "first_params_dense",
+                  "last_forward", "last_backward", "last_state_bytes", "last_fixed_bytes", "last_params_dense",
+                  "stage_forward_extra", "stage_backward_extra", "hop_s", "fixed_bytes", "fragmentation",
+                  "memory_cap_bytes")
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """L decoder layers cut into p contiguous stages; seconds per micro-batch, bytes per GPU.
+
+    Stage 0 also runs the embedding ("first" block), stage p-1 the LM head and loss ("last" block)."""
+
+    num_stages: int  # p
+    num_microbatches: int  # m
+    schedule: Schedule
+    layer_forward: tuple[float, ...]  # len L, forward time of layer i
+    layer_backward: tuple[float, ...]  # len L, backward time (input + weight grads) without recomputation
+    layer_selective_extra: tuple[float, ...]  # extra backward time of layer i under selective recompute
+    layer_full_extra: tuple[float, ...]  # extra backward time of layer i under full recompute
+    layer_state_bytes: tuple[float, ...]  # weights + gradients + optimizer states of layer i (one GPU)
+    layer_act_none: tuple[float, ...]  # activation bytes layer i keeps per micro-batch, no recompute
+    layer_act_selective: tuple[float, ...]
+    layer_act_full: tuple[float, ...]
+    layer_params_dense: tuple[float, ...]  # parameters of layer i on one GPU, replicated over the dense DP group
+    layer_params_expert: tuple[float, ...]  # parameters of layer i on one GPU, replicated over the expert DP group
+    first_forward: float
+    first_backward: float
+    first_state_bytes: float
+    first_act_bytes: float  # per held micro-batch
+    first_params_dense: float
+    last_forward: float
+    last_backward: float
+    last_state_bytes: float
+    last_fixed_bytes: float  # logits buffer
+    last_params_dense: float
+    stage_forward_extra: float  # added to every stage's forward (blocking P2P), may be 0
+    stage_backward_extra: float  # added to every stage's backward
+    hop_s: float  # P2P latency between adjacent stages (non-blocking transfer)
+    fixed_bytes: float  # per-GPU buffers on every stage
+    fragmentation: float  # memory total = (sum of parts) * (1 + fragmentation)
+    memory_cap_bytes: float
+    sync: SyncModel
+
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "num_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        lengths = set()
+        for name in _LAYER_FIELDS:
+            values = getattr(self, name)
+            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+                raise ValueError(f"{name} must be a sequence of numbers")
+            object.__setattr__(self, name, _check_numbers(name, values))
+            lengths.add(len(values))
+        if len(lengths) != 1:
+            raise ValueError(f"per-layer sequences differ in length: {sorted(lengths)}")
+        for name in _SCALAR_FIELDS:
+            object.__setattr__(self, name, _check_number(name, getattr(self, name)))
+        if not isinstance(self.sync, SyncModel):
+            raise ValueError("sync must be a SyncModel")
+        if self.num_layers < self.num_stages:
+            raise ValueError(f"{self.num_layers} layers cannot fill {self.num_stages} non-empty stages")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_forward)
+
+    def held_microbatches(self, r: int) -> int:
+        """Micro-batches whose activations rank r holds at its peak: 1F1B and ZB-H1 keep p - r in flight
+        (Narayanan et al. 2021, sec. 2.2; Qi et al. 2024, sec. 3.1), GPipe all m (Huang et al. 2019)."""
+        if self.schedule == "gpipe":
+            return self.num_microbatches
+        return min(self.num_stages - r, self.num_microbatches)
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """A stage's activation recomputation. "full" recomputes its first full_layers layers in full, the rest not."""
+
+    granularity: Granularity
+    full_layers: int = 0  # for "full": 1 <= k <= the stage's layer count (checked against the stage)
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        k = self.full_layers
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+            raise ValueError(f"full_layers must be an int, got {k!r}")
+        object.__setattr__(self, "full_layers", int(k))
+        if self.granularity == "full" and k < 1:
+            raise ValueError("full recomputation needs full_layers >= 1")
+        if self.granularity != "full" and k != 0:
+            raise ValueError(f"{self.granularity!r} takes full_layers 0, got {k}")
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    """One partition and its float evaluation (seconds, bytes per GPU)."""
+
+    boundaries: tuple[int, ...]
+    policies: tuple[StagePolicy, ...]
+    objective: float  # J = max_r J_r
+    stage_objective: tuple[float, ...]  # J_r
+    stage_memory_bytes: tuple[float, ...]
+    stage_time: tuple[float, ...]  # t_r = f_r + b_r
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.boundaries, self.boundaries[1:]))
+
+    @property
+    def binding_stage(self) -> int:
+        """The rank whose J_r is J (the first one on ties)."""
+        return self.stage_objective.index(max(self.stage_objective))
+
+
+# ---- prefix tables and the per-stage terms (scalar and numpy-vectorised alike) ---------------------------------------
+
+@dataclass(frozen=True)
+class _Tables:
+    """Prefix sums over layers (entry x = sum of layers [0, x)) and per-layer recompute peaks, padded to L + 1.
+
+    evaluate() and solve_dp() read stage sums from the same tables with the same operations, so a stage's memory is
+    bit-identical in both and the DP's feasibility is exactly evaluate()'s."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    sel: np.ndarray
+    full: np.ndarray
+    zero: np.ndarray
+    state: np.ndarray
+    act_none: np.ndarray
+    act_sel: np.ndarray
+    act_full: np.ndarray
+    act_min: np.ndarray
+    dense: np.ndarray
+    expert: np.ndarray
+    peak_sel: np.ndarray
+    peak_full: np.ndarray
+
+
+def _prefix(values) -> np.ndarray:
+    out = np.zeros(len(values) + 1)
+    np.cumsum(np.asarray(values, dtype=float), out=out[1:])
+    return out
+
+
+def _tables(pr: PartitionProblem) -> _Tables:
+    """Prefix sums of the per-layer values, built once per problem (the problem is immutable)."""
+    cached = pr.__dict__.get("_tables")
+    if cached is None:
+        cached = _build_tables(pr)
+        object.__setattr__(pr, "_tables", cached)
+    return cached
+
+
+def _build_tables(pr: PartitionProblem) -> _Tables:
+    act_none, act_sel, act_full = (np.asarray(v) for v in (pr.layer_act_none, pr.layer_act_selective,
+                                                           pr.layer_act_full))
+    return _Tables(
+        fwd=_prefix(pr.layer_forward), bwd=_prefix(pr.layer_backward), sel=_prefix(pr.layer_selective_extra),
+        full=_prefix(pr.layer_full_extra), zero=np.zeros(pr.num_layers + 1), state=_prefix(pr.layer_state_bytes),
+        act_none=_prefix(act_none), act_sel=_prefix(act_sel), act_full=_prefix(act_full),
+        act_min=_prefix(np.minimum(np.minimum(act_none, act_sel), act_full)),
+        dense=_prefix(pr.layer_params_dense), expert=_prefix(pr.layer_params_expert),
+        # The first layer is recomputed during its own backward and briefly holds all it regenerates
+        # (Korthikanti et al. 2022, sec. 5).
+        peak_sel=np.append(act_none - act_sel, 0.0), peak_full=np.append(act_none - act_full, 0.0),
+    )
+
+
+def _cuts(t: _Tables, pol: StagePolicy, i: int, j: int) -> tuple[int, int, float]:
+    """(c, d, peak): layers [i, c) recompute in full, [i, d) selectively; at most one of the two is non-empty."""
+    if pol.granularity == "selective":
+        return i, j, float(t.peak_sel[i])
+    if pol.granularity == "full":
+        return i + pol.full_layers, i, float(t.peak_full[i])
+    return i, i, 0.0
+
+
+def _forward_const(pr: PartitionProblem, r: int) -> float:
+    p = pr.num_stages
+    return (pr.first_forward if r == 0 else 0.0) + (pr.last_forward if r == p - 1 else 0.0) + pr.stage_forward_extra
+
+
+def _backward_const(pr: PartitionProblem, r: int) -> float:
+    p = pr.num_stages
+    return (pr.first_backward if r == 0 else 0.0) + (pr.last_backward if r == p - 1 else 0.0) + pr.stage_backward_extra
+
+
+@dataclass(frozen=True)
+class _LayerSums:
+    """Sums over a stage's layers [i, j): floats, or arrays over the whole (i, j) grid at once."""
+
+    fwd: object
+    bwd: object
+    extra: object  # recompute extra of [i, d) (selective) and [i, c) (full)
+    state: object
+    act: object  # activation bytes per held micro-batch
+    dense: object
+    expert: object
+
+
+def _layer_sums(t: _Tables, i, j, c, d, relaxed: bool) -> _LayerSums:
+    """act_full on [i, c), act_selective on [i, d), act_none on the rest (c + d - i ends whichever recomputed part is
+    non-empty). relaxed: each layer's smallest activations, a bound over every policy."""
+    if relaxed:
+        act = t.act_min[j] - t.act_min[i]
+    else:
+        act = ((t.act_full[c] - t.act_full[i]) + (t.act_sel[d] - t.act_sel[i])
+               + (t.act_none[j] - t.act_none[c + d - i]))
+    return _LayerSums(fwd=t.fwd[j] - t.fwd[i], bwd=t.bwd[j] - t.bwd[i],
+                      extra=(t.sel[d] - t.sel[i]) + (t.full[c] - t.full[i]), state=t.state[j] - t.state[i],
+                      act=act, dense=t.dense[j] - t.dense[i], expert=t.expert[j] - t.expert[i])
+
+
+def _stage_forward(pr, r, s: _LayerSums):
+    """f_r (meshplan docs/cost_model.md, pipeline bounds)."""
+    return s.fwd + _forward_const(pr, r)
+
+
+def _stage_backward(pr, r, s: _LayerSums):
+    """b_r: backward, recompute extra, the first/last blocks' backward and the blocking P2P."""
+    return s.bwd + s.extra + _backward_const(pr, r)
+
+
+def _stage_memory(pr, r, s: _LayerSums, peak):
+    """memory_r = (state + held x activations + recompute peak + buffers) x (1 + fragmentation)
+    (meshplan docs/cost_model.md, pipeline bounds; Korthikanti et al. 2022, sec. 4-5)."""
+    p = pr.num_stages
+    const = (pr.first_state_bytes if r == 0 else 0.0) + (pr.last_state_bytes + pr.last_fixed_bytes if r == p - 1
+                                                         else 0.0)
+    per_mb = s.act + (pr.first_act_bytes if r == 0 else 0.0)
+    return ((s.state + const) + pr.held_microbatches(r) * per_mb + peak + pr.fixed_bytes) * (1.0 + pr.fragmentation)
+
+
+def _collective(alpha: float, beta: float, params):
+    """alpha + beta * P when P > 0, else nothing to send (alpha-beta ring model)."""
+    if alpha == 0.0 and beta == 0.0:
+        return 0.0
+    return np.where(params > 0, alpha + beta * params, 0.0)
+
+
+def _stage_sync(pr, r, s: _LayerSums, f, b):
+    """E_r: exposed gradient reduce and parameter gather, then the optimizer step (meshplan docs/cost_model.md)."""
+    p, sy = pr.num_stages, pr.sync
+    dense = s.dense + (pr.first_params_dense if r == 0 else 0.0) + (pr.last_params_dense if r == p - 1 else 0.0)
+    expert = s.expert
+    reduce = _collective(sy.reduce_alpha_dense, sy.reduce_beta_dense, dense) + _collective(
+        sy.reduce_alpha_expert, sy.reduce_beta_expert, expert)
+    gather = _collective(sy.gather_alpha_dense, sy.gather_beta_dense, dense) + _collective(
+        sy.gather_alpha_expert, sy.gather_beta_expert, expert)
+    exposed = (np.maximum(0.0, reduce - b) if sy.overlap_reduce else reduce) + (
+        np.maximum(0.0, gather - f) if sy.overlap_gather else gather)
+    return exposed + sy.optimizer_s_per_dense_param * dense + sy.optimizer_s_per_expert_param * expert
+
+
+def _stage_objective(pr, r, f, b, e, f_before, b_before, t_after):
+    """J_r: rank r starts when micro-batch 0 reaches it, starts its first backward once micro-batch 0 went to the
+    last stage and back, then runs its remaining passes; after its last backward the gradient still flows back
+    through ranks r-1..0, and its DP sync runs (meshplan docs/cost_model.md, pipeline bounds)."""
+    p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
+    start = f_before + r * h
+    if pr.schedule == "gpipe":  # all m forwards, then all m backwards (Huang et al. 2019)
+        first_back = start + m * f + t_after + 2 * (p - 1 - r) * h + m * b
+    else:  # p - r - 1 warm-up forwards, then one forward per backward (Narayanan et al. 2021, sec. 2.2)
+        first_back = start + f + t_after + 2 * (p - 1 - r) * h + m * b + (m - min(p - r, m)) * f
+    end = np.maximum(start + m * (f + b), first_back)
+    if pr.schedule == "zb":  # weight passes may trail (Qi et al. 2024): only the rank's own finish is bounded
+        return end + e
+    return end + np.maximum(b_before + r * h, e)
+
+
+# ---- evaluate --------------------------------------------------------------------------------------------------------
+
+def _check_partition(pr: PartitionProblem, boundaries, policies) -> tuple[tuple[int, ...], tuple[StagePolicy, ...]]:
+    p, L = pr.num_stages, pr.num_layers
+    try:
+        bounds = tuple(operator.index(b) for b in boundaries)
+    except TypeError as exc:
+        raise ValueError(f"boundaries must be integers, got {boundaries!r}") from exc
+    if len(bounds) != p + 1 or bounds[0] != 0 or bounds[-1] != L:
+        raise ValueError(f"boundaries must be {p + 1} ints from 0 to {L}, got {bounds}")
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"boundaries must be strictly increasing, got {bounds}")
+    pols = tuple(policies)
+    if len(pols) != p or not all(isinstance(q, StagePolicy) for q in pols):
+        raise ValueError(f"need {p} StagePolicy, got {pols!r}")
+    for r, q in enumerate(pols):
+        if q.full_layers > bounds[r + 1] - bounds[r]:
+            raise ValueError(f"stage {r} has {bounds[r + 1] - bounds[r]} layers, cannot recompute {q.full_layers}")
+    return bounds, pols
+
+
+def _evaluate(pr: PartitionProblem, t: _Tables, bounds: tuple[int, ...], pols: tuple[StagePolicy, ...],
+              relaxed: bool) -> PartitionResult | None:
+    p = pr.num_stages
+    f, b, e, mem = [], [], [], []
+    for r in range(p):
+        i, j = bounds[r], bounds[r + 1]
+        c, d, peak = (i, i, 0.0) if relaxed else _cuts(t, pols[r], i, j)
+        sums = _layer_sums(t, i, j, c, d, relaxed)
+        mem.append(float(_stage_memory(pr, r, sums, peak)))
+        if not mem[-1] <= pr.memory_cap_bytes:
+            return None
+        f.append(float(_stage_forward(pr, r, sums)))
+        b.append(float(_stage_backward(pr, r, sums)))
+        e.append(float(_stage_sync(pr, r, sums, f[r], b[r])))
+    stage_obj = tuple(float(_stage_objective(pr, r, f[r], b[r], e[r], sum(f[:r]), sum(b[:r]),
+                                             sum(f[s] + b[s] for s in range(r + 1, p)))) for r in range(p))
+    return PartitionResult(bounds, pols, max(stage_obj), stage_obj, tuple(mem),
+                           tuple(fr + br for fr, br in zip(f, b)))
+
+
+def evaluate(problem: PartitionProblem, boundaries, policies) -> PartitionResult | None:
+    """J and per-stage memory of one partition; None when a stage exceeds the memory cap.
+
+    boundaries: p + 1 ints, 0 = b_0 < ... < b_p = L (stage r runs layers [b_r, b_{r+1})); policies: p StagePolicy.
+    Raises ValueError on malformed boundaries or policies."""
+    bounds, pols = _check_partition(problem, boundaries, policies)
+    return _evaluate(problem, _tables(problem), bounds, pols, relaxed=False)
+
+
+# ---- exact DP for a uniform policy -----------------------------------------------------------------------------------
+
+def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = False) -> PartitionResult | None:
+    """Best contiguous partition with `policy` on every stage ("full": all of a stage's layers), or None.
+
+    With one policy everywhere, every J_r depends only on (r, first layer i, end j), so min max_r J_r is a bottleneck
+    path: W[r][i] = min_j max(J_r(i, j), W[r+1][j]), O(p L^2), vectorised per r. Ties within TIE_RTOL go to the
+    lexicographically smallest boundaries.
+
+    relaxed=True returns a lower bound over every per-stage policy mix (none / selective / full-k), not a plan:
+    times without recompute extras (J_r never decreases when a backward grows: end_r gains >= m x the growth, the
+    exposed reduce loses at most it) and memory from each layer's smallest activations without the recompute peak
+    (any policy keeps act_none of the stage's first layer plus one of the three amounts per later layer). Its
+    policies read "none" and its stage_memory_bytes are those lower bounds.
+    """
+    if policy not in GRANULARITIES:
+        raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
+    p, L = problem.num_stages, problem.num_layers
+    t = _tables(problem)
+    i, j = _grid(L)
+    if relaxed or policy == "none":
+        at, ext = (i, i, 0.0), t.zero
+    elif policy == "selective":
+        at, ext = (i, j, t.peak_sel[i]), t.sel
+    else:
+        at, ext = (j, i, t.peak_full[i]), t.full
+    bounds = _bottleneck_path(problem, t, lambda r: at, ext, relaxed)
+    if bounds is None:
+        return None
+    pols = tuple(StagePolicy("full", bounds[r + 1] - bounds[r]) if policy == "full" and not relaxed
+                 else StagePolicy("none" if relaxed else policy) for r in range(p))
+    result = _evaluate(problem, t, bounds, pols, relaxed)
+    assert result is not None, "DP and evaluate disagree on feasibility"
+    return result
+
+
+def dp_bound(problem: PartitionProblem, policy: Granularity) -> float:
+    """solve_dp's optimal objective alone (inf when nothing fits): what a search needs to prune, without building
+    the plan. Equal to solve_dp(problem, policy).objective up to float rounding of the same sums."""
+    if policy not in GRANULARITIES:
+        raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
+    t = _tables(problem)
+    i, j = _grid(problem.num_layers)
+    if policy == "none":
+        at, ext = (i, i, 0.0), t.zero
+    elif policy == "selective":
+        at, ext = (i, j, t.peak_sel[i]), t.sel
+    else:
+        at, ext = (j, i, t.peak_full[i]), t.full
+    return _bottleneck_path(problem, t, lambda r: at, ext, False, value_only=True)
+
+
+def _grid(L: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index grids: i (first layer) down the rows, j (end) across the columns."""
+    return np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]
+
+
+def _bottleneck_path(pr: PartitionProblem, t: _Tables, policy_at, ext: np.ndarray,
+                     relaxed: bool, value_only: bool = False):
+    """min over partitions of max_r J_r(i, j) when J_r depends on (r, i, j) only: policy_at(r) gives stage r's
+    (c, d, peak) on the (i, j) grid, ext the prefix of recompute extras assumed for the other stages' layers."""
+    p, L = pr.num_stages, pr.num_layers
+    i, j = _grid(L)
+    ahead = j > i
+    jm = np.empty((p, L + 1, L + 1))
+    w = np.full((p + 1, L + 1), np.inf)  # w[r][i]: best max_{s >= r} J_s with stage r starting at layer i
+    w[p, L] = 0.0
+    # Other stages' layers from prefix tables: F_<r, B_<r over layers [0, i), T_>r over layers [j, L).
+    layers_before_f, layers_before_b = t.fwd[i], t.bwd[i] + ext[i]
+    layers_after = (t.fwd[L] - t.fwd[j]) + (t.bwd[L] - t.bwd[j]) + (ext[L] - ext[j])
+    # Stage times depend on r only through the first and last blocks: one grid per policy and kind of stage.
+    sums: dict[int, _LayerSums] = {}
+    times: dict[tuple[int, bool, bool], tuple] = {}
+    with np.errstate(invalid="ignore"):
+        for r in reversed(range(p)):
+            at = policy_at(r)
+            if id(at) not in sums:
+                sums[id(at)] = _layer_sums(t, i, j, at[0], at[1], relaxed)
+            s = sums[id(at)]
+            key = (id(at), r == 0, r == p - 1)
+            if key not in times:
+                f, b = _stage_forward(pr, r, s), _stage_backward(pr, r, s)
+                times[key] = f, b, _stage_sync(pr, r, s, f, b)
+            f, b, e = times[key]
+            mem = _stage_memory(pr, r, s, at[2])
+            f_before = layers_before_f + ((pr.first_forward if r > 0 else 0.0) + r * pr.stage_forward_extra)
+            b_before = layers_before_b + ((pr.first_backward if r > 0 else 0.0) + r * pr.stage_backward_extra)
+            t_after = layers_after + ((p - 1 - r) * (pr.stage_forward_extra + pr.stage_backward_extra)
+                                      + (pr.last_forward + pr.last_backward if r < p - 1 else 0.0))
+            jr = _stage_objective(pr, r, f, b, e, f_before, b_before, t_after)
+            jm[r] = np.where(ahead & (mem <= pr.memory_cap_bytes), jr, np.inf)
+            w[r] = np.min(np.maximum(jm[r], w[r + 1][None, :]), axis=1)
+    best = w[0, 0]
+    if value_only:
+        return float(best)
+    if not np.isfinite(best):
+        return None
+    bounds, start = [0], 0
+    for r in range(p):  # the smallest next boundary that still completes within the optimum
+        end = int(np.flatnonzero(np.maximum(jm[r, start], w[r + 1]) <= best + TIE_RTOL * abs(best))[0])
+        bounds.append(end)
+        start = end
+    return tuple(bounds)
+
+
+def _cheapest_fitting(pr: PartitionProblem, t: _Tables, r: int, cut_min: np.ndarray):
+    """Stage r on the (i, j) grid: (c, d, peak) of the policy with the least recompute extra under which it fits
+    (none, then selective, then full on the fewest layers: a full extra only grows with k); (i, i, 0) where none fits.
+
+    With one stage's layers fixed, the others' J_s only grow with its backward (B_<s, T_>s) and so does its own J_r
+    (end_r gains m x the growth, its exposed reduce loses at most it): the cheapest fitting policy is the best one."""
+    L = pr.num_layers
+    i, j = _grid(L)
+    held = pr.held_microbatches(r)
+    cap = pr.memory_cap_bytes
+    none_fits = _stage_memory(pr, r, _layer_sums(t, i, j, i, i, False), 0.0) <= cap
+    peak_sel = t.peak_sel[i]
+    sel_fits = _stage_memory(pr, r, _layer_sums(t, i, j, i, j, False), peak_sel) <= cap
+    # Full on [i, c): memory falls as act_full[c] - act_none[c] does; find the first c with it low enough.
+    p = pr.num_stages
+    const = ((pr.first_state_bytes if r == 0 else 0.0) + (pr.last_state_bytes + pr.last_fixed_bytes if r == p - 1
+                                                            else 0.0) + pr.fixed_bytes)
+    room = (pr.memory_cap_bytes * (1 + 1e-12) / (1.0 + pr.fragmentation) - (t.state[j] - t.state[i]) - const
+            - t.peak_full[i]) / held
+    threshold = room - (pr.first_act_bytes if r == 0 else 0.0) + t.act_full[i] - t.act_none[j]
+    cut = np.empty((L + 1, L + 1), dtype=np.int64)
+    for row in range(L + 1):
+        cut[row] = np.searchsorted(-cut_min[row], -threshold[row], side="left")
+    cut = np.minimum(cut, L)
+    full_fits = (cut <= j) & (_stage_memory(pr, r, _layer_sums(t, i, j, cut, i, False), t.peak_full[i]) <= cap)
+    sel_extra = np.where(sel_fits, t.sel[j] - t.sel[i], np.inf)
+    full_extra = np.where(full_fits, t.full[cut] - t.full[i], np.inf)
+    use_sel = ~none_fits & sel_fits & (sel_extra <= full_extra)
+    use_full = ~none_fits & ~use_sel & full_fits
+    c = np.where(use_full, cut, i)
+    d = np.where(use_sel, j, i)
+    peak = np.where(use_sel, peak_sel, np.where(use_full, t.peak_full[i], 0.0))
+    return c, d, peak
+
+
+def _cheapest_policies_partition(problem: PartitionProblem) -> PartitionResult | None:
+    """A good per-stage plan, fast: the DP with each stage on its cheapest fitting policy and the other stages'
+    recompute extras left out of B_<r and T_>r, re-evaluated in full. A heuristic (a start for CP-SAT)."""
+    t = _tables(problem)
+    L = problem.num_layers
+    i, j = _grid(L)
+    q = np.where(j > i, (t.act_full - t.act_none)[np.broadcast_to(j, (L + 1, L + 1))], np.inf)
+    cut_min = np.minimum.accumulate(q, axis=1)  # cut_min[i][c] = min over c' in (i, c] of act_full - act_none
+    fits = [_cheapest_fitting(problem, t, r, cut_min) for r in range(problem.num_stages)]
+    bounds = _bottleneck_path(problem, t, lambda r: fits[r], t.zero, relaxed=False)
+    if bounds is None:
+        return None
+    pols = []
+    for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        c, d, _ = (np.asarray(x)[a, b] if np.ndim(x) else x for x in fits[r])
+        pols.append(StagePolicy("full", int(c) - a) if c > a else StagePolicy("selective") if d > a
+                    else StagePolicy("none"))
+    return _evaluate(problem, t, bounds, tuple(pols), relaxed=False)
+
+
+# ---- brute force (test oracle) ---------------------------------------------------------------------------------------
+
+def _policy_options(n: int, per_stage: bool, policy: Granularity) -> list[StagePolicy]:
+    if per_stage:
+        return [StagePolicy("none"), StagePolicy("selective")] + [StagePolicy("full", k) for k in range(1, n + 1)]
+    return [StagePolicy("full", n) if policy == "full" else StagePolicy(policy)]
+
+
+def brute_force(problem: PartitionProblem, per_stage: bool = False,
+                policy: Granularity = "none") -> PartitionResult | None:
+    """Best partition by enumerating every composition of L into p parts and, with per_stage, every stage's policy
+    (none, selective, full k = 1..n); without per_stage, `policy` on every stage ("full": all its layers). Small
+    instances only (L <= 12). Ties within TIE_RTOL go to the lexicographically smallest boundaries (then policies in
+    the order none, selective, full k = 1, 2, ...)."""
+    L, p = problem.num_layers, problem.num_stages
+    assert L <= 12, "brute force is for small instances"
+    if policy not in GRANULARITIES:
+        raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
+    t = _tables(problem)
+    found = []
+    for cuts in itertools.combinations(range(1, L), p - 1):
+        bounds = (0, *cuts, L)
+        options = [_policy_options(bounds[r + 1] - bounds[r], per_stage, policy) for r in range(p)]
+        for pols in itertools.product(*options):
+            res = _evaluate(problem, t, bounds, pols, relaxed=False)
+            if res is not None:
+                found.append(res)
+    if not found:
+        return None
+    best = min(res.objective for res in found)
+    return next(res for res in found if res.objective <= best + TIE_RTOL * abs(best))
+
+
+# ---- CP-SAT ----------------------------------------------------------------------------------------------------------
+
+def cpsat_tolerance_s(problem: PartitionProblem) -> float:
+    """How far solve_cpsat's J (re-evaluated in float) may exceed the float optimum through integer nanoseconds.
+
+    Every table entry and constant is off by <= 0.5 ns. f_r holds 3 rounded terms (<= 1.5 ns), b_r 7 (<= 3.5 ns),
+    E_r <= 13 ns (its exposures take b_r and f_r along), the hop 0.5 ns per use. Summing with J_r's coefficients:
+    start + m t_r <= 2r + 5m, the first-backward path <= 6p + 5m, the tail max(B_<r + r h, E_r) <= 4p + 13, so
+    |J_int - J| <= 5m + 10p + 15 ns for every plan, and the integer optimum re-evaluated is within twice that of the
+    float optimum (plus float rounding, ~1e-15 relative). Memory is exact or conservative instead: see solve_cpsat."""
+    return 2.0 * (5 * problem.num_microbatches + 10 * problem.num_stages + 15) / NS_PER_S
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * NS_PER_S))
+
+
+def _largest_fitting_sum(cap: float, scale: float) -> int:
+    """The largest integer S with fl(S x scale) <= cap: evaluate()'s test for an integer sum of parts, exactly."""
+    s = math.floor(cap / scale)
+    if s >= 2**52:  # integers this large are not all floats; the quotient is as close as it gets
+        return s
+    while float(s + 1) * scale <= cap:
+        s += 1
+    while s >= 0 and float(s) * scale > cap:
+        s -= 1
+    return s
+
+
+@dataclass(frozen=True)
+class _CpData:
+    """Integer tables for CP-SAT: prefix times in rounded ns; bytes rounded up per layer, then summed exactly."""
+
+    fwd: list[int]
+    bwd: list[int]
+    sel: list[int]
+    full: list[int]
+    reduce: list[int]  # beta_d x dense + beta_e x expert parameters, ns
+    gather: list[int]
+    optimizer: list[int]
+    count_dense: list[int]  # layers with dense parameters
+    count_expert: list[int]
+    state: list[int]
+    act_none: list[int]
+    act_sel: list[int]
+    act_full: list[int]
+    peak_sel: list[int]
+    peak_full: list[int]
+    cap: int  # a stage's sum of parts (before fragmentation) must not exceed this
+    max_memory: int  # no stage's sum of parts can exceed this
+
+    @classmethod
+    def build(cls, pr: PartitionProblem) -> "_CpData":
+        t, s = _tables(pr), pr.sync
+
+        def ns(prefix) -> list[int]:
+            return [_ns(x) for x in prefix]
+
+        def up(values) -> list[int]:
+            return [0] + list(itertools.accumulate(math.ceil(v) for v in values))
+
+        def count(values) -> list[int]:
+            return [0] + list(itertools.accumulate(int(v > 0) for v in values))
+
+        an, asel, af = (np.asarray(v) for v in (pr.layer_act_none, pr.layer_act_selective, pr.layer_act_full))
+        cap = _largest_fitting_sum(pr.memory_cap_bytes, 1.0 + pr.fragmentation)
+        data = cls(
+            fwd=ns(t.fwd), bwd=ns(t.bwd), sel=ns(t.sel), full=ns(t.full),
+            reduce=ns(s.reduce_beta_dense * t.dense + s.reduce_beta_expert * t.expert),
+            gather=ns(s.gather_beta_dense * t.dense + s.gather_beta_expert * t.expert),
+            optimizer=ns(s.optimizer_s_per_dense_param * t.dense + s.optimizer_s_per_expert_param * t.expert),
+            count_dense=count(pr.layer_params_dense), count_expert=count(pr.layer_params_expert),
+            state=up(pr.layer_state_bytes), act_none=up(an), act_sel=up(asel), act_full=up(af),
+            peak_sel=[math.ceil(x) for x in an - asel] + [0], peak_full=[math.ceil(x) for x in an - af] + [0],
+            cap=cap, max_memory=0,
+        )
+        biggest = (data.state[-1] + sum(math.ceil(x) for x in (pr.first_state_bytes, pr.last_state_bytes,
+                                                                pr.last_fixed_bytes, pr.fixed_bytes))
+                   + max(pr.held_microbatches(r) for r in range(pr.num_stages))
+                   * (max(data.act_none[-1], data.act_sel[-1], data.act_full[-1]) + math.ceil(pr.first_act_bytes))
+                   + max(0, *data.peak_sel, *data.peak_full))
+        if cap < biggest and biggest >= 2**62:
+            raise ValueError("bytes too large for CP-SAT's 64-bit integers")
+        return replace(data, max_memory=biggest)
+
+
+class _Reader:
+    """table[index] as a CP-SAT value: the entry itself for a fixed index, else one AddElement per (table, index)."""
+
+    def __init__(self, model: cp_model.CpModel):
+        self.model = model
+        self.cache: dict[tuple[int, int], cp_model.IntVar] = {}
+
+    def __call__(self, table: list[int], index):
+        if isinstance(index, int):
+            return table[index]
+        key = (id(table), index.index)
+        if key not in self.cache:
+            target = self.model.new_int_var(min(table), max(table), f"elem_{len(self.cache)}")
+            self.model.add_element(index, table, target)
+            self.cache[key] = target
+        return self.cache[key]
+
+
+@dataclass(frozen=True)
+class _CpStage:
+    """One stage in the CP-SAT model: f_r, b_r, E_r in integer ns and the policy choice."""
+
+    forward: cp_model.LinearExprT
+    backward: cp_model.LinearExprT
+    sync: cp_model.LinearExprT
+    selective: object  # BoolVar or bool
+    full: object
+    k: object  # IntVar or int: layers recomputed in full
+
+
+def _cp_boundaries(model: cp_model.CpModel, pr: PartitionProblem) -> list:
+    """b_0 = 0, b_p = L, b_{r+1} >= b_r + 1 (every stage non-empty)."""
+    p, L = pr.num_stages, pr.num_layers
+    bounds: list = [0] + [model.new_int_var(r, L - (p - r), f"b_{r}") for r in range(1, p)] + [L]
+    for r in range(p):
+        if not (isinstance(bounds[r], int) and isinstance(bounds[r + 1], int)):
+            model.add(bounds[r + 1] >= bounds[r] + 1)
+    return bounds
+
+
+def _cp_policy(model: cp_model.CpModel, pr: PartitionProblem, policies: str, r: int, i, j):
+    """(selective, full, k, c, d): stage r's choice; [i, c) recomputes in full, [i, d) selectively."""
+    if policies == "uniform-none":
+        return False, False, 0, i, i
+    if policies == "uniform-selective":
+        return True, False, 0, i, j
+    if policies == "uniform-full":
+        return False, True, j - i, j, i
+    none, sel, full = (model.new_bool_var(f"{g}_{r}") for g in GRANULARITIES)
+    model.add_exactly_one(none, sel, full)
+    k = model.new_int_var(0, pr.num_layers - pr.num_stages + 1, f"k_{r}")
+    model.add(k >= 1).only_enforce_if(full)
+    model.add(k <= j - i)
+    model.add(k == 0).only_enforce_if(~full)
+    c = model.new_int_var(0, pr.num_layers, f"c_{r}")
+    model.add(c == i + k)
+    d = model.new_int_var(0, pr.num_layers, f"d_{r}")
+    model.add(d == j).only_enforce_if(sel)
+    model.add(d == i).only_enforce_if(~sel)
+    return sel, full, k, c, d
+
+
+def _cp_index(model: cp_model.CpModel, expr, name: str, hi: int):
+    """An element index must be a variable or a constant."""
+    if isinstance(expr, (int, cp_model.IntVar)):
+        return expr
+    var = model.new_int_var(0, hi, name)
+    model.add(var == expr)
+    return var
+
+
+def _cp_positive(model: cp_model.CpModel, count, const: bool, name: str):
+    """[P > 0] for a stage: its fixed blocks carry parameters, or it holds a layer that does."""
+    if const:
+        return 1
+    if isinstance(count, int):
+        return int(count > 0)
+    pos = model.new_bool_var(name)
+    model.add(count >= 1).only_enforce_if(pos)
+    model.add(count == 0).only_enforce_if(~pos)
+    return pos
+
+
+def _cp_stage(model: cp_model.CpModel, pr: PartitionProblem, data: _CpData, read: _Reader, policies: str,
+              r: int, i, j, ub: int) -> _CpStage:
+    """Stage r on layers [i, j): f_r, b_r, E_r as linear expressions and its memory constraint."""
+    p, s, L = pr.num_stages, pr.sync, pr.num_layers
+    sel, full, k, c, d = _cp_policy(model, pr, policies, r, i, j)
+    c = _cp_index(model, c, f"c_{r}", L)
+    forward = read(data.fwd, j) - read(data.fwd, i) + _ns(_forward_const(pr, r))
+    extra = (read(data.sel, d) - read(data.sel, i)) + (read(data.full, c) - read(data.full, i))
+    backward = read(data.bwd, j) - read(data.bwd, i) + extra + _ns(_backward_const(pr, r))
+
+    # Memory: held micro-batches x activations, recompute peak of the first layer, state, buffers.
+    u = d if c is i else c if d is i else _cp_index(model, c + d - i, f"u_{r}", L)  # end of the recomputed part
+    act = ((read(data.act_full, c) - read(data.act_full, i)) + (read(data.act_sel, d) - read(data.act_sel, i))
+           + (read(data.act_none, j) - read(data.act_none, u)) + (math.ceil(pr.first_act_bytes) if r == 0 else 0))
+    if isinstance(sel, bool) and isinstance(full, bool):
+        peak = read(data.peak_sel, i) if sel else read(data.peak_full, i) if full else 0
+    else:
+        ps, pf = read(data.peak_sel, i), read(data.peak_full, i)
+        peak = model.new_int_var(min(0, *data.peak_sel, *data.peak_full), max(0, *data.peak_sel, *data.peak_full),
+                                 f"peak_{r}")
+        model.add(peak == ps).only_enforce_if(sel)
+        model.add(peak == pf).only_enforce_if(full)
+        model.add(peak == 0).only_enforce_if(~sel, ~full)
+    state = read(data.state, j) - read(data.state, i) + (math.ceil(pr.first_state_bytes) if r == 0 else 0) + (
+        math.ceil(pr.last_state_bytes) + math.ceil(pr.last_fixed_bytes) if r == p - 1 else 0)
+    total = state + pr.held_microbatches(r) * act + peak + math.ceil(pr.fixed_bytes)
+    if data.cap < data.max_memory:  # else every stage fits whatever it holds
+        model.add(total <= data.cap)
+
+    # Sync: alpha only when the stage has parameters of that kind (alpha-beta model), beta x P from the tables.
+    first_d = pr.first_params_dense if r == 0 else 0.0
+    last_d = pr.last_params_dense if r == p - 1 else 0.0
+    pos_d = _cp_positive(model, read(data.count_dense, j) - read(data.count_dense, i), first_d + last_d > 0,
+                         f"dense_{r}")
+    pos_e = _cp_positive(model, read(data.count_expert, j) - read(data.count_expert, i), False, f"expert_{r}")
+
+    def collective(table: list[int], alpha_d: float, beta_d: float, alpha_e: float):
+        return (_ns(alpha_d) * pos_d + _ns(alpha_e) * pos_e + read(table, j) - read(table, i)
+                + _ns(beta_d * first_d) + _ns(beta_d * last_d))
+
+    reduce = collective(data.reduce, s.reduce_alpha_dense, s.reduce_beta_dense, s.reduce_alpha_expert)
+    gather = collective(data.gather, s.gather_alpha_dense, s.gather_beta_dense, s.gather_alpha_expert)
+    if s.overlap_reduce:
+        exposed = model.new_int_var(0, ub, f"reduce_exposed_{r}")
+        model.add(exposed >= reduce - backward)
+        reduce = exposed
+    if s.overlap_gather:
+        exposed = model.new_int_var(0, ub, f"gather_exposed_{r}")
+        model.add(exposed >= gather - forward)
+        gather = exposed
+    optimizer = (read(data.optimizer, j) - read(data.optimizer, i) + _ns(s.optimizer_s_per_dense_param * first_d)
+                 + _ns(s.optimizer_s_per_dense_param * last_d))
+    return _CpStage(forward, backward, reduce + gather + optimizer, sel, full, k)
+
+
+def _cp_objective(model: cp_model.CpModel, pr: PartitionProblem, stages: list[_CpStage], ub: int):
+    """J = max_r J_r (AddMaxEquality), J_r as in _stage_objective over integer nanoseconds.
+
+    J_r = max(A1, A2) + max(B_<r + r h, E_r) is bounded below by each of its four linear pieces (the exposures in
+    E_r likewise by 0 and reduce - b_r): minimising J drives every one of them down to the max, so the optimum is
+    the same, and the LP relaxation stays tight (AddMaxEquality for these inner maxima took the 16-stage uniform
+    solve from 0.06 s to over 10 s)."""
+    p, m, h = pr.num_stages, pr.num_microbatches, _ns(pr.hop_s)
+    stage_obj = []
+    for r, st in enumerate(stages):
+        f_before = sum(x.forward for x in stages[:r])
+        b_before = sum(x.backward for x in stages[:r])
+        t_after = sum(x.forward + x.backward for x in stages[r + 1:])
+        start = f_before + r * h
+        if pr.schedule == "gpipe":
+            first_back = start + m * st.forward + t_after + 2 * (p - 1 - r) * h + m * st.backward
+        else:
+            first_back = (start + st.forward + t_after + 2 * (p - 1 - r) * h + m * st.backward
+                          + (m - min(p - r, m)) * st.forward)
+        jr = model.new_int_var(0, ub, f"J_{r}")
+        tails = [st.sync] if pr.schedule == "zb" else [b_before + r * h, st.sync]
+        for a in (start + m * (st.forward + st.backward), first_back):
+            for b in tails:
+                model.add(jr >= a + b)
+        stage_obj.append(jr)
+    obj = model.new_int_var(0, ub, "J")
+    model.add_max_equality(obj, stage_obj)
+    return obj
+
+
+def _cp_upper_bound(pr: PartitionProblem, data: _CpData) -> int:
+    """A domain bound for every time variable: J <= (2m + 4) x (all passes + hops + all sync)."""
+    s = pr.sync
+    passes = (data.fwd[-1] + data.bwd[-1] + max(data.sel[-1], data.full[-1])
+              + _ns(pr.first_forward + pr.first_backward + pr.last_forward + pr.last_backward)
+              + pr.num_stages * (_ns(pr.stage_forward_extra) + _ns(pr.stage_backward_extra) + 2 * _ns(pr.hop_s)))
+    alphas = sum(_ns(a) for a in (s.reduce_alpha_dense, s.reduce_alpha_expert, s.gather_alpha_dense,
+                                  s.gather_alpha_expert))
+    params = pr.first_params_dense + pr.last_params_dense
+    sync = (data.reduce[-1] + data.gather[-1] + data.optimizer[-1] + pr.num_stages * alphas
+            + 2 * _ns((s.reduce_beta_dense + s.gather_beta_dense + s.optimizer_s_per_dense_param) * params))
+    ub = (2 * pr.num_microbatches + 4) * (passes + sync + 1) + 1000
+    if ub >= 2**62:
+        raise ValueError("times too large for CP-SAT's 64-bit integers at nanosecond resolution")
+    return ub
+
+
+def _cp_solve(problem: PartitionProblem, policies: str, data: _CpData, time_limit_s: float,
+              hint: PartitionResult | None, below_s: float | None = None):
+    """One CP-SAT solve against data.cap; returns (boundaries, policies) or None, and the status."""
+    p = problem.num_stages
+    ub = _cp_upper_bound(problem, data)
+    # Creates the model.
+    model = cp_model.CpModel()
+    read = _Reader(model)
+    # Creates the variables: stage boundaries.
+    bounds = _cp_boundaries(model, problem)
+    # Creates the per-stage policy variables, times and memory constraints.
+    stages = [_cp_stage(model, problem, data, read, policies, r, bounds[r], bounds[r + 1], ub) for r in range(p)]
+    # Creates the objective.
+    obj = _cp_objective(model, problem, stages, ub)
+    if below_s is not None:  # a search's cutoff: only better solutions are wanted (rounding slack kept sound)
+        model.add(obj <= math.ceil((below_s + cpsat_tolerance_s(problem)) * NS_PER_S))
+    model.minimize(obj)
+    if hint is not None:
+        # A start, not a constraint: the solver still proves the optimum on its own.
+        for var, value in zip(bounds[1:-1], hint.boundaries[1:-1]):
+            model.add_hint(var, value)
+        for st, q in zip(stages, hint.policies if policies == "per-stage" else ()):
+            model.add_hint(st.selective, q.granularity == "selective")
+            model.add_hint(st.full, q.granularity == "full")
+            model.add_hint(st.k, q.full_layers)
+    # Creates a solver and solves the model.
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_time_in_seconds = time_limit_s
+    code = solver.solve(model)
+    if code == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"invalid CP-SAT model: {model.validate()}")
+    status = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",
+              cp_model.INFEASIBLE: "INFEASIBLE"}.get(code, "UNKNOWN")
+    if status not in ("OPTIMAL", "FEASIBLE"):
+        return None, status
+    # Reads the solution back.
+    found = tuple(b if isinstance(b, int) else solver.value(b) for b in bounds)
+    pols = []
+    for st, a, b in zip(stages, found, found[1:]):
+        if st.full is True or (not isinstance(st.full, bool) and solver.boolean_value(st.full)):
+            pols.append(StagePolicy("full", b - a if policies == "uniform-full" else solver.value(st.k)))
+        elif st.selective is True or (not isinstance(st.selective, bool) and solver.boolean_value(st.selective)):
+            pols.append(StagePolicy("selective"))
+        else:
+            pols.append(StagePolicy("none"))
+    return (found, tuple(pols)), status
+
+
+def solve_cpsat(problem: PartitionProblem, policies: CpPolicies = "per-stage",
+                time_limit_s: float = 10.0, below_s: float | None = None) -> tuple[PartitionResult | None, str]:
+    """The partition problem as a CP-SAT model; returns (evaluate() of its solution, status).
+
+    policies: "uniform-none" / "-selective" / "-full" (every stage, "full" = all its layers, as solve_dp) or
+    "per-stage" (each stage picks none, selective or full on its first k_r layers, 1 <= k_r <= n_r).
+    Status: "OPTIMAL", "FEASIBLE" (time limit hit with a solution), "INFEASIBLE", "UNKNOWN".
+    below_s: only solutions with J below it (within the rounding tolerance) are sought, so "INFEASIBLE" then means
+    "none fits, or none beats below_s" (a search passes its cutoff; the proof of no better plan comes faster).
+
+    The model (named steps as in the OR-Tools samples): boundary variables b_0 = 0 < b_1 < ... < b_p = L; prefix-sum
+    tables read with AddElement at b_r, at b_r + k_r (end of the full-recompute part) and at the end of the selective
+    part; f_r, b_r, E_r and memory as linear expressions, so the other stages' policies enter F_<r, B_<r and T_>r;
+    J = max_r J_r minimised. One worker and a fixed seed keep it deterministic (up to the time limit). The search
+    starts from a hint (solve_dp's plan; for "per-stage" the best of the uniform DPs and a cheapest-fitting-policy
+    heuristic), which constrains nothing: CP-SAT still proves the optimum itself, so it stays a check on the DP.
+
+    Tolerance. Times are integer nanoseconds, so the returned J (always re-evaluated in float) may exceed the float
+    optimum by at most cpsat_tolerance_s(problem), about 1 us at p = 16, m = 64. Bytes are rounded up per layer and
+    the cap is the largest integer sum S with fl(S x (1 + fragmentation)) <= cap: with integer byte counts (sums below
+    2^53) the memory constraint is exactly evaluate()'s; with fractional bytes it is conservative by under one byte
+    per layer value. Should float rounding still reject a solution, the model is solved again one byte tighter.
+    """
+    if policies not in CP_POLICIES:
+        raise ValueError(f"policies must be one of {CP_POLICIES}, got {policies!r}")
+    # Creates the data.
+    data = _CpData.build(problem)
+    if policies == "per-stage":  # start from the best of the uniform DPs and the cheapest-policy heuristic
+        starts = [solve_dp(problem, g) for g in GRANULARITIES] + [_cheapest_policies_partition(problem)]
+    else:
+        starts = [solve_dp(problem, policies.removeprefix("uniform-"))]
+    hint = min((x for x in starts if x is not None), key=lambda x: x.objective, default=None)
+    for _ in range(3):
+        solution, status = _cp_solve(problem, policies, data, time_limit_s, hint, below_s)
+        if solution is None:
+            return None, status
+        # Evaluates the solution in float: the one currency DP, brute force and CP-SAT results share.
+        result = evaluate(problem, *solution)
+        if result is not None:
+            return result, status
+        data = replace(data, cap=data.cap - 1 - data.cap // 10**12)
+    raise RuntimeError("CP-SAT solutions keep exceeding the memory cap in float evaluation")

@@ -1,0 +1,628 @@
+"""Branch-and-bound search over the space (planner/space.py), exact under the cost model.
+
+For every candidate (all knobs but the stage partition) the partitioner's objective is a lower bound on the
+event-simulated step time over *all* stage partitions (planner/partition.py); the exact DP minimises it. Each
+candidate is then either pruned (a bound is no better than the K-th best simulated plan so far), infeasible
+(no partition fits in memory), or simulated with the DP's partition. The search is best-first on cheap bounds,
+so good plans are found early and most of the space is pruned without building its costs.
+
+Optimality: when the search ends, every candidate not simulated has a bound >= the K-th best time found; and a
+simulated candidate whose time exceeds its own bound may hide a better partition. The account's gap is
+(best time - smallest such open bound) / best time, 0 when the returned plan is proven optimal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from costmodels.config import ParallelConfig, StagePolicy, Workload, get_runtime, resolve, DEFAULT_RUNTIME
+from costmodels.estimate import CostContext, Efficiency, Estimate, simulate_config, stage_ranges
+from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, logits_bytes,
+                               model_state_bytes, stage_params)
+from costmodels.model import ModelSpec
+from hardware_db.cluster import Cluster
+from hardware_db.errors import InputError
+from planner.partition import PartitionProblem, PartitionResult, SyncModel, dp_bound, solve_cpsat, solve_dp
+from planner.space import Candidate, Enumeration, Group, LayerKey, Mesh, Pins, check_pins, enumerate_space
+
+REL_TOL = 1e-9  # two step times closer than this (relative) are equal
+UNBOUNDED_BYTES = 1e30  # a memory cap no stage reaches (bounds that ignore memory)
+CPSAT_TIME_LIMIT_S = 10.0  # per CP-SAT call; an unproven answer leaves its candidate's bound open (a gap)
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    """One simulated candidate: its knobs, the partitioner's bound for it and the full estimate."""
+
+    candidate: Candidate
+    config: ParallelConfig
+    estimate: Estimate
+    bound_s: float  # lower bound on this candidate's step time over all partitions
+    partition_status: str  # "optimal" (simulated == bound), or "bound gap"
+
+    @property
+    def step_time_s(self) -> float:
+        return self.estimate.step_time_s
+
+
+@dataclass(frozen=True)
+class SearchAccount:
+    """What the search looked at and what it can prove."""
+
+    space_size: int
+    evaluated: int  # candidates simulated
+    bounded: int  # candidates whose partition bound was solved (DP or CP-SAT)
+    pruned: dict[str, int]  # candidates pruned, by the bound that pruned them
+    infeasible: dict[str, int]  # candidates rejected, by rule (divisibility) or memory
+    seconds: float
+    status: str  # "optimal" | "gap" | "time-limit" | "infeasible"
+    gap: float  # proven relative gap of the best plan (0 when optimal)
+    lower_bound_s: float  # no candidate in the space is faster than this
+    domains: dict[str, str]
+    cpsat_calls: int
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    plans: tuple[RankedPlan, ...]  # best first
+    account: SearchAccount
+    why_nothing_fits: str | None  # set when plans is empty
+
+
+ProgressFn = Callable[[int, int], None]  # (done, total) over candidate groups
+
+
+@dataclass
+class _Best:
+    """The K best simulated plans (a max-heap on time) and the cutoff a bound must beat."""
+
+    k: int
+    heap: list[tuple] = field(default_factory=list)
+    counter: int = 0
+
+    def cutoff(self) -> float:
+        return -self.heap[0][0] if len(self.heap) >= self.k else math.inf
+
+    def add(self, plan: RankedPlan) -> None:
+        self.counter += 1
+        lay = plan.estimate.layout
+        # ties (equal predicted time) go to the simpler plan: no CP, lower ZeRO, then less memory
+        item = (-plan.step_time_s, -lay.cp, -lay.zero, -plan.estimate.peak_memory_gib, -self.counter, plan)
+        if len(self.heap) < self.k:
+            heapq.heappush(self.heap, item)
+        elif item[:-1] > self.heap[0][:-1]:
+            heapq.heapreplace(self.heap, item)
+
+    def ranked(self) -> list[RankedPlan]:
+        return [x[-1] for x in sorted(self.heap, key=lambda x: tuple(-v for v in x[:-1]))]
+
+
+def search(model: ModelSpec, cluster: Cluster, wl: Workload, pins: Pins = Pins(), runtime: str = DEFAULT_RUNTIME,
+           efficiency: Efficiency | None = None, top_k: int = 10, time_limit_s: float | None = None,
+           progress: ProgressFn | None = None) -> SearchResult:
+    """The top_k plans by predicted step time, and the account of the search (see the module docstring)."""
+    if top_k < 1:
+        raise InputError("--top must be at least 1")
+    check_pins(model, cluster.num_gpus, wl, pins)
+    start = time.perf_counter()
+    rt = get_runtime(runtime)
+    eff = efficiency or Efficiency.from_gpu(cluster.gpu)
+    enum = enumerate_space(model, cluster.num_gpus, cluster.gpus_per_node, wl, pins)
+    s = _Search(model, cluster, wl, rt.name, eff, enum, top_k)
+    deadline = None if time_limit_s is None else start + time_limit_s
+    timed_out = s.run(deadline, progress)
+    return s.result(time.perf_counter() - start, timed_out)
+
+
+class _Search:
+    def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, runtime: str, eff: Efficiency,
+                 enum: Enumeration, top_k: int):
+        self.model, self.cluster, self.wl, self.runtime, self.eff, self.enum = model, cluster, wl, runtime, eff, enum
+        self.rt = get_runtime(runtime)
+        self.best = _Best(top_k)
+        self.cap = cluster.gpu.hbm_gib.value * GIB
+        self.pruned: dict[str, int] = {}
+        self.infeasible: dict[str, int] = dict(enum.infeasible)
+        self.evaluated = self.bounded = self.cpsat_calls = 0
+        self.open_bounds: list[float] = []  # bounds of simulated candidates whose partition may not be optimal
+        self.unexplored_bound = math.inf  # smallest bound left when a time limit stopped the search
+        self.contexts: dict[tuple, CostContext] = {}
+        self.closest_memory: tuple[float, str] | None = None  # the smallest memory excess seen, for "nothing fits"
+        self.problems: dict[int, PartitionProblem] = {}
+        self.work_bounds: dict[tuple, tuple[float, float]] = {}
+        self.family_bounds: dict[tuple, float] = {}
+        self.timelines: dict[tuple, object] = {}  # simulated pipelines by their stage times  # by id of a context held in self.contexts
+        self.deferred_sims: list[tuple[float, int, Candidate, tuple[int, ...]]] = []  # ZB candidates to simulate
+        self.deferred: list[tuple[float, int, Candidate, PartitionProblem]] = []  # per-stage candidates for CP-SAT
+
+    # ---- bookkeeping
+    def _count(self, table: dict[str, int], reason: str, n: int = 1) -> None:
+        if n:
+            table[reason] = table.get(reason, 0) + n
+
+    def _note_memory(self, need_bytes: float, what: str) -> None:
+        if self.closest_memory is None or need_bytes < self.closest_memory[0]:
+            self.closest_memory = (need_bytes, what)
+
+    # ---- costs
+    def _config(self, cand: Candidate, stage_layers: tuple[int, ...] | None = None,
+                policies: tuple[StagePolicy, ...] | None = None) -> ParallelConfig:
+        m = cand.mesh
+        uniform = cand.recompute if cand.recompute != "per-stage" else "none"
+        return ParallelConfig(tp=m.tp, pp=m.pp, vpp=cand.vpp, dp=m.dp, cp=m.cp, cp_comm=cand.cp_comm, ep=m.ep,
+                              etp=m.etp, mbs=cand.mbs, zero=cand.zero, recompute=uniform, sp=cand.sp,
+                              schedule=cand.schedule, stage_layers=stage_layers, stage_recompute=policies)
+
+    def _context(self, cand: Candidate) -> CostContext:
+        """Per-layer costs are shared by every candidate with the same layer key; links by the same mesh."""
+        key = (cand.mesh, cand.mbs, cand.sp, cand.cp_comm, cand.zero, cand.schedule, cand.vpp)
+        ctx = self.contexts.get(key)
+        if ctx is None:
+            lay = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(cand))
+            ctx = CostContext(self.model, self.cluster, self.wl, lay, self.rt, self.eff)
+            shared = self.contexts.get(("layers", cand.layer_key))
+            if shared is not None:
+                ctx.share_layer_cache(shared)
+            else:
+                self.contexts[("layers", cand.layer_key)] = ctx
+            self.contexts[key] = ctx
+        return ctx
+
+    def problem(self, cand: Candidate, ctx: CostContext) -> PartitionProblem:
+        """The partitioner's view of one candidate, with every number read from the estimator's CostContext.
+        Shared by the candidates that differ only in recomputation (cached on the context)."""
+        cached = self.problems.get(id(ctx))
+        if cached is not None:
+            return cached
+        model, lay, wl, rt = self.model, ctx.lay, self.wl, self.rt
+        L = model.num_layers
+        per_type: dict[bool, tuple] = {}
+        for i in range(L):
+            kind = model.is_moe_layer(i)
+            if kind not in per_type:
+                base = ctx.layer_times(i, "none")
+                params = ctx.layer_params(i)
+                per_type[kind] = (
+                    base.forward, base.backward_input + base.bwd_weight_compute,
+                    ctx.layer_times(i, "selective").recompute, ctx.layer_times(i, "full").recompute,
+                    sum(model_state_bytes(params, lay)), ctx.layer_activation(i, "none"),
+                    ctx.layer_activation(i, "selective"), ctx.layer_activation(i, "full"), params.dense, params.expert)
+        rows = [per_type[model.is_moe_layer(i)] for i in range(L)]
+        f, b, sel, full, state, a_none, a_sel, a_full, p_dense, p_expert = (tuple(col) for col in zip(*rows))
+        first = stage_params(model, lay, range(0), True, False)
+        last = stage_params(model, lay, range(0), False, True)
+        emb, head = ctx.embedding, ctx.head
+        sync = ctx.sync
+        prob = PartitionProblem(
+            num_stages=lay.pp, num_microbatches=lay.num_microbatches, schedule=lay.schedule,
+            layer_forward=tuple(f), layer_backward=tuple(b), layer_selective_extra=tuple(sel),
+            layer_full_extra=tuple(full), layer_state_bytes=tuple(state), layer_act_none=tuple(a_none),
+            layer_act_selective=tuple(a_sel), layer_act_full=tuple(a_full), layer_params_dense=tuple(p_dense),
+            layer_params_expert=tuple(p_expert),
+            first_forward=emb.forward, first_backward=emb.backward_input + emb.bwd_weight_compute,
+            first_state_bytes=sum(model_state_bytes(first, lay)),
+            first_act_bytes=embedding_activation_bytes(model, lay, wl, rt), first_params_dense=first.dense,
+            last_forward=head.forward, last_backward=head.backward_input + head.bwd_weight_compute,
+            last_state_bytes=sum(model_state_bytes(last, lay)), last_fixed_bytes=logits_bytes(model, lay, wl),
+            last_params_dense=last.dense,
+            stage_forward_extra=ctx.blocking_p2p_s, stage_backward_extra=ctx.blocking_p2p_s, hop_s=ctx.p2p_s,
+            fixed_bytes=ctx.buffer_bytes, fragmentation=FRAGMENTATION, memory_cap_bytes=self.cap,
+            sync=SyncModel(
+                reduce_alpha_dense=sync.reduce_alpha_dense, reduce_beta_dense=sync.reduce_beta_dense,
+                reduce_alpha_expert=sync.reduce_alpha_expert, reduce_beta_expert=sync.reduce_beta_expert,
+                gather_alpha_dense=sync.gather_alpha_dense, gather_beta_dense=sync.gather_beta_dense,
+                gather_alpha_expert=sync.gather_alpha_expert, gather_beta_expert=sync.gather_beta_expert,
+                overlap_reduce=rt.overlap_grad_reduce, overlap_gather=rt.overlap_param_gather,
+                optimizer_s_per_dense_param=sync.optimizer_s_per_dense_param,
+                optimizer_s_per_expert_param=sync.optimizer_s_per_expert_param),
+        )
+        self.problems[id(ctx)] = prob
+        return prob
+
+    # ---- bounds
+    def states_floor(self, g: Group) -> float:
+        """Bytes per GPU the model states need at the least (ZeRO-3 if searched, else the smallest ZeRO given),
+        averaged over stages: no partition can put less on its fullest stage."""
+        model, m = self.model, g.mesh
+        lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=min(g.zeros))
+        total = stage_params(model, lay, range(model.num_layers), True, True)  # type: ignore[arg-type]
+        return sum(model_state_bytes(total, lay)) / m.pp  # type: ignore[arg-type]
+
+    def work_bound(self, cand: Candidate, ctx: CostContext) -> float:
+        """A lower bound on the step time of every stage partition of this candidate (see pipeline_floor)."""
+        rec = "none" if cand.recompute == "per-stage" else cand.recompute
+        key = (cand.layer_key, rec, ctx.lay.pp)  # the blocks' times do not depend on dp, ZeRO or schedule
+        if key not in self.work_bounds:
+            blocks = [ctx.layer_times(i, rec) for i in range(self.model.num_layers)] + [ctx.embedding, ctx.head]
+            extra = ctx.blocking_p2p_s * ctx.lay.pp / len(blocks)  # blocking P2P: once per stage and pass
+            fwd = [t.forward + extra for t in blocks]
+            bwd = [t.backward_input + t.bwd_weight_compute + extra for t in blocks]
+            alpha = min(f / (f + b) for f, b in zip(fwd, bwd) if f + b > 0)
+            layer_min = min(f + b for f, b in zip(fwd[:-2], bwd[:-2]))
+            self.work_bounds[key] = (sum(fwd) + sum(bwd), alpha, layer_min, fwd[-1] + bwd[-1])
+        total, alpha, layer_min, head = self.work_bounds[key]
+        return pipeline_floor(total, alpha, ctx.lay.num_microbatches, ctx.lay.pp, cand.schedule,
+                              self.model.num_layers, layer_min, head)
+
+    def _family_bound(self, c: Candidate, prob: PartitionProblem) -> float:
+        """The DP optimum with no memory cap and no DP-sync or optimizer time: a bound for every ZeRO stage of
+        this candidate (they differ only in memory and sync), and with no recomputation for per-stage too."""
+        rec = "none" if c.recompute == "per-stage" else c.recompute
+        key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.schedule, rec)
+        if key not in self.family_bounds:
+            free = dataclasses.replace(prob, memory_cap_bytes=UNBOUNDED_BYTES, sync=SyncModel.zero())
+            self.family_bounds[key] = dp_bound(free, rec)
+        return self.family_bounds[key]
+
+    def _chunk_times(self, ctx: CostContext, mode: str) -> list[list[tuple[float, float]]]:
+        """(forward, backward) seconds per micro-batch of every model chunk, per rank (as simulate_config sums)."""
+        lay = ctx.lay
+        out = []
+        for r, chunks in enumerate(stage_ranges(lay)):
+            row = []
+            for c, (first, count) in enumerate(chunks):
+                f = b = 0.0
+                for i in range(first, first + count):
+                    t = ctx.layer_times(i, mode)
+                    f += t.forward
+                    b += t.backward_input + t.bwd_weight_compute
+                if r == 0 and c == 0:
+                    f += ctx.embedding.forward
+                    b += ctx.embedding.backward_input + ctx.embedding.bwd_weight_compute
+                if r == lay.pp - 1 and c == lay.vpp - 1:
+                    f += ctx.head.forward
+                    b += ctx.head.backward_input + ctx.head.bwd_weight_compute
+                row.append((f + ctx.blocking_p2p_s, b + ctx.blocking_p2p_s))
+            out.append(row)
+        return out
+
+    def _interleaved_bound(self, ctx: CostContext, mode: str) -> float:
+        """Rank r starts after chunk 0 of ranks < r ran micro-batch 0 forward, runs m passes of each of its chunks,
+        and its last backward (chunk 0, Megatron's order) must still flow back through chunk 0 of ranks < r."""
+        lay, h, m = ctx.lay, ctx.p2p_s, ctx.lay.num_microbatches
+        times = self._chunk_times(ctx, mode)
+        best = 0.0
+        prefix = 0.0
+        for r in range(lay.pp):
+            work = m * sum(f + b for f, b in times[r])
+            best = max(best, prefix + 2 * r * h + work)
+            prefix += times[r][0][0] + times[r][0][1]
+        return best
+
+    def _interleaved_memory_floor(self, ctx: CostContext, mode: str) -> float:
+        """Bytes on the fullest rank: states plus the chunk-micro-batches Megatron's interleaved warm-up holds
+        before the first backward ((pp - r - 1) * 2 + (vpp - 1) * pp + 1, schedules.py), each at least the
+        smallest chunk's activations."""
+        lay, model = ctx.lay, self.model
+        worst = 0.0
+        for r, chunks in enumerate(stage_ranges(lay)):
+            first = chunks[0][0]
+            count = sum(n for _, n in chunks)
+            layers = [i for f, n in chunks for i in range(f, f + n)]
+            params = stage_params(model, lay, range(first, first), r == 0, r == lay.pp - 1)
+            dense = params.dense + sum(ctx.layer_params(i).dense for i in layers)
+            expert = params.expert + sum(ctx.layer_params(i).expert for i in layers)
+            states = sum(model_state_bytes(StageParams(dense, expert), lay))
+            held = min((lay.pp - r - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, lay.num_microbatches * lay.vpp)
+            chunk_act = min(sum(ctx.layer_activation(i, mode) for i in range(f, f + n)) for f, n in chunks)
+            logits = logits_bytes(model, lay, self.wl) if r == lay.pp - 1 else 0.0
+            del count
+            worst = max(worst, (states + held * chunk_act + logits + ctx.buffer_bytes) * (1 + FRAGMENTATION))
+        return worst
+
+    # ---- the search
+    def run(self, deadline: float | None, progress: ProgressFn | None) -> bool:
+        groups = self.enum.groups
+        # Level 0: model states alone (no activations) must fit.
+        order = []
+        for g in groups:
+            floor = self.states_floor(g) * (1 + FRAGMENTATION)
+            if floor > self.cap:
+                self._count(self.infeasible, "memory: model states alone exceed HBM", g.size())
+                self._note_memory(floor, f"tp={g.mesh.tp} pp={g.mesh.pp} ep={g.mesh.ep}")
+                continue
+            order.append(g)
+        # Level 1: the work bound of each group's fastest variant, then best-first.
+        scored: list[tuple[float, int, Group]] = []
+        for n, g in enumerate(order):
+            scored.append((self._group_score(g), n, g))
+        scored.sort(key=lambda x: (x[0], x[1]))
+        for done, (score, _, g) in enumerate(scored):
+            if progress:
+                progress(done, len(scored))
+            if deadline is not None and time.perf_counter() > deadline:
+                self.unexplored_bound = min(self.unexplored_bound, score)
+                for _, _, rest in scored[done:]:
+                    self._count(self.pruned, "not reached before the time limit", rest.size())
+                for bound, _, _, _ in self.deferred + self.deferred_sims:
+                    self.unexplored_bound = min(self.unexplored_bound, bound)
+                self._count(self.pruned, "not reached before the time limit", len(self.deferred) + len(self.deferred_sims))
+                return True
+            if score >= self.best.cutoff() * (1 - REL_TOL):
+                self._count(self.pruned, "work bound (group)", g.size())
+                continue
+            self._run_group(g)
+        return self._run_deferred(deadline, progress, len(scored))
+
+    def _run_deferred(self, deadline: float | None, progress: ProgressFn | None, groups: int) -> bool:
+        """Deferred ZB simulations, then per-stage recomputation: CP-SAT for each candidate whose relaxed bound
+        still beats the cutoff."""
+        self.deferred_sims.sort(key=lambda x: (x[0], x[1]))
+        for n, (bound, _, c, stage_layers) in enumerate(self.deferred_sims):
+            if bound >= self.best.cutoff() * (1 - REL_TOL):
+                self._count(self.pruned, "partition bound (DP)", len(self.deferred_sims) - n)
+                break
+            if deadline is not None and time.perf_counter() > deadline:
+                self.unexplored_bound = min(self.unexplored_bound, bound)
+                self._count(self.pruned, "not reached before the time limit", len(self.deferred_sims) - n)
+                break
+            self._simulate(c, stage_layers, None, bound, self._context(c), exact_partition=True)
+        self.deferred.sort(key=lambda x: (x[0], x[1]))
+        for n, (bound, _, c, prob) in enumerate(self.deferred):
+            if bound >= self.best.cutoff() * (1 - REL_TOL):
+                self._count(self.pruned, "partition bound (relaxed recompute)", len(self.deferred) - n)
+                break
+            remaining = None if deadline is None else deadline - time.perf_counter()
+            if remaining is not None and remaining <= 0:
+                self.unexplored_bound = min(self.unexplored_bound, bound)
+                self._count(self.pruned, "not reached before the time limit", len(self.deferred) - n)
+                if progress:
+                    progress(groups, groups)
+                return True
+            self.cpsat_calls += 1
+            limit = CPSAT_TIME_LIMIT_S if remaining is None else min(CPSAT_TIME_LIMIT_S, remaining)
+            cutoff = self.best.cutoff()
+            res, status = solve_cpsat(prob, "per-stage", time_limit_s=limit,
+                                      below_s=None if math.isinf(cutoff) else cutoff)
+            if res is None:
+                if status == "INFEASIBLE" and not math.isinf(cutoff):
+                    self._count(self.pruned, "partition bound (CP-SAT: nothing fits below the cutoff)")
+                elif status == "INFEASIBLE":
+                    self._count(self.infeasible, "memory: no per-stage policy fits")
+                else:  # no answer within the limit: the relaxed bound stays open
+                    self.open_bounds.append(bound)
+                    self._count(self.pruned, f"CP-SAT {status.lower()} within its time limit")
+                continue
+            proven = status == "OPTIMAL"
+            if res.objective >= self.best.cutoff() * (1 - REL_TOL):
+                if not proven:
+                    self.open_bounds.append(bound)
+                self._count(self.pruned, "partition bound (CP-SAT)")
+                continue
+            self._simulate(c, res.stage_layers, _policies(res), res.objective if proven else bound,
+                           self._context(c), exact_partition=proven)
+        if progress:
+            progress(groups, groups)
+        return False
+
+    def _group_score(self, g: Group) -> float:
+        """A lower bound for every candidate in the group: the work bound with no recomputation (the fastest)."""
+        best = math.inf
+        for sp, cc, sched, vpp in g.variants:
+            cand = Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), sched, vpp, "none")
+            best = min(best, self.work_bound(cand, self._context(cand)))
+        return best
+
+    def _sp_dominates(self, g: Group, cc: str) -> bool:
+        """Sequence parallelism is never slower and never uses more memory than plain TP for this mesh: every
+        block's pass times (each recompute mode) and activations are no larger with it (checked, not assumed)."""
+        on = self._context(Candidate(g.mesh, g.mbs, True, cc, min(g.zeros), "1f1b", 1, "none"))
+        off = self._context(Candidate(g.mesh, g.mbs, False, cc, min(g.zeros), "1f1b", 1, "none"))
+        kinds = {self.model.is_moe_layer(i): i for i in range(self.model.num_layers)}
+        pairs = [(on.embedding, off.embedding), (on.head, off.head)]
+        for i in kinds.values():
+            for mode in ("none", "selective", "full"):
+                pairs.append((on.layer_times(i, mode), off.layer_times(i, mode)))
+                if on.layer_activation(i, mode) > off.layer_activation(i, mode):
+                    return False
+        return all(a.forward <= b.forward and a.backward_input <= b.backward_input
+                   and a.bwd_weight_compute <= b.bwd_weight_compute for a, b in pairs)
+
+    def _run_group(self, g: Group) -> None:
+        cands = []
+        dominated_sp = {cc for sp, cc, _, _ in g.variants if sp and g.mesh.tp > 1 and self._sp_dominates(g, cc)}
+        for sp, cc, sched, vpp in g.variants:
+            if not sp and cc in dominated_sp:
+                self._count(self.pruned, "dominated: sequence parallel is no slower and uses less memory",
+                            len(g.zeros) * len(g.recomputes_for(vpp)))
+                continue
+            for zero in g.zeros:
+                for rec in g.recomputes_for(vpp):
+                    cands.append(Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec))
+        scored = []
+        for c in cands:
+            ctx = self._context(c)
+            scored.append((self.work_bound(c, ctx), c))
+        scored.sort(key=lambda x: x[0])
+        for wb, c in scored:
+            if wb >= self.best.cutoff() * (1 - REL_TOL):
+                self._count(self.pruned, "work bound")
+                continue
+            self._candidate(c)
+
+    def _candidate(self, c: Candidate) -> None:
+        ctx = self._context(c)
+        if c.vpp > 1:
+            # Even virtual stages: one partition, so the bound and memory floor are of that partition itself.
+            self.bounded += 1
+            need = self._interleaved_memory_floor(ctx, c.recompute)
+            if need > self.cap:
+                self._count(self.infeasible, "memory: in-flight micro-batches of the interleaved schedule")
+                self._note_memory(need, _describe(c))
+                return
+            bound = self._interleaved_bound(ctx, c.recompute)
+            if bound >= self.best.cutoff() * (1 - REL_TOL):
+                self._count(self.pruned, "pipeline bound (interleaved)")
+                return
+            self._simulate(c, None, None, bound, ctx=ctx, exact_partition=True)
+            return
+        prob = self.problem(c, ctx)
+        family = self._family_bound(c, prob)
+        if family >= self.best.cutoff() * (1 - REL_TOL):
+            self._count(self.pruned, "partition bound without memory or DP sync (shared by ZeRO stages)")
+            return
+        floor = memory_floor(prob, "full" if c.recompute == "per-stage" else c.recompute)
+        if floor > self.cap:
+            self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)")
+            self._note_memory(floor, _describe(c))
+            return
+        self.bounded += 1
+        if c.recompute == "per-stage":
+            relaxed = solve_dp(prob, "none", relaxed=True)
+            if relaxed is None:
+                self._count(self.infeasible, "memory: no partition fits even with full recompute")
+                return
+            if relaxed.objective >= self.best.cutoff() * (1 - REL_TOL):
+                self._count(self.pruned, "partition bound (relaxed recompute)")
+                return
+            uniform = solve_dp(prob, "none")
+            if uniform is not None and uniform.objective <= relaxed.objective * (1 + REL_TOL):
+                # recomputing nowhere already reaches the bound: per-stage choices cannot beat "none"
+                self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
+                return
+            # CP-SAT is the expensive step: solve these last, best bound first, against the final cutoff.
+            self.deferred.append((relaxed.objective, len(self.deferred), c, prob))
+            return
+        res = solve_dp(prob, c.recompute)
+        if res is None:
+            self._count(self.infeasible, "memory: no stage partition fits")
+            self._note_memory(min_stage_overflow(prob, c.recompute), _describe(c))
+            return
+        if res.objective >= self.best.cutoff() * (1 - REL_TOL):
+            self._count(self.pruned, "partition bound (DP)")
+            return
+        if c.schedule == "zb":
+            # ZB's bound is the loosest (weight passes may trail) and its simulation the dearest: simulate these
+            # after the rest, best bound first, against the cutoff the others set.
+            self.deferred_sims.append((res.objective, len(self.deferred_sims), c, res.stage_layers))
+            return
+        self._simulate(c, res.stage_layers, None, res.objective, ctx, exact_partition=True)
+
+    def _simulate(self, c: Candidate, stage_layers, policies, bound: float, ctx: CostContext,
+                  exact_partition: bool) -> None:
+        cfg = self._config(c, stage_layers, policies)
+        sim = simulate_config(self.model, self.cluster, self.wl, cfg, self.runtime, self.eff, context=ctx,
+                              timelines=self.timelines)
+        self.evaluated += 1
+        est = sim.estimate
+        if not est.fits:
+            self._count(self.infeasible, "memory: simulated peak over HBM")
+            self._note_memory(est.peak_memory_gib * GIB, _describe(c))
+            return
+        tight = est.step_time_s <= bound * (1 + 1e-6)
+        status = "optimal" if (tight or c.vpp > 1) else "bound gap"
+        if not tight and c.vpp == 1:
+            self.open_bounds.append(bound)
+        self.best.add(RankedPlan(c, cfg, est, bound if c.vpp == 1 else est.step_time_s, status))
+
+    def result(self, seconds: float, timed_out: bool) -> SearchResult:
+        plans = tuple(self.best.ranked())
+        if not plans:
+            acc = self._account(seconds, "infeasible", math.nan, math.nan)
+            return SearchResult((), acc, self._why_nothing_fits())
+        best = plans[0].step_time_s
+        lows = [b for b in self.open_bounds if b < best] + [self.unexplored_bound]
+        low = min([best] + lows)
+        gap = max(0.0, (best - low) / best)
+        status = "time-limit" if timed_out else ("optimal" if gap <= 1e-6 else "gap")
+        return SearchResult(plans, self._account(seconds, status, gap, low), None)
+
+    def _account(self, seconds: float, status: str, gap: float, low: float) -> SearchAccount:
+        return SearchAccount(self.enum.space_size, self.evaluated, self.bounded, dict(self.pruned),
+                             dict(self.infeasible), seconds, status, gap, low, dict(self.enum.domains),
+                             self.cpsat_calls)
+
+    def _why_nothing_fits(self) -> str:
+        model, n = self.model, self.cluster.num_gpus
+        hbm = self.cluster.gpu.hbm_gib.value
+        if not self.enum.groups:
+            rules = ", ".join(f"{k} ({v})" for k, v in sorted(self.infeasible.items(), key=lambda x: -x[1])[:3])
+            return f"no configuration of {n} GPUs passes the divisibility rules: {rules}"
+        need = _gpus_needed(model, hbm, self.cluster.gpus_per_node)
+        closest = ""
+        if self.closest_memory is not None:
+            closest = f"; the closest candidate ({self.closest_memory[1]}) needs {self.closest_memory[0] / GIB:.1f} GiB"
+        return (f"nothing fits in {hbm:g} GiB per GPU on {n} GPUs{closest}; the model states alone "
+                f"(weights, gradients, Adam: 18 bytes per parameter, {model.total_params() / 1e9:.1f}B parameters) "
+                f"need {model.total_params() * 18 / GIB:.0f} GiB in all, so >= {need} GPUs even with ZeRO-3 and full "
+                f"recompute; use more GPUs, a smaller --gbs/--seq, or pin fewer knobs")
+
+
+@dataclass(frozen=True)
+class _FloorLayout:
+    """The Layout fields stage_params and model_state_bytes read: a states floor without resolving a layout."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    etp: int
+    edp: int
+    zero: int
+
+
+def memory_floor(prob: PartitionProblem, recompute: str) -> float:
+    """A lower bound on the fullest stage's memory over all partitions: stage r holds x_r layers costing at least
+    s + held_r * a bytes each (the smallest per-layer state s and activation a), so
+    max_r x_r (s + held_r a) >= L / sum_r 1 / (s + held_r a) (equalising the stages, as in pipeline_floor)."""
+    p, m = prob.num_stages, prob.num_microbatches
+    act = {"none": prob.layer_act_none, "selective": prob.layer_act_selective}.get(recompute, prob.layer_act_full)
+    s, a = min(prob.layer_state_bytes), min(act)
+    held = [m if prob.schedule == "gpipe" else min(p - r, m) for r in range(p)]
+    if s + a * min(held) <= 0:
+        return prob.fixed_bytes * (1 + prob.fragmentation)
+    x = len(act) / sum(1.0 / (s + h * a) for h in held)
+    return (x + prob.fixed_bytes) * (1 + prob.fragmentation)
+
+
+def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, layers: int = 0,
+                   layer_min: float = 0.0, head: float = 0.0) -> float:
+    """min over all stage partitions of the partitioner's objective, relaxed to continuous stage times t_r >= 0
+    summing to `total` (one micro-batch through every stage): a sound lower bound that needs no partition.
+
+    Rank r cannot finish before micro-batch 0 reaches it and it ran all its m micro-batches; under 1F1B and GPipe
+    the gradient must then flow back through ranks r-1..0 (planner/partition.py), so the step is at least
+    max_r (sum_{s<r} t_s + m t_r). Equalising the terms (the LP optimum) gives X = total / (1 - (1 - 1/m)^p).
+    Under ZB only the forward prefix is certain: f_s >= alpha t_s gives X = alpha total / (1 - (1 - alpha/m)^p).
+    With virtual stages only the work bound m total / p is used. Stages hold whole layers: some rank runs at
+    least ceil(layers / p) of them m times, and the last rank runs the head and at least one layer m times after
+    micro-batch 0 went through every other rank (alpha times that with ZB)."""
+    work = m * total / p
+    if p == 1 or schedule == "interleaved":
+        return max(work, m * math.ceil(layers / p) * layer_min) if layers else work
+    a = 1.0 if schedule in ("1f1b", "gpipe") else alpha
+    last = head + layer_min
+    return max(work, a * total / (1.0 - (1.0 - a / m) ** p), m * math.ceil(layers / p) * layer_min,
+               a * (total - last) + m * last)
+
+
+def _policies(res: PartitionResult) -> tuple[StagePolicy, ...]:
+    return tuple(StagePolicy(granularity=p.granularity, full_layers=p.full_layers) for p in res.policies)
+
+
+def _describe(c: Candidate) -> str:
+    m = c.mesh
+    return f"tp={m.tp} cp={m.cp} pp={m.pp} dp={m.dp}" + (f" ep={m.ep}" if m.ep > 1 else "") + f" mbs={c.mbs} zero={c.zero}"
+
+
+def min_stage_overflow(prob: PartitionProblem, recompute: str) -> float:
+    """The balanced partition's fullest stage (bytes), to say how far from fitting a candidate is."""
+    L, p = len(prob.layer_forward), prob.num_stages
+    act = {"none": prob.layer_act_none, "selective": prob.layer_act_selective}.get(recompute, prob.layer_act_full)
+    per = (sum(prob.layer_state_bytes) + prob.first_state_bytes + prob.last_state_bytes) / p
+    held = prob.num_microbatches if prob.schedule == "gpipe" else min(p, prob.num_microbatches)
+    return (per + held * sum(act) / p + prob.fixed_bytes + prob.last_fixed_bytes / p) * (1 + prob.fragmentation)
+
+
+def _gpus_needed(model: ModelSpec, hbm_gib: float, per_node: int) -> int:
+    """GPUs whose memory holds the model states fully sharded (18 bytes per parameter), rounded up to nodes."""
+    need = math.ceil(model.total_params() * 18 / (hbm_gib * GIB * (1 - 0.1)))
+    if need > per_node:
+        need = math.ceil(need / per_node) * per_node
+    return max(1, need)

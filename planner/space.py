@@ -1,0 +1,271 @@
+"""The search space: every knob's domain, the launchers' divisibility rules as constraints, and pins.
+
+A *candidate* is one value for every knob except the stage partition (the partitioner chooses that). The space
+is enumerated mesh-first (tp x cp x pp x dp = GPUs), then experts (ep, etp), micro-batch size, sequence
+parallelism, CP communication, ZeRO stage, schedule (with virtual stages) and recomputation. A rule that fails at
+one level rejects the whole subtree below it; the account counts rejected candidates per rule, so that the
+space size = evaluated + pruned + infeasible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from costmodels.model import ModelSpec
+from costmodels.config import Workload
+from hardware_db.errors import InputError
+
+RecomputeChoice = Literal["none", "selective", "full", "per-stage"]
+SCHEDULES_FLAT = ("1f1b", "zb", "gpipe")  # vpp = 1; "interleaved" comes with each vpp > 1
+RECOMPUTES: tuple[RecomputeChoice, ...] = ("none", "selective", "full", "per-stage")
+ZEROS = (0, 1, 2, 3)
+MAX_VPP = 8  # virtual stages per pipeline rank searched: 2..8 (Megatron runs use 2-6)
+MIN_CP_TOKENS = 1024  # CP degrees searched leave each rank at least this many tokens of the sequence
+
+
+class Pins(BaseModel):
+    """Knobs the user fixed (None: searched). The same names and meanings as `estimate`'s flags."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    tp: int | None = Field(default=None, gt=0)
+    pp: int | None = Field(default=None, gt=0)
+    vpp: int | None = Field(default=None, gt=0)
+    dp: int | None = Field(default=None, gt=0)
+    cp: int | None = Field(default=None, gt=0)
+    cp_comm: Literal["ring", "a2a"] | None = None
+    ep: int | None = Field(default=None, gt=0)
+    etp: int | None = Field(default=None, gt=0)
+    mbs: int | None = Field(default=None, gt=0)
+    zero: Literal[0, 1, 2, 3] | None = None
+    recompute: RecomputeChoice | None = None
+    sp: bool | None = None
+    schedule: Literal["1f1b", "interleaved", "gpipe", "zb"] | None = None
+    max_mbs: int = Field(default=16, gt=0)  # micro-batch sizes searched: divisors of gbs/dp up to this
+
+
+@dataclass(frozen=True)
+class Mesh:
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    ep: int
+    etp: int
+
+    @property
+    def edp(self) -> int:
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+
+@dataclass(frozen=True)
+class LayerKey:
+    """What per-layer costs depend on (not pp, dp, ZeRO, schedule): cached across candidates."""
+
+    tp: int
+    cp: int
+    cp_comm: str
+    sp: bool
+    mbs: int
+    ep: int
+    etp: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mesh: Mesh
+    mbs: int
+    sp: bool
+    cp_comm: str
+    zero: int
+    schedule: str
+    vpp: int
+    recompute: RecomputeChoice
+
+    @property
+    def layer_key(self) -> LayerKey:
+        m = self.mesh
+        return LayerKey(m.tp, m.cp, self.cp_comm, self.sp, self.mbs, m.ep, m.etp)
+
+    def num_microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.mbs * self.mesh.dp)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pick(domain: list, pinned) -> list:
+    return [pinned] if pinned is not None else domain
+
+
+@dataclass(frozen=True)
+class Group:
+    """Candidates sharing a mesh and micro-batch size (so the micro-batch count): per (sp, cp_comm) the
+    (schedule, vpp) variants that pass the rules; every variant is tried with each ZeRO stage and recomputation."""
+
+    mesh: Mesh
+    mbs: int
+    num_microbatches: int
+    variants: tuple[tuple[bool, str, str, int], ...]  # (sp, cp_comm, schedule, vpp)
+    zeros: tuple[int, ...]
+    recomputes: tuple[RecomputeChoice, ...]  # per-stage dropped by the search where vpp > 1
+
+    def size(self) -> int:
+        return sum(len(self.zeros) * len(self.recomputes_for(v[3])) for v in self.variants)
+
+    def recomputes_for(self, vpp: int) -> tuple[RecomputeChoice, ...]:
+        # per-stage recomputation is a partitioner choice: it needs stages (pp > 1) and no virtual stages
+        return tuple(r for r in self.recomputes if r != "per-stage" or (self.mesh.pp > 1 and vpp == 1))
+
+
+@dataclass
+class Enumeration:
+    """The groups that pass every rule, and how many candidates each rule rejected."""
+
+    groups: list[Group]
+    space_size: int
+    infeasible: dict[str, int]
+    domains: dict[str, str]  # what was searched, in words (for the report)
+
+
+def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Workload, pins: Pins) -> Enumeration:
+    """All candidates, grouped; the launchers' rules (Megatron-LM arguments.py) reject subtrees, counted by rule.
+
+    Domains (stated in the plan's account): tp divides the GPUs and stays inside one node (TP across nodes is not
+    searched unless pinned); cp divides what is left with seq/cp >= MIN_CP_TOKENS; pp divides what is left;
+    dp fills the GPUs; ep divides the experts, etp divides tp; mbs divides the global batch up to max_mbs; vpp
+    2..MAX_VPP; ZeRO 0-3; recomputation none, selective, full or per stage (the partitioner's choice).
+    """
+    infeasible: dict[str, int] = {}
+    groups: list[Group] = []
+    size = 0
+    L = model.num_layers
+    moe = model.moe
+    zeros = tuple(_pick(list(ZEROS), pins.zero))
+    recs = tuple(_pick(list(RECOMPUTES), pins.recompute))
+
+    def reject(rule: str, count: int) -> None:
+        if count:
+            infeasible[rule] = infeasible.get(rule, 0) + count
+
+    def variants(tp: int, cp: int, pp: int) -> list[tuple[bool, str, str, int]]:
+        sps = _pick([True, False], pins.sp) if tp > 1 else [False]
+        comms = _pick(["ring", "a2a"], pins.cp_comm) if cp > 1 else ["ring"]
+        if pp == 1:
+            scheds = [("1f1b", 1)]
+        else:
+            scheds = [(s, 1) for s in SCHEDULES_FLAT] + [("interleaved", v) for v in range(2, MAX_VPP + 1)]
+            if pins.schedule is not None:
+                scheds = [(s, v) for s, v in scheds if s == pins.schedule]
+        if pins.vpp is not None:
+            scheds = [(s, v) for s, v in scheds if v == pins.vpp]
+        return [(sp, cc, sch, v) for sp in sps for cc in comms for sch, v in scheds]
+
+    def weight(pp: int, vpp: int) -> int:
+        return len(zeros) * len([r for r in recs if r != "per-stage" or (pp > 1 and vpp == 1)])
+
+    tp_domain = [t for t in divisors(num_gpus) if t <= gpus_per_node] if pins.tp is None else [pins.tp]
+    for tp in tp_domain:
+        if num_gpus % tp:
+            continue
+        cp_domain = [c for c in divisors(num_gpus // tp) if wl.seq_len // c >= MIN_CP_TOKENS or c == 1]
+        for cp in _pick(cp_domain, pins.cp):
+            if (num_gpus // tp) % cp:
+                continue
+            for pp in _pick(divisors(num_gpus // (tp * cp)), pins.pp):
+                if (num_gpus // (tp * cp)) % pp:
+                    continue
+                dp = num_gpus // (tp * cp * pp)
+                var = variants(tp, cp, pp)
+                per_mbs = sum(weight(pp, v[3]) for v in var)
+                if moe is None:
+                    pairs = [(1, tp)]
+                else:
+                    pairs = [(ep, etp) for ep in _pick(divisors(moe.num_experts), pins.ep)
+                             for etp in _pick(divisors(tp), pins.etp)]
+                mbs_domain = [pins.mbs] if pins.mbs is not None else [
+                    b for b in divisors(wl.global_batch) if b <= pins.max_mbs]
+                subtree = len(pairs) * len(mbs_domain) * per_mbs
+                size += subtree
+                rule = _mesh_rule(model, wl, tp, cp, pp, dp, pins)
+                if rule:
+                    reject(rule, subtree)
+                    continue
+                for ep, etp in pairs:
+                    if moe is not None and (tp * cp * dp) % (ep * etp):
+                        reject("etp*ep does not divide tp*cp*dp (MoE parallel folding)", len(mbs_domain) * per_mbs)
+                        continue
+                    mesh = Mesh(tp, cp, pp, dp, ep, etp)
+                    for mbs in mbs_domain:
+                        if wl.global_batch % (mbs * dp):
+                            reject("global batch not divisible by mbs*dp", per_mbs)
+                            continue
+                        m = wl.global_batch // (mbs * dp)
+                        ok = []
+                        for v in var:
+                            why = _knob_rule(model, tp, cp, pp, m, v[1], v[2], v[3])
+                            if why:
+                                reject(why, weight(pp, v[3]))
+                            else:
+                                ok.append(v)
+                        if ok:
+                            groups.append(Group(mesh, mbs, m, tuple(ok), zeros, recs))
+    domains = {
+        "tp": f"divisors of {num_gpus} up to {gpus_per_node} (one node)" if pins.tp is None else f"pinned {pins.tp}",
+        "cp": f"seq/cp >= {MIN_CP_TOKENS} tokens" if pins.cp is None else f"pinned {pins.cp}",
+        "pp": "divisors of what is left, <= layers" if pins.pp is None else f"pinned {pins.pp}",
+        "vpp": f"1, or 2..{MAX_VPP} with even virtual stages" if pins.vpp is None else f"pinned {pins.vpp}",
+        "mbs": f"divisors of the global batch up to {pins.max_mbs}" if pins.mbs is None else f"pinned {pins.mbs}",
+        "ep/etp": ("ep divides the experts, etp divides tp" if moe is not None else "no experts"),
+        "zero": ",".join(map(str, zeros)), "recompute": ",".join(recs),
+        "schedule": "1f1b, zb, gpipe, interleaved" if pins.schedule is None else f"pinned {pins.schedule}",
+        "stages": "contiguous uneven layer ranges (exact DP); even with virtual stages",
+    }
+    return Enumeration(groups, size, infeasible, domains)
+
+
+def _mesh_rule(model: ModelSpec, wl: Workload, tp: int, cp: int, pp: int, dp: int, pins: Pins) -> str | None:
+    if pins.dp is not None and dp != pins.dp:
+        return "dp differs from the pinned --dp"
+    if model.num_heads % tp:
+        return "tp does not divide the attention heads"
+    if model.mla is None and model.kv_heads % tp:
+        return "tp does not divide the KV heads"
+    if cp > 1 and wl.seq_len % (2 * cp):
+        return "seq not divisible by 2*cp (load-balanced causal CP)"
+    if pp > model.num_layers:
+        return "more pipeline stages than layers"
+    if wl.global_batch % dp:
+        return "global batch not divisible by dp"
+    return None
+
+
+def _knob_rule(model: ModelSpec, tp: int, cp: int, pp: int, m: int, cp_comm: str, sched: str, vpp: int) -> str | None:
+    if cp > 1 and cp_comm == "a2a" and (model.num_heads // tp) % cp:
+        return "cp a2a needs heads per TP rank divisible by cp"
+    if sched == "interleaved":
+        if model.num_layers % (pp * vpp):
+            return "interleaving needs layers divisible by pp*vpp (even virtual stages)"
+        if m % pp:
+            return "interleaving needs micro-batches divisible by pp"
+    return None
+
+
+def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins) -> None:
+    """Pins that contradict each other or the cluster fail before the search, with the rule that failed."""
+    prod = 1
+    for name in ("tp", "cp", "pp", "dp"):
+        v = getattr(pins, name)
+        if v is not None:
+            prod *= v
+    if num_gpus % prod:
+        raise InputError(f"the pinned degrees multiply to {prod}, which does not divide the {num_gpus} GPUs")
+    if pins.ep is not None and model.moe is None:
+        raise InputError(f"--ep given but {model.name} has no experts")
+    if pins.vpp is not None and pins.vpp > 1 and pins.schedule not in (None, "interleaved"):
+        raise InputError(f"--vpp {pins.vpp} needs --schedule interleaved (got {pins.schedule})")
+    if pins.schedule == "interleaved" and pins.vpp == 1:
+        raise InputError("--schedule interleaved needs --vpp > 1")
