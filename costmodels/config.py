@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from costmodels.model import ModelSpec
 from hardware_db.errors import InputError
@@ -39,6 +39,14 @@ class StagePolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     granularity: Recompute = "none"
     full_layers: int = Field(default=0, ge=0)  # "full" only: layers recomputed in full, counted from the stage's first
+
+    @model_validator(mode="after")
+    def _check(self) -> "StagePolicy":
+        if self.granularity == "full" and self.full_layers < 1:
+            raise ValueError("full recomputation needs full_layers >= 1")
+        if self.granularity != "full" and self.full_layers:
+            raise ValueError(f"'{self.granularity}' takes full_layers 0, got {self.full_layers}")
+        return self
 
     def layer_mode(self, position: int) -> Recompute:
         """The mode of the stage's position-th layer (0 = its first)."""

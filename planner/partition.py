@@ -17,6 +17,8 @@ from typing import Literal
 import numpy as np
 from ortools.sat.python import cp_model
 
+from costmodels.config import StagePolicy
+
 Schedule = Literal["1f1b", "gpipe", "zb"]
 Granularity = Literal["none", "selective", "full"]
 CpPolicies = Literal["uniform-none", "uniform-selective", "uniform-full", "per-stage"]
@@ -167,26 +169,6 @@ class PartitionProblem:
         if self.schedule == "gpipe":
             return self.num_microbatches
         return min(self.num_stages - r, self.num_microbatches)
-
-
-@dataclass(frozen=True)
-class StagePolicy:
-    """A stage's activation recomputation. "full" recomputes its first full_layers layers in full, the rest not."""
-
-    granularity: Granularity
-    full_layers: int = 0  # for "full": 1 <= k <= the stage's layer count (checked against the stage)
-
-    def __post_init__(self) -> None:
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        k = self.full_layers
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-            raise ValueError(f"full_layers must be an int, got {k!r}")
-        object.__setattr__(self, "full_layers", int(k))
-        if self.granularity == "full" and k < 1:
-            raise ValueError("full recomputation needs full_layers >= 1")
-        if self.granularity != "full" and k != 0:
-            raise ValueError(f"{self.granularity!r} takes full_layers 0, got {k}")
 
 
 @dataclass(frozen=True)
@@ -446,8 +428,9 @@ def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = Fal
     bounds = _bottleneck_path(problem, t, lambda r: at, ext, relaxed)
     if bounds is None:
         return None
-    pols = tuple(StagePolicy("full", bounds[r + 1] - bounds[r]) if policy == "full" and not relaxed
-                 else StagePolicy("none" if relaxed else policy) for r in range(p))
+    pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r])
+                 if policy == "full" and not relaxed else StagePolicy(granularity="none" if relaxed else policy)
+                 for r in range(p))
     result = _evaluate(problem, t, bounds, pols, relaxed)
     assert result is not None, "DP and evaluate disagree on feasibility"
     return result
@@ -572,8 +555,8 @@ def _cheapest_policies_partition(problem: PartitionProblem) -> PartitionResult |
     pols = []
     for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
         c, d, _ = (np.asarray(x)[a, b] if np.ndim(x) else x for x in fits[r])
-        pols.append(StagePolicy("full", int(c) - a) if c > a else StagePolicy("selective") if d > a
-                    else StagePolicy("none"))
+        pols.append(StagePolicy(granularity="full", full_layers=int(c) - a) if c > a
+                    else StagePolicy(granularity="selective") if d > a else StagePolicy(granularity="none"))
     return _evaluate(problem, t, bounds, tuple(pols), relaxed=False)
 
 
@@ -581,8 +564,9 @@ def _cheapest_policies_partition(problem: PartitionProblem) -> PartitionResult |
 
 def _policy_options(n: int, per_stage: bool, policy: Granularity) -> list[StagePolicy]:
     if per_stage:
-        return [StagePolicy("none"), StagePolicy("selective")] + [StagePolicy("full", k) for k in range(1, n + 1)]
-    return [StagePolicy("full", n) if policy == "full" else StagePolicy(policy)]
+        return [StagePolicy(granularity="none"), StagePolicy(granularity="selective")] + [
+            StagePolicy(granularity="full", full_layers=k) for k in range(1, n + 1)]
+    return [StagePolicy(granularity="full", full_layers=n) if policy == "full" else StagePolicy(granularity=policy)]
 
 
 def brute_force(problem: PartitionProblem, per_stage: bool = False,
@@ -923,11 +907,12 @@ def _cp_solve(problem: PartitionProblem, policies: str, data: _CpData, time_limi
     pols = []
     for st, a, b in zip(stages, found, found[1:]):
         if st.full is True or (not isinstance(st.full, bool) and solver.boolean_value(st.full)):
-            pols.append(StagePolicy("full", b - a if policies == "uniform-full" else solver.value(st.k)))
+            k = b - a if policies == "uniform-full" else solver.value(st.k)
+            pols.append(StagePolicy(granularity="full", full_layers=int(k)))
         elif st.selective is True or (not isinstance(st.selective, bool) and solver.boolean_value(st.selective)):
-            pols.append(StagePolicy("selective"))
+            pols.append(StagePolicy(granularity="selective"))
         else:
-            pols.append(StagePolicy("none"))
+            pols.append(StagePolicy(granularity="none"))
     return (found, tuple(pols)), status
 
 

@@ -88,7 +88,19 @@ class _Best:
     def cutoff(self) -> float:
         return -self.heap[0][0] if len(self.heap) >= self.k else math.inf
 
-    def add(self, plan: RankedPlan) -> None:
+    def add(self, plan: RankedPlan) -> bool:
+        """Keep the plan if it is among the k best; a plan that ties one already kept and differs from it only
+        in the ZeRO stage is dropped (the table would repeat itself): returns False for those."""
+        c = plan.candidate
+        twin = (c.mesh, c.mbs, c.sp, c.cp_comm, c.schedule, c.vpp, plan.estimate.layout.stage_layers,
+                plan.estimate.layout.stage_recompute)
+        for item in self.heap:
+            other = item[-1]
+            o = other.candidate
+            if ((o.mesh, o.mbs, o.sp, o.cp_comm, o.schedule, o.vpp, other.estimate.layout.stage_layers,
+                 other.estimate.layout.stage_recompute) == twin
+                    and abs(other.step_time_s - plan.step_time_s) <= REL_TOL * plan.step_time_s):
+                return False
         self.counter += 1
         lay = plan.estimate.layout
         # ties (equal predicted time) go to the simpler plan: no CP, lower ZeRO, then less memory
@@ -97,6 +109,7 @@ class _Best:
             heapq.heappush(self.heap, item)
         elif item[:-1] > self.heap[0][:-1]:
             heapq.heapreplace(self.heap, item)
+        return True
 
     def ranked(self) -> list[RankedPlan]:
         return [x[-1] for x in sorted(self.heap, key=lambda x: tuple(-v for v in x[:-1]))]
@@ -518,7 +531,8 @@ class _Search:
         status = "optimal" if (tight or c.vpp > 1) else "bound gap"
         if not tight and c.vpp == 1:
             self.open_bounds.append(bound)
-        self.best.add(RankedPlan(c, cfg, est, bound if c.vpp == 1 else est.step_time_s, status))
+        if not self.best.add(RankedPlan(c, cfg, est, bound if c.vpp == 1 else est.step_time_s, status)):
+            self._count(self.pruned, "tie: a kept plan differs only in its ZeRO stage")
 
     def result(self, seconds: float, timed_out: bool) -> SearchResult:
         plans = tuple(self.best.ranked())
@@ -603,7 +617,7 @@ def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, la
 
 
 def _policies(res: PartitionResult) -> tuple[StagePolicy, ...]:
-    return tuple(StagePolicy(granularity=p.granularity, full_layers=p.full_layers) for p in res.policies)
+    return tuple(res.policies)
 
 
 def _describe(c: Candidate) -> str:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from planner.partition import (GRANULARITIES, PartitionProblem, PartitionResult, StagePolicy, SyncModel,
                                brute_force, cpsat_tolerance_s, evaluate, solve_cpsat, solve_dp)
 
-NONE = StagePolicy("none")
+NONE = StagePolicy(granularity="none")
 GB = 1e9
 
 
@@ -218,8 +218,8 @@ def test_per_stage_recomputes_only_where_memory_binds():
     brute = brute_force(problem, per_stage=True)
     assert status == "OPTIMAL" and cp.objective == pytest.approx(brute.objective, abs=cpsat_tolerance_s(problem))
     assert cp.boundaries == brute.boundaries
-    assert evaluate(problem, (0, 2, 4), (StagePolicy("full", 1), NONE)) is None
-    plan = evaluate(problem, (0, 2, 4), (StagePolicy("full", 2), NONE))
+    assert evaluate(problem, (0, 2, 4), (StagePolicy(granularity="full", full_layers=1), NONE)) is None
+    plan = evaluate(problem, (0, 2, 4), (StagePolicy(granularity="full", full_layers=2), NONE))
     assert plan.stage_memory_bytes[0] == pytest.approx(1.3 * GB)
     assert solve_dp(problem, "none", relaxed=True).objective <= brute.objective
 
@@ -294,7 +294,7 @@ def test_evaluate_rejects_malformed_policies():
     with pytest.raises(ValueError):
         evaluate(problem, (0, 3, 5, 8), (NONE,) * 2)
     with pytest.raises(ValueError):
-        evaluate(problem, (0, 3, 5, 8), (NONE, StagePolicy("full", 3), NONE))  # stage 1 has 2 layers
+        evaluate(problem, (0, 3, 5, 8), (NONE, StagePolicy(granularity="full", full_layers=3), NONE))  # stage 1 has 2 layers
     for bad in (dict(granularity="full"), dict(granularity="none", full_layers=1), dict(granularity="some")):
         with pytest.raises(ValueError):
             StagePolicy(**bad)
