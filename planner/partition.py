@@ -333,6 +333,23 @@ def _stage_sync(pr, r, s: _LayerSums, f, b):
     return exposed + sy.optimizer_s_per_dense_param * dense + sy.optimizer_s_per_expert_param * expert
 
 
+def _chain_end(pr, r: int, f, b, start, t_after):
+    """1F1B's steady state chains rank r to every later rank: on rank r+j the pair (F_{w-j+i}, B_i) runs in that
+    order (w = p - r - 1 warm-up forwards on rank r), so F_{w+i}(r) -> F_{w+i}(r+1) -> ... -> F_{w+i}(p-1) ->
+    B_{i+n-1}(p-1) -> ... -> B_{i+n-1}(r) -> F_{w+i+n}(r) (n = p - r stages, a hop between ranks) is a dependency
+    path: every n steady forwards of rank r take at least t_r + T_>r + 2 (p-1-r) h, which exposes P2P latency
+    (about 2h per micro-batch) that the per-rank terms miss. K such rounds from its first steady forward, then the
+    passes left (meshplan docs/cost_model.md, pipeline bounds). Works on floats and numpy grids."""
+    p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
+    w = min(p - r - 1, m)
+    if w >= m:  # all of rank r's forwards are warm-up forwards: no steady state
+        return start + m * (f + b)
+    n = p - r
+    k = (m - 1 - w) // n
+    return (start + w * f + k * (f + b + t_after + 2 * (p - 1 - r) * h) + f + (m - k * n) * b
+            + (m - 1 - w - k * n) * f)
+
+
 def _stage_objective(pr, r, f, b, e, f_before, b_before, t_after):
     """J_r: rank r starts when micro-batch 0 reaches it, starts its first backward once micro-batch 0 went to the
     last stage and back, then runs its remaining passes; after its last backward the gradient still flows back
@@ -341,9 +358,15 @@ def _stage_objective(pr, r, f, b, e, f_before, b_before, t_after):
     start = f_before + r * h
     if pr.schedule == "gpipe":  # all m forwards, then all m backwards (Huang et al. 2019)
         first_back = start + m * f + t_after + 2 * (p - 1 - r) * h + m * b
+    elif pr.schedule == "zb":
+        # ZB-H1 sends the input gradient before the weight pass, so micro-batch 0's round trip is shorter than the
+        # later stages' whole backward: without the input/weight split only the rank's own work is certain.
+        first_back = start + m * (f + b)
     else:  # p - r - 1 warm-up forwards, then one forward per backward (Narayanan et al. 2021, sec. 2.2)
         first_back = start + f + t_after + 2 * (p - 1 - r) * h + m * b + (m - min(p - r, m)) * f
     end = np.maximum(start + m * (f + b), first_back)
+    if pr.schedule == "1f1b":
+        end = np.maximum(end, _chain_end(pr, r, f, b, start, t_after))
     if pr.schedule == "zb":  # weight passes may trail (Qi et al. 2024): only the rank's own finish is bounded
         return end + e
     return end + np.maximum(b_before + r * h, e)
@@ -540,15 +563,28 @@ def _cheapest_fitting(pr: PartitionProblem, t: _Tables, r: int, cut_min: np.ndar
     return c, d, peak
 
 
-def _cheapest_policies_partition(problem: PartitionProblem) -> PartitionResult | None:
+def per_stage_bound(problem: PartitionProblem) -> tuple[float, PartitionResult | None]:
+    """(lower, plan) for per-stage recomputation without CP-SAT. lower: the DP optimum when each stage takes its
+    cheapest fitting policy and the other stages' recompute extras are left out of B_<r and T_>r; every J_r only
+    grows with any stage's backward, so no per-stage plan beats it (a sound bound, inf when nothing fits). plan:
+    that DP's partition re-evaluated with the other stages' extras in (a feasible plan, an upper bound). When the
+    two meet, the plan is optimal and CP-SAT is not needed."""
+    lower = _cheapest_policies_partition(problem, value_only=True)
+    return lower, (_cheapest_policies_partition(problem) if math.isfinite(lower) else None)
+
+
+def _cheapest_policies_partition(problem: PartitionProblem, value_only: bool = False):
     """A good per-stage plan, fast: the DP with each stage on its cheapest fitting policy and the other stages'
-    recompute extras left out of B_<r and T_>r, re-evaluated in full. A heuristic (a start for CP-SAT)."""
+    recompute extras left out of B_<r and T_>r, re-evaluated in full. A heuristic (a start for CP-SAT); with
+    value_only, the DP's optimum itself (a lower bound, see per_stage_bound)."""
     t = _tables(problem)
     L = problem.num_layers
     i, j = _grid(L)
     q = np.where(j > i, (t.act_full - t.act_none)[np.broadcast_to(j, (L + 1, L + 1))], np.inf)
     cut_min = np.minimum.accumulate(q, axis=1)  # cut_min[i][c] = min over c' in (i, c] of act_full - act_none
     fits = [_cheapest_fitting(problem, t, r, cut_min) for r in range(problem.num_stages)]
+    if value_only:
+        return _bottleneck_path(problem, t, lambda r: fits[r], t.zero, relaxed=False, value_only=True)
     bounds = _bottleneck_path(problem, t, lambda r: fits[r], t.zero, relaxed=False)
     if bounds is None:
         return None
@@ -834,12 +870,22 @@ def _cp_objective(model: cp_model.CpModel, pr: PartitionProblem, stages: list[_C
         start = f_before + r * h
         if pr.schedule == "gpipe":
             first_back = start + m * st.forward + t_after + 2 * (p - 1 - r) * h + m * st.backward
+        elif pr.schedule == "zb":  # as _stage_objective: only the rank's own work
+            first_back = start + m * (st.forward + st.backward)
         else:
             first_back = (start + st.forward + t_after + 2 * (p - 1 - r) * h + m * st.backward
                           + (m - min(p - r, m)) * st.forward)
         jr = model.new_int_var(0, ub, f"J_{r}")
         tails = [st.sync] if pr.schedule == "zb" else [b_before + r * h, st.sync]
-        for a in (start + m * (st.forward + st.backward), first_back):
+        pieces = [start + m * (st.forward + st.backward), first_back]
+        if pr.schedule == "1f1b":  # _chain_end, written out linearly
+            w = min(p - r - 1, m)
+            if w < m:
+                n = p - r
+                k = (m - 1 - w) // n
+                pieces.append(start + w * st.forward + k * (st.forward + st.backward + t_after + 2 * (p - 1 - r) * h)
+                              + st.forward + (m - k * n) * st.backward + (m - 1 - w - k * n) * st.forward)
+        for a in pieces:
             for b in tails:
                 model.add(jr >= a + b)
         stage_obj.append(jr)
@@ -958,3 +1004,112 @@ def solve_cpsat(problem: PartitionProblem, policies: CpPolicies = "per-stage",
             return result, status
         data = replace(data, cap=data.cap - 1 - data.cap // 10**12)
     raise RuntimeError("CP-SAT solutions keep exceeding the memory cap in float evaluation")
+
+
+# ---- the 1F1B steady-state pair bound --------------------------------------------------------------------------------
+#
+# J_r above sees each rank alone. In 1F1B's steady state two neighbours also chain each other: on rank r the pair
+# (F_{w+i}, B_i) runs in that order (w = p - r - 1 warm-up forwards) and on rank r+1 (F_{w-1+i}, B_i), so
+#   F_{w+i}(r) -> [hop] -> F_{w+i}(r+1) -> B_{i+1}(r+1) -> [hop] -> B_{i+1}(r) -> F_{w+i+2}(r)
+# is a dependency chain: every two steady forwards of rank r take at least C_r = t_r + t_{r+1} + 2h. With
+# S0 = F_<r + r h + w f_r (the start of rank r's first steady forward) and K = floor((m - 1 - w) / 2):
+#   end_r >= S0 + K C_r + f_r + (m - 2K) b_r + (m - 1 - w - 2K) f_r,
+# and P_r = that + max(B_<r + r h, E_r) as in J_r. It matters when P2P latency is not small against a stage's
+# pass (each micro-batch pays about h twice on every link), where J alone leaves a gap.
+
+def pair_terms(problem: PartitionProblem, boundaries, policies) -> tuple[float, ...]:
+    """P_r for r = 0..p-2 of one partition (empty unless the schedule is 1f1b)."""
+    pr = problem
+    bounds, pols = _check_partition(pr, boundaries, policies)
+    if pr.schedule != "1f1b":
+        return ()
+    t = _tables(pr)
+    p = pr.num_stages
+    f, b, e = [], [], []
+    for r in range(p):
+        i, j = bounds[r], bounds[r + 1]
+        c, d, _ = _cuts(t, pols[r], i, j)
+        sums = _layer_sums(t, i, j, c, d, False)
+        f.append(float(_stage_forward(pr, r, sums)))
+        b.append(float(_stage_backward(pr, r, sums)))
+        e.append(float(_stage_sync(pr, r, sums, f[r], b[r])))
+    return tuple(_pair_term(pr, r, f[r], b[r], e[r], sum(f[:r]), sum(b[:r]), f[r + 1] + b[r + 1])
+                 for r in range(p - 1))
+
+
+def _pair_term(pr: PartitionProblem, r: int, f, b, e, f_before, b_before, t_next):
+    """P_r (see the comment above); works on floats and on numpy grids alike."""
+    p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
+    w = min(p - r - 1, m)
+    if w >= m:  # every forward of rank r is a warm-up forward: no steady state, no pair chain
+        return np.full(np.shape(np.asarray(f) + np.asarray(t_next)), -np.inf) if np.ndim(f) or np.ndim(t_next) \
+            else -math.inf
+    k = max(0, (m - 1 - w) // 2)
+    s0 = f_before + r * h + w * f
+    end = s0 + k * (f + b + t_next + 2 * h) + f + (m - 2 * k) * b + max(0, m - 1 - w - 2 * k) * f
+    return end + np.maximum(b_before + r * h, e)
+
+
+def solve_dp_pairs(problem: PartitionProblem, policy: Granularity) -> PartitionResult | None:
+    """The exact optimum of max(J, max_r P_r) over contiguous partitions with one uniform policy (1F1B), by a DP over
+    (stage, first layer, end) since P_r reads the next stage's time: O(p L^3), so meant for the few candidates whose
+    simulated time exceeds their J bound. Returns evaluate() of the plan with objective replaced by the tighter value.
+    For other schedules it is solve_dp."""
+    if problem.schedule != "1f1b" or problem.num_stages == 1:
+        return solve_dp(problem, policy)
+    if policy not in GRANULARITIES:
+        raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
+    pr = problem
+    p, L = pr.num_stages, pr.num_layers
+    t = _tables(pr)
+    i, j = _grid(L)
+    if policy == "none":
+        at, ext = (i, i, 0.0), t.zero
+    elif policy == "selective":
+        at, ext = (i, j, t.peak_sel[i]), t.sel
+    else:
+        at, ext = (j, i, t.peak_full[i]), t.full
+    s = _layer_sums(t, i, j, at[0], at[1], False)
+    ahead = j > i
+    layers_before_f, layers_before_b = t.fwd[i], t.bwd[i] + ext[i]
+    layers_after = (t.fwd[L] - t.fwd[j]) + (t.bwd[L] - t.bwd[j]) + (ext[L] - ext[j])
+    grids = []
+    with np.errstate(invalid="ignore"):
+        for r in range(p):
+            f, b = _stage_forward(pr, r, s), _stage_backward(pr, r, s)
+            e = _stage_sync(pr, r, s, f, b)
+            mem = _stage_memory(pr, r, s, at[2])
+            f_before = layers_before_f + ((pr.first_forward if r > 0 else 0.0) + r * pr.stage_forward_extra)
+            b_before = layers_before_b + ((pr.first_backward if r > 0 else 0.0) + r * pr.stage_backward_extra)
+            t_after = layers_after + ((p - 1 - r) * (pr.stage_forward_extra + pr.stage_backward_extra)
+                                      + (pr.last_forward + pr.last_backward if r < p - 1 else 0.0))
+            jr = np.where(ahead & (mem <= pr.memory_cap_bytes), _stage_objective(pr, r, f, b, e, f_before, b_before,
+                                                                                t_after), np.inf)
+            grids.append((f, b, e, f_before, b_before, jr))
+        # v[r][i, j]: best max over stages >= r when stage r runs [i, j).
+        f, b, e, fb, bb, jr = grids[p - 1]
+        v = np.where(j == L, jr, np.inf)
+        nxt = [None] * p
+        for r in reversed(range(p - 1)):
+            f, b, e, fb, bb, jr = grids[r]
+            t_next = grids[r + 1][0] + grids[r + 1][1]  # [j, k] grid of stage r+1
+            # pair[i, j, k] = P_r with stage r on [i, j) and stage r+1 on [j, k)
+            pair = _pair_term(pr, r, f[:, :, None], b[:, :, None], e[:, :, None], fb[:, :, None], bb[:, :, None],
+                              t_next[None, :, :])
+            total = np.maximum(np.maximum(jr[:, :, None], pair), v[None, :, :])
+            nxt[r] = np.argmin(total, axis=2)
+            v = np.min(total, axis=2)
+    best = float(v[0].min())
+    if not np.isfinite(best):
+        return None
+    start, end = 0, int(np.argmin(v[0]))
+    bounds = [0, end]
+    for r in range(p - 1):
+        k = int(nxt[r][start, end])
+        start, end = end, k
+        bounds.append(end)
+    pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r]) if policy == "full"
+                 else StagePolicy(granularity=policy) for r in range(p))
+    result = _evaluate(pr, t, tuple(bounds), pols, relaxed=False)
+    assert result is not None, "pair DP and evaluate disagree on feasibility"
+    return replace(result, objective=max(result.objective, best))

@@ -27,12 +27,14 @@ from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activa
 from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
-from planner.partition import PartitionProblem, PartitionResult, SyncModel, dp_bound, solve_cpsat, solve_dp
+from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, per_stage_bound, solve_cpsat,
+                               solve_dp, solve_dp_pairs)
 from planner.space import Candidate, Enumeration, Group, LayerKey, Mesh, Pins, check_pins, enumerate_space
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
 UNBOUNDED_BYTES = 1e30  # a memory cap no stage reaches (bounds that ignore memory)
-CPSAT_TIME_LIMIT_S = 10.0  # per CP-SAT call; an unproven answer leaves its candidate's bound open (a gap)
+CPSAT_TIME_LIMIT_S = 10.0
+PAIR_DP_MAX_CELLS = 2e7  # the O(p L^3) pair bound is tried only below this size  # per CP-SAT call; an unproven answer leaves its candidate's bound open (a gap)
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,8 @@ class _Search:
         self.pruned: dict[str, int] = {}
         self.infeasible: dict[str, int] = dict(enum.infeasible)
         self.evaluated = self.bounded = self.cpsat_calls = 0
-        self.open_bounds: list[float] = []  # bounds of simulated candidates whose partition may not be optimal
+        # simulated candidates whose time exceeds their bound: another partition might be faster
+        self.open_bounds: list[tuple[float, Candidate, tuple[int, ...] | None, tuple | None]] = []
         self.unexplored_bound = math.inf  # smallest bound left when a time limit stopped the search
         self.contexts: dict[tuple, CostContext] = {}
         self.closest_memory: tuple[float, str] | None = None  # the smallest memory excess seen, for "nothing fits"
@@ -239,10 +242,11 @@ class _Search:
 
     # ---- bounds
     def states_floor(self, g: Group) -> float:
-        """Bytes per GPU the model states need at the least (ZeRO-3 if searched, else the smallest ZeRO given),
-        averaged over stages: no partition can put less on its fullest stage."""
+        """Bytes per GPU the model states need at the least (under the highest ZeRO stage searched), averaged over
+        stages: no partition can put less on its fullest stage."""
         model, m = self.model, g.mesh
-        lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=min(g.zeros))
+        # the highest ZeRO stage searched shards the most: its states are the least any candidate of the group needs
+        lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=max(g.zeros))
         total = stage_params(model, lay, range(model.num_layers), True, True)  # type: ignore[arg-type]
         return sum(model_state_bytes(total, lay)) / m.pp  # type: ignore[arg-type]
 
@@ -378,7 +382,8 @@ class _Search:
         self.deferred.sort(key=lambda x: (x[0], x[1]))
         for n, (bound, _, c, prob) in enumerate(self.deferred):
             if bound >= self.best.cutoff() * (1 - REL_TOL):
-                self._count(self.pruned, "partition bound (relaxed recompute)", len(self.deferred) - n)
+                self._count(self.pruned, "partition bound (cheapest fitting recompute per stage)",
+                            len(self.deferred) - n)
                 break
             remaining = None if deadline is None else deadline - time.perf_counter()
             if remaining is not None and remaining <= 0:
@@ -398,20 +403,46 @@ class _Search:
                 elif status == "INFEASIBLE":
                     self._count(self.infeasible, "memory: no per-stage policy fits")
                 else:  # no answer within the limit: the relaxed bound stays open
-                    self.open_bounds.append(bound)
+                    self.open_bounds.append((bound, c, None, None))
                     self._count(self.pruned, f"CP-SAT {status.lower()} within its time limit")
                 continue
             proven = status == "OPTIMAL"
             if res.objective >= self.best.cutoff() * (1 - REL_TOL):
                 if not proven:
-                    self.open_bounds.append(bound)
+                    self.open_bounds.append((bound, c, None, None))
                 self._count(self.pruned, "partition bound (CP-SAT)")
                 continue
             self._simulate(c, res.stage_layers, _policies(res), res.objective if proven else bound,
                            self._context(c), exact_partition=proven)
+        self._close_gaps(deadline)
         if progress:
             progress(groups, groups)
         return False
+
+    def _close_gaps(self, deadline: float | None) -> None:
+        """Where a 1F1B candidate's simulated time exceeds its J bound (P2P latency chains neighbouring stages in
+        the steady state), the tighter pair bound (planner/partition.py solve_dp_pairs) replaces it; its own best
+        partition is simulated when it differs from the one tried."""
+        still_open = []
+        for bound, c, stage_layers, policies in sorted(self.open_bounds, key=lambda x: x[0]):
+            best = self.best.ranked()[0].step_time_s if self.best.heap else math.inf
+            late = deadline is not None and time.perf_counter() > deadline
+            size = c.mesh.pp * (self.model.num_layers + 1) ** 3  # the pair DP's grid: keep it to about a second
+            if (bound >= best * (1 - REL_TOL) or late or c.schedule != "1f1b" or c.recompute == "per-stage"
+                    or policies is not None or size > PAIR_DP_MAX_CELLS):
+                still_open.append((bound, c, stage_layers, policies))
+                continue
+            ctx = self._context(c)
+            res = solve_dp_pairs(self.problem(c, ctx), c.recompute)
+            self.bounded += 1
+            if res is None:
+                continue
+            if res.stage_layers != stage_layers and res.objective < self.best.cutoff() * (1 - REL_TOL):
+                before = len(self.open_bounds)
+                self._simulate(c, res.stage_layers, None, res.objective, ctx, exact_partition=True)
+                del self.open_bounds[before:]  # judged below by the pair bound itself
+            still_open.append((res.objective, c, res.stage_layers, None))
+        self.open_bounds = still_open
 
     def _group_score(self, g: Group) -> float:
         """A lower bound for every candidate in the group: the work bound with no recomputation (the fastest)."""
@@ -486,20 +517,23 @@ class _Search:
             return
         self.bounded += 1
         if c.recompute == "per-stage":
-            relaxed = solve_dp(prob, "none", relaxed=True)
-            if relaxed is None:
+            uniform = solve_dp(prob, "none")
+            lower, plan = per_stage_bound(prob)
+            if plan is None or not math.isfinite(lower):
                 self._count(self.infeasible, "memory: no partition fits even with full recompute")
                 return
-            if relaxed.objective >= self.best.cutoff() * (1 - REL_TOL):
-                self._count(self.pruned, "partition bound (relaxed recompute)")
+            if lower >= self.best.cutoff() * (1 - REL_TOL):
+                self._count(self.pruned, "partition bound (cheapest fitting recompute per stage)")
                 return
-            uniform = solve_dp(prob, "none")
-            if uniform is not None and uniform.objective <= relaxed.objective * (1 + REL_TOL):
+            if uniform is not None and uniform.objective <= lower * (1 + REL_TOL):
                 # recomputing nowhere already reaches the bound: per-stage choices cannot beat "none"
                 self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
                 return
+            if plan.objective <= lower * (1 + REL_TOL):  # the heuristic meets the bound: optimal, no CP-SAT
+                self._simulate(c, plan.stage_layers, _policies(plan), lower, ctx, exact_partition=True)
+                return
             # CP-SAT is the expensive step: solve these last, best bound first, against the final cutoff.
-            self.deferred.append((relaxed.objective, len(self.deferred), c, prob))
+            self.deferred.append((lower, len(self.deferred), c, prob))
             return
         res = solve_dp(prob, c.recompute)
         if res is None:
@@ -530,7 +564,7 @@ class _Search:
         tight = est.step_time_s <= bound * (1 + 1e-6)
         status = "optimal" if (tight or c.vpp > 1) else "bound gap"
         if not tight and c.vpp == 1:
-            self.open_bounds.append(bound)
+            self.open_bounds.append((bound, c, stage_layers, policies))
         if not self.best.add(RankedPlan(c, cfg, est, bound if c.vpp == 1 else est.step_time_s, status)):
             self._count(self.pruned, "tie: a kept plan differs only in its ZeRO stage")
 
@@ -540,7 +574,7 @@ class _Search:
             acc = self._account(seconds, "infeasible", math.nan, math.nan)
             return SearchResult((), acc, self._why_nothing_fits())
         best = plans[0].step_time_s
-        lows = [b for b in self.open_bounds if b < best] + [self.unexplored_bound]
+        lows = [b for b, _, _, _ in self.open_bounds if b < best] + [self.unexplored_bound]
         low = min([best] + lows)
         gap = max(0.0, (best - low) / best)
         status = "time-limit" if timed_out else ("optimal" if gap <= 1e-6 else "gap")
