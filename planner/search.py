@@ -250,21 +250,28 @@ class _Search:
         total = stage_params(model, lay, range(model.num_layers), True, True)  # type: ignore[arg-type]
         return sum(model_state_bytes(total, lay)) / m.pp  # type: ignore[arg-type]
 
-    def work_bound(self, cand: Candidate, ctx: CostContext) -> float:
-        """A lower bound on the step time of every stage partition of this candidate (see pipeline_floor)."""
+    def work_bound(self, cand: Candidate) -> float:
+        """A lower bound on the step time of every stage partition of this candidate (see pipeline_floor).
+        Reads only per-layer costs (shared by every candidate with the same layer key); blocking P2P, which
+        depends on where the pipeline ranks sit, is left out (so the bound stays a bound)."""
         rec = "none" if cand.recompute == "per-stage" else cand.recompute
-        key = (cand.layer_key, rec, ctx.lay.pp)  # the blocks' times do not depend on dp, ZeRO or schedule
+        key = (cand.layer_key, rec)  # the blocks' times do not depend on pp, dp, ZeRO or schedule
         if key not in self.work_bounds:
+            ctx = self._layer_context(cand)
             blocks = [ctx.layer_times(i, rec) for i in range(self.model.num_layers)] + [ctx.embedding, ctx.head]
-            extra = ctx.blocking_p2p_s * ctx.lay.pp / len(blocks)  # blocking P2P: once per stage and pass
-            fwd = [t.forward + extra for t in blocks]
-            bwd = [t.backward_input + t.bwd_weight_compute + extra for t in blocks]
+            fwd = [t.forward for t in blocks]
+            bwd = [t.backward_input + t.bwd_weight_compute for t in blocks]
             alpha = min(f / (f + b) for f, b in zip(fwd, bwd) if f + b > 0)
             layer_min = min(f + b for f, b in zip(fwd[:-2], bwd[:-2]))
             self.work_bounds[key] = (sum(fwd) + sum(bwd), alpha, layer_min, fwd[-1] + bwd[-1])
         total, alpha, layer_min, head = self.work_bounds[key]
-        return pipeline_floor(total, alpha, ctx.lay.num_microbatches, ctx.lay.pp, cand.schedule,
-                              self.model.num_layers, layer_min, head)
+        return pipeline_floor(total, alpha, cand.num_microbatches(self.wl.global_batch), cand.mesh.pp,
+                              cand.schedule, self.model.num_layers, layer_min, head)
+
+    def _layer_context(self, cand: Candidate) -> CostContext:
+        """A context for the candidate's per-layer costs: any context of the same layer key will do."""
+        shared = self.contexts.get(("layers", cand.layer_key))
+        return shared if shared is not None else self._context(cand)
 
     def _family_bound(self, c: Candidate, prob: PartitionProblem) -> float:
         """The DP optimum with no memory cap and no DP-sync or optimizer time: a bound for every ZeRO stage of
@@ -380,44 +387,76 @@ class _Search:
                 break
             self._simulate(c, stage_layers, None, bound, self._context(c), exact_partition=True)
         self.deferred.sort(key=lambda x: (x[0], x[1]))
-        for n, (bound, _, c, prob) in enumerate(self.deferred):
-            if bound >= self.best.cutoff() * (1 - REL_TOL):
-                self._count(self.pruned, "partition bound (cheapest fitting recompute per stage)",
+        for n, (family, _, c, prob) in enumerate(self.deferred):
+            if family >= self.best.cutoff() * (1 - REL_TOL):
+                self._count(self.pruned, "partition bound without memory or DP sync (shared by ZeRO stages)",
                             len(self.deferred) - n)
                 break
             remaining = None if deadline is None else deadline - time.perf_counter()
             if remaining is not None and remaining <= 0:
-                self.unexplored_bound = min(self.unexplored_bound, bound)
+                self.unexplored_bound = min(self.unexplored_bound, family)
                 self._count(self.pruned, "not reached before the time limit", len(self.deferred) - n)
                 if progress:
                     progress(groups, groups)
                 return True
-            self.cpsat_calls += 1
-            limit = CPSAT_TIME_LIMIT_S if remaining is None else min(CPSAT_TIME_LIMIT_S, remaining)
-            cutoff = self.best.cutoff()
-            res, status = solve_cpsat(prob, "per-stage", time_limit_s=limit,
-                                      below_s=None if math.isinf(cutoff) else cutoff)
-            if res is None:
-                if status == "INFEASIBLE" and not math.isinf(cutoff):
-                    self._count(self.pruned, "partition bound (CP-SAT: nothing fits below the cutoff)")
-                elif status == "INFEASIBLE":
-                    self._count(self.infeasible, "memory: no per-stage policy fits")
-                else:  # no answer within the limit: the relaxed bound stays open
-                    self.open_bounds.append((bound, c, None, None))
-                    self._count(self.pruned, f"CP-SAT {status.lower()} within its time limit")
-                continue
-            proven = status == "OPTIMAL"
-            if res.objective >= self.best.cutoff() * (1 - REL_TOL):
-                if not proven:
-                    self.open_bounds.append((bound, c, None, None))
-                self._count(self.pruned, "partition bound (CP-SAT)")
-                continue
-            self._simulate(c, res.stage_layers, _policies(res), res.objective if proven else bound,
-                           self._context(c), exact_partition=proven)
+            self._per_stage(c, prob, remaining)
         self._close_gaps(deadline)
         if progress:
             progress(groups, groups)
         return False
+
+    def _per_stage(self, c: Candidate, prob: PartitionProblem, remaining: float | None) -> None:
+        """One per-stage-recomputation candidate: dominance by no recomputation, the cheapest-fitting bound and
+        plan, and CP-SAT only where those two do not meet."""
+        uniform = solve_dp(prob, "none")
+        if uniform is not None and uniform.objective <= self._family_bound(c, prob) * (1 + REL_TOL):
+            # recomputing nowhere already reaches a bound no per-stage choice can beat
+            self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
+            return
+        relaxed = solve_dp(prob, "none", relaxed=True)  # one DP pass: no-recompute times, smallest activations
+        if relaxed is None:
+            self._count(self.infeasible, "memory: no partition fits even with full recompute")
+            return
+        if relaxed.objective >= self.best.cutoff() * (1 - REL_TOL):
+            self._count(self.pruned, "partition bound (relaxed recompute)")
+            return
+        lower, plan = per_stage_bound(prob)
+        if plan is None or not math.isfinite(lower):
+            self._count(self.infeasible, "memory: no partition fits even with full recompute")
+            return
+        if lower >= self.best.cutoff() * (1 - REL_TOL):
+            self._count(self.pruned, "partition bound (cheapest fitting recompute per stage)")
+            return
+        if uniform is not None and uniform.objective <= lower * (1 + REL_TOL):
+            self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
+            return
+        ctx = self._context(c)
+        if plan.objective <= lower * (1 + REL_TOL):  # the heuristic meets the bound: optimal, no CP-SAT
+            self._simulate(c, plan.stage_layers, _policies(plan), lower, ctx, exact_partition=True)
+            return
+        bound = lower
+        self.cpsat_calls += 1
+        limit = CPSAT_TIME_LIMIT_S if remaining is None else min(CPSAT_TIME_LIMIT_S, remaining)
+        cutoff = self.best.cutoff()
+        res, status = solve_cpsat(prob, "per-stage", time_limit_s=limit,
+                                  below_s=None if math.isinf(cutoff) else cutoff)
+        if res is None:
+            if status == "INFEASIBLE" and not math.isinf(cutoff):
+                self._count(self.pruned, "partition bound (CP-SAT: nothing fits below the cutoff)")
+            elif status == "INFEASIBLE":
+                self._count(self.infeasible, "memory: no per-stage policy fits")
+            else:  # no answer within the limit: the bound stays open
+                self.open_bounds.append((bound, c, None, None))
+                self._count(self.pruned, f"CP-SAT {status.lower()} within its time limit")
+            return
+        proven = status == "OPTIMAL"
+        if res.objective >= self.best.cutoff() * (1 - REL_TOL):
+            if not proven:
+                self.open_bounds.append((bound, c, None, None))
+            self._count(self.pruned, "partition bound (CP-SAT)")
+            return
+        self._simulate(c, res.stage_layers, _policies(res), res.objective if proven else bound, ctx,
+                       exact_partition=proven)
 
     def _close_gaps(self, deadline: float | None) -> None:
         """Where a 1F1B candidate's simulated time exceeds its J bound (P2P latency chains neighbouring stages in
@@ -433,6 +472,11 @@ class _Search:
                 still_open.append((bound, c, stage_layers, policies))
                 continue
             ctx = self._context(c)
+            balanced = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c)).stage_layers
+            if balanced != stage_layers:  # the even split is a partition too: it may simulate faster
+                before = len(self.open_bounds)
+                self._simulate(c, balanced, None, bound, ctx, exact_partition=False)
+                del self.open_bounds[before:]
             res = solve_dp_pairs(self.problem(c, ctx), c.recompute)
             self.bounded += 1
             if res is None:
@@ -449,14 +493,14 @@ class _Search:
         best = math.inf
         for sp, cc, sched, vpp in g.variants:
             cand = Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), sched, vpp, "none")
-            best = min(best, self.work_bound(cand, self._context(cand)))
+            best = min(best, self.work_bound(cand))
         return best
 
     def _sp_dominates(self, g: Group, cc: str) -> bool:
         """Sequence parallelism is never slower and never uses more memory than plain TP for this mesh: every
         block's pass times (each recompute mode) and activations are no larger with it (checked, not assumed)."""
-        on = self._context(Candidate(g.mesh, g.mbs, True, cc, min(g.zeros), "1f1b", 1, "none"))
-        off = self._context(Candidate(g.mesh, g.mbs, False, cc, min(g.zeros), "1f1b", 1, "none"))
+        on = self._layer_context(Candidate(g.mesh, g.mbs, True, cc, min(g.zeros), "1f1b", 1, "none"))
+        off = self._layer_context(Candidate(g.mesh, g.mbs, False, cc, min(g.zeros), "1f1b", 1, "none"))
         kinds = {self.model.is_moe_layer(i): i for i in range(self.model.num_layers)}
         pairs = [(on.embedding, off.embedding), (on.head, off.head)]
         for i in kinds.values():
@@ -478,10 +522,7 @@ class _Search:
             for zero in g.zeros:
                 for rec in g.recomputes_for(vpp):
                     cands.append(Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec))
-        scored = []
-        for c in cands:
-            ctx = self._context(c)
-            scored.append((self.work_bound(c, ctx), c))
+        scored = [(self.work_bound(c), c) for c in cands]
         scored.sort(key=lambda x: x[0])
         for wb, c in scored:
             if wb >= self.best.cutoff() * (1 - REL_TOL):
@@ -517,23 +558,8 @@ class _Search:
             return
         self.bounded += 1
         if c.recompute == "per-stage":
-            uniform = solve_dp(prob, "none")
-            lower, plan = per_stage_bound(prob)
-            if plan is None or not math.isfinite(lower):
-                self._count(self.infeasible, "memory: no partition fits even with full recompute")
-                return
-            if lower >= self.best.cutoff() * (1 - REL_TOL):
-                self._count(self.pruned, "partition bound (cheapest fitting recompute per stage)")
-                return
-            if uniform is not None and uniform.objective <= lower * (1 + REL_TOL):
-                # recomputing nowhere already reaches the bound: per-stage choices cannot beat "none"
-                self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
-                return
-            if plan.objective <= lower * (1 + REL_TOL):  # the heuristic meets the bound: optimal, no CP-SAT
-                self._simulate(c, plan.stage_layers, _policies(plan), lower, ctx, exact_partition=True)
-                return
-            # CP-SAT is the expensive step: solve these last, best bound first, against the final cutoff.
-            self.deferred.append((lower, len(self.deferred), c, prob))
+            # Per-stage recomputation costs the most to bound: after everything else, best family bound first.
+            self.deferred.append((family, len(self.deferred), c, prob))
             return
         res = solve_dp(prob, c.recompute)
         if res is None:

@@ -1,0 +1,85 @@
+"""The search against published configurations: for every run in ../shared/reference_runs/training_dev.yaml,
+the best plan `meshplan plan` finds for the run's model, GPUs and global batch, versus the published
+configuration estimated under the same cost model (and found again by a search with every knob pinned).
+
+Usage:  python benchmarks/reference_search.py [--markdown] [--time-limit S] [--only ID]
+
+Expectations (issue 3): the search's best is predicted at least as fast as the published configuration, and the
+pinned search returns the published configuration itself (its layout, with the partitioner's stage split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from costmodels.estimate import estimate  # noqa: E402
+from planner.search import search  # noqa: E402
+from planner.space import Pins  # noqa: E402
+from reference_runs import DEFAULT_YAML, configure, megatron_gpt  # noqa: E402
+
+
+def describe(lay) -> str:
+    stages = "" if lay.pp == 1 or len(set(lay.stage_layers)) == 1 else f" [{'-'.join(map(str, lay.stage_layers))}]"
+    return (f"tp{lay.tp} cp{lay.cp} pp{lay.pp}{'' if lay.vpp == 1 else f'x{lay.vpp}'} dp{lay.dp} mbs{lay.mbs} "
+            f"z{lay.zero} {lay.recompute} {lay.schedule}{' sp' if lay.sp else ''}{stages}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--yaml", type=Path, default=DEFAULT_YAML)
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--time-limit", type=float, default=60.0, help="per search, seconds")
+    ap.add_argument("--only", default=None)
+    args = ap.parse_args()
+    entries = yaml.safe_load(args.yaml.read_text())
+    rows = []
+    for e in entries:
+        if args.only and e["id"] != args.only:
+            continue
+        model = megatron_gpt(e)
+        cluster, wl, cfg, runtime = configure(e)
+        published = estimate(model, cluster, wl, cfg, runtime=runtime)
+        lay = published.layout
+        pins = Pins(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs, zero=lay.zero,
+                    recompute=lay.recompute, sp=lay.sp, schedule=lay.schedule, max_mbs=max(16, lay.mbs))
+        t0 = time.perf_counter()
+        pinned = search(model, cluster, wl, pins, runtime, top_k=1, time_limit_s=args.time_limit)
+        t1 = time.perf_counter()
+        free = search(model, cluster, wl, Pins(max_mbs=max(16, lay.mbs)), runtime, top_k=1,
+                      time_limit_s=args.time_limit)
+        t2 = time.perf_counter()
+        found = pinned.plans[0].estimate if pinned.plans else None
+        best = free.plans[0].estimate if free.plans else None
+        rows.append((e["id"], published, found, best, free.account, t1 - t0, t2 - t1))
+        if not args.markdown:
+            print(f"{e['id']}: published {describe(lay)} {published.step_time_s:.3f} s "
+                  f"(fits: {published.fits}) | pinned search {found.step_time_s if found else float('nan'):.3f} s | "
+                  f"best {describe(best.layout) if best else 'none'} {best.step_time_s if best else float('nan'):.3f} s"
+                  f" [{free.account.status}, gap {100 * free.account.gap:.2f}%, {t2 - t1:.1f} s]", flush=True)
+    if args.markdown:
+        print("| run | published config | published s | fits | pinned search s | best plan found | best s | "
+              "speed-up | search status | search s |")
+        print("| --- | --- | ---: | --- | ---: | --- | ---: | ---: | --- | ---: |")
+        for rid, pub, found, best, acc, tp, tf in rows:
+            print(f"| {rid} | {describe(pub.layout)} | {pub.step_time_s:.3f} | {'yes' if pub.fits else 'NO'} | "
+                  f"{found.step_time_s if found else float('nan'):.3f} | {describe(best.layout) if best else 'none'} | "
+                  f"{best.step_time_s if best else float('nan'):.3f} | "
+                  f"{pub.step_time_s / best.step_time_s if best else float('nan'):.2f}x | {acc.status} "
+                  f"({100 * acc.gap:.2f}%) | {tf:.1f} |")
+    ok = all(best is not None and best.step_time_s <= pub.step_time_s * (1 + 1e-9)
+             for _, pub, _, best, _, _, _ in rows if pub.fits)
+    print(f"\nbest plan at least as fast as every published configuration that fits: {ok}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,412 @@
+"""The search (planner/search.py): pins are honoured, every plan is valid and re-estimates exactly, the account adds
+up, the bounds are sound (checked against exhaustive enumeration on tiny spaces), infeasible inputs are explained
+and a time limit returns what it has.
+
+Small models on 8-32 GPUs with small batches keep the whole file fast; hypothesis runs derandomized.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cli.main import main
+from costmodels.config import ParallelConfig, StagePolicy, Workload, resolve
+from costmodels.estimate import estimate
+from costmodels.model import ModelSpec
+from costmodels.model_io import load_zoo
+from hardware_db.cluster import Cluster, ClusterSpec
+from planner.search import SearchResult, search
+from planner.space import Pins, enumerate_space
+
+REL = 1e-9
+UNIFORM = ("none", "selective", "full")
+
+
+@functools.lru_cache(maxsize=None)
+def zoo(name: str) -> ModelSpec:
+    return load_zoo(name)
+
+
+@functools.lru_cache(maxsize=None)
+def cluster(n: int, gpu: str = "h100-sxm") -> Cluster:
+    return Cluster(ClusterSpec(gpu=gpu, num_gpus=n))
+
+
+def shrunk(name: str, layers: int) -> ModelSpec:
+    """A zoo model with fewer decoder layers, so that every stage partition can be enumerated."""
+    return zoo(name).model_copy(update={"num_layers": layers, "name": f"{name}-{layers}l"})
+
+
+@functools.lru_cache(maxsize=None)
+def run(model: str, n: int, gbs: int, seq: int, gpu: str = "h100-sxm", top_k: int = 5,
+        pins: tuple = ()) -> SearchResult:
+    return search(zoo(model), cluster(n, gpu), Workload(global_batch=gbs, seq_len=seq), Pins(**dict(pins)),
+                  top_k=top_k)
+
+
+def close(a: float, b: float, rel: float = REL) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def describe(result: SearchResult) -> str:
+    a = result.account
+    return (f"status={a.status} gap={a.gap} lower_bound={a.lower_bound_s} space={a.space_size} "
+            f"evaluated={a.evaluated} pruned={a.pruned} infeasible={a.infeasible}")
+
+
+# ---- pins are honoured -----------------------------------------------------------------------------------------------
+
+LLAMA = ("llama3.1-8b", 8, 16, 2048)  # 8 x H100, 16 sequences of 2048 tokens
+MIXTRAL = ("mixtral-8x7b", 16, 32, 2048)
+
+
+def _lay(p):
+    return p.estimate.layout
+
+
+PIN_CASES = [
+    # (case, pins, what every plan must satisfy)
+    (LLAMA, {"tp": 2}, lambda p: _lay(p).tp == 2),
+    (LLAMA, {"tp": 8}, lambda p: _lay(p).tp == 8),
+    (LLAMA, {"pp": 2}, lambda p: _lay(p).pp == 2),
+    (LLAMA, {"pp": 4}, lambda p: _lay(p).pp == 4),
+    (LLAMA, {"vpp": 2, "schedule": "interleaved"},
+     lambda p: _lay(p).vpp == 2 and _lay(p).schedule == "interleaved" and _lay(p).pp > 1),
+    (LLAMA, {"vpp": 4}, lambda p: _lay(p).vpp == 4 and _lay(p).schedule == "interleaved"),
+    (LLAMA, {"dp": 4}, lambda p: _lay(p).dp == 4),
+    (LLAMA, {"dp": 1}, lambda p: _lay(p).dp == 1),
+    (LLAMA, {"cp": 2}, lambda p: _lay(p).cp == 2),
+    (LLAMA, {"cp": 2, "cp_comm": "a2a"}, lambda p: _lay(p).cp == 2 and _lay(p).cp_comm == "a2a"),
+    (LLAMA, {"cp": 2, "cp_comm": "ring"}, lambda p: _lay(p).cp == 2 and _lay(p).cp_comm == "ring"),
+    (LLAMA, {"mbs": 1}, lambda p: _lay(p).mbs == 1),
+    (LLAMA, {"mbs": 2}, lambda p: _lay(p).mbs == 2),
+    *[(LLAMA, {"zero": z}, (lambda z: lambda p: _lay(p).zero == z)(z)) for z in (0, 1, 2, 3)],
+    *[(LLAMA, {"recompute": r}, (lambda r: lambda p: _lay(p).recompute == r and p.config.recompute == r)(r))
+      for r in UNIFORM],
+    # per-stage: the partitioner chooses a policy for every stage (pp > 1, no virtual stages)
+    (LLAMA, {"recompute": "per-stage", "pp": 2},
+     lambda p: p.candidate.recompute == "per-stage" and _lay(p).pp == 2 and _lay(p).vpp == 1
+     and p.config.stage_recompute is not None and len(p.config.stage_recompute) == 2),
+    (LLAMA, {"recompute": "per-stage"},
+     lambda p: p.candidate.recompute == "per-stage" and _lay(p).pp > 1 and _lay(p).vpp == 1
+     and p.config.stage_recompute is not None and len(p.config.stage_recompute) == _lay(p).pp),
+    (LLAMA, {"tp": 2, "sp": True}, lambda p: _lay(p).tp == 2 and _lay(p).sp is True),
+    (LLAMA, {"tp": 2, "sp": False}, lambda p: _lay(p).tp == 2 and _lay(p).sp is False),
+    (LLAMA, {"sp": False}, lambda p: _lay(p).sp is False),
+    # alone, these knobs exist only where their parallelism does: sp with tp > 1 (resolve() turns it off at tp 1),
+    # the CP communication with cp > 1
+    (LLAMA, {"sp": True}, lambda p: _lay(p).sp is (_lay(p).tp > 1)),
+    (LLAMA, {"cp_comm": "a2a"}, lambda p: _lay(p).cp == 1 or _lay(p).cp_comm == "a2a"),
+    # schedules, alone (the whole space) and with a pipeline pinned
+    *[(LLAMA, {"schedule": s}, (lambda s: lambda p: _lay(p).schedule == s)(s))
+      for s in ("1f1b", "gpipe", "zb", "interleaved")],
+    *[(LLAMA, {"schedule": s, "pp": 2}, (lambda s: lambda p: _lay(p).schedule == s and _lay(p).pp == 2)(s))
+      for s in ("1f1b", "gpipe", "zb")],
+    # MoE: expert and expert-tensor parallelism
+    (MIXTRAL, {"ep": 4}, lambda p: _lay(p).ep == 4),
+    (MIXTRAL, {"ep": 8}, lambda p: _lay(p).ep == 8),
+    (MIXTRAL, {"etp": 2}, lambda p: _lay(p).etp == 2),
+    (MIXTRAL, {"ep": 2, "etp": 1, "tp": 2}, lambda p: (_lay(p).ep, _lay(p).etp, _lay(p).tp) == (2, 1, 2)),
+]
+
+
+def _pin_id(case) -> str:
+    (model, *_), pins, _ = case
+    return f"{model}-" + "-".join(f"{k}={v}" for k, v in pins.items())
+
+
+@pytest.mark.parametrize("case", PIN_CASES, ids=[_pin_id(c) for c in PIN_CASES])
+def test_pins_are_honoured(case):
+    (model, n, gbs, seq), pins, holds = case
+    result = run(model, n, gbs, seq, pins=tuple(sorted({"max_mbs": 2, **pins}.items())))
+    assert result.plans, f"{pins}: no plan ({result.why_nothing_fits}); {describe(result)}"
+    for rank, p in enumerate(result.plans, 1):
+        lay = p.estimate.layout
+        assert holds(p), (f"pins {pins}: plan #{rank} has tp={lay.tp} pp={lay.pp} vpp={lay.vpp} dp={lay.dp} "
+                          f"cp={lay.cp} cp_comm={lay.cp_comm} ep={lay.ep} etp={lay.etp} mbs={lay.mbs} "
+                          f"zero={lay.zero} recompute={lay.recompute} sp={lay.sp} schedule={lay.schedule}")
+
+
+def test_pinned_space_is_the_pinned_subset_of_the_free_space():
+    """Pinning narrows the space: the pinned space is no larger, and its best plan no faster, than the free one."""
+    free = run(*LLAMA, pins=(("max_mbs", 2),))
+    for pins in ({"tp": 2}, {"zero": 1}, {"mbs": 1}, {"pp": 2}):
+        pinned = run(*LLAMA, pins=tuple(sorted({"max_mbs": 2, **pins}.items())))
+        assert pinned.account.space_size < free.account.space_size, pins
+        assert pinned.plans[0].step_time_s >= free.plans[0].step_time_s * (1 - REL), (
+            f"{pins}: the pinned search found {pinned.plans[0].step_time_s} s, faster than the free search's "
+            f"{free.plans[0].step_time_s} s ({describe(free)})")
+
+
+# ---- every plan is valid, exact and ranked ---------------------------------------------------------------------------
+
+def check_plans(model: ModelSpec, c: Cluster, wl: Workload, result: SearchResult, top_k: int) -> None:
+    acc = result.account
+    assert len(result.plans) <= top_k
+    if not result.plans:
+        assert acc.status == "infeasible" and result.why_nothing_fits
+        return
+    assert result.why_nothing_fits is None
+    assert acc.status in ("optimal", "gap"), describe(result)
+    assert acc.gap >= 0 and math.isfinite(acc.gap)
+    if acc.status == "optimal":
+        assert acc.gap <= 1e-6
+    times = [p.step_time_s for p in result.plans]
+    assert times == sorted(times), times
+    assert acc.lower_bound_s <= times[0] * (1 + REL), describe(result)
+    for p in result.plans:
+        lay = resolve(model, c.num_gpus, wl, p.config)  # raises InputError if a divisibility rule fails
+        assert lay == p.estimate.layout
+        assert p.estimate.fits and p.estimate.peak_memory_gib <= c.gpu.hbm_gib.value
+        fresh = estimate(model, c, wl, p.config)
+        assert fresh.fits
+        assert close(fresh.step_time_s, p.step_time_s), (p.config, fresh.step_time_s, p.step_time_s)
+        assert close(fresh.peak_memory_gib, p.estimate.peak_memory_gib, 1e-9)
+        # the per-candidate bound never exceeds the plan's own simulated time
+        assert p.bound_s <= p.step_time_s * (1 + 1e-6), (p.config, p.bound_s, p.step_time_s)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(model=st.sampled_from(["llama3.1-8b", "mcore-gpt-1.7b", "mixtral-8x7b", "nemotron-4-15b"]),
+       gpus=st.sampled_from([8, 16, 32]), gbs=st.sampled_from([8, 16, 32, 64]),
+       seq=st.sampled_from([1024, 2048, 4096]), gpu=st.sampled_from(["h100-sxm", "a100-40gb"]))
+def test_every_plan_resolves_fits_and_reestimates_exactly(model, gpus, gbs, seq, gpu):
+    spec, c, wl = zoo(model), cluster(gpus, gpu), Workload(global_batch=gbs, seq_len=seq)
+    result = search(spec, c, wl, Pins(max_mbs=2), top_k=3)
+    check_plans(spec, c, wl, result, 3)
+
+
+ACCOUNT_CASES = [
+    ("llama3.1-8b", 8, 16, 2048, "h100-sxm", ()),
+    ("llama3.1-8b", 8, 16, 2048, "h100-sxm", (("pp", 2), ("recompute", "per-stage"))),
+    ("llama3.1-8b", 8, 16, 2048, "h100-sxm", (("pp", 4), ("schedule", "1f1b"))),
+    ("llama3.1-8b", 32, 64, 4096, "a100-40gb", ()),
+    ("mixtral-8x7b", 16, 32, 2048, "h100-sxm", ()),
+    ("llama3.1-405b", 8, 16, 2048, "a100-40gb", ()),
+]
+
+
+@pytest.mark.parametrize("model,n,gbs,seq,gpu,pins", ACCOUNT_CASES)
+def test_account_adds_up(model, n, gbs, seq, gpu, pins):
+    """Every candidate of the space is counted exactly once: simulated, pruned (by the bound that pruned it) or
+    infeasible (by rule or memory) -- planner/space.py: space size = evaluated + pruned + infeasible."""
+    result = run(model, n, gbs, seq, gpu, 3, (("max_mbs", 2), *pins))
+    acc = result.account
+    spec = zoo(model)
+    enum = enumerate_space(spec, n, cluster(n, gpu).gpus_per_node, Workload(global_batch=gbs, seq_len=seq),
+                           Pins(**dict((("max_mbs", 2), *pins))))
+    assert acc.space_size == enum.space_size
+    assert enum.space_size == sum(g.size() for g in enum.groups) + sum(enum.infeasible.values())
+    assert all(v > 0 for v in acc.pruned.values()) and all(v > 0 for v in acc.infeasible.values())
+    for rule, count in enum.infeasible.items():  # the launcher rules' rejections are carried into the account
+        assert acc.infeasible.get(rule, 0) >= count, rule
+    counted = acc.evaluated + sum(acc.pruned.values()) + sum(acc.infeasible.values())
+    assert counted == acc.space_size, (
+        f"evaluated {acc.evaluated} + pruned {sum(acc.pruned.values())} + infeasible "
+        f"{sum(acc.infeasible.values())} = {counted} != space {acc.space_size}; {describe(result)}")
+
+
+# ---- the bounds are sound: exhaustive enumeration of tiny spaces -----------------------------------------------------
+
+def compositions(total: int, parts: int):
+    """Every way to cut `total` layers into `parts` non-empty contiguous stages."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: Pins) -> tuple[float, ParallelConfig | None, int]:
+    """The fastest fitting configuration of the search space with uniform recomputation: every candidate of
+    enumerate_space, every stage partition when vpp == 1 (the even one with virtual stages), each estimated."""
+    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins)
+    best, arg, count = math.inf, None, 0
+    for g in enum.groups:
+        m = g.mesh
+        for sp, cp_comm, schedule, vpp in g.variants:
+            partitions = [None] if (vpp > 1 or m.pp == 1) else list(compositions(model.num_layers, m.pp))
+            for zero in g.zeros:
+                for rec in g.recomputes_for(vpp):
+                    if rec == "per-stage":
+                        continue
+                    for stage_layers in partitions:
+                        cfg = ParallelConfig(tp=m.tp, pp=m.pp, vpp=vpp, dp=m.dp, cp=m.cp, cp_comm=cp_comm, ep=m.ep,
+                                             etp=m.etp, mbs=g.mbs, zero=zero, recompute=rec, sp=sp,
+                                             schedule=schedule, stage_layers=stage_layers)
+                        est = estimate(model, c, wl, cfg)
+                        count += 1
+                        if est.fits and est.step_time_s < best:
+                            best, arg = est.step_time_s, cfg
+    return best, arg, count
+
+
+TINY = [
+    # (model, layers or None for the real model, gpu, gpus, gbs, seq, pins)
+    # llama3.1-8b itself, two pipeline stages (31 partitions each): interleaved vs uneven 1F1B/GPipe stages
+    ("llama3.1-8b", None, "h100-sxm", 8, 16, 2048, {"max_mbs": 2, "pp": 2, "zero": 1}),
+    # 8 layers: every pp (1, 2, 4, 8) with every partition, every ZeRO stage
+    ("llama3.1-8b", 8, "h100-sxm", 8, 16, 2048, {"max_mbs": 2, "tp": 1}),
+    # memory binds (40 GiB): ZeRO, recomputation and pipelining decide what fits
+    ("llama3.1-8b", 8, "a100-40gb", 8, 16, 4096, {"max_mbs": 2, "cp": 1}),
+    ("llama3.1-70b", 8, "a100-40gb", 8, 16, 2048, {"max_mbs": 1, "pp": 4, "cp": 2}),
+    # zero-bubble, pinned
+    ("llama3.1-70b", 8, "a100-40gb", 8, 16, 2048, {"max_mbs": 1, "pp": 4, "schedule": "zb"}),
+    # MoE: ep x etp folding
+    ("mixtral-8x7b", 4, "a100-40gb", 8, 16, 2048, {"max_mbs": 1, "cp": 1, "zero": 1}),
+]
+
+
+@pytest.mark.parametrize("name,layers,gpu,n,gbs,seq,pins", TINY,
+                         ids=[f"{t[0]}-{t[1] or 'full'}l-{t[2]}-{'-'.join(f'{k}={v}' for k, v in t[6].items())}"
+                              for t in TINY])
+def test_search_matches_exhaustive_enumeration(name, layers, gpu, n, gbs, seq, pins):
+    model = zoo(name) if layers is None else shrunk(name, layers)
+    c, wl, p = cluster(n, gpu), Workload(global_batch=gbs, seq_len=seq), Pins(**pins)
+    result = search(model, c, wl, p, top_k=3)
+    truth, arg, count = exhaustive_minimum(model, c, wl, p)
+    acc = result.account
+    assert count > 0
+    if not math.isfinite(truth):
+        assert not result.plans, f"exhaustive: nothing fits, but the search returned {result.plans[0].config}"
+        return
+    assert result.plans, f"the search found nothing; exhaustive best {truth} s at {arg}; {describe(result)}"
+    best = result.plans[0]
+    check_plans(model, c, wl, result, 3)
+    # Soundness: no configuration of the space beats the account's lower bound, nor the best plan when optimal.
+    assert acc.lower_bound_s <= truth * (1 + REL), (
+        f"lower bound {acc.lower_bound_s} s but {arg} runs {truth} s; {describe(result)}")
+    if acc.status == "optimal":
+        assert best.step_time_s <= truth * (1 + REL), (
+            f"'optimal' {best.step_time_s} s ({best.config}) but {arg} runs {truth} s; {describe(result)}")
+    if best.estimate.layout.recompute in UNIFORM:
+        # the best plan is itself one of the enumerated configurations
+        assert best.step_time_s >= truth * (1 - REL)
+        if acc.status == "optimal":
+            assert close(best.step_time_s, truth), (best.step_time_s, truth, arg)
+
+
+def per_stage_menu(layers: int) -> list[StagePolicy]:
+    return [StagePolicy(), StagePolicy(granularity="selective"), StagePolicy(granularity="full", full_layers=1),
+            StagePolicy(granularity="full", full_layers=layers)]
+
+
+def test_per_stage_pin_lower_bound_is_sound():
+    """--recompute per-stage: each stage none, selective or full on its first k layers. Enumerate, for every
+    candidate of the pinned space (tp = cp = 1, pp = 2), every partition and a menu of policies per stage (none,
+    selective, full on 1 layer, full on all): none of these plans may beat the account's lower bound, nor the best
+    plan if it is reported optimal."""
+    model, c, wl = zoo("llama3.1-8b"), cluster(8), Workload(global_batch=16, seq_len=2048)
+    pins = Pins(max_mbs=2, pp=2, tp=1, cp=1, recompute="per-stage")
+    result = search(model, c, wl, pins, top_k=3)
+    acc = result.account
+    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins)
+    best, arg = math.inf, None
+    for g in enum.groups:
+        m = g.mesh
+        for sp, cp_comm, schedule, vpp in g.variants:
+            if "per-stage" not in g.recomputes_for(vpp):  # virtual stages: no per-stage candidates
+                continue
+            for zero in g.zeros:
+                for stage_layers in compositions(model.num_layers, m.pp):
+                    menus = [per_stage_menu(n) for n in stage_layers]
+                    for policies in itertools.product(*menus):
+                        cfg = ParallelConfig(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, cp_comm=cp_comm, ep=m.ep, etp=m.etp,
+                                             mbs=g.mbs, zero=zero, sp=sp, schedule=schedule,
+                                             stage_layers=stage_layers, stage_recompute=policies)
+                        est = estimate(model, c, wl, cfg)
+                        if est.fits and est.step_time_s < best:
+                            best, arg = est.step_time_s, cfg
+    assert math.isfinite(best) and result.plans
+    check_plans(model, c, wl, result, 3)
+    assert acc.lower_bound_s <= best * (1 + REL), (
+        f"lower bound {acc.lower_bound_s} s, best plan {result.plans[0].step_time_s} s "
+        f"({result.plans[0].config}), but {arg} runs {best} s; {describe(result)}")
+    if acc.status == "optimal":
+        assert result.plans[0].step_time_s <= best * (1 + REL)
+
+
+def test_exhaustive_check_covers_an_optimal_pipelined_case():
+    """The exhaustive cases above are not all trivially pp=1: at least one proven-optimal search is compared
+    against every partition of a pipeline (so the partition and pipeline bounds pruned real competitors)."""
+    model, c = zoo("llama3.1-8b"), cluster(8)
+    wl, p = Workload(global_batch=16, seq_len=2048), Pins(max_mbs=2, pp=2, zero=1)
+    result = search(model, c, wl, p, top_k=3)
+    assert result.account.status == "optimal", describe(result)
+    assert result.plans[0].estimate.layout.pp == 2
+
+
+# ---- infeasible inputs ---------------------------------------------------------------------------------------------
+
+def test_nothing_fits_is_explained():
+    result = run("llama3.1-405b", 8, 16, 2048, "a100-40gb", 3)
+    assert result.plans == ()
+    assert result.account.status == "infeasible"
+    why = result.why_nothing_fits
+    assert why and "GiB" in why and "8 GPUs" in why, why
+    assert any(ch.isdigit() for ch in why.split(">=")[-1]), why  # says how many GPUs would do
+
+
+def test_no_configuration_passes_the_rules():
+    """tp = pp = cp = 1 pinned on 8 GPUs leaves dp = 8, which does not divide the global batch of 4: every candidate
+    breaks a divisibility rule, and the explanation says which."""
+    result = search(zoo("llama3.1-8b"), cluster(8), Workload(global_batch=4, seq_len=2048),
+                    Pins(tp=1, pp=1, cp=1, max_mbs=2))
+    assert result.plans == () and result.account.status == "infeasible"
+    why = result.why_nothing_fits
+    assert why and "divisib" in why and "global batch" in why, why
+
+
+def test_nothing_fits_via_the_cli(capsys):
+    code = main(["plan", "--model", "llama3.1-405b", "--gpu", "a100-40gb", "--gpus", "8", "--gbs", "16",
+                 "--seq", "2048"])
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err and "Traceback" not in out
+    assert "GiB" in lines[0] and "8 GPUs" in lines[0]
+
+
+# ---- time limit ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("limit", [1e-6, 1e-3])
+def test_tiny_time_limit_reports_the_time_limit(limit):
+    """Stopped before (nearly) anything was searched: the status says so, and nothing claims the model does not fit
+    (llama3.1-8b fits 8 H100s easily)."""
+    result = search(zoo("llama3.1-8b"), cluster(8), Workload(global_batch=16, seq_len=2048), Pins(max_mbs=2),
+                    top_k=3, time_limit_s=limit)
+    acc = result.account
+    assert acc.status == "time-limit", describe(result) + f"; why_nothing_fits={result.why_nothing_fits!r}"
+    if result.plans:
+        assert acc.gap >= 0 and math.isfinite(acc.gap)
+    else:
+        assert result.why_nothing_fits and "time" in result.why_nothing_fits.lower(), result.why_nothing_fits
+        assert "nothing fits" not in result.why_nothing_fits
+
+
+def test_time_limit_returns_a_plan_with_a_proven_gap():
+    model, c, wl = zoo("mixtral-8x7b"), cluster(16), Workload(global_batch=32, seq_len=2048)
+    result = search(model, c, wl, Pins(max_mbs=2), top_k=3, time_limit_s=0.3)
+    acc = result.account
+    assert acc.status == "time-limit", describe(result)
+    assert acc.gap >= 0
+    if result.plans:
+        assert math.isfinite(acc.gap)
+        assert acc.lower_bound_s <= result.plans[0].step_time_s * (1 + REL)
+        for p in result.plans:
+            assert close(estimate(model, c, wl, p.config).step_time_s, p.step_time_s)
+    else:
+        assert result.why_nothing_fits
+
+
+def test_generous_time_limit_changes_nothing():
+    free = run(*LLAMA, pins=(("max_mbs", 2),), top_k=3)
+    limited = search(zoo("llama3.1-8b"), cluster(8), Workload(global_batch=16, seq_len=2048), Pins(max_mbs=2),
+                     top_k=3, time_limit_s=600)
+    assert limited.account.status == free.account.status
+    assert [p.step_time_s for p in limited.plans] == [p.step_time_s for p in free.plans]
