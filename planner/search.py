@@ -153,6 +153,7 @@ class _Search:
         self.work_bounds: dict[tuple, tuple[float, float]] = {}
         self.family_bounds: dict[tuple, float] = {}
         self.timelines: dict[tuple, object] = {}  # simulated pipelines by their stage times  # by id of a context held in self.contexts
+        self.recomputes_searched = {r for g in enum.groups for r in g.recomputes}
         self.deferred_sims: list[tuple[float, int, Candidate, tuple[int, ...]]] = []  # ZB candidates to simulate
         self.deferred: list[tuple[float, int, Candidate, PartitionProblem]] = []  # per-stage candidates for CP-SAT
 
@@ -382,10 +383,14 @@ class _Search:
                 self._count(self.pruned, "partition bound (DP)", len(self.deferred_sims) - n)
                 break
             if deadline is not None and time.perf_counter() > deadline:
-                self.unexplored_bound = min(self.unexplored_bound, bound)
-                self._count(self.pruned, "not reached before the time limit", len(self.deferred_sims) - n)
-                break
-            self._simulate(c, stage_layers, None, bound, self._context(c), exact_partition=True)
+                for later, _, _, _ in self.deferred_sims[n:] + self.deferred:
+                    self.unexplored_bound = min(self.unexplored_bound, later)
+                self._count(self.pruned, "not reached before the time limit",
+                            len(self.deferred_sims) - n + len(self.deferred))
+                if progress:
+                    progress(groups, groups)
+                return True
+            self._simulate(c, stage_layers, None, bound, self._context(c))
         self.deferred.sort(key=lambda x: (x[0], x[1]))
         for n, (family, _, c, prob) in enumerate(self.deferred):
             if family >= self.best.cutoff() * (1 - REL_TOL):
@@ -409,9 +414,14 @@ class _Search:
         """One per-stage-recomputation candidate: dominance by no recomputation, the cheapest-fitting bound and
         plan, and CP-SAT only where those two do not meet."""
         uniform = solve_dp(prob, "none")
+        none_searched = "none" in self.recomputes_searched
         if uniform is not None and uniform.objective <= self._family_bound(c, prob) * (1 + REL_TOL):
-            # recomputing nowhere already reaches a bound no per-stage choice can beat
-            self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
+            # recomputing nowhere already reaches a bound no per-stage choice can beat: that plan is this
+            # candidate's best, and it is searched as the "none" candidate unless recomputation was pinned
+            if none_searched:
+                self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
+            else:
+                self._simulate(c, uniform.stage_layers, _policies(uniform), uniform.objective, self._context(c))
             return
         relaxed = solve_dp(prob, "none", relaxed=True)  # one DP pass: no-recompute times, smallest activations
         if relaxed is None:
@@ -428,11 +438,14 @@ class _Search:
             self._count(self.pruned, "partition bound (cheapest fitting recompute per stage)")
             return
         if uniform is not None and uniform.objective <= lower * (1 + REL_TOL):
-            self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
+            if none_searched:
+                self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
+            else:
+                self._simulate(c, uniform.stage_layers, _policies(uniform), uniform.objective, self._context(c))
             return
         ctx = self._context(c)
         if plan.objective <= lower * (1 + REL_TOL):  # the heuristic meets the bound: optimal, no CP-SAT
-            self._simulate(c, plan.stage_layers, _policies(plan), lower, ctx, exact_partition=True)
+            self._simulate(c, plan.stage_layers, _policies(plan), lower, ctx)
             return
         bound = lower
         self.cpsat_calls += 1
@@ -455,8 +468,7 @@ class _Search:
                 self.open_bounds.append((bound, c, None, None))
             self._count(self.pruned, "partition bound (CP-SAT)")
             return
-        self._simulate(c, res.stage_layers, _policies(res), res.objective if proven else bound, ctx,
-                       exact_partition=proven)
+        self._simulate(c, res.stage_layers, _policies(res), res.objective if proven else bound, ctx)
 
     def _close_gaps(self, deadline: float | None) -> None:
         """Where a 1F1B candidate's simulated time exceeds its J bound (P2P latency chains neighbouring stages in
@@ -474,17 +486,13 @@ class _Search:
             ctx = self._context(c)
             balanced = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c)).stage_layers
             if balanced != stage_layers:  # the even split is a partition too: it may simulate faster
-                before = len(self.open_bounds)
-                self._simulate(c, balanced, None, bound, ctx, exact_partition=False)
-                del self.open_bounds[before:]
+                self._simulate(c, balanced, None, bound, ctx, another_partition=True)
             res = solve_dp_pairs(self.problem(c, ctx), c.recompute)
             self.bounded += 1
             if res is None:
                 continue
             if res.stage_layers != stage_layers and res.objective < self.best.cutoff() * (1 - REL_TOL):
-                before = len(self.open_bounds)
-                self._simulate(c, res.stage_layers, None, res.objective, ctx, exact_partition=True)
-                del self.open_bounds[before:]  # judged below by the pair bound itself
+                self._simulate(c, res.stage_layers, None, res.objective, ctx, another_partition=True)
             still_open.append((res.objective, c, res.stage_layers, None))
         self.open_bounds = still_open
 
@@ -544,7 +552,7 @@ class _Search:
             if bound >= self.best.cutoff() * (1 - REL_TOL):
                 self._count(self.pruned, "pipeline bound (interleaved)")
                 return
-            self._simulate(c, None, None, bound, ctx=ctx, exact_partition=True)
+            self._simulate(c, None, None, bound, ctx=ctx)
             return
         prob = self.problem(c, ctx)
         family = self._family_bound(c, prob)
@@ -574,29 +582,41 @@ class _Search:
             # after the rest, best bound first, against the cutoff the others set.
             self.deferred_sims.append((res.objective, len(self.deferred_sims), c, res.stage_layers))
             return
-        self._simulate(c, res.stage_layers, None, res.objective, ctx, exact_partition=True)
+        self._simulate(c, res.stage_layers, None, res.objective, ctx)
 
     def _simulate(self, c: Candidate, stage_layers, policies, bound: float, ctx: CostContext,
-                  exact_partition: bool) -> None:
+                  another_partition: bool = False) -> None:
+        """Simulate one candidate with the given partition and rank it. Each candidate lands in exactly one
+        account column: evaluated (ranked), infeasible (over memory once simulated) or pruned (a ZeRO-only tie).
+        another_partition: a further partition of a candidate already counted (closing a gap): no new count."""
         cfg = self._config(c, stage_layers, policies)
         sim = simulate_config(self.model, self.cluster, self.wl, cfg, self.runtime, self.eff, context=ctx,
                               timelines=self.timelines)
-        self.evaluated += 1
         est = sim.estimate
         if not est.fits:
-            self._count(self.infeasible, "memory: simulated peak over HBM")
+            if not another_partition:
+                self._count(self.infeasible, "memory: simulated peak over HBM")
             self._note_memory(est.peak_memory_gib * GIB, _describe(c))
             return
         tight = est.step_time_s <= bound * (1 + 1e-6)
         status = "optimal" if (tight or c.vpp > 1) else "bound gap"
-        if not tight and c.vpp == 1:
+        if not tight and c.vpp == 1 and not another_partition:
             self.open_bounds.append((bound, c, stage_layers, policies))
-        if not self.best.add(RankedPlan(c, cfg, est, bound if c.vpp == 1 else est.step_time_s, status)):
+        kept = self.best.add(RankedPlan(c, cfg, est, bound if c.vpp == 1 else est.step_time_s, status))
+        if another_partition:
+            return
+        if kept:
+            self.evaluated += 1
+        else:
             self._count(self.pruned, "tie: a kept plan differs only in its ZeRO stage")
 
     def result(self, seconds: float, timed_out: bool) -> SearchResult:
         plans = tuple(self.best.ranked())
         if not plans:
+            if timed_out:
+                acc = self._account(seconds, "time-limit", math.nan, self.unexplored_bound)
+                return SearchResult((), acc, f"no plan was evaluated within the time limit ({seconds:.2f} s); "
+                                             f"raise --time-limit or pin more knobs")
             acc = self._account(seconds, "infeasible", math.nan, math.nan)
             return SearchResult((), acc, self._why_nothing_fits())
         best = plans[0].step_time_s
@@ -621,10 +641,14 @@ class _Search:
         closest = ""
         if self.closest_memory is not None:
             closest = f"; the closest candidate ({self.closest_memory[1]}) needs {self.closest_memory[0] / GIB:.1f} GiB"
-        return (f"nothing fits in {hbm:g} GiB per GPU on {n} GPUs{closest}; the model states alone "
-                f"(weights, gradients, Adam: 18 bytes per parameter, {model.total_params() / 1e9:.1f}B parameters) "
-                f"need {model.total_params() * 18 / GIB:.0f} GiB in all, so >= {need} GPUs even with ZeRO-3 and full "
-                f"recompute; use more GPUs, a smaller --gbs/--seq, or pin fewer knobs")
+        states = (f"the model states alone (weights, gradients, Adam: 18 bytes per parameter, "
+                  f"{model.total_params() / 1e9:.1f}B parameters) need {model.total_params() * 18 / GIB:.0f} GiB")
+        if need > n:
+            advice = f"{states}, so >= {need} GPUs even fully sharded; use more GPUs"
+        else:
+            advice = (f"{states}, which {n} GPUs could hold fully sharded, so the activations are what does not fit: "
+                      f"use a smaller --seq or --gbs, more GPUs, or unpin --mbs/--recompute/--zero/--pp")
+        return f"nothing fits in {hbm:g} GiB per GPU on {n} GPUs{closest}; {advice}"
 
 
 @dataclass(frozen=True)

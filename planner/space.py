@@ -158,7 +158,8 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
         sps = _pick([True, False], pins.sp) if tp > 1 else [False]
         comms = _pick(["ring", "a2a"], pins.cp_comm) if cp > 1 else ["ring"]
         if pp == 1:
-            scheds = [("1f1b", 1)]
+            # one stage has no schedule: 1F1B by convention; a pinned pipeline schedule needs stages
+            scheds = [("1f1b", 1)] if pins.schedule in (None, "1f1b") and pins.vpp in (None, 1) else []
         else:
             scheds = [(s, 1) for s in SCHEDULES_FLAT] + [("interleaved", v) for v in range(2, MAX_VPP + 1)]
             if pins.schedule == "zb":
@@ -270,6 +271,8 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins) -> Non
         raise InputError(f"the pinned degrees multiply to {prod}, which does not divide the {num_gpus} GPUs")
     if pins.ep is not None and model.moe is None:
         raise InputError(f"--ep given but {model.name} has no experts")
+    if pins.etp is not None and model.moe is None:
+        raise InputError(f"--etp given but {model.name} has no experts")
     if pins.vpp is not None and pins.vpp > 1 and pins.schedule not in (None, "interleaved"):
         raise InputError(f"--vpp {pins.vpp} needs --schedule interleaved (got {pins.schedule})")
     if pins.schedule == "interleaved" and pins.vpp == 1:

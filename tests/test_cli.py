@@ -79,14 +79,18 @@ def test_estimate_not_fitting_is_reported(capsys):
     assert json.loads(out)["fits"] is False
 
 
-def test_readme_quickstart_command_fits(capsys):
+def test_readme_quickstart_command_plans(capsys, tmp_path):
+    """The README's first Quickstart command, as written (its --out redirected): a proven-optimal plan that fits."""
     readme = (ROOT / "README.md").read_text()
-    line = next(ln for ln in readme.splitlines() if "meshplan estimate" in ln and ln.lstrip().startswith("pip "))
+    line = next(ln for ln in readme.splitlines() if "meshplan plan" in ln and ln.lstrip().startswith("pip "))
     args = line.split("meshplan ", 1)[1].split()
+    args[args.index("--out") + 1] = str(tmp_path / "plan.json")
     code, out, err = run(capsys, *args, "--json")
     assert code == 0, err
-    data = json.loads(out)
-    assert data["fits"] and 0 < data["mfu"] < 1
+    plan = json.loads(out)
+    assert plan["prediction"]["fits"] and 0 < plan["prediction"]["mfu"] < 1
+    assert plan["search"]["status"] == "optimal"
+    assert json.loads((tmp_path / "plan.json").read_text()) == plan
 
 
 def test_estimate_with_cluster_file(capsys):
