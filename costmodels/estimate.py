@@ -13,8 +13,8 @@ from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdo
                                layer_activation_bytes, logits_bytes, model_state_bytes, stage_params,
                                StageParams)
 from costmodels.model import ModelSpec
-from costmodels.ops import ACT_BYTES, Block, Collective, Op, decoder_layer, embedding_block, head_block
-from costmodels.pipeline import StageTimes, build_schedule, simulate
+from costmodels.ops import ACT_BYTES, Block, Collective, decoder_layer, embedding_block, head_block
+from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
 from hardware_db.cluster import Cluster
 from hardware_db.gpu import GPUSpec
 

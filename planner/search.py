@@ -29,7 +29,7 @@ from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, per_stage_bound, solve_cpsat,
                                solve_dp, solve_dp_pairs)
-from planner.space import Candidate, Enumeration, Group, LayerKey, Mesh, Pins, check_pins, enumerate_space
+from planner.space import Candidate, Enumeration, Group, Pins, check_pins, enumerate_space
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
 UNBOUNDED_BYTES = 1e30  # a memory cap no stage reaches (bounds that ignore memory)
@@ -327,7 +327,6 @@ class _Search:
         worst = 0.0
         for r, chunks in enumerate(stage_ranges(lay)):
             first = chunks[0][0]
-            count = sum(n for _, n in chunks)
             layers = [i for f, n in chunks for i in range(f, f + n)]
             params = stage_params(model, lay, range(first, first), r == 0, r == lay.pp - 1)
             dense = params.dense + sum(ctx.layer_params(i).dense for i in layers)
@@ -336,7 +335,6 @@ class _Search:
             held = min((lay.pp - r - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, lay.num_microbatches * lay.vpp)
             chunk_act = min(sum(ctx.layer_activation(i, mode) for i in range(f, f + n)) for f, n in chunks)
             logits = logits_bytes(model, lay, self.wl) if r == lay.pp - 1 else 0.0
-            del count
             worst = max(worst, (states + held * chunk_act + logits + ctx.buffer_bytes) * (1 + FRAGMENTATION))
         return worst
 
@@ -478,15 +476,18 @@ class _Search:
         for bound, c, stage_layers, policies in sorted(self.open_bounds, key=lambda x: x[0]):
             best = self.best.ranked()[0].step_time_s if self.best.heap else math.inf
             late = deadline is not None and time.perf_counter() > deadline
-            size = c.mesh.pp * (self.model.num_layers + 1) ** 3  # the pair DP's grid: keep it to about a second
-            if (bound >= best * (1 - REL_TOL) or late or c.schedule != "1f1b" or c.recompute == "per-stage"
-                    or policies is not None or size > PAIR_DP_MAX_CELLS):
+            if (bound >= best * (1 - REL_TOL) or late or c.vpp > 1 or c.recompute == "per-stage"
+                    or policies is not None):
                 still_open.append((bound, c, stage_layers, policies))
                 continue
             ctx = self._context(c)
             balanced = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c)).stage_layers
             if balanced != stage_layers:  # the even split is a partition too: it may simulate faster
                 self._simulate(c, balanced, None, bound, ctx, another_partition=True)
+            size = c.mesh.pp * (self.model.num_layers + 1) ** 3  # the pair DP's grid: keep it to about a second
+            if c.schedule != "1f1b" or size > PAIR_DP_MAX_CELLS:
+                still_open.append((bound, c, stage_layers, policies))
+                continue
             res = solve_dp_pairs(self.problem(c, ctx), c.recompute)
             self.bounded += 1
             if res is None:
@@ -711,7 +712,7 @@ def _describe(c: Candidate) -> str:
 
 def min_stage_overflow(prob: PartitionProblem, recompute: str) -> float:
     """The balanced partition's fullest stage (bytes), to say how far from fitting a candidate is."""
-    L, p = len(prob.layer_forward), prob.num_stages
+    p = prob.num_stages
     act = {"none": prob.layer_act_none, "selective": prob.layer_act_selective}.get(recompute, prob.layer_act_full)
     per = (sum(prob.layer_state_bytes) + prob.first_state_bytes + prob.last_state_bytes) / p
     held = prob.num_microbatches if prob.schedule == "gpipe" else min(p, prob.num_microbatches)

@@ -10,7 +10,7 @@ space size = evaluated + pruned + infeasible.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -145,7 +145,6 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
     infeasible: dict[str, int] = {}
     groups: list[Group] = []
     size = 0
-    L = model.num_layers
     moe = model.moe
     zeros = tuple(_pick(list(ZEROS), pins.zero))
     recs = tuple(_pick(list(RECOMPUTES), pins.recompute))
