@@ -154,6 +154,9 @@ class _Search:
         self.family_bounds: dict[tuple, float] = {}
         self.timelines: dict[tuple, object] = {}  # simulated pipelines by their stage times  # by id of a context held in self.contexts
         self.recomputes_searched = {r for g in enum.groups for r in g.recomputes}
+        self.moe_prefix = [0]
+        for i in range(model.num_layers):
+            self.moe_prefix.append(self.moe_prefix[-1] + int(model.is_moe_layer(i)))
         self.deferred_sims: list[tuple[float, int, Candidate, tuple[int, ...]]] = []  # ZB candidates to simulate
         self.deferred: list[tuple[float, int, Candidate, PartitionProblem]] = []  # per-stage candidates for CP-SAT
 
@@ -324,16 +327,26 @@ class _Search:
         before the first backward ((pp - r - 1) * 2 + (vpp - 1) * pp + 1, schedules.py), each at least the
         smallest chunk's activations."""
         lay, model = ctx.lay, self.model
+        moe = self.moe_prefix  # MoE layers before each index: a range's sums by layer kind without a loop
+        kinds = {k: i for i, k in ((i, model.is_moe_layer(i)) for i in range(model.num_layers))}
+        per = {k: (ctx.layer_params(i), ctx.layer_activation(i, mode)) for k, i in kinds.items()}
+
+        def sums(first: int, count: int) -> tuple[float, float, float]:
+            n_moe = moe[first + count] - moe[first]
+            n = {True: n_moe, False: count - n_moe}
+            dense = sum(n[k] * per[k][0].dense for k in per)
+            expert = sum(n[k] * per[k][0].expert for k in per)
+            return dense, expert, sum(n[k] * per[k][1] for k in per)
+
         worst = 0.0
         for r, chunks in enumerate(stage_ranges(lay)):
-            first = chunks[0][0]
-            layers = [i for f, n in chunks for i in range(f, f + n)]
-            params = stage_params(model, lay, range(first, first), r == 0, r == lay.pp - 1)
-            dense = params.dense + sum(ctx.layer_params(i).dense for i in layers)
-            expert = params.expert + sum(ctx.layer_params(i).expert for i in layers)
+            edge = stage_params(model, lay, range(0), r == 0, r == lay.pp - 1)
+            parts = [sums(f, n) for f, n in chunks]
+            dense = edge.dense + sum(x[0] for x in parts)
+            expert = edge.expert + sum(x[1] for x in parts)
             states = sum(model_state_bytes(StageParams(dense, expert), lay))
             held = min((lay.pp - r - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, lay.num_microbatches * lay.vpp)
-            chunk_act = min(sum(ctx.layer_activation(i, mode) for i in range(f, f + n)) for f, n in chunks)
+            chunk_act = min(x[2] for x in parts)
             logits = logits_bytes(model, lay, self.wl) if r == lay.pp - 1 else 0.0
             worst = max(worst, (states + held * chunk_act + logits + ctx.buffer_bytes) * (1 + FRAGMENTATION))
         return worst
