@@ -333,7 +333,8 @@ class CostContext:
         buffers = RESERVED_BYTES
         if self.lay.zero == 3:
             model = self.model
-            biggest = max(model.layer_params(i) for i in range(model.num_layers)) / self.lay.tp
+            kinds = {model.is_moe_layer(i): i for i in range(model.num_layers)}  # layers differ only in kind
+            biggest = max(model.layer_params(i) for i in kinds.values()) / self.lay.tp
             buffers += 2 * 2 * biggest  # two gathered 16-bit layers in flight (prefetch)
         return buffers
 

@@ -154,6 +154,7 @@ class _Search:
         self.family_bounds: dict[tuple, float] = {}
         self.timelines: dict[tuple, object] = {}  # simulated pipelines by their stage times  # by id of a context held in self.contexts
         self.recomputes_searched = {r for g in enum.groups for r in g.recomputes}
+        self.layer_kinds = {model.is_moe_layer(i): i for i in range(model.num_layers)}  # one layer of each kind
         self.moe_prefix = [0]
         for i in range(model.num_layers):
             self.moe_prefix.append(self.moe_prefix[-1] + int(model.is_moe_layer(i)))
@@ -328,8 +329,7 @@ class _Search:
         smallest chunk's activations."""
         lay, model = ctx.lay, self.model
         moe = self.moe_prefix  # MoE layers before each index: a range's sums by layer kind without a loop
-        kinds = {k: i for i, k in ((i, model.is_moe_layer(i)) for i in range(model.num_layers))}
-        per = {k: (ctx.layer_params(i), ctx.layer_activation(i, mode)) for k, i in kinds.items()}
+        per = {k: (ctx.layer_params(i), ctx.layer_activation(i, mode)) for k, i in self.layer_kinds.items()}
 
         def sums(first: int, count: int) -> tuple[float, float, float]:
             n_moe = moe[first + count] - moe[first]
