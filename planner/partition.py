@@ -1113,3 +1113,59 @@ def solve_dp_pairs(problem: PartitionProblem, policy: Granularity) -> PartitionR
     result = _evaluate(pr, t, tuple(bounds), pols, relaxed=False)
     assert result is not None, "pair DP and evaluate disagree on feasibility"
     return replace(result, objective=max(result.objective, best))
+
+
+# ---- rank 0's own sync after the whole backward flow ------------------------------------------------------------------
+#
+# Rank 0 finishes last in 1F1B and GPipe: every rank's last backward still flows back to it (A_r = end_r + B_<r + r h),
+# and only then does rank 0 run its exposed DP sync and optimizer step E_0. So the step is at least max_r A_r + E_0.
+# J takes max(tail, E_r) per rank and misses this sum; E_0 depends on stage 0's layers, which couples stage 0 with
+# the binding stage, so the DP runs once per end of stage 0 (vectorised over it: O(p L^3)).
+
+def stage0_sync_bound(problem: PartitionProblem, policy: Granularity) -> float:
+    """min over contiguous partitions (one uniform policy) of max(J, max_r A_r + E_0): a lower bound on the simulated
+    step that adds rank 0's DP sync after the last gradient reaches it; inf when nothing fits. ZB: solve_dp's value
+    (its tail is not bounded)."""
+    pr = problem
+    p, L = pr.num_stages, pr.num_layers
+    if pr.schedule == "zb" or p == 1:
+        return dp_bound(pr, policy)
+    if policy not in GRANULARITIES:
+        raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
+    t = _tables(pr)
+    i, j = _grid(L)
+    if policy == "none":
+        at, ext = (i, i, 0.0), t.zero
+    elif policy == "selective":
+        at, ext = (i, j, t.peak_sel[i]), t.sel
+    else:
+        at, ext = (j, i, t.peak_full[i]), t.full
+    s = _layer_sums(t, i, j, at[0], at[1], False)
+    ahead = j > i
+    layers_before_f, layers_before_b = t.fwd[i], t.bwd[i] + ext[i]
+    layers_after = (t.fwd[L] - t.fwd[j]) + (t.bwd[L] - t.bwd[j]) + (ext[L] - ext[j])
+    jm, am, e0 = [], [], None
+    with np.errstate(invalid="ignore"):
+        for r in range(p):
+            f, b = _stage_forward(pr, r, s), _stage_backward(pr, r, s)
+            e = _stage_sync(pr, r, s, f, b)
+            fits = ahead & (_stage_memory(pr, r, s, at[2]) <= pr.memory_cap_bytes)
+            f_before = layers_before_f + ((pr.first_forward if r > 0 else 0.0) + r * pr.stage_forward_extra)
+            b_before = layers_before_b + ((pr.first_backward if r > 0 else 0.0) + r * pr.stage_backward_extra)
+            t_after = layers_after + ((p - 1 - r) * (pr.stage_forward_extra + pr.stage_backward_extra)
+                                      + (pr.last_forward + pr.last_backward if r < p - 1 else 0.0))
+            jm.append(np.where(fits, _stage_objective(pr, r, f, b, e, f_before, b_before, t_after), np.inf))
+            # A_r: _stage_objective with no sync is end_r + (B_<r + r h)
+            am.append(np.where(fits, _stage_objective(pr, r, f, b, 0.0, f_before, b_before, t_after), np.inf))
+            if r == 0:
+                e0 = np.broadcast_to(e, (L + 1, L + 1))[0]  # E_0 for stage 0 = [0, j0), by j0
+        c = np.where(np.isfinite(jm[0][0]), e0, 0.0)  # one DP per end of stage 0, side by side: w[c, i]
+        w = np.full((L + 1, L + 1), np.inf)
+        w[:, L] = 0.0
+        for r in reversed(range(1, p)):
+            g = np.maximum(jm[r][None, :, :], am[r][None, :, :] + c[:, None, None])
+            w = np.min(np.maximum(g, w[:, None, :]), axis=2)
+        ends = np.arange(L + 1)
+        first = np.maximum(jm[0][0], am[0][0] + c)  # stage 0's own terms (A_0 + E_0 <= J_0 unless tail > E_0)
+        total = np.maximum(first, w[ends, ends])
+    return float(np.min(total))

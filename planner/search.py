@@ -28,7 +28,7 @@ from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, per_stage_bound, solve_cpsat,
-                               solve_dp, solve_dp_pairs)
+                               solve_dp, solve_dp_pairs, stage0_sync_bound)
 from planner.space import Candidate, Enumeration, Group, Pins, check_pins, enumerate_space
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
@@ -482,9 +482,9 @@ class _Search:
         self._simulate(c, res.stage_layers, _policies(res), res.objective if proven else bound, ctx)
 
     def _close_gaps(self, deadline: float | None) -> None:
-        """Where a 1F1B candidate's simulated time exceeds its J bound (P2P latency chains neighbouring stages in
-        the steady state), the tighter pair bound (planner/partition.py solve_dp_pairs) replaces it; its own best
-        partition is simulated when it differs from the one tried."""
+        """Where a candidate's simulated time exceeds its J bound, try its even split, and replace J by the larger of
+        two tighter bounds (planner/partition.py): the 1F1B pair chain (solve_dp_pairs, whose own best partition is
+        simulated when it differs) and rank 0's sync after the whole backward flow (stage0_sync_bound)."""
         still_open = []
         for bound, c, stage_layers, policies in sorted(self.open_bounds, key=lambda x: x[0]):
             best = self.best.ranked()[0].step_time_s if self.best.heap else math.inf
@@ -498,16 +498,19 @@ class _Search:
             if balanced != stage_layers:  # the even split is a partition too: it may simulate faster
                 self._simulate(c, balanced, None, bound, ctx, another_partition=True)
             size = c.mesh.pp * (self.model.num_layers + 1) ** 3  # the pair DP's grid: keep it to about a second
-            if c.schedule != "1f1b" or size > PAIR_DP_MAX_CELLS:
+            if c.schedule == "zb" or size > PAIR_DP_MAX_CELLS:
                 still_open.append((bound, c, stage_layers, policies))
                 continue
-            res = solve_dp_pairs(self.problem(c, ctx), c.recompute)
+            prob = self.problem(c, ctx)
+            res = solve_dp_pairs(prob, c.recompute)
             self.bounded += 1
             if res is None:
                 continue
             if res.stage_layers != stage_layers and res.objective < self.best.cutoff() * (1 - REL_TOL):
                 self._simulate(c, res.stage_layers, None, res.objective, ctx, another_partition=True)
-            still_open.append((res.objective, c, res.stage_layers, None))
+            # both are lower bounds over every partition, so the larger one is too
+            tighter = max(res.objective, stage0_sync_bound(prob, c.recompute))
+            still_open.append((tighter, c, res.stage_layers, None))
         self.open_bounds = still_open
 
     def _group_score(self, g: Group) -> float:

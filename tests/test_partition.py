@@ -352,3 +352,40 @@ def test_objective_is_a_lower_bound_of_the_event_simulation(data, schedule):
     assert result.objective <= sim.makespan * (1 + 1e-9)
     for term in pair_terms(problem, bounds, (NONE,) * p):
         assert term <= sim.makespan * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("pp,schedule,recompute,zero,gpu", [
+    (2, "1f1b", "none", 1, "h100-sxm"), (2, "1f1b", "selective", 0, "a100-40gb"), (4, "gpipe", "full", 3, "h100-sxm"),
+    (2, "gpipe", "none", 2, "a100-40gb"), (4, "1f1b", "none", 0, "h100-sxm")])
+def test_stage0_sync_bound_is_below_every_simulated_partition(pp, schedule, recompute, zero, gpu):
+    """max_r A_r + E_0 (rank 0 syncs after the last gradient reaches it) bounds the estimate of every partition of a
+    real (shortened) model, and is at least the plain DP bound."""
+    import itertools
+
+    from costmodels.config import ParallelConfig, Workload
+    from costmodels.estimate import estimate
+    from costmodels.model_io import load_model
+    from hardware_db.cluster import Cluster, ClusterSpec
+    from planner import search as S
+    from planner.partition import dp_bound, stage0_sync_bound
+    from planner.space import Candidate, Pins
+
+    L, gpus = 8, 16
+    model = load_model("llama3.1-8b").model_copy(update={"num_layers": L, "name": "llama-8-layers"})
+    cluster, wl = Cluster(ClusterSpec(gpu=gpu, num_gpus=gpus)), Workload(global_batch=32, seq_len=2048)
+    pins = Pins(tp=1, pp=pp, cp=1, mbs=1, zero=zero, recompute=recompute, schedule=schedule)
+    s = S._Search(model, cluster, wl, "megatron-core", S.Efficiency.from_gpu(cluster.gpu),
+                  S.enumerate_space(model, gpus, cluster.gpus_per_node, wl, pins), 1)
+    g = s.enum.groups[0]
+    c = Candidate(g.mesh, 1, False, "ring", zero, schedule, 1, recompute)
+    prob = s.problem(c, s._context(c))
+    bound = stage0_sync_bound(prob, recompute)
+    assert bound >= dp_bound(prob, recompute) * (1 - 1e-12)
+    times = []
+    for cuts in itertools.combinations(range(1, L), pp - 1):
+        layers = tuple(b - a for a, b in zip((0, *cuts), (*cuts, L)))
+        est = estimate(model, cluster, wl, ParallelConfig(tp=1, pp=pp, dp=gpus // pp, mbs=1, zero=zero,
+                                                          recompute=recompute, schedule=schedule, stage_layers=layers))
+        if est.fits:
+            times.append(est.step_time_s)
+    assert times and bound <= min(times) * (1 + 1e-9)
