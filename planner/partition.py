@@ -1006,6 +1006,56 @@ def solve_cpsat(problem: PartitionProblem, policies: CpPolicies = "per-stage",
     raise RuntimeError("CP-SAT solutions keep exceeding the memory cap in float evaluation")
 
 
+@dataclass(frozen=True)
+class _StageGrid:
+    """Stage r's terms on the (first layer i, end j) grid under one uniform policy (what the O(p L^3) bounds read)."""
+
+    f: np.ndarray
+    b: np.ndarray
+    e: np.ndarray
+    f_before: np.ndarray
+    b_before: np.ndarray
+    t_after: np.ndarray
+    fits: np.ndarray  # non-empty and within the memory cap
+
+    def objective(self, pr: PartitionProblem, r: int, sync: bool = True) -> np.ndarray:
+        """J_r where the stage fits, else inf; sync=False gives A_r = end_r + B_<r + r h (1F1B, GPipe)."""
+        jr = _stage_objective(pr, r, self.f, self.b, self.e if sync else 0.0, self.f_before, self.b_before,
+                              self.t_after)
+        return np.where(self.fits, jr, np.inf)
+
+
+def _uniform_grids(pr: PartitionProblem, policy: Granularity) -> list[_StageGrid]:
+    """Every stage's grid with `policy` on every stage (the other stages' extras enter through the prefix tables)."""
+    if policy not in GRANULARITIES:
+        raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
+    p, L = pr.num_stages, pr.num_layers
+    t = _tables(pr)
+    i, j = _grid(L)
+    if policy == "none":
+        at, ext = (i, i, 0.0), t.zero
+    elif policy == "selective":
+        at, ext = (i, j, t.peak_sel[i]), t.sel
+    else:
+        at, ext = (j, i, t.peak_full[i]), t.full
+    s = _layer_sums(t, i, j, at[0], at[1], False)
+    ahead = j > i
+    layers_before_f, layers_before_b = t.fwd[i], t.bwd[i] + ext[i]
+    layers_after = (t.fwd[L] - t.fwd[j]) + (t.bwd[L] - t.bwd[j]) + (ext[L] - ext[j])
+    grids = []
+    with np.errstate(invalid="ignore"):
+        for r in range(p):
+            f, b = _stage_forward(pr, r, s), _stage_backward(pr, r, s)
+            grids.append(_StageGrid(
+                f=f, b=b, e=_stage_sync(pr, r, s, f, b),
+                f_before=layers_before_f + ((pr.first_forward if r > 0 else 0.0) + r * pr.stage_forward_extra),
+                b_before=layers_before_b + ((pr.first_backward if r > 0 else 0.0) + r * pr.stage_backward_extra),
+                t_after=layers_after + ((p - 1 - r) * (pr.stage_forward_extra + pr.stage_backward_extra)
+                                        + (pr.last_forward + pr.last_backward if r < p - 1 else 0.0)),
+                fits=ahead & (_stage_memory(pr, r, s, at[2]) <= pr.memory_cap_bytes)))
+    return grids
+
+
 # ---- the 1F1B steady-state pair bound --------------------------------------------------------------------------------
 #
 # J_r above sees each rank alone. In 1F1B's steady state two neighbours also chain each other: on rank r the pair
@@ -1057,45 +1107,22 @@ def solve_dp_pairs(problem: PartitionProblem, policy: Granularity) -> PartitionR
     For other schedules it is solve_dp."""
     if problem.schedule != "1f1b" or problem.num_stages == 1:
         return solve_dp(problem, policy)
-    if policy not in GRANULARITIES:
-        raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
     pr = problem
     p, L = pr.num_stages, pr.num_layers
     t = _tables(pr)
-    i, j = _grid(L)
-    if policy == "none":
-        at, ext = (i, i, 0.0), t.zero
-    elif policy == "selective":
-        at, ext = (i, j, t.peak_sel[i]), t.sel
-    else:
-        at, ext = (j, i, t.peak_full[i]), t.full
-    s = _layer_sums(t, i, j, at[0], at[1], False)
-    ahead = j > i
-    layers_before_f, layers_before_b = t.fwd[i], t.bwd[i] + ext[i]
-    layers_after = (t.fwd[L] - t.fwd[j]) + (t.bwd[L] - t.bwd[j]) + (ext[L] - ext[j])
-    grids = []
+    j = _grid(L)[1]
+    grids = _uniform_grids(pr, policy)
     with np.errstate(invalid="ignore"):
-        for r in range(p):
-            f, b = _stage_forward(pr, r, s), _stage_backward(pr, r, s)
-            e = _stage_sync(pr, r, s, f, b)
-            mem = _stage_memory(pr, r, s, at[2])
-            f_before = layers_before_f + ((pr.first_forward if r > 0 else 0.0) + r * pr.stage_forward_extra)
-            b_before = layers_before_b + ((pr.first_backward if r > 0 else 0.0) + r * pr.stage_backward_extra)
-            t_after = layers_after + ((p - 1 - r) * (pr.stage_forward_extra + pr.stage_backward_extra)
-                                      + (pr.last_forward + pr.last_backward if r < p - 1 else 0.0))
-            jr = np.where(ahead & (mem <= pr.memory_cap_bytes), _stage_objective(pr, r, f, b, e, f_before, b_before,
-                                                                                t_after), np.inf)
-            grids.append((f, b, e, f_before, b_before, jr))
         # v[r][i, j]: best max over stages >= r when stage r runs [i, j).
-        f, b, e, fb, bb, jr = grids[p - 1]
-        v = np.where(j == L, jr, np.inf)
+        v = np.where(j == L, grids[p - 1].objective(pr, p - 1), np.inf)
         nxt = [None] * p
         for r in reversed(range(p - 1)):
-            f, b, e, fb, bb, jr = grids[r]
-            t_next = grids[r + 1][0] + grids[r + 1][1]  # [j, k] grid of stage r+1
+            g = grids[r]
+            jr = g.objective(pr, r)
+            t_next = grids[r + 1].f + grids[r + 1].b  # [j, k] grid of stage r+1
             # pair[i, j, k] = P_r with stage r on [i, j) and stage r+1 on [j, k)
-            pair = _pair_term(pr, r, f[:, :, None], b[:, :, None], e[:, :, None], fb[:, :, None], bb[:, :, None],
-                              t_next[None, :, :])
+            pair = _pair_term(pr, r, g.f[:, :, None], g.b[:, :, None], g.e[:, :, None], g.f_before[:, :, None],
+                              g.b_before[:, :, None], t_next[None, :, :])
             total = np.maximum(np.maximum(jr[:, :, None], pair), v[None, :, :])
             nxt[r] = np.argmin(total, axis=2)
             v = np.min(total, axis=2)
@@ -1130,35 +1157,11 @@ def stage0_sync_bound(problem: PartitionProblem, policy: Granularity) -> float:
     p, L = pr.num_stages, pr.num_layers
     if pr.schedule == "zb" or p == 1:
         return dp_bound(pr, policy)
-    if policy not in GRANULARITIES:
-        raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
-    t = _tables(pr)
-    i, j = _grid(L)
-    if policy == "none":
-        at, ext = (i, i, 0.0), t.zero
-    elif policy == "selective":
-        at, ext = (i, j, t.peak_sel[i]), t.sel
-    else:
-        at, ext = (j, i, t.peak_full[i]), t.full
-    s = _layer_sums(t, i, j, at[0], at[1], False)
-    ahead = j > i
-    layers_before_f, layers_before_b = t.fwd[i], t.bwd[i] + ext[i]
-    layers_after = (t.fwd[L] - t.fwd[j]) + (t.bwd[L] - t.bwd[j]) + (ext[L] - ext[j])
-    jm, am, e0 = [], [], None
+    grids = _uniform_grids(pr, policy)
     with np.errstate(invalid="ignore"):
-        for r in range(p):
-            f, b = _stage_forward(pr, r, s), _stage_backward(pr, r, s)
-            e = _stage_sync(pr, r, s, f, b)
-            fits = ahead & (_stage_memory(pr, r, s, at[2]) <= pr.memory_cap_bytes)
-            f_before = layers_before_f + ((pr.first_forward if r > 0 else 0.0) + r * pr.stage_forward_extra)
-            b_before = layers_before_b + ((pr.first_backward if r > 0 else 0.0) + r * pr.stage_backward_extra)
-            t_after = layers_after + ((p - 1 - r) * (pr.stage_forward_extra + pr.stage_backward_extra)
-                                      + (pr.last_forward + pr.last_backward if r < p - 1 else 0.0))
-            jm.append(np.where(fits, _stage_objective(pr, r, f, b, e, f_before, b_before, t_after), np.inf))
-            # A_r: _stage_objective with no sync is end_r + (B_<r + r h)
-            am.append(np.where(fits, _stage_objective(pr, r, f, b, 0.0, f_before, b_before, t_after), np.inf))
-            if r == 0:
-                e0 = np.broadcast_to(e, (L + 1, L + 1))[0]  # E_0 for stage 0 = [0, j0), by j0
+        jm = [g.objective(pr, r) for r, g in enumerate(grids)]
+        am = [g.objective(pr, r, sync=False) for r, g in enumerate(grids)]  # A_r = end_r + B_<r + r h
+        e0 = np.broadcast_to(grids[0].e, (L + 1, L + 1))[0]  # E_0 for stage 0 = [0, j0), by j0
         c = np.where(np.isfinite(jm[0][0]), e0, 0.0)  # one DP per end of stage 0, side by side: w[c, i]
         w = np.full((L + 1, L + 1), np.inf)
         w[:, L] = 0.0
