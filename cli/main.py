@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from costmodels.config import DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, Workload
-from costmodels.estimate import Estimate, estimate as estimate_cost, simulate_config
+from costmodels.estimate import Estimate, estimate as estimate_cost, simulate_config, stage_ranges
 from costmodels.model import ModelSpec
 from costmodels.model_io import list_zoo, load_model, load_zoo, zoo_source
 from hardware_db.cluster import Cluster, ClusterSpec, load_cluster_file
@@ -244,9 +244,10 @@ def _print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workloa
         shown["peak"] = peak  # a middle stage holds the most
     t = Table(title="Memory per GPU (GiB)", title_justify="left")
     t.add_column("component")
+    ranges = stage_ranges(lay)  # with virtual stages a rank holds several separate layer ranges
     for which, s in shown.items():
-        t.add_column(f"{which} stage (rank {s['rank']}, layers {s['first_layer']}-"
-                     f"{s['first_layer'] + s['num_layers'] - 1})", justify="right")
+        spans = ", ".join(f"{a}-{a + n - 1}" for a, n in ranges[s["rank"]] if n)
+        t.add_column(f"{which} stage (rank {s['rank']}, layers {spans})", justify="right")
     shown = list(shown.values())
     for key in shown[0]["memory_gib"]:
         t.add_row(key, *(f"{s['memory_gib'][key]:.2f}" for s in shown))

@@ -218,3 +218,12 @@ def test_real_process_one_line_error_and_version():
     assert_input_error(p.returncode, p.stdout, p.stderr, "nope")
     p = subprocess.run([*cmd, "--version"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0 and p.stdout.startswith("meshplan ")
+
+
+def test_interleaved_stage_labels_list_every_chunk(capsys, monkeypatch):
+    """With virtual stages a rank holds separate layer ranges; the memory table names each of them."""
+    monkeypatch.setenv("COLUMNS", "300")  # one line per header cell
+    code, out, err = run(capsys, "estimate", "--model", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "64",
+                         "--tp", "4", "--pp", "4", "--vpp", "5", "--gbs", "256", "--seq", "8192")
+    assert code == 0, err
+    assert "rank 0, layers 0-3, 16-19, 32-35, 48-51, 64-67" in " ".join(out.split())
