@@ -152,6 +152,7 @@ class _Search:
         self.problems: dict[int, PartitionProblem] = {}
         self.work_bounds: dict[tuple, tuple[float, float]] = {}
         self.family_bounds: dict[tuple, float] = {}
+        self.interleaved_bounds: dict[tuple, float] = {}
         self.timelines: dict[tuple, object] = {}  # simulated pipelines by their stage times  # by id of a context held in self.contexts
         self.recomputes_searched = {r for g in enum.groups for r in g.recomputes}
         self.layer_kinds = {model.is_moe_layer(i): i for i in range(model.num_layers)}  # one layer of each kind
@@ -560,14 +561,17 @@ class _Search:
         if c.vpp > 1:
             # Even virtual stages: one partition, so the bound and memory floor are of that partition itself.
             self.bounded += 1
+            key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.vpp, c.recompute)  # the time bound ignores ZeRO
+            if key not in self.interleaved_bounds:
+                self.interleaved_bounds[key] = self._interleaved_bound(ctx, c.recompute)
+            bound = self.interleaved_bounds[key]
+            if bound >= self.best.cutoff() * (1 - REL_TOL):
+                self._count(self.pruned, "pipeline bound (interleaved)")
+                return
             need = self._interleaved_memory_floor(ctx, c.recompute)
             if need > self.cap:
                 self._count(self.infeasible, "memory: in-flight micro-batches of the interleaved schedule")
                 self._note_memory(need, _describe(c))
-                return
-            bound = self._interleaved_bound(ctx, c.recompute)
-            if bound >= self.best.cutoff() * (1 - REL_TOL):
-                self._count(self.pruned, "pipeline bound (interleaved)")
                 return
             self._simulate(c, None, None, bound, ctx=ctx)
             return
