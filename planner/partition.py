@@ -442,12 +442,7 @@ def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = Fal
     p, L = problem.num_stages, problem.num_layers
     t = _tables(problem)
     i, j = _grid(L)
-    if relaxed or policy == "none":
-        at, ext = (i, i, 0.0), t.zero
-    elif policy == "selective":
-        at, ext = (i, j, t.peak_sel[i]), t.sel
-    else:
-        at, ext = (j, i, t.peak_full[i]), t.full
+    at, ext = _uniform_cuts(t, "none" if relaxed else policy, i, j)
     bounds = _bottleneck_path(problem, t, lambda r: at, ext, relaxed)
     if bounds is None:
         return None
@@ -466,13 +461,18 @@ def dp_bound(problem: PartitionProblem, policy: Granularity) -> float:
         raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
     t = _tables(problem)
     i, j = _grid(problem.num_layers)
-    if policy == "none":
-        at, ext = (i, i, 0.0), t.zero
-    elif policy == "selective":
-        at, ext = (i, j, t.peak_sel[i]), t.sel
-    else:
-        at, ext = (j, i, t.peak_full[i]), t.full
+    at, ext = _uniform_cuts(t, policy, i, j)
     return _bottleneck_path(problem, t, lambda r: at, ext, False, value_only=True)
+
+
+def _uniform_cuts(t: _Tables, policy: Granularity, i, j):
+    """((c, d, peak), ext) of one policy on every stage: on the (i, j) grid the full-recompute part [i, c), the
+    selective part [i, d) and the recompute peak; ext the prefix of the recompute extras of every layer."""
+    if policy == "none":
+        return (i, i, 0.0), t.zero
+    if policy == "selective":
+        return (i, j, t.peak_sel[i]), t.sel
+    return (j, i, t.peak_full[i]), t.full
 
 
 def _grid(L: int) -> tuple[np.ndarray, np.ndarray]:
@@ -1032,12 +1032,7 @@ def _uniform_grids(pr: PartitionProblem, policy: Granularity) -> list[_StageGrid
     p, L = pr.num_stages, pr.num_layers
     t = _tables(pr)
     i, j = _grid(L)
-    if policy == "none":
-        at, ext = (i, i, 0.0), t.zero
-    elif policy == "selective":
-        at, ext = (i, j, t.peak_sel[i]), t.sel
-    else:
-        at, ext = (j, i, t.peak_full[i]), t.full
+    at, ext = _uniform_cuts(t, policy, i, j)
     s = _layer_sums(t, i, j, at[0], at[1], False)
     ahead = j > i
     layers_before_f, layers_before_b = t.fwd[i], t.bwd[i] + ext[i]

@@ -219,7 +219,6 @@ class _Search:
         first = stage_params(model, lay, range(0), True, False)
         last = stage_params(model, lay, range(0), False, True)
         emb, head = ctx.embedding, ctx.head
-        sync = ctx.sync
         prob = PartitionProblem(
             num_stages=lay.pp, num_microbatches=lay.num_microbatches, schedule=lay.schedule,
             layer_forward=tuple(f), layer_backward=tuple(b), layer_selective_extra=tuple(sel),
@@ -234,14 +233,8 @@ class _Search:
             last_params_dense=last.dense,
             stage_forward_extra=ctx.blocking_p2p_s, stage_backward_extra=ctx.blocking_p2p_s, hop_s=ctx.p2p_s,
             fixed_bytes=ctx.buffer_bytes, fragmentation=FRAGMENTATION, memory_cap_bytes=self.cap,
-            sync=SyncModel(
-                reduce_alpha_dense=sync.reduce_alpha_dense, reduce_beta_dense=sync.reduce_beta_dense,
-                reduce_alpha_expert=sync.reduce_alpha_expert, reduce_beta_expert=sync.reduce_beta_expert,
-                gather_alpha_dense=sync.gather_alpha_dense, gather_beta_dense=sync.gather_beta_dense,
-                gather_alpha_expert=sync.gather_alpha_expert, gather_beta_expert=sync.gather_beta_expert,
-                overlap_reduce=rt.overlap_grad_reduce, overlap_gather=rt.overlap_param_gather,
-                optimizer_s_per_dense_param=sync.optimizer_s_per_dense_param,
-                optimizer_s_per_expert_param=sync.optimizer_s_per_expert_param),
+            sync=SyncModel(**dataclasses.asdict(ctx.sync), overlap_reduce=rt.overlap_grad_reduce,
+                           overlap_gather=rt.overlap_param_gather),
         )
         self.problems[id(ctx)] = prob
         return prob

@@ -13,26 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import main
+from cli_helpers import assert_input_error, run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "32", "--seq", "2048"]
-
-
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_input_error(code: int, out: str, err: str, *words: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == 2, (code, out, err)
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: "), err
-    assert "Traceback" not in err and "Traceback" not in out
-    for w in words:
-        assert w.lower() in lines[0].lower(), (w, err)
 
 
 # ---- estimate ------------------------------------------------------------------------------------------------------

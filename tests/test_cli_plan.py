@@ -21,32 +21,16 @@ from planner.explain import explain
 from planner.plan import SCHEMA_VERSION, Plan, read_plan
 from planner.search import search
 from planner.space import Pins
+from cli_helpers import assert_input_error, run
 
 PLAN = ["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048",
         "--max-mbs", "2"]
 ROW = re.compile(r"^\s*[│|]\s*(\d+)\s*[│|]")  # a ranking row: "│ 1 │ ..."
 
 
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def flat(text: str) -> str:
     """Whitespace collapsed (rich wraps long lines)."""
     return " ".join(text.split())
-
-
-def assert_input_error(code: int, out: str, err: str, *words: str) -> str:
-    lines = err.strip().splitlines()
-    assert code == 2, (code, out, err)
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: "), err
-    assert "Traceback" not in err and "Traceback" not in out
-    for w in words:
-        assert w.lower() in lines[0].lower(), (w, err)
-    return lines[0]
 
 
 def ranking_rows(out: str) -> list[int]:
