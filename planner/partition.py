@@ -333,43 +333,53 @@ def _stage_sync(pr, r, s: _LayerSums, f, b):
     return exposed + sy.optimizer_s_per_dense_param * dense + sy.optimizer_s_per_expert_param * expert
 
 
-def _chain_end(pr, r: int, f, b, start, t_after):
-    """1F1B's steady state chains rank r to every later rank: on rank r+j the pair (F_{w-j+i}, B_i) runs in that
-    order (w = p - r - 1 warm-up forwards on rank r), so F_{w+i}(r) -> F_{w+i}(r+1) -> ... -> F_{w+i}(p-1) ->
-    B_{i+n-1}(p-1) -> ... -> B_{i+n-1}(r) -> F_{w+i+n}(r) (n = p - r stages, a hop between ranks) is a dependency
-    path: every n steady forwards of rank r take at least t_r + T_>r + 2 (p-1-r) h, which exposes P2P latency
-    (about 2h per micro-batch) that the per-rank terms miss. K such rounds from its first steady forward, then the
-    passes left (meshplan docs/cost_model.md, pipeline bounds). Works on floats and numpy grids."""
+def _end_pieces(pr, r: int, f, b, start, t_after) -> list:
+    """Lower bounds on when rank r ends its last pass, each the length of one dependency path (meshplan
+    docs/cost_model.md, pipeline bounds). Linear in f, b, start and t_after with integer coefficients, so the same
+    pieces serve floats, numpy grids and CP-SAT expressions.
+
+    A round trip RT = T_>r + 2 (p-1-r) h separates F_k(r) from B_k(r) (the micro-batch goes to the last stage and
+    back). A path through rank r's own passes that swaps the passes its order puts between F_k and B_k for that round
+    trip gains RT minus their time. 1F1B (Narayanan et al. 2021, sec. 2.2), w = min(p-r-1, m) warm-up forwards:
+    between F_0 and B_0 lie min(w, m-1) forwards, between F_{m-1} and B_{m-1} as many backwards, and between a
+    steady-state F_k and B_k w of each; consecutive round trips need k' >= k + w + 1. GPipe: F_{m-1}'s round trip
+    after all m forwards, then all m backwards (Huang et al. 2019). ZB-H1 sends the input gradient before the weight
+    pass, so without the input/weight split only the rank's own work is certain (Qi et al. 2024)."""
     p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
+    base = start + m * (f + b)
+    trip = t_after + 2 * (p - 1 - r) * h
+    if pr.schedule == "zb":
+        return [base]
+    if pr.schedule == "gpipe":
+        return [base, start + m * f + trip + m * b]
     w = min(p - r - 1, m)
-    if w >= m:  # all of rank r's forwards are warm-up forwards: no steady state
-        return start + m * (f + b)
-    n = p - r
-    k = (m - 1 - w) // n
-    return (start + w * f + k * (f + b + t_after + 2 * (p - 1 - r) * h) + f + (m - k * n) * b
-            + (m - 1 - w - k * n) * f)
+    around = min(w, m - 1)
+    first = base + trip - around * f  # micro-batch 0's round trip (the warm-up bubble)
+    last = base + trip - around * b  # micro-batch m-1's round trip (the cool-down bubble)
+    pieces = [base, first, last]
+    n = w + 1
+    if m - 1 >= n:  # both round trips fit in one path, with middle ones every n micro-batches between them
+        both = first + trip - around * b
+        pieces.append(both)
+        middle = (m - 1) // n - 1
+        if middle > 0:
+            pieces.append(both + middle * (trip - w * (f + b)))
+        k = (m - 1 - w) // n  # round trips from F_w on, every n micro-batches, after the warm-up forwards
+        pieces.append(start + w * f + k * (f + b + trip) + f + (m - k * n) * b + (m - 1 - w - k * n) * f)
+    return pieces
 
 
 def _stage_objective(pr, r, f, b, e, f_before, b_before, t_after):
-    """J_r: rank r starts when micro-batch 0 reaches it, starts its first backward once micro-batch 0 went to the
-    last stage and back, then runs its remaining passes; after its last backward the gradient still flows back
-    through ranks r-1..0, and its DP sync runs (meshplan docs/cost_model.md, pipeline bounds)."""
-    p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
-    start = f_before + r * h
-    if pr.schedule == "gpipe":  # all m forwards, then all m backwards (Huang et al. 2019)
-        first_back = start + m * f + t_after + 2 * (p - 1 - r) * h + m * b
-    elif pr.schedule == "zb":
-        # ZB-H1 sends the input gradient before the weight pass, so micro-batch 0's round trip is shorter than the
-        # later stages' whole backward: without the input/weight split only the rank's own work is certain.
-        first_back = start + m * (f + b)
-    else:  # p - r - 1 warm-up forwards, then one forward per backward (Narayanan et al. 2021, sec. 2.2)
-        first_back = start + f + t_after + 2 * (p - 1 - r) * h + m * b + (m - min(p - r, m)) * f
-    end = np.maximum(start + m * (f + b), first_back)
-    if pr.schedule == "1f1b":
-        end = np.maximum(end, _chain_end(pr, r, f, b, start, t_after))
+    """J_r: rank r's last pass ends no earlier than any of _end_pieces; the gradient then still flows back through
+    ranks r-1..0 and its DP sync runs (meshplan docs/cost_model.md, pipeline bounds)."""
+    start = f_before + r * pr.hop_s
+    pieces = _end_pieces(pr, r, f, b, start, t_after)
+    end = pieces[0]
+    for piece in pieces[1:]:
+        end = np.maximum(end, piece)
     if pr.schedule == "zb":  # weight passes may trail (Qi et al. 2024): only the rank's own finish is bounded
         return end + e
-    return end + np.maximum(b_before + r * h, e)
+    return end + np.maximum(b_before + r * pr.hop_s, e)
 
 
 # ---- evaluate --------------------------------------------------------------------------------------------------------
@@ -854,6 +864,21 @@ def _cp_stage(model: cp_model.CpModel, pr: PartitionProblem, data: _CpData, read
     return _CpStage(forward, backward, reduce + gather + optimizer, sel, full, k)
 
 
+@dataclass(frozen=True)
+class _NsView:
+    """The fields _end_pieces reads, with the hop in integer nanoseconds (CP-SAT's unit)."""
+
+    num_stages: int
+    num_microbatches: int
+    schedule: str
+    hop_s: int
+
+    def __init__(self, pr: PartitionProblem):
+        for name, value in (("num_stages", pr.num_stages), ("num_microbatches", pr.num_microbatches),
+                            ("schedule", pr.schedule), ("hop_s", _ns(pr.hop_s))):
+            object.__setattr__(self, name, value)
+
+
 def _cp_objective(model: cp_model.CpModel, pr: PartitionProblem, stages: list[_CpStage], ub: int):
     """J = max_r J_r (AddMaxEquality), J_r as in _stage_objective over integer nanoseconds.
 
@@ -868,23 +893,9 @@ def _cp_objective(model: cp_model.CpModel, pr: PartitionProblem, stages: list[_C
         b_before = sum(x.backward for x in stages[:r])
         t_after = sum(x.forward + x.backward for x in stages[r + 1:])
         start = f_before + r * h
-        if pr.schedule == "gpipe":
-            first_back = start + m * st.forward + t_after + 2 * (p - 1 - r) * h + m * st.backward
-        elif pr.schedule == "zb":  # as _stage_objective: only the rank's own work
-            first_back = start + m * (st.forward + st.backward)
-        else:
-            first_back = (start + st.forward + t_after + 2 * (p - 1 - r) * h + m * st.backward
-                          + (m - min(p - r, m)) * st.forward)
         jr = model.new_int_var(0, ub, f"J_{r}")
         tails = [st.sync] if pr.schedule == "zb" else [b_before + r * h, st.sync]
-        pieces = [start + m * (st.forward + st.backward), first_back]
-        if pr.schedule == "1f1b":  # _chain_end, written out linearly
-            w = min(p - r - 1, m)
-            if w < m:
-                n = p - r
-                k = (m - 1 - w) // n
-                pieces.append(start + w * st.forward + k * (st.forward + st.backward + t_after + 2 * (p - 1 - r) * h)
-                              + st.forward + (m - k * n) * st.backward + (m - 1 - w - k * n) * st.forward)
+        pieces = _end_pieces(_NsView(pr), r, st.forward, st.backward, start, t_after)
         for a in pieces:
             for b in tails:
                 model.add(jr >= a + b)

@@ -159,16 +159,16 @@ def test_relaxed_dp_bounds_every_per_stage_plan(problem):
 
 def test_uniform_1f1b_even_split_by_hand():
     """L = 8 identical layers, p = 4, m = 8, f = 1, b = 2: the even split has n = 2, f_r = 2, b_r = 4, t_r = 6.
-    1F1B, rank r (F_<r = 2r, B_<r = 4r, T_>r = 6 (3 - r), held = 4 - r):
-      A1 = F_<r + m t_r = 2r + 48
-      A2 = F_<r + f_r + T_>r + m b_r + (m - held) f_r = 2r + 2 + 18 - 6r + 32 + 2 (4 + r) = 60
-      J_r = max(A1, A2) + B_<r = 60 + 4r for r < 3; J_3 = max(54, 54) + 12 = 66.
+    1F1B, rank r (start = F_<r = 2r, B_<r = 4r, round trip RT = T_>r = 6 (3 - r), w = 3 - r warm-up forwards):
+      base = start + m t_r = 2r + 48; micro-batch 0's round trip adds RT - w f_r, micro-batch 7's RT - w b_r:
+      end_r = 2r + 48 + 2 RT - w (f_r + b_r) = 2r + 48 + 6 (3 - r) = 66 - 4r (the simulated end of rank r),
+      J_r = end_r + B_<r = 66 for every rank.
     J = 66 = (m + p - 1) x 3 x (L / p), the textbook 1F1B makespan with (p - 1) t of bubble."""
     problem = uniform_problem(8, 4, 8, "1f1b")
     even = evaluate(problem, (0, 2, 4, 6, 8), (NONE,) * 4)
-    assert even.stage_objective == (60.0, 62.0, 64.0, 66.0)
+    assert even.stage_objective == (66.0, 66.0, 66.0, 66.0)
     assert even.objective == (8 + 4 - 1) * 3 * (8 / 4) == 66.0
-    assert even.stage_time == (6.0,) * 4 and even.binding_stage == 3
+    assert even.stage_time == (6.0,) * 4 and even.binding_stage == 0
     dp = solve_dp(problem, "none")
     assert dp == even
     assert solve_cpsat(problem, "uniform-none") == (even, "OPTIMAL")
@@ -196,13 +196,14 @@ def test_zero_bubble_bound_leaves_out_the_gradient_flow_back():
 def test_memory_cap_forces_an_uneven_split():
     """L = 4, p = 2, m = 4, 1F1B, 1 GB of activations per layer, cap 3 GB. Stage 0 holds min(p, m) = 2 micro-batches,
     stage 1 holds 1: the even split needs 2 x 2 = 4 GB on stage 0, so the best plan is (1, 3) (2 GB and exactly 3 GB).
-    Its J: t = (3, 9); J_0 = max(4 x 3, 1 + 9 + 4 x 2 + 2 x 1) = 20; J_1 = max(1 + 36, 1 + 3 + 24 + 3 x 3) + 2 = 39.
+    Its J: t = (3, 9); rank 0 (w = 1, round trip 9) ends no earlier than 4 x 3 + (9 - 1) + (9 - 2) = 27, J_0 = 27;
+    J_1 = (1 + 4 x 9) + B_<1 = 37 + 2 = 39 (the simulated step).
     Without the cap the even split gives (m + p - 1) t = 5 x 6 = 30."""
     problem = uniform_problem(4, 2, 4, "1f1b", act=1 * GB, cap=3 * GB)
     assert evaluate(problem, (0, 2, 4), (NONE, NONE)) is None
     dp = solve_dp(problem, "none")
     assert dp.boundaries == (0, 1, 4) and dp.stage_memory_bytes == (2 * GB, 3 * GB)
-    assert dp.stage_objective == (20.0, 39.0)
+    assert dp.stage_objective == (27.0, 39.0)
     assert solve_cpsat(problem, "uniform-none")[0] == dp  # the cap is met exactly: integer bytes are exact
     free = solve_dp(dataclasses.replace(problem, memory_cap_bytes=1e18), "none")
     assert free.boundaries == (0, 2, 4) and free.objective == 30.0
