@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from costmodels.config import DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, Workload
+from costmodels.config import DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, RankOrder, Workload
 from costmodels.estimate import Estimate, estimate as estimate_cost, simulate_config, stage_ranges
 from costmodels.model import ModelSpec
 from costmodels.model_io import list_zoo, load_model, load_zoo, zoo_source
@@ -139,6 +139,9 @@ SpOpt = Annotated[Optional[bool], typer.Option("--sp/--no-sp", rich_help_panel=P
 ScheduleOpt = Annotated[Optional[Literal["1f1b", "interleaved", "gpipe", "zb"]], typer.Option(
     "--schedule", rich_help_panel=P_PAR,
     help="Pipeline schedule (zb = zero-bubble ZB-H1; interleaved needs --vpp > 1).")]
+OrderOpt = Annotated[Optional[RankOrder], typer.Option("--order", rich_help_panel=P_PAR, help=(
+    "rank order of the dimensions, innermost first: tp-cp-dp-pp (Megatron default) or tp-cp-pp-dp "
+    "(--use-tp-pp-dp-mapping; needs cp=1, ep=1); plan: pins it"))]
 RuntimeOpt = Annotated[RuntimeName, typer.Option("--runtime", rich_help_panel=P_PAR, help=(
     "Training framework behaviour: what it fuses and which communication it overlaps (docs/cost_model.md)."))]
 
@@ -170,6 +173,7 @@ def estimate(
         help="Activation recomputation: none, selective (attention core) or full (whole layer) (default none).")] = None,
     sp: SpOpt = None,
     schedule: ScheduleOpt = None,
+    order: OrderOpt = None,
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
         "Print the estimate as JSON (step_time_s, tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu, hfu, "
@@ -184,7 +188,7 @@ def estimate(
     cluster = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
     workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
     knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
-                 sp=sp, schedule=schedule)
+                 sp=sp, schedule=schedule, rank_order=order)
     cfg = ParallelConfig(**{k: v for k, v in knobs.items() if v is not None})
     est = estimate_cost(spec, cluster, workload, cfg, runtime)
     if as_json:
@@ -212,7 +216,8 @@ def _print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workloa
               f"{wl.dtype}")
     con.print(f"layout: tp {lay.tp}, pp {lay.pp}, vpp {lay.vpp}, dp {lay.dp}, cp {lay.cp}, ep {lay.ep}, "
               f"etp {lay.etp}, mbs {lay.mbs}, {lay.num_microbatches} micro-batches, zero {lay.zero}, "
-              f"recompute {lay.recompute}, sp {'on' if lay.sp else 'off'}, schedule {lay.schedule}")
+              f"recompute {lay.recompute}, sp {'on' if lay.sp else 'off'}, schedule {lay.schedule}, "
+              f"order {lay.rank_order}")
 
     step = est.step_time_s
     t = Table(title="Step time breakdown (critical pipeline rank)", title_justify="left")
@@ -293,6 +298,7 @@ def plan(
             "first k layers, chosen by the CP-SAT partitioner)."))] = None,
     sp: SpOpt = None,
     schedule: ScheduleOpt = None,
+    order: OrderOpt = None,
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, rich_help_panel=P_PAR,
                                          help="Largest micro-batch size searched.")] = 16,
@@ -326,7 +332,7 @@ def plan(
     cluster = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
     workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
     pins = Pins(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
-                recompute=recompute, sp=sp, schedule=schedule, max_mbs=max_mbs)
+                recompute=recompute, sp=sp, schedule=schedule, order=order, max_mbs=max_mbs)
     with _progress(not as_json) as bar:
         result = search(spec, cluster, workload, pins, runtime, top_k=top, time_limit_s=time_limit, progress=bar)
     if not result.plans:
@@ -396,15 +402,18 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     con.print(f"[bold]{spec.name}[/] on {cluster.num_gpus} x {cluster.gpu.display_name} ({cluster.num_nodes} node(s) "
               f"of {cluster.gpus_per_node}); {wl.global_batch} x {wl.seq_len} tokens per step, {wl.dtype}")
     t = Table(title=f"Best {len(result.plans)} plans (predicted)", title_justify="left")
-    cols = ["#", "tp", "cp", "pp", "dp"] + (["ep", "etp"] if moe else []) + [
+    orders = any(p.estimate.layout.rank_order != DEFAULT_RANK_ORDER for p in result.plans)  # column only if used
+    cols = ["#", "tp", "cp", "pp", "dp"] + (["ep", "etp"] if moe else []) + (["order"] if orders else []) + [
         "mbs", "zero", "sp", "recompute", "schedule", "layers/stage", "step s", "tok/s/GPU", "MFU %", "peak GiB"]
     for c in cols:
-        t.add_column(c, justify="left" if c in ("recompute", "schedule", "layers/stage") else "right")
+        t.add_column(c, justify="left" if c in ("order", "recompute", "schedule", "layers/stage") else "right")
     for n, p in enumerate(result.plans, 1):
         e, lay = p.estimate, p.estimate.layout
         row = [str(n), str(lay.tp), str(lay.cp) + ("" if lay.cp == 1 else f" {lay.cp_comm}"), str(lay.pp), str(lay.dp)]
         if moe:
             row += [str(lay.ep), str(lay.etp)]
+        if orders:
+            row.append(lay.rank_order)
         row += [str(lay.mbs), str(lay.zero), "on" if lay.sp else "off", _recompute_text(lay), lay.schedule,
                 _stages_text(lay), f"{e.step_time_s:.3f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{100 * e.mfu:.1f}",
                 f"{e.peak_memory_gib:.1f}"]

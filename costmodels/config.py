@@ -7,7 +7,7 @@ with the rule that failed (the rules are those Megatron-LM's arguments.py enforc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -16,6 +16,11 @@ from hardware_db.errors import InputError
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
+# How global ranks are numbered over the dense dimensions, innermost (fastest-varying) first.
+RankOrder = Literal["tp-cp-dp-pp", "tp-cp-pp-dp"]
+RANK_ORDERS: tuple[str, ...] = get_args(RankOrder)
+DEFAULT_RANK_ORDER = "tp-cp-dp-pp"  # Megatron-LM's default "tp-cp-ep-dp-pp"
+PP_INSIDE_DP = "tp-cp-pp-dp"  # Megatron-LM --use-tp-pp-dp-mapping ("tp-pp-dp"): no CP, no EP
 
 
 class Workload(BaseModel):
@@ -79,6 +84,7 @@ class ParallelConfig(BaseModel):
     schedule: Schedule | None = None  # default: interleaved when vpp > 1, else 1f1b
     stage_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage; default: balanced
     stage_recompute: tuple[StagePolicy, ...] | None = None  # per pipeline stage; overrides `recompute` when given
+    rank_order: RankOrder = DEFAULT_RANK_ORDER  # "tp-cp-pp-dp": Megatron-LM --use-tp-pp-dp-mapping
 
 
 class Runtime(BaseModel):
@@ -140,6 +146,7 @@ class Layout:
     schedule: Schedule
     stage_layers: tuple[int, ...]  # decoder layers per pipeline stage (pp entries)
     stage_recompute: tuple[StagePolicy, ...]  # recomputation per pipeline stage (pp entries)
+    rank_order: RankOrder = DEFAULT_RANK_ORDER  # dense dims innermost first (group placement, estimate.group_ranks)
 
     @property
     def world(self) -> int:
@@ -169,6 +176,10 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     tp, pp, cp, vpp = cfg.tp, cfg.pp, cfg.cp, cfg.vpp
     if num_gpus % (tp * pp * cp):
         raise InputError(f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide {num_gpus} GPUs")
+    if cfg.rank_order == PP_INSIDE_DP and (cp > 1 or cfg.ep > 1):
+        got = ", ".join(f"{k}={v}" for k, v in (("cp", cp), ("ep", cfg.ep)) if v > 1)
+        raise InputError(f"rank order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs cp = 1 and ep = 1; "
+                         f"got {got}")
     dp = cfg.dp if cfg.dp is not None else num_gpus // (tp * pp * cp)
     if tp * pp * cp * dp != num_gpus:
         raise InputError(
@@ -230,7 +241,7 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     stage_recompute, recompute = _stage_recompute(cfg, stage_layers)
     return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cfg.cp_comm, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
                   num_microbatches=m, zero=cfg.zero, recompute=recompute, sp=sp, schedule=schedule,
-                  stage_layers=stage_layers, stage_recompute=stage_recompute)
+                  stage_layers=stage_layers, stage_recompute=stage_recompute, rank_order=cfg.rank_order)
 
 
 def _stage_recompute(cfg: ParallelConfig, stage_layers: tuple[int, ...]) -> tuple[tuple[StagePolicy, ...], str]:

@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
 from costmodels import comm
-from costmodels.config import Layout, ParallelConfig, Runtime, Workload, get_runtime, DEFAULT_RUNTIME, resolve
+from costmodels.config import (DEFAULT_RANK_ORDER, Layout, ParallelConfig, Runtime, Workload, get_runtime,
+                               DEFAULT_RUNTIME, resolve)
 from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdown, embedding_activation_bytes,
                                layer_activation_bytes, logits_bytes, model_state_bytes, stage_params,
                                StageParams)
@@ -19,7 +20,7 @@ from hardware_db.cluster import Cluster
 from hardware_db.gpu import GPUSpec
 
 ADAM_BYTES_PER_PARAM = 34  # read grad, master, m, v (16) + write master, m, v (12) + bf16 weight (2) + grad-norm read (4)
-RANK_ORDER = ("tp", "cp", "dp", "pp")  # innermost first: Megatron-LM's default order "tp-cp-ep-dp-pp"
+RANK_ORDER = tuple(DEFAULT_RANK_ORDER.split("-"))  # innermost first: Megatron-LM's default "tp-cp-ep-dp-pp"
 
 
 @dataclass(frozen=True)
@@ -148,24 +149,35 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
     return max(t_flop, t_mem) + eff.kernel_overhead_s
 
 
-def group_ranks(dim: str, lay: Layout) -> tuple[int, ...]:
-    """Ranks of rank 0's group along `dim` (dense dims in RANK_ORDER; experts fold etp-ep over tp-cp-dp)."""
+def rank_strides(lay: Layout) -> dict[str, int]:
+    """Distance between neighbouring ranks of each dense dim: the product of the sizes inside it in the order."""
     sizes = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp}
+    strides, stride = {}, 1
+    for d in lay.rank_order.split("-"):
+        strides[d] = stride
+        stride *= sizes[d]
+    return strides
+
+
+def group_ranks(dim: str, lay: Layout) -> tuple[int, ...]:
+    """Ranks of rank 0's group along `dim`: dense dims by the layout's rank order; the distributed optimizer's
+    dp_cp group spans cp x dp; experts fold etp-ep-edp over the non-pp ranks (tp-cp-dp, Megatron's MoE folding)."""
+    sizes = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp}
+    strides = rank_strides(lay)
     if dim in sizes:
-        stride = 1
-        for d in RANK_ORDER:
-            if d == dim:
-                return tuple(i * stride for i in range(sizes[d]))
-            stride *= sizes[d]
-    if dim == "dp_cp":  # cp and dp are adjacent in RANK_ORDER: the distributed optimizer's group
-        return tuple(i * lay.tp for i in range(lay.cp * lay.dp))
-    if dim == "etp":
-        return tuple(range(lay.etp))
-    if dim == "ep":
-        return tuple(i * lay.etp for i in range(lay.ep))
-    if dim == "edp":
-        return tuple(i * lay.etp * lay.ep for i in range(lay.edp))
+        return tuple(i * strides[dim] for i in range(sizes[dim]))
+    if dim == "dp_cp":
+        return tuple(c * strides["cp"] + d * strides["dp"] for d in range(lay.dp) for c in range(lay.cp))
+    folded = {"etp": (1, lay.etp), "ep": (lay.etp, lay.ep), "edp": (lay.etp * lay.ep, lay.edp)}
+    if dim in folded:
+        step, n = folded[dim]
+        return tuple(_unfold(i * step, lay.tp * lay.cp, strides["dp"]) for i in range(n))
     raise ValueError(dim)
+
+
+def _unfold(k: int, tp_cp: int, stride_dp: int) -> int:
+    """Global rank of index k of the folded tp-cp-dp ranks (tp and cp are innermost in every order)."""
+    return k % tp_cp + (k // tp_cp) * stride_dp
 
 
 def group_link(cluster: Cluster, ranks: tuple[int, ...]) -> comm.Link:

@@ -12,7 +12,7 @@ def knob_diff(a: RankedPlan, b: RankedPlan) -> list[str]:
     la, lb = a.estimate.layout, b.estimate.layout
     out = []
     for name in ("tp", "cp", "pp", "vpp", "dp", "ep", "etp", "mbs", "zero", "recompute", "sp", "schedule", "cp_comm",
-                 "stage_layers"):
+                 "rank_order", "stage_layers"):
         va, vb = getattr(la, name), getattr(lb, name)
         if va != vb:
             show = (lambda v: "-".join(map(str, v))) if name == "stage_layers" else str

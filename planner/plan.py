@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from costmodels.config import RUNTIMES, ParallelConfig, Schedule, StagePolicy, Workload, resolve
-from costmodels.estimate import RANK_ORDER, Simulated
+from costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, RANK_ORDERS, RUNTIMES, ParallelConfig, RankOrder,
+                               Schedule, StagePolicy, Workload, resolve)
+from costmodels.estimate import Simulated
 from costmodels.memory import FRAGMENTATION
 from costmodels.model import ModelSpec
 from costmodels.model_io import parse_model_file, to_model_file
@@ -113,13 +114,20 @@ class Mesh(_Frozen):
     edp: int = Field(gt=0)
     sp: bool
     cp_comm: Literal["ring", "a2a"]
-    rank_order: list[Literal["tp", "cp", "dp", "pp"]] = Field(description="innermost (fastest-varying) first")
+    rank_order: list[Literal["tp", "cp", "dp", "pp"]] = Field(
+        description="innermost (fastest-varying) first: Megatron-LM's default, or tp-cp-pp-dp for "
+                    "--use-tp-pp-dp-mapping",
+        json_schema_extra={"enum": [order.split("-") for order in RANK_ORDERS]})
     world_size: int = Field(gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "Mesh":
-        if sorted(self.rank_order) != sorted(RANK_ORDER):
-            raise ValueError(f"rank_order must name each of {', '.join(RANK_ORDER)} once")
+        order = "-".join(self.rank_order)
+        if order not in RANK_ORDERS:
+            raise ValueError(f"rank_order must be {' or '.join(RANK_ORDERS)} (innermost first), got {order}")
+        if order == PP_INSIDE_DP and (self.cp > 1 or self.ep > 1):
+            raise ValueError(f"rank_order {order} (Megatron --use-tp-pp-dp-mapping) needs cp = 1 and ep = 1; "
+                             f"got cp={self.cp}, ep={self.ep}")
         if self.tp * self.cp * self.pp * self.dp != self.world_size:
             product = self.tp * self.cp * self.pp * self.dp
             raise ValueError(f"tp*cp*pp*dp = {product} but world_size is {self.world_size}")
@@ -211,6 +219,7 @@ class PredictedLayout(_Frozen):
     schedule: Schedule
     stage_layers: list[int]
     stage_recompute: list[StagePolicy]
+    rank_order: RankOrder = DEFAULT_RANK_ORDER
 
 
 class PredictedStage(_Frozen):
@@ -304,6 +313,9 @@ class Plan(_Frozen):
             raise ValueError("micro_batch_size * num_microbatches * dp must equal global_batch")
         if len(self.memory.stages) != mesh.pp or len(self.prediction.stages) != mesh.pp:
             raise ValueError(f"memory and prediction need one entry per pipeline stage ({mesh.pp})")
+        if "-".join(mesh.rank_order) != self.prediction.layout.rank_order:
+            raise ValueError(f"mesh.rank_order {mesh.rank_order} != prediction.layout.rank_order "
+                             f"{self.prediction.layout.rank_order}")
         return self
 
 
@@ -368,7 +380,7 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
         inputs=Inputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
                       workload=workload, runtime=runtime, calibration=calibration),
         mesh=Mesh(tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.dp, ep=lay.ep, etp=lay.etp, edp=lay.edp, sp=lay.sp,
-                  cp_comm=lay.cp_comm, rank_order=list(RANK_ORDER), world_size=lay.world),
+                  cp_comm=lay.cp_comm, rank_order=lay.rank_order.split("-"), world_size=lay.world),
         pipeline=Pipeline(schedule=lay.schedule, vpp=lay.vpp, micro_batch_size=lay.mbs,
                           num_microbatches=lay.num_microbatches, global_batch=workload.global_batch, stages=stages),
         memory=Memory(zero=lay.zero, recompute=lay.recompute, fragmentation=FRAGMENTATION, stages=memory_stages),
@@ -386,7 +398,7 @@ def plan_config(plan: Plan) -> tuple[ModelSpec, Cluster, Workload, ParallelConfi
         tp=mesh.tp, pp=mesh.pp, vpp=pipe.vpp, dp=mesh.dp, cp=mesh.cp, cp_comm=mesh.cp_comm, ep=mesh.ep,
         etp=mesh.etp, mbs=pipe.micro_batch_size, zero=plan.memory.zero, recompute=uniform, sp=mesh.sp,
         schedule=pipe.schedule, stage_layers=tuple(s.num_layers for s in pipe.stages),
-        stage_recompute=tuple(s.recompute for s in pipe.stages))
+        stage_recompute=tuple(s.recompute for s in pipe.stages), rank_order="-".join(mesh.rank_order))
     inputs = plan.inputs
     return inputs.model_spec(), inputs.cluster.cluster(), inputs.workload, config, inputs.runtime
 

@@ -178,7 +178,8 @@ class _Search:
         uniform = cand.recompute if cand.recompute != "per-stage" else "none"
         return ParallelConfig(tp=m.tp, pp=m.pp, vpp=cand.vpp, dp=m.dp, cp=m.cp, cp_comm=cand.cp_comm, ep=m.ep,
                               etp=m.etp, mbs=cand.mbs, zero=cand.zero, recompute=uniform, sp=cand.sp,
-                              schedule=cand.schedule, stage_layers=stage_layers, stage_recompute=policies)
+                              schedule=cand.schedule, stage_layers=stage_layers, stage_recompute=policies,
+                              rank_order=m.order)
 
     def _context(self, cand: Candidate) -> CostContext:
         """Per-layer costs are shared by every candidate with the same layer key; links by the same mesh."""
@@ -569,14 +570,14 @@ class _Search:
             self._simulate(c, None, None, bound, ctx=ctx)
             return
         prob = self.problem(c, ctx)
-        family = self._family_bound(c, prob)
-        if family >= self.best.cutoff() * (1 - REL_TOL):
-            self._count(self.pruned, "partition bound without memory or DP sync (shared by ZeRO stages)")
-            return
-        floor = memory_floor(prob, "full" if c.recompute == "per-stage" else c.recompute)
+        floor = memory_floor(prob, "full" if c.recompute == "per-stage" else c.recompute)  # cheaper than the DP
         if floor > self.cap:
             self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)")
             self._note_memory(floor, _describe(c))
+            return
+        family = self._family_bound(c, prob)
+        if family >= self.best.cutoff() * (1 - REL_TOL):
+            self._count(self.pruned, "partition bound without memory or DP sync (shared by ZeRO stages)")
             return
         self.bounded += 1
         if c.recompute == "per-stage":
@@ -702,7 +703,13 @@ def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, la
     the gradient must then flow back through ranks r-1..0 (planner/partition.py), so the step is at least
     max_r (sum_{s<r} t_s + m t_r). Equalising the terms (the LP optimum) gives X = total / (1 - (1 - 1/m)^p).
     Under ZB only the forward prefix is certain: f_s >= alpha t_s gives X = alpha total / (1 - (1 - alpha/m)^p).
-    With virtual stages only the work bound m total / p is used. Stages hold whole layers: some rank runs at
+    With virtual stages only the work bound m total / p is used. GPipe: J_r >= total + (m - 1) t_r, so the step is
+    at least (m + p - 1) total / p. 1F1B with m >= p + 1: rank r's path through micro-batch 0's and m-1's round
+    trips gives J_r >= B_r = T_<r + (m - w_r) t_r + 2 T_>r (w_r = p - r - 1); dual weights y_{r+1} = y_r (m - p + r
+    - 1) / (m - p + r + 1), scaled to sum 1 (all >= 0 when m >= p + 1), make sum_r y_r B_r the same multiple of
+    total for every t, and the even split, where every B_r is equal, attains it: min_t max_r B_r = (m + p - 1) total
+    / p, the textbook
+    1F1B bubble (Narayanan et al. 2021) as a bound for any partition. Stages hold whole layers: some rank runs at
     least ceil(layers / p) of them m times, and the last rank runs the head and at least one layer m times after
     micro-batch 0 went through every other rank (alpha times that with ZB)."""
     work = m * total / p
@@ -710,8 +717,13 @@ def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, la
         return max(work, m * math.ceil(layers / p) * layer_min) if layers else work
     a = 1.0 if schedule in ("1f1b", "gpipe") else alpha
     last = head + layer_min
-    return max(work, a * total / (1.0 - (1.0 - a / m) ** p), m * math.ceil(layers / p) * layer_min,
-               a * (total - last) + m * last)
+    # 1 - (1 - a/m)^p without cancellation for small a; its limit as a -> 0 is the work bound
+    share = 1.0 if a >= m else -math.expm1(p * math.log1p(-a / m))
+    chain = a * total / share if a > 0 else work
+    floor = max(work, chain, m * math.ceil(layers / p) * layer_min, a * (total - last) + m * last)
+    if schedule == "gpipe" or (schedule == "1f1b" and m >= p + 1):
+        floor = max(floor, (m + p - 1) * total / p)  # the textbook bubble (docstring)
+    return floor
 
 
 def _policies(res: PartitionResult) -> tuple[StagePolicy, ...]:

@@ -1,10 +1,10 @@
 """The search space: every knob's domain, the launchers' divisibility rules as constraints, and pins.
 
 A *candidate* is one value for every knob except the stage partition (the partitioner chooses that). The space
-is enumerated mesh-first (tp x cp x pp x dp = GPUs), then experts (ep, etp), micro-batch size, sequence
-parallelism, CP communication, ZeRO stage, schedule (with virtual stages) and recomputation. A rule that fails at
-one level rejects the whole subtree below it; the account counts rejected candidates per rule, so that the
-space size = evaluated + pruned + infeasible.
+is enumerated mesh-first (tp x cp x pp x dp = GPUs), then experts (ep, etp) and the rank order, micro-batch size,
+sequence parallelism, CP communication, ZeRO stage, schedule (with virtual stages) and recomputation. A rule that
+fails at one level rejects the whole subtree below it; the account counts rejected candidates per rule, so that
+the space size = evaluated + pruned + infeasible.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from costmodels.model import ModelSpec
-from costmodels.config import Workload
+from costmodels.config import DEFAULT_RANK_ORDER, PP_INSIDE_DP, RankOrder, Workload
 from hardware_db.errors import InputError
 
 RecomputeChoice = Literal["none", "selective", "full", "per-stage"]
@@ -46,6 +46,7 @@ class Pins(BaseModel):
     recompute: RecomputeChoice | None = None
     sp: bool | None = None
     schedule: Literal["1f1b", "interleaved", "gpipe", "zb"] | None = None
+    order: RankOrder | None = None  # rank order (ParallelConfig.rank_order)
     max_mbs: int = Field(default=16, gt=0)  # micro-batch sizes searched: divisors of gbs/dp up to this
 
 
@@ -57,6 +58,7 @@ class Mesh:
     dp: int
     ep: int
     etp: int
+    order: RankOrder = DEFAULT_RANK_ORDER  # rank order: where each group's ranks sit (estimate.group_ranks)
 
     @property
     def edp(self) -> int:
@@ -74,6 +76,7 @@ class LayerKey:
     mbs: int
     ep: int
     etp: int
+    order: str
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class Candidate:
     @property
     def layer_key(self) -> LayerKey:
         m = self.mesh
-        return LayerKey(m.tp, m.cp, self.cp_comm, self.sp, self.mbs, m.ep, m.etp)
+        return LayerKey(m.tp, m.cp, self.cp_comm, self.sp, self.mbs, m.ep, m.etp, m.order)
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.mbs * self.mesh.dp)
@@ -139,7 +142,8 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
 
     Domains (stated in the plan's account): tp divides the GPUs and stays inside one node (TP across nodes is not
     searched unless pinned); cp divides what is left with seq/cp >= MIN_CP_TOKENS; pp divides what is left;
-    dp fills the GPUs; ep divides the experts, etp divides tp; mbs divides the global batch up to max_mbs; vpp
+    dp fills the GPUs; ep divides the experts, etp divides tp; the rank order is the default, and also pp inside
+    dp where that moves a group onto other links (`rank_orders`); mbs divides the global batch up to max_mbs; vpp
     2..MAX_VPP; ZeRO 0-3; recomputation none, selective, full or per stage (the partitioner's choice).
     """
     infeasible: dict[str, int] = {}
@@ -191,19 +195,24 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                 else:
                     pairs = [(ep, etp) for ep in _pick(divisors(moe.num_experts), pins.ep)
                              for etp in _pick(divisors(tp), pins.etp)]
+                meshes = [(ep, etp, order) for ep, etp in pairs
+                          for order in rank_orders(num_gpus, gpus_per_node, tp, cp, pp, dp, ep, pins.order)]
                 mbs_domain = [pins.mbs] if pins.mbs is not None else [
                     b for b in divisors(wl.global_batch) if b <= pins.max_mbs]
-                subtree = len(pairs) * len(mbs_domain) * per_mbs
+                subtree = len(meshes) * len(mbs_domain) * per_mbs
                 size += subtree
                 rule = _mesh_rule(model, wl, tp, cp, pp, dp, pins)
                 if rule:
                     reject(rule, subtree)
                     continue
-                for ep, etp in pairs:
+                for ep, etp, order in meshes:
                     if moe is not None and (tp * cp * dp) % (ep * etp):
                         reject("etp*ep does not divide tp*cp*dp (MoE parallel folding)", len(mbs_domain) * per_mbs)
                         continue
-                    mesh = Mesh(tp, cp, pp, dp, ep, etp)
+                    if order == PP_INSIDE_DP and (cp > 1 or ep > 1):
+                        reject(f"rank order {PP_INSIDE_DP} needs cp = 1 and ep = 1", len(mbs_domain) * per_mbs)
+                        continue
+                    mesh = Mesh(tp, cp, pp, dp, ep, etp, order)
                     for mbs in mbs_domain:
                         if wl.global_batch % (mbs * dp):
                             reject("global batch not divisible by mbs*dp", per_mbs)
@@ -225,11 +234,26 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
         "vpp": f"1, or 2..{MAX_VPP} with even virtual stages" if pins.vpp is None else f"pinned {pins.vpp}",
         "mbs": f"divisors of the global batch up to {pins.max_mbs}" if pins.mbs is None else f"pinned {pins.mbs}",
         "ep/etp": ("ep divides the experts, etp divides tp" if moe is not None else "no experts"),
+        "order": (f"{DEFAULT_RANK_ORDER}; also {PP_INSIDE_DP} (pp inside dp) where it moves a group onto other "
+                  f"links: tp*cp < GPUs per node < GPUs, pp > 1, dp > 1, cp = 1, ep = 1")
+                 if pins.order is None else f"pinned {pins.order}",
         "zero": ",".join(map(str, zeros)), "recompute": ",".join(recs),
         "schedule": "1f1b, gpipe, interleaved (zb only when pinned)" if pins.schedule is None else f"pinned {pins.schedule}",
         "stages": "contiguous uneven layer ranges (exact DP); even with virtual stages",
     }
     return Enumeration(groups, size, infeasible, domains)
+
+
+def rank_orders(num_gpus: int, gpus_per_node: int, tp: int, cp: int, pp: int, dp: int, ep: int,
+                pinned: str | None) -> list[str]:
+    """Rank orders searched for one mesh: the pinned one, else the default and, where it moves some group onto
+    other links, pp inside dp. It does only when tp*cp ranks leave room in a node for pp and dp neighbours, the
+    job spans nodes and both pp and dp exist; elsewhere every group crosses the same link levels in both orders
+    (a duplicate candidate). Megatron allows it only without CP and EP."""
+    if pinned is not None:
+        return [pinned]
+    moves = tp * cp < gpus_per_node < num_gpus and pp > 1 and dp > 1 and cp == 1 and ep == 1
+    return [DEFAULT_RANK_ORDER, PP_INSIDE_DP] if moves else [DEFAULT_RANK_ORDER]
 
 
 def _mesh_rule(model: ModelSpec, wl: Workload, tp: int, cp: int, pp: int, dp: int, pins: Pins) -> str | None:
@@ -276,3 +300,7 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins) -> Non
         raise InputError(f"--vpp {pins.vpp} needs --schedule interleaved (got {pins.schedule})")
     if pins.schedule == "interleaved" and pins.vpp == 1:
         raise InputError("--schedule interleaved needs --vpp > 1")
+    if pins.order == PP_INSIDE_DP and ((pins.cp or 1) > 1 or (pins.ep or 1) > 1):
+        got = ", ".join(f"{k}={v}" for k, v in (("cp", pins.cp), ("ep", pins.ep)) if (v or 1) > 1)
+        raise InputError(f"--order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs cp = 1 and ep = 1; "
+                         f"got {got}")

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.search import pipeline_floor
 from planner.partition import (GRANULARITIES, PartitionProblem, PartitionResult, StagePolicy, SyncModel,
                                brute_force, cpsat_tolerance_s, evaluate, solve_cpsat, solve_dp)
 
@@ -390,3 +391,23 @@ def test_stage0_sync_bound_is_below_every_simulated_partition(pp, schedule, reco
         if est.fits:
             times.append(est.step_time_s)
     assert times and bound <= min(times) * (1 + 1e-9)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(problems())
+def test_pipeline_floor_bounds_every_partition(problem):
+    """The search's partition-free floor (planner.search.pipeline_floor, fed as work_bound feeds it) never exceeds
+    the best J over all partitions, for each schedule and uniform policy: it may prune before any DP runs."""
+    free = dataclasses.replace(problem, memory_cap_bytes=1e30)
+    extras = {"none": (0.0,) * problem.num_layers, "selective": problem.layer_selective_extra,
+              "full": problem.layer_full_extra}
+    for policy in GRANULARITIES:
+        best = brute_force(free, policy=policy)
+        fwd = list(problem.layer_forward) + [problem.first_forward, problem.last_forward]
+        bwd = [b + x for b, x in zip(problem.layer_backward, extras[policy])] + [problem.first_backward,
+                                                                                  problem.last_backward]
+        alpha = min((f / (f + b) for f, b in zip(fwd, bwd) if f + b > 0), default=1.0)
+        layer_min = min(f + b for f, b in zip(fwd[:-2], bwd[:-2]))
+        floor = pipeline_floor(sum(fwd) + sum(bwd), alpha, problem.num_microbatches, problem.num_stages,
+                               problem.schedule, problem.num_layers, layer_min, fwd[-1] + bwd[-1])
+        assert floor <= best.objective * (1 + 1e-9) + 1e-12

@@ -237,7 +237,7 @@ def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: Pins) -
                     for stage_layers in partitions:
                         cfg = ParallelConfig(tp=m.tp, pp=m.pp, vpp=vpp, dp=m.dp, cp=m.cp, cp_comm=cp_comm, ep=m.ep,
                                              etp=m.etp, mbs=g.mbs, zero=zero, recompute=rec, sp=sp,
-                                             schedule=schedule, stage_layers=stage_layers)
+                                             schedule=schedule, stage_layers=stage_layers, rank_order=m.order)
                         est = estimate(model, c, wl, cfg)
                         count += 1
                         if est.fits and est.step_time_s < best:
@@ -258,6 +258,9 @@ TINY = [
     ("llama3.1-70b", 8, "a100-40gb", 8, 16, 2048, {"max_mbs": 1, "pp": 4, "schedule": "zb"}),
     # MoE: ep x etp folding
     ("mixtral-8x7b", 4, "a100-40gb", 8, 16, 2048, {"max_mbs": 1, "cp": 1, "zero": 1}),
+    # four nodes: both rank orders (pp inside dp moves the P2P and DP groups onto other links)
+    ("mcore-gpt-1.7b", 8, "h100-sxm", 32, 32, 4096, {"max_mbs": 2, "tp": 1, "pp": 4, "cp": 1, "zero": 1,
+                                                     "schedule": "1f1b"}),
 ]
 
 
@@ -317,7 +320,8 @@ def test_per_stage_pin_lower_bound_is_sound():
                     for policies in itertools.product(*menus):
                         cfg = ParallelConfig(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, cp_comm=cp_comm, ep=m.ep, etp=m.etp,
                                              mbs=g.mbs, zero=zero, sp=sp, schedule=schedule,
-                                             stage_layers=stage_layers, stage_recompute=policies)
+                                             stage_layers=stage_layers, stage_recompute=policies,
+                                             rank_order=m.order)
                         est = estimate(model, c, wl, cfg)
                         if est.fits and est.step_time_s < best:
                             best, arg = est.step_time_s, cfg
