@@ -234,7 +234,7 @@ class CostContext:
     only in being dense or MoE). estimate() and the planner's partitioner both read their numbers from here."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, lay: Layout, rt: Runtime,
-                 eff: Efficiency):
+                 eff: Efficiency, links: dict[str, comm.Link] | None = None):
         self.model, self.cluster, self.wl, self.lay, self.rt, self.eff = model, cluster, wl, lay, rt, eff
         gpu = cluster.gpu
         self.peak16 = gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16")
@@ -243,7 +243,8 @@ class CostContext:
         sizes = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp, "edp": lay.edp,
                  "dp_cp": lay.dp * lay.cp}
         self.sizes = sizes
-        self.links = {d: group_link(cluster, group_ranks(d, lay)) for d in sizes}
+        # links depend on the mesh and rank order only: a caller holding them for this mesh may pass them in
+        self.links = links if links is not None else {d: group_link(cluster, group_ranks(d, lay)) for d in sizes}
         self._layer_times: dict[tuple[bool, str], PassTimes] = {}
         self._layer_passes: dict[bool, tuple[PassTimes, float]] = {}
         self._layer_acts: dict[tuple[bool, str], float] = {}

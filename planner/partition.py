@@ -333,50 +333,65 @@ def _stage_sync(pr, r, s: _LayerSums, f, b):
     return exposed + sy.optimizer_s_per_dense_param * dense + sy.optimizer_s_per_expert_param * expert
 
 
+def _round_trips(pr, r: int, f, b, t_after):
+    """The 1F1B round-trip gains of rank r (see _end_pieces): (first, last, middle, n middles with both ends,
+    n middles after the first alone), or None when micro-batch 0's and m-1's round trips cannot share a path."""
+    p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
+    trip = t_after + 2 * (p - 1 - r) * h
+    w = min(p - r - 1, m)
+    around = min(w, m - 1)
+    n = w + 1
+    first, last = trip - around * f, trip - around * b
+    if m - 1 < n:
+        return first, last, None, 0, 0
+    return first, last, trip - w * (f + b), (m - 1) // n - 1, (m - 1 - w) // n
+
+
 def _end_pieces(pr, r: int, f, b, start, t_after) -> list:
     """Lower bounds on when rank r ends its last pass, each the length of one dependency path (meshplan
-    docs/cost_model.md, pipeline bounds). Linear in f, b, start and t_after with integer coefficients, so the same
-    pieces serve floats, numpy grids and CP-SAT expressions.
+    docs/cost_model.md, pipeline bounds); linear with integer coefficients, for CP-SAT. _end_time is their max.
 
     A round trip RT = T_>r + 2 (p-1-r) h separates F_k(r) from B_k(r) (the micro-batch goes to the last stage and
     back). A path through rank r's own passes that swaps the passes its order puts between F_k and B_k for that round
     trip gains RT minus their time. 1F1B (Narayanan et al. 2021, sec. 2.2), w = min(p-r-1, m) warm-up forwards:
     between F_0 and B_0 lie min(w, m-1) forwards, between F_{m-1} and B_{m-1} as many backwards, and between a
-    steady-state F_k and B_k w of each; consecutive round trips need k' >= k + w + 1. GPipe: F_{m-1}'s round trip
-    after all m forwards, then all m backwards (Huang et al. 2019). ZB-H1 sends the input gradient before the weight
-    pass, so without the input/weight split only the rank's own work is certain (Qi et al. 2024)."""
+    steady-state F_k and B_k w of each; round trips share a path when k' >= k + w + 1, so any subset of them does.
+    GPipe: F_{m-1}'s round trip after all m forwards, then all m backwards (Huang et al. 2019). ZB-H1 sends the input
+    gradient before the weight pass, so without the input/weight split only the rank's own work is certain (Qi et
+    al. 2024)."""
     p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
     base = start + m * (f + b)
-    trip = t_after + 2 * (p - 1 - r) * h
     if pr.schedule == "zb":
         return [base]
     if pr.schedule == "gpipe":
-        return [base, start + m * f + trip + m * b]
-    w = min(p - r - 1, m)
-    around = min(w, m - 1)
-    first = base + trip - around * f  # micro-batch 0's round trip (the warm-up bubble)
-    last = base + trip - around * b  # micro-batch m-1's round trip (the cool-down bubble)
-    pieces = [base, first, last]
-    n = w + 1
-    if m - 1 >= n:  # both round trips fit in one path, with middle ones every n micro-batches between them
-        both = first + trip - around * b
-        pieces.append(both)
-        middle = (m - 1) // n - 1
-        if middle > 0:
-            pieces.append(both + middle * (trip - w * (f + b)))
-        k = (m - 1 - w) // n  # round trips from F_w on, every n micro-batches, after the warm-up forwards
-        pieces.append(start + w * f + k * (f + b + trip) + f + (m - k * n) * b + (m - 1 - w - k * n) * f)
-    return pieces
+        return [base, start + m * f + t_after + 2 * (p - 1 - r) * h + m * b]
+    first, last, middle, k_both, k_first = _round_trips(pr, r, f, b, t_after)
+    if middle is None:
+        return [base, base + first, base + last]
+    pieces = [base + x * first + y * last + z * k_both * middle for x in (0, 1) for y in (0, 1) for z in (0, 1)]
+    return pieces + [base + x * first + k_first * middle for x in (0, 1)]
+
+
+def _end_time(pr, r: int, f, b, start, t_after):
+    """max(_end_pieces) in closed form (each round trip counts where it gains): floats and numpy grids."""
+    p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
+    base = start + m * (f + b)
+    if pr.schedule == "zb":
+        return base
+    if pr.schedule == "gpipe":
+        return np.maximum(base, start + m * f + t_after + 2 * (p - 1 - r) * h + m * b)
+    first, last, middle, k_both, k_first = _round_trips(pr, r, f, b, t_after)
+    first, last = np.maximum(first, 0.0), np.maximum(last, 0.0)
+    if middle is None:
+        return base + np.maximum(first, last)
+    middle = np.maximum(middle, 0.0)
+    return base + np.maximum(first + last + k_both * middle, first + k_first * middle)
 
 
 def _stage_objective(pr, r, f, b, e, f_before, b_before, t_after):
-    """J_r: rank r's last pass ends no earlier than any of _end_pieces; the gradient then still flows back through
+    """J_r: rank r's last pass ends no earlier than _end_time; the gradient then still flows back through
     ranks r-1..0 and its DP sync runs (meshplan docs/cost_model.md, pipeline bounds)."""
-    start = f_before + r * pr.hop_s
-    pieces = _end_pieces(pr, r, f, b, start, t_after)
-    end = pieces[0]
-    for piece in pieces[1:]:
-        end = np.maximum(end, piece)
+    end = _end_time(pr, r, f, b, f_before + r * pr.hop_s, t_after)
     if pr.schedule == "zb":  # weight passes may trail (Qi et al. 2024): only the rank's own finish is bounded
         return end + e
     return end + np.maximum(b_before + r * pr.hop_s, e)
@@ -491,7 +506,7 @@ def _grid(L: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _bottleneck_path(pr: PartitionProblem, t: _Tables, policy_at, ext: np.ndarray,
-                     relaxed: bool, value_only: bool = False):
+                     relaxed: bool, value_only: bool = False, with_value: bool = False):
     """min over partitions of max_r J_r(i, j) when J_r depends on (r, i, j) only: policy_at(r) gives stage r's
     (c, d, peak) on the (i, j) grid, ext the prefix of recompute extras assumed for the other stages' layers."""
     p, L = pr.num_stages, pr.num_layers
@@ -535,42 +550,49 @@ def _bottleneck_path(pr: PartitionProblem, t: _Tables, policy_at, ext: np.ndarra
         end = int(np.flatnonzero(np.maximum(jm[r, start], w[r + 1]) <= best + TIE_RTOL * abs(best))[0])
         bounds.append(end)
         start = end
-    return tuple(bounds)
+    return (float(best), tuple(bounds)) if with_value else tuple(bounds)
 
 
-def _cheapest_fitting(pr: PartitionProblem, t: _Tables, r: int, cut_min: np.ndarray):
-    """Stage r on the (i, j) grid: (c, d, peak) of the policy with the least recompute extra under which it fits
-    (none, then selective, then full on the fewest layers: a full extra only grows with k); (i, i, 0) where none fits.
+def _cheapest_fitting(pr: PartitionProblem, t: _Tables) -> list[tuple]:
+    """Per stage r, on the (i, j) grid: (c, d, peak) of the policy with the least recompute extra under which it
+    fits (none, then selective, then full on the fewest layers: a full extra only grows with k); (i, i, 0) where
+    none fits.
 
     With one stage's layers fixed, the others' J_s only grow with its backward (B_<s, T_>s) and so does its own J_r
     (end_r gains m x the growth, its exposed reduce loses at most it): the cheapest fitting policy is the best one."""
-    L = pr.num_layers
+    L, p = pr.num_layers, pr.num_stages
     i, j = _grid(L)
-    held = pr.held_microbatches(r)
     cap = pr.memory_cap_bytes
-    none_fits = _stage_memory(pr, r, _layer_sums(t, i, j, i, i, False), 0.0) <= cap
+    # cut_min[i][c] = min over c' in (i, c] of act_full - act_none: full recompute on [i, c) fits once it is low
+    q = np.where(j > i, (t.act_full - t.act_none)[np.broadcast_to(j, (L + 1, L + 1))], np.inf)
+    cut_min = np.minimum.accumulate(q, axis=1)
+    none_sums, sel_sums = _layer_sums(t, i, j, i, i, False), _layer_sums(t, i, j, i, j, False)
     peak_sel = t.peak_sel[i]
-    sel_fits = _stage_memory(pr, r, _layer_sums(t, i, j, i, j, False), peak_sel) <= cap
-    # Full on [i, c): memory falls as act_full[c] - act_none[c] does; find the first c with it low enough.
-    p = pr.num_stages
-    const = ((pr.first_state_bytes if r == 0 else 0.0) + (pr.last_state_bytes + pr.last_fixed_bytes if r == p - 1
-                                                            else 0.0) + pr.fixed_bytes)
-    room = (pr.memory_cap_bytes * (1 + 1e-12) / (1.0 + pr.fragmentation) - (t.state[j] - t.state[i]) - const
-            - t.peak_full[i]) / held
-    threshold = room - (pr.first_act_bytes if r == 0 else 0.0) + t.act_full[i] - t.act_none[j]
-    cut = np.empty((L + 1, L + 1), dtype=np.int64)
-    for row in range(L + 1):
-        cut[row] = np.searchsorted(-cut_min[row], -threshold[row], side="left")
+    thresholds = []
+    for r in range(p):
+        const = ((pr.first_state_bytes if r == 0 else 0.0) + (pr.last_state_bytes + pr.last_fixed_bytes
+                                                                if r == p - 1 else 0.0) + pr.fixed_bytes)
+        room = (cap * (1 + 1e-12) / (1.0 + pr.fragmentation) - (t.state[j] - t.state[i]) - const
+                - t.peak_full[i]) / pr.held_microbatches(r)
+        thresholds.append(room - (pr.first_act_bytes if r == 0 else 0.0) + t.act_full[i] - t.act_none[j])
+    threshold = np.stack(thresholds)  # (p, i, j)
+    cut = np.empty((p, L + 1, L + 1), dtype=np.int64)
+    for row in range(L + 1):  # one sorted search per first layer, for every stage and end at once
+        cut[:, row, :] = np.searchsorted(-cut_min[row], -threshold[:, row, :].ravel(), side="left").reshape(p, L + 1)
     cut = np.minimum(cut, L)
-    full_fits = (cut <= j) & (_stage_memory(pr, r, _layer_sums(t, i, j, cut, i, False), t.peak_full[i]) <= cap)
-    sel_extra = np.where(sel_fits, t.sel[j] - t.sel[i], np.inf)
-    full_extra = np.where(full_fits, t.full[cut] - t.full[i], np.inf)
-    use_sel = ~none_fits & sel_fits & (sel_extra <= full_extra)
-    use_full = ~none_fits & ~use_sel & full_fits
-    c = np.where(use_full, cut, i)
-    d = np.where(use_sel, j, i)
-    peak = np.where(use_sel, peak_sel, np.where(use_full, t.peak_full[i], 0.0))
-    return c, d, peak
+    out = []
+    for r in range(p):
+        none_fits = _stage_memory(pr, r, none_sums, 0.0) <= cap
+        sel_fits = _stage_memory(pr, r, sel_sums, peak_sel) <= cap
+        c_r = cut[r]
+        full_fits = (c_r <= j) & (_stage_memory(pr, r, _layer_sums(t, i, j, c_r, i, False), t.peak_full[i]) <= cap)
+        sel_extra = np.where(sel_fits, t.sel[j] - t.sel[i], np.inf)
+        full_extra = np.where(full_fits, t.full[c_r] - t.full[i], np.inf)
+        use_sel = ~none_fits & sel_fits & (sel_extra <= full_extra)
+        use_full = ~none_fits & ~use_sel & full_fits
+        out.append((np.where(use_full, c_r, i), np.where(use_sel, j, i),
+                    np.where(use_sel, peak_sel, np.where(use_full, t.peak_full[i], 0.0))))
+    return out
 
 
 def per_stage_bound(problem: PartitionProblem) -> tuple[float, PartitionResult | None]:
@@ -579,31 +601,26 @@ def per_stage_bound(problem: PartitionProblem) -> tuple[float, PartitionResult |
     grows with any stage's backward, so no per-stage plan beats it (a sound bound, inf when nothing fits). plan:
     that DP's partition re-evaluated with the other stages' extras in (a feasible plan, an upper bound). When the
     two meet, the plan is optimal and CP-SAT is not needed."""
-    lower = _cheapest_policies_partition(problem, value_only=True)
-    return lower, (_cheapest_policies_partition(problem) if math.isfinite(lower) else None)
+    found = _cheapest_policies_partition(problem)
+    return (math.inf, None) if found is None else found
 
 
-def _cheapest_policies_partition(problem: PartitionProblem, value_only: bool = False):
-    """A good per-stage plan, fast: the DP with each stage on its cheapest fitting policy and the other stages'
-    recompute extras left out of B_<r and T_>r, re-evaluated in full. A heuristic (a start for CP-SAT); with
-    value_only, the DP's optimum itself (a lower bound, see per_stage_bound)."""
+def _cheapest_policies_partition(problem: PartitionProblem) -> tuple[float, PartitionResult] | None:
+    """(the DP's optimum, its plan) with each stage on its cheapest fitting policy and the other stages' recompute
+    extras left out of B_<r and T_>r; the plan re-evaluated in full. A heuristic plan (a start for CP-SAT) and a
+    lower bound (see per_stage_bound); None when nothing fits."""
     t = _tables(problem)
-    L = problem.num_layers
-    i, j = _grid(L)
-    q = np.where(j > i, (t.act_full - t.act_none)[np.broadcast_to(j, (L + 1, L + 1))], np.inf)
-    cut_min = np.minimum.accumulate(q, axis=1)  # cut_min[i][c] = min over c' in (i, c] of act_full - act_none
-    fits = [_cheapest_fitting(problem, t, r, cut_min) for r in range(problem.num_stages)]
-    if value_only:
-        return _bottleneck_path(problem, t, lambda r: fits[r], t.zero, relaxed=False, value_only=True)
-    bounds = _bottleneck_path(problem, t, lambda r: fits[r], t.zero, relaxed=False)
-    if bounds is None:
+    fits = _cheapest_fitting(problem, t)
+    found = _bottleneck_path(problem, t, lambda r: fits[r], t.zero, relaxed=False, with_value=True)
+    if found is None:
         return None
+    lower, bounds = found
     pols = []
     for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
         c, d, _ = (np.asarray(x)[a, b] if np.ndim(x) else x for x in fits[r])
         pols.append(StagePolicy(granularity="full", full_layers=int(c) - a) if c > a
                     else StagePolicy(granularity="selective") if d > a else StagePolicy(granularity="none"))
-    return _evaluate(problem, t, bounds, tuple(pols), relaxed=False)
+    return lower, _evaluate(problem, t, bounds, tuple(pols), relaxed=False)
 
 
 # ---- brute force (test oracle) ---------------------------------------------------------------------------------------
@@ -1001,7 +1018,7 @@ def solve_cpsat(problem: PartitionProblem, policies: CpPolicies = "per-stage",
     # Creates the data.
     data = _CpData.build(problem)
     if policies == "per-stage":  # start from the best of the uniform DPs and the cheapest-policy heuristic
-        starts = [solve_dp(problem, g) for g in GRANULARITIES] + [_cheapest_policies_partition(problem)]
+        starts = [solve_dp(problem, g) for g in GRANULARITIES] + [per_stage_bound(problem)[1]]
     else:
         starts = [solve_dp(problem, policies.removeprefix("uniform-"))]
     hint = min((x for x in starts if x is not None), key=lambda x: x.objective, default=None)

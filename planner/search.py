@@ -29,7 +29,7 @@ from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, per_stage_bound, solve_cpsat,
                                solve_dp, solve_dp_pairs, stage0_sync_bound)
-from planner.space import Candidate, Enumeration, Group, Pins, check_pins, enumerate_space
+from planner.space import Candidate, Enumeration, Group, Mesh, Pins, check_pins, enumerate_space
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
 UNBOUNDED_BYTES = 1e30  # a memory cap no stage reaches (bounds that ignore memory)
@@ -150,6 +150,9 @@ class _Search:
         self.contexts: dict[tuple, CostContext] = {}
         self.closest_memory: tuple[float, str] | None = None  # the smallest memory excess seen, for "nothing fits"
         self.problems: dict[int, PartitionProblem] = {}
+        self.dp_results: dict[tuple, PartitionResult | None] = {}
+        self.mesh_links: dict[Mesh, dict] = {}
+        self.states_floors: dict[tuple[Mesh, int], float] = {}
         self.work_bounds: dict[tuple, tuple[float, float]] = {}
         self.family_bounds: dict[tuple, float] = {}
         self.interleaved_bounds: dict[tuple, float] = {}
@@ -187,7 +190,9 @@ class _Search:
         ctx = self.contexts.get(key)
         if ctx is None:
             lay = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(cand))
-            ctx = CostContext(self.model, self.cluster, self.wl, lay, self.rt, self.eff)
+            ctx = CostContext(self.model, self.cluster, self.wl, lay, self.rt, self.eff,
+                              links=self.mesh_links.get(cand.mesh))
+            self.mesh_links[cand.mesh] = ctx.links  # group links depend on the mesh alone
             shared = self.contexts.get(("layers", cand.layer_key))
             if shared is not None:
                 ctx.share_layer_cache(shared)
@@ -240,15 +245,25 @@ class _Search:
         self.problems[id(ctx)] = prob
         return prob
 
+    def _dp(self, prob: PartitionProblem, policy: str, relaxed: bool = False) -> PartitionResult | None:
+        """solve_dp, once per problem and policy: a candidate's ZeRO-free per-stage twin reuses its "none" DP."""
+        key = (id(prob), policy, relaxed)  # problems live in self.problems, so their ids stay theirs
+        if key not in self.dp_results:
+            self.dp_results[key] = solve_dp(prob, policy, relaxed=relaxed)
+        return self.dp_results[key]
+
     # ---- bounds
     def states_floor(self, g: Group) -> float:
         """Bytes per GPU the model states need at the least (under the highest ZeRO stage searched), averaged over
         stages: no partition can put less on its fullest stage."""
         model, m = self.model, g.mesh
-        # the highest ZeRO stage searched shards the most: its states are the least any candidate of the group needs
-        lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=max(g.zeros))
-        total = stage_params(model, lay, range(model.num_layers), True, True)  # type: ignore[arg-type]
-        return sum(model_state_bytes(total, lay)) / m.pp  # type: ignore[arg-type]
+        key = (m, max(g.zeros))  # groups differ from their mesh's others only in the micro-batch size
+        if key not in self.states_floors:
+            # the highest ZeRO stage searched shards the most: the least states any candidate of the group needs
+            lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=max(g.zeros))
+            total = stage_params(model, lay, range(model.num_layers), True, True)  # type: ignore[arg-type]
+            self.states_floors[key] = sum(model_state_bytes(total, lay)) / m.pp  # type: ignore[arg-type]
+        return self.states_floors[key]
 
     def work_bound(self, cand: Candidate) -> float:
         """A lower bound on the step time of every stage partition of this candidate (see pipeline_floor).
@@ -419,7 +434,15 @@ class _Search:
     def _per_stage(self, c: Candidate, prob: PartitionProblem, remaining: float | None) -> None:
         """One per-stage-recomputation candidate: dominance by no recomputation, the cheapest-fitting bound and
         plan, and CP-SAT only where those two do not meet."""
-        uniform = solve_dp(prob, "none")
+        # the relaxed bound first: it prunes most candidates with one DP
+        relaxed = self._dp(prob, "none", relaxed=True)  # one DP pass: no-recompute times, smallest activations
+        if relaxed is None:
+            self._count(self.infeasible, "memory: no partition fits even with full recompute")
+            return
+        if relaxed.objective >= self.best.cutoff() * (1 - REL_TOL):
+            self._count(self.pruned, "partition bound (relaxed recompute)")
+            return
+        uniform = self._dp(prob, "none")
         none_searched = "none" in self.recomputes_searched
         if uniform is not None and uniform.objective <= self._family_bound(c, prob) * (1 + REL_TOL):
             # recomputing nowhere already reaches a bound no per-stage choice can beat: that plan is this
@@ -428,13 +451,6 @@ class _Search:
                 self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
             else:
                 self._simulate(c, uniform.stage_layers, _policies(uniform), uniform.objective, self._context(c))
-            return
-        relaxed = solve_dp(prob, "none", relaxed=True)  # one DP pass: no-recompute times, smallest activations
-        if relaxed is None:
-            self._count(self.infeasible, "memory: no partition fits even with full recompute")
-            return
-        if relaxed.objective >= self.best.cutoff() * (1 - REL_TOL):
-            self._count(self.pruned, "partition bound (relaxed recompute)")
             return
         lower, plan = per_stage_bound(prob)
         if plan is None or not math.isfinite(lower):
@@ -511,7 +527,11 @@ class _Search:
     def _group_score(self, g: Group) -> float:
         """A lower bound for every candidate in the group: the work bound with no recomputation (the fastest)."""
         best = math.inf
+        seen = set()
         for sp, cc, sched, vpp in g.variants:
+            if (sp, cc, sched) in seen:  # the work bound reads vpp only through the schedule
+                continue
+            seen.add((sp, cc, sched))
             cand = Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), sched, vpp, "none")
             best = min(best, self.work_bound(cand))
         return best
@@ -584,7 +604,7 @@ class _Search:
             # Per-stage recomputation costs the most to bound: after everything else, best family bound first.
             self.deferred.append((family, len(self.deferred), c, prob))
             return
-        res = solve_dp(prob, c.recompute)
+        res = self._dp(prob, c.recompute)
         if res is None:
             self._count(self.infeasible, "memory: no stage partition fits")
             self._note_memory(min_stage_overflow(prob, c.recompute), _describe(c))
