@@ -180,6 +180,13 @@ def _unfold(k: int, tp_cp: int, stride_dp: int) -> int:
     return k % tp_cp + (k // tp_cp) * stride_dp
 
 
+def stage_p2p_s(model: ModelSpec, wl: Workload, lay: Layout, link: comm.Link) -> float:
+    """P2P of one micro-batch's activations between stages; Megatron sends 1/tp with scatter-gather (SC'21 4.1)."""
+    if lay.pp == 1:
+        return 0.0
+    return comm.p2p(ACT_BYTES * lay.mbs * wl.seq_len / lay.cp * model.hidden / lay.tp, link)
+
+
 def group_link(cluster: Cluster, ranks: tuple[int, ...]) -> comm.Link:
     """Achieved bus bandwidth: line rate x the GPU's NCCL efficiency on the level the ring crosses."""
     e = cluster.gpu.efficiency
@@ -305,11 +312,7 @@ class CostContext:
     @cached_property
     def p2p_s(self) -> float:
         """P2P of one micro-batch's activations between stages; Megatron sends 1/tp with scatter-gather (SC'21 4.1)."""
-        lay = self.lay
-        if lay.pp == 1:
-            return 0.0
-        p2p_bytes = ACT_BYTES * lay.mbs * self.wl.seq_len / lay.cp * self.model.hidden / lay.tp
-        return comm.p2p(p2p_bytes, self.links["pp"])
+        return stage_p2p_s(self.model, self.wl, self.lay, self.links["pp"])
 
     @property
     def blocking_p2p_s(self) -> float:

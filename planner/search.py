@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from costmodels.config import ParallelConfig, StagePolicy, Workload, get_runtime, resolve, DEFAULT_RUNTIME
-from costmodels.estimate import CostContext, Efficiency, Estimate, simulate_config, stage_ranges
+from costmodels.estimate import (CostContext, Efficiency, Estimate, group_link, group_ranks, simulate_config,
+                                 stage_p2p_s, stage_ranges)
 from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, logits_bytes,
                                model_state_bytes, stage_params)
 from costmodels.model import ModelSpec
@@ -153,6 +154,7 @@ class _Search:
         self.dp_results: dict[tuple, PartitionResult | None] = {}
         self.mesh_links: dict[Mesh, dict] = {}
         self.states_floors: dict[tuple[Mesh, int], float] = {}
+        self.hops: dict[tuple[Mesh, int], float] = {}
         self.work_bounds: dict[tuple, tuple[float, float]] = {}
         self.family_bounds: dict[tuple, float] = {}
         self.interleaved_bounds: dict[tuple, float] = {}
@@ -281,7 +283,18 @@ class _Search:
             self.work_bounds[key] = (sum(fwd) + sum(bwd), alpha, layer_min, fwd[-1] + bwd[-1])
         total, alpha, layer_min, head = self.work_bounds[key]
         return pipeline_floor(total, alpha, cand.num_microbatches(self.wl.global_batch), cand.mesh.pp,
-                              cand.schedule, self.model.num_layers, layer_min, head)
+                              cand.schedule, self.model.num_layers, layer_min, head, self._hop(cand))
+
+    def _hop(self, cand: Candidate) -> float:
+        """P2P latency between neighbouring stages of this mesh (CostContext.p2p_s, without building a context)."""
+        key = (cand.mesh, cand.mbs)
+        if key not in self.hops:
+            m = cand.mesh
+            lay = _HopLayout(tp=m.tp, cp=m.cp, dp=m.dp, pp=m.pp, mbs=cand.mbs, rank_order=m.order)
+            links = self.mesh_links.get(m)
+            link = links["pp"] if links is not None else group_link(self.cluster, group_ranks("pp", lay))  # type: ignore[arg-type]
+            self.hops[key] = stage_p2p_s(self.model, self.wl, lay, link)  # type: ignore[arg-type]
+        return self.hops[key]
 
     def _layer_context(self, cand: Candidate) -> CostContext:
         """A context for the candidate's per-layer costs: any context of the same layer key will do."""
@@ -687,6 +700,18 @@ class _Search:
 
 
 @dataclass(frozen=True)
+class _HopLayout:
+    """The Layout fields group_ranks("pp") and stage_p2p_s read: a mesh's hop without resolving a layout."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    mbs: int
+    rank_order: str
+
+
+@dataclass(frozen=True)
 class _FloorLayout:
     """The Layout fields stage_params and model_state_bytes read: a states floor without resolving a layout."""
 
@@ -715,7 +740,7 @@ def memory_floor(prob: PartitionProblem, recompute: str) -> float:
 
 
 def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, layers: int = 0,
-                   layer_min: float = 0.0, head: float = 0.0) -> float:
+                   layer_min: float = 0.0, head: float = 0.0, hop: float = 0.0) -> float:
     """min over all stage partitions of the partitioner's objective, relaxed to continuous stage times t_r >= 0
     summing to `total` (one micro-batch through every stage): a sound lower bound that needs no partition.
 
@@ -729,7 +754,10 @@ def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, la
     - 1) / (m - p + r + 1), scaled to sum 1 (all >= 0 when m >= p + 1), make sum_r y_r B_r the same multiple of
     total for every t, and the even split, where every B_r is equal, attains it: min_t max_r B_r = (m + p - 1) total
     / p, the textbook
-    1F1B bubble (Narayanan et al. 2021) as a bound for any partition. Stages hold whole layers: some rank runs at
+    1F1B bubble (Narayanan et al. 2021) as a bound for any partition. Both also pay 2 (p-1) hops (hop: P2P latency
+    between stages) on the way there and back. 1F1B, rank 0 alone: micro-batch 0's and m-1's round trips and the
+    (m-1)//p - 1 steady ones between them (planner/partition.py, _end_pieces) sum to ((m-1)//p + 1) (total +
+    2 (p-1) hop) + ((m-1) mod p) t_0, which is the floor that sees P2P latency paid every p micro-batches. Stages hold whole layers: some rank runs at
     least ceil(layers / p) of them m times, and the last rank runs the head and at least one layer m times after
     micro-batch 0 went through every other rank (alpha times that with ZB)."""
     work = m * total / p
@@ -742,7 +770,9 @@ def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, la
     chain = a * total / share if a > 0 else work
     floor = max(work, chain, m * math.ceil(layers / p) * layer_min, a * (total - last) + m * last)
     if schedule == "gpipe" or (schedule == "1f1b" and m >= p + 1):
-        floor = max(floor, (m + p - 1) * total / p)  # the textbook bubble (docstring)
+        floor = max(floor, (m + p - 1) * total / p + 2 * (p - 1) * hop)  # the textbook bubble (docstring)
+    if schedule == "1f1b" and m >= p + 1:
+        floor = max(floor, ((m - 1) // p + 1) * (total + 2 * (p - 1) * hop))  # rank 0's round trips (docstring)
     return floor
 
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from costmodels.pipeline import StageTimes, build_schedule, simulate
 from planner.search import pipeline_floor
 from planner.partition import (GRANULARITIES, PartitionProblem, PartitionResult, StagePolicy, SyncModel,
                                brute_force, cpsat_tolerance_s, evaluate, solve_cpsat, solve_dp)
@@ -409,5 +410,14 @@ def test_pipeline_floor_bounds_every_partition(problem):
         alpha = min((f / (f + b) for f, b in zip(fwd, bwd) if f + b > 0), default=1.0)
         layer_min = min(f + b for f, b in zip(fwd[:-2], bwd[:-2]))
         floor = pipeline_floor(sum(fwd) + sum(bwd), alpha, problem.num_microbatches, problem.num_stages,
-                               problem.schedule, problem.num_layers, layer_min, fwd[-1] + bwd[-1])
+                               problem.schedule, problem.num_layers, layer_min, fwd[-1] + bwd[-1], problem.hop_s)
         assert floor <= best.objective * (1 + 1e-9) + 1e-12
+
+
+@pytest.mark.parametrize("p, m", [(2, 3), (2, 5), (3, 4), (3, 7), (4, 5), (4, 9)])
+def test_pipeline_floor_is_the_uniform_1f1b_pipeline_with_hops(p, m):
+    """One layer per stage, f = 1, b = 2, a 0.5 s hop: the floor (textbook bubble and rank 0's round trips, both
+    with hops) equals the simulated 1F1B step, so it cannot be raised without cutting off a real plan."""
+    timeline = simulate(build_schedule("1f1b", p, m), [[StageTimes(1.0, 2.0, 0.0)]] * p, 0.5)
+    floor = pipeline_floor(3.0 * p, 1 / 3, m, p, "1f1b", p, 3.0, 0.0, 0.5)
+    assert floor == pytest.approx(timeline.makespan, rel=1e-12)
