@@ -58,6 +58,19 @@ class PassTimes:
     def backward_input(self) -> float:
         return self.bwd_input_compute + sum(self.bwd_comm.values()) + self.recompute
 
+    @classmethod
+    def total(cls, parts: list[tuple["PassTimes", int]]) -> "PassTimes":
+        """sum of count x times over (times, count) pairs: a stage's layers by kind, without one add per layer."""
+        fwd: dict[str, float] = {}
+        bwd: dict[str, float] = {}
+        for t, n in parts:
+            for k, v in t.fwd_comm.items():
+                fwd[k] = fwd.get(k, 0.0) + n * v
+            for k, v in t.bwd_comm.items():
+                bwd[k] = bwd.get(k, 0.0) + n * v
+        return cls(sum(n * t.fwd_compute for t, n in parts), sum(n * t.bwd_input_compute for t, n in parts),
+                   sum(n * t.bwd_weight_compute for t, n in parts), fwd, bwd, sum(n * t.recompute for t, n in parts))
+
     def plus(self, other: "PassTimes") -> "PassTimes":
         def add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
             return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
@@ -433,7 +446,7 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
                     context: CostContext | None = None, timelines: dict | None = None) -> Simulated:
     """estimate() that also returns the timeline; `context` reuses cached layer costs of the same mesh, and
     `timelines` (a dict the caller keeps) reuses the simulation of identical stage times (a planner's ZeRO
-    variants share their pipeline and differ only after it)."""
+    variants share their pipeline and differ only after it) and each schedule's pass order."""
     lay = resolve(model, cluster.num_gpus, workload, cfg)
     rt = get_runtime(runtime)
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
@@ -446,9 +459,8 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     for r in range(lay.pp):
         row = []
         for c, (first, count) in enumerate(ranges[r]):
-            t = PassTimes()
-            for i in range(first, first + count):
-                t = t.plus(ctx.layer_times(i, modes[i]))
+            mix = _layer_mix(model, range(first, first + count), modes)
+            t = PassTimes.total([(ctx.layer_times(i, mode), n) for (i, mode), n in mix.items()])
             if r == 0 and c == 0:
                 t = t.plus(ctx.embedding)
             if r == last_rank and c == last_chunk:
@@ -462,7 +474,12 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     key = (lay.schedule, lay.num_microbatches, p2p_s, tuple(tuple(row) for row in times))
     timeline = timelines.get(key) if timelines is not None else None
     if timeline is None:
-        sched = build_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+        order_key = ("schedule", lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)  # the pass order alone
+        sched = timelines.get(order_key) if timelines is not None else None
+        if sched is None:
+            sched = build_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+            if timelines is not None:
+                timelines[order_key] = sched
         timeline = simulate(sched, times, p2p_s, split_weight=lay.schedule == "zb")
         if timelines is not None:
             timelines[key] = timeline
@@ -480,7 +497,7 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     for r in range(lay.pp):
         first = ranges[r][0][0]
         count = sum(n for _, n in ranges[r])
-        params = stage_params(model, lay, range(first, first + count), r == 0, r == last_rank)
+        params = _stage_params(ctx, range(first, first + count), r == 0, r == last_rank)
         t_reduce, t_gather = sync.reduce(params.dense, params.expert), sync.gather(params.dense, params.expert)
         bwd_window = sum(t.backward_input + t.bwd_weight_compute for t in chunk_pass[r])
         fwd_window = sum(t.forward for t in chunk_pass[r])
@@ -526,6 +543,33 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     return Simulated(est, timeline, p2p_s)
 
 
+def _layer_mix(model: ModelSpec, layers: range, modes: tuple[str, ...]) -> dict[tuple[int, str], int]:
+    """How many of `layers` run in each (kind, recompute mode), keyed by one layer of that kind: layers of one
+    kind cost the same (CostContext caches by kind), so a stage's sums need one term per key, not per layer."""
+    first_of_kind: dict[bool, int] = {}
+    mix: dict[tuple[int, str], int] = {}
+    for i in layers:
+        rep = first_of_kind.setdefault(model.is_moe_layer(i), i)
+        mix[(rep, modes[i])] = mix.get((rep, modes[i]), 0) + 1
+    return mix
+
+
+def _stage_params(ctx: CostContext, layers: range, first: bool, last: bool) -> StageParams:
+    """stage_params from the context's per-kind parameter counts (equal to summing layer by layer)."""
+    edge = stage_params(ctx.model, ctx.lay, range(0), first, last)
+    dense, expert = edge.dense, edge.expert
+    counts: dict[int, int] = {}
+    first_of_kind: dict[bool, int] = {}
+    for i in layers:
+        rep = first_of_kind.setdefault(ctx.model.is_moe_layer(i), i)
+        counts[rep] = counts.get(rep, 0) + 1
+    for rep, n in counts.items():
+        per = ctx.layer_params(rep)
+        dense += n * per.dense
+        expert += n * per.expert
+    return StageParams(dense, expert)
+
+
 def _stage_memory(ctx: CostContext, rank: int, chunks: list[tuple[int, int]], params: StageParams,
                   timeline: Timeline, modes: tuple[str, ...]) -> MemoryBreakdown:
     model, lay, wl, rt = ctx.model, ctx.lay, ctx.wl, ctx.rt
@@ -533,7 +577,8 @@ def _stage_memory(ctx: CostContext, rank: int, chunks: list[tuple[int, int]], pa
     acts = 0.0
     for c, (first, count) in enumerate(chunks):
         held = timeline.peak_in_flight[rank][c]
-        per_mb = sum(ctx.layer_activation(i, modes[i]) for i in range(first, first + count))
+        per_mb = sum(n * ctx.layer_activation(i, mode)
+                     for (i, mode), n in _layer_mix(ctx.model, range(first, first + count), modes).items())
         acts += held * per_mb
     if rank == 0:
         acts += sum(timeline.peak_in_flight[0]) * embedding_activation_bytes(model, lay, wl, rt)

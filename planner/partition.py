@@ -505,14 +505,25 @@ def _grid(L: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]
 
 
+def _band(x, rows: slice, cols: slice):
+    """A grid's window (scalars and per-row/per-column vectors broadcast as they are)."""
+    if np.ndim(x) < 2:
+        return x
+    return x[rows if x.shape[0] > 1 else slice(None), cols if x.shape[1] > 1 else slice(None)]
+
+
 def _bottleneck_path(pr: PartitionProblem, t: _Tables, policy_at, ext: np.ndarray,
                      relaxed: bool, value_only: bool = False, with_value: bool = False):
     """min over partitions of max_r J_r(i, j) when J_r depends on (r, i, j) only: policy_at(r) gives stage r's
-    (c, d, peak) on the (i, j) grid, ext the prefix of recompute extras assumed for the other stages' layers."""
+    (c, d, peak) on the (i, j) grid, or, as (c, d, peak, "band"), on stage r's band only; ext the prefix of
+    recompute extras assumed for the other stages' layers.
+
+    Stage r starts at layer r or later and leaves a layer to each later stage, so only the band i in
+    [r, r + L - p], j in [r + 1, r + 1 + L - p] can lie on a partition: each stage's terms are evaluated there."""
     p, L = pr.num_stages, pr.num_layers
     i, j = _grid(L)
-    ahead = j > i
-    jm = np.empty((p, L + 1, L + 1))
+    width = L - p + 1  # starts (and ends) a stage can have
+    jm = np.empty((p, width, width))  # jm[r][i - r, j - r - 1]
     w = np.full((p + 1, L + 1), np.inf)  # w[r][i]: best max_{s >= r} J_s with stage r starting at layer i
     w[p, L] = 0.0
     # Other stages' layers from prefix tables: F_<r, B_<r over layers [0, i), T_>r over layers [j, L).
@@ -523,23 +534,32 @@ def _bottleneck_path(pr: PartitionProblem, t: _Tables, policy_at, ext: np.ndarra
     times: dict[tuple[int, bool, bool], tuple] = {}
     with np.errstate(invalid="ignore"):
         for r in reversed(range(p)):
+            rows, cols = slice(r, r + width), slice(r + 1, r + 1 + width)
             at = policy_at(r)
-            if id(at) not in sums:
-                sums[id(at)] = _layer_sums(t, i, j, at[0], at[1], relaxed)
-            s = sums[id(at)]
-            key = (id(at), r == 0, r == p - 1)
-            if key not in times:
-                f, b = _stage_forward(pr, r, s), _stage_backward(pr, r, s)
-                times[key] = f, b, _stage_sync(pr, r, s, f, b)
-            f, b, e = times[key]
-            mem = _stage_memory(pr, r, s, at[2])
-            f_before = layers_before_f + ((pr.first_forward if r > 0 else 0.0) + r * pr.stage_forward_extra)
-            b_before = layers_before_b + ((pr.first_backward if r > 0 else 0.0) + r * pr.stage_backward_extra)
-            t_after = layers_after + ((p - 1 - r) * (pr.stage_forward_extra + pr.stage_backward_extra)
-                                      + (pr.last_forward + pr.last_backward if r < p - 1 else 0.0))
+            if len(at) == 4:  # this stage's own policy, on its band already
+                band = _layer_sums(t, i[rows], j[:, cols], at[0], at[1], relaxed)
+                f, b = _stage_forward(pr, r, band), _stage_backward(pr, r, band)
+                e = _stage_sync(pr, r, band, f, b)
+                peak = at[2]
+            else:  # one policy shared by the stages: its sums once on the whole grid, then each stage's band
+                if id(at) not in sums:
+                    sums[id(at)] = _layer_sums(t, i, j, at[0], at[1], relaxed)
+                s = sums[id(at)]
+                key = (id(at), r == 0, r == p - 1)
+                if key not in times:
+                    f, b = _stage_forward(pr, r, s), _stage_backward(pr, r, s)
+                    times[key] = f, b, _stage_sync(pr, r, s, f, b)
+                f, b, e = (_band(x, rows, cols) for x in times[key])
+                band = _LayerSums(*(_band(getattr(s, name), rows, cols) for name in _LayerSums.__dataclass_fields__))
+                peak = _band(at[2], rows, cols)
+            mem = _stage_memory(pr, r, band, peak)
+            f_before = layers_before_f[rows] + ((pr.first_forward if r > 0 else 0.0) + r * pr.stage_forward_extra)
+            b_before = layers_before_b[rows] + ((pr.first_backward if r > 0 else 0.0) + r * pr.stage_backward_extra)
+            t_after = layers_after[:, cols] + ((p - 1 - r) * (pr.stage_forward_extra + pr.stage_backward_extra)
+                                               + (pr.last_forward + pr.last_backward if r < p - 1 else 0.0))
             jr = _stage_objective(pr, r, f, b, e, f_before, b_before, t_after)
-            jm[r] = np.where(ahead & (mem <= pr.memory_cap_bytes), jr, np.inf)
-            w[r] = np.min(np.maximum(jm[r], w[r + 1][None, :]), axis=1)
+            jm[r] = np.where((j[:, cols] > i[rows]) & (mem <= pr.memory_cap_bytes), jr, np.inf)
+            w[r, rows] = np.min(np.maximum(jm[r], w[r + 1, cols][None, :]), axis=1)
     best = w[0, 0]
     if value_only:
         return float(best)
@@ -547,51 +567,51 @@ def _bottleneck_path(pr: PartitionProblem, t: _Tables, policy_at, ext: np.ndarra
         return None
     bounds, start = [0], 0
     for r in range(p):  # the smallest next boundary that still completes within the optimum
-        end = int(np.flatnonzero(np.maximum(jm[r, start], w[r + 1]) <= best + TIE_RTOL * abs(best))[0])
+        row = np.maximum(jm[r, start - r], w[r + 1, r + 1:r + 1 + width])
+        end = r + 1 + int(np.flatnonzero(row <= best + TIE_RTOL * abs(best))[0])
         bounds.append(end)
         start = end
     return (float(best), tuple(bounds)) if with_value else tuple(bounds)
 
 
 def _cheapest_fitting(pr: PartitionProblem, t: _Tables) -> list[tuple]:
-    """Per stage r, on the (i, j) grid: (c, d, peak) of the policy with the least recompute extra under which it
-    fits (none, then selective, then full on the fewest layers: a full extra only grows with k); (i, i, 0) where
-    none fits.
+    """Per stage r, on its band of the (i, j) grid (see _bottleneck_path): (c, d, peak, "band") of the policy with
+    the least recompute extra under which it fits (none, then selective, then full on the fewest layers: a full
+    extra only grows with k); (i, i, 0) where none fits.
 
     With one stage's layers fixed, the others' J_s only grow with its backward (B_<s, T_>s) and so does its own J_r
     (end_r gains m x the growth, its exposed reduce loses at most it): the cheapest fitting policy is the best one."""
     L, p = pr.num_layers, pr.num_stages
-    i, j = _grid(L)
+    width = L - p + 1
+    i_all, j_all = _grid(L)
     cap = pr.memory_cap_bytes
     # cut_min[i][c] = min over c' in (i, c] of act_full - act_none: full recompute on [i, c) fits once it is low
-    q = np.where(j > i, (t.act_full - t.act_none)[np.broadcast_to(j, (L + 1, L + 1))], np.inf)
-    cut_min = np.minimum.accumulate(q, axis=1)
-    none_sums, sel_sums = _layer_sums(t, i, j, i, i, False), _layer_sums(t, i, j, i, j, False)
-    peak_sel = t.peak_sel[i]
-    thresholds = []
+    q = np.where(j_all > i_all, (t.act_full - t.act_none)[np.broadcast_to(j_all, (L + 1, L + 1))], np.inf)
+    neg_cut_min = -np.minimum.accumulate(q, axis=1)  # non-decreasing along each row: searchsorted's order
+    out = []
     for r in range(p):
+        rows, cols = slice(r, r + width), slice(r + 1, r + 1 + width)
+        i, j = i_all[rows], j_all[:, cols]
         const = ((pr.first_state_bytes if r == 0 else 0.0) + (pr.last_state_bytes + pr.last_fixed_bytes
                                                                 if r == p - 1 else 0.0) + pr.fixed_bytes)
         room = (cap * (1 + 1e-12) / (1.0 + pr.fragmentation) - (t.state[j] - t.state[i]) - const
                 - t.peak_full[i]) / pr.held_microbatches(r)
-        thresholds.append(room - (pr.first_act_bytes if r == 0 else 0.0) + t.act_full[i] - t.act_none[j])
-    threshold = np.stack(thresholds)  # (p, i, j)
-    cut = np.empty((p, L + 1, L + 1), dtype=np.int64)
-    for row in range(L + 1):  # one sorted search per first layer, for every stage and end at once
-        cut[:, row, :] = np.searchsorted(-cut_min[row], -threshold[:, row, :].ravel(), side="left").reshape(p, L + 1)
-    cut = np.minimum(cut, L)
-    out = []
-    for r in range(p):
-        none_fits = _stage_memory(pr, r, none_sums, 0.0) <= cap
-        sel_fits = _stage_memory(pr, r, sel_sums, peak_sel) <= cap
-        c_r = cut[r]
-        full_fits = (c_r <= j) & (_stage_memory(pr, r, _layer_sums(t, i, j, c_r, i, False), t.peak_full[i]) <= cap)
+        threshold = room - (pr.first_act_bytes if r == 0 else 0.0) + t.act_full[i] - t.act_none[j]
+        # the first c whose cut_min is <= the threshold, row by row (one sorted search per first layer)
+        cut = np.empty((width, width), dtype=np.int64)
+        for k, row in enumerate(range(r, r + width)):
+            cut[k] = np.searchsorted(neg_cut_min[row], -threshold[k], side="left")
+        cut = np.minimum(cut, L)
+        none_fits = _stage_memory(pr, r, _layer_sums(t, i, j, i, i, False), 0.0) <= cap
+        peak_sel = t.peak_sel[i]
+        sel_fits = _stage_memory(pr, r, _layer_sums(t, i, j, i, j, False), peak_sel) <= cap
+        full_fits = (cut <= j) & (_stage_memory(pr, r, _layer_sums(t, i, j, cut, i, False), t.peak_full[i]) <= cap)
         sel_extra = np.where(sel_fits, t.sel[j] - t.sel[i], np.inf)
-        full_extra = np.where(full_fits, t.full[c_r] - t.full[i], np.inf)
+        full_extra = np.where(full_fits, t.full[cut] - t.full[i], np.inf)
         use_sel = ~none_fits & sel_fits & (sel_extra <= full_extra)
         use_full = ~none_fits & ~use_sel & full_fits
-        out.append((np.where(use_full, c_r, i), np.where(use_sel, j, i),
-                    np.where(use_sel, peak_sel, np.where(use_full, t.peak_full[i], 0.0))))
+        out.append((np.where(use_full, cut, i), np.where(use_sel, j, i),
+                    np.where(use_sel, peak_sel, np.where(use_full, t.peak_full[i], 0.0)), "band"))
     return out
 
 
@@ -617,7 +637,8 @@ def _cheapest_policies_partition(problem: PartitionProblem) -> tuple[float, Part
     lower, bounds = found
     pols = []
     for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        c, d, _ = (np.asarray(x)[a, b] if np.ndim(x) else x for x in fits[r])
+        width = problem.num_layers - problem.num_stages + 1
+        c, d = (int(np.broadcast_to(x, (width, width))[a - r, b - r - 1]) for x in fits[r][:2])
         pols.append(StagePolicy(granularity="full", full_layers=int(c) - a) if c > a
                     else StagePolicy(granularity="selective") if d > a else StagePolicy(granularity="none"))
     return lower, _evaluate(problem, t, bounds, tuple(pols), relaxed=False)
