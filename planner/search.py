@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from costmodels.config import ParallelConfig, StagePolicy, Workload, get_runtime, resolve, DEFAULT_RUNTIME
 from costmodels.estimate import (CostContext, Efficiency, Estimate, group_link, group_ranks, simulate_config,
                                  stage_p2p_s, stage_ranges)
@@ -155,6 +157,7 @@ class _Search:
         self.mesh_links: dict[Mesh, dict] = {}
         self.states_floors: dict[tuple[Mesh, int], float] = {}
         self.hops: dict[tuple[Mesh, int], float] = {}
+        self.rank_contents: dict[tuple, tuple] = {}
         self.work_bounds: dict[tuple, tuple[float, float]] = {}
         self.family_bounds: dict[tuple, float] = {}
         self.interleaved_bounds: dict[tuple, float] = {}
@@ -311,24 +314,33 @@ class _Search:
             self.family_bounds[key] = dp_bound(free, rec)
         return self.family_bounds[key]
 
+    def _kind_counts(self, first: int, count: int) -> dict[bool, int]:
+        """Dense and MoE layers in [first, first + count), from the MoE prefix count (no loop over layers)."""
+        n_moe = self.moe_prefix[first + count] - self.moe_prefix[first]
+        return {True: n_moe, False: count - n_moe}
+
     def _chunk_times(self, ctx: CostContext, mode: str) -> list[list[tuple[float, float]]]:
-        """(forward, backward) seconds per micro-batch of every model chunk, per rank (as simulate_config sums)."""
+        """(forward, backward) seconds per micro-batch of every model chunk, per rank (as simulate_config sums:
+        layers of one kind cost the same)."""
         lay = ctx.lay
+        per = {}
+        for kind, i in self.layer_kinds.items():
+            t = ctx.layer_times(i, mode)
+            per[kind] = (t.forward, t.backward_input + t.bwd_weight_compute)
+        emb, head = ctx.embedding, ctx.head
         out = []
         for r, chunks in enumerate(stage_ranges(lay)):
             row = []
             for c, (first, count) in enumerate(chunks):
-                f = b = 0.0
-                for i in range(first, first + count):
-                    t = ctx.layer_times(i, mode)
-                    f += t.forward
-                    b += t.backward_input + t.bwd_weight_compute
+                n = self._kind_counts(first, count)
+                f = sum(n[k] * per[k][0] for k in per)
+                b = sum(n[k] * per[k][1] for k in per)
                 if r == 0 and c == 0:
-                    f += ctx.embedding.forward
-                    b += ctx.embedding.backward_input + ctx.embedding.bwd_weight_compute
+                    f += emb.forward
+                    b += emb.backward_input + emb.bwd_weight_compute
                 if r == lay.pp - 1 and c == lay.vpp - 1:
-                    f += ctx.head.forward
-                    b += ctx.head.backward_input + ctx.head.bwd_weight_compute
+                    f += head.forward
+                    b += head.backward_input + head.bwd_weight_compute
                 row.append((f + ctx.blocking_p2p_s, b + ctx.blocking_p2p_s))
             out.append(row)
         return out
@@ -346,33 +358,39 @@ class _Search:
             prefix += times[r][0][0] + times[r][0][1]
         return best
 
-    def _interleaved_memory_floor(self, ctx: CostContext, mode: str) -> float:
+    def _rank_contents(self, c: Candidate, ctx: CostContext, mode: str) -> tuple[np.ndarray, ...]:
+        """Per rank under even virtual stages: dense and expert parameters on one GPU and the smallest chunk's
+        activations. They depend on the layer costs, pp and vpp only, so every ZeRO stage and dp shares them."""
+        key = (c.layer_key, c.mesh.pp, c.vpp, mode)
+        if key not in self.rank_contents:
+            lay, model = ctx.lay, self.model
+            per = {k: (ctx.layer_params(i), ctx.layer_activation(i, mode)) for k, i in self.layer_kinds.items()}
+            edges = {(first, last): stage_params(model, lay, range(0), first, last)
+                     for first in (False, True) for last in (False, True)}
+            dense, expert, act = [], [], []
+            for r, chunks in enumerate(stage_ranges(lay)):
+                edge = edges[(r == 0, r == lay.pp - 1)]
+                counts = [self._kind_counts(f, n) for f, n in chunks]
+                dense.append(edge.dense + sum(n[k] * per[k][0].dense for n in counts for k in per))
+                expert.append(edge.expert + sum(n[k] * per[k][0].expert for n in counts for k in per))
+                act.append(min(sum(n[k] * per[k][1] for k in per) for n in counts))
+            self.rank_contents[key] = (np.array(dense), np.array(expert), np.array(act))
+        return self.rank_contents[key]
+
+    def _interleaved_memory_floor(self, c: Candidate, ctx: CostContext, mode: str) -> float:
         """Bytes on the fullest rank: states plus the chunk-micro-batches Megatron's interleaved warm-up holds
         before the first backward ((pp - r - 1) * 2 + (vpp - 1) * pp + 1, schedules.py), each at least the
         smallest chunk's activations."""
-        lay, model = ctx.lay, self.model
-        moe = self.moe_prefix  # MoE layers before each index: a range's sums by layer kind without a loop
-        per = {k: (ctx.layer_params(i), ctx.layer_activation(i, mode)) for k, i in self.layer_kinds.items()}
-
-        def sums(first: int, count: int) -> tuple[float, float, float]:
-            n_moe = moe[first + count] - moe[first]
-            n = {True: n_moe, False: count - n_moe}
-            dense = sum(n[k] * per[k][0].dense for k in per)
-            expert = sum(n[k] * per[k][0].expert for k in per)
-            return dense, expert, sum(n[k] * per[k][1] for k in per)
-
-        worst = 0.0
-        for r, chunks in enumerate(stage_ranges(lay)):
-            edge = stage_params(model, lay, range(0), r == 0, r == lay.pp - 1)
-            parts = [sums(f, n) for f, n in chunks]
-            dense = edge.dense + sum(x[0] for x in parts)
-            expert = edge.expert + sum(x[1] for x in parts)
-            states = sum(model_state_bytes(StageParams(dense, expert), lay))
-            held = min((lay.pp - r - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, lay.num_microbatches * lay.vpp)
-            chunk_act = min(x[2] for x in parts)
-            logits = logits_bytes(model, lay, self.wl) if r == lay.pp - 1 else 0.0
-            worst = max(worst, (states + held * chunk_act + logits + ctx.buffer_bytes) * (1 + FRAGMENTATION))
-        return worst
+        lay = ctx.lay
+        dense, expert, act = self._rank_contents(c, ctx, mode)
+        # model_state_bytes is linear in the parameter counts: its bytes per dense and per expert parameter
+        per_dense = sum(model_state_bytes(StageParams(1.0, 0.0), lay))
+        per_expert = sum(model_state_bytes(StageParams(0.0, 1.0), lay))
+        r = np.arange(lay.pp)
+        held = np.minimum((lay.pp - r - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, lay.num_microbatches * lay.vpp)
+        logits = np.where(r == lay.pp - 1, logits_bytes(self.model, lay, self.wl), 0.0)
+        need = (per_dense * dense + per_expert * expert + held * act + logits + ctx.buffer_bytes) * (1 + FRAGMENTATION)
+        return float(need.max())
 
     # ---- the search
     def run(self, deadline: float | None, progress: ProgressFn | None) -> bool:
@@ -595,7 +613,7 @@ class _Search:
             if bound >= self.best.cutoff() * (1 - REL_TOL):
                 self._count(self.pruned, "pipeline bound (interleaved)")
                 return
-            need = self._interleaved_memory_floor(ctx, c.recompute)
+            need = self._interleaved_memory_floor(c, ctx, c.recompute)
             if need > self.cap:
                 self._count(self.infeasible, "memory: in-flight micro-batches of the interleaved schedule")
                 self._note_memory(need, _describe(c))
