@@ -3,8 +3,9 @@
 For every candidate (all knobs but the stage partition) the partitioner's objective is a lower bound on the
 event-simulated step time over *all* stage partitions (planner/partition.py); the exact DP minimises it. Each
 candidate is then either pruned (a bound is no better than the K-th best simulated plan so far), infeasible
-(no partition fits in memory), or simulated with the DP's partition. The search is best-first on cheap bounds,
-so good plans are found early and most of the space is pruned without building its costs.
+(no partition fits in memory), or simulated with the DP's partition. The search is best-first (A*) over one queue
+of steps ordered by their lower bounds, from the cheapest (a group's work bound) to the dearest (a simulation):
+a DP or a simulation runs only when no cheaper bound left in the queue could still prune it.
 
 Optimality: when the search ends, every candidate not simulated has a bound >= the K-th best time found; and a
 simulated candidate whose time exceeds its own bound may hide a better partition. The account's gap is
@@ -167,7 +168,8 @@ class _Search:
         self.moe_prefix = [0]
         for i in range(model.num_layers):
             self.moe_prefix.append(self.moe_prefix[-1] + int(model.is_moe_layer(i)))
-        self.deferred_sims: list[tuple[float, int, Candidate, tuple[int, ...]]] = []  # ZB candidates to simulate
+        self.queue: list[tuple[float, int, str, tuple]] = []  # the search's steps by lower bound (see run)
+        self.seq = 0
         self.deferred: list[tuple[float, int, Candidate, PartitionProblem]] = []  # per-stage candidates for CP-SAT
 
     # ---- bookkeeping
@@ -393,91 +395,145 @@ class _Search:
         return float(need.max())
 
     # ---- the search
+    # Every step of the search is an entry (lower bound, sequence, step, payload) of one priority queue: a group of
+    # candidates (bound: its work bound), a candidate (its work bound), a candidate with its next bound (the family
+    # DP, the interleaved bound, the relaxed per-stage DP) or a partition to simulate (its DP bound J). The smallest
+    # bound is always taken next (A*), so a DP or a simulation runs only when nothing cheaper could prune it, and
+    # the search ends when the smallest bound left reaches the K-th best simulated time. Each step names the bound
+    # that prunes what is left of it, for the account.
+    PRUNED_BY = {"group": "work bound (group)", "cand": "work bound",
+                 "ileave": "pipeline bound (interleaved)",
+                 "family": "partition bound without memory or DP sync (shared by ZeRO stages)",
+                 "sim": "partition bound (DP)", "per-stage": "partition bound (relaxed recompute)"}
+
+    def _push(self, bound: float, step: str, *payload) -> None:
+        self.seq += 1
+        heapq.heappush(self.queue, (bound, self.seq, step, payload))
+
     def run(self, deadline: float | None, progress: ProgressFn | None) -> bool:
         groups = self.enum.groups
         # Level 0: model states alone (no activations) must fit.
-        order = []
+        live = 0
         for g in groups:
             floor = self.states_floor(g) * (1 + FRAGMENTATION)
             if floor > self.cap:
                 self._count(self.infeasible, "memory: model states alone exceed HBM", g.size())
                 self._note_memory(floor, f"tp={g.mesh.tp} pp={g.mesh.pp} ep={g.mesh.ep}")
                 continue
-            order.append(g)
-        # Level 1: the work bound of each group's fastest variant, then best-first.
-        scored: list[tuple[float, int, Group]] = []
-        for n, g in enumerate(order):
-            scored.append((self._group_score(g), n, g))
-        scored.sort(key=lambda x: (x[0], x[1]))
-        for done, (score, _, g) in enumerate(scored):
-            if progress:
-                progress(done, len(scored))
-            if deadline is not None and time.perf_counter() > deadline:
-                self.unexplored_bound = min(self.unexplored_bound, score)
-                for _, _, rest in scored[done:]:
-                    self._count(self.pruned, "not reached before the time limit", rest.size())
-                for bound, _, _, _ in self.deferred + self.deferred_sims:
-                    self.unexplored_bound = min(self.unexplored_bound, bound)
-                self._count(self.pruned, "not reached before the time limit", len(self.deferred) + len(self.deferred_sims))
-                return True
-            if score >= self.best.cutoff() * (1 - REL_TOL):
-                self._count(self.pruned, "work bound (group)", g.size())
-                continue
-            self._run_group(g)
-        return self._run_deferred(deadline, progress, len(scored))
-
-    def _run_deferred(self, deadline: float | None, progress: ProgressFn | None, groups: int) -> bool:
-        """Deferred ZB simulations, then per-stage recomputation: CP-SAT for each candidate whose relaxed bound
-        still beats the cutoff."""
-        self.deferred_sims.sort(key=lambda x: (x[0], x[1]))
-        for n, (bound, _, c, stage_layers) in enumerate(self.deferred_sims):
+            self._push(self._group_score(g), "group", g)
+            live += 1
+        expanded = 0
+        while self.queue:
+            bound, _, step, payload = self.queue[0]
             if bound >= self.best.cutoff() * (1 - REL_TOL):
-                self._count(self.pruned, "partition bound (DP)", len(self.deferred_sims) - n)
                 break
             if deadline is not None and time.perf_counter() > deadline:
-                for later, _, _, _ in self.deferred_sims[n:] + self.deferred:
+                self.unexplored_bound = min(self.unexplored_bound, bound)
+                for _, _, rest, load in self.queue:
+                    self._count(self.pruned, "not reached before the time limit",
+                                load[0].size() if rest == "group" else 1)
+                self.queue.clear()
+                for later, _, _, _ in self.deferred:
                     self.unexplored_bound = min(self.unexplored_bound, later)
-                self._count(self.pruned, "not reached before the time limit",
-                            len(self.deferred_sims) - n + len(self.deferred))
+                self._count(self.pruned, "not reached before the time limit", len(self.deferred))
+                self.deferred.clear()
                 if progress:
-                    progress(groups, groups)
+                    progress(live, live)
                 return True
-            self._simulate(c, stage_layers, None, bound, self._context(c))
-        self.deferred.sort(key=lambda x: (x[0], x[1]))
-        for n, (family, _, c, prob) in enumerate(self.deferred):
-            if family >= self.best.cutoff() * (1 - REL_TOL):
-                self._count(self.pruned, "partition bound without memory or DP sync (shared by ZeRO stages)",
-                            len(self.deferred) - n)
-                break
-            remaining = None if deadline is None else deadline - time.perf_counter()
-            if remaining is not None and remaining <= 0:
-                self.unexplored_bound = min(self.unexplored_bound, family)
-                self._count(self.pruned, "not reached before the time limit", len(self.deferred) - n)
+            heapq.heappop(self.queue)
+            if step == "group":
+                expanded += 1
                 if progress:
-                    progress(groups, groups)
-                return True
-            self._per_stage(c, prob, remaining)
+                    progress(expanded, live)
+                self._expand_group(*payload)
+            elif step == "cand":
+                self._step_candidate(*payload)
+            elif step == "ileave":
+                self._step_interleaved(bound, *payload)
+            elif step == "family":
+                self._step_family(*payload)
+            elif step == "sim":
+                self._simulate(payload[0], payload[1], None, bound, self._context(payload[0]))
+            else:
+                self._per_stage(*payload)
+        for _, _, step, payload in self.queue:  # every bound left is at or above the K-th best time
+            self._count(self.pruned, self.PRUNED_BY[step], payload[0].size() if step == "group" else 1)
+        self.queue.clear()
+        if self._run_cpsat(deadline):
+            if progress:
+                progress(live, live)
+            return True
         self._close_gaps(deadline)
         if progress:
-            progress(groups, groups)
+            progress(live, live)
         return False
 
-    def _per_stage(self, c: Candidate, prob: PartitionProblem, remaining: float | None) -> None:
-        """One per-stage-recomputation candidate: dominance by no recomputation, the cheapest-fitting bound and
-        plan, and CP-SAT only where those two do not meet."""
-        # the relaxed bound first: it prunes most candidates with one DP
-        relaxed = self._dp(prob, "none", relaxed=True)  # one DP pass: no-recompute times, smallest activations
-        if relaxed is None:
-            self._count(self.infeasible, "memory: no partition fits even with full recompute")
+    def _expand_group(self, g: Group) -> None:
+        dominated_sp = {cc for sp, cc, _, _ in g.variants if sp and g.mesh.tp > 1 and self._sp_dominates(g, cc)}
+        for sp, cc, sched, vpp in g.variants:
+            if not sp and cc in dominated_sp:
+                self._count(self.pruned, "dominated: sequence parallel is no slower and uses less memory",
+                            len(g.zeros) * len(g.recomputes_for(vpp)))
+                continue
+            for zero in g.zeros:
+                for rec in g.recomputes_for(vpp):
+                    c = Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec)
+                    self._push(self.work_bound(c), "cand", c)
+
+    def _step_candidate(self, c: Candidate) -> None:
+        """The candidate's next bound: the interleaved bound with virtual stages, else (after the memory floor) the
+        partition DP without memory or DP sync, shared by its ZeRO stages."""
+        ctx = self._context(c)
+        if c.vpp > 1:
+            key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.vpp, c.recompute)  # the time bound ignores ZeRO
+            if key not in self.interleaved_bounds:
+                self.interleaved_bounds[key] = self._interleaved_bound(ctx, c.recompute)
+            self._push(self.interleaved_bounds[key], "ileave", c, ctx)
             return
-        if relaxed.objective >= self.best.cutoff() * (1 - REL_TOL):
-            self._count(self.pruned, "partition bound (relaxed recompute)")
+        prob = self.problem(c, ctx)
+        floor = memory_floor(prob, "full" if c.recompute == "per-stage" else c.recompute)  # cheaper than the DP
+        if floor > self.cap:
+            self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)")
+            self._note_memory(floor, _describe(c))
             return
+        self._push(self._family_bound(c, prob), "family", c, prob)
+
+    def _step_interleaved(self, bound: float, c: Candidate, ctx: CostContext) -> None:
+        """Even virtual stages: one partition, so the bound and memory floor are of that partition itself."""
+        self.bounded += 1
+        need = self._interleaved_memory_floor(c, ctx, c.recompute)
+        if need > self.cap:
+            self._count(self.infeasible, "memory: in-flight micro-batches of the interleaved schedule")
+            self._note_memory(need, _describe(c))
+            return
+        self._simulate(c, None, None, bound, ctx=ctx)
+
+    def _step_family(self, c: Candidate, prob: PartitionProblem) -> None:
+        """The candidate's own partition bound: the exact DP (per-stage recomputation: the relaxed DP first)."""
+        self.bounded += 1
+        if c.recompute == "per-stage":
+            relaxed = self._dp(prob, "none", relaxed=True)  # no-recompute times, smallest activations: one DP
+            if relaxed is None:
+                self._count(self.infeasible, "memory: no partition fits even with full recompute")
+                return
+            self._push(relaxed.objective, "per-stage", c, prob, relaxed)
+            return
+        res = self._dp(prob, c.recompute)
+        if res is None:
+            self._count(self.infeasible, "memory: no stage partition fits")
+            self._note_memory(min_stage_overflow(prob, c.recompute), _describe(c))
+            return
+        self._push(res.objective, "sim", c, res.stage_layers)
+
+    def _per_stage(self, c: Candidate, prob: PartitionProblem, relaxed: PartitionResult) -> None:
+        """One per-stage-recomputation candidate whose relaxed bound beats the cutoff: dominance by no
+        recomputation, the cheapest-fitting bound and plan, and CP-SAT (deferred) only where those two do not
+        meet."""
         uniform = self._dp(prob, "none")
         none_searched = "none" in self.recomputes_searched
-        if uniform is not None and uniform.objective <= self._family_bound(c, prob) * (1 + REL_TOL):
-            # recomputing nowhere already reaches a bound no per-stage choice can beat: that plan is this
-            # candidate's best, and it is searched as the "none" candidate unless recomputation was pinned
+        if uniform is not None and uniform.objective <= relaxed.objective * (1 + REL_TOL):
+            # recomputing nowhere already reaches the relaxed bound, which no per-stage choice can beat: that plan
+            # is this candidate's best, and it is searched as the "none" candidate unless recomputation was pinned
             if none_searched:
                 self._count(self.pruned, "dominated: no recompute reaches the per-stage bound")
             else:
@@ -496,11 +552,31 @@ class _Search:
             else:
                 self._simulate(c, uniform.stage_layers, _policies(uniform), uniform.objective, self._context(c))
             return
-        ctx = self._context(c)
         if plan.objective <= lower * (1 + REL_TOL):  # the heuristic meets the bound: optimal, no CP-SAT
-            self._simulate(c, plan.stage_layers, _policies(plan), lower, ctx)
+            self._simulate(c, plan.stage_layers, _policies(plan), lower, self._context(c))
             return
-        bound = lower
+        # CP-SAT is the dearest step: it runs after everything else, when the cutoff is the tightest it gets
+        self.deferred.append((lower, len(self.deferred), c, prob))
+
+    def _run_cpsat(self, deadline: float | None) -> bool:
+        """The deferred per-stage candidates, smallest bound first, through CP-SAT; True when time ran out."""
+        self.deferred.sort(key=lambda x: (x[0], x[1]))
+        for n, (lower, _, c, prob) in enumerate(self.deferred):
+            if lower >= self.best.cutoff() * (1 - REL_TOL):
+                self._count(self.pruned, "partition bound (cheapest fitting recompute per stage)",
+                            len(self.deferred) - n)
+                break
+            remaining = None if deadline is None else deadline - time.perf_counter()
+            if remaining is not None and remaining <= 0:
+                self.unexplored_bound = min(self.unexplored_bound, lower)
+                self._count(self.pruned, "not reached before the time limit", len(self.deferred) - n)
+                return True
+            self._cpsat(c, prob, lower, remaining)
+        self.deferred.clear()
+        return False
+
+    def _cpsat(self, c: Candidate, prob: PartitionProblem, bound: float, remaining: float | None) -> None:
+        ctx = self._context(c)
         self.cpsat_calls += 1
         limit = CPSAT_TIME_LIMIT_S if remaining is None else min(CPSAT_TIME_LIMIT_S, remaining)
         cutoff = self.best.cutoff()
@@ -581,74 +657,6 @@ class _Search:
                     return False
         return all(a.forward <= b.forward and a.backward_input <= b.backward_input
                    and a.bwd_weight_compute <= b.bwd_weight_compute for a, b in pairs)
-
-    def _run_group(self, g: Group) -> None:
-        cands = []
-        dominated_sp = {cc for sp, cc, _, _ in g.variants if sp and g.mesh.tp > 1 and self._sp_dominates(g, cc)}
-        for sp, cc, sched, vpp in g.variants:
-            if not sp and cc in dominated_sp:
-                self._count(self.pruned, "dominated: sequence parallel is no slower and uses less memory",
-                            len(g.zeros) * len(g.recomputes_for(vpp)))
-                continue
-            for zero in g.zeros:
-                for rec in g.recomputes_for(vpp):
-                    cands.append(Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec))
-        scored = [(self.work_bound(c), c) for c in cands]
-        scored.sort(key=lambda x: x[0])
-        for wb, c in scored:
-            if wb >= self.best.cutoff() * (1 - REL_TOL):
-                self._count(self.pruned, "work bound")
-                continue
-            self._candidate(c)
-
-    def _candidate(self, c: Candidate) -> None:
-        ctx = self._context(c)
-        if c.vpp > 1:
-            # Even virtual stages: one partition, so the bound and memory floor are of that partition itself.
-            self.bounded += 1
-            key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.vpp, c.recompute)  # the time bound ignores ZeRO
-            if key not in self.interleaved_bounds:
-                self.interleaved_bounds[key] = self._interleaved_bound(ctx, c.recompute)
-            bound = self.interleaved_bounds[key]
-            if bound >= self.best.cutoff() * (1 - REL_TOL):
-                self._count(self.pruned, "pipeline bound (interleaved)")
-                return
-            need = self._interleaved_memory_floor(c, ctx, c.recompute)
-            if need > self.cap:
-                self._count(self.infeasible, "memory: in-flight micro-batches of the interleaved schedule")
-                self._note_memory(need, _describe(c))
-                return
-            self._simulate(c, None, None, bound, ctx=ctx)
-            return
-        prob = self.problem(c, ctx)
-        floor = memory_floor(prob, "full" if c.recompute == "per-stage" else c.recompute)  # cheaper than the DP
-        if floor > self.cap:
-            self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)")
-            self._note_memory(floor, _describe(c))
-            return
-        family = self._family_bound(c, prob)
-        if family >= self.best.cutoff() * (1 - REL_TOL):
-            self._count(self.pruned, "partition bound without memory or DP sync (shared by ZeRO stages)")
-            return
-        self.bounded += 1
-        if c.recompute == "per-stage":
-            # Per-stage recomputation costs the most to bound: after everything else, best family bound first.
-            self.deferred.append((family, len(self.deferred), c, prob))
-            return
-        res = self._dp(prob, c.recompute)
-        if res is None:
-            self._count(self.infeasible, "memory: no stage partition fits")
-            self._note_memory(min_stage_overflow(prob, c.recompute), _describe(c))
-            return
-        if res.objective >= self.best.cutoff() * (1 - REL_TOL):
-            self._count(self.pruned, "partition bound (DP)")
-            return
-        if c.schedule == "zb":
-            # ZB's bound is the loosest (weight passes may trail) and its simulation the dearest: simulate these
-            # after the rest, best bound first, against the cutoff the others set.
-            self.deferred_sims.append((res.objective, len(self.deferred_sims), c, res.stage_layers))
-            return
-        self._simulate(c, res.stage_layers, None, res.objective, ctx)
 
     def _simulate(self, c: Candidate, stage_layers, policies, bound: float, ctx: CostContext,
                   another_partition: bool = False) -> None:
