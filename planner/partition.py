@@ -1197,10 +1197,31 @@ def stage0_sync_bound(problem: PartitionProblem, policy: Granularity) -> float:
     """min over contiguous partitions (one uniform policy) of max(J, max_r A_r + E_0): a lower bound on the simulated
     step that adds rank 0's DP sync after the last gradient reaches it; inf when nothing fits. ZB: solve_dp's value
     (its tail is not bounded)."""
-    pr = problem
+    if problem.schedule == "zb" or problem.num_stages == 1:
+        return dp_bound(problem, policy)
+    found = _stage0_sync_dp(problem, policy)
+    return math.inf if found is None else found[0]
+
+
+def solve_stage0_sync(problem: PartitionProblem, policy: Granularity) -> PartitionResult | None:
+    """The partition attaining stage0_sync_bound, evaluated, with objective replaced by the bound (a plan to simulate
+    where the DP's own partition left a gap); solve_dp for ZB and a single stage."""
+    if problem.schedule == "zb" or problem.num_stages == 1:
+        return solve_dp(problem, policy)
+    found = _stage0_sync_dp(problem, policy)
+    if found is None:
+        return None
+    best, bounds = found
+    pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r]) if policy == "full"
+                 else StagePolicy(granularity=policy) for r in range(problem.num_stages))
+    result = _evaluate(problem, _tables(problem), bounds, pols, relaxed=False)
+    assert result is not None, "stage-0 sync DP and evaluate disagree on feasibility"
+    return replace(result, objective=max(result.objective, best))
+
+
+def _stage0_sync_dp(pr: PartitionProblem, policy: Granularity) -> tuple[float, tuple[int, ...]] | None:
+    """(the bound, a partition attaining it), or None when nothing fits."""
     p, L = pr.num_stages, pr.num_layers
-    if pr.schedule == "zb" or p == 1:
-        return dp_bound(pr, policy)
     grids = _uniform_grids(pr, policy)
     with np.errstate(invalid="ignore"):
         jm = [g.objective(pr, r) for r, g in enumerate(grids)]
@@ -1209,10 +1230,21 @@ def stage0_sync_bound(problem: PartitionProblem, policy: Granularity) -> float:
         c = np.where(np.isfinite(jm[0][0]), e0, 0.0)  # one DP per end of stage 0, side by side: w[c, i]
         w = np.full((L + 1, L + 1), np.inf)
         w[:, L] = 0.0
+        nxt = {}
         for r in reversed(range(1, p)):
             g = np.maximum(jm[r][None, :, :], am[r][None, :, :] + c[:, None, None])
-            w = np.min(np.maximum(g, w[:, None, :]), axis=2)
+            total_r = np.maximum(g, w[:, None, :])
+            nxt[r] = np.argmin(total_r, axis=2)  # stage r's end, by (end of stage 0, start of stage r)
+            w = np.min(total_r, axis=2)
         ends = np.arange(L + 1)
         first = np.maximum(jm[0][0], am[0][0] + c)  # stage 0's own terms (A_0 + E_0 <= J_0 unless tail > E_0)
         total = np.maximum(first, w[ends, ends])
-    return float(np.min(total))
+    best = float(np.min(total))
+    if not math.isfinite(best):
+        return None
+    end0 = int(np.argmin(total))
+    bounds, start = [0, end0], end0
+    for r in range(1, p):
+        start = int(nxt[r][end0, start])
+        bounds.append(start)
+    return best, tuple(bounds)

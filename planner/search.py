@@ -32,7 +32,7 @@ from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, per_stage_bound, solve_cpsat,
-                               solve_dp, solve_dp_pairs, stage0_sync_bound)
+                               solve_dp, solve_dp_pairs, solve_stage0_sync)
 from planner.space import Candidate, Enumeration, Group, Mesh, Pins, check_pins, enumerate_space
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
@@ -602,7 +602,7 @@ class _Search:
     def _close_gaps(self, deadline: float | None) -> None:
         """Where a candidate's simulated time exceeds its J bound, try its even split, and replace J by the larger of
         two tighter bounds (planner/partition.py): the 1F1B pair chain (solve_dp_pairs, whose own best partition is
-        simulated when it differs) and rank 0's sync after the whole backward flow (stage0_sync_bound)."""
+        simulated when it differs) and rank 0's sync after the whole backward flow (solve_stage0_sync, likewise)."""
         still_open = []
         for bound, c, stage_layers, policies in sorted(self.open_bounds, key=lambda x: x[0]):
             best = self.best.ranked()[0].step_time_s if self.best.heap else math.inf
@@ -627,7 +627,11 @@ class _Search:
             if res.stage_layers != stage_layers and res.objective < self.best.cutoff() * (1 - REL_TOL):
                 self._simulate(c, res.stage_layers, None, res.objective, ctx, another_partition=True)
             # both are lower bounds over every partition, so the larger one is too
-            tighter = max(res.objective, stage0_sync_bound(prob, c.recompute))
+            sync = solve_stage0_sync(prob, c.recompute)
+            if (sync is not None and sync.stage_layers not in (stage_layers, res.stage_layers)
+                    and sync.objective < self.best.cutoff() * (1 - REL_TOL)):
+                self._simulate(c, sync.stage_layers, None, sync.objective, ctx, another_partition=True)
+            tighter = max(res.objective, sync.objective if sync is not None else math.inf)
             still_open.append((tighter, c, res.stage_layers, None))
         self.open_bounds = still_open
 

@@ -370,7 +370,7 @@ def test_stage0_sync_bound_is_below_every_simulated_partition(pp, schedule, reco
     from costmodels.model_io import load_model
     from hardware_db.cluster import Cluster, ClusterSpec
     from planner import search as S
-    from planner.partition import dp_bound, stage0_sync_bound
+    from planner.partition import dp_bound, solve_stage0_sync, stage0_sync_bound
     from planner.space import Candidate, Pins
 
     L, gpus = 8, 16
@@ -392,6 +392,12 @@ def test_stage0_sync_bound_is_below_every_simulated_partition(pp, schedule, reco
         if est.fits:
             times.append(est.step_time_s)
     assert times and bound <= min(times) * (1 + 1e-9)
+    plan = solve_stage0_sync(prob, recompute)  # the partition the bound comes from: a plan the search simulates
+    assert plan.objective == pytest.approx(bound, rel=1e-12) and max(plan.stage_memory_bytes) <= prob.memory_cap_bytes
+    est = estimate(model, cluster, wl, ParallelConfig(tp=1, pp=pp, dp=gpus // pp, mbs=1, zero=zero,
+                                                      recompute=recompute, schedule=schedule,
+                                                      stage_layers=plan.stage_layers))
+    assert est.step_time_s >= bound * (1 - 1e-9)
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
