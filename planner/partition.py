@@ -1110,6 +1110,12 @@ def _uniform_grids(pr: PartitionProblem, policy: Granularity) -> list[_StageGrid
 #   end_r >= S0 + K C_r + f_r + (m - 2K) b_r + (m - 1 - w - 2K) f_r,
 # and P_r = that + max(B_<r + r h, E_r) as in J_r. It matters when P2P latency is not small against a stage's
 # pass (each micro-batch pays about h twice on every link), where J alone leaves a gap.
+#
+# The same loops also fit between micro-batch 0's and m-1's round trips to the last stage (_end_pieces): the path
+# F_0(r) -> RT -> B_0(r) -> F_{w+1}(r), then loops F_k(r) -> F_k(r+1) -> B_{k-w+1}(r+1) -> B_{k-w+1}(r) for
+# k = w+1, w+3, ..., m-3 (each swaps rank r's B_{k-w}, F_{k+1} for t_{r+1} + 2h), then F_{m-1}(r) -> RT -> B_{m-1}(r):
+#   end_r >= start_r + m t_r + max(0, RT - a f_r) + max(0, RT - a b_r) + K2 max(0, t_{r+1} + 2h - t_r),
+# K2 = floor((m - w - 4) / 2) + 1 loops, a = min(w, m - 1). P_r is the larger of the two paths.
 
 def pair_terms(problem: PartitionProblem, boundaries, policies) -> tuple[float, ...]:
     """P_r for r = 0..p-2 of one partition (empty unless the schedule is 1f1b)."""
@@ -1127,20 +1133,26 @@ def pair_terms(problem: PartitionProblem, boundaries, policies) -> tuple[float, 
         f.append(float(_stage_forward(pr, r, sums)))
         b.append(float(_stage_backward(pr, r, sums)))
         e.append(float(_stage_sync(pr, r, sums, f[r], b[r])))
-    return tuple(_pair_term(pr, r, f[r], b[r], e[r], sum(f[:r]), sum(b[:r]), f[r + 1] + b[r + 1])
-                 for r in range(p - 1))
+    return tuple(_pair_term(pr, r, f[r], b[r], e[r], sum(f[:r]), sum(b[:r]), f[r + 1] + b[r + 1],
+                            sum(f[s] + b[s] for s in range(r + 1, p))) for r in range(p - 1))
 
 
-def _pair_term(pr: PartitionProblem, r: int, f, b, e, f_before, b_before, t_next):
+def _pair_term(pr: PartitionProblem, r: int, f, b, e, f_before, b_before, t_next, t_after):
     """P_r (see the comment above); works on floats and on numpy grids alike."""
     p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
     w = min(p - r - 1, m)
     if w >= m:  # every forward of rank r is a warm-up forward: no steady state, no pair chain
-        return np.full(np.shape(np.asarray(f) + np.asarray(t_next)), -np.inf) if np.ndim(f) or np.ndim(t_next) \
-            else -math.inf
+        shape = np.shape(np.asarray(f) + np.asarray(t_next))
+        return np.full(shape, -np.inf) if shape else -math.inf
     k = max(0, (m - 1 - w) // 2)
     s0 = f_before + r * h + w * f
     end = s0 + k * (f + b + t_next + 2 * h) + f + (m - 2 * k) * b + max(0, m - 1 - w - 2 * k) * f
+    loops = (m - w - 4) // 2 + 1
+    if loops > 0:  # both round trips with the pair loops between them
+        trip, a = t_after + 2 * (p - 1 - r) * h, min(w, m - 1)
+        trips = np.maximum(trip - a * f, 0.0) + np.maximum(trip - a * b, 0.0)
+        end = np.maximum(end, f_before + r * h + m * (f + b) + trips
+                         + loops * np.maximum(t_next + 2 * h - (f + b), 0.0))
     return end + np.maximum(b_before + r * h, e)
 
 
@@ -1166,7 +1178,7 @@ def solve_dp_pairs(problem: PartitionProblem, policy: Granularity) -> PartitionR
             t_next = grids[r + 1].f + grids[r + 1].b  # [j, k] grid of stage r+1
             # pair[i, j, k] = P_r with stage r on [i, j) and stage r+1 on [j, k)
             pair = _pair_term(pr, r, g.f[:, :, None], g.b[:, :, None], g.e[:, :, None], g.f_before[:, :, None],
-                              g.b_before[:, :, None], t_next[None, :, :])
+                              g.b_before[:, :, None], t_next[None, :, :], g.t_after[:, :, None])
             total = np.maximum(np.maximum(jr[:, :, None], pair), v[None, :, :])
             nxt[r] = np.argmin(total, axis=2)
             v = np.min(total, axis=2)
