@@ -158,6 +158,7 @@ class _Search:
         self.mesh_links: dict[Mesh, dict] = {}
         self.states_floors: dict[tuple[Mesh, int], float] = {}
         self.hops: dict[tuple[Mesh, int], float] = {}
+        self.stage_floors: dict[tuple, float] = {}
         self.rank_contents: dict[tuple, tuple] = {}
         self.work_bounds: dict[tuple, tuple[float, float]] = {}
         self.family_bounds: dict[tuple, float] = {}
@@ -284,11 +285,14 @@ class _Search:
             fwd = [t.forward for t in blocks]
             bwd = [t.backward_input + t.bwd_weight_compute for t in blocks]
             alpha = min(f / (f + b) for f, b in zip(fwd, bwd) if f + b > 0)
-            layer_min = min(f + b for f, b in zip(fwd[:-2], bwd[:-2]))
-            self.work_bounds[key] = (sum(fwd) + sum(bwd), alpha, layer_min, fwd[-1] + bwd[-1])
-        total, alpha, layer_min, head = self.work_bounds[key]
-        return pipeline_floor(total, alpha, cand.num_microbatches(self.wl.global_batch), cand.mesh.pp,
-                              cand.schedule, self.model.num_layers, layer_min, head, self._hop(cand))
+            layers = tuple(sorted((f + b for f, b in zip(fwd[:-2], bwd[:-2])), reverse=True))
+            self.work_bounds[key] = (sum(fwd) + sum(bwd), alpha, layers, fwd[-1] + bwd[-1])
+        total, alpha, layers, head = self.work_bounds[key]
+        p = cand.mesh.pp
+        if (key, p) not in self.stage_floors:
+            self.stage_floors[(key, p)] = heaviest_stage_floor(layers, p)
+        return pipeline_floor(total, alpha, cand.num_microbatches(self.wl.global_batch), p, cand.schedule,
+                              len(layers), layers[-1], head, self._hop(cand), self.stage_floors[(key, p)])
 
     def _hop(self, cand: Candidate) -> float:
         """P2P latency between neighbouring stages of this mesh (CostContext.p2p_s, without building a context)."""
@@ -769,8 +773,22 @@ def memory_floor(prob: PartitionProblem, recompute: str) -> float:
     return (x + prob.fixed_bytes) * (1 + prob.fragmentation)
 
 
+def heaviest_stage_floor(layer_times: tuple[float, ...], p: int) -> float:
+    """A lower bound on the heaviest of p stages' time, whatever the partition: for the j slowest layers, some stage
+    holds ceil(j / p) of them (pigeonhole), at least the ceil(j / p) fastest of those; the best j. layer_times sorted
+    slowest first. With two kinds of layer (dense, MoE) this is ceil(n_MoE / p) MoE layers."""
+    best, prefix = 0.0, [0.0]
+    for t in layer_times:
+        prefix.append(prefix[-1] + t)
+    for j in range(1, len(layer_times) + 1):
+        c = -(-j // p)
+        best = max(best, prefix[j] - prefix[j - c])
+    return best
+
+
 def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, layers: int = 0,
-                   layer_min: float = 0.0, head: float = 0.0, hop: float = 0.0) -> float:
+                   layer_min: float = 0.0, head: float = 0.0, hop: float = 0.0,
+                   stage_min: float | None = None) -> float:
     """min over all stage partitions of the partitioner's objective, relaxed to continuous stage times t_r >= 0
     summing to `total` (one micro-batch through every stage): a sound lower bound that needs no partition.
 
@@ -787,22 +805,29 @@ def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, la
     1F1B bubble (Narayanan et al. 2021) as a bound for any partition. Both also pay 2 (p-1) hops (hop: P2P latency
     between stages) on the way there and back. 1F1B, rank 0 alone: micro-batch 0's and m-1's round trips and the
     (m-1)//p - 1 steady ones between them (planner/partition.py, _end_pieces) sum to ((m-1)//p + 1) (total +
-    2 (p-1) hop) + ((m-1) mod p) t_0, which is the floor that sees P2P latency paid every p micro-batches. Stages hold whole layers: some rank runs at
+    2 (p-1) hop) + ((m-1) mod p) t_0, which is the floor that sees P2P latency paid every p micro-batches.
+    stage_min bounds the heaviest stage's time t_r (heaviest_stage_floor: stages hold whole layers); that rank's own
+    paths give J_r >= total + (m-1) t_r (GPipe) and, 1F1B, B_r = T_<r + (m - w_r) t_r + 2 T_>r >= total + (m - p)
+    t_r, each with 2 (p-1) hops. Stages hold whole layers: some rank runs at
     least ceil(layers / p) of them m times, and the last rank runs the head and at least one layer m times after
     micro-batch 0 went through every other rank (alpha times that with ZB)."""
     work = m * total / p
+    heaviest = max(stage_min or 0.0, math.ceil(layers / p) * layer_min if layers else 0.0)
     if p == 1 or schedule == "interleaved":
-        return max(work, m * math.ceil(layers / p) * layer_min) if layers else work
+        return max(work, m * heaviest)
     a = 1.0 if schedule in ("1f1b", "gpipe") else alpha
     last = head + layer_min
     # 1 - (1 - a/m)^p without cancellation for small a; its limit as a -> 0 is the work bound
     share = 1.0 if a >= m else -math.expm1(p * math.log1p(-a / m))
     chain = a * total / share if a > 0 else work
-    floor = max(work, chain, m * math.ceil(layers / p) * layer_min, a * (total - last) + m * last)
+    floor = max(work, chain, m * heaviest, a * (total - last) + m * last)
     if schedule == "gpipe" or (schedule == "1f1b" and m >= p + 1):
         floor = max(floor, (m + p - 1) * total / p + 2 * (p - 1) * hop)  # the textbook bubble (docstring)
+    if schedule == "gpipe":
+        floor = max(floor, total + (m - 1) * heaviest + 2 * (p - 1) * hop)  # the heaviest stage's J_r
     if schedule == "1f1b" and m >= p + 1:
         floor = max(floor, ((m - 1) // p + 1) * (total + 2 * (p - 1) * hop))  # rank 0's round trips (docstring)
+        floor = max(floor, total + (m - p) * heaviest + 2 * (p - 1) * hop)  # the heaviest stage's J_r
     return floor
 
 

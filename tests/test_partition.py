@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costmodels.pipeline import StageTimes, build_schedule, simulate
-from planner.search import pipeline_floor
+from planner.search import heaviest_stage_floor, pipeline_floor
 from planner.partition import (GRANULARITIES, PartitionProblem, PartitionResult, StagePolicy, SyncModel,
                                brute_force, cpsat_tolerance_s, evaluate, solve_cpsat, solve_dp)
 
@@ -414,9 +414,10 @@ def test_pipeline_floor_bounds_every_partition(problem):
         bwd = [b + x for b, x in zip(problem.layer_backward, extras[policy])] + [problem.first_backward,
                                                                                   problem.last_backward]
         alpha = min((f / (f + b) for f, b in zip(fwd, bwd) if f + b > 0), default=1.0)
-        layer_min = min(f + b for f, b in zip(fwd[:-2], bwd[:-2]))
+        layer_times = sorted((f + b for f, b in zip(fwd[:-2], bwd[:-2])), reverse=True)
         floor = pipeline_floor(sum(fwd) + sum(bwd), alpha, problem.num_microbatches, problem.num_stages,
-                               problem.schedule, problem.num_layers, layer_min, fwd[-1] + bwd[-1], problem.hop_s)
+                               problem.schedule, problem.num_layers, layer_times[-1], fwd[-1] + bwd[-1],
+                               problem.hop_s, heaviest_stage_floor(tuple(layer_times), problem.num_stages))
         assert floor <= best.objective * (1 + 1e-9) + 1e-12
 
 
