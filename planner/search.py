@@ -449,17 +449,7 @@ class _Search:
                 expanded += 1
                 if progress:
                     progress(expanded, live)
-                self._expand_group(*payload)
-            elif step == "cand":
-                self._step_candidate(*payload)
-            elif step == "ileave":
-                self._step_interleaved(bound, *payload)
-            elif step == "family":
-                self._step_family(*payload)
-            elif step == "sim":
-                self._simulate(payload[0], payload[1], None, bound, self._context(payload[0]))
-            else:
-                self._per_stage(*payload)
+            self._run_step(bound, step, payload)
         for _, _, step, payload in self.queue:  # every bound left is at or above the K-th best time
             self._count(self.pruned, self.PRUNED_BY[step], payload[0].size() if step == "group" else 1)
         self.queue.clear()
@@ -471,6 +461,29 @@ class _Search:
         if progress:
             progress(live, live)
         return False
+
+    def _run_step(self, bound: float, step: str, payload: tuple) -> None:
+        if step == "group":
+            self._expand_group(*payload)
+        elif step == "cand":
+            self._step_candidate(*payload)
+        elif step == "ileave":
+            self._step_interleaved(bound, *payload)
+        elif step == "family":
+            self._step_family(*payload)
+        elif step == "sim":
+            self._simulate(payload[0], payload[1], None, bound, self._context(payload[0]))
+        else:
+            self._per_stage(*payload)
+
+    def _next(self, bound: float, step: str, *payload) -> None:
+        """A candidate's next step: queued by its bound, or taken at once while fewer than K plans are kept (the
+        cutoff is infinite, nothing could prune it, and the first plans found set the cutoff: a time-limited search
+        has plans early)."""
+        if math.isinf(self.best.cutoff()):
+            self._run_step(bound, step, payload)
+        else:
+            self._push(bound, step, *payload)
 
     def _expand_group(self, g: Group) -> None:
         dominated_sp = {cc for sp, cc, _, _ in g.variants if sp and g.mesh.tp > 1 and self._sp_dominates(g, cc)}
@@ -492,7 +505,7 @@ class _Search:
             key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.vpp, c.recompute)  # the time bound ignores ZeRO
             if key not in self.interleaved_bounds:
                 self.interleaved_bounds[key] = self._interleaved_bound(ctx, c.recompute)
-            self._push(self.interleaved_bounds[key], "ileave", c, ctx)
+            self._next(self.interleaved_bounds[key], "ileave", c, ctx)
             return
         prob = self.problem(c, ctx)
         floor = memory_floor(prob, "full" if c.recompute == "per-stage" else c.recompute)  # cheaper than the DP
@@ -500,7 +513,7 @@ class _Search:
             self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)")
             self._note_memory(floor, _describe(c))
             return
-        self._push(self._family_bound(c, prob), "family", c, prob)
+        self._next(self._family_bound(c, prob), "family", c, prob)
 
     def _step_interleaved(self, bound: float, c: Candidate, ctx: CostContext) -> None:
         """Even virtual stages: one partition, so the bound and memory floor are of that partition itself."""
@@ -520,14 +533,14 @@ class _Search:
             if relaxed is None:
                 self._count(self.infeasible, "memory: no partition fits even with full recompute")
                 return
-            self._push(relaxed.objective, "per-stage", c, prob, relaxed)
+            self._next(relaxed.objective, "per-stage", c, prob, relaxed)
             return
         res = self._dp(prob, c.recompute)
         if res is None:
             self._count(self.infeasible, "memory: no stage partition fits")
             self._note_memory(min_stage_overflow(prob, c.recompute), _describe(c))
             return
-        self._push(res.objective, "sim", c, res.stage_layers)
+        self._next(res.objective, "sim", c, res.stage_layers)
 
     def _per_stage(self, c: Candidate, prob: PartitionProblem, relaxed: PartitionResult) -> None:
         """One per-stage-recomputation candidate whose relaxed bound beats the cutoff: dominance by no
