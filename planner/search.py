@@ -171,6 +171,7 @@ class _Search:
             self.moe_prefix.append(self.moe_prefix[-1] + int(model.is_moe_layer(i)))
         self.queue: list[tuple[float, int, str, tuple]] = []  # the search's steps by lower bound (see run)
         self.seq = 0
+        self.eager = False  # see _next
         self.deferred: list[tuple[float, int, Candidate, PartitionProblem]] = []  # per-stage candidates for CP-SAT
 
     # ---- bookkeeping
@@ -416,6 +417,7 @@ class _Search:
 
     def run(self, deadline: float | None, progress: ProgressFn | None) -> bool:
         groups = self.enum.groups
+        self.eager = deadline is not None
         # Level 0: model states alone (no activations) must fit.
         live = 0
         for g in groups:
@@ -477,10 +479,10 @@ class _Search:
             self._per_stage(*payload)
 
     def _next(self, bound: float, step: str, *payload) -> None:
-        """A candidate's next step: queued by its bound, or taken at once while fewer than K plans are kept (the
-        cutoff is infinite, nothing could prune it, and the first plans found set the cutoff: a time-limited search
-        has plans early)."""
-        if math.isinf(self.best.cutoff()):
+        """A candidate's next step: queued by its bound or, under a time limit, taken at once while fewer than K
+        plans are kept (the cutoff is infinite, nothing could prune it, and a time-limited search needs plans early;
+        without a limit the queue order does the least work)."""
+        if self.eager and math.isinf(self.best.cutoff()):
             self._run_step(bound, step, payload)
         else:
             self._push(bound, step, *payload)
