@@ -792,13 +792,11 @@ def heaviest_stage_floor(layer_times: tuple[float, ...], p: int) -> float:
     """A lower bound on the heaviest of p stages' time, whatever the partition: for the j slowest layers, some stage
     holds ceil(j / p) of them (pigeonhole), at least the ceil(j / p) fastest of those; the best j. layer_times sorted
     slowest first. With two kinds of layer (dense, MoE) this is ceil(n_MoE / p) MoE layers."""
-    best, prefix = 0.0, [0.0]
-    for t in layer_times:
-        prefix.append(prefix[-1] + t)
-    for j in range(1, len(layer_times) + 1):
-        c = -(-j // p)
-        best = max(best, prefix[j] - prefix[j - c])
-    return best
+    if not layer_times:
+        return 0.0
+    prefix = np.concatenate(([0.0], np.cumsum(layer_times)))
+    j = np.arange(1, len(layer_times) + 1)
+    return float(np.max(prefix[j] - prefix[j - (-(-j // p))]))
 
 
 def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, layers: int = 0,
