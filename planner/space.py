@@ -67,7 +67,9 @@ class Mesh:
 
 @dataclass(frozen=True)
 class LayerKey:
-    """What per-layer costs depend on (not pp, dp, ZeRO, schedule): cached across candidates."""
+    """What per-layer costs depend on (not pp, dp, ZeRO, schedule): cached across candidates. Not the rank order
+    either: tp and cp are innermost in both orders, and the other order has ep = 1 (etp = tp), so the layer's
+    groups sit on the same ranks."""
 
     tp: int
     cp: int
@@ -76,7 +78,6 @@ class LayerKey:
     mbs: int
     ep: int
     etp: int
-    order: str
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class Candidate:
     @property
     def layer_key(self) -> LayerKey:
         m = self.mesh
-        return LayerKey(m.tp, m.cp, self.cp_comm, self.sp, self.mbs, m.ep, m.etp, m.order)
+        return LayerKey(m.tp, m.cp, self.cp_comm, self.sp, self.mbs, m.ep, m.etp)
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.mbs * self.mesh.dp)

@@ -307,3 +307,24 @@ def test_cli_refuses_pp_inside_dp_with_cp(capsys, command):
 def test_cli_refuses_an_unknown_order(capsys):
     code, out, err = run(capsys, *ESTIMATE, "--order", "pp-dp-tp-cp")
     assert_input_error(code, out, err, "--order")
+
+
+@pytest.mark.parametrize("name", ["llama3.1-8b", "mixtral-8x7b"])
+def test_layer_costs_do_not_depend_on_the_rank_order(name):
+    """The planner shares per-layer costs across rank orders (planner/space.py LayerKey): every block's pass times
+    and activations are the same in both orders, because the layer's own groups (tp, cp, and etp = tp with ep = 1)
+    sit on the same ranks."""
+    model = load_zoo(name)
+    cl = cluster(32)
+    rt = get_runtime("megatron-core")
+    contexts = []
+    for order in (DEFAULT_RANK_ORDER, PP_INSIDE_DP):
+        lay = resolve(model, 32, WL, ParallelConfig(tp=2, pp=2, dp=8, rank_order=order))
+        contexts.append(CostContext(model, cl, WL, lay, rt, Efficiency.from_gpu(cl.gpu)))
+    a, b = contexts
+    assert a.links["pp"] != b.links["pp"] or a.links["dp"] != b.links["dp"]  # the orders do place groups apart
+    for i in range(model.num_layers):
+        for mode in ("none", "selective", "full"):
+            assert a.layer_times(i, mode) == b.layer_times(i, mode)
+            assert a.layer_activation(i, mode) == b.layer_activation(i, mode)
+    assert (a.embedding, a.head) == (b.embedding, b.head)
