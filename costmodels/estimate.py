@@ -11,10 +11,10 @@ from costmodels import comm
 from costmodels.config import (DEFAULT_RANK_ORDER, Layout, ParallelConfig, Runtime, Workload, get_runtime,
                                DEFAULT_RUNTIME, resolve)
 from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdown, embedding_activation_bytes,
-                               layer_activation_bytes, logits_bytes, model_state_bytes, stage_params,
-                               StageParams)
+                               layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
+                               stage_params, StageParams)
 from costmodels.model import ModelSpec
-from costmodels.ops import ACT_BYTES, Block, Collective, decoder_layer, embedding_block, head_block
+from costmodels.ops import ACT_BYTES, Block, Collective, decoder_layer, embedding_block, head_block, mtp_block
 from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
 from hardware_db.cluster import Cluster
 from hardware_db.gpu import GPUSpec
@@ -320,7 +320,11 @@ class CostContext:
 
     @cached_property
     def head(self) -> PassTimes:
-        return self.block_times(head_block(self.model, self.lay, self.wl), "none")
+        """The last stage's own block: final norm, LM head and loss, and the MTP modules where the model has them."""
+        head = self.block_times(head_block(self.model, self.lay, self.wl), "none")
+        if self.model.num_mtp_layers:
+            head = head.plus(self.block_times(mtp_block(self.model, self.lay, self.wl, self.rt), "none"))
+        return head
 
     @cached_property
     def p2p_s(self) -> float:
@@ -587,6 +591,8 @@ def _stage_memory(ctx: CostContext, rank: int, chunks: list[tuple[int, int]], pa
         # The layer being recomputed holds what recomputation regenerates during its backward (Korthikanti sec. 5).
         acts += ctx.layer_activation(first, "none") - ctx.layer_activation(first, modes[first])
     logits = logits_bytes(model, lay, wl) if rank == lay.pp - 1 else 0.0
+    if rank == lay.pp - 1:
+        acts += mtp_activation_bytes(model, lay, wl, rt)  # one micro-batch's, as for the logits
     buffers = ctx.buffer_bytes
     sub = weights + grads + optim + acts + logits + buffers
     return MemoryBreakdown(weights, grads, optim, acts, logits, buffers, FRAGMENTATION * sub)

@@ -62,6 +62,14 @@ def stage_params(model: ModelSpec, lay: Layout, layers: range, first: bool, last
         dense += model.embedding_params() / lay.tp
     if last:
         dense += model.head_params() / lay.tp
+        if model.num_mtp_layers:  # the MTP modules live on the last stage (Megatron-Core multi_token_prediction.py)
+            experts = 0.0
+            if model.is_moe_layer(model.num_layers - 1):
+                moe = model.moe
+                assert moe is not None
+                experts = moe.num_experts * model.mlp_params(moe.expert_ffn_hidden) * model.num_mtp_layers
+            expert += experts / (lay.ep * lay.etp)
+            dense += (model.mtp_params() - experts) / lay.tp
         if model.tied_embeddings and lay.pp > 1:
             dense += model.vocab * model.hidden / lay.tp  # Megatron keeps a copy of the tied embedding on the last stage
     return StageParams(dense, expert)
@@ -131,6 +139,17 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
 def logits_bytes(model: ModelSpec, lay: Layout, wl: Workload) -> float:
     """Last stage: 16-bit logits plus their fp32 copy in the cross-entropy (Korthikanti sec. 4.3: 4sbv/t)."""
     return (ACT_BYTES + 4) * lay.mbs * wl.seq_len / lay.cp * model.vocab / lay.tp
+
+
+def mtp_activation_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> float:
+    """Last stage, per MTP module: the projection's 2h input, one decoder layer's activations and a second set of
+    logits (DeepSeek-V3 report sec. 2.2), for the one micro-batch whose head runs (as logits_bytes)."""
+    if not model.num_mtp_layers:
+        return 0.0
+    sp = lay.tp if lay.sp else 1
+    proj_in = ACT_BYTES * lay.mbs * wl.seq_len / lay.cp * 2 * model.hidden / sp
+    layer = layer_activation_bytes(model, model.num_layers - 1, lay, wl, rt, "none")
+    return model.num_mtp_layers * (proj_in + layer + logits_bytes(model, lay, wl))
 
 
 def embedding_activation_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> float:

@@ -228,6 +228,21 @@ def embedding_block(model: ModelSpec, lay: Layout, wl: Workload) -> Block:
     return Block("embedding", ops, comms)
 
 
+def mtp_block(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> Block:
+    """DeepSeek-V3's multi-token-prediction modules, run by the last pipeline stage after the head (DeepSeek-V3
+    report sec. 2.2; Megatron-Core multi_token_prediction.py): per module two norms, the projection of
+    [hidden; embedding] (2h -> h, column-parallel), one decoder layer like the model's last, and the shared head
+    and cross-entropy again."""
+    tokens = lay.mbs * wl.seq_len / lay.cp
+    norm_tokens = tokens / lay.tp if lay.sp else tokens
+    h = model.hidden
+    layer = decoder_layer(model, model.num_layers - 1, lay, wl, rt)
+    head = head_block(model, lay, wl)
+    one = (elementwise("mtp_norms", 2 * norm_tokens * h, 2 * norm_tokens * h),
+           gemm("mtp_proj", tokens, h / lay.tp, 2 * h)) + tuple(layer.ops) + tuple(head.ops)
+    return Block("mtp", one * model.num_mtp_layers, (tuple(layer.comms) + tuple(head.comms)) * model.num_mtp_layers)
+
+
 def head_block(model: ModelSpec, lay: Layout, wl: Workload) -> Block:
     """Final norm, vocab-parallel LM head and cross-entropy (Megatron vocab_parallel_cross_entropy, fp32 softmax)."""
     tokens = lay.mbs * wl.seq_len / lay.cp

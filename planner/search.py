@@ -27,7 +27,7 @@ from costmodels.config import ParallelConfig, StagePolicy, Workload, get_runtime
 from costmodels.estimate import (CostContext, Efficiency, Estimate, group_link, group_ranks, simulate_config,
                                  stage_p2p_s, stage_ranges)
 from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, logits_bytes,
-                               model_state_bytes, stage_params)
+                               model_state_bytes, mtp_activation_bytes, stage_params)
 from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
@@ -244,7 +244,7 @@ class _Search:
             first_state_bytes=sum(model_state_bytes(first, lay)),
             first_act_bytes=embedding_activation_bytes(model, lay, wl, rt), first_params_dense=first.dense,
             last_forward=head.forward, last_backward=head.backward_input + head.bwd_weight_compute,
-            last_state_bytes=sum(model_state_bytes(last, lay)), last_fixed_bytes=logits_bytes(model, lay, wl),
+            last_state_bytes=sum(model_state_bytes(last, lay)), last_fixed_bytes=logits_bytes(model, lay, wl) + mtp_activation_bytes(model, lay, wl, rt),
             last_params_dense=last.dense,
             stage_forward_extra=ctx.blocking_p2p_s, stage_backward_extra=ctx.blocking_p2p_s, hop_s=ctx.p2p_s,
             fixed_bytes=ctx.buffer_bytes, fragmentation=FRAGMENTATION, memory_cap_bytes=self.cap,
@@ -395,7 +395,8 @@ class _Search:
         per_expert = sum(model_state_bytes(StageParams(0.0, 1.0), lay))
         r = np.arange(lay.pp)
         held = np.minimum((lay.pp - r - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, lay.num_microbatches * lay.vpp)
-        logits = np.where(r == lay.pp - 1, logits_bytes(self.model, lay, self.wl), 0.0)
+        logits = np.where(r == lay.pp - 1, logits_bytes(self.model, lay, self.wl)
+                          + mtp_activation_bytes(self.model, lay, self.wl, self.rt), 0.0)
         need = (per_dense * dense + per_expert * expert + held * act + logits + ctx.buffer_bytes) * (1 + FRAGMENTATION)
         return float(need.max())
 

@@ -257,3 +257,40 @@ def test_fixed_order_sweep_equals_event_simulation(pp, vpp, groups, schedule, da
     a, b = simulate(sched, times, p2p), simulate_events(sched, times, p2p)
     assert a.makespan == b.makespan and a.busy == b.busy and a.peak_in_flight == b.peak_in_flight
     assert sorted(a.events, key=lambda e: (e[0], e[2])) == sorted(b.events, key=lambda e: (e[0], e[2]))
+
+
+def test_mtp_modules_sit_on_the_last_stage():
+    """DeepSeek-V3's MTP module (one projection, one MoE layer, the shared head again) is the last stage's: its
+    parameters are counted there (the stages' parameters add up to total_params(include_mtp=True)), the last stage's
+    block is slower by about one MoE layer and a head, and its memory grows by the module's activations."""
+    from costmodels.estimate import CostContext, Efficiency, simulate_config
+    from costmodels.memory import mtp_activation_bytes, stage_params
+    from costmodels.model_io import load_zoo
+
+    with_mtp = load_zoo("deepseek-v3")
+    assert with_mtp.num_mtp_layers == 1
+    without = with_mtp.model_copy(update={"num_mtp_layers": 0})
+    cl = Cluster(ClusterSpec(gpu="h800", num_gpus=512))
+    wl = Workload(global_batch=1024, seq_len=4096)
+    cfg = ParallelConfig(tp=1, pp=16, ep=32, etp=1, mbs=1, zero=1)
+    lay = resolve(with_mtp, 512, wl, cfg)
+    edges = [(r == 0, r == lay.pp - 1) for r in range(lay.pp)]
+    starts = [sum(lay.stage_layers[:r]) for r in range(lay.pp)]
+    per_stage = [stage_params(with_mtp, lay, range(s, s + n), first, last)
+                 for s, n, (first, last) in zip(starts, lay.stage_layers, edges)]
+    dense = sum(p.dense for p in per_stage) * lay.tp
+    expert = sum(p.expert for p in per_stage) * lay.ep * lay.etp
+    assert dense + expert == pytest.approx(with_mtp.total_params(include_mtp=True), rel=1e-12)
+
+    rt, eff = get_runtime("megatron-core"), Efficiency.from_gpu(cl.gpu)
+    a = CostContext(with_mtp, cl, wl, lay, rt, eff)
+    b = CostContext(without, cl, wl, resolve(without, 512, wl, cfg), rt, eff)
+    moe_layer = a.layer_times(with_mtp.num_layers - 1, "none")
+    extra = a.head.forward - b.head.forward
+    assert moe_layer.forward + b.head.forward <= extra * (1 + 1e-9)  # a MoE layer and a head, plus the projection
+    assert extra <= 1.2 * (moe_layer.forward + b.head.forward)
+    sim_a = simulate_config(with_mtp, cl, wl, cfg).estimate
+    sim_b = simulate_config(without, cl, wl, cfg).estimate
+    last_a, last_b = sim_a.stages[-1].memory, sim_b.stages[-1].memory
+    assert last_a.activations - last_b.activations == pytest.approx(mtp_activation_bytes(with_mtp, lay, wl, rt), rel=1e-9)
+    assert sim_a.step_time_s > sim_b.step_time_s

@@ -1,0 +1,227 @@
+"""Running one function on every rank of a torch.distributed world, on this machine or under torchrun.
+
+`run_world(n, fn, *args)` spawns n processes (multiprocessing "spawn": each starts a fresh
+interpreter, so `fn` must be a picklable top-level function), gives each a process group with one
+torch thread, calls `fn(rank, n, *args)` and returns the n return values in rank order. It never
+hangs: a rank that raises ends the whole world with `RankFailure("rank 3: ValueError: ...")`, and
+a world that has not finished after `timeout_s` is killed with `RankFailure("rank 2: no result after
+60 s (still running)")`.
+
+On a cluster the same `fn` runs under `torchrun`: `run_torchrun(fn, *args)` reads RANK, WORLD_SIZE,
+LOCAL_RANK and MASTER_ADDR/MASTER_PORT from the environment torchrun sets (`world_env`), makes the
+process group (NCCL when CUDA is there, gloo otherwise) and calls `fn(rank, world, *args)` once, in
+this process. See docs/executor.md, "Launching".
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankFailure", "WorldEnv", "run_torchrun", "run_world", "world_env"]
+
+_GRACE_S = 0.25  # after a first failure, how long to wait for the others' messages (to name the earliest)
+_KILL_WAIT_S = 2.0  # how long terminate() may take before kill()
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or did not finish in time; the message is one line: 'rank R: what happened'."""
+
+    def __init__(self, rank: int, message: str, rank_traceback: str = "") -> None:
+        self.rank = rank
+        self.rank_traceback = rank_traceback  # the rank's own traceback, when it raised
+        super().__init__(f"rank {rank}: {message}")
+
+
+def _one_line(exc: BaseException, limit: int = 500) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _child(rank: int, world: int, backend: str, init_method: str, timeout_s: float,
+           fn: Callable[..., Any], args: tuple, conn: Connection) -> None:
+    """One rank: process group, fn, and exactly one message on `conn`: ("ok", pickled result) or
+    ("error", one-line message, traceback, time of the error)."""
+    torch.set_num_threads(1)  # n ranks on a few cores: intra-op threads only oversubscribe (10x slower seen)
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        result = fn(rank, world, *args)
+        payload = pickle.dumps(result)  # plain pickle: tensors travel as bytes, not as shared-memory handles
+        conn.send(("ok", payload))
+    except BaseException as exc:  # noqa: BLE001 - anything a rank does wrong ends up in the parent's message
+        try:
+            conn.send(("error", _one_line(exc), traceback.format_exc(), time.time()))
+        except Exception:  # noqa: BLE001 - the parent may be gone; the exit code still tells
+            pass
+    finally:
+        conn.close()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a peer that died first can make teardown fail; nothing to save
+                pass
+
+
+def _stop(procs: list[Any], settle_s: float = 0.0) -> None:
+    """Give the ranks `settle_s` to exit by themselves, then terminate, kill what does not stop, reap all."""
+    deadline = time.monotonic() + settle_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _KILL_WAIT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def run_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo",
+              timeout_s: float = 60.0) -> list[Any]:
+    """`fn(rank, world_size, *args)` on `world_size` spawned processes; their return values in rank order.
+
+    Each rank has a process group (`backend`, a file:// store in a temporary directory, the same
+    `timeout_s` for collectives) and one torch thread. Raises RankFailure naming the earliest rank that
+    raised (or died, or, after `timeout_s` in all, one that had not reported), after stopping every rank.
+    Return values and `args` must pickle.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="meshplan-world-")
+    # a file store, not tcp://127.0.0.1:<port>: no free-port race between parallel worlds; gloo itself
+    # still connects the ranks over TCP (set GLOO_SOCKET_IFNAME if the host name does not resolve)
+    init_method = "file://" + os.path.join(tmp, "store")
+    procs: list[Any] = []
+    conns: list[Connection] = []
+    settle_s = 0.0
+    try:
+        for rank in range(world_size):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, name=f"meshplan-rank-{rank}", daemon=True,
+                            args=(rank, world_size, backend, init_method, timeout_s, fn, args, send))
+            p.start()
+            send.close()  # the child holds the only write end, so its death reads as EOF here
+            procs.append(p)
+            conns.append(recv)
+        results = _collect(procs, conns, timeout_s)
+        settle_s = _KILL_WAIT_S  # every rank reported: let them tear down their process groups themselves
+        return [results[r] for r in range(world_size)]
+    finally:
+        _stop(procs, settle_s)
+        for c in conns:
+            c.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _collect(procs: list[Any], conns: list[Connection], timeout_s: float) -> dict[int, Any]:
+    """Every rank's result, or RankFailure for the earliest failure (by the time the rank saw it)."""
+    results: dict[int, Any] = {}
+    failures: list[tuple[float, int, str, str]] = []  # (when, rank, message, traceback)
+    pending = set(range(len(procs)))
+    deadline = time.monotonic() + timeout_s
+    first_failure_at: float | None = None
+    while pending:
+        now = time.monotonic()
+        if first_failure_at is not None and now >= first_failure_at + _GRACE_S:
+            break
+        if now >= deadline:
+            if not failures:
+                rank = min(pending)
+                raise RankFailure(rank, f"no result after {timeout_s:g} s (still running)")
+            break
+        until = deadline if first_failure_at is None else min(deadline, first_failure_at + _GRACE_S)
+        by_handle: dict[Any, int] = {}
+        for r in pending:
+            by_handle[conns[r]] = r
+            by_handle[procs[r].sentinel] = r
+        ready = wait(list(by_handle), timeout=max(0.0, until - now))
+        for r in sorted({by_handle[h] for h in ready}):
+            if r not in pending:
+                continue
+            conn = conns[r]
+            if conn.poll():  # data (or EOF) first: a rank that exits right after sending has still reported
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+            else:  # only the process sentinel is ready: it ended without writing anything
+                msg = None
+            if msg is None:
+                procs[r].join(_KILL_WAIT_S)
+                failures.append((time.time(), r, f"exited with code {procs[r].exitcode} without a result", ""))
+            elif msg[0] == "ok":
+                results[r] = pickle.loads(msg[1])
+            else:
+                _, text, tb, when = msg
+                failures.append((when, r, text, tb))
+            pending.discard(r)
+            if failures and first_failure_at is None:
+                first_failure_at = time.monotonic()
+    if failures:
+        _when, rank, text, tb = min(failures)
+        raise RankFailure(rank, text, tb)
+    return results
+
+
+# ---- under torchrun ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorldEnv:
+    """What torchrun (or any launcher following its convention) tells a rank through the environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def world_env(environ: dict[str, str] | None = None) -> WorldEnv:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun sets them; KeyError names a missing one."""
+    env = os.environ if environ is None else environ
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise KeyError(f"not under torchrun: {', '.join(missing)} not set")
+    return WorldEnv(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                    local_rank=int(env.get("LOCAL_RANK", "0")), master_addr=env["MASTER_ADDR"],
+                    master_port=int(env["MASTER_PORT"]))
+
+
+def run_torchrun(fn: Callable[..., Any], *args: Any, backend: str | None = None, timeout_s: float = 600.0) -> Any:
+    """`fn(rank, world_size, *args)` in this process, one rank of a torchrun world; returns its value.
+
+    backend None: NCCL (binding LOCAL_RANK's GPU) when CUDA is available, else gloo. The process group
+    uses torchrun's env:// rendezvous and `timeout_s` for collectives; torchrun itself ends the other
+    ranks when one fails.
+    """
+    env = world_env()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        return fn(env.rank, env.world_size, *args)
+    finally:
+        dist.destroy_process_group()
