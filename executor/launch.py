@@ -42,8 +42,12 @@ class RankFailure(RuntimeError):
 
     def __init__(self, rank: int, message: str, rank_traceback: str = "") -> None:
         self.rank = rank
+        self.detail = message
         self.rank_traceback = rank_traceback  # the rank's own traceback, when it raised
         super().__init__(f"rank {rank}: {message}")
+
+    def __reduce__(self) -> tuple[Any, tuple[int, str, str]]:
+        return type(self), (self.rank, self.detail, self.rank_traceback)
 
 
 def _one_line(exc: BaseException, limit: int = 500) -> str:

@@ -398,14 +398,13 @@ def test_time_limit_returns_a_plan_with_a_proven_gap():
     result = search(model, c, wl, Pins(max_mbs=2), top_k=3, time_limit_s=0.3)
     acc = result.account
     assert acc.status == "time-limit", describe(result)
-    assert acc.gap >= 0
-    if result.plans:
-        assert math.isfinite(acc.gap)
+    if result.plans:  # a loaded machine may reach no plan in 0.3 s; then the gap is undefined (nan)
+        assert math.isfinite(acc.gap) and acc.gap >= 0
         assert acc.lower_bound_s <= result.plans[0].step_time_s * (1 + REL)
         for p in result.plans:
             assert close(estimate(model, c, wl, p.config).step_time_s, p.step_time_s)
     else:
-        assert result.why_nothing_fits
+        assert math.isnan(acc.gap) and result.why_nothing_fits
 
 
 def test_generous_time_limit_changes_nothing():
