@@ -501,7 +501,7 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     for r in range(lay.pp):
         first = ranges[r][0][0]
         count = sum(n for _, n in ranges[r])
-        params = _stage_params(ctx, range(first, first + count), r == 0, r == last_rank)
+        params = _stage_params(ctx, ranges[r], modes, r == 0, r == last_rank)
         t_reduce, t_gather = sync.reduce(params.dense, params.expert), sync.gather(params.dense, params.expert)
         bwd_window = sum(t.backward_input + t.bwd_weight_compute for t in chunk_pass[r])
         fwd_window = sum(t.forward for t in chunk_pass[r])
@@ -558,19 +558,16 @@ def _layer_mix(model: ModelSpec, layers: range, modes: tuple[str, ...]) -> dict[
     return mix
 
 
-def _stage_params(ctx: CostContext, layers: range, first: bool, last: bool) -> StageParams:
-    """stage_params from the context's per-kind parameter counts (equal to summing layer by layer)."""
+def _stage_params(ctx: CostContext, chunks: list[tuple[int, int]], modes: tuple[str, ...], first: bool,
+                  last: bool) -> StageParams:
+    """stage_params of a rank's chunks (non-contiguous under virtual stages) from the context's per-kind counts."""
     edge = stage_params(ctx.model, ctx.lay, range(0), first, last)
     dense, expert = edge.dense, edge.expert
-    counts: dict[int, int] = {}
-    first_of_kind: dict[bool, int] = {}
-    for i in layers:
-        rep = first_of_kind.setdefault(ctx.model.is_moe_layer(i), i)
-        counts[rep] = counts.get(rep, 0) + 1
-    for rep, n in counts.items():
-        per = ctx.layer_params(rep)
-        dense += n * per.dense
-        expert += n * per.expert
+    for f, n in chunks:
+        for (rep, _), count in _layer_mix(ctx.model, range(f, f + n), modes).items():
+            per = ctx.layer_params(rep)
+            dense += count * per.dense
+            expert += count * per.expert
     return StageParams(dense, expert)
 
 

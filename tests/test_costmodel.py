@@ -294,3 +294,26 @@ def test_mtp_modules_sit_on_the_last_stage():
     last_a, last_b = sim_a.stages[-1].memory, sim_b.stages[-1].memory
     assert last_a.activations - last_b.activations == pytest.approx(mtp_activation_bytes(with_mtp, lay, wl, rt), rel=1e-9)
     assert sim_a.step_time_s > sim_b.step_time_s
+
+
+def test_interleaved_rank_parameters_are_its_chunks():
+    """With virtual stages a rank holds non-contiguous chunks; its parameters (and so its weights, gradients and DP
+    sync) are those chunks' layers, not a contiguous range of the same length. DeepSeek-style dense layers spilling
+    past the first chunk make the two differ."""
+    from costmodels.memory import stage_params
+    from costmodels.model_io import load_zoo
+    from costmodels.estimate import stage_ranges
+
+    base = load_zoo("deepseek-v3")
+    model = base.model_copy(update={"num_layers": 24, "num_mtp_layers": 0,
+                                    "moe": base.moe.model_copy(update={"first_k_dense": 6})})
+    cl = Cluster(ClusterSpec(gpu="h800", num_gpus=256))
+    wl = Workload(global_batch=256, seq_len=4096)
+    cfg = ParallelConfig(tp=1, pp=2, vpp=3, ep=8, etp=1, mbs=1, zero=1)
+    est = estimate(model, cl, wl, cfg)
+    lay = est.layout
+    for r, chunks in enumerate(stage_ranges(lay)):
+        parts = [stage_params(model, lay, range(f, f + n), False, False) for f, n in chunks]
+        edge = stage_params(model, lay, range(0), r == 0, r == lay.pp - 1)
+        want = StageParams(edge.dense + sum(p.dense for p in parts), edge.expert + sum(p.expert for p in parts))
+        assert est.stages[r].memory.weights == pytest.approx(model_state_bytes(want, lay)[0], rel=1e-12)
