@@ -920,11 +920,11 @@ class _NsView:
 def _cp_objective(model: cp_model.CpModel, pr: PartitionProblem, stages: list[_CpStage], ub: int):
     """J = max_r J_r (AddMaxEquality), J_r as in _stage_objective over integer nanoseconds.
 
-    J_r = max(A1, A2) + max(B_<r + r h, E_r) is bounded below by each of its four linear pieces (the exposures in
-    E_r likewise by 0 and reduce - b_r): minimising J drives every one of them down to the max, so the optimum is
-    the same, and the LP relaxation stays tight (AddMaxEquality for these inner maxima took the 16-stage uniform
-    solve from 0.06 s to over 10 s)."""
-    p, m, h = pr.num_stages, pr.num_microbatches, _ns(pr.hop_s)
+    J_r = max(_end_pieces) + max(B_<r + r h, E_r) is bounded below by every (piece, tail) sum (the exposures in E_r
+    likewise by 0 and reduce - b_r): minimising J drives every one of them down to the max, so the optimum is the
+    same, and the LP relaxation stays tight (AddMaxEquality for these inner maxima took the 16-stage uniform solve
+    from 0.06 s to over 10 s)."""
+    h = _ns(pr.hop_s)
     stage_obj = []
     for r, st in enumerate(stages):
         f_before = sum(x.forward for x in stages[:r])

@@ -37,8 +37,8 @@ from planner.space import Candidate, Enumeration, Group, Mesh, Pins, check_pins,
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
 UNBOUNDED_BYTES = 1e30  # a memory cap no stage reaches (bounds that ignore memory)
-CPSAT_TIME_LIMIT_S = 10.0
-PAIR_DP_MAX_CELLS = 2e7  # the O(p L^3) pair bound is tried only below this size  # per CP-SAT call; an unproven answer leaves its candidate's bound open (a gap)
+CPSAT_TIME_LIMIT_S = 10.0  # per CP-SAT call; an unproven answer leaves its candidate's bound open (a gap)
+PAIR_DP_MAX_CELLS = 2e7  # the O(p L^3) pair and stage-0 sync bounds are tried only below this size
 
 
 @dataclass(frozen=True)
