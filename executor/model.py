@@ -15,6 +15,8 @@ DeepSeek-V2 (arXiv:2405.04434, sec. 2.1) as used by DeepSeek-V3 (arXiv:2412.1943
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +24,7 @@ from torch import nn
 from costmodels.model import ModelSpec
 
 __all__ = [
-    "INIT_STD", "NORM_EPS", "ROPE_THETA", "Transformer", "TransformerBlock", "apply_rope", "build_model", "num_params",
+    "INIT_STD", "NORM_EPS", "ROPE_THETA", "AttentionCore", "ModelChunk", "Transformer", "TransformerBlock", "apply_rope", "build_model", "num_params", "token_loss",
 ]
 
 # ModelSpec has no field for these; the values below are the common defaults, fixed so runs compare.
@@ -69,6 +71,12 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""softmax attention of q, k, v (batch, seq, heads, dim) -> (batch, seq, q heads, v dim): the part of an
+attention layer that context parallelism (a ring or all-to-all over this rank's tokens) and selective
+recomputation (checkpointing just this part, Korthikanti et al. 2022 sec. 5) replace."""
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal softmax attention on (batch, seq, heads, dim) tensors; kv heads are repeated for GQA.
 
@@ -93,15 +101,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, self.n_kv_heads * d, bias=spec.qkv_bias, dtype=dtype)
         self.wv = nn.Linear(h, self.n_kv_heads * d, bias=spec.qkv_bias, dtype=dtype)
         self.wo = nn.Linear(self.n_heads * d, h, bias=spec.linear_bias, dtype=dtype)
+        self.core: AttentionCore = causal_attention  # context parallelism and selective recompute replace it
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        # -1, not n_heads: under tensor parallelism this rank holds a slice of the heads
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.use_rope:
             q, k = apply_rope(q, positions), apply_rope(k, positions)
-        return self.wo(causal_attention(q, k, v).reshape(b, s, -1))
+        return self.wo(self.core(q, k, v).reshape(b, s, -1))
 
 
 class MLAttention(nn.Module):
@@ -131,6 +141,7 @@ class MLAttention(nn.Module):
         self.kv_norm = RMSNorm(a.kv_lora_rank, dtype)
         self.wkv_b = nn.Linear(a.kv_lora_rank, n * (a.qk_nope_head_dim + a.v_head_dim), bias=False, dtype=dtype)
         self.wo = nn.Linear(n * a.v_head_dim, h, bias=False, dtype=dtype)
+        self.core: AttentionCore = causal_attention  # context parallelism and selective recompute replace it
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_compressed:
@@ -139,15 +150,16 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self._queries(x).view(b, s, self.n_heads, self.nope + self.rope)
+        q = self._queries(x).view(b, s, -1, self.nope + self.rope)  # -1: this rank's heads under TP
+        heads = q.shape[2]
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, self.n_heads, self.nope + self.v_dim)
+        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k_pe = apply_rope(k_pe.view(b, s, 1, self.rope), positions).expand(b, s, self.n_heads, self.rope)
+        k_pe = apply_rope(k_pe.view(b, s, 1, self.rope), positions).expand(b, s, heads, self.rope)
         q = torch.cat((q_nope, apply_rope(q_pe, positions)), dim=-1)
         k = torch.cat((k_nope, k_pe), dim=-1)
-        return self.wo(causal_attention(q, k, v).reshape(b, s, -1))  # scale 1/sqrt(nope + rope), as DeepSeek
+        return self.wo(self.core(q, k, v).reshape(b, s, -1))  # scale 1/sqrt(nope + rope), as DeepSeek
 
 
 class MLP(nn.Module):
@@ -226,6 +238,16 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def embed_tokens(tok: nn.Module, pos: nn.Module | None, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Token embeddings, plus learned position embeddings when the model has them."""
+    h = tok(tokens)
+    if pos is not None:
+        if int(positions.max()) >= pos.num_embeddings:
+            raise ValueError(f"position {int(positions.max())} beyond max_seq_len {pos.num_embeddings}")
+        h = h + pos(positions)[None]
+    return h
+
+
 # ---- the model ---------------------------------------------------------------------------------
 class Transformer(nn.Module):
     """Decoder-only LM: embeddings, `layers`, final `norm`, `output` head, mean token cross-entropy.
@@ -250,12 +272,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        if self.pos_embeddings is not None:
-            if int(positions.max()) >= self.pos_embeddings.num_embeddings:
-                raise ValueError(f"position {int(positions.max())} beyond max_seq_len {self.spec.max_seq_len}")
-            h = h + self.pos_embeddings(positions)[None]
-        return h
+        return embed_tokens(self.tok_embeddings, self.pos_embeddings, tokens, positions)
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The final-normed hidden states (batch, seq, hidden)."""
@@ -273,8 +290,52 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Mean cross-entropy over all batch * seq tokens."""
-        logits = self.logits(tokens, positions)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return token_loss(self.logits(tokens, positions), labels)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all tokens of logits (batch, seq, vocab) against labels (batch, seq)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class ModelChunk(nn.Module):
+    """Decoder layers [start, stop) of a Transformer, as a pipeline stage's model chunk holds them: the
+    embeddings too if start is 0, the final norm and head too if stop is the last layer.
+
+    The modules are the model's own, not copies, and keep the model's parameter names (`layers` is a
+    ModuleDict keyed by global layer index, torchtitan's convention), so a chunk's gradients compare with
+    the reference by name. A tied head in a last chunk that is not also first keeps the embedding's
+    Parameter under the name `output.weight`; keeping it in step with the first chunk's copy (Megatron's
+    embedding group) is the pipeline's job. `positions` are the absolute positions of the tokens this
+    rank runs (a context-parallel rank's chunks); None means arange of the input's sequence length.
+    Input: token ids (batch, seq) if first, else hidden states; output: logits if last, else hidden states.
+    """
+
+    def __init__(self, model: Transformer, start: int, stop: int, positions: torch.Tensor | None = None) -> None:
+        super().__init__()
+        n = len(model.layers)
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"chunk [{start}, {stop}) is not a non-empty range of the {n} layers")
+        self.start, self.stop = start, stop
+        self.first, self.last = start == 0, stop == n
+        self.positions = positions
+        if self.first:
+            self.tok_embeddings = model.tok_embeddings
+            self.pos_embeddings = model.pos_embeddings
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, stop)})
+        if self.last:
+            self.norm = model.norm
+            self.output = model.output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = self.positions if self.positions is not None else torch.arange(x.shape[1], device=x.device)
+        if self.first:
+            x = embed_tokens(self.tok_embeddings, self.pos_embeddings, x, positions)
+        for layer in self.layers.values():
+            x = layer(x, positions)
+        if self.last:
+            x = self.output(self.norm(x))
+        return x
 
 
 # ---- initialisation ----------------------------------------------------------------------------

@@ -287,3 +287,19 @@ def test_planner_and_costmodels_import_neither_torch_nor_executor() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["llama3.1-8b", "deepseek-v3", "gpt3-175b"])
+def test_chunks_in_a_row_are_the_model(name):
+    from executor.model import ModelChunk
+
+    spec = scale_model(load_model(name), "tiny", num_layers=4)
+    model = build_model(spec, torch.float64, seed=1)
+    tokens, _ = make_batch(spec, 2, 8, seed=0)
+    chunks = [ModelChunk(model, a, b) for a, b in ((0, 1), (1, 3), (3, 4))]
+    x = tokens
+    for c in chunks:
+        x = c(x)
+    assert torch.equal(x, model.logits(tokens))
+    names = {n for c in chunks for n, _ in c.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()} | ({"output.weight"} if spec.tied_embeddings else set())

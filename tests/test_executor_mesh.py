@@ -1,0 +1,68 @@
+"""The executor's groups are the cost model's groups; the DeviceMeshes hold exactly those groups."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from costmodels.config import ParallelConfig, Workload, resolve  # noqa: E402
+from costmodels.estimate import group_ranks  # noqa: E402
+from costmodels.model_io import load_model  # noqa: E402
+from executor.launch import run_world  # noqa: E402
+from executor.mesh import DENSE_DIMS, EXPERT_DIMS, ExecLayout, build_meshes, group_of, rank_coords  # noqa: E402
+
+
+def _layouts():
+    moe = load_model("mixtral-8x7b")
+    for tp, cp, pp, ep, etp, order in itertools.product((1, 2), (1, 2), (1, 2), (1, 2, 4), (1, 2), ("tp-cp-dp-pp", "tp-cp-pp-dp")):
+        if order == "tp-cp-pp-dp" and (cp > 1 or ep > 1):
+            continue
+        gpus = 16
+        dp = gpus // (tp * cp * pp)
+        if (tp * cp * dp) % (etp * ep):
+            continue
+        wl = Workload(global_batch=64, seq_len=64)
+        cfg = ParallelConfig(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, rank_order=order)
+        yield resolve(moe, gpus, wl, cfg)
+
+
+@pytest.mark.parametrize("lay", list(_layouts()), ids=lambda l: f"tp{l.tp}cp{l.cp}pp{l.pp}ep{l.ep}etp{l.etp}-{l.rank_order}")
+def test_groups_match_the_cost_model(lay):
+    ex = ExecLayout.from_layout(lay)
+    for dim in DENSE_DIMS + ("dp_cp",) + EXPERT_DIMS:
+        assert group_of(0, dim, ex) == group_ranks(dim, lay), dim
+    # every rank is in exactly one group of each dim, and its coordinate is its index in that group
+    for dim in DENSE_DIMS + EXPERT_DIMS:
+        seen = set()
+        for r in range(ex.world):
+            g = group_of(r, dim, ex)
+            assert g.index(r) == rank_coords(r, ex)[dim]
+            assert len(g) == ex.size(dim)
+            seen.add(g)
+        assert sorted(itertools.chain(*seen)) == list(range(ex.world)), dim
+
+
+def _mesh_groups(rank, world, ex):
+    meshes = build_meshes(ex)
+    return {dim: tuple(int(r) for r in meshes[dim].mesh.flatten().tolist()) if dim in ("dp_cp",) else
+            tuple(torch.distributed.get_process_group_ranks(meshes[dim].get_group())) for dim in
+            DENSE_DIMS + ("dp_cp",) + EXPERT_DIMS}
+
+
+@pytest.mark.parametrize("ex", [
+    ExecLayout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2),
+    ExecLayout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2, rank_order="tp-cp-pp-dp"),
+    ExecLayout(tp=2, cp=2, dp=2, ep=2, etp=2, stage_layers=(1,)),
+], ids=["tp2dp2pp2", "tp2pp2dp2-order", "tp2cp2dp2-ep2etp2"])
+def test_device_meshes_hold_those_groups(ex):
+    got = run_world(ex.world, _mesh_groups, ex, timeout_s=120)
+    for rank, groups in enumerate(got):
+        for dim, ranks in groups.items():
+            if dim == "dp_cp":
+                assert rank in ranks and len(ranks) == ex.dp * ex.cp
+                assert tuple(sorted(ranks)) == tuple(sorted(group_of(rank, dim, ex))), (rank, dim)
+            else:
+                assert ranks == group_of(rank, dim, ex), (rank, dim)
