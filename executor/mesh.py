@@ -40,7 +40,7 @@ class ExecLayout:
     vpp: int = 1
     dp: int = 1
     cp: int = 1
-    cp_comm: str = "p2p"
+    cp_comm: str = "ring"  # "ring" (P2P ring attention) or "a2a" (all-to-all over heads), as the planner
     ep: int = 1
     etp: int = 1
     mbs: int = 1

@@ -9,6 +9,7 @@ model, whose prediction for the scaled run is compared with the measured one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -61,12 +62,17 @@ def _first_moe_layer(first_k_dense: int, layer_freq: int) -> int:
     return -(-first_k_dense // layer_freq) * layer_freq
 
 
-def _scale_moe(spec: ModelSpec, d: _Dims) -> MoESpec | None:
-    """Fewer, narrower experts; top_k, shared experts and layer_freq kept; first_k_dense capped at 1."""
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _scale_moe(spec: ModelSpec, d: _Dims, ep: int = 1) -> MoESpec | None:
+    """Fewer, narrower experts (a multiple of ep); top_k, shared experts and layer_freq kept; first_k_dense capped at 1."""
     m = spec.moe
     if m is None:
         return None
     experts = min(m.num_experts, max(d.base_experts, 2 * m.top_k))  # 2*top_k: routing stays a real choice
+    experts = min(m.num_experts, _round_up(experts, ep))  # ep divides the original, so this stays within it
     return MoESpec(
         num_experts=experts,
         top_k=m.top_k,
@@ -91,13 +97,16 @@ def _scale_mla(spec: ModelSpec, d: _Dims) -> MLASpec | None:
     )
 
 
-def _heads(spec: ModelSpec, d: _Dims) -> tuple[int, int]:
-    """(query heads, kv heads): the GQA group size heads/kv_heads is kept exactly."""
+def _heads(spec: ModelSpec, d: _Dims, heads_multiple: int = 1, kv_multiple: int = 1) -> tuple[int, int]:
+    """(query heads, kv heads): the GQA group size heads/kv_heads is kept exactly; heads a multiple of
+    `heads_multiple` and (GQA) kv heads of `kv_multiple`, raised within the original's counts."""
     if spec.kv_heads == spec.num_heads:  # MHA (and MLA)
-        heads = min(spec.num_heads, d.mha_heads)
+        heads = min(spec.num_heads, _round_up(min(spec.num_heads, d.mha_heads), heads_multiple))
         return heads, heads
-    kv = min(spec.kv_heads, d.kv_heads)
-    return kv * (spec.num_heads // spec.kv_heads), kv
+    group = spec.num_heads // spec.kv_heads
+    step = math.lcm(kv_multiple, heads_multiple // math.gcd(heads_multiple, group))
+    kv = min(spec.kv_heads, _round_up(min(spec.kv_heads, d.kv_heads), step))
+    return kv * group, kv
 
 
 def _num_layers(spec: ModelSpec, moe: MoESpec | None, base: int, requested: int | None) -> int:
@@ -118,7 +127,8 @@ def _num_layers(spec: ModelSpec, moe: MoESpec | None, base: int, requested: int 
     return min(spec.num_layers, max(base, needed))
 
 
-def scale_model(spec: ModelSpec, scale: Scale, *, num_layers: int | None = None) -> ModelSpec:
+def scale_model(spec: ModelSpec, scale: Scale, *, num_layers: int | None = None, heads_multiple: int = 1,
+                kv_multiple: int = 1, experts_multiple: int = 1) -> ModelSpec:
     """A reduced copy of `spec` named "<name>@<scale>" with the same structure.
 
     Kept: the GQA group size (heads / kv_heads), MHA-ness, MLA (with q compression or not), the MLP
@@ -129,15 +139,18 @@ def scale_model(spec: ModelSpec, scale: Scale, *, num_layers: int | None = None)
     first_k_dense (capped at 1) and the layers (3 tiny / 6 small, or more if the MoE pattern needs it
     to show one dense and one MoE layer, never more than the original). `num_layers` overrides the
     layer count (e.g. to hold a plan's pipeline layout) and must still show the pattern.
+    `heads_multiple`, `kv_multiple`, `experts_multiple` keep a plan's degrees dividing the scaled model:
+    heads a multiple of tp (tp * cp for all-to-all CP), kv heads of tp, routed experts of ep, raised
+    towards the original's counts (which the plan's degrees already divide).
     Dropped: DeepSeek-V3's multi-token-prediction modules (num_mtp_layers = 0), which the reference
     executor does not build.
     """
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
     d = SCALES[scale]
-    moe = _scale_moe(spec, d)
+    moe = _scale_moe(spec, d, experts_multiple)
     mla = _scale_mla(spec, d)
-    heads, kv_heads = _heads(spec, d)
+    heads, kv_heads = _heads(spec, d, heads_multiple, kv_multiple)
     return ModelSpec(
         name=f"{spec.name}@{scale}",
         num_layers=_num_layers(spec, moe, d.layers, num_layers),
