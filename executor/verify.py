@@ -1,0 +1,262 @@
+"""`meshplan verify`: run a plan's exact layout at a reduced model size and prove it computes the training step.
+
+What it does, in order:
+1. `verify_case`: the plan's model shrunk by `scale_model` (its layer count, and so the plan's stage
+   ranges, kept; heads, kv heads and experts kept divisible by the plan's tp, cp and ep), a short
+   sequence, the plan's micro-batch size, data-parallel degree and micro-batch count (or fewer with
+   `microbatches`), and the plan's whole layout (degrees, rank order, stages, schedule, ZeRO, recompute).
+2. The reference: the same model, batches and AdamW steps in one process (`reference_run`).
+3. The plan's world of ranks (`run_world`, gloo, one process per rank), each running
+   `executor.plan_run.plan_rank`; every rank reports the gradients and parameters it holds by the
+   reference's names, its losses, its measured memory (torch's MemTracker) and its step times.
+4. The merge: one value per parameter; where ranks holding replicas disagree (> 1e-12 relative), that is a
+   failure in itself (a missing gradient all-reduce shows up here first).
+5. The comparison (`compare_to_reference`: loss, every gradient after step 1, every parameter after the
+   last step) and, beside it, memory and time against the cost model's prediction for this scaled run.
+
+Only the numerics decide pass or fail. Memory is compared as element counts (the cost model prices bf16
+weights, fp32 gradients and 12-byte Adam states; the executor holds everything in its run dtype, so
+predicted bytes are converted to elements and back at the run's dtype). Time on CPU ranks is not comparable
+with a GPU prediction; both are printed, and the measured per-stage timeline is written as a Chrome trace
+in the planner's `--trace` format so the two can be opened side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from costmodels.config import InputError, ParallelConfig, Workload, resolve
+from costmodels.estimate import Simulated, simulate_config
+from costmodels.model import ModelSpec
+from costmodels.ops import ACT_BYTES
+from executor.scale import SCALES, scale_model
+from planner.plan import Plan, plan_config
+
+__all__ = ["MAX_RANKS", "VerifyCase", "VerifyOptions", "verify_case"]
+
+MAX_RANKS = 16  # ranks this machine runs by default: each is a process with its own copy of the model
+REPLICA_TOLERANCE = 1e-12  # ranks holding the same parameter must agree to rounding (same ops, same order)
+
+# bytes per element the cost model charges per category (costmodels/memory.py model_state_bytes, ops.ACT_BYTES)
+PREDICTED_BYTES_PER_ELEMENT: Mapping[str, float] = {"weights": 2, "gradients": 4, "optimizer": 12 / 2,
+                                                    "activations": ACT_BYTES, "logits": ACT_BYTES + 4}
+# optimizer: 12 bytes per parameter = fp32 master + two Adam moments; the executor keeps the two moments
+# (no master copy, its weights are already in the run dtype), so 2 elements per parameter, 6 bytes each.
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """How to shrink and run a plan. seq None: 16 tokens, raised to a multiple of 2*cp*tp (load-balanced CP
+    chunks, sequence-parallel shards); microbatches None: the plan's count."""
+
+    scale: str = "tiny"
+    steps: int = 2
+    seq: int | None = None
+    microbatches: int | None = None
+    dtype: str = "float64"
+    seed: int = 0
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+    max_ranks: int = MAX_RANKS
+    inject: str | None = None  # a deliberate fault (executor.plan_run.INJECTIONS), to show the check can fail
+
+
+@dataclass(frozen=True)
+class VerifyCase:
+    """The scaled run of a plan: what the ranks execute and what the cost model predicts for it."""
+
+    spec: ModelSpec
+    config: ParallelConfig
+    workload: Workload
+    num_gpus: int
+    runtime: str
+    gbs: int
+    seq: int
+    plan_model: str
+
+    def simulate(self, plan: Plan) -> Simulated:
+        _, cluster, _, _, _ = plan_config(plan)
+        return simulate_config(self.spec, cluster, self.workload, self.config, self.runtime)
+
+
+def _default_seq(cfg: ParallelConfig, spec: ModelSpec, requested: int | None) -> int:
+    step = 2 * cfg.cp * (cfg.tp if cfg.sp or cfg.sp is None else 1)
+    seq = requested if requested is not None else max(16, step)
+    if seq % step:
+        raise InputError(f"--seq {seq} must be a multiple of {step} (2 x cp for load-balanced chunks, x tp with "
+                         f"sequence parallelism); try --seq {step * math.ceil(seq / step)}")
+    if spec.learned_positions and spec.max_seq_len is not None and seq > spec.max_seq_len:
+        raise InputError(f"--seq {seq} exceeds the scaled model's {spec.max_seq_len} learned positions")
+    return seq
+
+
+def verify_case(plan: Plan, opts: VerifyOptions) -> VerifyCase:
+    """The plan's layout at a reduced size; InputError (one line, with the fix) when it cannot run here."""
+    if opts.scale not in SCALES:
+        raise InputError(f"--scale {opts.scale!r}: choose one of {', '.join(SCALES)}")
+    if opts.steps < 1:
+        raise InputError(f"--steps must be at least 1, got {opts.steps}")
+    spec0, cluster, wl0, cfg, runtime = plan_config(plan)
+    lay0 = resolve(spec0, cluster.num_gpus, wl0, cfg)
+    if lay0.world > opts.max_ranks and opts.backend == "gloo":
+        raise InputError(f"the plan runs {lay0.world} ranks; this machine runs at most {opts.max_ranks} "
+                         f"(raise --max-ranks, or run under torchrun on the cluster with --backend nccl)")
+    heads_multiple = cfg.tp * (cfg.cp if cfg.cp_comm == "a2a" else 1)
+    spec = scale_model(spec0, opts.scale, num_layers=spec0.num_layers, heads_multiple=heads_multiple,
+                       kv_multiple=cfg.tp, experts_multiple=cfg.ep)
+    seq = _default_seq(cfg, spec, opts.seq)
+    m = opts.microbatches if opts.microbatches is not None else lay0.num_microbatches
+    if m < 1:
+        raise InputError(f"--microbatches must be at least 1, got {m}")
+    gbs = lay0.dp * lay0.mbs * m
+    wl = wl0.model_copy(update={"global_batch": gbs, "seq_len": seq})
+    resolve(spec, cluster.num_gpus, wl, cfg)  # the scaled run must satisfy every rule the plan did
+    return VerifyCase(spec=spec, config=cfg, workload=wl, num_gpus=cluster.num_gpus, runtime=runtime, gbs=gbs,
+                      seq=seq, plan_model=spec0.name)
+
+
+# ---- merging the ranks' reports --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Disagreement:
+    """Two ranks holding the same parameter (a replica) report different values."""
+
+    what: str  # "gradient" | "parameter"
+    name: str
+    ranks: tuple[int, int]
+    relative_error: float
+
+    def line(self) -> str:
+        return (f"{self.what} {self.name}: ranks {self.ranks[0]} and {self.ranks[1]} hold different replicas "
+                f"(relative difference {self.relative_error:.3g})")
+
+
+def merge_tensors(per_rank: Sequence[Mapping[str, Any] | None], what: str,
+                  tolerance: float = REPLICA_TOLERANCE) -> tuple[dict[str, Any], list[Disagreement]]:
+    """One tensor per name from the ranks' dicts (the lowest rank's), and every replica that disagrees with it."""
+    from executor.compare import relative_error
+
+    merged: dict[str, Any] = {}
+    owner: dict[str, int] = {}
+    bad: list[Disagreement] = []
+    for rank, tensors in enumerate(per_rank):
+        for name, t in (tensors or {}).items():
+            if name not in merged:
+                merged[name], owner[name] = t, rank
+                continue
+            err = relative_error(t, merged[name])
+            if not err <= tolerance:
+                bad.append(Disagreement(what, name, (owner[name], rank), err))
+    return merged, bad
+
+
+# ---- memory and time beside the prediction ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryRow:
+    """One rank's measured peak (torch MemTracker categories) and the cost model's, in bytes at the run's dtype."""
+
+    rank: int
+    stage: int
+    measured: Mapping[str, float]
+    predicted: Mapping[str, float]
+
+    @property
+    def measured_total(self) -> float:
+        return sum(self.measured.values())
+
+    @property
+    def predicted_total(self) -> float:
+        return sum(self.predicted.values())
+
+
+def predicted_state_bytes(sim: Simulated, stage: int, itemsize: int) -> dict[str, float]:
+    """The cost model's memory of a stage as elements times the run's itemsize (see PREDICTED_BYTES_PER_ELEMENT)."""
+    mem = sim.estimate.stages[stage].memory
+    return {
+        "parameters": mem.weights / PREDICTED_BYTES_PER_ELEMENT["weights"] * itemsize,
+        "gradients": mem.gradients / PREDICTED_BYTES_PER_ELEMENT["gradients"] * itemsize,
+        "optimizer": mem.optimizer / PREDICTED_BYTES_PER_ELEMENT["optimizer"] * itemsize,
+        "activations": (mem.activations / PREDICTED_BYTES_PER_ELEMENT["activations"]
+                        + mem.logits / PREDICTED_BYTES_PER_ELEMENT["logits"]) * itemsize,
+    }
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Everything verify found; `ok` is the numerics verdict (loss, gradients, parameters, replicas)."""
+
+    plan_model: str
+    scaled_model: str
+    layout: str
+    world: int
+    dtype: str
+    tolerance: float
+    steps: int
+    gbs: int
+    seq: int
+    loss_error: float
+    grad_error: float
+    param_error: float
+    worst_grad: str
+    worst_param: str
+    failures: tuple[str, ...]
+    memory: tuple[MemoryRow, ...]
+    measured_step_s: tuple[float, ...]  # per rank, the last step's wall time
+    predicted_step_s: float
+    losses: tuple[float, ...]
+    reference_losses: tuple[float, ...]
+    injected: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return json.dumps(data, indent=2, default=lambda o: dict(o) if isinstance(o, Mapping) else str(o))
+
+
+# ---- running a layout ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayoutRun:
+    """A layout's ranks' reports merged, held against the reference."""
+
+    reports: tuple[Any, ...]  # executor.plan_run.RankReport, in rank order
+    comparison: Any  # executor.compare.Comparison
+    disagreements: tuple[Disagreement, ...]
+
+    @property
+    def failures(self) -> tuple[str, ...]:
+        return tuple(self.comparison.failures()) + tuple(d.line() for d in self.disagreements)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def run_layout(run: Any, lay: Any, *, inject: str | None = None, reference: Any = None, backend: str = "gloo",
+               timeout_s: float = 300.0) -> LayoutRun:
+    """`plan_rank` on lay.world spawned ranks, merged and compared with the single-process run (computed here
+    unless `reference` is given). Raises RankFailure if a rank raises or does not finish in time."""
+    from executor.compare import compare_to_reference
+    from executor.launch import run_world
+    from executor.plan_run import plan_rank
+    from executor.reference import RunResult, reference_run
+
+    reports = tuple(run_world(lay.world, plan_rank, run, lay, inject, backend=backend, timeout_s=timeout_s))
+    grads, bad_grads = merge_tensors([r.grads for r in reports], "gradient")
+    params, bad_params = merge_tensors([r.params for r in reports], "parameter")
+    losses = reports[0].losses
+    bad_losses = [Disagreement("loss", f"step {i + 1}", (0, r.rank), abs(a - b) / max(abs(b), 1e-30))
+                  for r in reports[1:] for i, (a, b) in enumerate(zip(r.losses, losses, strict=True))
+                  if abs(a - b) > REPLICA_TOLERANCE * max(abs(b), 1e-30)]
+    merged = RunResult(run=run, losses=losses, grads=grads, params=params, layout=reports[0].layout)
+    reference = reference if reference is not None else reference_run(run)
+    comparison = compare_to_reference(merged, reference)
+    return LayoutRun(reports=reports, comparison=comparison,
+                     disagreements=tuple(bad_losses + bad_grads + bad_params))
