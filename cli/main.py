@@ -463,6 +463,97 @@ def show(
             _console().print(f"trace written to {trace}")
 
 
+@app.command()
+def verify(
+    plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan --out`.")],
+    scale: Annotated[Literal["tiny", "small"], typer.Option("--scale", help=(
+        "Model size to run: the plan's model with its layer count, structure and divisibility kept, widths "
+        "shrunk (docs/executor.md)."))] = "tiny",
+    steps: Annotated[int, typer.Option("--steps", min=1, help="AdamW steps; parameters are compared after the last.")] = 2,
+    seq: Annotated[Optional[int], typer.Option("--seq", min=1, help=(
+        "Tokens per sequence (default 16, raised to a multiple of 2 x cp x tp)."))] = None,
+    microbatches: Annotated[Optional[int], typer.Option("--microbatches", min=1, help=(
+        "Micro-batches per step (default: the plan's); fewer keeps a big plan's run short."))] = None,
+    dtype: Annotated[Literal["float64", "float32"], typer.Option("--dtype", help=(
+        "float64 checks to 1e-6 (relative), float32 to 1e-4."))] = "float64",
+    backend: Annotated[Literal["gloo", "nccl"], typer.Option("--backend", help=(
+        "gloo: spawn the plan's ranks on this machine's CPUs. nccl: run under torchrun, one rank per GPU."))] = "gloo",
+    timeout: Annotated[float, typer.Option("--timeout", min=1, help=(
+        "Seconds before a rank that has not finished ends the run (with that rank's name)."))] = 300.0,
+    max_ranks: Annotated[int, typer.Option("--max-ranks", min=1, help=(
+        "Refuse plans with more ranks than this on gloo (each rank is a process holding a model copy)."))] = 16,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write the report as JSON (atomically).")] = None,
+    trace: Annotated[Optional[Path], typer.Option("--trace", help=(
+        "Write the measured per-rank timeline of the last step as a Chrome trace (the planner's --trace format)."))] = None,
+    inject: Annotated[Optional[str], typer.Option("--inject", hidden=True, help=(
+        "Run a deliberately broken layout (see executor.plan_run.INJECTIONS) to see the check fail."))] = None,
+) -> None:
+    """Run the plan's exact layout (every degree, rank order, stage split, schedule, ZeRO stage, recomputation) on
+    torch.distributed at a reduced model size, and check that loss, every gradient and the parameters after N
+    steps match a single-process run; measured memory and time are shown beside the cost model's prediction.
+    Exit code 0: the numerics match; 1: they do not (the report says where); 2: bad input."""
+    from executor.verify import VerifyOptions, run_verify
+    from planner.plan import read_plan, write_text_atomic
+
+    doc = read_plan(plan_file)
+    opts = VerifyOptions(scale=scale, steps=steps, seq=seq, microbatches=microbatches, dtype=dtype, backend=backend,
+                         timeout_s=timeout, max_ranks=max_ranks, inject=inject)
+    con = _console()
+    try:
+        report, trace_doc = run_verify(doc, opts, progress=lambda text: con.print(f"[dim]{text}[/]"))
+    except RuntimeError as exc:  # executor.launch.RankFailure: one line naming the rank that failed or hung
+        if type(exc).__name__ != "RankFailure":
+            raise
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    _print_verify(con, report)
+    if out is not None:
+        write_text_atomic(out, report.to_json())
+    if trace is not None:
+        from planner.trace import write_trace
+
+        write_trace(trace_doc, trace)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _print_verify(con: Console, report: Any) -> None:
+    from rich.markup import escape
+
+    con.print(f"[bold]{escape(report.plan_model)}[/] as {escape(report.scaled_model)}: {escape(report.layout)}, "
+              f"{report.world} ranks, gbs {report.gbs} x seq {report.seq}, {report.steps} steps, {report.dtype}")
+    t = Table(title="numerics vs the single-process run", show_header=True)
+    for col in ("quantity", "max relative error", "worst", "tolerance"):
+        t.add_column(col)
+    t.add_row("loss (every step)", f"{report.loss_error:.2e}", "", f"{report.tolerance:g}")
+    t.add_row("gradients (step 1)", f"{report.grad_error:.2e}", report.worst_grad, f"{report.tolerance:g}")
+    t.add_row(f"parameters (after step {report.steps})", f"{report.param_error:.2e}", report.worst_param,
+              f"{report.tolerance:g}")
+    con.print(t)
+    m = Table(title="memory per rank, MiB (measured: tensor accounting of the last step, activations at their "
+                    "peak; predicted: the cost model's elements at the run's dtype)")
+    for col in ("rank", "stage", "params", "grads", "optimizer", "activations", "total", "predicted total"):
+        m.add_column(col, justify="right")
+    mib = 2.0 ** 20
+    for row in report.memory:
+        meas = row.measured
+        m.add_row(str(row.rank), str(row.stage), *(f"{meas.get(k, 0.0) / mib:.3f}" for k in
+                  ("parameters", "gradients", "optimizer", "activations")),
+                  f"{row.measured_total / mib:.3f}", f"{row.predicted_total / mib:.3f}")
+    con.print(m)
+    slowest = max(report.measured_step_s, default=0.0)
+    con.print(f"step time: measured {slowest:.3f} s (slowest rank, CPU) vs predicted {report.predicted_step_s:.4f} s "
+              f"on the plan's GPUs: not comparable in absolute terms; compare the timelines (--trace)")
+    for note in report.notes:
+        con.print(f"[dim]note: {escape(note)}[/]")
+    if report.ok:
+        con.print(f"[green]OK[/]: the layout computes the same training step (within {report.tolerance:g})")
+    else:
+        con.print(f"[red]FAIL[/]: {len(report.failures)} problem(s)")
+        for line in report.failures[:20]:
+            con.print(f"  {escape(line)}")
+
+
 # ---- models --------------------------------------------------------------------------------------------------------
 
 @models_app.command("list")

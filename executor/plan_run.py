@@ -65,8 +65,9 @@ __all__ = ["INJECTIONS", "RankReport", "plan_rank"]
 # Deliberate faults for `meshplan verify --inject`, so a test can show that verify fails on a wrong layout:
 #   "no-grad-sync"    dense gradients are never averaged over dp x cp (ZeRO 0/1);
 #   "shift-stage"     the last pipeline rank's first chunk starts one layer early (pp > 1);
-#   "scale-loss"      the last dp rank doubles its loss (a wrong but synchronised gradient).
-INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss")
+#   "scale-loss"      the last dp rank doubles its loss (a wrong but synchronised gradient);
+#   "raise"           the last rank raises before its first step; "hang": it sleeps instead (verify's timeout).
+INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss", "raise", "hang")
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,10 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
     if lay.pp > 1 and lay.zero >= 2:
         raise ValueError("ZeRO 2/3 (FSDP2) with pp > 1 is not run by the executor yet; verify with --zero <= 1")
     torch.set_num_threads(1)
+    if inject in ("raise", "hang") and rank == world - 1:
+        if inject == "raise":
+            raise RuntimeError("injected failure (--inject raise)")
+        time.sleep(10 ** 6)
     notes: list[str] = []
     meshes = build_meshes(lay)
     coords = rank_coords(rank, lay)

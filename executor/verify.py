@@ -36,7 +36,8 @@ from costmodels.ops import ACT_BYTES
 from executor.scale import SCALES, scale_model
 from planner.plan import Plan, plan_config
 
-__all__ = ["MAX_RANKS", "VerifyCase", "VerifyOptions", "verify_case"]
+__all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyReport", "measured_trace", "run_layout", "run_verify",
+           "verify_case"]
 
 MAX_RANKS = 16  # ranks this machine runs by default: each is a process with its own copy of the model
 REPLICA_TOLERANCE = 1e-12  # ranks holding the same parameter must agree to rounding (same ops, same order)
@@ -260,3 +261,65 @@ def run_layout(run: Any, lay: Any, *, inject: str | None = None, reference: Any 
     comparison = compare_to_reference(merged, reference)
     return LayoutRun(reports=reports, comparison=comparison,
                      disagreements=tuple(bad_losses + bad_grads + bad_params))
+
+
+# ---- the whole verification ------------------------------------------------------------------------------------------
+def measured_trace(reports: Sequence[Any], process_name: str = "meshplan verify (measured)") -> dict[str, Any]:
+    """The ranks' measured last-step slices as a Chrome trace, one track per rank, in the planner's --trace
+    format (Trace Event JSON, microseconds), so both open side by side in ui.perfetto.dev."""
+    events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 2, "tid": 1, "ts": 0,
+                                     "args": {"name": process_name}}]
+    for r in reports:
+        tid = r.rank + 1
+        c = r.coords
+        label = (f"rank {r.rank} (pp {c['pp']} dp {c['dp']} cp {c['cp']} tp {c['tp']}; layers "
+                 + ", ".join(f"{a}-{b - 1}" for a, b in r.layers) + ")")
+        events.append({"ph": "M", "name": "thread_name", "pid": 2, "tid": tid, "ts": 0, "args": {"name": label}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": 2, "tid": tid, "ts": 0,
+                       "args": {"sort_index": tid}})
+        for e in r.events:
+            events.append({"ph": "X", "name": e.name, "cat": e.category, "pid": 2, "tid": tid,
+                           "ts": e.start_s * 1e6, "dur": e.duration_s * 1e6, "args": {}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> tuple[VerifyReport, dict[str, Any]]:
+    """Verify a plan (see the module docstring): the report and the measured Chrome trace.
+
+    Raises InputError for a plan this machine cannot run, RankFailure when a rank raises or hangs."""
+    say = progress or (lambda text: None)
+    if opts.backend != "gloo":
+        raise InputError("--backend nccl is not available yet: the executor's pieces run CPU tensors over gloo "
+                         "(tracked in issue 4); use --backend gloo")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise InputError("meshplan verify needs PyTorch: pip install 'meshplan[torch]' (CPU: torch==2.13.0)") from None
+    from executor.mesh import ExecLayout
+    from executor.reference import RunSpec, reference_run
+
+    case = verify_case(plan, opts)
+    lay = resolve(case.spec, case.num_gpus, case.workload, case.config)
+    exec_layout = ExecLayout.from_layout(lay)
+    run = RunSpec(model=case.spec, gbs=case.gbs, seq=case.seq, steps=opts.steps, seed=opts.seed, dtype=opts.dtype)
+    say(f"reference: {case.spec.name}, {case.gbs} x {case.seq} tokens, {opts.steps} steps, one process")
+    reference = reference_run(run)
+    say(f"running the plan's layout on {exec_layout.world} ranks ({opts.backend})")
+    result = run_layout(run, exec_layout, inject=opts.inject, reference=reference, backend=opts.backend,
+                        timeout_s=opts.timeout_s)
+    sim = case.simulate(plan)
+    itemsize = 8 if opts.dtype == "float64" else 4
+    memory = tuple(MemoryRow(rank=r.rank, stage=r.coords["pp"], measured=dict(r.memory),
+                             predicted=predicted_state_bytes(sim, r.coords["pp"], itemsize))
+                   for r in result.reports)
+    notes = sorted({n for r in result.reports for n in r.notes})
+    cmp = result.comparison
+    report = VerifyReport(
+        plan_model=case.plan_model, scaled_model=case.spec.name, layout=result.reports[0].layout,
+        world=exec_layout.world, dtype=opts.dtype, tolerance=cmp.tolerance, steps=opts.steps, gbs=case.gbs,
+        seq=case.seq, loss_error=cmp.loss_error, grad_error=cmp.grad_error, param_error=cmp.param_error,
+        worst_grad=cmp.worst_grad, worst_param=cmp.worst_param, failures=result.failures, memory=memory,
+        measured_step_s=tuple(r.step_s[-1] for r in result.reports), predicted_step_s=sim.estimate.step_time_s,
+        losses=result.reports[0].losses, reference_losses=reference.losses, injected=opts.inject,
+        notes=tuple(notes))
+    return report, measured_trace(result.reports)

@@ -428,3 +428,52 @@ def test_pipeline_floor_is_the_uniform_1f1b_pipeline_with_hops(p, m):
     timeline = simulate(build_schedule("1f1b", p, m), [[StageTimes(1.0, 2.0, 0.0)]] * p, 0.5)
     floor = pipeline_floor(3.0 * p, 1 / 3, m, p, "1f1b", p, 3.0, 0.0, 0.5)
     assert floor == pytest.approx(timeline.makespan, rel=1e-12)
+
+
+def test_cpsat_proves_the_true_optimum_where_presolve_inclusion_did_not():
+    """OR-Tools 9.15's presolve inclusion step made CP-SAT return 280 ns as OPTIMAL here, with 140 ns feasible
+    (the hypothesis test above found it); solve_cpsat now runs without that step."""
+    problem = PartitionProblem(num_stages=4,
+                               num_microbatches=3,
+                               schedule='1f1b',
+                               layer_forward=(0.0, 0.0, 0.0, 0.0, 0.0),
+                               layer_backward=(0.0, 0.0, 0.0, 0.0, 0.0),
+                               layer_selective_extra=(0.0, 0.0, 0.0, 0.0, 0.0),
+                               layer_full_extra=(0.0, 0.0, 0.0, 1.0, 0.0),
+                               layer_state_bytes=(0.0, 0.0, 0.0, 0.0, 0.0),
+                               layer_act_none=(0.0, 0.0, 0.0, 0.0, 0.0),
+                               layer_act_selective=(0.0, 0.0, 0.0, 0.0, 0.0),
+                               layer_act_full=(0.0, 0.0, 0.0, 0.0, 0.0),
+                               layer_params_dense=(0.0, 0.0, 0.0, 0.0, 0.0),
+                               layer_params_expert=(0.0, 0.0, 0.0, 481.0, 481.0),
+                               first_forward=0.0,
+                               first_backward=0.0,
+                               first_state_bytes=0.0,
+                               first_act_bytes=0.0,
+                               first_params_dense=0.0,
+                               last_forward=0.0,
+                               last_backward=0.0,
+                               last_state_bytes=0.0,
+                               last_fixed_bytes=0.0,
+                               last_params_dense=0.0,
+                               stage_forward_extra=0.0,
+                               stage_backward_extra=0.0,
+                               hop_s=0.0,
+                               fixed_bytes=0.0,
+                               fragmentation=0.0,
+                               memory_cap_bytes=0.0,
+                               sync=SyncModel(reduce_alpha_dense=0.0,
+                             reduce_beta_dense=0.0,
+                             reduce_alpha_expert=0.0,
+                             reduce_beta_expert=2.911927071639225e-10,
+                             gather_alpha_dense=0.0,
+                             gather_beta_dense=0.0,
+                             gather_alpha_expert=0.0,
+                             gather_beta_expert=0.0,
+                             overlap_reduce=False,
+                             overlap_gather=False,
+                             optimizer_s_per_dense_param=0.0,
+                             optimizer_s_per_expert_param=0.0))
+    cp, status = solve_cpsat(problem, "per-stage")
+    assert status == "OPTIMAL"
+    assert cp.boundaries == (0, 1, 2, 4, 5) and cp.objective == brute_force(problem, per_stage=True).objective

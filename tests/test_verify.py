@@ -1,0 +1,153 @@
+"""`meshplan verify` and the composed executor: a plan's whole layout matches the single-process step, a wrong
+layout fails, a failing or hanging rank ends the run with its message (issue 4's checks)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cli_helpers import assert_input_error, run  # noqa: E402
+from costmodels.config import ParallelConfig, StagePolicy, Workload  # noqa: E402
+from costmodels.estimate import simulate_config  # noqa: E402
+from costmodels.model_io import load_model  # noqa: E402
+from executor.mesh import ExecLayout  # noqa: E402
+from executor.reference import RunSpec  # noqa: E402
+from executor.scale import scale_model  # noqa: E402
+from executor.verify import run_layout  # noqa: E402
+from hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
+from planner.plan import build_plan, write_plan  # noqa: E402
+
+
+def _write_plan(path, model: str, layers: int, gpus: int, gbs: int, **knobs) -> str:
+    """A plan file for `model` cut to `layers` layers (so the scaled run is quick), with the knobs pinned."""
+    spec = load_model(model).model_copy(update={"num_layers": layers})
+    cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=gpus))
+    wl = Workload(global_batch=gbs, seq_len=4096)
+    cfg = ParallelConfig(**knobs)
+    sim = simulate_config(spec, cluster, wl, cfg, "megatron-core")
+    write_plan(build_plan(spec, cluster, wl, cfg, sim, "megatron-core"), path)
+    return str(path)
+
+
+# ---- the CLI, end to end -----------------------------------------------------------------------------------------
+def test_verify_dp2_tp2_pp2_uneven_1f1b_eight_ranks(tmp_path, capsys):
+    plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 4, 8, 8, tp=2, pp=2, dp=2, mbs=1, schedule="1f1b",
+                       stage_layers=(1, 3))
+    t0 = time.perf_counter()
+    code, out, err = run(capsys, "verify", plan, "--out", str(tmp_path / "r.json"), "--trace",
+                         str(tmp_path / "t.json"))
+    seconds = time.perf_counter() - t0
+    assert code == 0, out + err
+    assert "OK: the layout computes the same training step" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] and report["world"] == 8 and not report["failures"]
+    assert report["grad_error"] < 1e-6 and report["param_error"] < 1e-6 and report["loss_error"] < 1e-6
+    assert "tp2" in report["layout"] and "pp2" in report["layout"] and "stages[1, 3]" in report["layout"]
+    assert len(report["memory"]) == 8
+    for row in report["memory"]:  # measured: this rank's parameters really are its stage's share
+        assert row["measured"]["parameters"] > 0 and row["predicted"]["parameters"] > 0
+        assert 0.5 < row["measured"]["parameters"] / row["predicted"]["parameters"] < 2.0
+    trace = json.loads((tmp_path / "t.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in slices} == set(range(1, 9))
+    assert any(e["cat"] == "forward" for e in slices) and any(e["cat"] == "backward" for e in slices)
+    print(f"8-rank verify: {seconds:.1f} s")
+
+
+@pytest.mark.parametrize("inject, words", [
+    ("shift-stage", ["gradient"]),
+    ("no-grad-sync", ["hold different replicas"]),
+])
+def test_verify_fails_on_a_wrong_layout(tmp_path, capsys, inject, words):
+    plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 4, 4, 8, pp=2, dp=2, mbs=1, schedule="1f1b",
+                       stage_layers=(2, 2))
+    code, out, err = run(capsys, "verify", plan, "--inject", inject, "--steps", "1", "--out", str(tmp_path / "r.json"))
+    assert code == 1, out + err
+    assert "FAIL" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert not report["ok"] and report["injected"] == inject
+    assert any(all(w in line for w in words) for line in report["failures"]), report["failures"]
+
+
+def test_a_rank_that_raises_ends_verify_with_its_message(tmp_path, capsys):
+    plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
+    code, out, err = run(capsys, "verify", plan, "--inject", "raise")
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert lines == ["error: rank 1: RuntimeError: injected failure (--inject raise)"], err
+
+
+def test_a_rank_that_hangs_ends_verify_within_its_timeout(tmp_path, capsys):
+    plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
+    t0 = time.perf_counter()
+    code, out, err = run(capsys, "verify", plan, "--inject", "hang", "--timeout", "20")
+    assert code == 1
+    assert time.perf_counter() - t0 < 60
+    assert "error: rank" in err and "no result after 20 s" in err, err
+
+
+def test_verify_refuses_what_this_machine_cannot_run(tmp_path, capsys):
+    plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 4, 32, 32, tp=2, pp=2)
+    assert_input_error(*run(capsys, "verify", plan), "32 ranks", "--max-ranks")
+    small = _write_plan(tmp_path / "q.json", "llama3.1-8b", 2, 4, 8, tp=2, cp=2)
+    assert_input_error(*run(capsys, "verify", small, "--seq", "12"), "--seq 12", "multiple of 8")
+    assert_input_error(*run(capsys, "verify", small, "--backend", "nccl"), "nccl")
+
+
+# ---- the composed executor on the layouts issue 4 names ------------------------------------------------------------
+def _layout_case(model: str, layers: int, gbs: int, seq: int = 16, **knobs):
+    spec = scale_model(load_model(model), "tiny", num_layers=layers, heads_multiple=knobs.get("tp", 1),
+                       kv_multiple=knobs.get("tp", 1), experts_multiple=knobs.get("ep", 1))
+    pp = knobs.get("pp", 1)
+    knobs.setdefault("stage_layers", (layers,) if pp == 1 else None)
+    knobs.setdefault("stage_recompute", (("none", 0),) * pp)
+    lay = ExecLayout(**knobs)
+    return RunSpec(model=spec, gbs=gbs, seq=seq, steps=2), lay
+
+
+CASES = {
+    "tp2-sp-cp2-ring": ("llama3.1-8b", 2, 2, dict(tp=2, sp=True, cp=2, num_microbatches=2)),
+    "cp2-a2a-pp2-zb": ("gpt3-175b", 4, 4, dict(cp=2, cp_comm="a2a", pp=2, num_microbatches=4, stage_layers=(1, 3),
+                                               schedule="zb")),
+    "ep4": ("mixtral-8x7b", 2, 4, dict(dp=4, ep=4, num_microbatches=1)),
+    "tp2-ep2-etp2": ("mixtral-8x7b", 2, 4, dict(tp=2, dp=2, ep=2, etp=2, num_microbatches=2)),
+    "zero3-dp4": ("llama3.1-8b", 2, 4, dict(dp=4, zero=3, num_microbatches=1)),
+    "pp2-vpp2-tp2": ("llama3.1-8b", 5, 4, dict(tp=2, pp=2, vpp=2, num_microbatches=4, stage_layers=(2, 3),
+                                               schedule="interleaved")),
+    "recompute-full-selective-moe": ("deepseek-v3", 4, 4, dict(tp=2, pp=2, dp=2, ep=2, etp=1, num_microbatches=2,
+                                                               stage_layers=(2, 2),
+                                                               stage_recompute=(("full", 1), ("selective", 0)))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_composed_layout_matches_the_reference(case):
+    model, layers, gbs, knobs = CASES[case]
+    run_spec, lay = _layout_case(model, layers, gbs, **dict(knobs))
+    result = run_layout(run_spec, lay, timeout_s=240)
+    assert result.ok, result.failures
+    assert result.comparison.grad_error < 1e-6 and result.comparison.param_error < 1e-6
+    assert not result.disagreements
+    for report in result.reports:  # each rank measured what it holds
+        assert report.memory["parameters"] > 0 and report.memory["activations"] > 0
+        assert len(report.losses) == 2
+
+
+def test_a_plan_file_round_trips_into_the_executor_layout(tmp_path):
+    from costmodels.config import resolve
+    from executor.verify import VerifyOptions, verify_case
+    from planner.plan import read_plan
+
+    plan = read_plan(_write_plan(tmp_path / "p.json", "llama3.1-8b", 6, 8, 16, tp=2, pp=2, dp=2, mbs=2,
+                                 schedule="1f1b", stage_layers=(2, 4),
+                                 stage_recompute=(StagePolicy(granularity="full", full_layers=1), StagePolicy())))
+    case = verify_case(plan, VerifyOptions(microbatches=2))
+    lay = ExecLayout.from_layout(resolve(case.spec, case.num_gpus, case.workload, case.config))
+    assert (lay.tp, lay.pp, lay.dp, lay.mbs, lay.num_microbatches) == (2, 2, 2, 2, 2)
+    assert lay.stage_layers == (2, 4) and lay.stage_recompute == (("full", 1), ("none", 0))
+    assert case.gbs == 2 * 2 * 2 and case.seq == 16 and case.spec.num_layers == 6
+    assert case.spec.num_heads % 2 == 0 and case.spec.kv_heads % 2 == 0
