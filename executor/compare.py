@@ -24,7 +24,7 @@ the parameter check (docs/executor.md). This is what `meshplan verify` prints.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,11 +32,13 @@ import torch
 
 from executor.reference import FrozenRecord, RunResult, RunSpec, reference_run
 
-__all__ = ["FLOOR", "TINY", "TOLERANCE", "Comparison", "compare_to_reference", "relative_error"]
+__all__ = ["FLOOR", "REPLICA_TOLERANCE", "TINY", "TOLERANCE", "Comparison", "compare_to_reference", "merge_reports",
+           "relative_error"]
 
 TOLERANCE: Mapping[str, float] = {"float64": 1e-6, "float32": 1e-4}
 FLOOR = 1e-6  # a tensor's scale is at least this times the largest of its kind (see above)
 TINY = 1e-30  # and at least this: an all-zero reference tensor (e.g. an expert no token chose) divides by it
+REPLICA_TOLERANCE = 1e-12  # ranks holding the same tensor ran the same ops in the same order: rounding only
 
 
 class _Result(Protocol):
@@ -154,3 +156,32 @@ def compare_to_reference(result: _Result, reference: RunResult | None = None,
     return Comparison(layout=result.layout, dtype=run.dtype, tolerance=tolerance, loss_errors=loss_errors,
                       grad_errors=grad_errors, param_errors=param_errors,
                       problems=tuple(grad_problems + param_problems))
+
+
+def merge_reports(results: Sequence[_Result], tolerance: float = REPLICA_TOLERANCE) -> tuple[RunResult, tuple[str, ...]]:
+    """The ranks' reports as one RunResult, and one line per disagreement between them.
+
+    Each gradient and parameter is taken from the lowest rank that reports it; every other rank holding the same
+    name (a replica: dp copies, tp-gathered tensors) must agree within `tolerance` (relative), and so must every
+    rank's losses. A disagreement is a layout bug by itself (a missing all-reduce shows here before the comparison
+    with the reference does). Ranks are named by their position in `results` (their rank under run_world)."""
+    first = results[0]
+    problems: list[str] = []
+    for r, res in enumerate(results[1:], start=1):
+        for i, (a, b) in enumerate(zip(res.losses, first.losses, strict=True)):
+            if not relative_error(a, b) <= tolerance:
+                problems.append(f"loss at step {i + 1}: rank {r} has {a!r}, rank 0 {b!r}")
+    merged: dict[str, dict[str, torch.Tensor]] = {"gradient": {}, "parameter": {}}
+    owner: dict[tuple[str, str], int] = {}
+    for r, res in enumerate(results):
+        for kind, tensors in (("gradient", res.grads), ("parameter", res.params)):
+            for name, t in (tensors or {}).items():
+                have = merged[kind].get(name)
+                if have is None:
+                    merged[kind][name], owner[(kind, name)] = t, r
+                elif not (err := relative_error(t, have)) <= tolerance:
+                    problems.append(f"{kind} {name}: rank {r} differs from rank {owner[(kind, name)]} "
+                                    f"(relative {err:.3g}): the replicas disagree")
+    result = RunResult(run=first.run, losses=first.losses, grads=merged["gradient"], params=merged["parameter"],
+                       layout=first.layout)
+    return result, tuple(problems)

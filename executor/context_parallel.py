@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from executor.compare import relative_error
+from executor.compare import merge_reports
 from executor.data_parallel import micro_batches
 from executor.mesh import ExecLayout, build_meshes
 from executor.model import ModelChunk, Transformer, causal_attention, token_loss
@@ -339,21 +339,8 @@ def cp_run(rank: int, world: int, run: RunSpec, cp: int, kind: str, dp: int = 1,
 
 
 def merge_rank_results(results: Sequence[CPResult | RunResult], tolerance: float = 1e-12) -> RunResult:
-    """Every rank's tensors in one RunResult; raises ValueError where two ranks report a loss, gradient or
-    parameter that differs by more than `tolerance` (relative, executor.compare.relative_error)."""
-    first = results[0]
-    grads: dict[str, torch.Tensor] = {}
-    params: dict[str, torch.Tensor] = {}
-    for r in results:
-        if r.run != first.run:
-            raise ValueError("the ranks ran different runs")
-        for a, b in zip(r.losses, first.losses, strict=True):
-            if relative_error(a, b) > tolerance:
-                raise ValueError(f"rank {getattr(r, 'rank', '?')} loss {a!r} != {b!r}")
-        for kind, merged, got in (("gradient", grads, r.grads), ("parameter", params, r.params)):
-            for name, t in (got or {}).items():
-                if name in merged and relative_error(t, merged[name]) > tolerance:
-                    err = relative_error(t, merged[name])
-                    raise ValueError(f"ranks disagree on {kind} {name}: relative difference {err:.3g}")
-                merged.setdefault(name, t)
-    return RunResult(run=first.run, losses=first.losses, grads=grads, params=params, layout=first.layout)
+    """executor.compare.merge_reports, raising ValueError at the first disagreement between ranks."""
+    merged, problems = merge_reports(results, tolerance)
+    if problems:
+        raise ValueError(f"ranks disagree: {problems[0]}")
+    return merged

@@ -36,7 +36,7 @@ tp) the router's gradient is partial over tp and must be all-reduced over tp lik
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -46,15 +46,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from executor.compare import relative_error
 from executor.data_parallel import micro_batches
 from executor.mesh import ExecLayout, Meshes, build_meshes, rank_coords
 from executor.model import MLP, MoE, ModelChunk, Transformer
-from executor.reference import ADAMW, FrozenRecord, RunResult, RunSpec
+from executor.reference import ADAMW, FrozenRecord, RunSpec
 
 __all__ = [
     "INJECTIONS", "EPResult", "ExpertParallelMoE", "ExpertPlacement", "all_to_all", "apply_expert_parallel",
-    "disagreements", "ep_run", "expert_parameters", "full_tensors", "layout_name", "merge_results",
+    "ep_run", "expert_parameters", "full_tensors", "layout_name",
     "reduce_expert_grads",
 ]
 
@@ -461,33 +460,3 @@ def ep_run(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str | N
 
 
 # ---- merging the ranks' reports ----------------------------------------------------------------
-def disagreements(results: Sequence[EPResult], rtol: float = 1e-12) -> list[str]:
-    """One line per loss, gradient or parameter that two ranks report differently (relative error > rtol)."""
-    out = []
-    first = results[0]
-    for r in results[1:]:
-        for a, b in zip(r.losses, first.losses, strict=True):
-            if relative_error(a, b) > rtol:
-                out.append(f"loss: rank {r.rank} {a!r} vs rank {first.rank} {b!r}")
-    for kind in ("grads", "params"):
-        seen: dict[str, tuple[int, torch.Tensor]] = {}
-        for r in results:
-            for name, t in getattr(r, kind).items():
-                if name not in seen:
-                    seen[name] = (r.rank, t)
-                elif (e := relative_error(t, seen[name][1])) > rtol:
-                    out.append(f"{kind} {name}: rank {r.rank} vs rank {seen[name][0]}: relative {e:.3g}")
-    return out
-
-
-def merge_results(results: Sequence[EPResult]) -> RunResult:
-    """The ranks' reports as one RunResult (the first reporter of each name wins; check `disagreements` first)."""
-    first = results[0]
-    grads: dict[str, torch.Tensor] = {}
-    params: dict[str, torch.Tensor] = {}
-    for r in results:
-        for name, t in r.grads.items():
-            grads.setdefault(name, t)
-        for name, t in r.params.items():
-            params.setdefault(name, t)
-    return RunResult(run=first.run, losses=first.losses, grads=grads, params=params, layout=first.layout)

@@ -63,11 +63,11 @@ from executor.data_parallel import micro_batches
 from executor.mesh import ExecLayout, Meshes, build_meshes, group_of, rank_coords
 from executor.model import ModelChunk, Transformer, token_loss
 from executor.recompute import apply_recompute
-from executor.reference import ADAMW, FrozenRecord, RunResult, RunSpec
+from executor.reference import ADAMW, FrozenRecord, RunSpec
 
 __all__ = [
     "INJECTIONS", "SCHEDULES", "PPResult", "Pipeline", "average_replicated_grads", "build_chunks", "build_pipeline",
-    "embedding_group", "full_named", "global_loss", "local_ranges", "mean_loss_over", "merge_results",
+    "embedding_group", "full_named", "global_loss", "local_ranges", "mean_loss_over",
     "named_parameters", "pp_run", "pp_train_step", "stage_io", "sync_tied_embedding",
 ]
 
@@ -317,29 +317,6 @@ class PPResult(FrozenRecord):
     dp_rank: int
 
 
-def merge_results(results: Sequence[Any], agree: float = 1e-12) -> tuple[RunResult, tuple[str, ...]]:
-    """The ranks' reports as one RunResult (grads and params merged by name), and every disagreement: a
-    name two ranks report with relative difference above `agree`, or losses that differ between ranks."""
-    problems: list[str] = []
-    losses = results[0].losses
-    problems += [f"rank {r.rank}: losses {r.losses} != {losses}" for r in results if r.losses != losses]
-    merged: dict[str, dict[str, torch.Tensor]] = {"grads": {}, "params": {}}
-    for r in results:
-        for what, merged_kind in merged.items():
-            for name, t in (getattr(r, what) or {}).items():
-                have = merged_kind.get(name)
-                if have is None:
-                    merged_kind[name] = t
-                    continue
-                diff = float((have - t).abs().max()) / max(float(have.abs().max()), 1e-30) if have.shape == t.shape \
-                    else float("inf")
-                if diff > agree:
-                    problems.append(f"{what} {name}: rank {r.rank} differs from an earlier rank by {diff:.3g}")
-    result = RunResult(run=results[0].run, losses=losses, grads=merged["grads"], params=merged["params"],
-                       layout=results[0].layout)
-    return result, tuple(problems)
-
-
 # ---- a whole run -------------------------------------------------------------------------------
 def layout_label(lay: ExecLayout, n_micro: int, inject: str | None) -> str:
     recompute = ",".join(g if g != "full" else f"full:{k}" for g, k in lay.stage_recompute)
@@ -383,7 +360,7 @@ def pp_run(rank: int, world: int, run: RunSpec, lay: ExecLayout, *, meshes: Mesh
     Collective: every rank of the world calls it with the same arguments (run_world(lay.world, pp_run, run, lay)).
     meshes: build_meshes(lay), or meshes built for another layout with the same degrees and rank order (its
     groups are the same), to save creating them again. Each rank reports its own parameters' full gradients
-    (after step 1) and values (after the last step); `merge_results` puts the ranks' reports together."""
+    (after step 1) and values (after the last step); `executor.compare.merge_reports` puts the ranks' reports together."""
     n_micro = _check(run, lay, world, inject)
     torch.set_num_threads(1)
     meshes = meshes or build_meshes(lay)

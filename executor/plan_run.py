@@ -54,7 +54,7 @@ from executor.pipeline import (
 )
 from executor.recompute import apply_recompute
 from executor.reference import ADAMW, FrozenRecord, RunSpec
-from executor.tensor_parallel import apply_tensor_parallel, reduce_partial_grads, tp_loss, vocab_parallel_loss
+from executor.tensor_parallel import apply_tensor_parallel, reduce_partial_grads, vocab_parallel_loss
 
 with warnings.catch_warnings():  # torch.distributed.optim scripts its functional optimizers; 2.13 deprecates jit
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -303,7 +303,7 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
     notes: list[str] = []
     meshes = build_meshes(lay)
     coords = rank_coords(rank, lay)
-    pp_rank, dp_rank, cp_rank = coords["pp"], coords["dp"], coords["cp"]
+    pp_rank, cp_rank = coords["pp"], coords["cp"]
     positions = torch.arange(run.seq)
     if lay.cp > 1:
         positions = cp_shard(positions, lay.cp, cp_rank, dim=0)

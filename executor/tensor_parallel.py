@@ -73,11 +73,11 @@ from torch.distributed.tensor.parallel import (
 from executor.data_parallel import fsdp_reduction_factor, micro_batches
 from executor.mesh import ExecLayout, build_meshes
 from executor.model import MLAttention, ModelChunk, TransformerBlock, token_loss
-from executor.reference import ADAMW, FrozenRecord, RunResult, RunSpec
+from executor.reference import ADAMW, FrozenRecord, RunSpec
 
 __all__ = [
     "INJECTIONS", "TPResult", "apply_tensor_parallel", "check_tp_degree", "full_grads", "full_params", "full_state",
-    "merge_results", "rank_disagreements", "reduce_partial_grads", "tp_loss", "tp_run", "vocab_parallel_loss",
+    "reduce_partial_grads", "tp_loss", "tp_run", "vocab_parallel_loss",
 ]
 
 # Deliberate faults, so the tests show the comparison can fail:
@@ -376,36 +376,3 @@ def tp_run(rank: int, world: int, run: RunSpec, tp: int, sp: bool, dp: int = 1, 
     return TPResult(run=run, losses=tuple(losses), grads=grads, params=full_params(model), layout=layout, rank=rank)
 
 
-def rank_disagreements(results: list[TPResult], rel: float = 1e-12) -> list[str]:
-    """Names (and losses) that several ranks report with a relative difference above `rel`: empty when the
-    ranks agree, as replicas of one tensor must."""
-    first = results[0]
-    seen: dict[tuple[str, str], tuple[int, torch.Tensor]] = {}
-    out = []
-    for r in results:
-        if any(abs(a - b) > rel * abs(b) for a, b in zip(r.losses, first.losses, strict=True)):
-            out.append(f"loss: rank {r.rank} {r.losses} != rank {first.rank} {first.losses}")
-        for kind, tensors in (("gradient", r.grads), ("parameter", r.params)):
-            for name, t in (tensors or {}).items():
-                if (kind, name) not in seen:
-                    seen[kind, name] = (r.rank, t)
-                    continue
-                rank0, t0 = seen[kind, name]
-                scale = max(float(t0.abs().max()), 1e-300)
-                if t.shape != t0.shape or float((t - t0).abs().max()) > rel * scale:
-                    out.append(f"{kind} {name}: rank {r.rank} != rank {rank0}")
-    return out
-
-
-def merge_results(results: list[TPResult]) -> RunResult:
-    """The ranks' reports as one RunResult (each name as the lowest rank reporting it has it; rank 0's losses).
-    Check `rank_disagreements` too: merging does not."""
-    grads: dict[str, torch.Tensor] = {}
-    params: dict[str, torch.Tensor] = {}
-    for r in results:
-        for name, t in (r.grads or {}).items():
-            grads.setdefault(name, t)
-        for name, t in (r.params or {}).items():
-            params.setdefault(name, t)
-    first = results[0]
-    return RunResult(run=first.run, losses=first.losses, grads=grads, params=params, layout=first.layout)

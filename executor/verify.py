@@ -9,8 +9,8 @@ What it does, in order:
 3. The plan's world of ranks (`run_world`, gloo, one process per rank), each running
    `executor.plan_run.plan_rank`; every rank reports the gradients and parameters it holds by the
    reference's names, its losses, its measured memory (torch's MemTracker) and its step times.
-4. The merge: one value per parameter; where ranks holding replicas disagree (> 1e-12 relative), that is a
-   failure in itself (a missing gradient all-reduce shows up here first).
+4. The merge (`executor.compare.merge_reports`): one value per parameter; where ranks holding replicas disagree
+   (> 1e-12 relative), that is a failure in itself (a missing gradient all-reduce shows up here first).
 5. The comparison (`compare_to_reference`: loss, every gradient after step 1, every parameter after the
    last step) and, beside it, memory and time against the cost model's prediction for this scaled run.
 
@@ -40,7 +40,6 @@ __all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyRepor
            "verify_case"]
 
 MAX_RANKS = 16  # ranks this machine runs by default: each is a process with its own copy of the model
-REPLICA_TOLERANCE = 1e-12  # ranks holding the same parameter must agree to rounding (same ops, same order)
 
 # bytes per element the cost model charges per category (costmodels/memory.py model_state_bytes, ops.ACT_BYTES)
 PREDICTED_BYTES_PER_ELEMENT: Mapping[str, float] = {"weights": 2, "gradients": 4, "optimizer": 12 / 2,
@@ -120,40 +119,6 @@ def verify_case(plan: Plan, opts: VerifyOptions) -> VerifyCase:
                       seq=seq, plan_model=spec0.name)
 
 
-# ---- merging the ranks' reports --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Disagreement:
-    """Two ranks holding the same parameter (a replica) report different values."""
-
-    what: str  # "gradient" | "parameter"
-    name: str
-    ranks: tuple[int, int]
-    relative_error: float
-
-    def line(self) -> str:
-        return (f"{self.what} {self.name}: ranks {self.ranks[0]} and {self.ranks[1]} hold different replicas "
-                f"(relative difference {self.relative_error:.3g})")
-
-
-def merge_tensors(per_rank: Sequence[Mapping[str, Any] | None], what: str,
-                  tolerance: float = REPLICA_TOLERANCE) -> tuple[dict[str, Any], list[Disagreement]]:
-    """One tensor per name from the ranks' dicts (the lowest rank's), and every replica that disagrees with it."""
-    from executor.compare import relative_error
-
-    merged: dict[str, Any] = {}
-    owner: dict[str, int] = {}
-    bad: list[Disagreement] = []
-    for rank, tensors in enumerate(per_rank):
-        for name, t in (tensors or {}).items():
-            if name not in merged:
-                merged[name], owner[name] = t, rank
-                continue
-            err = relative_error(t, merged[name])
-            if not err <= tolerance:
-                bad.append(Disagreement(what, name, (owner[name], rank), err))
-    return merged, bad
-
-
 # ---- memory and time beside the prediction ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MemoryRow:
@@ -229,11 +194,11 @@ class LayoutRun:
 
     reports: tuple[Any, ...]  # executor.plan_run.RankReport, in rank order
     comparison: Any  # executor.compare.Comparison
-    disagreements: tuple[Disagreement, ...]
+    disagreements: tuple[str, ...]  # replicas (or losses) that differ between ranks (executor.compare.merge_reports)
 
     @property
     def failures(self) -> tuple[str, ...]:
-        return tuple(self.comparison.failures()) + tuple(d.line() for d in self.disagreements)
+        return tuple(self.comparison.failures()) + self.disagreements
 
     @property
     def ok(self) -> bool:
@@ -244,23 +209,15 @@ def run_layout(run: Any, lay: Any, *, inject: str | None = None, reference: Any 
                timeout_s: float = 300.0) -> LayoutRun:
     """`plan_rank` on lay.world spawned ranks, merged and compared with the single-process run (computed here
     unless `reference` is given). Raises RankFailure if a rank raises or does not finish in time."""
-    from executor.compare import compare_to_reference
+    from executor.compare import compare_to_reference, merge_reports
     from executor.launch import run_world
     from executor.plan_run import plan_rank
-    from executor.reference import RunResult, reference_run
+    from executor.reference import reference_run
 
     reports = tuple(run_world(lay.world, plan_rank, run, lay, inject, backend=backend, timeout_s=timeout_s))
-    grads, bad_grads = merge_tensors([r.grads for r in reports], "gradient")
-    params, bad_params = merge_tensors([r.params for r in reports], "parameter")
-    losses = reports[0].losses
-    bad_losses = [Disagreement("loss", f"step {i + 1}", (0, r.rank), abs(a - b) / max(abs(b), 1e-30))
-                  for r in reports[1:] for i, (a, b) in enumerate(zip(r.losses, losses, strict=True))
-                  if abs(a - b) > REPLICA_TOLERANCE * max(abs(b), 1e-30)]
-    merged = RunResult(run=run, losses=losses, grads=grads, params=params, layout=reports[0].layout)
+    merged, disagreements = merge_reports(reports)
     reference = reference if reference is not None else reference_run(run)
-    comparison = compare_to_reference(merged, reference)
-    return LayoutRun(reports=reports, comparison=comparison,
-                     disagreements=tuple(bad_losses + bad_grads + bad_params))
+    return LayoutRun(reports=reports, comparison=compare_to_reference(merged, reference), disagreements=disagreements)
 
 
 # ---- the whole verification ------------------------------------------------------------------------------------------
@@ -292,7 +249,7 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> tuple[V
         raise InputError("--backend nccl is not available yet: the executor's pieces run CPU tensors over gloo "
                          "(tracked in issue 4); use --backend gloo")
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - only to say what is missing in one line
     except ImportError:
         raise InputError("meshplan verify needs PyTorch: pip install 'meshplan[torch]' (CPU: torch==2.13.0)") from None
     from executor.mesh import ExecLayout

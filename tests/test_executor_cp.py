@@ -160,7 +160,7 @@ def test_merge_rank_results_needs_the_ranks_to_agree() -> None:
     merged = merge_rank_results([a, b])
     assert set(merged.grads) == {"w", "v"} and set(merged.params) == {"w"}
     c = RunResult(run=run, losses=(1.0,), grads={"w": w * (1 + 1e-9)}, params={"w": w}, layout="x")
-    with pytest.raises(ValueError, match="disagree on gradient w"):
+    with pytest.raises(ValueError, match="ranks disagree: gradient w"):
         merge_rank_results([a, c])
 
 

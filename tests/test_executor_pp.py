@@ -108,9 +108,9 @@ def results_of(ranks: list[dict], name: str) -> list:
 
 
 def merged(ranks: list[dict], name: str):
-    from executor.pipeline import merge_results
+    from executor.compare import merge_reports
 
-    return merge_results(results_of(ranks, name))
+    return merge_reports(results_of(ranks, name))
 
 
 def layer_indices(names) -> set[int]:

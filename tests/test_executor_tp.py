@@ -134,11 +134,11 @@ def results_of(case: str, world2, world4) -> list:
 # ---- numerics ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", [c for c in {**TP2_CASES, **WORLD4_CASES} if c not in BROKEN])
 def test_tp_matches_the_reference(case: str, world2, world4) -> None:
-    from executor.tensor_parallel import merge_results, rank_disagreements
+    from executor.compare import merge_reports
 
     results = results_of(case, world2, world4)
-    assert rank_disagreements(results) == []  # replicas (tp gathers, dp copies) agree to 1e-12
-    merged = merge_results(results)
+    merged, problems = merge_reports(results)
+    assert problems == ()  # replicas (tp gathers, dp copies) agree to 1e-12
     cmp = compare_to_reference(merged, reference(merged.run))
     assert cmp.ok, cmp.summary() + "\n" + "\n".join(cmp.failures())
     assert len(cmp.loss_errors) == 2 and set(cmp.grad_errors) == set(reference(merged.run).grads)
@@ -147,13 +147,13 @@ def test_tp_matches_the_reference(case: str, world2, world4) -> None:
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_a_broken_tp_is_caught(case: str, world2, world4) -> None:
-    from executor.tensor_parallel import merge_results, rank_disagreements
+    from executor.compare import merge_reports
 
     results = results_of(case, world2, world4)
-    merged = merge_results(results)
+    merged, problems = merge_reports(results)
     cmp = compare_to_reference(merged, reference(merged.run))
     assert not cmp.ok and cmp.grad_error > 1e-3, cmp.summary()
-    assert rank_disagreements(results)  # the replicas drift apart too
+    assert problems  # the replicas drift apart too
     assert merged.layout.endswith(f"[{case.removeprefix('broken-')}]")
 
 
@@ -195,15 +195,16 @@ def test_tp_run_checks_its_arguments() -> None:
         tp_run(0, 2, run, 2, True, inject="no-wo-reduce")
 
 
-def test_rank_disagreements_and_merge() -> None:
-    from executor.tensor_parallel import TPResult, merge_results, rank_disagreements
+def test_merge_reports_lists_disagreeing_replicas() -> None:
+    from executor.compare import merge_reports
+    from executor.tensor_parallel import TPResult
 
     run = run_of(DENSE)
     a = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
     b = {"w": a["w"] * (1 + 1e-9)}
     r0 = TPResult(run=run, losses=(1.0, 2.0), grads=a, params=a, layout="x", rank=0)
     r1 = TPResult(run=run, losses=(1.0, 2.0), grads=b, params={"v": a["w"]}, layout="x", rank=1)
-    assert rank_disagreements([r0, r0]) == []
-    assert rank_disagreements([r0, r1]) == ["gradient w: rank 1 != rank 0"]
-    merged = merge_results([r0, r1])
+    assert merge_reports([r0, r0])[1] == ()
+    merged, problems = merge_reports([r0, r1])
+    assert len(problems) == 1 and problems[0].startswith("gradient w: rank 1 differs from rank 0")
     assert set(merged.params) == {"w", "v"} and torch.equal(merged.grads["w"], a["w"])
