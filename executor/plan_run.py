@@ -9,8 +9,9 @@ torchrun, NCCL). It composes the per-dimension pieces, each tested alone against
 4. tensors     executor/tensor_parallel.py  TP (+SP) with DTensor styles
 5. context     executor/context_parallel.py ring or all-to-all attention core, load-balanced chunks
 6. recompute   executor/recompute.py        per stage, after CP (selective wraps the core CP installed)
-7. data        ZeRO 0: gradients averaged by hand; 1: torch's ZeroRedundancyOptimizer for plain dense
-               parameters; 2/3: FSDP2 over dp x cp (2-D with TP), routed experts left to their own group
+7. data        ZeRO 0: gradients averaged by hand; 1: as 0, AdamW states sharded (ZeroRedundancyOptimizer,
+               or executor/sharded_optimizer.py for DTensor shards); 2/3: FSDP2 over dp x cp (2-D with TP),
+               routed experts left to their own group
 8. schedule    executor/pipeline.py         torch pipelining (pp > 1), else a plain micro-batch loop
 
 Composition rules (each piece's contract): MoE layers see tokens replicated over tp (TP gathers them
@@ -54,6 +55,7 @@ from executor.pipeline import (
 )
 from executor.recompute import apply_recompute
 from executor.reference import ADAMW, FrozenRecord, RunSpec
+from executor.sharded_optimizer import ShardedAdamW
 from executor.tensor_parallel import apply_tensor_parallel, reduce_partial_grads, vocab_parallel_loss
 
 with warnings.catch_warnings():  # torch.distributed.optim scripts its functional optimizers; 2.13 deprecates jit
@@ -156,18 +158,22 @@ def _fsdp(chunks: Sequence[ModelChunk], meshes: Meshes, lay: ExecLayout, experts
 
 
 def _optimizer(named: Sequence[tuple[str, nn.Parameter]], lay: ExecLayout, meshes: Meshes, lr: float,
-               experts: set[nn.Parameter]) -> list[torch.optim.Optimizer]:
+               experts: set[nn.Parameter]) -> list[Any]:
+    """AdamW; under ZeRO 1 its states sharded over the parameters' data-parallel group (dense: dp x cp, routed
+    experts: edp): torch's ZeroRedundancyOptimizer for plain tensors, ShardedAdamW for DTensor (TP) shards."""
     dense = [p for _, p in named if p not in experts]
     routed = [p for _, p in named if p in experts]
-    plain_dense = not any(isinstance(p, DTensor) for p in dense)
-    opts: list[torch.optim.Optimizer] = []
-    if lay.zero == 1 and plain_dense and meshes["dp_cp"].size() > 1 and dense:
-        opts.append(ZeroRedundancyOptimizer(dense, optimizer_class=torch.optim.AdamW,
-                                            process_group=meshes["dp_cp"].get_group(), lr=lr, **ADAMW))
-    elif dense:
-        opts.append(torch.optim.AdamW(dense, lr=lr, **ADAMW))
-    if routed:
-        opts.append(torch.optim.AdamW(routed, lr=lr, **ADAMW))
+    opts: list[Any] = []
+    for params, dim in ((dense, "dp_cp"), (routed, "edp")):
+        if not params:
+            continue
+        if lay.zero != 1 or meshes[dim].size() == 1:
+            opts.append(torch.optim.AdamW(params, lr=lr, **ADAMW))
+        elif any(isinstance(p, DTensor) for p in params):
+            opts.append(ShardedAdamW(params, meshes[dim].get_group(), lr=lr, **ADAMW))
+        else:
+            opts.append(ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+                                                process_group=meshes[dim].get_group(), lr=lr, **ADAMW))
     return opts
 
 
@@ -319,8 +325,9 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
         _fsdp(chunks, meshes, lay, experts)
     named = named_parameters(chunks, run.model)
     opts = _optimizer(named, lay, meshes, run.lr, experts)
-    if lay.zero == 1 and len(opts) and not isinstance(opts[0], ZeroRedundancyOptimizer):
-        notes.append("ZeRO-1 with DTensor parameters runs plain AdamW (numerically the same; states not sharded)")
+    if lay.pp > 1 and lay.tp > 1:
+        notes.append("pp > 1 with TP: the head's logits are gathered over tp (torch's pipelining passes plain "
+                     "tensors), so the loss is the same but the head's activations are not vocab-sharded")
 
     emb_group = embedding_group(lay, rank, meshes)
     pipe = None

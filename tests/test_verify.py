@@ -119,6 +119,7 @@ CASES = {
     "zero2-tp2-pp2-vpp2-tied": ("gpt3-175b", 4, 8, dict(tp=2, pp=2, vpp=2, dp=2, zero=2, num_microbatches=4,
                                                         stage_layers=(2, 2), schedule="interleaved")),
     "zero3-ep2-dp4": ("mixtral-8x7b", 2, 4, dict(dp=4, ep=2, zero=3, num_microbatches=1)),
+    "zero1-tp2-dp2-moe": ("mixtral-8x7b", 2, 4, dict(tp=2, dp=2, zero=1, num_microbatches=2)),
     "pp2-vpp2-tp2": ("llama3.1-8b", 5, 4, dict(tp=2, pp=2, vpp=2, num_microbatches=4, stage_layers=(2, 3),
                                                schedule="interleaved")),
     "recompute-full-selective-moe": ("deepseek-v3", 4, 4, dict(tp=2, pp=2, dp=2, ep=2, etp=1, num_microbatches=2,
