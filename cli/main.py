@@ -477,7 +477,10 @@ def verify(
     dtype: Annotated[Literal["float64", "float32"], typer.Option("--dtype", help=(
         "float64 checks to 1e-6 (relative), float32 to 1e-4."))] = "float64",
     backend: Annotated[Literal["gloo", "nccl"], typer.Option("--backend", help=(
-        "gloo: spawn the plan's ranks on this machine's CPUs. nccl: run under torchrun, one rank per GPU."))] = "gloo",
+        "Process-group backend. gloo: CPU tensors (the executor's only one so far); nccl: GPUs (not yet)."))] = "gloo",
+    launcher: Annotated[Optional[Literal["spawn", "torchrun"]], typer.Option("--launcher", help=(
+        "spawn: start the plan's ranks here, one process each. torchrun: this process is one rank of a torchrun "
+        "world of the plan's size (rank 0 prints the report). Default: torchrun when RANK is set, else spawn."))] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=1, help=(
         "Seconds before a rank that has not finished ends the run (with that rank's name)."))] = 300.0,
     max_ranks: Annotated[int, typer.Option("--max-ranks", min=1, help=(
@@ -496,23 +499,28 @@ def verify(
     from planner.plan import read_plan, write_text_atomic
 
     doc = read_plan(plan_file)
+    if launcher is None:
+        launcher = "torchrun" if "RANK" in os.environ else "spawn"
     opts = VerifyOptions(scale=scale, steps=steps, seq=seq, microbatches=microbatches, dtype=dtype, backend=backend,
-                         timeout_s=timeout, max_ranks=max_ranks, inject=inject)
+                         launcher=launcher, timeout_s=timeout, max_ranks=max_ranks, inject=inject)
     con = _console()
     try:
-        report, trace_doc = run_verify(doc, opts, progress=lambda text: con.print(f"[dim]{text}[/]"))
+        outcome = run_verify(doc, opts, progress=lambda text: con.print(f"[dim]{text}[/]"))
     except RuntimeError as exc:  # executor.launch.RankFailure: one line naming the rank that failed or hung
         if type(exc).__name__ != "RankFailure":
             raise
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         raise typer.Exit(1) from None
+    report = outcome.report
+    if report is None:  # a torchrun rank other than 0: rank 0 prints and writes; exit as it does
+        raise typer.Exit(0 if outcome.ok else 1)
     _print_verify(con, report)
     if out is not None:
         write_text_atomic(out, report.to_json())
     if trace is not None:
         from planner.trace import write_trace
 
-        write_trace(trace_doc, trace)
+        write_trace(dict(outcome.trace), trace)
     if not report.ok:
         raise typer.Exit(1)
 

@@ -36,7 +36,7 @@ from costmodels.ops import ACT_BYTES
 from executor.scale import SCALES, scale_model
 from planner.plan import Plan, plan_config
 
-__all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyReport", "measured_trace", "run_layout", "run_verify",
+__all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyOutcome", "VerifyReport", "measured_trace", "run_layout", "run_verify",
            "verify_case"]
 
 MAX_RANKS = 16  # ranks this machine runs by default: each is a process with its own copy of the model
@@ -60,6 +60,7 @@ class VerifyOptions:
     dtype: str = "float64"
     seed: int = 0
     backend: str = "gloo"
+    launcher: str = "spawn"  # "spawn": run_world on this machine; "torchrun": this process is one rank of a torchrun world
     timeout_s: float = 300.0
     max_ranks: int = MAX_RANKS
     inject: str | None = None  # a deliberate fault (executor.plan_run.INJECTIONS), to show the check can fail
@@ -102,7 +103,7 @@ def verify_case(plan: Plan, opts: VerifyOptions) -> VerifyCase:
         raise InputError(f"--steps must be at least 1, got {opts.steps}")
     spec0, cluster, wl0, cfg, runtime = plan_config(plan)
     lay0 = resolve(spec0, cluster.num_gpus, wl0, cfg)
-    if lay0.world > opts.max_ranks and opts.backend == "gloo":
+    if lay0.world > opts.max_ranks and opts.launcher == "spawn":
         raise InputError(f"the plan runs {lay0.world} ranks; this machine runs at most {opts.max_ranks} "
                          f"(raise --max-ranks, or run under torchrun on the cluster with --backend nccl)")
     heads_multiple = cfg.tp * (cfg.cp if cfg.cp_comm == "a2a" else 1)
@@ -220,6 +221,32 @@ def run_layout(run: Any, lay: Any, *, inject: str | None = None, reference: Any 
     return LayoutRun(reports=reports, comparison=compare_to_reference(merged, reference), disagreements=disagreements)
 
 
+def _torchrun_layout(rank: int, world: int, run: Any, lay: Any, inject: str | None) -> tuple[LayoutRun | None, bool]:
+    """One torchrun rank: plan_rank, the reports gathered on rank 0, which merges and compares them; every rank
+    returns the verdict (rank 0 also the LayoutRun)."""
+    import torch.distributed as dist
+
+    from executor.compare import compare_to_reference, merge_reports
+    from executor.plan_run import plan_rank
+    from executor.reference import reference_run
+
+    if world != lay.world:
+        raise InputError(f"the plan runs {lay.world} ranks but torchrun started {world}; "
+                         f"use torchrun --nproc-per-node ... so that nodes x processes = {lay.world}")
+    report = plan_rank(rank, world, run, lay, inject)
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(report, gathered, dst=0)
+    result = None
+    if rank == 0:
+        reports = tuple(gathered or ())
+        merged, disagreements = merge_reports(reports)
+        result = LayoutRun(reports=reports, comparison=compare_to_reference(merged, reference_run(run)),
+                           disagreements=disagreements)
+    verdict = [result.ok if result is not None else None]
+    dist.broadcast_object_list(verdict, src=0)
+    return result, bool(verdict[0])
+
+
 # ---- the whole verification ------------------------------------------------------------------------------------------
 def measured_trace(reports: Sequence[Any], process_name: str = "meshplan verify (measured)") -> dict[str, Any]:
     """The ranks' measured last-step slices as a Chrome trace, one track per rank, in the planner's --trace
@@ -240,14 +267,28 @@ def measured_trace(reports: Sequence[Any], process_name: str = "meshplan verify 
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> tuple[VerifyReport, dict[str, Any]]:
-    """Verify a plan (see the module docstring): the report and the measured Chrome trace.
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """What run_verify hands the CLI: the report and measured trace (None / empty on torchrun ranks other than
+    0, which only learn the verdict), and the verdict."""
 
-    Raises InputError for a plan this machine cannot run, RankFailure when a rank raises or hangs."""
+    report: VerifyReport | None
+    trace: Mapping[str, Any]
+    ok: bool
+
+
+def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyOutcome:
+    """Verify a plan (see the module docstring).
+
+    launcher "torchrun": this process is one rank of a torchrun world of the plan's size; rank 0 gathers the
+    reports and gets the report, the other ranks only the verdict.
+    Raises InputError for a plan this machine cannot run, RankFailure when a spawned rank raises or hangs."""
     say = progress or (lambda text: None)
     if opts.backend != "gloo":
         raise InputError("--backend nccl is not available yet: the executor's pieces run CPU tensors over gloo "
                          "(tracked in issue 4); use --backend gloo")
+    if opts.launcher not in ("spawn", "torchrun"):
+        raise InputError(f"--launcher {opts.launcher!r}: choose spawn or torchrun")
     try:
         import torch  # noqa: F401 - only to say what is missing in one line
     except ImportError:
@@ -259,11 +300,21 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> tuple[V
     lay = resolve(case.spec, case.num_gpus, case.workload, case.config)
     exec_layout = ExecLayout.from_layout(lay)
     run = RunSpec(model=case.spec, gbs=case.gbs, seq=case.seq, steps=opts.steps, seed=opts.seed, dtype=opts.dtype)
-    say(f"reference: {case.spec.name}, {case.gbs} x {case.seq} tokens, {opts.steps} steps, one process")
-    reference = reference_run(run)
-    say(f"running the plan's layout on {exec_layout.world} ranks ({opts.backend})")
-    result = run_layout(run, exec_layout, inject=opts.inject, reference=reference, backend=opts.backend,
-                        timeout_s=opts.timeout_s)
+    if opts.launcher == "torchrun":
+        from executor.launch import run_torchrun
+
+        result, ok = run_torchrun(_torchrun_layout, run, exec_layout, opts.inject, backend=opts.backend,
+                                  timeout_s=opts.timeout_s)
+        if result is None:  # not rank 0: rank 0 reports
+            return VerifyOutcome(report=None, trace={}, ok=ok)
+        reference_losses = reference_run(run).losses
+    else:
+        say(f"reference: {case.spec.name}, {case.gbs} x {case.seq} tokens, {opts.steps} steps, one process")
+        reference = reference_run(run)
+        say(f"running the plan's layout on {exec_layout.world} ranks ({opts.backend})")
+        result = run_layout(run, exec_layout, inject=opts.inject, reference=reference, backend=opts.backend,
+                            timeout_s=opts.timeout_s)
+        reference_losses = reference.losses
     sim = case.simulate(plan)
     itemsize = 8 if opts.dtype == "float64" else 4
     memory = tuple(MemoryRow(rank=r.rank, stage=r.coords["pp"], measured=dict(r.memory),
@@ -277,6 +328,6 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> tuple[V
         seq=case.seq, loss_error=cmp.loss_error, grad_error=cmp.grad_error, param_error=cmp.param_error,
         worst_grad=cmp.worst_grad, worst_param=cmp.worst_param, failures=result.failures, memory=memory,
         measured_step_s=tuple(r.step_s[-1] for r in result.reports), predicted_step_s=sim.estimate.step_time_s,
-        losses=result.reports[0].losses, reference_losses=reference.losses, injected=opts.inject,
+        losses=result.reports[0].losses, reference_losses=reference_losses, injected=opts.inject,
         notes=tuple(notes))
-    return report, measured_trace(result.reports)
+    return VerifyOutcome(report=report, trace=measured_trace(result.reports), ok=report.ok)

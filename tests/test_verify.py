@@ -155,3 +155,20 @@ def test_a_plan_file_round_trips_into_the_executor_layout(tmp_path):
     assert lay.stage_layers == (2, 4) and lay.stage_recompute == (("full", 1), ("none", 0))
     assert case.gbs == 2 * 2 * 2 and case.seq == 16 and case.spec.num_layers == 6
     assert case.spec.num_heads % 2 == 0 and case.spec.kv_heads % 2 == 0
+
+
+@pytest.mark.parametrize("inject, code", [(None, 0), ("no-grad-sync", 1)])
+def test_verify_under_torchrun_is_the_same_code(tmp_path, inject, code):
+    """`torchrun ... meshplan verify`: every process is one rank; rank 0 gathers, compares and reports; every rank
+    exits with the verdict."""
+    import subprocess
+    import sys
+
+    plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cli.main",
+           "verify", plan, "--out", str(tmp_path / "r.json"), "--steps", "1"] + (["--inject", inject] if inject else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert (proc.returncode == 0) == (code == 0), proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["world"] == 2 and report["ok"] == (code == 0)
+    assert ("OK: the layout computes" in proc.stdout) == (code == 0)
