@@ -294,8 +294,11 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
     except ImportError:
         raise InputError("meshplan verify needs PyTorch: pip install 'meshplan[torch]' (CPU: torch==2.13.0)") from None
     from executor.mesh import ExecLayout
+    from executor.plan_run import INJECTIONS
     from executor.reference import RunSpec, reference_run
 
+    if opts.inject is not None and opts.inject not in INJECTIONS:
+        raise InputError(f"--inject {opts.inject!r}: one of {', '.join(INJECTIONS)}")
     case = verify_case(plan, opts)
     lay = resolve(case.spec, case.num_gpus, case.workload, case.config)
     exec_layout = ExecLayout.from_layout(lay)

@@ -96,6 +96,7 @@ def test_verify_refuses_what_this_machine_cannot_run(tmp_path, capsys):
     small = _write_plan(tmp_path / "q.json", "llama3.1-8b", 2, 4, 8, tp=2, cp=2)
     assert_input_error(*run(capsys, "verify", small, "--seq", "12"), "--seq 12", "multiple of 8")
     assert_input_error(*run(capsys, "verify", small, "--backend", "nccl"), "nccl")
+    assert_input_error(*run(capsys, "verify", small, "--inject", "bogus"), "--inject", "no-grad-sync")
 
 
 # ---- the composed executor on the layouts issue 4 names ------------------------------------------------------------
