@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +47,7 @@ from executor.compare import merge_reports
 from executor.data_parallel import micro_batches
 from executor.mesh import ExecLayout, build_meshes
 from executor.model import ModelChunk, Transformer, causal_attention, token_loss
-from executor.reference import ADAMW, FrozenRecord, RunResult, RunSpec
+from executor.reference import ADAMW, RankResult, RunResult, RunSpec
 
 __all__ = ["CP_KINDS", "INJECTIONS", "CPResult", "RingAttention", "UlyssesAttention", "apply_context_parallel",
            "cp_positions", "cp_run", "cp_shard", "cp_unshard", "make_core", "merge_rank_results"]
@@ -253,8 +253,8 @@ def apply_context_parallel(module: Transformer | ModelChunk, cp_mesh: DeviceMesh
 
 
 # ---- a whole run ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CPResult(FrozenRecord):
+@dataclass(frozen=True, kw_only=True)
+class CPResult(RankResult):
     """One rank's report of a context-parallel run (the fields of executor.reference.RunResult, and who ran it).
 
     losses: the global-batch mean loss of every step, before its update (the same on every rank); grads: every
@@ -262,12 +262,6 @@ class CPResult(FrozenRecord):
     step. Every rank holds (and reports) every parameter whole: CP shards no weights.
     """
 
-    run: RunSpec
-    losses: tuple[float, ...]
-    grads: Mapping[str, torch.Tensor] | None
-    params: Mapping[str, torch.Tensor] | None
-    layout: str
-    rank: int
     cp: int
     dp: int
     kind: str

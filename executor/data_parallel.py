@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from costmodels.model import ModelSpec
-from executor.reference import ADAMW, FrozenRecord, RunSpec
+from executor.reference import ADAMW, RankResult, RunSpec
 
 with warnings.catch_warnings():  # torch.distributed.optim scripts its functional optimizers, and 2.13 deprecates jit
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -55,8 +55,8 @@ __all__ = ["INJECTIONS", "DPResult", "dp_run", "dp_step", "fsdp_reduction_factor
 INJECTIONS = ("scale-loss", "no-grad-sync", "fsdp-sums")
 
 
-@dataclass(frozen=True)
-class DPResult(FrozenRecord):
+@dataclass(frozen=True, kw_only=True)
+class DPResult(RankResult):
     """One rank's report of a data-parallel run (see executor.reference.RunResult for the common fields).
 
     losses: the global-batch mean loss of every step, before its update (the same on every rank);
@@ -64,12 +64,6 @@ class DPResult(FrozenRecord):
     params: on dp rank 0, every full parameter after the last step, else None.
     """
 
-    run: RunSpec
-    losses: tuple[float, ...]
-    grads: Mapping[str, torch.Tensor] | None
-    params: Mapping[str, torch.Tensor] | None
-    layout: str
-    rank: int
     dp: int
     zero: int
     mbs: int

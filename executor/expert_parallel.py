@@ -36,7 +36,7 @@ tp) the router's gradient is partial over tp and must be all-reduced over tp lik
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from executor.data_parallel import micro_batches
 from executor.mesh import ExecLayout, Meshes, build_meshes, rank_coords
 from executor.model import MLP, MoE, ModelChunk, Transformer
-from executor.reference import ADAMW, FrozenRecord, RunSpec
+from executor.reference import ADAMW, RankResult, RunSpec
 
 __all__ = [
     "INJECTIONS", "EPResult", "ExpertParallelMoE", "ExpertPlacement", "all_to_all", "apply_expert_parallel",
@@ -393,17 +393,10 @@ def full_tensors(module: nn.Module, meshes: Meshes, lay: ExecLayout, grads: bool
 
 
 # ---- the test runner ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class EPResult(FrozenRecord):
+@dataclass(frozen=True, kw_only=True)
+class EPResult(RankResult):
     """One rank's report (fields as executor.reference.RunResult): losses are the global-batch mean of every step;
     grads (after step 1) and params (after the last step) cover every parameter this rank holds, full."""
-
-    run: RunSpec
-    losses: tuple[float, ...]
-    grads: Mapping[str, torch.Tensor] | None
-    params: Mapping[str, torch.Tensor] | None
-    layout: str
-    rank: int
 
 
 def _check_runner_layout(world: int, run: RunSpec, lay: ExecLayout) -> None:

@@ -63,7 +63,7 @@ from executor.data_parallel import micro_batches
 from executor.mesh import ExecLayout, Meshes, build_meshes, group_of, rank_coords
 from executor.model import ModelChunk, Transformer, token_loss
 from executor.recompute import apply_recompute
-from executor.reference import ADAMW, FrozenRecord, RunSpec
+from executor.reference import ADAMW, RankResult, RunSpec
 
 __all__ = [
     "INJECTIONS", "SCHEDULES", "PPResult", "Pipeline", "average_replicated_grads", "build_chunks", "build_pipeline",
@@ -301,18 +301,12 @@ def full_named(named: Sequence[tuple[str, nn.Parameter]], what: str) -> dict[str
     return {name: _full(p if what == "params" else p.grad) for name, p in named}
 
 
-@dataclass(frozen=True)
-class PPResult(FrozenRecord):
+@dataclass(frozen=True, kw_only=True)
+class PPResult(RankResult):
     """One rank's report of a pipeline run (fields as executor.reference.RunResult): the global-batch loss of
     every step (the same on every rank), and the full gradients after step 1 and parameters after the last
     step of the parameters this rank holds, by reference name."""
 
-    run: RunSpec
-    losses: tuple[float, ...]
-    grads: Mapping[str, torch.Tensor] | None
-    params: Mapping[str, torch.Tensor] | None
-    layout: str
-    rank: int
     pp_rank: int
     dp_rank: int
 

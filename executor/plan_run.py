@@ -54,7 +54,7 @@ from executor.pipeline import (
     sync_tied_embedding,
 )
 from executor.recompute import apply_recompute
-from executor.reference import ADAMW, FrozenRecord, RunSpec
+from executor.reference import ADAMW, RankResult, RunSpec
 from executor.sharded_optimizer import ShardedAdamW
 from executor.tensor_parallel import apply_tensor_parallel, reduce_partial_grads, vocab_parallel_loss
 
@@ -82,16 +82,10 @@ class Event:
     duration_s: float
 
 
-@dataclass(frozen=True)
-class RankReport(FrozenRecord):
+@dataclass(frozen=True, kw_only=True)
+class RankReport(RankResult):
     """One rank's report (fields as executor.reference.RunResult, plus what verify shows beside it)."""
 
-    run: RunSpec
-    losses: tuple[float, ...]
-    grads: Mapping[str, torch.Tensor] | None
-    params: Mapping[str, torch.Tensor] | None
-    layout: str
-    rank: int
     coords: Mapping[str, int]
     layers: tuple[tuple[int, int], ...]  # this rank's chunks' [start, stop)
     memory: Mapping[str, float]  # bytes held in the last step: parameters, gradients, optimizer states, peak saved activations

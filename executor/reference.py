@@ -23,7 +23,7 @@ from torch import nn
 from costmodels.model import ModelSpec
 from executor.model import build_model
 
-__all__ = ["ADAMW", "DTYPES", "RunResult", "RunSpec", "StepResult", "as_spec", "make_batch", "reference_run",
+__all__ = ["ADAMW", "DTYPES", "RankResult", "RunResult", "RunSpec", "StepResult", "as_spec", "make_batch", "reference_run",
            "reference_step", "train"]
 
 # AdamW (Loshchilov & Hutter 2019) with the Llama-3 / Megatron-LM GPT pretraining betas, eps and weight
@@ -144,8 +144,13 @@ class FrozenRecord:
             object.__setattr__(self, f.name, _read_only(getattr(self, f.name)))
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        values = tuple(getattr(self, f.name) for f in fields(self))  # type: ignore[arg-type]
-        return type(self), tuple(dict(v) if isinstance(v, Mapping) else v for v in values)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        return _rebuild, (type(self), {k: dict(v) if isinstance(v, Mapping) else v for k, v in values.items()})
+
+
+def _rebuild(cls: type, values: dict[str, Any]) -> Any:
+    """Unpickle a FrozenRecord by keyword (its subclasses' added fields are keyword-only)."""
+    return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,13 @@ class RunResult(FrozenRecord):
     grads: Mapping[str, torch.Tensor] | None
     params: Mapping[str, torch.Tensor] | None
     layout: str = "single process"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankResult(RunResult):
+    """One rank's RunResult in a distributed run; the executors' records add what identifies their layout."""
+
+    rank: int
 
 
 def reference_run(run: RunSpec) -> RunResult:

@@ -49,7 +49,7 @@ runner's ZeRO-0 dp averaging.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +73,7 @@ from torch.distributed.tensor.parallel import (
 from executor.data_parallel import fsdp_reduction_factor, micro_batches
 from executor.mesh import ExecLayout, build_meshes
 from executor.model import MLAttention, ModelChunk, TransformerBlock, token_loss
-from executor.reference import ADAMW, FrozenRecord, RunSpec
+from executor.reference import ADAMW, RankResult, RunSpec
 
 __all__ = [
     "INJECTIONS", "TPResult", "apply_tensor_parallel", "check_tp_degree", "full_grads", "full_params", "full_state",
@@ -290,17 +290,10 @@ def full_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, to
 
 
 # ---- a runner for the tests: tp x dp ------------------------------------------------------------------
-@dataclass(frozen=True)
-class TPResult(FrozenRecord):
+@dataclass(frozen=True, kw_only=True)
+class TPResult(RankResult):
     """One rank's report of a tp x dp run (fields as executor.reference.RunResult): the global-batch loss of
     every step, and this rank's full gradients after step 1 and full parameters after the last step."""
-
-    run: RunSpec
-    losses: tuple[float, ...]
-    grads: Mapping[str, torch.Tensor] | None
-    params: Mapping[str, torch.Tensor] | None
-    layout: str
-    rank: int
 
 
 def _shard_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int) -> None:
