@@ -15,8 +15,9 @@ from costmodels.model_io import load_model  # noqa: E402
 from executor.compare import compare_to_reference, relative_error  # noqa: E402
 from executor.launch import run_world  # noqa: E402
 from executor.model import causal_attention  # noqa: E402
-from executor.reference import RunResult, RunSpec, reference_run  # noqa: E402
+from executor.reference import RunResult, RunSpec  # noqa: E402
 from executor.scale import scale_model  # noqa: E402
+from executor_helpers import reference  # noqa: E402
 
 DENSE, MLA, LEARNED = "llama3.1-8b", "deepseek-v3", "gpt3-175b"  # GQA 8/2 heads; MLA + MoE; learned pos + biases
 F64 = torch.float64
@@ -107,16 +108,6 @@ def world2() -> list[dict]:
 @pytest.fixture(scope="module")
 def world4() -> list[dict]:
     return run_world(4, rank_world, jobs(CP4_CASES), timeout_s=150)
-
-
-_REFERENCES: dict[RunSpec, RunResult] = {}
-
-
-def reference(run: RunSpec) -> RunResult:
-    if run not in _REFERENCES:
-        torch.set_num_threads(1)
-        _REFERENCES[run] = reference_run(run)
-    return _REFERENCES[run]
 
 
 # ---- sharding, without a world --------------------------------------------------------------------

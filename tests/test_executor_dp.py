@@ -23,8 +23,9 @@ import torch.distributed as dist  # noqa: E402
 from costmodels.model_io import load_model  # noqa: E402
 from executor.compare import TOLERANCE, compare_to_reference, relative_error  # noqa: E402
 from executor.launch import RankFailure, run_world, world_env  # noqa: E402
-from executor.reference import RunResult, RunSpec, reference_run  # noqa: E402
+from executor.reference import RunSpec  # noqa: E402
 from executor.scale import scale_model  # noqa: E402
+from executor_helpers import reference  # noqa: E402
 
 DENSE, MOE, TIED, MLA = "llama3.1-8b", "mixtral-8x7b", "gpt3-175b", "deepseek-v3"
 F64 = torch.float64
@@ -156,16 +157,6 @@ def world2() -> list[dict]:
 @pytest.fixture(scope="module")
 def world4() -> list[dict]:
     return run_world(4, rank_world, jobs(DP4_CASES), timeout_s=120)
-
-
-_REFERENCES: dict[RunSpec, RunResult] = {}
-
-
-def reference(run: RunSpec) -> RunResult:
-    if run not in _REFERENCES:
-        torch.set_num_threads(1)
-        _REFERENCES[run] = reference_run(run)
-    return _REFERENCES[run]
 
 
 # ---- the launcher -------------------------------------------------------------------------------

@@ -22,8 +22,9 @@ from costmodels.model_io import load_model  # noqa: E402
 from executor.compare import compare_to_reference, relative_error  # noqa: E402
 from executor.launch import run_world  # noqa: E402
 from executor.mesh import ExecLayout  # noqa: E402
-from executor.reference import RunResult, RunSpec, reference_run  # noqa: E402
+from executor.reference import RunSpec  # noqa: E402
 from executor.scale import scale_model  # noqa: E402
+from executor_helpers import reference  # noqa: E402
 
 MOE, MLA, BIAS = "mixtral-8x7b", "deepseek-v3", "mixtral-8x7b+bias"
 F64 = torch.float64
@@ -113,16 +114,6 @@ def world2() -> list[dict]:
 @pytest.fixture(scope="module")
 def world4() -> list[dict]:
     return run_world(4, rank_world, jobs(CASES4), False, timeout_s=120)
-
-
-_REFERENCES: dict[RunSpec, RunResult] = {}
-
-
-def reference(run: RunSpec) -> RunResult:
-    if run not in _REFERENCES:
-        torch.set_num_threads(1)
-        _REFERENCES[run] = reference_run(run)
-    return _REFERENCES[run]
 
 
 def results_of(case: str, world2, world4) -> list:

@@ -21,8 +21,9 @@ from costmodels.model_io import load_model  # noqa: E402
 from executor.compare import compare_to_reference  # noqa: E402
 from executor.launch import run_world  # noqa: E402
 from executor.mesh import ExecLayout  # noqa: E402
-from executor.reference import RunResult, RunSpec, reference_run  # noqa: E402
+from executor.reference import RunSpec  # noqa: E402
 from executor.scale import scale_model  # noqa: E402
+from executor_helpers import reference  # noqa: E402
 
 DENSE, TIED, MLA_MOE = "llama3.1-8b", "gpt3-175b", "deepseek-v3"
 NONE = ("none", 0)
@@ -91,16 +92,6 @@ def world2() -> list[dict]:
 @pytest.fixture(scope="module")
 def world4() -> list[dict]:
     return run_world(4, rank_world, PP4_CASES, timeout_s=150)
-
-
-_REFERENCES: dict[RunSpec, RunResult] = {}
-
-
-def reference(run: RunSpec) -> RunResult:
-    if run not in _REFERENCES:
-        torch.set_num_threads(1)
-        _REFERENCES[run] = reference_run(run)
-    return _REFERENCES[run]
 
 
 def results_of(ranks: list[dict], name: str) -> list:

@@ -14,8 +14,9 @@ torch = pytest.importorskip("torch")
 from costmodels.model_io import load_model  # noqa: E402
 from executor.compare import compare_to_reference, relative_error  # noqa: E402
 from executor.launch import run_world  # noqa: E402
-from executor.reference import RunResult, RunSpec, reference_run, reference_step  # noqa: E402
+from executor.reference import RunSpec, reference_step  # noqa: E402
 from executor.scale import scale_model  # noqa: E402
+from executor_helpers import reference  # noqa: E402
 
 # GQA (8 heads, 2 kv heads); MHA with biases, learned positions, LayerNorm and a tied head; MLA + dense + MoE
 DENSE, TIED, MLA = "llama3.1-8b", "gpt3-175b", "deepseek-v3"
@@ -114,16 +115,6 @@ def world2() -> list[dict]:
 @pytest.fixture(scope="module")
 def world4() -> list[dict]:
     return run_world(4, rank_world, jobs(WORLD4_CASES), None, timeout_s=240)
-
-
-_REFERENCES: dict[RunSpec, RunResult] = {}
-
-
-def reference(run: RunSpec) -> RunResult:
-    if run not in _REFERENCES:
-        torch.set_num_threads(1)
-        _REFERENCES[run] = reference_run(run)
-    return _REFERENCES[run]
 
 
 def results_of(case: str, world2, world4) -> list:
