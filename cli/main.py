@@ -487,7 +487,8 @@ def verify(
         "Refuse plans with more ranks than this on gloo (each rank is a process holding a model copy)."))] = 16,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the report as JSON (atomically).")] = None,
     trace: Annotated[Optional[Path], typer.Option("--trace", help=(
-        "Write the measured per-rank timeline of the last step as a Chrome trace (the planner's --trace format)."))] = None,
+        "Write a Chrome trace (open in ui.perfetto.dev): the cost model's simulated step of this run above the ranks' "
+        "measured last step, one track per stage / rank."))] = None,
     inject: Annotated[Optional[str], typer.Option("--inject", hidden=True, help=(
         "Run a deliberately broken layout (see executor.plan_run.INJECTIONS) to see the check fail."))] = None,
 ) -> None:

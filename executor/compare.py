@@ -158,7 +158,8 @@ def compare_to_reference(result: _Result, reference: RunResult | None = None,
                       problems=tuple(grad_problems + param_problems))
 
 
-def merge_reports(results: Sequence[_Result], tolerance: float = REPLICA_TOLERANCE) -> tuple[RunResult, tuple[str, ...]]:
+def merge_reports(results: Sequence[_Result],
+                  tolerance: float = REPLICA_TOLERANCE) -> tuple[RunResult, tuple[str, ...]]:
     """The ranks' reports as one RunResult, and one line per disagreement between them.
 
     Each gradient and parameter is taken from the lowest rank that reports it; every other rank holding the same

@@ -24,7 +24,8 @@ from torch import nn
 from costmodels.model import ModelSpec
 
 __all__ = [
-    "INIT_STD", "NORM_EPS", "ROPE_THETA", "AttentionCore", "ModelChunk", "Transformer", "TransformerBlock", "apply_rope", "build_model", "num_params", "token_loss",
+    "INIT_STD", "NORM_EPS", "ROPE_THETA", "AttentionCore", "ModelChunk", "Transformer", "TransformerBlock",
+    "apply_rope", "build_model", "num_params", "token_loss",
 ]
 
 # ModelSpec has no field for these; the values below are the common defaults, fixed so runs compare.

@@ -88,7 +88,7 @@ class RankReport(RankResult):
 
     coords: Mapping[str, int]
     layers: tuple[tuple[int, int], ...]  # this rank's chunks' [start, stop)
-    memory: Mapping[str, float]  # bytes held in the last step: parameters, gradients, optimizer states, peak saved activations
+    memory: Mapping[str, float]  # bytes in the last step: parameters, gradients, optimizer states, peak activations
     step_s: tuple[float, ...]
     events: tuple[Event, ...]
     notes: tuple[str, ...]
@@ -369,7 +369,8 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
 
 
 def _forward_backward(chunks: Sequence[ModelChunk], pipe: Any, run: RunSpec, lay: ExecLayout, step: int,
-                      coords: Mapping[str, int], n_micro: int, loss_ctx: Any, inject: str | None) -> torch.Tensor | None:
+                      coords: Mapping[str, int], n_micro: int, loss_ctx: Any,
+                      inject: str | None) -> torch.Tensor | None:
     """Every micro-batch's forward and backward (through the pipeline schedule when pp > 1); this rank's mean loss
     where it holds the last stage, else None."""
     dp_rank, cp_rank = coords["dp"], coords["cp"]

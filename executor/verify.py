@@ -36,8 +36,8 @@ from costmodels.ops import ACT_BYTES
 from executor.scale import SCALES, scale_model
 from planner.plan import Plan, plan_config
 
-__all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyOutcome", "VerifyReport", "measured_trace", "run_layout", "run_verify",
-           "verify_case"]
+__all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyOutcome", "VerifyReport", "measured_trace",
+           "run_layout", "run_verify", "side_by_side", "verify_case"]
 
 MAX_RANKS = 16  # ranks this machine runs by default: each is a process with its own copy of the model
 
@@ -60,7 +60,7 @@ class VerifyOptions:
     dtype: str = "float64"
     seed: int = 0
     backend: str = "gloo"
-    launcher: str = "spawn"  # "spawn": run_world on this machine; "torchrun": this process is one rank of a torchrun world
+    launcher: str = "spawn"  # "spawn": run_world here; "torchrun": this process is one rank of a torchrun world
     timeout_s: float = 300.0
     max_ranks: int = MAX_RANKS
     inject: str | None = None  # a deliberate fault (executor.plan_run.INJECTIONS), to show the check can fail
@@ -277,6 +277,17 @@ class VerifyOutcome:
     ok: bool
 
 
+def side_by_side(sim: Simulated, reports: Sequence[Any]) -> dict[str, Any]:
+    """One Chrome trace with two processes: the cost model's simulated step of this scaled run on the plan's GPUs
+    (the planner's --trace, process "meshplan pipeline") and the ranks' measured step (process "meshplan verify
+    (measured)"), so Perfetto shows them one above the other (their time scales differ: GPU vs CPU)."""
+    from planner.trace import chrome_trace
+
+    predicted = chrome_trace(sim)
+    measured = measured_trace(reports)
+    return {"traceEvents": predicted["traceEvents"] + measured["traceEvents"], "displayTimeUnit": "ms"}
+
+
 def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyOutcome:
     """Verify a plan (see the module docstring).
 
@@ -333,4 +344,4 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
         measured_step_s=tuple(r.step_s[-1] for r in result.reports), predicted_step_s=sim.estimate.step_time_s,
         losses=result.reports[0].losses, reference_losses=reference_losses, injected=opts.inject,
         notes=tuple(notes))
-    return VerifyOutcome(report=report, trace=measured_trace(result.reports), ok=report.ok)
+    return VerifyOutcome(report=report, trace=side_by_side(sim, result.reports), ok=report.ok)

@@ -52,7 +52,10 @@ def test_verify_dp2_tp2_pp2_uneven_1f1b_eight_ranks(tmp_path, capsys):
         assert row["measured"]["parameters"] > 0 and row["predicted"]["parameters"] > 0
         assert 0.5 < row["measured"]["parameters"] / row["predicted"]["parameters"] < 2.0
     trace = json.loads((tmp_path / "t.json").read_text())
-    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {1: "meshplan pipeline", 2: "meshplan verify (measured)"}  # predicted above measured
+    assert any(e["ph"] == "X" and e["pid"] == 1 for e in trace["traceEvents"])
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 2]
     assert {e["tid"] for e in slices} == set(range(1, 9))
     assert any(e["cat"] == "forward" for e in slices) and any(e["cat"] == "backward" for e in slices)
     print(f"8-rank verify: {seconds:.1f} s")
