@@ -53,7 +53,7 @@ from executor.reference import ADAMW, RankResult, RunSpec
 
 __all__ = [
     "INJECTIONS", "EPResult", "ExpertParallelMoE", "ExpertPlacement", "all_to_all", "apply_expert_parallel",
-    "ep_run", "expert_parameters", "full_tensors", "layout_name",
+    "ep_run", "expert_parameters", "full_tensors",
     "reduce_expert_grads",
 ]
 
@@ -410,11 +410,6 @@ def _check_runner_layout(world: int, run: RunSpec, lay: ExecLayout) -> None:
         raise ValueError(f"gbs {run.gbs} != dp * mbs * num_microbatches = {lay.dp * lay.mbs * lay.num_microbatches}")
 
 
-def layout_name(lay: ExecLayout, inject: str | None = None) -> str:
-    name = f"tp{lay.tp} dp{lay.dp} ep{lay.ep} etp{lay.etp} edp{lay.edp} mbs{lay.mbs} x{lay.num_microbatches}"
-    return name + (f" [{inject}]" if inject else "")
-
-
 def ep_run(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str | None = None) -> EPResult:
     """Run `run` under `lay`'s tp x dp with EP/ETP on the MoE layers; every rank reports what it holds.
 
@@ -448,7 +443,7 @@ def ep_run(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str | N
             grads = full_tensors(model, meshes, lay, grads=True)
         opt.step()
     params = full_tensors(model, meshes, lay)
-    return EPResult(run=run, losses=tuple(losses), grads=grads, params=params, layout=layout_name(lay, inject),
+    return EPResult(run=run, losses=tuple(losses), grads=grads, params=params, layout=lay.label(inject),
                     rank=rank)
 
 

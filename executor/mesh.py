@@ -68,6 +68,22 @@ class ExecLayout:
                    stage_recompute=tuple((p.granularity, p.full_layers) for p in lay.stage_recompute),
                    rank_order=lay.rank_order)
 
+    def label(self, inject: str | None = None) -> str:
+        """One line naming the layout (every degree, micro-batching, stages, recompute), for reports; `inject`
+        names a deliberate fault, appended in brackets."""
+        parts = [f"tp{self.tp}" + (" sp" if self.sp else ""),
+                 f"cp{self.cp}" + (f" {self.cp_comm}" if self.cp > 1 else ""),
+                 f"pp{self.pp}" + (f" vpp{self.vpp}" if self.vpp > 1 else ""), f"dp{self.dp}"]
+        if self.ep > 1 or self.etp != self.tp:
+            parts.append(f"ep{self.ep} etp{self.etp} edp{self.edp}")
+        parts += [f"zero{self.zero}", f"mbs{self.mbs} x{self.num_microbatches}"]
+        if self.pp > 1:
+            parts += [self.schedule, f"stages{list(self.stage_layers)}"]
+        parts.append("recompute[" + ",".join(g if g != "full" else f"full:{k}" for g, k in self.stage_recompute) + "]")
+        if self.rank_order != "tp-cp-dp-pp":
+            parts.append(self.rank_order)
+        return " ".join(parts) + (f" [{inject}]" if inject else "")
+
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.dp * self.pp

@@ -312,13 +312,6 @@ class PPResult(RankResult):
 
 
 # ---- a whole run -------------------------------------------------------------------------------
-def layout_label(lay: ExecLayout, n_micro: int, inject: str | None) -> str:
-    recompute = ",".join(g if g != "full" else f"full:{k}" for g, k in lay.stage_recompute)
-    label = (f"pp{lay.pp} vpp{lay.vpp} dp{lay.dp} {lay.schedule} stages{list(lay.stage_layers)} "
-             f"mbs{lay.mbs} x{n_micro} recompute[{recompute}]")
-    return label + (f" [{inject}]" if inject else "")
-
-
 def _check(run: RunSpec, lay: ExecLayout, world: int, inject: str | None) -> int:
     """The number of micro-batches per dp rank, after checking that the layout is one pp_run runs."""
     if inject is not None and inject not in INJECTIONS:
@@ -388,4 +381,4 @@ def pp_run(rank: int, world: int, run: RunSpec, lay: ExecLayout, *, meshes: Mesh
             grads = full_named(named, "grads")
         opt.step()
     return PPResult(run=run, losses=tuple(losses), grads=grads, params=full_named(named, "params"),
-                    layout=layout_label(lay, n_micro, inject), rank=rank, pp_rank=pp_rank, dp_rank=dp_rank)
+                    layout=lay.label(inject), rank=rank, pp_rank=pp_rank, dp_rank=dp_rank)

@@ -94,21 +94,6 @@ class RankReport(RankResult):
     notes: tuple[str, ...]
 
 
-def layout_label(lay: ExecLayout) -> str:
-    parts = [f"tp{lay.tp}" + (" sp" if lay.sp else ""), f"cp{lay.cp}" + (f" {lay.cp_comm}" if lay.cp > 1 else ""),
-             f"pp{lay.pp}" + (f" vpp{lay.vpp}" if lay.vpp > 1 else ""), f"dp{lay.dp}"]
-    if lay.ep > 1 or lay.etp != lay.tp:
-        parts.append(f"ep{lay.ep} etp{lay.etp}")
-    recompute = ",".join(g if g != "full" else f"full:{k}" for g, k in lay.stage_recompute)
-    parts += [f"zero{lay.zero}", f"mbs{lay.mbs} x{lay.num_microbatches}"]
-    if lay.pp > 1:
-        parts += [lay.schedule, f"stages{list(lay.stage_layers)}"]
-    parts.append(f"recompute[{recompute}]")
-    if lay.rank_order != "tp-cp-dp-pp":
-        parts.append(lay.rank_order)
-    return " ".join(parts)
-
-
 # ---- building this rank's model --------------------------------------------------------------------------------
 def _chunks(run: RunSpec, lay: ExecLayout, pp_rank: int, positions: torch.Tensor,
             inject: str | None) -> list[ModelChunk]:
@@ -363,7 +348,7 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
                       "optimizer": _state_bytes(opts), "activations": float(saved.peak)}
     params = _full_named(chunks, named, meshes, lay, experts, "params")
     return RankReport(run=run, losses=tuple(losses), grads=grads, params=params,
-                      layout=layout_label(lay) + (f" [{inject}]" if inject else ""), rank=rank, coords=coords,
+                      layout=lay.label(inject), rank=rank, coords=coords,
                       layers=tuple((c.start, c.stop) for c in chunks), memory=memory, step_s=tuple(step_s),
                       events=tuple(timeline.events), notes=tuple(notes))
 

@@ -176,3 +176,21 @@ def test_verify_under_torchrun_is_the_same_code(tmp_path, inject, code):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["world"] == 2 and report["ok"] == (code == 0)
     assert ("OK: the layout computes" in proc.stdout) == (code == 0)
+
+
+def test_verify_under_torchrun_refuses_a_world_of_the_wrong_size(tmp_path):
+    """A 4-rank plan under a 2-process torchrun: every rank says so in one line and exits 2 (torchrun then prints
+    its own ChildFailedError report, which is torchrun's, not the ranks')."""
+    import subprocess
+    import sys
+
+    plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 4, 8, dp=4, mbs=1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cli.main",
+           "verify", plan]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: the plan runs 4 ranks but torchrun started 2; use torchrun --nproc-per-node ... so "
+                      "that nodes x processes = 4"] * 2, proc.stderr[-2000:]
+    assert "failed (exitcode: 2)" in proc.stderr  # the ranks' exit code, as torchrun reports it
+    assert "Traceback" not in proc.stdout
