@@ -14,7 +14,8 @@ from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdo
                                layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
                                stage_params, StageParams)
 from costmodels.model import ModelSpec
-from costmodels.ops import ACT_BYTES, Block, Collective, decoder_layer, embedding_block, head_block, mtp_block
+from costmodels.ops import (ACT_BYTES, Block, Collective, attention_half, embedding_block, head_block, mlp_half,
+                           mtp_projection)
 from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
 from hardware_db.cluster import Cluster
 from hardware_db.gpu import GPUSpec
@@ -73,7 +74,10 @@ class PassTimes:
 
     def plus(self, other: "PassTimes") -> "PassTimes":
         def add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-            return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
+            if not b:
+                return dict(a)
+            keys = list(a) + [k for k in b if k not in a]  # a fixed order: float sums do not depend on hashing
+            return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in keys}
 
         return PassTimes(self.fwd_compute + other.fwd_compute, self.bwd_input_compute + other.bwd_input_compute,
                          self.bwd_weight_compute + other.bwd_weight_compute, add(self.fwd_comm, other.fwd_comm),
@@ -249,13 +253,50 @@ class SyncCoefficients:
         return self.optimizer_s_per_dense_param * dense + self.optimizer_s_per_expert_param * expert
 
 
+# The layout fields and links each block of ops.py reads: a PassCache shares a block's passes under this key.
+BLOCK_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "attention": (("tp", "cp", "cp_comm", "sp", "mbs"), ("tp", "cp")),
+    "mlp": (("tp", "cp", "sp", "mbs"), ("tp",)),
+    "moe": (("tp", "cp", "mbs", "ep", "etp"), ("ep", "etp")),
+    "embedding": (("tp", "cp", "sp", "mbs"), ("tp",)),
+    "head": (("tp", "cp", "sp", "mbs"), ("tp",)),
+    "mtp_projection": (("tp", "cp", "sp", "mbs"), ()),
+}
+
+
+class GroupLinks(dict):
+    """The links of a layout's process groups by dim, each read off the cluster on first use (a planner's bounds
+    need only a few of them for most meshes)."""
+
+    def __init__(self, cluster: Cluster, lay: Layout):
+        super().__init__()
+        self.cluster, self.lay = cluster, lay
+
+    def __missing__(self, dim: str) -> comm.Link:
+        link = self[dim] = group_link(self.cluster, group_ranks(dim, self.lay))
+        return link
+
+
+class PassCache:
+    """Block passes shared by the CostContexts of one model, cluster, workload, runtime and efficiency: a planner
+    builds thousands of contexts whose attention, MLP and MoE halves repeat (each depends on a few layout fields,
+    BLOCK_KEYS), and computing them once is most of what a context costs."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, rt: Runtime, eff: Efficiency):
+        self.owner = (model, cluster, wl, rt, eff)
+        self.passes: dict[tuple, tuple[PassTimes, float]] = {}
+
+
 class CostContext:
     """Everything one configuration's costs need, resolved once; per-layer results cached (decoder layers differ
     only in being dense or MoE). estimate() and the planner's partitioner both read their numbers from here."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, lay: Layout, rt: Runtime,
-                 eff: Efficiency, links: dict[str, comm.Link] | None = None):
+                 eff: Efficiency, links: dict[str, comm.Link] | None = None, passes: PassCache | None = None):
         self.model, self.cluster, self.wl, self.lay, self.rt, self.eff = model, cluster, wl, lay, rt, eff
+        if passes is not None and any(a is not b for a, b in zip(passes.owner, (model, cluster, wl, rt, eff))):
+            raise ValueError("a PassCache serves one model, cluster, workload, runtime and efficiency")
+        self.pass_cache = passes
         gpu = cluster.gpu
         self.peak16 = gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16")
         self.peak_fp8 = gpu.peak_flops("fp8") if wl.dtype == "fp8" else self.peak16
@@ -264,7 +305,7 @@ class CostContext:
                  "dp_cp": lay.dp * lay.cp}
         self.sizes = sizes
         # links depend on the mesh and rank order only: a caller holding them for this mesh may pass them in
-        self.links = links if links is not None else {d: group_link(cluster, group_ranks(d, lay)) for d in sizes}
+        self.links = links if links is not None else GroupLinks(cluster, lay)
         self._layer_times: dict[tuple[bool, str], PassTimes] = {}
         self._layer_passes: dict[bool, tuple[PassTimes, float]] = {}
         self._layer_acts: dict[tuple[bool, str], float] = {}
@@ -295,12 +336,34 @@ class CostContext:
     def layer_times(self, i: int, mode: str) -> PassTimes:
         key = (self.model.is_moe_layer(i), mode)
         if key not in self._layer_times:
-            if key[0] not in self._layer_passes:
-                block = decoder_layer(self.model, i, self.lay, self.wl, self.rt)
-                self._layer_passes[key[0]] = self._block_passes(block)
-            base, selective = self._layer_passes[key[0]]
+            base, selective = self._layer_base(i)
             self._layer_times[key] = _with_recompute(base, mode, selective)
         return self._layer_times[key]
+
+    def _layer_base(self, i: int) -> tuple[PassTimes, float]:
+        """A decoder layer's passes without recomputation and its selective part: the attention half plus the MLP
+        (or MoE) half (ops.decoder_layer)."""
+        kind = self.model.is_moe_layer(i)
+        if kind not in self._layer_passes:
+            model, lay, wl, rt = self.model, self.lay, self.wl, self.rt
+            attn, sel_attn = self._passes("attention", lambda: attention_half(model, lay, wl, rt))
+            mlp, sel_mlp = self._passes("moe" if kind else "mlp", lambda: mlp_half(model, i, lay, wl, rt))
+            self._layer_passes[kind] = (attn.plus(mlp), sel_attn + sel_mlp)
+        return self._layer_passes[kind]
+
+    def _passes(self, name: str, build) -> tuple[PassTimes, float]:
+        """_block_passes of the block build() makes, from the PassCache when this context has one."""
+        if self.pass_cache is None:
+            return self._block_passes(build())
+        fields, dims = BLOCK_KEYS[name]
+        key = (name,) + tuple(getattr(self.lay, f) for f in fields) + tuple(self.links[d] for d in dims)
+        found = self.pass_cache.passes.get(key)
+        if found is None:
+            block = build()
+            if block.name != name:
+                raise ValueError(f"block {block.name!r} cached as {name!r}")
+            found = self.pass_cache.passes[key] = self._block_passes(block)
+        return found
 
     def layer_activation(self, i: int, mode: str) -> float:
         key = (self.model.is_moe_layer(i), mode)
@@ -316,15 +379,20 @@ class CostContext:
 
     @cached_property
     def embedding(self) -> PassTimes:
-        return self.block_times(embedding_block(self.model, self.lay, self.wl), "none")
+        return self._passes("embedding", lambda: embedding_block(self.model, self.lay, self.wl))[0]
 
     @cached_property
     def head(self) -> PassTimes:
-        """The last stage's own block: final norm, LM head and loss, and the MTP modules where the model has them."""
-        head = self.block_times(head_block(self.model, self.lay, self.wl), "none")
-        if self.model.num_mtp_layers:
-            head = head.plus(self.block_times(mtp_block(self.model, self.lay, self.wl, self.rt), "none"))
-        return head
+        """The last stage's own block: final norm, LM head and loss, and after them each MTP module (its
+        projection, a decoder layer like the model's last, the head again; ops.mtp_projection). Each module's ring
+        exchange overlaps its own attention."""
+        model = self.model
+        head = self._passes("head", lambda: head_block(model, self.lay, self.wl))[0]
+        if not model.num_mtp_layers:
+            return head
+        projection = self._passes("mtp_projection", lambda: mtp_projection(model, self.lay, self.wl))[0]
+        module = projection.plus(self._layer_base(model.num_layers - 1)[0]).plus(head)
+        return head.plus(PassTimes.total([(module, model.num_mtp_layers)]))
 
     @cached_property
     def p2p_s(self) -> float:
@@ -370,10 +438,6 @@ class CostContext:
             biggest = max(model.layer_params(i) for i in kinds.values()) / self.lay.tp
             buffers += 2 * 2 * biggest  # two gathered 16-bit layers in flight (prefetch)
         return buffers
-
-    def block_times(self, block: Block, recompute: str) -> PassTimes:
-        base, selective = self._block_passes(block)
-        return _with_recompute(base, recompute, selective)
 
     def _block_passes(self, block: Block) -> tuple[PassTimes, float]:
         """The block's passes without recomputation, and the forward time of its selective-recompute operators."""

@@ -49,15 +49,17 @@ class StageParams:
 def stage_params(model: ModelSpec, lay: Layout, layers: range, first: bool, last: bool) -> StageParams:
     dense = 0.0
     expert = 0.0
-    for i in layers:
-        if model.is_moe_layer(i):
-            moe = model.moe
-            assert moe is not None
-            experts = moe.num_experts * model.mlp_params(moe.expert_ffn_hidden)
-            expert += experts / (lay.ep * lay.etp)
-            dense += (model.layer_params(i) - experts) / lay.tp
-        else:
-            dense += model.layer_params(i) / lay.tp
+    moe_layers = [i for i in layers if model.is_moe_layer(i)]  # layers of one kind hold the same parameters
+    dense_layers = len(layers) - len(moe_layers)
+    if moe_layers:
+        moe = model.moe
+        assert moe is not None
+        experts = moe.num_experts * model.mlp_params(moe.expert_ffn_hidden)
+        expert += len(moe_layers) * experts / (lay.ep * lay.etp)
+        dense += len(moe_layers) * (model.layer_params(moe_layers[0]) - experts) / lay.tp
+    if dense_layers:
+        first_dense = next(i for i in layers if not model.is_moe_layer(i))
+        dense += dense_layers * model.layer_params(first_dense) / lay.tp
     if first:
         dense += model.embedding_params() / lay.tp
     if last:

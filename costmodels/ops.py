@@ -143,27 +143,18 @@ def _mlp_ops(prefix: str, model: ModelSpec, tokens: float, ffn_local: float, fp8
     ]
 
 
-def decoder_layer(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtime) -> Block:
-    """One pre-norm decoder layer on one rank (Megatron-LM ParallelTransformerLayer / TransformerLayer)."""
+def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> Block:
+    """A decoder layer's norms, attention and residual adds, with the attention's TP pair and the CP exchange: the
+    part every decoder layer shares, dense or MoE (the cost model caches it apart from the MLP half)."""
     fp8 = 2.0 if wl.dtype == "fp8" else 1.0
-    b, h = lay.mbs, model.hidden
-    tokens = b * wl.seq_len / lay.cp
+    h = model.hidden
+    tokens = lay.mbs * wl.seq_len / lay.cp
     norm_tokens = tokens / lay.tp if lay.sp else tokens  # sequence parallel shards norms and dropouts (Korthikanti sec. 4.2.2)
     residual = elementwise("dropout_add" if rt.dropout else "residual_add", 2 * norm_tokens * h, norm_tokens * h)
     ops: list[Op] = [elementwise("norm1", norm_tokens * h, norm_tokens * h)]
     ops += _attention_ops(model, lay, wl, rt, fp8)
-    ops += [residual, elementwise("norm2", norm_tokens * h, norm_tokens * h)]
-    act_bytes = ACT_BYTES * tokens * h
-    comms: list[Collective] = []
-    # TP: two all-reduces of the [b, s, h] activations forward and two backward (Shoeybi et al. 2019, fig. 4);
-    # with sequence parallel each becomes an all-gather plus a reduce-scatter (Korthikanti et al. 2022, sec. 4.2.2).
-    tp_pairs = 1 if model.is_moe_layer(index) else 2
-    if lay.tp > 1:
-        if lay.sp:
-            comms.append(Collective("tp_all_gather", "all_gather", "tp", act_bytes, tp_pairs, tp_pairs, overlappable="tp"))
-            comms.append(Collective("tp_reduce_scatter", "reduce_scatter", "tp", act_bytes, tp_pairs, tp_pairs, overlappable="tp"))
-        else:
-            comms.append(Collective("tp_all_reduce", "all_reduce", "tp", act_bytes, tp_pairs, tp_pairs, overlappable="tp"))
+    ops += [residual, elementwise("norm2", norm_tokens * h, norm_tokens * h), residual]
+    comms = _tp_pair(model, lay, wl)
     if lay.cp > 1:
         kv_dim = (model.kv_heads * model.head_size) if model.mla is None else model.num_heads * (
             model.mla.qk_head_dim + model.mla.v_head_dim) / 2
@@ -180,33 +171,62 @@ def decoder_layer(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: R
             out_bytes = ACT_BYTES * tokens * q_dim / lay.tp
             comms.append(Collective("cp_a2a_qkv", "all_to_all", "cp", qkv_bytes, 1, 1))
             comms.append(Collective("cp_a2a_out", "all_to_all", "cp", out_bytes, 1, 1))
-    if model.is_moe_layer(index):
-        moe = model.moe
-        assert moe is not None
-        # MoE parallel folding (Megatron-Core moe README): tokens of the TP x CP x DP ranks go to EP x ETP expert shards.
-        local_tokens = tokens / lay.tp
-        assignments = local_tokens * moe.top_k * wl.moe_imbalance
-        experts_local = moe.num_experts / lay.ep
-        tokens_per_expert = assignments * lay.ep * lay.etp / moe.num_experts
-        ffn_local = moe.expert_ffn_hidden / lay.etp
-        ops.append(gemm("router", local_tokens, moe.num_experts, h, weight=True))
-        ops.append(elementwise("router_topk", local_tokens * moe.num_experts, local_tokens * moe.top_k * 2))
-        ops.append(elementwise("permute", assignments * h, assignments * h))
-        for op in _mlp_ops("expert_", model, tokens_per_expert, ffn_local, fp8):
-            ops.append(_scale(op, experts_local))
-        ops.append(elementwise("unpermute", assignments * h, assignments * h / moe.top_k))
-        if moe.num_shared_experts:
-            ops += _mlp_ops("shared_", model, tokens, moe.num_shared_experts * moe.shared_hidden / lay.tp, fp8)
-        if lay.ep > 1:
-            # Dispatch and combine: each rank sends its token copies to the experts' owners (GShard, Lepikhin 2020).
-            comms.append(Collective("ep_all_to_all", "all_to_all", "ep", ACT_BYTES * assignments * h, 2, 2))
-        if lay.etp > 1:
-            comms.append(Collective("etp_all_gather", "all_gather", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
-            comms.append(Collective("etp_reduce_scatter", "reduce_scatter", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
-    else:
-        ops += _mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8)
-    ops.append(residual)
-    return Block(f"layer{index}", tuple(ops), tuple(comms))
+    return Block("attention", tuple(ops), tuple(comms))
+
+
+def _tp_pair(model: ModelSpec, lay: Layout, wl: Workload) -> list[Collective]:
+    """One TP pair around a column- then row-parallel block: an all-reduce of the [b, s, h] activations forward and
+    one backward (Shoeybi et al. 2019, fig. 4); with sequence parallel an all-gather plus a reduce-scatter
+    (Korthikanti et al. 2022, sec. 4.2.2). Attention has one, a dense MLP another; experts use EP/ETP instead."""
+    if lay.tp == 1:
+        return []
+    act_bytes = ACT_BYTES * lay.mbs * wl.seq_len / lay.cp * model.hidden
+    if lay.sp:
+        return [Collective("tp_all_gather", "all_gather", "tp", act_bytes, 1, 1, overlappable="tp"),
+                Collective("tp_reduce_scatter", "reduce_scatter", "tp", act_bytes, 1, 1, overlappable="tp")]
+    return [Collective("tp_all_reduce", "all_reduce", "tp", act_bytes, 1, 1, overlappable="tp")]
+
+
+def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtime) -> Block:
+    """A decoder layer's MLP: dense (with its TP pair), or MoE (router, experts, EP/ETP communication)."""
+    fp8 = 2.0 if wl.dtype == "fp8" else 1.0
+    h = model.hidden
+    tokens = lay.mbs * wl.seq_len / lay.cp
+    if not model.is_moe_layer(index):
+        return Block("mlp", tuple(_mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8)),
+                     tuple(_tp_pair(model, lay, wl)))
+    moe = model.moe
+    assert moe is not None
+    ops: list[Op] = []
+    comms: list[Collective] = []
+    # MoE parallel folding (Megatron-Core moe README): tokens of the TP x CP x DP ranks go to EP x ETP expert shards.
+    local_tokens = tokens / lay.tp
+    assignments = local_tokens * moe.top_k * wl.moe_imbalance
+    experts_local = moe.num_experts / lay.ep
+    tokens_per_expert = assignments * lay.ep * lay.etp / moe.num_experts
+    ffn_local = moe.expert_ffn_hidden / lay.etp
+    ops.append(gemm("router", local_tokens, moe.num_experts, h, weight=True))
+    ops.append(elementwise("router_topk", local_tokens * moe.num_experts, local_tokens * moe.top_k * 2))
+    ops.append(elementwise("permute", assignments * h, assignments * h))
+    for op in _mlp_ops("expert_", model, tokens_per_expert, ffn_local, fp8):
+        ops.append(_scale(op, experts_local))
+    ops.append(elementwise("unpermute", assignments * h, assignments * h / moe.top_k))
+    if moe.num_shared_experts:
+        ops += _mlp_ops("shared_", model, tokens, moe.num_shared_experts * moe.shared_hidden / lay.tp, fp8)
+    if lay.ep > 1:
+        # Dispatch and combine: each rank sends its token copies to the experts' owners (GShard, Lepikhin 2020).
+        comms.append(Collective("ep_all_to_all", "all_to_all", "ep", ACT_BYTES * assignments * h, 2, 2))
+    if lay.etp > 1:
+        comms.append(Collective("etp_all_gather", "all_gather", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
+        comms.append(Collective("etp_reduce_scatter", "reduce_scatter", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
+    return Block("moe", tuple(ops), tuple(comms))
+
+
+def decoder_layer(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtime) -> Block:
+    """One pre-norm decoder layer on one rank (Megatron-LM ParallelTransformerLayer / TransformerLayer): the
+    attention half and the MLP half."""
+    attn, mlp = attention_half(model, lay, wl, rt), mlp_half(model, index, lay, wl, rt)
+    return Block(f"layer{index}", attn.ops + mlp.ops, attn.comms + mlp.comms)
 
 
 def _scale(op: Op, times: float) -> Op:
@@ -228,19 +248,16 @@ def embedding_block(model: ModelSpec, lay: Layout, wl: Workload) -> Block:
     return Block("embedding", ops, comms)
 
 
-def mtp_block(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> Block:
-    """DeepSeek-V3's multi-token-prediction modules, run by the last pipeline stage after the head (DeepSeek-V3
-    report sec. 2.2; Megatron-Core multi_token_prediction.py): per module two norms, the projection of
-    [hidden; embedding] (2h -> h, column-parallel), one decoder layer like the model's last, and the shared head
-    and cross-entropy again."""
+def mtp_projection(model: ModelSpec, lay: Layout, wl: Workload) -> Block:
+    """What one of DeepSeek-V3's multi-token-prediction modules adds to a decoder layer and the shared head: two
+    norms and the projection of [hidden; embedding] (2h -> h, column-parallel) (DeepSeek-V3 report sec. 2.2;
+    Megatron-Core multi_token_prediction.py). The last pipeline stage runs each module after the head: this block,
+    one decoder layer like the model's last, and the head and cross-entropy again (CostContext.head)."""
     tokens = lay.mbs * wl.seq_len / lay.cp
     norm_tokens = tokens / lay.tp if lay.sp else tokens
     h = model.hidden
-    layer = decoder_layer(model, model.num_layers - 1, lay, wl, rt)
-    head = head_block(model, lay, wl)
-    one = (elementwise("mtp_norms", 2 * norm_tokens * h, 2 * norm_tokens * h),
-           gemm("mtp_proj", tokens, h / lay.tp, 2 * h)) + tuple(layer.ops) + tuple(head.ops)
-    return Block("mtp", one * model.num_mtp_layers, (tuple(layer.comms) + tuple(head.comms)) * model.num_mtp_layers)
+    return Block("mtp_projection", (elementwise("mtp_norms", 2 * norm_tokens * h, 2 * norm_tokens * h),
+                                    gemm("mtp_proj", tokens, h / lay.tp, 2 * h)))
 
 
 def head_block(model: ModelSpec, lay: Layout, wl: Workload) -> Block:

@@ -148,10 +148,20 @@ class PartitionProblem:
             values = getattr(self, name)
             if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
                 raise ValueError(f"{name} must be a sequence of numbers")
-            object.__setattr__(self, name, _check_numbers(name, values))
             lengths.add(len(values))
         if len(lengths) != 1:
             raise ValueError(f"per-layer sequences differ in length: {sorted(lengths)}")
+        try:  # all per-layer fields in one array (a planner builds thousands of problems); errors name the field
+            table = np.array([getattr(self, name) for name in _LAYER_FIELDS], dtype=float)
+            valid = table.ndim == 2 and bool(np.all(np.isfinite(table) & (table >= 0)))
+        except (TypeError, ValueError):
+            valid = False
+        if valid:
+            for name, row in zip(_LAYER_FIELDS, table.tolist()):
+                object.__setattr__(self, name, tuple(row))
+        else:
+            for name in _LAYER_FIELDS:
+                object.__setattr__(self, name, _check_numbers(name, getattr(self, name)))
         for name in _SCALAR_FIELDS:
             object.__setattr__(self, name, _check_number(name, getattr(self, name)))
         if not isinstance(self.sync, SyncModel):
@@ -163,11 +173,14 @@ class PartitionProblem:
     def num_layers(self) -> int:
         return len(self.layer_forward)
 
-    def held_microbatches(self, r: int) -> int:
+    def held_microbatches(self, r):
         """Micro-batches whose activations rank r holds at its peak: 1F1B and ZB-H1 keep p - r in flight
-        (Narayanan et al. 2021, sec. 2.2; Qi et al. 2024, sec. 3.1), GPipe all m (Huang et al. 2019)."""
+        (Narayanan et al. 2021, sec. 2.2; Qi et al. 2024, sec. 3.1), GPipe all m (Huang et al. 2019). r: an int or
+        an array of ranks."""
         if self.schedule == "gpipe":
             return self.num_microbatches
+        if isinstance(r, np.ndarray):
+            return np.minimum(self.num_stages - r, self.num_microbatches)
         return min(self.num_stages - r, self.num_microbatches)
 
 
@@ -256,14 +269,21 @@ def _cuts(t: _Tables, pol: StagePolicy, i: int, j: int) -> tuple[int, int, float
     return i, i, 0.0
 
 
-def _forward_const(pr: PartitionProblem, r: int) -> float:
-    p = pr.num_stages
-    return (pr.first_forward if r == 0 else 0.0) + (pr.last_forward if r == p - 1 else 0.0) + pr.stage_forward_extra
+def _when(cond, x: float):
+    """x where cond holds, else 0.0: for one rank (a bool) or an array of ranks at once (the same floats)."""
+    if isinstance(cond, np.ndarray):
+        return np.where(cond, x, 0.0)
+    return x if cond else 0.0
 
 
-def _backward_const(pr: PartitionProblem, r: int) -> float:
+def _forward_const(pr: PartitionProblem, r):
     p = pr.num_stages
-    return (pr.first_backward if r == 0 else 0.0) + (pr.last_backward if r == p - 1 else 0.0) + pr.stage_backward_extra
+    return _when(r == 0, pr.first_forward) + _when(r == p - 1, pr.last_forward) + pr.stage_forward_extra
+
+
+def _backward_const(pr: PartitionProblem, r):
+    p = pr.num_stages
+    return _when(r == 0, pr.first_backward) + _when(r == p - 1, pr.last_backward) + pr.stage_backward_extra
 
 
 @dataclass(frozen=True)
@@ -306,9 +326,8 @@ def _stage_memory(pr, r, s: _LayerSums, peak):
     """memory_r = (state + held x activations + recompute peak + buffers) x (1 + fragmentation)
     (meshplan docs/cost_model.md, pipeline bounds; Korthikanti et al. 2022, sec. 4-5)."""
     p = pr.num_stages
-    const = (pr.first_state_bytes if r == 0 else 0.0) + (pr.last_state_bytes + pr.last_fixed_bytes if r == p - 1
-                                                         else 0.0)
-    per_mb = s.act + (pr.first_act_bytes if r == 0 else 0.0)
+    const = _when(r == 0, pr.first_state_bytes) + _when(r == p - 1, pr.last_state_bytes + pr.last_fixed_bytes)
+    per_mb = s.act + _when(r == 0, pr.first_act_bytes)
     return ((s.state + const) + pr.held_microbatches(r) * per_mb + peak + pr.fixed_bytes) * (1.0 + pr.fragmentation)
 
 
@@ -322,7 +341,7 @@ def _collective(alpha: float, beta: float, params):
 def _stage_sync(pr, r, s: _LayerSums, f, b):
     """E_r: exposed gradient reduce and parameter gather, then the optimizer step (meshplan docs/cost_model.md)."""
     p, sy = pr.num_stages, pr.sync
-    dense = s.dense + (pr.first_params_dense if r == 0 else 0.0) + (pr.last_params_dense if r == p - 1 else 0.0)
+    dense = s.dense + _when(r == 0, pr.first_params_dense) + _when(r == p - 1, pr.last_params_dense)
     expert = s.expert
     reduce = _collective(sy.reduce_alpha_dense, sy.reduce_beta_dense, dense) + _collective(
         sy.reduce_alpha_expert, sy.reduce_beta_expert, expert)
@@ -338,13 +357,13 @@ def _round_trips(pr, r: int, f, b, t_after):
     n middles after the first alone), or None when micro-batch 0's and m-1's round trips cannot share a path."""
     p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
     trip = t_after + 2 * (p - 1 - r) * h
-    w = min(p - r - 1, m)
-    around = min(w, m - 1)
+    w = np.minimum(p - r - 1, m)
+    around = np.minimum(w, m - 1)
     n = w + 1
     first, last = trip - around * f, trip - around * b
-    if m - 1 < n:
+    if np.ndim(r) == 0 and m - 1 < n:
         return first, last, None, 0, 0
-    return first, last, trip - w * (f + b), (m - 1) // n - 1, (m - 1 - w) // n
+    return first, last, trip - w * (f + b), (m - 1) // n - 1, (m - 1 - w) // n  # arrays: see _end_time
 
 
 def _end_pieces(pr, r: int, f, b, start, t_after) -> list:
@@ -385,7 +404,10 @@ def _end_time(pr, r: int, f, b, start, t_after):
     if middle is None:
         return base + np.maximum(first, last)
     middle = np.maximum(middle, 0.0)
-    return base + np.maximum(first + last + k_both * middle, first + k_first * middle)
+    end = base + np.maximum(first + last + k_both * middle, first + k_first * middle)
+    if isinstance(r, np.ndarray):  # ranks whose round trips cannot share a path (see _round_trips)
+        end = np.where(m - 1 < np.minimum(p - r - 1, m) + 1, base + np.maximum(first, last), end)
+    return end
 
 
 def _stage_objective(pr, r, f, b, e, f_before, b_before, t_after):
@@ -449,7 +471,8 @@ def evaluate(problem: PartitionProblem, boundaries, policies) -> PartitionResult
 
 # ---- exact DP for a uniform policy -----------------------------------------------------------------------------------
 
-def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = False) -> PartitionResult | None:
+def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = False,
+             below: float = math.inf) -> PartitionResult | None:
     """Best contiguous partition with `policy` on every stage ("full": all of a stage's layers), or None.
 
     With one policy everywhere, every J_r depends only on (r, first layer i, end j), so min max_r J_r is a bottleneck
@@ -461,14 +484,16 @@ def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = Fal
     exposed reduce loses at most it) and memory from each layer's smallest activations without the recompute peak
     (any policy keeps act_none of the stage's first layer plus one of the three amounts per later layer). Its
     policies read "none" and its stage_memory_bytes are those lower bounds.
+
+    below: a search's cutoff; when no partition's J is below it, None (as when none fits) at a fraction of the cost.
     """
     if policy not in GRANULARITIES:
         raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
     p, L = problem.num_stages, problem.num_layers
     t = _tables(problem)
-    i, j = _grid(L)
-    at, ext = _uniform_cuts(t, "none" if relaxed else policy, i, j)
-    bounds = _bottleneck_path(problem, t, lambda r: at, ext, relaxed)
+    ext = _uniform_extra(t, "none" if relaxed else policy)
+    bounds = _bottleneck_path(problem, t, lambda R, I, J: _uniform_cuts(t, "none" if relaxed else policy, I, J)[0],
+                              ext, relaxed, below=below)
     if bounds is None:
         return None
     pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r])
@@ -479,15 +504,48 @@ def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = Fal
     return result
 
 
-def dp_bound(problem: PartitionProblem, policy: Granularity) -> float:
+def may_fit(problem: PartitionProblem, policy: Granularity, relaxed: bool = False) -> bool:
+    """False only when no partition fits in memory under `policy` on every stage (relaxed: under any per-stage
+    policy mix, as solve_dp's relaxed mode), in O(p log L) instead of the DP's O(p L^2).
+
+    A relaxation, then a greedy: stages may be empty and each non-empty stage's recompute peak is the smallest any
+    layer has; a stage's memory then only grows when its layer range grows, so taking as many layers as fit, stage
+    by stage, places all L layers whenever any partition of the relaxation does (exchange argument: the greedy's
+    r-th boundary is never behind a feasible partition's). Every real partition is one of the relaxation's, so a
+    greedy that falls short proves that none fits. The cap gets 1e-9 of slack against rounding."""
+    if policy not in GRANULARITIES:
+        raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
+    pr, t = problem, _tables(problem)
+    p, L = pr.num_stages, pr.num_layers
+    if relaxed:
+        act, peak = t.act_min, 0.0
+    else:
+        act = {"none": t.act_none, "selective": t.act_sel, "full": t.act_full}[policy]
+        peak = 0.0 if policy == "none" else float(np.min((t.peak_sel if policy == "selective" else t.peak_full)[:L]))
+    room = pr.memory_cap_bytes * (1 + 1e-9) / (1.0 + pr.fragmentation) - pr.fixed_bytes
+    start = 0
+    for r in range(p):
+        held = pr.held_microbatches(r)
+        const = ((pr.first_state_bytes + held * pr.first_act_bytes if r == 0 else 0.0)
+                 + (pr.last_state_bytes + pr.last_fixed_bytes if r == p - 1 else 0.0))
+        if const > room:
+            return False
+        # the largest end e with state[start, e) + held x act[start, e) + peak <= room - const
+        level = t.state + held * act
+        end = int(np.searchsorted(level, room - const - peak + level[start], side="right")) - 1
+        start = max(start, min(end, L))
+    return start >= L
+
+
+def dp_bound(problem: PartitionProblem, policy: Granularity, below: float = math.inf) -> float:
     """solve_dp's optimal objective alone (inf when nothing fits): what a search needs to prune, without building
-    the plan. Equal to solve_dp(problem, policy).objective up to float rounding of the same sums."""
+    the plan. Equal to solve_dp(problem, policy).objective up to float rounding of the same sums when that is below
+    `below` (a search's cutoff), and >= below otherwise."""
     if policy not in GRANULARITIES:
         raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
     t = _tables(problem)
-    i, j = _grid(problem.num_layers)
-    at, ext = _uniform_cuts(t, policy, i, j)
-    return _bottleneck_path(problem, t, lambda r: at, ext, False, value_only=True)
+    return _bottleneck_path(problem, t, lambda R, I, J: _uniform_cuts(t, policy, I, J)[0], _uniform_extra(t, policy),
+                            False, value_only=True, below=below)
 
 
 def _uniform_cuts(t: _Tables, policy: Granularity, i, j):
@@ -500,66 +558,81 @@ def _uniform_cuts(t: _Tables, policy: Granularity, i, j):
     return (j, i, t.peak_full[i]), t.full
 
 
+def _uniform_extra(t: _Tables, policy: Granularity) -> np.ndarray:
+    """The prefix of the recompute extras of every layer under one policy everywhere."""
+    return _uniform_cuts(t, policy, 0, 0)[1]
+
+
 def _grid(L: int) -> tuple[np.ndarray, np.ndarray]:
     """Index grids: i (first layer) down the rows, j (end) across the columns."""
     return np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]
 
 
-def _band(x, rows: slice, cols: slice):
-    """A grid's window (scalars and per-row/per-column vectors broadcast as they are)."""
-    if np.ndim(x) < 2:
-        return x
-    return x[rows if x.shape[0] > 1 else slice(None), cols if x.shape[1] > 1 else slice(None)]
+def _stage_grid(p: int, L: int, longest: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(R, I, J) index grids of shape (p, 1, 1), (p, width, 1) and (p, width, longest): stage r runs layers [I, J),
+    J = I + 1 + k for k < longest. Stage r starts at layer r or later and leaves a layer to each later stage, so
+    I = r + a for a < width = L - p + 1, and ends past r + width are masked (their J is clipped to L)."""
+    width = L - p + 1
+    R = np.arange(p)[:, None, None]
+    I = R + np.arange(width)[None, :, None]
+    return R, I, np.minimum(I + 1 + np.arange(longest)[None, None, :], L)
 
 
-def _bottleneck_path(pr: PartitionProblem, t: _Tables, policy_at, ext: np.ndarray,
-                     relaxed: bool, value_only: bool = False, with_value: bool = False):
-    """min over partitions of max_r J_r(i, j) when J_r depends on (r, i, j) only: policy_at(r) gives stage r's
-    (c, d, peak) on the (i, j) grid, or, as (c, d, peak, "band"), on stage r's band only; ext the prefix of
-    recompute extras assumed for the other stages' layers.
+def _longest_stage(pr: PartitionProblem, t: _Tables, below: float) -> int:
+    """No stage of more layers than this can lie on a partition whose J is below `below` and that fits: m x (its
+    layers' forward + backward) <= J_r, and its layers' states plus one micro-batch of their smallest activations
+    (x (1 + fragmentation), plus the buffers) <= its memory. Both sums over a window only grow with its length, so
+    the smallest over all windows of a length grows too: binary searches over the length."""
+    p, L, m = pr.num_stages, pr.num_layers, pr.num_microbatches
+    width = L - p + 1
+    work = m * (t.fwd + t.bwd)
+    bytes_ = t.state + t.act_min
+    room = pr.memory_cap_bytes * (1 + 1e-9) / (1.0 + pr.fragmentation) - pr.fixed_bytes
 
-    Stage r starts at layer r or later and leaves a layer to each later stage, so only the band i in
-    [r, r + L - p], j in [r + 1, r + 1 + L - p] can lie on a partition: each stage's terms are evaluated there."""
+    def fits(n: int) -> bool:
+        if math.isfinite(below) and np.min(work[n:] - work[:-n]) >= below:
+            return False
+        return bool(np.min(bytes_[n:] - bytes_[:-n]) <= room)
+
+    lo, hi = 1, width  # fits(lo) or nothing fits at all (then any length gives the same empty answer)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _bottleneck_path(pr: PartitionProblem, t: _Tables, cuts, ext: np.ndarray, relaxed: bool,
+                     value_only: bool = False, with_value: bool = False, below: float = math.inf):
+    """min over partitions of max_r J_r(i, j) when J_r depends on (r, i, j) only: cuts(R, I, J) gives every stage's
+    (c, d, peak) on the grids of _stage_grid; ext the prefix of recompute extras assumed for the other stages'
+    layers. Every stage's terms are evaluated at once (arrays over r, i, j), then the min-max recursion runs over r:
+    W[r][i] = min_j max(J_r(i, j), W[r+1][j]). Stages too long to fit or to finish below `below` are left out
+    (_longest_stage): the answer is exact when it is below `below`, and at least `below` (or inf) otherwise."""
     p, L = pr.num_stages, pr.num_layers
-    i, j = _grid(L)
-    width = L - p + 1  # starts (and ends) a stage can have
-    jm = np.empty((p, width, width))  # jm[r][i - r, j - r - 1]
+    width = L - p + 1
+    R, I, J = _stage_grid(p, L, _longest_stage(pr, t, below))
+    c, d, peak = cuts(R, I, J)
+    with np.errstate(invalid="ignore"):
+        band = _layer_sums(t, I, J, c, d, relaxed)
+        f, b = _stage_forward(pr, R, band), _stage_backward(pr, R, band)
+        e = _stage_sync(pr, R, band, f, b)
+        mem = _stage_memory(pr, R, band, peak)
+        # Other stages' layers from prefix tables: F_<r, B_<r over layers [0, i), T_>r over layers [j, L).
+        f_before = t.fwd[I] + (_when(R > 0, pr.first_forward) + R * pr.stage_forward_extra)
+        b_before = (t.bwd[I] + ext[I]) + (_when(R > 0, pr.first_backward) + R * pr.stage_backward_extra)
+        t_after = ((t.fwd[L] - t.fwd[J]) + (t.bwd[L] - t.bwd[J]) + (ext[L] - ext[J])) + (
+            (p - 1 - R) * (pr.stage_forward_extra + pr.stage_backward_extra)
+            + _when(R < p - 1, pr.last_forward + pr.last_backward))
+        jr = _stage_objective(pr, R, f, b, e, f_before, b_before, t_after)
+        ends_in_band = (J > I) & (J <= R + width) & (J - I == 1 + np.arange(J.shape[2]))  # clipped ends are out
+        jm = np.where(ends_in_band & (mem <= pr.memory_cap_bytes), jr, np.inf)  # jm[r][i - r, j - i - 1]
     w = np.full((p + 1, L + 1), np.inf)  # w[r][i]: best max_{s >= r} J_s with stage r starting at layer i
     w[p, L] = 0.0
-    # Other stages' layers from prefix tables: F_<r, B_<r over layers [0, i), T_>r over layers [j, L).
-    layers_before_f, layers_before_b = t.fwd[i], t.bwd[i] + ext[i]
-    layers_after = (t.fwd[L] - t.fwd[j]) + (t.bwd[L] - t.bwd[j]) + (ext[L] - ext[j])
-    # Stage times depend on r only through the first and last blocks: one grid per policy and kind of stage.
-    sums: dict[int, _LayerSums] = {}
-    times: dict[tuple[int, bool, bool], tuple] = {}
-    with np.errstate(invalid="ignore"):
-        for r in reversed(range(p)):
-            rows, cols = slice(r, r + width), slice(r + 1, r + 1 + width)
-            at = policy_at(r)
-            if len(at) == 4:  # this stage's own policy, on its band already
-                band = _layer_sums(t, i[rows], j[:, cols], at[0], at[1], relaxed)
-                f, b = _stage_forward(pr, r, band), _stage_backward(pr, r, band)
-                e = _stage_sync(pr, r, band, f, b)
-                peak = at[2]
-            else:  # one policy shared by the stages: its sums once on the whole grid, then each stage's band
-                if id(at) not in sums:
-                    sums[id(at)] = _layer_sums(t, i, j, at[0], at[1], relaxed)
-                s = sums[id(at)]
-                key = (id(at), r == 0, r == p - 1)
-                if key not in times:
-                    f, b = _stage_forward(pr, r, s), _stage_backward(pr, r, s)
-                    times[key] = f, b, _stage_sync(pr, r, s, f, b)
-                f, b, e = (_band(x, rows, cols) for x in times[key])
-                band = _LayerSums(*(_band(getattr(s, name), rows, cols) for name in _LayerSums.__dataclass_fields__))
-                peak = _band(at[2], rows, cols)
-            mem = _stage_memory(pr, r, band, peak)
-            f_before = layers_before_f[rows] + ((pr.first_forward if r > 0 else 0.0) + r * pr.stage_forward_extra)
-            b_before = layers_before_b[rows] + ((pr.first_backward if r > 0 else 0.0) + r * pr.stage_backward_extra)
-            t_after = layers_after[:, cols] + ((p - 1 - r) * (pr.stage_forward_extra + pr.stage_backward_extra)
-                                               + (pr.last_forward + pr.last_backward if r < p - 1 else 0.0))
-            jr = _stage_objective(pr, r, f, b, e, f_before, b_before, t_after)
-            jm[r] = np.where((j[:, cols] > i[rows]) & (mem <= pr.memory_cap_bytes), jr, np.inf)
-            w[r, rows] = np.min(np.maximum(jm[r], w[r + 1, cols][None, :]), axis=1)
+    for r in reversed(range(p)):
+        w[r, r:r + width] = np.min(np.maximum(jm[r], w[r + 1][J[r]]), axis=1)
     best = w[0, 0]
     if value_only:
         return float(best)
@@ -567,79 +640,71 @@ def _bottleneck_path(pr: PartitionProblem, t: _Tables, policy_at, ext: np.ndarra
         return None
     bounds, start = [0], 0
     for r in range(p):  # the smallest next boundary that still completes within the optimum
-        row = np.maximum(jm[r, start - r], w[r + 1, r + 1:r + 1 + width])
-        end = r + 1 + int(np.flatnonzero(row <= best + TIE_RTOL * abs(best))[0])
+        row = np.maximum(jm[r, start - r], w[r + 1][J[r, start - r]])
+        end = start + 1 + int(np.flatnonzero(row <= best + TIE_RTOL * abs(best))[0])
         bounds.append(end)
         start = end
     return (float(best), tuple(bounds)) if with_value else tuple(bounds)
 
 
-def _cheapest_fitting(pr: PartitionProblem, t: _Tables) -> list[tuple]:
-    """Per stage r, on its band of the (i, j) grid (see _bottleneck_path): (c, d, peak, "band") of the policy with
-    the least recompute extra under which it fits (none, then selective, then full on the fewest layers: a full
+def _cheapest_fitting(pr: PartitionProblem, t: _Tables, R, I, J) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(c, d, peak) on the grids of _stage_grid: for each stage (r, [i, j)) the policy with the least recompute
+    extra under which it fits (none, then selective or full on the fewest layers k, the cheaper of the two: a full
     extra only grows with k); (i, i, 0) where none fits.
 
     With one stage's layers fixed, the others' J_s only grow with its backward (B_<s, T_>s) and so does its own J_r
     (end_r gains m x the growth, its exposed reduce loses at most it): the cheapest fitting policy is the best one."""
-    L, p = pr.num_layers, pr.num_stages
-    width = L - p + 1
-    i_all, j_all = _grid(L)
-    cap = pr.memory_cap_bytes
-    # cut_min[i][c] = min over c' in (i, c] of act_full - act_none: full recompute on [i, c) fits once it is low
-    q = np.where(j_all > i_all, (t.act_full - t.act_none)[np.broadcast_to(j_all, (L + 1, L + 1))], np.inf)
-    neg_cut_min = -np.minimum.accumulate(q, axis=1)  # non-decreasing along each row: searchsorted's order
-    out = []
-    for r in range(p):
-        rows, cols = slice(r, r + width), slice(r + 1, r + 1 + width)
-        i, j = i_all[rows], j_all[:, cols]
-        const = ((pr.first_state_bytes if r == 0 else 0.0) + (pr.last_state_bytes + pr.last_fixed_bytes
-                                                                if r == p - 1 else 0.0) + pr.fixed_bytes)
-        room = (cap * (1 + 1e-12) / (1.0 + pr.fragmentation) - (t.state[j] - t.state[i]) - const
-                - t.peak_full[i]) / pr.held_microbatches(r)
-        threshold = room - (pr.first_act_bytes if r == 0 else 0.0) + t.act_full[i] - t.act_none[j]
-        # the first c whose cut_min is <= the threshold, row by row (one sorted search per first layer)
-        cut = np.empty((width, width), dtype=np.int64)
-        for k, row in enumerate(range(r, r + width)):
-            cut[k] = np.searchsorted(neg_cut_min[row], -threshold[k], side="left")
-        cut = np.minimum(cut, L)
-        none_fits = _stage_memory(pr, r, _layer_sums(t, i, j, i, i, False), 0.0) <= cap
-        peak_sel = t.peak_sel[i]
-        sel_fits = _stage_memory(pr, r, _layer_sums(t, i, j, i, j, False), peak_sel) <= cap
-        full_fits = (cut <= j) & (_stage_memory(pr, r, _layer_sums(t, i, j, cut, i, False), t.peak_full[i]) <= cap)
-        sel_extra = np.where(sel_fits, t.sel[j] - t.sel[i], np.inf)
-        full_extra = np.where(full_fits, t.full[cut] - t.full[i], np.inf)
-        use_sel = ~none_fits & sel_fits & (sel_extra <= full_extra)
-        use_full = ~none_fits & ~use_sel & full_fits
-        out.append((np.where(use_full, cut, i), np.where(use_sel, j, i),
-                    np.where(use_sel, peak_sel, np.where(use_full, t.peak_full[i], 0.0)), "band"))
-    return out
+    L, cap = pr.num_layers, pr.memory_cap_bytes
+    zero = np.zeros(J.shape, dtype=float)
+    none_fits = _stage_memory(pr, R, _layer_sums(t, I, J, I, I, False), zero) <= cap
+    peak_sel, peak_full = t.peak_sel[I] + zero, t.peak_full[I] + zero
+    sel_fits = _stage_memory(pr, R, _layer_sums(t, I, J, I, J, False), peak_sel) <= cap
+    # full recompute on [i, c), c = i + 1 .. j: the first c whose stage fits (one more axis for c)
+    C = np.minimum(I[..., None] + 1 + np.arange(J.shape[2]), L)
+    I4, J4 = I[..., None], J[..., None]
+    fits4 = (C <= J4) & (_stage_memory(pr, R[..., None], _layer_sums(t, I4, J4, C, I4, False),
+                                       t.peak_full[I4]) <= cap)
+    full_fits = fits4.any(axis=-1)
+    cut = np.minimum(I + 1 + np.argmax(fits4, axis=-1), L)
+    sel_extra = np.where(sel_fits, t.sel[J] - t.sel[I], np.inf)
+    full_extra = np.where(full_fits, t.full[cut] - t.full[I], np.inf)
+    use_sel = ~none_fits & sel_fits & (sel_extra <= full_extra)
+    use_full = ~none_fits & ~use_sel & full_fits
+    return (np.where(use_full, cut, I), np.where(use_sel, J, I),
+            np.where(use_sel, peak_sel, np.where(use_full, peak_full, 0.0)))
 
 
-def per_stage_bound(problem: PartitionProblem) -> tuple[float, PartitionResult | None]:
+def per_stage_bound(problem: PartitionProblem, below: float = math.inf) -> tuple[float, PartitionResult | None]:
     """(lower, plan) for per-stage recomputation without CP-SAT. lower: the DP optimum when each stage takes its
     cheapest fitting policy and the other stages' recompute extras are left out of B_<r and T_>r; every J_r only
     grows with any stage's backward, so no per-stage plan beats it (a sound bound, inf when nothing fits). plan:
     that DP's partition re-evaluated with the other stages' extras in (a feasible plan, an upper bound). When the
-    two meet, the plan is optimal and CP-SAT is not needed."""
-    found = _cheapest_policies_partition(problem)
+    two meet, the plan is optimal and CP-SAT is not needed. below: as solve_dp's (inf, None when nothing is below)."""
+    found = _cheapest_policies_partition(problem, below)
     return (math.inf, None) if found is None else found
 
 
-def _cheapest_policies_partition(problem: PartitionProblem) -> tuple[float, PartitionResult] | None:
+def _cheapest_policies_partition(problem: PartitionProblem,
+                                 below: float = math.inf) -> tuple[float, PartitionResult] | None:
     """(the DP's optimum, its plan) with each stage on its cheapest fitting policy and the other stages' recompute
     extras left out of B_<r and T_>r; the plan re-evaluated in full. A heuristic plan (a start for CP-SAT) and a
-    lower bound (see per_stage_bound); None when nothing fits."""
+    lower bound (see per_stage_bound); None when nothing fits (or nothing is below `below`)."""
     t = _tables(problem)
-    fits = _cheapest_fitting(problem, t)
-    found = _bottleneck_path(problem, t, lambda r: fits[r], t.zero, relaxed=False, with_value=True)
+    chosen: list[tuple] = []
+
+    def cuts(R, I, J):
+        chosen.append(_cheapest_fitting(problem, t, R, I, J))
+        return chosen[-1]
+
+    found = _bottleneck_path(problem, t, cuts, t.zero, relaxed=False, with_value=True, below=below)
     if found is None:
         return None
     lower, bounds = found
+    c_grid, d_grid, _ = chosen[0]
     pols = []
     for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        width = problem.num_layers - problem.num_stages + 1
-        c, d = (int(np.broadcast_to(x, (width, width))[a - r, b - r - 1]) for x in fits[r][:2])
-        pols.append(StagePolicy(granularity="full", full_layers=int(c) - a) if c > a
+        c, d = int(c_grid[r, a - r, b - a - 1]), int(d_grid[r, a - r, b - a - 1])
+        pols.append(StagePolicy(granularity="full", full_layers=c - a) if c > a
                     else StagePolicy(granularity="selective") if d > a else StagePolicy(granularity="none"))
     return lower, _evaluate(problem, t, bounds, tuple(pols), relaxed=False)
 

@@ -24,18 +24,19 @@ from typing import Callable
 import numpy as np
 
 from costmodels.config import ParallelConfig, StagePolicy, Workload, get_runtime, resolve, DEFAULT_RUNTIME
-from costmodels.estimate import (CostContext, Efficiency, Estimate, group_link, group_ranks, simulate_config,
+from costmodels.estimate import (CostContext, Efficiency, PassCache, Estimate, group_link, group_ranks, simulate_config,
                                  stage_p2p_s, stage_ranges)
 from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, logits_bytes,
                                model_state_bytes, mtp_activation_bytes, stage_params)
 from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
-from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, per_stage_bound, solve_cpsat,
+from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, per_stage_bound, solve_cpsat,
                                solve_dp, solve_dp_pairs, solve_stage0_sync)
 from planner.space import Candidate, Enumeration, Group, Mesh, Pins, check_pins, enumerate_space
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
+LOOKAHEAD = 0.1  # a DP solves exactly only below (1 + this) x its step's queue key; above, it is queued again there
 UNBOUNDED_BYTES = 1e30  # a memory cap no stage reaches (bounds that ignore memory)
 CPSAT_TIME_LIMIT_S = 10.0  # per CP-SAT call; an unproven answer leaves its candidate's bound open (a gap)
 PAIR_DP_MAX_CELLS = 2e7  # the O(p L^3) pair and stage-0 sync bounds are tried only below this size
@@ -152,20 +153,21 @@ class _Search:
         self.open_bounds: list[tuple[float, Candidate, tuple[int, ...] | None, tuple | None]] = []
         self.unexplored_bound = math.inf  # smallest bound left when a time limit stopped the search
         self.contexts: dict[tuple, CostContext] = {}
+        self.passes = PassCache(model, cluster, wl, self.rt, eff)  # block passes shared by every context
         self.closest_memory: tuple[float, str] | None = None  # the smallest memory excess seen, for "nothing fits"
         self.problems: dict[int, PartitionProblem] = {}
         self.dp_results: dict[tuple, PartitionResult | None] = {}
         self.mesh_links: dict[Mesh, dict] = {}
         self.states_floors: dict[tuple[Mesh, int], float] = {}
         self.hops: dict[tuple[Mesh, int], float] = {}
-        self.stage_floors: dict[tuple, float] = {}
         self.rank_contents: dict[tuple, tuple] = {}
         self.work_bounds: dict[tuple, tuple[float, float]] = {}
         self.family_bounds: dict[tuple, float] = {}
         self.interleaved_bounds: dict[tuple, float] = {}
         self.timelines: dict[tuple, object] = {}  # simulated pipelines by their stage times  # by id of a context held in self.contexts
         self.recomputes_searched = {r for g in enum.groups for r in g.recomputes}
-        self.layer_kinds = {model.is_moe_layer(i): i for i in range(model.num_layers)}  # one layer of each kind
+        self.layer_kind_list = [model.is_moe_layer(i) for i in range(model.num_layers)]
+        self.layer_kinds = {kind: self.layer_kind_list.index(kind) for kind in dict.fromkeys(self.layer_kind_list)}
         self.moe_prefix = [0]
         for i in range(model.num_layers):
             self.moe_prefix.append(self.moe_prefix[-1] + int(model.is_moe_layer(i)))
@@ -200,7 +202,7 @@ class _Search:
         if ctx is None:
             lay = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(cand))
             ctx = CostContext(self.model, self.cluster, self.wl, lay, self.rt, self.eff,
-                              links=self.mesh_links.get(cand.mesh))
+                              links=self.mesh_links.get(cand.mesh), passes=self.passes)
             self.mesh_links[cand.mesh] = ctx.links  # group links depend on the mesh alone
             shared = self.contexts.get(("layers", cand.layer_key))
             if shared is not None:
@@ -217,19 +219,16 @@ class _Search:
         if cached is not None:
             return cached
         model, lay, wl, rt = self.model, ctx.lay, self.wl, self.rt
-        L = model.num_layers
         per_type: dict[bool, tuple] = {}
-        for i in range(L):
-            kind = model.is_moe_layer(i)
-            if kind not in per_type:
-                base = ctx.layer_times(i, "none")
-                params = ctx.layer_params(i)
-                per_type[kind] = (
-                    base.forward, base.backward_input + base.bwd_weight_compute,
-                    ctx.layer_times(i, "selective").recompute, ctx.layer_times(i, "full").recompute,
-                    sum(model_state_bytes(params, lay)), ctx.layer_activation(i, "none"),
-                    ctx.layer_activation(i, "selective"), ctx.layer_activation(i, "full"), params.dense, params.expert)
-        rows = [per_type[model.is_moe_layer(i)] for i in range(L)]
+        for kind, i in self.layer_kinds.items():  # layers of one kind cost the same
+            base = ctx.layer_times(i, "none")
+            params = ctx.layer_params(i)
+            per_type[kind] = (
+                base.forward, base.backward_input + base.bwd_weight_compute,
+                ctx.layer_times(i, "selective").recompute, ctx.layer_times(i, "full").recompute,
+                sum(model_state_bytes(params, lay)), ctx.layer_activation(i, "none"),
+                ctx.layer_activation(i, "selective"), ctx.layer_activation(i, "full"), params.dense, params.expert)
+        rows = [per_type[kind] for kind in self.layer_kind_list]
         f, b, sel, full, state, a_none, a_sel, a_full, p_dense, p_expert = (tuple(col) for col in zip(*rows))
         first = stage_params(model, lay, range(0), True, False)
         last = stage_params(model, lay, range(0), False, True)
@@ -248,18 +247,28 @@ class _Search:
             last_params_dense=last.dense,
             stage_forward_extra=ctx.blocking_p2p_s, stage_backward_extra=ctx.blocking_p2p_s, hop_s=ctx.p2p_s,
             fixed_bytes=ctx.buffer_bytes, fragmentation=FRAGMENTATION, memory_cap_bytes=self.cap,
-            sync=SyncModel(**dataclasses.asdict(ctx.sync), overlap_reduce=rt.overlap_grad_reduce,
+            sync=SyncModel(**vars(ctx.sync), overlap_reduce=rt.overlap_grad_reduce,
                            overlap_gather=rt.overlap_param_gather),
         )
         self.problems[id(ctx)] = prob
         return prob
 
-    def _dp(self, prob: PartitionProblem, policy: str, relaxed: bool = False) -> PartitionResult | None:
-        """solve_dp, once per problem and policy: a candidate's ZeRO-free per-stage twin reuses its "none" DP."""
+    def _dp(self, prob: PartitionProblem, policy: str, relaxed: bool = False,
+            below: float = math.inf) -> PartitionResult | None:
+        """solve_dp, once per problem and policy (a candidate's ZeRO-free per-stage twin reuses its "none" DP): the
+        optimum when it is below `below`, else None (also when nothing fits)."""
         key = (id(prob), policy, relaxed)  # problems live in self.problems, so their ids stay theirs
-        if key not in self.dp_results:
-            self.dp_results[key] = solve_dp(prob, policy, relaxed=relaxed)
-        return self.dp_results[key]
+        res, solved_below = self.dp_results.get(key, (None, -math.inf))
+        if res is None and solved_below < below:
+            res = solve_dp(prob, policy, relaxed=relaxed, below=below)
+            self.dp_results[key] = (res, below)
+        return res if res is not None and res.objective < below else None
+
+    def _below(self, key: float) -> float:
+        """Where a DP popped at queue key `key` need be exact: the cutoff, or (1 + LOOKAHEAD) x key when that is
+        lower (a DP restricted to stages that can finish below it is several times cheaper; what it cannot place
+        below it goes back to the queue with that as its key, a lower bound, and is solved again if reached)."""
+        return min(self.best.cutoff(), key * (1 + LOOKAHEAD))
 
     # ---- bounds
     def states_floor(self, g: Group) -> float:
@@ -280,20 +289,22 @@ class _Search:
         depends on where the pipeline ranks sit, is left out (so the bound stays a bound)."""
         rec = "none" if cand.recompute == "per-stage" else cand.recompute
         key = (cand.layer_key, rec)  # the blocks' times do not depend on pp, dp, ZeRO or schedule
-        if key not in self.work_bounds:
+        found = self.work_bounds.get(key)
+        if found is None:
             ctx = self._layer_context(cand)
-            blocks = [ctx.layer_times(i, rec) for i in range(self.model.num_layers)] + [ctx.embedding, ctx.head]
-            fwd = [t.forward for t in blocks]
-            bwd = [t.backward_input + t.bwd_weight_compute for t in blocks]
-            alpha = min(f / (f + b) for f, b in zip(fwd, bwd) if f + b > 0)
-            layers = tuple(sorted((f + b for f, b in zip(fwd[:-2], bwd[:-2])), reverse=True))
-            self.work_bounds[key] = (sum(fwd) + sum(bwd), alpha, layers, fwd[-1] + bwd[-1])
-        total, alpha, layers, head = self.work_bounds[key]
+            n_moe = self.moe_prefix[-1]
+            blocks = [(ctx.layer_times(i, rec), n_moe if kind else self.model.num_layers - n_moe)
+                      for kind, i in self.layer_kinds.items()] + [(ctx.embedding, 1), (ctx.head, 1)]
+            passes = [(t.forward, t.backward_input + t.bwd_weight_compute, n) for t, n in blocks if n]
+            alpha = min(f / (f + b) for f, b, _ in passes if f + b > 0)
+            layers = sorted((f + b for f, b, n in passes[:-2] for _ in range(n)), reverse=True)
+            found = (sum(n * (f + b) for f, b, n in passes), alpha, len(layers), layers[-1],
+                     passes[-1][0] + passes[-1][1], heaviest_stage_floors(layers))
+            self.work_bounds[key] = found
+        total, alpha, num_layers, layer_min, head, floors = found
         p = cand.mesh.pp
-        if (key, p) not in self.stage_floors:
-            self.stage_floors[(key, p)] = heaviest_stage_floor(layers, p)
         return pipeline_floor(total, alpha, cand.num_microbatches(self.wl.global_batch), p, cand.schedule,
-                              len(layers), layers[-1], head, self._hop(cand), self.stage_floors[(key, p)])
+                              num_layers, layer_min, head, self._hop(cand), floors[p])
 
     def _hop(self, cand: Candidate) -> float:
         """P2P latency between neighbouring stages of this mesh (CostContext.p2p_s, without building a context)."""
@@ -311,15 +322,18 @@ class _Search:
         shared = self.contexts.get(("layers", cand.layer_key))
         return shared if shared is not None else self._context(cand)
 
-    def _family_bound(self, c: Candidate, prob: PartitionProblem) -> float:
+    def _family_bound(self, c: Candidate, prob: PartitionProblem, below: float) -> float:
         """The DP optimum with no memory cap and no DP-sync or optimizer time: a bound for every ZeRO stage of
-        this candidate (they differ only in memory and sync), and with no recomputation for per-stage too."""
+        this candidate (they differ only in memory and sync), and with no recomputation for per-stage too. Exact
+        when below `below`; otherwise `below`, a lower bound."""
         rec = "none" if c.recompute == "per-stage" else c.recompute
         key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.schedule, rec)
-        if key not in self.family_bounds:
+        value, solved_below = self.family_bounds.get(key, (math.inf, -math.inf))
+        if value >= solved_below and solved_below < below:
             free = dataclasses.replace(prob, memory_cap_bytes=UNBOUNDED_BYTES, sync=SyncModel.zero())
-            self.family_bounds[key] = dp_bound(free, rec)
-        return self.family_bounds[key]
+            value, solved_below = dp_bound(free, rec, below=below), below
+            self.family_bounds[key] = (value, solved_below)
+        return value if value < solved_below else solved_below
 
     def _kind_counts(self, first: int, count: int) -> dict[bool, int]:
         """Dense and MoE layers in [first, first + count), from the MoE prefix count (no loop over layers)."""
@@ -469,11 +483,11 @@ class _Search:
         if step == "group":
             self._expand_group(*payload)
         elif step == "cand":
-            self._step_candidate(*payload)
+            self._step_candidate(bound, *payload)
         elif step == "ileave":
             self._step_interleaved(bound, *payload)
         elif step == "family":
-            self._step_family(*payload)
+            self._step_family(bound, *payload)
         elif step == "sim":
             self._simulate(payload[0], payload[1], None, bound, self._context(payload[0]))
         else:
@@ -500,7 +514,7 @@ class _Search:
                     c = Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec)
                     self._push(self.work_bound(c), "cand", c)
 
-    def _step_candidate(self, c: Candidate) -> None:
+    def _step_candidate(self, key: float, c: Candidate) -> None:
         """The candidate's next bound: the interleaved bound with virtual stages, else (after the memory floor) the
         partition DP without memory or DP sync, shared by its ZeRO stages."""
         ctx = self._context(c)
@@ -516,7 +530,12 @@ class _Search:
             self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)")
             self._note_memory(floor, _describe(c))
             return
-        self._next(self._family_bound(c, prob), "family", c, prob)
+        below = self._below(key)
+        bound = self._family_bound(c, prob, below)
+        if bound >= self.best.cutoff() * (1 - REL_TOL):
+            self._count(self.pruned, self.PRUNED_BY["family"])
+            return
+        self._next(bound, "family", c, prob)
 
     def _step_interleaved(self, bound: float, c: Candidate, ctx: CostContext) -> None:
         """Even virtual stages: one partition, so the bound and memory floor are of that partition itself."""
@@ -528,28 +547,45 @@ class _Search:
             return
         self._simulate(c, None, None, bound, ctx=ctx)
 
-    def _step_family(self, c: Candidate, prob: PartitionProblem) -> None:
-        """The candidate's own partition bound: the exact DP (per-stage recomputation: the relaxed DP first)."""
-        self.bounded += 1
-        if c.recompute == "per-stage":
-            relaxed = self._dp(prob, "none", relaxed=True)  # no-recompute times, smallest activations: one DP
-            if relaxed is None:
-                self._count(self.infeasible, "memory: no partition fits even with full recompute")
-                return
-            self._next(relaxed.objective, "per-stage", c, prob, relaxed)
+    def _step_family(self, key: float, c: Candidate, prob: PartitionProblem) -> None:
+        """The candidate's own partition bound: the exact DP (per-stage recomputation: the relaxed DP first),
+        after the greedy memory test that most misfits fail; exact below _below(key), else queued again there."""
+        per_stage = c.recompute == "per-stage"
+        policy = "none" if per_stage else c.recompute
+        if not may_fit(prob, policy, relaxed=per_stage):
+            self._no_partition(c, prob, "memory: no partition fits even with full recompute" if per_stage
+                               else "memory: no stage partition fits", "per-stage" if per_stage else "sim")
             return
-        res = self._dp(prob, c.recompute)
+        below = self._below(key)
+        res = self._dp(prob, policy, relaxed=per_stage, below=below)  # per-stage: no-recompute times, least memory
         if res is None:
-            self._count(self.infeasible, "memory: no stage partition fits")
-            self._note_memory(min_stage_overflow(prob, c.recompute), _describe(c))
+            if below < self.best.cutoff():
+                self._push(below, "family", c, prob)  # nothing below `below`: a lower bound, solved again if reached
+            else:
+                self._no_partition(c, prob, "memory: no partition fits even with full recompute" if per_stage
+                                   else "memory: no stage partition fits", "per-stage" if per_stage else "sim")
             return
-        self._next(res.objective, "sim", c, res.stage_layers)
+        self.bounded += 1
+        if per_stage:
+            self._next(res.objective, "per-stage", c, prob, res)
+        else:
+            self._next(res.objective, "sim", c, res.stage_layers)
+
+    def _no_partition(self, c: Candidate, prob: PartitionProblem, reason: str, step: str) -> None:
+        """A DP found nothing: infeasible when the greedy memory test or an uncut DP says so, else pruned (no
+        partition below the cutoff; one the greedy test missed that does not fit has no bound below it either)."""
+        recompute = "full" if c.recompute == "per-stage" else c.recompute
+        if not math.isinf(self.best.cutoff()) and may_fit(prob, recompute, relaxed=c.recompute == "per-stage"):
+            self._count(self.pruned, self.PRUNED_BY[step])
+            return
+        self._count(self.infeasible, reason)
+        self._note_memory(min_stage_overflow(prob, recompute), _describe(c))
 
     def _per_stage(self, c: Candidate, prob: PartitionProblem, relaxed: PartitionResult) -> None:
         """One per-stage-recomputation candidate whose relaxed bound beats the cutoff: dominance by no
         recomputation, the cheapest-fitting bound and plan, and CP-SAT (deferred) only where those two do not
         meet."""
-        uniform = self._dp(prob, "none")
+        uniform = self._dp(prob, "none", below=self.best.cutoff())
         none_searched = "none" in self.recomputes_searched
         if uniform is not None and uniform.objective <= relaxed.objective * (1 + REL_TOL):
             # recomputing nowhere already reaches the relaxed bound, which no per-stage choice can beat: that plan
@@ -559,11 +595,11 @@ class _Search:
             else:
                 self._simulate(c, uniform.stage_layers, _policies(uniform), uniform.objective, self._context(c))
             return
-        lower, plan = per_stage_bound(prob)
-        if plan is None or not math.isfinite(lower):
+        lower, plan = per_stage_bound(prob, below=self.best.cutoff())
+        if plan is None and math.isinf(self.best.cutoff()):
             self._count(self.infeasible, "memory: no partition fits even with full recompute")
             return
-        if lower >= self.best.cutoff() * (1 - REL_TOL):
+        if plan is None or lower >= self.best.cutoff() * (1 - REL_TOL):
             self._count(self.pruned, "partition bound (cheapest fitting recompute per stage)")
             return
         if uniform is not None and uniform.objective <= lower * (1 + REL_TOL):
@@ -663,8 +699,7 @@ class _Search:
             if (sp, cc, sched) in seen:  # the work bound reads vpp only through the schedule
                 continue
             seen.add((sp, cc, sched))
-            cand = Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), sched, vpp, "none")
-            best = min(best, self.work_bound(cand))
+            best = min(best, self.work_bound(Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), sched, vpp, "none")))
         return best
 
     def _sp_dominates(self, g: Group, cc: str) -> bool:
@@ -793,11 +828,19 @@ def heaviest_stage_floor(layer_times: tuple[float, ...], p: int) -> float:
     """A lower bound on the heaviest of p stages' time, whatever the partition: for the j slowest layers, some stage
     holds ceil(j / p) of them (pigeonhole), at least the ceil(j / p) fastest of those; the best j. layer_times sorted
     slowest first. With two kinds of layer (dense, MoE) this is ceil(n_MoE / p) MoE layers."""
-    if not layer_times:
-        return 0.0
+    return float(heaviest_stage_floors(layer_times)[p]) if layer_times else 0.0
+
+
+def heaviest_stage_floors(layer_times) -> np.ndarray:
+    """heaviest_stage_floor for every p at once (entry p, p = 1..len(layer_times); entry 0 unused)."""
+    n = len(layer_times)
+    if not n:
+        return np.zeros(1)
     prefix = np.concatenate(([0.0], np.cumsum(layer_times)))
-    j = np.arange(1, len(layer_times) + 1)
-    return float(np.max(prefix[j] - prefix[j - (-(-j // p))]))
+    j = np.arange(1, n + 1)[None, :]
+    p = np.arange(1, n + 1)[:, None]
+    floors = np.max(prefix[j] - prefix[j - (-(-j // p))], axis=1)
+    return np.concatenate(([0.0], floors))
 
 
 def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, layers: int = 0,
