@@ -248,7 +248,11 @@ def _stage_recompute(cfg: ParallelConfig, stage_layers: tuple[int, ...]) -> tupl
     """Per-stage policies from --recompute (uniform) or an explicit list; and the layout's one-word summary."""
     if cfg.stage_recompute is None:
         k = {"full": None}.get(cfg.recompute, 0)
-        policies = tuple(StagePolicy(granularity=cfg.recompute, full_layers=n if k is None else 0) for n in stage_layers)
+        made: dict[int, StagePolicy] = {}  # one (frozen) policy per stage size: a planner resolves thousands
+        for n in stage_layers:
+            if n not in made:
+                made[n] = StagePolicy(granularity=cfg.recompute, full_layers=n if k is None else 0)
+        policies = tuple(made[n] for n in stage_layers)
         return policies, cfg.recompute
     policies = tuple(cfg.stage_recompute)
     if len(policies) != len(stage_layers):

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from operator import attrgetter
 
 from costmodels import comm
 from costmodels.config import (DEFAULT_RANK_ORDER, Layout, ParallelConfig, Runtime, Workload, get_runtime,
@@ -278,13 +279,110 @@ class GroupLinks(dict):
 
 
 class PassCache:
-    """Block passes shared by the CostContexts of one model, cluster, workload, runtime and efficiency: a planner
-    builds thousands of contexts whose attention, MLP and MoE halves repeat (each depends on a few layout fields,
-    BLOCK_KEYS), and computing them once is most of what a context costs."""
+    """Block passes (ops.py) by what they depend on (BLOCK_KEYS), for one model, cluster, workload, runtime and
+    efficiency, and the per-layer, embedding and head passes composed from them. Every CostContext reads its
+    passes here; a planner shares one cache among thousands of contexts (and reads it without any) because the
+    attention, MLP and MoE halves repeat across them, and computing them is most of what a context costs.
+    `lay` is anything with the BLOCK_KEYS fields (a Layout, or the planner's per-layer key); `links` the groups'
+    links by dim."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, rt: Runtime, eff: Efficiency):
         self.owner = (model, cluster, wl, rt, eff)
-        self.passes: dict[tuple, tuple[PassTimes, float]] = {}
+        self.model, self.wl, self.rt, self.eff = model, wl, rt, eff
+        gpu = cluster.gpu
+        self.peak16 = gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16")
+        self.peak_fp8 = gpu.peak_flops("fp8") if wl.dtype == "fp8" else self.peak16
+        self.hbm = gpu.hbm_bytes_per_s
+        self.store: dict[tuple, tuple[PassTimes, float]] = {}
+
+    def layer(self, i: int, lay, links) -> tuple[PassTimes, float]:
+        """A decoder layer's passes without recomputation and its selective part: the attention half plus the MLP
+        (or MoE) half (ops.decoder_layer)."""
+        model, wl, rt = self.model, self.wl, self.rt
+        kind = model.is_moe_layer(i)
+        attn_key, attn_build = self._key("attention", lay, links), lambda: attention_half(model, lay, wl, rt)
+        mlp_name = "moe" if kind else "mlp"
+        mlp_key, mlp_build = self._key(mlp_name, lay, links), lambda: mlp_half(model, i, lay, wl, rt)
+        key = ("layer", attn_key, mlp_key)
+        found = self.store.get(key)
+        if found is None:
+            attn, sel_attn = self._block(attn_key, attn_build, lay, links)
+            mlp, sel_mlp = self._block(mlp_key, mlp_build, lay, links)
+            found = self.store[key] = (attn.plus(mlp), sel_attn + sel_mlp)
+        return found
+
+    def layer_times(self, i: int, mode: str, lay, links) -> PassTimes:
+        base, selective = self.layer(i, lay, links)
+        return _with_recompute(base, mode, selective)
+
+    def embedding(self, lay, links) -> PassTimes:
+        return self._block(self._key("embedding", lay, links), lambda: embedding_block(self.model, lay, self.wl),
+                           lay, links)[0]
+
+    def head(self, lay, links) -> PassTimes:
+        """The last stage's own block: final norm, LM head and loss, and after them each MTP module (its
+        projection, a decoder layer like the model's last, the head again; ops.mtp_projection). Each module's ring
+        exchange overlaps its own attention."""
+        model = self.model
+        head_key = self._key("head", lay, links)
+        key: tuple = ("head+mtp", head_key)
+        if model.num_mtp_layers:  # the modules' decoder layer is like the model's last
+            last = "moe" if model.is_moe_layer(model.num_layers - 1) else "mlp"
+            key += (self._key("attention", lay, links), self._key(last, lay, links), self._key("mtp_projection", lay,
+                                                                                                links))
+        found = self.store.get(key)
+        if found is None:
+            head = self._block(head_key, lambda: head_block(model, lay, self.wl), lay, links)[0]
+            if model.num_mtp_layers:
+                projection = self._block(self._key("mtp_projection", lay, links),
+                                         lambda: mtp_projection(model, lay, self.wl), lay, links)[0]
+                module = projection.plus(self.layer(model.num_layers - 1, lay, links)[0]).plus(head)
+                head = head.plus(PassTimes.total([(module, model.num_mtp_layers)]))
+            found = self.store[key] = (head, 0.0)
+        return found[0]
+
+    @staticmethod
+    def _key(name: str, lay, links) -> tuple:
+        fields, dims = BLOCK_KEYS[name]
+        return (name, attrgetter(*fields)(lay), *(links[d] for d in dims))
+
+    def _block(self, key: tuple, build, lay, links) -> tuple[PassTimes, float]:
+        found = self.store.get(key)
+        if found is None:
+            block = build()
+            if block.name != key[0]:
+                raise ValueError(f"block {block.name!r} cached as {key[0]!r}")
+            found = self.store[key] = self._passes_of(block, lay, links)
+        return found
+
+    def _passes_of(self, block: Block, lay, links) -> tuple[PassTimes, float]:
+        """The block's passes without recomputation, and the forward time of its selective-recompute operators."""
+        fwd = bwd_i = bwd_w = sel = 0.0
+        attn_core = 0.0
+        for op in block.ops:
+            peak = self.peak_fp8 if (op.kind == "gemm" and op.gemm_dtype_scale > 1) else self.peak16
+            f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, self.eff)
+            fwd += f
+            bwd_i += op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, self.eff)
+            bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, self.eff)
+            if op.selective:
+                sel += f
+            if op.kind == "attention" or op.name.startswith("attn_"):
+                attn_core += f
+        fwd_comm: dict[str, float] = {}
+        bwd_comm: dict[str, float] = {}
+        for c in block.comms:
+            t = collective_time(c, getattr(lay, c.dim), links[c.dim])  # tp, cp, ep, etp: group sizes
+            if c.overlappable == "tp":
+                t *= 1.0 - self.rt.tp_comm_overlap
+            tf, tb = c.fwd_count * t, c.bwd_count * t
+            if c.overlappable == "cp":
+                # Ring exchange runs under the attention blocks; only what exceeds them is exposed.
+                tf = max(0.0, tf - attn_core)
+                tb = max(0.0, tb - 2.5 * attn_core)
+            fwd_comm[c.dim] = fwd_comm.get(c.dim, 0.0) + tf
+            bwd_comm[c.dim] = bwd_comm.get(c.dim, 0.0) + tb
+        return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, 0.0), sel
 
 
 class CostContext:
@@ -296,7 +394,7 @@ class CostContext:
         self.model, self.cluster, self.wl, self.lay, self.rt, self.eff = model, cluster, wl, lay, rt, eff
         if passes is not None and any(a is not b for a, b in zip(passes.owner, (model, cluster, wl, rt, eff))):
             raise ValueError("a PassCache serves one model, cluster, workload, runtime and efficiency")
-        self.pass_cache = passes
+        self.pass_cache = passes if passes is not None else PassCache(model, cluster, wl, rt, eff)
         gpu = cluster.gpu
         self.peak16 = gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16")
         self.peak_fp8 = gpu.peak_flops("fp8") if wl.dtype == "fp8" else self.peak16
@@ -341,29 +439,10 @@ class CostContext:
         return self._layer_times[key]
 
     def _layer_base(self, i: int) -> tuple[PassTimes, float]:
-        """A decoder layer's passes without recomputation and its selective part: the attention half plus the MLP
-        (or MoE) half (ops.decoder_layer)."""
         kind = self.model.is_moe_layer(i)
         if kind not in self._layer_passes:
-            model, lay, wl, rt = self.model, self.lay, self.wl, self.rt
-            attn, sel_attn = self._passes("attention", lambda: attention_half(model, lay, wl, rt))
-            mlp, sel_mlp = self._passes("moe" if kind else "mlp", lambda: mlp_half(model, i, lay, wl, rt))
-            self._layer_passes[kind] = (attn.plus(mlp), sel_attn + sel_mlp)
+            self._layer_passes[kind] = self.pass_cache.layer(i, self.lay, self.links)
         return self._layer_passes[kind]
-
-    def _passes(self, name: str, build) -> tuple[PassTimes, float]:
-        """_block_passes of the block build() makes, from the PassCache when this context has one."""
-        if self.pass_cache is None:
-            return self._block_passes(build())
-        fields, dims = BLOCK_KEYS[name]
-        key = (name,) + tuple(getattr(self.lay, f) for f in fields) + tuple(self.links[d] for d in dims)
-        found = self.pass_cache.passes.get(key)
-        if found is None:
-            block = build()
-            if block.name != name:
-                raise ValueError(f"block {block.name!r} cached as {name!r}")
-            found = self.pass_cache.passes[key] = self._block_passes(block)
-        return found
 
     def layer_activation(self, i: int, mode: str) -> float:
         key = (self.model.is_moe_layer(i), mode)
@@ -379,20 +458,12 @@ class CostContext:
 
     @cached_property
     def embedding(self) -> PassTimes:
-        return self._passes("embedding", lambda: embedding_block(self.model, self.lay, self.wl))[0]
+        return self.pass_cache.embedding(self.lay, self.links)
 
     @cached_property
     def head(self) -> PassTimes:
-        """The last stage's own block: final norm, LM head and loss, and after them each MTP module (its
-        projection, a decoder layer like the model's last, the head again; ops.mtp_projection). Each module's ring
-        exchange overlaps its own attention."""
-        model = self.model
-        head = self._passes("head", lambda: head_block(model, self.lay, self.wl))[0]
-        if not model.num_mtp_layers:
-            return head
-        projection = self._passes("mtp_projection", lambda: mtp_projection(model, self.lay, self.wl))[0]
-        module = projection.plus(self._layer_base(model.num_layers - 1)[0]).plus(head)
-        return head.plus(PassTimes.total([(module, model.num_mtp_layers)]))
+        """The last stage's own block (PassCache.head: the LM head and loss, and the MTP modules)."""
+        return self.pass_cache.head(self.lay, self.links)
 
     @cached_property
     def p2p_s(self) -> float:
@@ -438,35 +509,6 @@ class CostContext:
             biggest = max(model.layer_params(i) for i in kinds.values()) / self.lay.tp
             buffers += 2 * 2 * biggest  # two gathered 16-bit layers in flight (prefetch)
         return buffers
-
-    def _block_passes(self, block: Block) -> tuple[PassTimes, float]:
-        """The block's passes without recomputation, and the forward time of its selective-recompute operators."""
-        fwd = bwd_i = bwd_w = sel = 0.0
-        attn_core = 0.0
-        for op in block.ops:
-            peak = self.peak_fp8 if (op.kind == "gemm" and op.gemm_dtype_scale > 1) else self.peak16
-            f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, self.eff)
-            fwd += f
-            bwd_i += op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, self.eff)
-            bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, self.eff)
-            if op.selective:
-                sel += f
-            if op.kind == "attention" or op.name.startswith("attn_"):
-                attn_core += f
-        fwd_comm: dict[str, float] = {}
-        bwd_comm: dict[str, float] = {}
-        for c in block.comms:
-            t = collective_time(c, self.sizes[c.dim], self.links[c.dim])
-            if c.overlappable == "tp":
-                t *= 1.0 - self.rt.tp_comm_overlap
-            tf, tb = c.fwd_count * t, c.bwd_count * t
-            if c.overlappable == "cp":
-                # Ring exchange runs under the attention blocks; only what exceeds them is exposed.
-                tf = max(0.0, tf - attn_core)
-                tb = max(0.0, tb - 2.5 * attn_core)
-            fwd_comm[c.dim] = fwd_comm.get(c.dim, 0.0) + tf
-            bwd_comm[c.dim] = bwd_comm.get(c.dim, 0.0) + tb
-        return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, 0.0), sel
 
 
 def _with_recompute(base: PassTimes, recompute: str, selective_s: float) -> PassTimes:

@@ -489,7 +489,7 @@ def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = Fal
     """
     if policy not in GRANULARITIES:
         raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
-    p, L = problem.num_stages, problem.num_layers
+    p = problem.num_stages
     t = _tables(problem)
     ext = _uniform_extra(t, "none" if relaxed else policy)
     bounds = _bottleneck_path(problem, t, lambda R, I, J: _uniform_cuts(t, "none" if relaxed else policy, I, J)[0],

@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from costmodels.config import ParallelConfig, StagePolicy, Workload, get_runtime, resolve, DEFAULT_RUNTIME
-from costmodels.estimate import (CostContext, Efficiency, PassCache, Estimate, group_link, group_ranks, simulate_config,
+from costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, Estimate, simulate_config,
                                  stage_p2p_s, stage_ranges)
 from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, logits_bytes,
                                model_state_bytes, mtp_activation_bytes, stage_params)
@@ -166,6 +166,7 @@ class _Search:
         self.interleaved_bounds: dict[tuple, float] = {}
         self.timelines: dict[tuple, object] = {}  # simulated pipelines by their stage times  # by id of a context held in self.contexts
         self.recomputes_searched = {r for g in enum.groups for r in g.recomputes}
+        self.pp_values = sorted({g.mesh.pp for g in enum.groups})
         self.layer_kind_list = [model.is_moe_layer(i) for i in range(model.num_layers)]
         self.layer_kinds = {kind: self.layer_kind_list.index(kind) for kind in dict.fromkeys(self.layer_kind_list)}
         self.moe_prefix = [0]
@@ -202,8 +203,7 @@ class _Search:
         if ctx is None:
             lay = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(cand))
             ctx = CostContext(self.model, self.cluster, self.wl, lay, self.rt, self.eff,
-                              links=self.mesh_links.get(cand.mesh), passes=self.passes)
-            self.mesh_links[cand.mesh] = ctx.links  # group links depend on the mesh alone
+                              links=self._links(cand.mesh), passes=self.passes)
             shared = self.contexts.get(("layers", cand.layer_key))
             if shared is not None:
                 ctx.share_layer_cache(shared)
@@ -284,37 +284,60 @@ class _Search:
         return self.states_floors[key]
 
     def work_bound(self, cand: Candidate) -> float:
-        """A lower bound on the step time of every stage partition of this candidate (see pipeline_floor).
-        Reads only per-layer costs (shared by every candidate with the same layer key); blocking P2P, which
-        depends on where the pipeline ranks sit, is left out (so the bound stays a bound)."""
+        """A lower bound on the step time of every stage partition of this candidate (see pipeline_floor)."""
+        return float(self.work_bounds_of([cand])[0])
+
+    def work_bounds_of(self, cands: list[Candidate]) -> np.ndarray:
+        """work_bound of many candidates in one vectorised pipeline_floors call (a group's expansion, or its
+        variants for the group score). Reads only per-layer costs (shared by every candidate with the same layer
+        key); blocking P2P, which depends on where the pipeline ranks sit, is left out (so the bound stays a
+        bound)."""
+        costs = [self._key_costs(c) for c in cands]
+        p = np.array([c.mesh.pp for c in cands])
+        total, alpha, layers, layer_min, head = (np.array([k[n] for k in costs]) for n in range(5))
+        stage_min = np.array([k[5][c.mesh.pp] for k, c in zip(costs, cands)])
+        m = np.array([c.num_microbatches(self.wl.global_batch) for c in cands])
+        return pipeline_floors(total, alpha, m, p, np.array([c.schedule for c in cands]), layers, layer_min, head,
+                               np.array([self._hop(c) for c in cands]), stage_min)
+
+    def _key_costs(self, cand: Candidate) -> tuple:
+        """(one micro-batch through every block, the smallest forward share, layers, the fastest layer, the head
+        block, heaviest_stage_floors) for the candidate's layer key and recomputation: the blocks' times do not
+        depend on pp, dp, ZeRO or schedule."""
         rec = "none" if cand.recompute == "per-stage" else cand.recompute
-        key = (cand.layer_key, rec)  # the blocks' times do not depend on pp, dp, ZeRO or schedule
+        key = (cand.layer_key, rec)
         found = self.work_bounds.get(key)
         if found is None:
-            ctx = self._layer_context(cand)
+            lay, links = cand.layer_key, self._links(cand.mesh)  # the layer key has every field the blocks read
             n_moe = self.moe_prefix[-1]
-            blocks = [(ctx.layer_times(i, rec), n_moe if kind else self.model.num_layers - n_moe)
-                      for kind, i in self.layer_kinds.items()] + [(ctx.embedding, 1), (ctx.head, 1)]
+            blocks = [(self.passes.layer_times(i, rec, lay, links), n_moe if kind else self.model.num_layers - n_moe)
+                      for kind, i in self.layer_kinds.items()]
+            blocks += [(self.passes.embedding(lay, links), 1), (self.passes.head(lay, links), 1)]
             passes = [(t.forward, t.backward_input + t.bwd_weight_compute, n) for t, n in blocks if n]
             alpha = min(f / (f + b) for f, b, _ in passes if f + b > 0)
             layers = sorted((f + b for f, b, n in passes[:-2] for _ in range(n)), reverse=True)
             found = (sum(n * (f + b) for f, b, n in passes), alpha, len(layers), layers[-1],
-                     passes[-1][0] + passes[-1][1], heaviest_stage_floors(layers))
+                     passes[-1][0] + passes[-1][1], heaviest_stage_floors(layers, self.pp_values))
             self.work_bounds[key] = found
-        total, alpha, num_layers, layer_min, head, floors = found
-        p = cand.mesh.pp
-        return pipeline_floor(total, alpha, cand.num_microbatches(self.wl.global_batch), p, cand.schedule,
-                              num_layers, layer_min, head, self._hop(cand), floors[p])
+        return found
+
+    def _links(self, m: Mesh) -> GroupLinks:
+        """The mesh's group links (read lazily off the cluster), shared by every context of the mesh."""
+        links = self.mesh_links.get(m)
+        if links is None:
+            lay = _MeshLayout(tp=m.tp, cp=m.cp, dp=m.dp, pp=m.pp, ep=m.ep, etp=m.etp, edp=m.edp, mbs=1,
+                              rank_order=m.order)
+            links = self.mesh_links[m] = GroupLinks(self.cluster, lay)  # type: ignore[arg-type]
+        return links
 
     def _hop(self, cand: Candidate) -> float:
         """P2P latency between neighbouring stages of this mesh (CostContext.p2p_s, without building a context)."""
         key = (cand.mesh, cand.mbs)
         if key not in self.hops:
             m = cand.mesh
-            lay = _HopLayout(tp=m.tp, cp=m.cp, dp=m.dp, pp=m.pp, mbs=cand.mbs, rank_order=m.order)
-            links = self.mesh_links.get(m)
-            link = links["pp"] if links is not None else group_link(self.cluster, group_ranks("pp", lay))  # type: ignore[arg-type]
-            self.hops[key] = stage_p2p_s(self.model, self.wl, lay, link)  # type: ignore[arg-type]
+            lay = _MeshLayout(tp=m.tp, cp=m.cp, dp=m.dp, pp=m.pp, ep=m.ep, etp=m.etp, edp=m.edp, mbs=cand.mbs,
+                              rank_order=m.order)
+            self.hops[key] = stage_p2p_s(self.model, self.wl, lay, self._links(m)["pp"])  # type: ignore[arg-type]
         return self.hops[key]
 
     def _layer_context(self, cand: Candidate) -> CostContext:
@@ -434,15 +457,17 @@ class _Search:
         groups = self.enum.groups
         self.eager = deadline is not None
         # Level 0: model states alone (no activations) must fit.
-        live = 0
+        fitting = []
         for g in groups:
             floor = self.states_floor(g) * (1 + FRAGMENTATION)
             if floor > self.cap:
                 self._count(self.infeasible, "memory: model states alone exceed HBM", g.size())
                 self._note_memory(floor, f"tp={g.mesh.tp} pp={g.mesh.pp} ep={g.mesh.ep}")
                 continue
-            self._push(self._group_score(g), "group", g)
-            live += 1
+            fitting.append(g)
+        for g, score in zip(fitting, self._group_scores(fitting)):
+            self._push(score, "group", g)
+        live = len(fitting)
         expanded = 0
         while self.queue:
             bound, _, step, payload = self.queue[0]
@@ -491,7 +516,7 @@ class _Search:
         elif step == "sim":
             self._simulate(payload[0], payload[1], None, bound, self._context(payload[0]))
         else:
-            self._per_stage(*payload)
+            self._per_stage(bound, *payload)
 
     def _next(self, bound: float, step: str, *payload) -> None:
         """A candidate's next step: queued by its bound or, under a time limit, taken at once while fewer than K
@@ -509,10 +534,10 @@ class _Search:
                 self._count(self.pruned, "dominated: sequence parallel is no slower and uses less memory",
                             len(g.zeros) * len(g.recomputes_for(vpp)))
                 continue
-            for zero in g.zeros:
-                for rec in g.recomputes_for(vpp):
-                    c = Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec)
-                    self._push(self.work_bound(c), "cand", c)
+            cands = [Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec)
+                     for zero in g.zeros for rec in g.recomputes_for(vpp)]
+            for c, bound in zip(cands, self.work_bounds_of(cands).tolist()):
+                self._push(bound, "cand", c)
 
     def _step_candidate(self, key: float, c: Candidate) -> None:
         """The candidate's next bound: the interleaved bound with virtual stages, else (after the memory floor) the
@@ -524,18 +549,27 @@ class _Search:
                 self.interleaved_bounds[key] = self._interleaved_bound(ctx, c.recompute)
             self._next(self.interleaved_bounds[key], "ileave", c, ctx)
             return
-        prob = self.problem(c, ctx)
-        floor = memory_floor(prob, "full" if c.recompute == "per-stage" else c.recompute)  # cheaper than the DP
+        floor = self._memory_floor(c, ctx)  # cheaper than the problem and its DP
         if floor > self.cap:
             self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)")
             self._note_memory(floor, _describe(c))
             return
+        prob = self.problem(c, ctx)
         below = self._below(key)
         bound = self._family_bound(c, prob, below)
         if bound >= self.best.cutoff() * (1 - REL_TOL):
             self._count(self.pruned, self.PRUNED_BY["family"])
             return
         self._next(bound, "family", c, prob)
+
+    def _memory_floor(self, c: Candidate, ctx: CostContext) -> float:
+        """memory_floor of the candidate from its context's per-kind layer costs (per-stage: full recompute's)."""
+        mode = "full" if c.recompute == "per-stage" else c.recompute
+        n_moe = self.moe_prefix[-1]
+        kinds = [(n_moe if kind else self.model.num_layers - n_moe, sum(model_state_bytes(ctx.layer_params(i), ctx.lay)),
+                  ctx.layer_activation(i, mode)) for kind, i in self.layer_kinds.items()]
+        lay = ctx.lay
+        return memory_floor(kinds, lay.pp, lay.num_microbatches, lay.schedule, ctx.buffer_bytes, FRAGMENTATION)
 
     def _step_interleaved(self, bound: float, c: Candidate, ctx: CostContext) -> None:
         """Even virtual stages: one partition, so the bound and memory floor are of that partition itself."""
@@ -581,11 +615,12 @@ class _Search:
         self._count(self.infeasible, reason)
         self._note_memory(min_stage_overflow(prob, recompute), _describe(c))
 
-    def _per_stage(self, c: Candidate, prob: PartitionProblem, relaxed: PartitionResult) -> None:
+    def _per_stage(self, key: float, c: Candidate, prob: PartitionProblem, relaxed: PartitionResult) -> None:
         """One per-stage-recomputation candidate whose relaxed bound beats the cutoff: dominance by no
         recomputation, the cheapest-fitting bound and plan, and CP-SAT (deferred) only where those two do not
         meet."""
-        uniform = self._dp(prob, "none", below=self.best.cutoff())
+        below = self._below(key)  # uniform only matters below `lower`, and `lower` only below `below`
+        uniform = self._dp(prob, "none", below=below)
         none_searched = "none" in self.recomputes_searched
         if uniform is not None and uniform.objective <= relaxed.objective * (1 + REL_TOL):
             # recomputing nowhere already reaches the relaxed bound, which no per-stage choice can beat: that plan
@@ -595,7 +630,10 @@ class _Search:
             else:
                 self._simulate(c, uniform.stage_layers, _policies(uniform), uniform.objective, self._context(c))
             return
-        lower, plan = per_stage_bound(prob, below=self.best.cutoff())
+        lower, plan = per_stage_bound(prob, below=below)
+        if plan is None and below < self.best.cutoff():
+            self._push(below, "per-stage", c, prob, relaxed)  # nothing below `below`: solved again if reached
+            return
         if plan is None and math.isinf(self.best.cutoff()):
             self._count(self.infeasible, "memory: no partition fits even with full recompute")
             return
@@ -691,16 +729,21 @@ class _Search:
             still_open.append((tighter, c, res.stage_layers, None))
         self.open_bounds = still_open
 
-    def _group_score(self, g: Group) -> float:
-        """A lower bound for every candidate in the group: the work bound with no recomputation (the fastest)."""
-        best = math.inf
-        seen = set()
-        for sp, cc, sched, vpp in g.variants:
-            if (sp, cc, sched) in seen:  # the work bound reads vpp only through the schedule
-                continue
-            seen.add((sp, cc, sched))
-            best = min(best, self.work_bound(Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), sched, vpp, "none")))
-        return best
+    def _group_scores(self, groups: list[Group]) -> list[float]:
+        """A lower bound for every candidate in each group: the work bound with no recomputation (the fastest), the
+        least over the group's variants; all groups' variants in one vectorised call."""
+        variants, owner = [], []
+        for n, g in enumerate(groups):
+            seen = set()
+            for sp, cc, sched, vpp in g.variants:
+                if (sp, cc, sched) not in seen:  # the work bound reads vpp only through the schedule
+                    seen.add((sp, cc, sched))
+                    variants.append(Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), sched, vpp, "none"))
+                    owner.append(n)
+        scores = np.full(len(groups), math.inf)
+        if variants:
+            np.minimum.at(scores, np.array(owner), self.work_bounds_of(variants))
+        return scores.tolist()
 
     def _sp_dominates(self, g: Group, cc: str) -> bool:
         """Sequence parallelism is never slower and never uses more memory than plain TP for this mesh: every
@@ -785,13 +828,16 @@ class _Search:
 
 
 @dataclass(frozen=True)
-class _HopLayout:
-    """The Layout fields group_ranks("pp") and stage_p2p_s read: a mesh's hop without resolving a layout."""
+class _MeshLayout:
+    """The Layout fields group_ranks and stage_p2p_s read: a mesh's links and hop without resolving a layout."""
 
     tp: int
     cp: int
     dp: int
     pp: int
+    ep: int
+    etp: int
+    edp: int
     mbs: int
     rank_order: str
 
@@ -810,37 +856,38 @@ class _FloorLayout:
     zero: int
 
 
-def memory_floor(prob: PartitionProblem, recompute: str) -> float:
-    """A lower bound on the fullest stage's memory over all partitions: stage r holds x_r layers costing at least
-    s + held_r * a bytes each (the smallest per-layer state s and activation a), so
-    max_r x_r (s + held_r a) >= L / sum_r 1 / (s + held_r a) (equalising the stages, as in pipeline_floor)."""
-    p, m = prob.num_stages, prob.num_microbatches
-    act = {"none": prob.layer_act_none, "selective": prob.layer_act_selective}.get(recompute, prob.layer_act_full)
-    s, a = min(prob.layer_state_bytes), min(act)
-    held = [m if prob.schedule == "gpipe" else min(p - r, m) for r in range(p)]
-    if s + a * min(held) <= 0:
-        return prob.fixed_bytes * (1 + prob.fragmentation)
-    x = len(act) / sum(1.0 / (s + h * a) for h in held)
-    return (x + prob.fixed_bytes) * (1 + prob.fragmentation)
+def memory_floor(kinds: list[tuple[int, float, float]], p: int, m: int, schedule: str, fixed_bytes: float,
+                 fragmentation: float) -> float:
+    """A lower bound on the fullest stage's memory over all partitions. kinds: (count, state bytes, activation
+    bytes per micro-batch) of each kind of layer. For one kind alone, stage r holds x_r of its layers at
+    s + held_r * a bytes each, so max_r x_r (s + held_r a) >= n / sum_r 1 / (s + held_r a) (equalising the stages,
+    as in pipeline_floor); the other layers only add to it, so the largest over the kinds bounds the whole."""
+    held = [m if schedule == "gpipe" else min(p - r, m) for r in range(p)]
+    most = 0.0
+    for n, s, a in kinds:
+        if n and s + a * min(held) > 0:
+            most = max(most, n / sum(1.0 / (s + h * a) for h in held))
+    return (most + fixed_bytes) * (1 + fragmentation)
 
 
 def heaviest_stage_floor(layer_times: tuple[float, ...], p: int) -> float:
     """A lower bound on the heaviest of p stages' time, whatever the partition: for the j slowest layers, some stage
     holds ceil(j / p) of them (pigeonhole), at least the ceil(j / p) fastest of those; the best j. layer_times sorted
     slowest first. With two kinds of layer (dense, MoE) this is ceil(n_MoE / p) MoE layers."""
-    return float(heaviest_stage_floors(layer_times)[p]) if layer_times else 0.0
+    return float(heaviest_stage_floors(layer_times, [p])[p]) if layer_times else 0.0
 
 
-def heaviest_stage_floors(layer_times) -> np.ndarray:
-    """heaviest_stage_floor for every p at once (entry p, p = 1..len(layer_times); entry 0 unused)."""
+def heaviest_stage_floors(layer_times, stages) -> np.ndarray:
+    """heaviest_stage_floor for each p in `stages` at once: entry p of the result (others 0)."""
     n = len(layer_times)
-    if not n:
-        return np.zeros(1)
+    ps = np.asarray(sorted(set(stages)), dtype=np.int64)
+    out = np.zeros(int(ps.max()) + 1 if len(ps) else 1)
+    if not n or not len(ps):
+        return out
     prefix = np.concatenate(([0.0], np.cumsum(layer_times)))
     j = np.arange(1, n + 1)[None, :]
-    p = np.arange(1, n + 1)[:, None]
-    floors = np.max(prefix[j] - prefix[j - (-(-j // p))], axis=1)
-    return np.concatenate(([0.0], floors))
+    out[ps] = np.max(prefix[j] - prefix[j - (-(-j // ps[:, None]))], axis=1)
+    return out
 
 
 def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, layers: int = 0,
@@ -868,24 +915,34 @@ def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, la
     t_r, each with 2 (p-1) hops. Stages hold whole layers: some rank runs at
     least ceil(layers / p) of them m times, and the last rank runs the head and at least one layer m times after
     micro-batch 0 went through every other rank (alpha times that with ZB)."""
+    return float(pipeline_floors(*(np.asarray([x]) for x in (total, alpha, m, p, schedule, layers, layer_min, head,
+                                                             hop, 0.0 if stage_min is None else stage_min)))[0])
+
+
+def pipeline_floors(total, alpha, m, p, schedule, layers, layer_min, head, hop, stage_min) -> np.ndarray:
+    """pipeline_floor over arrays (one entry per candidate; schedule an array of names): the search's work bounds
+    in one call."""
+    total, alpha, layer_min, head, hop, stage_min = (np.asarray(x, dtype=float) for x in (
+        total, alpha, layer_min, head, hop, stage_min))
+    m, p, layers = (np.asarray(x, dtype=np.int64) for x in (m, p, layers))
+    gpipe, one_f, zb = schedule == "gpipe", schedule == "1f1b", schedule == "zb"
     work = m * total / p
-    heaviest = max(stage_min or 0.0, math.ceil(layers / p) * layer_min if layers else 0.0)
-    if p == 1 or schedule == "interleaved":
-        return max(work, m * heaviest)
-    a = 1.0 if schedule in ("1f1b", "gpipe") else alpha
+    heaviest = np.maximum(stage_min, np.where(layers > 0, -(-layers // p) * layer_min, 0.0))
+    a = np.where(zb, alpha, 1.0)
     last = head + layer_min
-    # 1 - (1 - a/m)^p without cancellation for small a; its limit as a -> 0 is the work bound
-    share = 1.0 if a >= m else -math.expm1(p * math.log1p(-a / m))
-    chain = a * total / share if a > 0 else work
-    floor = max(work, chain, m * heaviest, a * (total - last) + m * last)
-    if schedule == "gpipe" or (schedule == "1f1b" and m >= p + 1):
-        floor = max(floor, (m + p - 1) * total / p + 2 * (p - 1) * hop)  # the textbook bubble (docstring)
-    if schedule == "gpipe":
-        floor = max(floor, total + (m - 1) * heaviest + 2 * (p - 1) * hop)  # the heaviest stage's J_r
-    if schedule == "1f1b" and m >= p + 1:
-        floor = max(floor, ((m - 1) // p + 1) * (total + 2 * (p - 1) * hop))  # rank 0's round trips (docstring)
-        floor = max(floor, total + (m - p) * heaviest + 2 * (p - 1) * hop)  # the heaviest stage's J_r
-    return floor
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # 1 - (1 - a/m)^p without cancellation for small a; its limit as a -> 0 is the work bound
+        share = np.where(a >= m, 1.0, -np.expm1(p * np.log1p(-a / m)))
+        chain = np.where(a > 0, a * total / share, work)
+    floor = np.maximum.reduce([work, chain, m * heaviest, a * (total - last) + m * last])
+    round_trip = 2 * (p - 1) * hop
+    steady = gpipe | (one_f & (m >= p + 1))
+    floor = np.where(steady, np.maximum(floor, (m + p - 1) * total / p + round_trip), floor)  # the textbook bubble
+    floor = np.where(gpipe, np.maximum(floor, total + (m - 1) * heaviest + round_trip), floor)  # the heaviest J_r
+    rank0 = one_f & (m >= p + 1)
+    floor = np.where(rank0, np.maximum.reduce([floor, ((m - 1) // p + 1) * (total + round_trip),  # rank 0's trips
+                                               total + (m - p) * heaviest + round_trip]), floor)  # heaviest J_r
+    return np.where((p == 1) | (schedule == "interleaved"), np.maximum(work, m * heaviest), floor)
 
 
 def _policies(res: PartitionResult) -> tuple[StagePolicy, ...]:
