@@ -8,12 +8,12 @@ all-gather and reduce-scatter (n-1)/n, all-to-all (n-1)/n of each rank's send bu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Link:
-    """Achieved bus bandwidth (bytes/s) and per-step latency (s) of a ring over one process group."""
+class Link(NamedTuple):
+    """Achieved bus bandwidth (bytes/s) and per-step latency (s) of a ring over one process group. A NamedTuple:
+    immutable, and hashed in C (a planner keys its cost caches by links hundreds of thousands of times)."""
 
     bus_bytes_per_s: float
     latency_s: float

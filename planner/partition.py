@@ -540,7 +540,7 @@ def may_fit(problem: PartitionProblem, policy: Granularity, relaxed: bool = Fals
 def dp_bound(problem: PartitionProblem, policy: Granularity, below: float = math.inf) -> float:
     """solve_dp's optimal objective alone (inf when nothing fits): what a search needs to prune, without building
     the plan. Equal to solve_dp(problem, policy).objective up to float rounding of the same sums when that is below
-    `below` (a search's cutoff), and >= below otherwise."""
+    `below` (a search's cutoff), inf otherwise (the optimum is then >= below)."""
     if policy not in GRANULARITIES:
         raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
     t = _tables(problem)
@@ -610,7 +610,7 @@ def _bottleneck_path(pr: PartitionProblem, t: _Tables, cuts, ext: np.ndarray, re
     (c, d, peak) on the grids of _stage_grid; ext the prefix of recompute extras assumed for the other stages'
     layers. Every stage's terms are evaluated at once (arrays over r, i, j), then the min-max recursion runs over r:
     W[r][i] = min_j max(J_r(i, j), W[r+1][j]). Stages too long to fit or to finish below `below` are left out
-    (_longest_stage): the answer is exact when it is below `below`, and at least `below` (or inf) otherwise."""
+    (_longest_stage): the answer is exact when it is below `below`, else inf (None): the optimum is >= below."""
     p, L = pr.num_stages, pr.num_layers
     width = L - p + 1
     R, I, J = _stage_grid(p, L, _longest_stage(pr, t, below))
@@ -633,7 +633,7 @@ def _bottleneck_path(pr: PartitionProblem, t: _Tables, cuts, ext: np.ndarray, re
     w[p, L] = 0.0
     for r in reversed(range(p)):
         w[r, r:r + width] = np.min(np.maximum(jm[r], w[r + 1][J[r]]), axis=1)
-    best = w[0, 0]
+    best = w[0, 0] if w[0, 0] < below else np.inf  # at or above `below` the restricted grid's answer is not exact
     if value_only:
         return float(best)
     if not np.isfinite(best):
@@ -1168,6 +1168,124 @@ def _uniform_grids(pr: PartitionProblem, policy: Granularity) -> list[_StageGrid
                                         + (pr.last_forward + pr.last_backward if r < p - 1 else 0.0)),
                 fits=ahead & (_stage_memory(pr, r, s, at[2]) <= pr.memory_cap_bytes)))
     return grids
+
+
+# ---- rank 0's path to every rank's sync (1F1B) -------------------------------------------------------------------------
+#
+# J_r adds rank r's sync E_r to a path through rank r's own passes. Rank 0's paths are the longest (its warm-up
+# starts the step): the one through micro-batch m-1's round trip passes every later rank's last pass B_{m-1}(r), r
+# steps of (b_s + h) before its own end, so rank r's sync cannot start before that point:
+#   step >= X_0 + E_r - B_<r - r h,   X_0 = the longest rank-0 path through m-1's round trip (_end_through_last).
+# With stage 0's end j0 fixed X_0 is a number, and the term is stage r's own (r, i, j): one DP per j0, side by side.
+
+def _end_through_last(pr, r: int, f, b, start, t_after):
+    """The longest of _end_pieces that runs micro-batch m-1's round trip (it reaches every later rank's last pass)."""
+    base = start + pr.num_microbatches * (f + b)
+    first, last, middle, k_both, _ = _round_trips(pr, r, f, b, t_after)
+    if middle is None:
+        return base + last
+    return base + last + np.maximum(first, 0.0) + k_both * np.maximum(middle, 0.0)
+
+
+def rank0_path_sync_bound(problem: PartitionProblem, policy: Granularity) -> float:
+    """min over contiguous partitions (one uniform policy) of max(J, max_r X_0 + E_r - B_<r - r h) (see above):
+    a lower bound on the simulated 1F1B step; other schedules: solve_dp's value. inf when nothing fits."""
+    if problem.schedule != "1f1b" or problem.num_stages == 1:
+        return dp_bound(problem, policy)
+    found = _rank0_path_sync_dp(problem, policy)
+    return math.inf if found is None else found[0]
+
+
+def solve_rank0_path_sync(problem: PartitionProblem, policy: Granularity) -> PartitionResult | None:
+    """The partition attaining rank0_path_sync_bound, evaluated, its objective replaced by the bound (a plan to
+    simulate where the DP's own partition left a gap); solve_dp for other schedules and a single stage."""
+    if problem.schedule != "1f1b" or problem.num_stages == 1:
+        return solve_dp(problem, policy)
+    found = _rank0_path_sync_dp(problem, policy)
+    if found is None:
+        return None
+    best, bounds = found
+    pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r]) if policy == "full"
+                 else StagePolicy(granularity=policy) for r in range(problem.num_stages))
+    result = _evaluate(problem, _tables(problem), bounds, pols, relaxed=False)
+    assert result is not None, "rank-0 path DP and evaluate disagree on feasibility"
+    return replace(result, objective=max(result.objective, best))
+
+
+def _rank0_path_sync_dp(pr: PartitionProblem, policy: Granularity) -> tuple[float, tuple[int, ...]] | None:
+    """(the bound, a partition attaining it), or None when nothing fits."""
+    p, L = pr.num_stages, pr.num_layers
+    grids = _uniform_grids(pr, policy)
+    full = (L + 1, L + 1)
+    with np.errstate(invalid="ignore"):
+        jm = [g.objective(pr, r) for r, g in enumerate(grids)]
+        g0 = grids[0]
+        x0 = np.broadcast_to(_end_through_last(pr, 0, g0.f, g0.b, g0.f_before, g0.t_after), full)[0]  # by j0
+        x0 = np.where(np.isfinite(jm[0][0]), x0, 0.0)
+        w = np.full(full, np.inf)  # w[j0, i]: best max over stages >= r, stage r starting at i, stage 0 ending at j0
+        w[:, L] = 0.0
+        nxt = {}
+        for r in reversed(range(1, p)):
+            g = grids[r]
+            tail = np.broadcast_to(g.e - (g.b_before + r * pr.hop_s), full)  # E_r - B_<r - r h
+            total_r = np.maximum(np.maximum(jm[r][None, :, :], x0[:, None, None] + tail[None, :, :]), w[:, None, :])
+            nxt[r] = np.argmin(total_r, axis=2)
+            w = np.min(total_r, axis=2)
+        ends = np.arange(L + 1)
+        total = np.maximum(jm[0][0], w[ends, ends])
+    best = float(np.min(total))
+    if not math.isfinite(best):
+        return None
+    end0 = int(np.argmin(total))
+    bounds, start = [0, end0], end0
+    for r in range(1, p):
+        start = int(nxt[r][end0, start])
+        bounds.append(start)
+    return best, tuple(bounds)
+
+
+def partitions_below(problem: PartitionProblem, policy: Granularity, threshold: float,
+                     limit: int = 64) -> list[tuple[float, tuple[int, ...]]] | None:
+    """Every contiguous partition (one uniform policy) whose lower bound, J and under 1F1B also rank 0's path to each
+    rank's sync (see _rank0_path_sync_dp), is below `threshold`: (that bound, boundaries), smallest first. None when
+    more than `limit` partitions have J below it (the caller's bound then stays open). Depth-first over the stages,
+    each branch cut by the exact min-max J of the stages after it (solve_dp's table), so it visits only prefixes of
+    partitions it returns. A search that simulates these has looked at every partition that could beat
+    `threshold`."""
+    p, L = problem.num_stages, problem.num_layers
+    grids = _uniform_grids(problem, policy)
+    full = (L + 1, L + 1)
+    with np.errstate(invalid="ignore"):
+        jm = [np.broadcast_to(g.objective(problem, r), full) for r, g in enumerate(grids)]
+        after = np.full((p + 1, L + 1), np.inf)  # after[r][i]: the least max J over stages >= r, stage r from i
+        after[p, L] = 0.0
+        for r in reversed(range(p)):
+            after[r] = np.min(np.maximum(jm[r], after[r + 1][None, :]), axis=1)
+        if problem.schedule == "1f1b" and p > 1:
+            g0 = grids[0]
+            x0 = np.broadcast_to(_end_through_last(problem, 0, g0.f, g0.b, g0.f_before, g0.t_after), full)[0]
+            tails = [np.broadcast_to(g.e - (g.b_before + r * problem.hop_s), full) for r, g in enumerate(grids)]
+    found: list[tuple[float, tuple[int, ...]]] = []
+
+    def extend(r: int, i: int, worst: float, bounds: list[int]) -> bool:
+        if r == p:
+            if len(found) == limit:
+                return False
+            b = tuple(bounds)
+            if problem.schedule == "1f1b" and p > 1:  # rank 0's path to every later rank's sync
+                worst = max(worst, float(x0[b[1]]) + max(float(tails[s][b[s], b[s + 1]]) for s in range(1, p)))
+            if worst < threshold:
+                found.append((worst, b))
+            return True
+        for j in range(i + 1, L - (p - 1 - r) + 1):
+            here = max(worst, float(jm[r][i, j]))
+            if max(here, float(after[r + 1][j])) < threshold and not extend(r + 1, j, here, bounds + [j]):
+                return False
+        return True
+
+    if not extend(0, 0, 0.0, [0]):
+        return None
+    return sorted(found)
 
 
 # ---- the 1F1B steady-state pair bound --------------------------------------------------------------------------------

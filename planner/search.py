@@ -31,7 +31,8 @@ from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activa
 from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
-from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, per_stage_bound, solve_cpsat,
+from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, partitions_below,
+                               per_stage_bound, solve_cpsat,
                                solve_dp, solve_dp_pairs, solve_stage0_sync)
 from planner.space import Candidate, Enumeration, Group, Mesh, Pins, check_pins, enumerate_space
 
@@ -40,6 +41,7 @@ LOOKAHEAD = 0.1  # a DP solves exactly only below (1 + this) x its step's queue 
 UNBOUNDED_BYTES = 1e30  # a memory cap no stage reaches (bounds that ignore memory)
 CPSAT_TIME_LIMIT_S = 10.0  # per CP-SAT call; an unproven answer leaves its candidate's bound open (a gap)
 PAIR_DP_MAX_CELLS = 2e7  # the O(p L^3) pair and stage-0 sync bounds are tried only below this size
+ENUMERATE_PARTITIONS = 32  # closing a gap: simulate every partition below the best when there are at most this many
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,7 @@ class _Search:
         optimum when it is below `below`, else None (also when nothing fits)."""
         key = (id(prob), policy, relaxed)  # problems live in self.problems, so their ids stay theirs
         res, solved_below = self.dp_results.get(key, (None, -math.inf))
-        if res is None and solved_below < below:
+        if res is None and solved_below < below:  # None: nothing below solved_below (res is exact otherwise)
             res = solve_dp(prob, policy, relaxed=relaxed, below=below)
             self.dp_results[key] = (res, below)
         return res if res is not None and res.objective < below else None
@@ -293,9 +295,10 @@ class _Search:
         key); blocking P2P, which depends on where the pipeline ranks sit, is left out (so the bound stays a
         bound)."""
         costs = [self._key_costs(c) for c in cands]
+        self._stage_floors(costs)
         p = np.array([c.mesh.pp for c in cands])
         total, alpha, layers, layer_min, head = (np.array([k[n] for k in costs]) for n in range(5))
-        stage_min = np.array([k[5][c.mesh.pp] for k, c in zip(costs, cands)])
+        stage_min = np.array([k[6][c.mesh.pp] for k, c in zip(costs, cands)])
         m = np.array([c.num_microbatches(self.wl.global_batch) for c in cands])
         return pipeline_floors(total, alpha, m, p, np.array([c.schedule for c in cands]), layers, layer_min, head,
                                np.array([self._hop(c) for c in cands]), stage_min)
@@ -316,10 +319,17 @@ class _Search:
             passes = [(t.forward, t.backward_input + t.bwd_weight_compute, n) for t, n in blocks if n]
             alpha = min(f / (f + b) for f, b, _ in passes if f + b > 0)
             layers = sorted((f + b for f, b, n in passes[:-2] for _ in range(n)), reverse=True)
-            found = (sum(n * (f + b) for f, b, n in passes), alpha, len(layers), layers[-1],
-                     passes[-1][0] + passes[-1][1], heaviest_stage_floors(layers, self.pp_values))
+            found = [sum(n * (f + b) for f, b, n in passes), alpha, len(layers), layers[-1],
+                     passes[-1][0] + passes[-1][1], layers, None]  # the stage floors: _stage_floors
             self.work_bounds[key] = found
         return found
+
+    def _stage_floors(self, costs: list) -> None:
+        """Fill in heaviest_stage_floors of the layer keys that lack them, all in one vectorised call."""
+        todo = list({id(k): k for k in costs if k[6] is None}.values())
+        if todo:
+            for k, floors in zip(todo, heaviest_stage_floors(np.array([k[5] for k in todo]), self.pp_values)):
+                k[6] = floors
 
     def _links(self, m: Mesh) -> GroupLinks:
         """The mesh's group links (read lazily off the cluster), shared by every context of the mesh."""
@@ -694,9 +704,11 @@ class _Search:
         self._simulate(c, res.stage_layers, _policies(res), res.objective if proven else bound, ctx)
 
     def _close_gaps(self, deadline: float | None) -> None:
-        """Where a candidate's simulated time exceeds its J bound, try its even split, and replace J by the larger of
-        two tighter bounds (planner/partition.py): the 1F1B pair chain (solve_dp_pairs, whose own best partition is
-        simulated when it differs) and rank 0's sync after the whole backward flow (solve_stage0_sync, likewise)."""
+        """Where a candidate's simulated time exceeds its J bound and the bound is below the best plan: simulate
+        every partition whose bound is below the best when there are few (partitions_below), which closes the gap;
+        else try its even split, and replace J by the larger of two tighter bounds (planner/partition.py): the 1F1B
+        pair chain (solve_dp_pairs, whose own best partition is simulated when it differs) and rank 0's sync after
+        the whole backward flow (solve_stage0_sync, likewise)."""
         still_open = []
         for bound, c, stage_layers, policies in sorted(self.open_bounds, key=lambda x: x[0]):
             best = self.best.ranked()[0].step_time_s if self.best.heap else math.inf
@@ -706,6 +718,17 @@ class _Search:
                 still_open.append((bound, c, stage_layers, policies))
                 continue
             ctx = self._context(c)
+            prob = self.problem(c, ctx)
+            parts = partitions_below(prob, c.recompute, best * (1 - REL_TOL), limit=ENUMERATE_PARTITIONS)
+            if parts is not None:  # every partition that could beat the best: simulate them, and the gap is closed
+                self.bounded += 1
+                for lower, bounds in parts:
+                    layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+                    if lower >= self.best.ranked()[0].step_time_s * (1 - REL_TOL):
+                        break
+                    if layers != stage_layers:
+                        self._simulate(c, layers, None, lower, ctx, another_partition=True)
+                continue
             balanced = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c)).stage_layers
             if balanced != stage_layers:  # the even split is a partition too: it may simulate faster
                 self._simulate(c, balanced, None, bound, ctx, another_partition=True)
@@ -713,7 +736,6 @@ class _Search:
             if c.schedule == "zb" or size > PAIR_DP_MAX_CELLS:
                 still_open.append((bound, c, stage_layers, policies))
                 continue
-            prob = self.problem(c, ctx)
             res = solve_dp_pairs(prob, c.recompute)
             self.bounded += 1
             if res is None:
@@ -874,19 +896,21 @@ def heaviest_stage_floor(layer_times: tuple[float, ...], p: int) -> float:
     """A lower bound on the heaviest of p stages' time, whatever the partition: for the j slowest layers, some stage
     holds ceil(j / p) of them (pigeonhole), at least the ceil(j / p) fastest of those; the best j. layer_times sorted
     slowest first. With two kinds of layer (dense, MoE) this is ceil(n_MoE / p) MoE layers."""
-    return float(heaviest_stage_floors(layer_times, [p])[p]) if layer_times else 0.0
+    return float(heaviest_stage_floors(np.array([layer_times]), [p])[0, p]) if layer_times else 0.0
 
 
-def heaviest_stage_floors(layer_times, stages) -> np.ndarray:
-    """heaviest_stage_floor for each p in `stages` at once: entry p of the result (others 0)."""
-    n = len(layer_times)
+def heaviest_stage_floors(layer_times: np.ndarray, stages) -> np.ndarray:
+    """heaviest_stage_floor of each row of layer_times (rows sorted slowest first) for each p in `stages` at once:
+    entry [row, p] of the result (other p: 0)."""
+    rows, n = layer_times.shape
     ps = np.asarray(sorted(set(stages)), dtype=np.int64)
-    out = np.zeros(int(ps.max()) + 1 if len(ps) else 1)
+    out = np.zeros((rows, int(ps.max()) + 1 if len(ps) else 1))
     if not n or not len(ps):
         return out
-    prefix = np.concatenate(([0.0], np.cumsum(layer_times)))
+    prefix = np.concatenate((np.zeros((rows, 1)), np.cumsum(layer_times, axis=1)), axis=1)
     j = np.arange(1, n + 1)[None, :]
-    out[ps] = np.max(prefix[j] - prefix[j - (-(-j // ps[:, None]))], axis=1)
+    lo = j - (-(-j // ps[:, None]))  # (p, j): the first of the ceil(j / p) fastest among the j slowest
+    out[:, ps] = np.max(prefix[:, None, 1:] - prefix[:, lo], axis=2)
     return out
 
 
