@@ -75,10 +75,10 @@ class PassTimes:
 
     def plus(self, other: "PassTimes") -> "PassTimes":
         def add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-            if not b:
-                return dict(a)
-            keys = list(a) + [k for k in b if k not in a]  # a fixed order: float sums do not depend on hashing
-            return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in keys}
+            out = dict(a)  # a's keys first, then b's new ones: float sums do not depend on hashing
+            for k, v in b.items():
+                out[k] = out[k] + v if k in out else v
+            return out
 
         return PassTimes(self.fwd_compute + other.fwd_compute, self.bwd_input_compute + other.bwd_input_compute,
                          self.bwd_weight_compute + other.bwd_weight_compute, add(self.fwd_comm, other.fwd_comm),
@@ -263,6 +263,7 @@ BLOCK_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "head": (("tp", "cp", "sp", "mbs"), ("tp",)),
     "mtp_projection": (("tp", "cp", "sp", "mbs"), ()),
 }
+_BLOCK_GETTERS = {name: (attrgetter(*fields), dims) for name, (fields, dims) in BLOCK_KEYS.items()}
 
 
 class GroupLinks(dict):
@@ -343,8 +344,8 @@ class PassCache:
 
     @staticmethod
     def _key(name: str, lay, links) -> tuple:
-        fields, dims = BLOCK_KEYS[name]
-        return (name, attrgetter(*fields)(lay), *(links[d] for d in dims))
+        fields, dims = _BLOCK_GETTERS[name]
+        return (name, fields(lay), *[links[d] for d in dims])
 
     def _block(self, key: tuple, build, lay, links) -> tuple[PassTimes, float]:
         found = self.store.get(key)
@@ -501,14 +502,17 @@ class CostContext:
 
     @cached_property
     def buffer_bytes(self) -> float:
-        """Per-GPU buffers on every stage: the reserved allowance, and under ZeRO-3 two gathered layers in flight."""
-        buffers = RESERVED_BYTES
-        if self.lay.zero == 3:
-            model = self.model
-            kinds = {model.is_moe_layer(i): i for i in range(model.num_layers)}  # layers differ only in kind
-            biggest = max(model.layer_params(i) for i in kinds.values()) / self.lay.tp
-            buffers += 2 * 2 * biggest  # two gathered 16-bit layers in flight (prefetch)
-        return buffers
+        return buffer_bytes(self.model, self.lay.zero, self.lay.tp)
+
+
+def buffer_bytes(model: ModelSpec, zero: int, tp: int) -> float:
+    """Per-GPU buffers on every stage: the reserved allowance, and under ZeRO-3 two gathered layers in flight."""
+    buffers = RESERVED_BYTES
+    if zero == 3:
+        kinds = {model.is_moe_layer(i): i for i in range(model.num_layers)}  # layers differ only in kind
+        biggest = max(model.layer_params(i) for i in kinds.values()) / tp
+        buffers += 2 * 2 * biggest  # two gathered 16-bit layers in flight (prefetch)
+    return buffers
 
 
 def _with_recompute(base: PassTimes, recompute: str, selective_s: float) -> PassTimes:

@@ -24,10 +24,10 @@ from typing import Callable
 import numpy as np
 
 from costmodels.config import ParallelConfig, StagePolicy, Workload, get_runtime, resolve, DEFAULT_RUNTIME
-from costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, Estimate, simulate_config,
+from costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, Estimate, buffer_bytes, simulate_config,
                                  stage_p2p_s, stage_ranges)
-from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, logits_bytes,
-                               model_state_bytes, mtp_activation_bytes, stage_params)
+from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, layer_activation_bytes,
+                               logits_bytes, model_state_bytes, mtp_activation_bytes, stage_params)
 from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
@@ -155,6 +155,8 @@ class _Search:
         self.open_bounds: list[tuple[float, Candidate, tuple[int, ...] | None, tuple | None]] = []
         self.unexplored_bound = math.inf  # smallest bound left when a time limit stopped the search
         self.contexts: dict[tuple, CostContext] = {}
+        self.state_bytes: dict[tuple, tuple[float, float]] = {}
+        self.layer_memory: dict[tuple, tuple[float, float, float]] = {}
         self.passes = PassCache(model, cluster, wl, self.rt, eff)  # block passes shared by every context
         self.closest_memory: tuple[float, str] | None = None  # the smallest memory excess seen, for "nothing fits"
         self.problems: dict[int, PartitionProblem] = {}
@@ -308,7 +310,8 @@ class _Search:
         block, heaviest_stage_floors) for the candidate's layer key and recomputation: the blocks' times do not
         depend on pp, dp, ZeRO or schedule."""
         rec = "none" if cand.recompute == "per-stage" else cand.recompute
-        key = (cand.layer_key, rec)
+        m = cand.mesh
+        key = (m.tp, m.cp, cand.cp_comm, cand.sp, cand.mbs, m.ep, m.etp, rec)  # the layer key's fields, as a tuple
         found = self.work_bounds.get(key)
         if found is None:
             lay, links = cand.layer_key, self._links(cand.mesh)  # the layer key has every field the blocks read
@@ -318,7 +321,7 @@ class _Search:
             blocks += [(self.passes.embedding(lay, links), 1), (self.passes.head(lay, links), 1)]
             passes = [(t.forward, t.backward_input + t.bwd_weight_compute, n) for t, n in blocks if n]
             alpha = min(f / (f + b) for f, b, _ in passes if f + b > 0)
-            layers = sorted((f + b for f, b, n in passes[:-2] for _ in range(n)), reverse=True)
+            layers = sorted([t for f, b, n in passes[:-2] for t in [f + b] * n], reverse=True)
             found = [sum(n * (f + b) for f, b, n in passes), alpha, len(layers), layers[-1],
                      passes[-1][0] + passes[-1][1], layers, None]  # the stage floors: _stage_floors
             self.work_bounds[key] = found
@@ -544,10 +547,21 @@ class _Search:
                 self._count(self.pruned, "dominated: sequence parallel is no slower and uses less memory",
                             len(g.zeros) * len(g.recomputes_for(vpp)))
                 continue
-            cands = [Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec)
-                     for zero in g.zeros for rec in g.recomputes_for(vpp)]
-            for c, bound in zip(cands, self.work_bounds_of(cands).tolist()):
-                self._push(bound, "cand", c)
+            recomputes = g.recomputes_for(vpp)
+            cands = [Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec) for zero in g.zeros for rec in recomputes]
+            if vpp == 1:  # the memory floor first: it needs no context, and most memory-hungry candidates fail it
+                fitting = []
+                for c in cands:
+                    floor = self._memory_floor(c)
+                    if floor > self.cap:
+                        self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)")
+                        self._note_memory(floor, _describe(c))
+                    else:
+                        fitting.append(c)
+                cands = fitting
+            if cands:
+                for c, bound in zip(cands, self.work_bounds_of(cands).tolist()):
+                    self._push(bound, "cand", c)
 
     def _step_candidate(self, key: float, c: Candidate) -> None:
         """The candidate's next bound: the interleaved bound with virtual stages, else (after the memory floor) the
@@ -559,11 +573,6 @@ class _Search:
                 self.interleaved_bounds[key] = self._interleaved_bound(ctx, c.recompute)
             self._next(self.interleaved_bounds[key], "ileave", c, ctx)
             return
-        floor = self._memory_floor(c, ctx)  # cheaper than the problem and its DP
-        if floor > self.cap:
-            self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)")
-            self._note_memory(floor, _describe(c))
-            return
         prob = self.problem(c, ctx)
         below = self._below(key)
         bound = self._family_bound(c, prob, below)
@@ -572,14 +581,38 @@ class _Search:
             return
         self._next(bound, "family", c, prob)
 
-    def _memory_floor(self, c: Candidate, ctx: CostContext) -> float:
-        """memory_floor of the candidate from its context's per-kind layer costs (per-stage: full recompute's)."""
+    def _memory_floor(self, c: Candidate) -> float:
+        """memory_floor of the candidate (per-stage: with full recompute's activations), from per-kind layer states
+        and activations alone: no context, no layout."""
         mode = "full" if c.recompute == "per-stage" else c.recompute
+        m = c.mesh
+        key = (m, c.zero)
+        if key not in self.state_bytes:  # (bytes per dense, per expert parameter) on one GPU: linear in the counts
+            lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=c.zero)
+            self.state_bytes[key] = (sum(model_state_bytes(StageParams(1.0, 0.0), lay)),  # type: ignore[arg-type]
+                                     sum(model_state_bytes(StageParams(0.0, 1.0), lay)))  # type: ignore[arg-type]
+        per_dense, per_expert = self.state_bytes[key]
         n_moe = self.moe_prefix[-1]
-        kinds = [(n_moe if kind else self.model.num_layers - n_moe, sum(model_state_bytes(ctx.layer_params(i), ctx.lay)),
-                  ctx.layer_activation(i, mode)) for kind, i in self.layer_kinds.items()]
-        lay = ctx.lay
-        return memory_floor(kinds, lay.pp, lay.num_microbatches, lay.schedule, ctx.buffer_bytes, FRAGMENTATION)
+        kinds = []
+        for kind, i in self.layer_kinds.items():
+            dense, expert, act = self._layer_memory(c, kind, i, mode)
+            kinds.append((n_moe if kind else self.model.num_layers - n_moe, per_dense * dense + per_expert * expert,
+                          act))
+        return memory_floor(kinds, m.pp, c.num_microbatches(self.wl.global_batch), c.schedule,
+                            buffer_bytes(self.model, c.zero, m.tp), FRAGMENTATION)
+
+    def _layer_memory(self, c: Candidate, kind: bool, i: int, mode: str) -> tuple[float, float, float]:
+        """(dense, expert parameters on one GPU, activation bytes per micro-batch) of one layer of this kind: they
+        read only the layer key's fields (memory.py)."""
+        m = c.mesh
+        key = (m.tp, m.cp, c.sp, c.mbs, m.ep, m.etp, kind, mode)
+        found = self.layer_memory.get(key)
+        if found is None:
+            lay = c.layer_key
+            params = stage_params(self.model, lay, range(i, i + 1), False, False)  # type: ignore[arg-type]
+            act = layer_activation_bytes(self.model, i, lay, self.wl, self.rt, mode)  # type: ignore[arg-type]
+            found = self.layer_memory[key] = (params.dense, params.expert, act)
+        return found
 
     def _step_interleaved(self, bound: float, c: Candidate, ctx: CostContext) -> None:
         """Even virtual stages: one partition, so the bound and memory floor are of that partition itself."""

@@ -10,6 +10,7 @@ the space size = evaluated + pruned + infeasible.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -121,6 +122,10 @@ class Group:
     recomputes: tuple[RecomputeChoice, ...]  # per-stage dropped by the search where vpp > 1
 
     def size(self) -> int:
+        return self._size
+
+    @cached_property
+    def _size(self) -> int:  # the search counts pruned groups by size: thousands of times
         return sum(len(self.zeros) * len(self.recomputes_for(v[3])) for v in self.variants)
 
     def recomputes_for(self, vpp: int) -> tuple[RecomputeChoice, ...]:
@@ -174,8 +179,12 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
             scheds = [(s, v) for s, v in scheds if v == pins.vpp]
         return [(sp, cc, sch, v) for sp in sps for cc in comms for sch, v in scheds]
 
+    weights: dict[tuple[int, int], int] = {}
+
     def weight(pp: int, vpp: int) -> int:
-        return len(zeros) * len([r for r in recs if r != "per-stage" or (pp > 1 and vpp == 1)])
+        if (pp, vpp) not in weights:
+            weights[(pp, vpp)] = len(zeros) * len([r for r in recs if r != "per-stage" or (pp > 1 and vpp == 1)])
+        return weights[(pp, vpp)]
 
     tp_domain = [t for t in divisors(num_gpus) if t <= gpus_per_node] if pins.tp is None else [pins.tp]
     for tp in tp_domain:
