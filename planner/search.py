@@ -155,7 +155,8 @@ class _Search:
         self.open_bounds: list[tuple[float, Candidate, tuple[int, ...] | None, tuple | None]] = []
         self.unexplored_bound = math.inf  # smallest bound left when a time limit stopped the search
         self.contexts: dict[tuple, CostContext] = {}
-        self.state_bytes: dict[tuple, tuple[float, float]] = {}
+        self.state_bytes: dict[tuple, tuple[float, float, float]] = {}
+        self.fits: dict[tuple, bool] = {}
         self.layer_memory: dict[tuple, tuple[float, float, float]] = {}
         self.passes = PassCache(model, cluster, wl, self.rt, eff)  # block passes shared by every context
         self.closest_memory: tuple[float, str] | None = None  # the smallest memory excess seen, for "nothing fits"
@@ -267,6 +268,13 @@ class _Search:
             res = solve_dp(prob, policy, relaxed=relaxed, below=below)
             self.dp_results[key] = (res, below)
         return res if res is not None and res.objective < below else None
+
+    def _may_fit(self, prob: PartitionProblem, policy: str, relaxed: bool) -> bool:
+        """may_fit, once per problem and policy (a candidate queued again asks again)."""
+        key = (id(prob), "relaxed" if relaxed else policy)
+        if key not in self.fits:
+            self.fits[key] = may_fit(prob, policy, relaxed=relaxed)
+        return self.fits[key]
 
     def _below(self, key: float) -> float:
         """Where a DP popped at queue key `key` need be exact: the cutoff, or (1 + LOOKAHEAD) x key when that is
@@ -550,15 +558,14 @@ class _Search:
             recomputes = g.recomputes_for(vpp)
             cands = [Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec) for zero in g.zeros for rec in recomputes]
             if vpp == 1:  # the memory floor first: it needs no context, and most memory-hungry candidates fail it
-                fitting = []
-                for c in cands:
-                    floor = self._memory_floor(c)
-                    if floor > self.cap:
-                        self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)")
-                        self._note_memory(floor, _describe(c))
-                    else:
-                        fitting.append(c)
-                cands = fitting
+                floors = self._memory_floors(cands)
+                over = floors > self.cap
+                if over.any():
+                    self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)",
+                                int(over.sum()))
+                    k = int(np.argmin(np.where(over, floors, np.inf)))
+                    self._note_memory(float(floors[k]), _describe(cands[k]))
+                    cands = [c for c, bad in zip(cands, over.tolist()) if not bad]
             if cands:
                 for c, bound in zip(cands, self.work_bounds_of(cands).tolist()):
                     self._push(bound, "cand", c)
@@ -581,25 +588,32 @@ class _Search:
             return
         self._next(bound, "family", c, prob)
 
-    def _memory_floor(self, c: Candidate) -> float:
-        """memory_floor of the candidate (per-stage: with full recompute's activations), from per-kind layer states
-        and activations alone: no context, no layout."""
-        mode = "full" if c.recompute == "per-stage" else c.recompute
-        m = c.mesh
-        key = (m, c.zero)
-        if key not in self.state_bytes:  # (bytes per dense, per expert parameter) on one GPU: linear in the counts
-            lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=c.zero)
-            self.state_bytes[key] = (sum(model_state_bytes(StageParams(1.0, 0.0), lay)),  # type: ignore[arg-type]
-                                     sum(model_state_bytes(StageParams(0.0, 1.0), lay)))  # type: ignore[arg-type]
-        per_dense, per_expert = self.state_bytes[key]
+    def _memory_floors(self, cands: list[Candidate]) -> np.ndarray:
+        """memory_floors of candidates of one group (per-stage: with full recompute's activations), from per-kind
+        layer states and activations alone: no context, no layout."""
+        if not cands:
+            return np.zeros(0)
+        m = cands[0].mesh
         n_moe = self.moe_prefix[-1]
-        kinds = []
-        for kind, i in self.layer_kinds.items():
-            dense, expert, act = self._layer_memory(c, kind, i, mode)
-            kinds.append((n_moe if kind else self.model.num_layers - n_moe, per_dense * dense + per_expert * expert,
-                          act))
-        return memory_floor(kinds, m.pp, c.num_microbatches(self.wl.global_batch), c.schedule,
-                            buffer_bytes(self.model, c.zero, m.tp), FRAGMENTATION)
+        counts = np.array([n_moe if kind else self.model.num_layers - n_moe for kind in self.layer_kinds])
+        states, acts, held, fixed = [], [], [], []
+        p, mb = m.pp, cands[0].num_microbatches(self.wl.global_batch)
+        steady = [min(p - r, mb) for r in range(p)]
+        for c in cands:
+            key = (m, c.zero)
+            if key not in self.state_bytes:  # (bytes per dense, per expert parameter) on one GPU: linear in them
+                lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=c.zero)
+                self.state_bytes[key] = (sum(model_state_bytes(StageParams(1.0, 0.0), lay)),  # type: ignore[arg-type]
+                                         sum(model_state_bytes(StageParams(0.0, 1.0), lay)),  # type: ignore[arg-type]
+                                         buffer_bytes(self.model, c.zero, m.tp))
+            per_dense, per_expert, buffers = self.state_bytes[key]
+            mode = "full" if c.recompute == "per-stage" else c.recompute
+            rows = [self._layer_memory(c, kind, i, mode) for kind, i in self.layer_kinds.items()]
+            states.append([per_dense * dense + per_expert * expert for dense, expert, _ in rows])
+            acts.append([act for _, _, act in rows])
+            held.append([mb] * p if c.schedule == "gpipe" else steady)
+            fixed.append(buffers)
+        return memory_floors(counts, np.array(states), np.array(acts), np.array(held), np.array(fixed), FRAGMENTATION)
 
     def _layer_memory(self, c: Candidate, kind: bool, i: int, mode: str) -> tuple[float, float, float]:
         """(dense, expert parameters on one GPU, activation bytes per micro-batch) of one layer of this kind: they
@@ -629,7 +643,7 @@ class _Search:
         after the greedy memory test that most misfits fail; exact below _below(key), else queued again there."""
         per_stage = c.recompute == "per-stage"
         policy = "none" if per_stage else c.recompute
-        if not may_fit(prob, policy, relaxed=per_stage):
+        if not self._may_fit(prob, policy, per_stage):
             self._no_partition(c, prob, "memory: no partition fits even with full recompute" if per_stage
                                else "memory: no stage partition fits", "per-stage" if per_stage else "sim")
             return
@@ -652,7 +666,7 @@ class _Search:
         """A DP found nothing: infeasible when the greedy memory test or an uncut DP says so, else pruned (no
         partition below the cutoff; one the greedy test missed that does not fit has no bound below it either)."""
         recompute = "full" if c.recompute == "per-stage" else c.recompute
-        if not math.isinf(self.best.cutoff()) and may_fit(prob, recompute, relaxed=c.recompute == "per-stage"):
+        if not math.isinf(self.best.cutoff()) and self._may_fit(prob, recompute, c.recompute == "per-stage"):
             self._count(self.pruned, self.PRUNED_BY[step])
             return
         self._count(self.infeasible, reason)
@@ -911,18 +925,19 @@ class _FloorLayout:
     zero: int
 
 
-def memory_floor(kinds: list[tuple[int, float, float]], p: int, m: int, schedule: str, fixed_bytes: float,
-                 fragmentation: float) -> float:
-    """A lower bound on the fullest stage's memory over all partitions. kinds: (count, state bytes, activation
-    bytes per micro-batch) of each kind of layer. For one kind alone, stage r holds x_r of its layers at
-    s + held_r * a bytes each, so max_r x_r (s + held_r a) >= n / sum_r 1 / (s + held_r a) (equalising the stages,
-    as in pipeline_floor); the other layers only add to it, so the largest over the kinds bounds the whole."""
-    held = [m if schedule == "gpipe" else min(p - r, m) for r in range(p)]
-    most = 0.0
-    for n, s, a in kinds:
-        if n and s + a * min(held) > 0:
-            most = max(most, n / sum(1.0 / (s + h * a) for h in held))
-    return (most + fixed_bytes) * (1 + fragmentation)
+def memory_floors(counts: np.ndarray, states: np.ndarray, acts: np.ndarray, held: np.ndarray, fixed: np.ndarray,
+                  fragmentation: float) -> np.ndarray:
+    """A lower bound on the fullest stage's memory over all partitions, per candidate (rows). counts: layers of each
+    kind; states, acts: (candidates, kinds) state bytes and activation bytes per micro-batch of one such layer;
+    held: (candidates, p) micro-batches each stage holds; fixed: buffers. For one kind alone, stage r holds x_r of
+    its layers at s + held_r a bytes each, so max_r x_r (s + held_r a) >= n / sum_r 1 / (s + held_r a) (equalising
+    the stages, as in pipeline_floor); the other layers only add to it, so the largest over the kinds bounds the
+    whole."""
+    per_layer = states[:, :, None] + held[:, None, :] * acts[:, :, None]  # (candidates, kinds, stages)
+    with np.errstate(divide="ignore"):
+        spread = counts[None, :] / np.sum(1.0 / per_layer, axis=2)
+    spread = np.where((counts[None, :] > 0) & (per_layer.min(axis=2) > 0), spread, 0.0)
+    return (spread.max(axis=1) + fixed) * (1 + fragmentation)
 
 
 def heaviest_stage_floor(layer_times: tuple[float, ...], p: int) -> float:
