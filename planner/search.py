@@ -157,6 +157,7 @@ class _Search:
         self.contexts: dict[tuple, CostContext] = {}
         self.state_bytes: dict[tuple, tuple[float, float, float]] = {}
         self.fits: dict[tuple, bool] = {}
+        self.sp_dominance: dict = {}
         self.layer_memory: dict[tuple, tuple[float, float, float]] = {}
         self.passes = PassCache(model, cluster, wl, self.rt, eff)  # block passes shared by every context
         self.closest_memory: tuple[float, str] | None = None  # the smallest memory excess seen, for "nothing fits"
@@ -360,11 +361,6 @@ class _Search:
                               rank_order=m.order)
             self.hops[key] = stage_p2p_s(self.model, self.wl, lay, self._links(m)["pp"])  # type: ignore[arg-type]
         return self.hops[key]
-
-    def _layer_context(self, cand: Candidate) -> CostContext:
-        """A context for the candidate's per-layer costs: any context of the same layer key will do."""
-        shared = self.contexts.get(("layers", cand.layer_key))
-        return shared if shared is not None else self._context(cand)
 
     def _family_bound(self, c: Candidate, prob: PartitionProblem, below: float) -> float:
         """The DP optimum with no memory cap and no DP-sync or optimizer time: a bound for every ZeRO stage of
@@ -816,18 +812,24 @@ class _Search:
 
     def _sp_dominates(self, g: Group, cc: str) -> bool:
         """Sequence parallelism is never slower and never uses more memory than plain TP for this mesh: every
-        block's pass times (each recompute mode) and activations are no larger with it (checked, not assumed)."""
-        on = self._layer_context(Candidate(g.mesh, g.mbs, True, cc, min(g.zeros), "1f1b", 1, "none"))
-        off = self._layer_context(Candidate(g.mesh, g.mbs, False, cc, min(g.zeros), "1f1b", 1, "none"))
-        kinds = {self.model.is_moe_layer(i): i for i in range(self.model.num_layers)}
-        pairs = [(on.embedding, off.embedding), (on.head, off.head)]
-        for i in kinds.values():
-            for mode in ("none", "selective", "full"):
-                pairs.append((on.layer_times(i, mode), off.layer_times(i, mode)))
-                if on.layer_activation(i, mode) > off.layer_activation(i, mode):
-                    return False
-        return all(a.forward <= b.forward and a.backward_input <= b.backward_input
-                   and a.bwd_weight_compute <= b.bwd_weight_compute for a, b in pairs)
+        block's pass times (each recompute mode) and activations are no larger with it (checked, not assumed;
+        once per layer key, from the PassCache)."""
+        on, off = (Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), "1f1b", 1, "none") for sp in (True, False))
+        key = on.layer_key
+        if key not in self.sp_dominance:
+            links = self._links(g.mesh)
+            pairs = [(self.passes.embedding(on.layer_key, links), self.passes.embedding(off.layer_key, links)),
+                     (self.passes.head(on.layer_key, links), self.passes.head(off.layer_key, links))]
+            smaller = True
+            for kind, i in self.layer_kinds.items():
+                for mode in ("none", "selective", "full"):
+                    pairs.append((self.passes.layer_times(i, mode, on.layer_key, links),
+                                  self.passes.layer_times(i, mode, off.layer_key, links)))
+                    smaller &= self._layer_memory(on, kind, i, mode)[2] <= self._layer_memory(off, kind, i, mode)[2]
+            self.sp_dominance[key] = smaller and all(
+                a.forward <= b.forward and a.backward_input <= b.backward_input
+                and a.bwd_weight_compute <= b.bwd_weight_compute for a, b in pairs)
+        return self.sp_dominance[key]
 
     def _simulate(self, c: Candidate, stage_layers, policies, bound: float, ctx: CostContext,
                   another_partition: bool = False) -> None:
