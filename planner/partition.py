@@ -89,6 +89,7 @@ class SyncModel:
         return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False, False, 0.0, 0.0)
 
 
+_NO_SYNC = SyncModel.zero()
 _LAYER_FIELDS = ("layer_forward", "layer_backward", "layer_selective_extra", "layer_full_extra", "layer_state_bytes",
                  "layer_act_none", "layer_act_selective", "layer_act_full", "layer_params_dense",
                  "layer_params_expert")
@@ -302,6 +303,10 @@ class _LayerSums:
 def _layer_sums(t: _Tables, i, j, c, d, relaxed: bool) -> _LayerSums:
     """act_full on [i, c), act_selective on [i, d), act_none on the rest (c + d - i ends whichever recomputed part is
     non-empty). relaxed: each layer's smallest activations, a bound over every policy."""
+    if c is i and d is i and not relaxed:  # no recomputation (the common case): half the gathers
+        return _LayerSums(fwd=t.fwd[j] - t.fwd[i], bwd=t.bwd[j] - t.bwd[i], extra=0.0,
+                          state=t.state[j] - t.state[i], act=t.act_none[j] - t.act_none[i],
+                          dense=t.dense[j] - t.dense[i], expert=t.expert[j] - t.expert[i])
     if relaxed:
         act = t.act_min[j] - t.act_min[i]
     else:
@@ -341,6 +346,8 @@ def _collective(alpha: float, beta: float, params):
 def _stage_sync(pr, r, s: _LayerSums, f, b):
     """E_r: exposed gradient reduce and parameter gather, then the optimizer step (meshplan docs/cost_model.md)."""
     p, sy = pr.num_stages, pr.sync
+    if sy == _NO_SYNC:  # a bound without DP sync (the search's family bound): nothing to add
+        return 0.0
     dense = s.dense + _when(r == 0, pr.first_params_dense) + _when(r == p - 1, pr.last_params_dense)
     expert = s.expert
     reduce = _collective(sy.reduce_alpha_dense, sy.reduce_beta_dense, dense) + _collective(
