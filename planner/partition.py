@@ -270,6 +270,13 @@ def _cuts(t: _Tables, pol: StagePolicy, i: int, j: int) -> tuple[int, int, float
     return i, i, 0.0
 
 
+def _max(a, b):
+    """np.maximum, with plain floats for one stage (evaluate): numpy on scalars costs microseconds a call."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a if a >= b or a != a else b  # NaN propagates as with np.maximum
+    return np.maximum(a, b)
+
+
 def _when(cond, x: float):
     """x where cond holds, else 0.0: for one rank (a bool) or an array of ranks at once (the same floats)."""
     if isinstance(cond, np.ndarray):
@@ -340,6 +347,8 @@ def _collective(alpha: float, beta: float, params):
     """alpha + beta * P when P > 0, else nothing to send (alpha-beta ring model)."""
     if alpha == 0.0 and beta == 0.0:
         return 0.0
+    if isinstance(params, float):  # one stage (evaluate): plain floats are several times faster than numpy scalars
+        return alpha + beta * params if params > 0 else 0.0
     return np.where(params > 0, alpha + beta * params, 0.0)
 
 
@@ -354,8 +363,8 @@ def _stage_sync(pr, r, s: _LayerSums, f, b):
         sy.reduce_alpha_expert, sy.reduce_beta_expert, expert)
     gather = _collective(sy.gather_alpha_dense, sy.gather_beta_dense, dense) + _collective(
         sy.gather_alpha_expert, sy.gather_beta_expert, expert)
-    exposed = (np.maximum(0.0, reduce - b) if sy.overlap_reduce else reduce) + (
-        np.maximum(0.0, gather - f) if sy.overlap_gather else gather)
+    exposed = (_max(0.0, reduce - b) if sy.overlap_reduce else reduce) + (
+        _max(0.0, gather - f) if sy.overlap_gather else gather)
     return exposed + sy.optimizer_s_per_dense_param * dense + sy.optimizer_s_per_expert_param * expert
 
 
@@ -364,11 +373,11 @@ def _round_trips(pr, r: int, f, b, t_after):
     n middles after the first alone), or None when micro-batch 0's and m-1's round trips cannot share a path."""
     p, m, h = pr.num_stages, pr.num_microbatches, pr.hop_s
     trip = t_after + 2 * (p - 1 - r) * h
-    w = np.minimum(p - r - 1, m)
-    around = np.minimum(w, m - 1)
+    w = np.minimum(p - r - 1, m) if isinstance(r, np.ndarray) else min(p - r - 1, m)
+    around = np.minimum(w, m - 1) if isinstance(r, np.ndarray) else min(w, m - 1)
     n = w + 1
     first, last = trip - around * f, trip - around * b
-    if np.ndim(r) == 0 and m - 1 < n:
+    if not isinstance(r, np.ndarray) and m - 1 < n:
         return first, last, None, 0, 0
     return first, last, trip - w * (f + b), (m - 1) // n - 1, (m - 1 - w) // n  # arrays: see _end_time
 
@@ -405,15 +414,15 @@ def _end_time(pr, r: int, f, b, start, t_after):
     if pr.schedule == "zb":
         return base
     if pr.schedule == "gpipe":
-        return np.maximum(base, start + m * f + t_after + 2 * (p - 1 - r) * h + m * b)
+        return _max(base, start + m * f + t_after + 2 * (p - 1 - r) * h + m * b)
     first, last, middle, k_both, k_first = _round_trips(pr, r, f, b, t_after)
-    first, last = np.maximum(first, 0.0), np.maximum(last, 0.0)
+    first, last = _max(first, 0.0), _max(last, 0.0)
     if middle is None:
-        return base + np.maximum(first, last)
-    middle = np.maximum(middle, 0.0)
-    end = base + np.maximum(first + last + k_both * middle, first + k_first * middle)
+        return base + _max(first, last)
+    middle = _max(middle, 0.0)
+    end = base + _max(first + last + k_both * middle, first + k_first * middle)
     if isinstance(r, np.ndarray):  # ranks whose round trips cannot share a path (see _round_trips)
-        end = np.where(m - 1 < np.minimum(p - r - 1, m) + 1, base + np.maximum(first, last), end)
+        end = np.where(m - 1 < np.minimum(p - r - 1, m) + 1, base + _max(first, last), end)
     return end
 
 
@@ -423,7 +432,7 @@ def _stage_objective(pr, r, f, b, e, f_before, b_before, t_after):
     end = _end_time(pr, r, f, b, f_before + r * pr.hop_s, t_after)
     if pr.schedule == "zb":  # weight passes may trail (Qi et al. 2024): only the rank's own finish is bounded
         return end + e
-    return end + np.maximum(b_before + r * pr.hop_s, e)
+    return end + _max(b_before + r * pr.hop_s, e)
 
 
 # ---- evaluate --------------------------------------------------------------------------------------------------------

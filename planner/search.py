@@ -34,7 +34,7 @@ from hardware_db.errors import InputError
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, partitions_below,
                                per_stage_bound, solve_cpsat,
                                solve_dp, solve_dp_pairs, solve_stage0_sync)
-from planner.space import Candidate, Enumeration, Group, Mesh, Pins, check_pins, enumerate_space
+from planner.space import Candidate, Enumeration, Group, LayerKey, Mesh, Pins, check_pins, enumerate_space
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
 LOOKAHEAD = 0.1  # a DP solves exactly only below (1 + this) x its step's queue key; above, it is queued again there
@@ -305,25 +305,31 @@ class _Search:
         variants for the group score). Reads only per-layer costs (shared by every candidate with the same layer
         key); blocking P2P, which depends on where the pipeline ranks sit, is left out (so the bound stays a
         bound)."""
-        costs = [self._key_costs(c) for c in cands]
-        self._stage_floors(costs)
-        p = np.array([c.mesh.pp for c in cands])
-        total, alpha, layers, layer_min, head = (np.array([k[n] for k in costs]) for n in range(5))
-        stage_min = np.array([k[6][c.mesh.pp] for k, c in zip(costs, cands)])
-        m = np.array([c.num_microbatches(self.wl.global_batch) for c in cands])
-        return pipeline_floors(total, alpha, m, p, np.array([c.schedule for c in cands]), layers, layer_min, head,
-                               np.array([self._hop(c) for c in cands]), stage_min)
+        gbs = self.wl.global_batch
+        return self._work_bounds([(self._key_costs(c.mesh, c.mbs, c.sp, c.cp_comm, c.recompute),
+                                   gbs // (c.mbs * c.mesh.dp), c.mesh.pp, c.schedule, self._hop(c.mesh, c.mbs))
+                                  for c in cands])
 
-    def _key_costs(self, cand: Candidate) -> tuple:
+    def _work_bounds(self, rows: list[tuple]) -> np.ndarray:
+        """pipeline_floors over rows of (key costs, micro-batches, pp, schedule, hop)."""
+        costs = [row[0] for row in rows]
+        self._stage_floors(costs)
+        total, alpha, layers, layer_min, head = (np.array([k[n] for k in costs]) for n in range(5))
+        p = np.array([row[2] for row in rows])
+        stage_min = np.array([row[0][6][row[2]] for row in rows])
+        return pipeline_floors(total, alpha, np.array([row[1] for row in rows]), p, np.array([row[3] for row in rows]),
+                               layers, layer_min, head, np.array([row[4] for row in rows]), stage_min)
+
+    def _key_costs(self, m: Mesh, mbs: int, sp: bool, cp_comm: str, recompute: str) -> list:
         """(one micro-batch through every block, the smallest forward share, layers, the fastest layer, the head
-        block, heaviest_stage_floors) for the candidate's layer key and recomputation: the blocks' times do not
+        block, the layers' times, heaviest_stage_floors) for a layer key and recomputation: the blocks' times do not
         depend on pp, dp, ZeRO or schedule."""
-        rec = "none" if cand.recompute == "per-stage" else cand.recompute
-        m = cand.mesh
-        key = (m.tp, m.cp, cand.cp_comm, cand.sp, cand.mbs, m.ep, m.etp, rec)  # the layer key's fields, as a tuple
+        rec = "none" if recompute == "per-stage" else recompute
+        key = (m.tp, m.cp, cp_comm, sp, mbs, m.ep, m.etp, rec)  # the layer key's fields, as a tuple
         found = self.work_bounds.get(key)
         if found is None:
-            lay, links = cand.layer_key, self._links(cand.mesh)  # the layer key has every field the blocks read
+            lay = LayerKey(m.tp, m.cp, cp_comm, sp, mbs, m.ep, m.etp)  # it has every field the blocks read
+            links = self._links(m)
             n_moe = self.moe_prefix[-1]
             blocks = [(self.passes.layer_times(i, rec, lay, links), n_moe if kind else self.model.num_layers - n_moe)
                       for kind, i in self.layer_kinds.items()]
@@ -352,12 +358,11 @@ class _Search:
             links = self.mesh_links[m] = GroupLinks(self.cluster, lay)  # type: ignore[arg-type]
         return links
 
-    def _hop(self, cand: Candidate) -> float:
+    def _hop(self, m: Mesh, mbs: int) -> float:
         """P2P latency between neighbouring stages of this mesh (CostContext.p2p_s, without building a context)."""
-        key = (cand.mesh, cand.mbs)
+        key = (m, mbs)
         if key not in self.hops:
-            m = cand.mesh
-            lay = _MeshLayout(tp=m.tp, cp=m.cp, dp=m.dp, pp=m.pp, ep=m.ep, etp=m.etp, edp=m.edp, mbs=cand.mbs,
+            lay = _MeshLayout(tp=m.tp, cp=m.cp, dp=m.dp, pp=m.pp, ep=m.ep, etp=m.etp, edp=m.edp, mbs=mbs,
                               rank_order=m.order)
             self.hops[key] = stage_p2p_s(self.model, self.wl, lay, self._links(m)["pp"])  # type: ignore[arg-type]
         return self.hops[key]
@@ -797,17 +802,19 @@ class _Search:
     def _group_scores(self, groups: list[Group]) -> list[float]:
         """A lower bound for every candidate in each group: the work bound with no recomputation (the fastest), the
         least over the group's variants; all groups' variants in one vectorised call."""
-        variants, owner = [], []
+        rows, owner = [], []
+        gbs = self.wl.global_batch
         for n, g in enumerate(groups):
-            seen = set()
-            for sp, cc, sched, vpp in g.variants:
+            m, hop, seen = g.mesh, self._hop(g.mesh, g.mbs), set()
+            mb = gbs // (g.mbs * m.dp)
+            for sp, cc, sched, _ in g.variants:
                 if (sp, cc, sched) not in seen:  # the work bound reads vpp only through the schedule
                     seen.add((sp, cc, sched))
-                    variants.append(Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), sched, vpp, "none"))
+                    rows.append((self._key_costs(m, g.mbs, sp, cc, "none"), mb, m.pp, sched, hop))
                     owner.append(n)
         scores = np.full(len(groups), math.inf)
-        if variants:
-            np.minimum.at(scores, np.array(owner), self.work_bounds_of(variants))
+        if rows:
+            np.minimum.at(scores, np.array(owner), self._work_bounds(rows))
         return scores.tolist()
 
     def _sp_dominates(self, g: Group, cc: str) -> bool:
