@@ -128,7 +128,8 @@ class Group:
 
     @cached_property
     def _size(self) -> int:  # the search counts pruned groups by size: thousands of times
-        return sum(len(self.zeros) * len(self.recomputes_for(v[3])) for v in self.variants)
+        flat, virtual = len(self.recomputes_for(1)), len(self.recomputes_for(2))
+        return len(self.zeros) * sum(flat if v[3] == 1 else virtual for v in self.variants)
 
     def recomputes_for(self, vpp: int) -> tuple[RecomputeChoice, ...]:
         # per-stage recomputation is a partitioner choice: it needs stages (pp > 1) and no virtual stages
