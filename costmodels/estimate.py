@@ -342,6 +342,41 @@ class PassCache:
             found = self.store[key] = (head, 0.0)
         return found[0]
 
+    def layer_fb(self, i: int, mode: str, lay, links) -> tuple[float, float]:
+        """(forward, backward) seconds of decoder layer i under a recompute mode (backward: input and weight
+        gradients and the recomputation) from the halves' totals alone: what the planner's work bounds read, for
+        thousands of layer keys, without composing PassTimes."""
+        model = self.model
+        attn = self._totals(self._key("attention", lay, links), lambda: attention_half(model, lay, self.wl, self.rt),
+                            lay, links)
+        mlp = self._totals(self._key("moe" if model.is_moe_layer(i) else "mlp", lay, links),
+                           lambda: mlp_half(model, i, lay, self.wl, self.rt), lay, links)
+        forward = attn[0] + mlp[0]
+        again = forward if mode == "full" else attn[2] + mlp[2] if mode == "selective" else 0.0  # _with_recompute
+        return forward, attn[1] + mlp[1] + again
+
+    def edges_fb(self, lay, links) -> tuple[tuple[float, float], tuple[float, float]]:
+        """((forward, backward) of the embedding, of the head with the MTP modules): as layer_fb."""
+        model, wl = self.model, self.wl
+        emb = self._totals(self._key("embedding", lay, links), lambda: embedding_block(model, lay, wl), lay, links)
+        head = self._totals(self._key("head", lay, links), lambda: head_block(model, lay, wl), lay, links)
+        f, b = head[0], head[1]
+        if model.num_mtp_layers:
+            proj = self._totals(self._key("mtp_projection", lay, links), lambda: mtp_projection(model, lay, wl),
+                                lay, links)
+            layer_f, layer_b = self.layer_fb(model.num_layers - 1, "none", lay, links)
+            f += model.num_mtp_layers * (proj[0] + layer_f + head[0])
+            b += model.num_mtp_layers * (proj[1] + layer_b + head[1])
+        return (emb[0], emb[1]), (f, b)
+
+    def _totals(self, key: tuple, build, lay, links) -> tuple[float, float, float]:
+        """A block's (forward, backward without recomputation, selective part), cached beside its passes."""
+        found = self.store.get(("totals", key))
+        if found is None:
+            t, sel = self._block(key, build, lay, links)
+            found = self.store[("totals", key)] = (t.forward, t.backward_input + t.bwd_weight_compute, sel)
+        return found
+
     @staticmethod
     def _key(name: str, lay, links) -> tuple:
         fields, dims = _BLOCK_GETTERS[name]

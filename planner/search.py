@@ -331,10 +331,9 @@ class _Search:
             lay = LayerKey(m.tp, m.cp, cp_comm, sp, mbs, m.ep, m.etp)  # it has every field the blocks read
             links = self._links(m)
             n_moe = self.moe_prefix[-1]
-            blocks = [(self.passes.layer_times(i, rec, lay, links), n_moe if kind else self.model.num_layers - n_moe)
+            passes = [(*self.passes.layer_fb(i, rec, lay, links), n_moe if kind else self.model.num_layers - n_moe)
                       for kind, i in self.layer_kinds.items()]
-            blocks += [(self.passes.embedding(lay, links), 1), (self.passes.head(lay, links), 1)]
-            passes = [(t.forward, t.backward_input + t.bwd_weight_compute, n) for t, n in blocks if n]
+            passes = [x for x in passes if x[2]] + [(*fb, 1) for fb in self.passes.edges_fb(lay, links)]
             alpha = min(f / (f + b) for f, b, _ in passes if f + b > 0)
             layers = sorted([t for f, b, n in passes[:-2] for t in [f + b] * n], reverse=True)
             found = [sum(n * (f + b) for f, b, n in passes), alpha, len(layers), layers[-1],

@@ -317,3 +317,37 @@ def test_interleaved_rank_parameters_are_its_chunks():
         edge = stage_params(model, lay, range(0), r == 0, r == lay.pp - 1)
         want = StageParams(edge.dense + sum(p.dense for p in parts), edge.expert + sum(p.expert for p in parts))
         assert est.stages[r].memory.weights == pytest.approx(model_state_bytes(want, lay)[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("name,tp,cp,cp_comm,sp,mbs,ep,etp", [
+    ("deepseek-v3", 2, 1, "ring", True, 1, 8, 1), ("deepseek-v3", 4, 2, "a2a", False, 2, 16, 2),
+    ("deepseek-v3", 1, 4, "ring", False, 1, 64, 1), ("llama3.1-70b", 8, 2, "ring", True, 1, 1, 8),
+    ("mixtral-8x7b", 2, 2, "a2a", True, 2, 4, 1)])
+def test_pass_cache_totals_match_the_composed_passes(name, tp, cp, cp_comm, sp, mbs, ep, etp):
+    """The planner's work bounds read PassCache.layer_fb / edges_fb (sums of the halves' totals); contexts read the
+    composed PassTimes: the same seconds for every kind of layer, recompute mode, the embedding and the head (MTP)."""
+    from costmodels.estimate import CostContext, Efficiency, PassCache
+    from costmodels.model_io import load_model
+    from hardware_db.cluster import Cluster, ClusterSpec
+    from planner.space import LayerKey
+    model = load_model(name)
+    gpus = 1024
+    cluster, wl = Cluster(ClusterSpec(gpu="h800", num_gpus=gpus)), Workload(global_batch=1024, seq_len=4096)
+    rt = get_runtime("megatron-core")
+    eff = Efficiency.from_gpu(cluster.gpu)
+    cache = PassCache(model, cluster, wl, rt, eff)
+    lay = resolve(model, gpus, wl, ParallelConfig(tp=tp, cp=cp, cp_comm=cp_comm, sp=sp, mbs=mbs, ep=ep, etp=etp))
+    ctx = CostContext(model, cluster, wl, lay, rt, eff, passes=cache)
+    key = LayerKey(tp, cp, cp_comm, lay.sp, mbs, ep, etp)
+    kinds = {model.is_moe_layer(i): i for i in range(model.num_layers)}
+    for i in kinds.values():
+        for mode in ("none", "selective", "full"):
+            t = ctx.layer_times(i, mode)
+            f, b = cache.layer_fb(i, mode, key, ctx.links)
+            assert f == pytest.approx(t.forward, rel=1e-12)
+            assert b == pytest.approx(t.backward_input + t.bwd_weight_compute, rel=1e-12)
+    (ef, eb), (hf, hb) = cache.edges_fb(key, ctx.links)
+    assert (ef, eb) == pytest.approx((ctx.embedding.forward, ctx.embedding.backward_input
+                                      + ctx.embedding.bwd_weight_compute), rel=1e-12)
+    assert (hf, hb) == pytest.approx((ctx.head.forward, ctx.head.backward_input + ctx.head.bwd_weight_compute),
+                                     rel=1e-12)
