@@ -806,10 +806,13 @@ class _Search:
         for n, g in enumerate(groups):
             m, hop, seen = g.mesh, self._hop(g.mesh, g.mbs), set()
             mb = gbs // (g.mbs * m.dp)
+            costs: dict = {}
             for sp, cc, sched, _ in g.variants:
                 if (sp, cc, sched) not in seen:  # the work bound reads vpp only through the schedule
                     seen.add((sp, cc, sched))
-                    rows.append((self._key_costs(m, g.mbs, sp, cc, "none"), mb, m.pp, sched, hop))
+                    if (sp, cc) not in costs:
+                        costs[(sp, cc)] = self._key_costs(m, g.mbs, sp, cc, "none")
+                    rows.append((costs[(sp, cc)], mb, m.pp, sched, hop))
                     owner.append(n)
         scores = np.full(len(groups), math.inf)
         if rows:
