@@ -413,3 +413,19 @@ def test_generous_time_limit_changes_nothing():
                      top_k=3, time_limit_s=600)
     assert limited.account.status == free.account.status
     assert [p.step_time_s for p in limited.plans] == [p.step_time_s for p in free.plans]
+
+
+def test_a_gap_is_closed_by_simulating_every_partition_below_the_best():
+    """DeepSeek-V3 on 2,048 H800 pinned to its best mesh: the DP's partition (5, 3, 4 x 13, 1) simulates slower than
+    its J (rank 2's DP sync waits on rank 0's path), so the candidate's bound is open; the search then simulates
+    every partition whose bound is below the best and returns the faster (4 x 15, 1), proven optimal."""
+    model, c, wl = zoo("deepseek-v3"), cluster(2048, "h800"), Workload(global_batch=15360, seq_len=4096)
+    pins = Pins(tp=2, cp=1, pp=16, dp=64, ep=8, etp=1, mbs=1, zero=2, recompute="none", sp=True, schedule="1f1b")
+    result = search(model, c, wl, pins, top_k=1)
+    dp_split = (5, 3) + (4,) * 13 + (1,)
+    dp_time = estimate(model, c, wl, ParallelConfig(tp=2, pp=16, dp=64, ep=8, etp=1, mbs=1, zero=2, sp=True,
+                                                    schedule="1f1b", stage_layers=dp_split)).step_time_s
+    best = result.plans[0]
+    assert best.estimate.layout.stage_layers == (4,) * 15 + (1,)
+    assert best.step_time_s < dp_time * (1 - 0.005)  # 21.87 s against 22.09 s
+    assert result.account.status == "optimal" and result.account.gap == 0.0
