@@ -510,7 +510,7 @@ def verify(
     except RuntimeError as exc:  # executor.launch.RankFailure: one line naming the rank that failed or hung
         if type(exc).__name__ != "RankFailure":
             raise
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        _error(_one_line(exc))
         raise typer.Exit(1) from None
     report = outcome.report
     if report is None:  # a torchrun rank other than 0: rank 0 prints and writes; exit as it does
@@ -687,6 +687,13 @@ def _validation_message(exc: ValidationError) -> str:
     return f"{exc.title}: field '{where}': {first['msg']}" if where else f"{exc.title}: {first['msg']}"
 
 
+def _error(message: str) -> None:
+    """The one `error:` line, in a single write: ranks under torchrun share stderr, unbuffered (print writes the
+    text and the newline apart, and two ranks' lines then interleave)."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the CLI; return the exit code. Bad input prints one line `error: ...` on stderr and returns 2."""
     try:
@@ -694,19 +701,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ClickException as exc:  # usage errors: unknown option, bad value, missing option
         if NoArgsIsHelpError is not None and isinstance(exc, NoArgsIsHelpError):
             return 0  # a bare `meshplan` / `meshplan models`: typer has printed the help
-        print(f"error: {_one_line(exc.format_message())}", file=sys.stderr)  # type: ignore[attr-defined]
+        _error(_one_line(exc.format_message()))  # type: ignore[attr-defined]
         return exc.exit_code  # type: ignore[attr-defined]
     except typer.Abort:
-        print("error: aborted", file=sys.stderr)
+        _error("aborted")
         return 1
     except BrokenPipeError:  # `meshplan ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except ValidationError as exc:
-        print(f"error: {_one_line(_validation_message(exc))}", file=sys.stderr)
+        _error(_one_line(_validation_message(exc)))
         return EXIT_INPUT
     except (InputError, OSError, json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        _error(_one_line(exc))
         return EXIT_INPUT
     return rv if isinstance(rv, int) else 0
 
