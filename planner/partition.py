@@ -1217,14 +1217,20 @@ def solve_rank0_path_sync(problem: PartitionProblem, policy: Granularity) -> Par
     simulate where the DP's own partition left a gap); solve_dp for other schedules and a single stage."""
     if problem.schedule != "1f1b" or problem.num_stages == 1:
         return solve_dp(problem, policy)
-    found = _rank0_path_sync_dp(problem, policy)
+    return _bound_plan(problem, policy, _rank0_path_sync_dp(problem, policy))
+
+
+def _bound_plan(problem: PartitionProblem, policy: Granularity,
+                found: tuple[float, tuple[int, ...]] | None) -> PartitionResult | None:
+    """A bound DP's (value, boundaries) as a plan: the partition evaluated, its objective the larger of J and the
+    bound."""
     if found is None:
         return None
     best, bounds = found
     pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r]) if policy == "full"
                  else StagePolicy(granularity=policy) for r in range(problem.num_stages))
     result = _evaluate(problem, _tables(problem), bounds, pols, relaxed=False)
-    assert result is not None, "rank-0 path DP and evaluate disagree on feasibility"
+    assert result is not None, "a bound DP and evaluate disagree on feasibility"
     return replace(result, objective=max(result.objective, best))
 
 
@@ -1424,15 +1430,7 @@ def solve_stage0_sync(problem: PartitionProblem, policy: Granularity) -> Partiti
     where the DP's own partition left a gap); solve_dp for ZB and a single stage."""
     if problem.schedule == "zb" or problem.num_stages == 1:
         return solve_dp(problem, policy)
-    found = _stage0_sync_dp(problem, policy)
-    if found is None:
-        return None
-    best, bounds = found
-    pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r]) if policy == "full"
-                 else StagePolicy(granularity=policy) for r in range(problem.num_stages))
-    result = _evaluate(problem, _tables(problem), bounds, pols, relaxed=False)
-    assert result is not None, "stage-0 sync DP and evaluate disagree on feasibility"
-    return replace(result, objective=max(result.objective, best))
+    return _bound_plan(problem, policy, _stage0_sync_dp(problem, policy))
 
 
 def _stage0_sync_dp(pr: PartitionProblem, policy: Granularity) -> tuple[float, tuple[int, ...]] | None:

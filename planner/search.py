@@ -32,7 +32,7 @@ from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, partitions_below,
-                               per_stage_bound, solve_cpsat,
+                               per_stage_bound, solve_cpsat, solve_rank0_path_sync,
                                solve_dp, solve_dp_pairs, solve_stage0_sync)
 from planner.space import Candidate, Enumeration, Group, LayerKey, Mesh, Pins, check_pins, enumerate_space
 
@@ -794,7 +794,13 @@ class _Search:
             if (sync is not None and sync.stage_layers not in (stage_layers, res.stage_layers)
                     and sync.objective < self.best.cutoff() * (1 - REL_TOL)):
                 self._simulate(c, sync.stage_layers, None, sync.objective, ctx, another_partition=True)
-            tighter = max(res.objective, sync.objective if sync is not None else math.inf)
+            # rank 0's path to every rank's sync (1F1B), likewise: its own partition simulated when it differs
+            path = solve_rank0_path_sync(prob, c.recompute) if c.schedule == "1f1b" else None
+            if (path is not None and path.stage_layers not in (stage_layers, res.stage_layers)
+                    and path.objective < self.best.cutoff() * (1 - REL_TOL)):
+                self._simulate(c, path.stage_layers, None, path.objective, ctx, another_partition=True)
+            tighter = max(res.objective, sync.objective if sync is not None else math.inf,
+                          path.objective if path is not None else -math.inf)
             still_open.append((tighter, c, res.stage_layers, None))
         self.open_bounds = still_open
 
