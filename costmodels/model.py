@@ -49,12 +49,15 @@ class MLASpec(BaseModel):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+MAX_LAYERS = 10_000  # far above any published model; per-layer work is O(layers), so a typo of 1e12 must not run
+
+
 class ModelSpec(BaseModel):
     """A decoder-only transformer. `ffn_hidden` is the dense MLP's intermediate size (dense layers only for MoE)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: str
-    num_layers: int = Field(gt=0)
+    num_layers: int = Field(gt=0, le=MAX_LAYERS)
     hidden: int = Field(gt=0)
     num_heads: int = Field(gt=0)
     num_kv_heads: int | None = Field(default=None, gt=0)  # default: num_heads (MHA)

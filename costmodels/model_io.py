@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from costmodels.model import ModelSpec
+from costmodels.model import MAX_LAYERS, ModelSpec
 from hardware_db.errors import InputError
 
 __all__ = [
@@ -302,7 +302,10 @@ def _qwen_moe(hf: _HF, *, shared: bool) -> _Mapped:
     experts = hf.req_int("num_experts")
     if experts == 0:  # HF: no sparse block at all
         return f, locs
-    layout = _qwen_moe_layers(hf, hf.req_int("num_hidden_layers"))
+    layers = hf.req_int("num_hidden_layers")
+    if not 1 <= layers <= MAX_LAYERS:  # checked before the per-layer rule runs over them
+        raise _fail(hf.origin, f"'num_hidden_layers' must be between 1 and {MAX_LAYERS}, got {layers}")
+    layout = _qwen_moe_layers(hf, layers)
     if layout is None:
         return f, locs
     moe: dict[str, Any] = {

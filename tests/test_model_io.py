@@ -506,3 +506,12 @@ def test_hf_garbage_raises_only_input_error(model_type: str, data) -> None:
         assert isinstance(from_hf_config(cfg, "fuzz"), ModelSpec)
     except InputError as exc:
         assert "\n" not in str(exc)
+
+
+def test_an_absurd_layer_count_is_refused_before_any_per_layer_work():
+    """A float layer count that is integral (1e15) once made the Qwen-MoE rule build a list over every layer until
+    the machine ran out of memory; it is one clear error now, for every model type."""
+    for model_type in ("qwen2_moe", "llama", "deepseek_v3"):
+        cfg = dict(VALID_HF[model_type], num_hidden_layers=1e15)
+        with pytest.raises(InputError, match="10000|num_hidden_layers|num_layers"):
+            from_hf_config(cfg, "fuzz")
