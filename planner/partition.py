@@ -1244,17 +1244,24 @@ def _rank0_path_sync_dp(pr: PartitionProblem, policy: Granularity) -> tuple[floa
         g0 = grids[0]
         x0 = np.broadcast_to(_end_through_last(pr, 0, g0.f, g0.b, g0.f_before, g0.t_after), full)[0]  # by j0
         x0 = np.where(np.isfinite(jm[0][0]), x0, 0.0)
-        w = np.full(full, np.inf)  # w[j0, i]: best max over stages >= r, stage r starting at i, stage 0 ending at j0
-        w[:, L] = 0.0
-        nxt = {}
+        tails = {r: np.broadcast_to(g.e - (g.b_before + r * pr.hop_s), full) for r, g in enumerate(grids)}
+        return _by_end_of_stage0(p, L, jm[0][0], lambda r: np.maximum(jm[r][None, :, :],
+                                                                      x0[:, None, None] + tails[r][None, :, :]))
+
+
+def _by_end_of_stage0(p: int, L: int, first: np.ndarray, term) -> tuple[float, tuple[int, ...]] | None:
+    """min over partitions of max(first[j0], max_r term(r)[j0, i, j]) when stage r >= 1's term depends on where stage 0
+    ends (j0) and on its own (i, j): one bottleneck DP per j0, side by side (w[j0, i]). (bound, boundaries) or None."""
+    w = np.full((L + 1, L + 1), np.inf)  # w[j0, i]: best max over stages >= r, stage r starting at i
+    w[:, L] = 0.0
+    nxt = {}
+    with np.errstate(invalid="ignore"):
         for r in reversed(range(1, p)):
-            g = grids[r]
-            tail = np.broadcast_to(g.e - (g.b_before + r * pr.hop_s), full)  # E_r - B_<r - r h
-            total_r = np.maximum(np.maximum(jm[r][None, :, :], x0[:, None, None] + tail[None, :, :]), w[:, None, :])
-            nxt[r] = np.argmin(total_r, axis=2)
+            total_r = np.maximum(term(r), w[:, None, :])
+            nxt[r] = np.argmin(total_r, axis=2)  # stage r's end, by (end of stage 0, start of stage r)
             w = np.min(total_r, axis=2)
         ends = np.arange(L + 1)
-        total = np.maximum(jm[0][0], w[ends, ends])
+        total = np.maximum(first, w[ends, ends])
     best = float(np.min(total))
     if not math.isfinite(best):
         return None
@@ -1441,24 +1448,7 @@ def _stage0_sync_dp(pr: PartitionProblem, policy: Granularity) -> tuple[float, t
         jm = [g.objective(pr, r) for r, g in enumerate(grids)]
         am = [g.objective(pr, r, sync=False) for r, g in enumerate(grids)]  # A_r = end_r + B_<r + r h
         e0 = np.broadcast_to(grids[0].e, (L + 1, L + 1))[0]  # E_0 for stage 0 = [0, j0), by j0
-        c = np.where(np.isfinite(jm[0][0]), e0, 0.0)  # one DP per end of stage 0, side by side: w[c, i]
-        w = np.full((L + 1, L + 1), np.inf)
-        w[:, L] = 0.0
-        nxt = {}
-        for r in reversed(range(1, p)):
-            g = np.maximum(jm[r][None, :, :], am[r][None, :, :] + c[:, None, None])
-            total_r = np.maximum(g, w[:, None, :])
-            nxt[r] = np.argmin(total_r, axis=2)  # stage r's end, by (end of stage 0, start of stage r)
-            w = np.min(total_r, axis=2)
-        ends = np.arange(L + 1)
+        c = np.where(np.isfinite(jm[0][0]), e0, 0.0)  # one DP per end of stage 0, side by side
         first = np.maximum(jm[0][0], am[0][0] + c)  # stage 0's own terms (A_0 + E_0 <= J_0 unless tail > E_0)
-        total = np.maximum(first, w[ends, ends])
-    best = float(np.min(total))
-    if not math.isfinite(best):
-        return None
-    end0 = int(np.argmin(total))
-    bounds, start = [0, end0], end0
-    for r in range(1, p):
-        start = int(nxt[r][end0, start])
-        bounds.append(start)
-    return best, tuple(bounds)
+        return _by_end_of_stage0(p, L, first, lambda r: np.maximum(jm[r][None, :, :], am[r][None, :, :]
+                                                                   + c[:, None, None]))
