@@ -19,9 +19,11 @@ from rich.console import Console
 from rich.table import Table
 
 from costmodels.config import DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, RankOrder, Workload
-from costmodels.estimate import Estimate, estimate as estimate_cost, simulate_config, stage_ranges
+from costmodels.estimate import (Efficiency, Estimate, calibrated_cluster, estimate as estimate_cost, simulate_config,
+                                 stage_ranges)
 from costmodels.model import ModelSpec
 from costmodels.model_io import list_zoo, load_model, load_zoo, zoo_source
+from hardware_db.calibration import load_calibration
 from hardware_db.cluster import Cluster, ClusterSpec, load_cluster_file
 from hardware_db.errors import InputError
 from hardware_db.gpu import GPUSpec, Sourced, list_gpus, load_gpu
@@ -80,15 +82,21 @@ def _console() -> Console:
 # ---- estimate ------------------------------------------------------------------------------------------------------
 
 def _cluster(cluster_file: Optional[str], gpu: Optional[str], gpus: Optional[int], gpus_per_node: Optional[int],
-             nic_gbps: Optional[float], nvlink_gbs: Optional[float]) -> Cluster:
+             nic_gbps: Optional[float], nvlink_gbs: Optional[float],
+             calibration: Optional[str] = None) -> tuple[Cluster, Optional[Efficiency]]:
+    """The cluster, and with --calibration its device as measured and the efficiency model fitted to it."""
     if cluster_file is not None:
         if any(v is not None for v in (gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)):
             raise InputError("give either --cluster FILE or --gpu/--gpus (and link flags), not both")
-        return Cluster(load_cluster_file(cluster_file))
-    if gpu is None or gpus is None:
-        raise InputError("say which cluster: --gpu NAME --gpus N, or --cluster FILE (see `meshplan hardware list`)")
-    return Cluster(ClusterSpec(gpu=gpu, num_gpus=gpus, gpus_per_node=gpus_per_node, nic_gbps=nic_gbps,
-                               nvlink_gb_s=nvlink_gbs))
+        spec = load_cluster_file(cluster_file)
+    else:
+        if gpu is None or gpus is None:
+            raise InputError("say which cluster: --gpu NAME --gpus N, or --cluster FILE (see `meshplan hardware list`)")
+        spec = ClusterSpec(gpu=gpu, num_gpus=gpus, gpus_per_node=gpus_per_node, nic_gbps=nic_gbps,
+                           nvlink_gb_s=nvlink_gbs)
+    if calibration is None:
+        return Cluster(spec), None
+    return calibrated_cluster(spec, load_calibration(calibration), calibration)
 
 
 # Options shared by `estimate` and `plan` (type aliases: one definition, the same help in both commands).
@@ -142,6 +150,10 @@ ScheduleOpt = Annotated[Optional[Literal["1f1b", "interleaved", "gpipe", "zb"]],
 OrderOpt = Annotated[Optional[RankOrder], typer.Option("--order", rich_help_panel=P_PAR, help=(
     "rank order of the dimensions, innermost first: tp-cp-dp-pp (Megatron default) or tp-cp-pp-dp "
     "(--use-tp-pp-dp-mapping; needs cp=1, ep=1); plan: pins it"))]
+CalibrationOpt = Annotated[Optional[str], typer.Option("--calibration", rich_help_panel=P_CLUSTER, help=(
+    "Calibration file from `meshplan profile` (or a name under hardware_db/calibrations/): the device's measured "
+    "GEMM, attention, memory and collective costs replace the GPU's efficiency defaults. A CPU calibration goes "
+    "with --gpu cpu."))]
 RuntimeOpt = Annotated[RuntimeName, typer.Option("--runtime", rich_help_panel=P_PAR, help=(
     "Training framework behaviour: what it fuses and which communication it overlaps (docs/cost_model.md)."))]
 
@@ -175,6 +187,7 @@ def estimate(
     schedule: ScheduleOpt = None,
     order: OrderOpt = None,
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
+    calibration: CalibrationOpt = None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
         "Print the estimate as JSON (step_time_s, tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu, hfu, "
         "peak_memory_gib, fits, breakdown_s, stages, ...) and nothing else."))] = False,
@@ -185,12 +198,12 @@ def estimate(
     sequence parallelism on with TP; schedule interleaved when vpp > 1, else 1f1b.
     """
     spec = load_model(model)
-    cluster = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
+    cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration)
     workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
     knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
                  sp=sp, schedule=schedule, rank_order=order)
     cfg = ParallelConfig(**{k: v for k, v in knobs.items() if v is not None})
-    est = estimate_cost(spec, cluster, workload, cfg, runtime)
+    est = estimate_cost(spec, cluster, workload, cfg, runtime, eff)
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
     else:
@@ -300,6 +313,7 @@ def plan(
     schedule: ScheduleOpt = None,
     order: OrderOpt = None,
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
+    calibration: CalibrationOpt = None,
     max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, rich_help_panel=P_PAR,
                                          help="Largest micro-batch size searched.")] = 16,
     top: Annotated[int, typer.Option("--top", min=1, rich_help_panel=P_OUT,
@@ -329,18 +343,20 @@ def plan(
     from planner.trace import chrome_trace, write_trace
 
     spec = load_model(model)
-    cluster = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
+    cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration)
     workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
     pins = Pins(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
                 recompute=recompute, sp=sp, schedule=schedule, order=order, max_mbs=max_mbs)
     with _progress(not as_json) as bar:
-        result = search(spec, cluster, workload, pins, runtime, top_k=top, time_limit_s=time_limit, progress=bar)
+        result = search(spec, cluster, workload, pins, runtime, efficiency=eff, top_k=top, time_limit_s=time_limit,
+                        progress=bar)
     if not result.plans:
         raise InputError(result.why_nothing_fits or "no plan fits")
     best = result.plans[0]
-    sim = simulate_config(spec, cluster, workload, best.config, runtime)
+    sim = simulate_config(spec, cluster, workload, best.config, runtime, eff)
     doc = build_plan(spec, cluster, workload, best.config, sim, runtime, account=result.account, rank=1,
-                     bound_s=best.bound_s, partition_status=best.partition_status)
+                     bound_s=best.bound_s, partition_status=best.partition_status,
+                     calibration=eff.calibration if eff else None)
     if out is not None:
         write_plan(doc, out)
     if trace is not None:
@@ -433,6 +449,75 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
 
 
 @app.command()
+def profile(
+    device: Annotated[Literal["cpu", "cuda"], typer.Option("--device", help=(
+        "What to profile: cpu (this host, one thread per rank, collectives on gloo) or cuda (GPU 0; NCCL "
+        "collectives when more than one GPU is visible)."))] = "cpu",
+    quick: Annotated[bool, typer.Option("--quick", help=(
+        "Fewer sizes and repetitions: under 2 minutes on a 2-core CPU."))] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", help=(
+        "Calibration file to write (atomically). Default: hardware_db/calibrations/<device>.json in meshplan's "
+        "install, so --calibration <device> finds it by name."))] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=(
+        "Model whose layer GEMMs, attention heads and widths are profiled (zoo name or config file). Default: "
+        "Llama-3.1-8B on a GPU; on a CPU a hidden-256 model of the same structure."))] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help=(
+        "hardware_db GPU this device is (default: read from the device's name)."))] = None,
+    dtype: Annotated[Optional[Literal["float64", "float32", "bfloat16", "float16"]], typer.Option("--dtype", help=(
+        "Operator dtype (default: float64 on a CPU, verify's default there; bfloat16 on a GPU)."))] = None,
+    ranks: Annotated[Optional[list[int]], typer.Option("--ranks", help=(
+        "Group sizes to time collectives on (repeatable; default 2 on a CPU, every GPU on a GPU host)."))] = None,
+    tp: Annotated[Optional[list[int]], typer.Option("--tp", help=(
+        "TP degrees whose sharded GEMM and attention shapes are profiled (repeatable; default 1 2)."))] = None,
+) -> None:
+    """Measure this device (GEMMs, attention, memory-bound operators, collectives, a layer's activation memory) and
+    write a calibration that `estimate`, `plan` and `verify --calibration` use instead of the efficiency defaults."""
+    from costmodels.profiler import ProfileOptions, profile as run_profile
+    from hardware_db.calibration import calibration_dir
+    from planner.plan import write_text_atomic
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    quick_opts = dict(repeats=3, warmup=1, seq=(128, 256), tokens=(128, 512, 2048)) if quick else {}
+    opts = ProfileOptions(device=device, quick=quick, model=load_model(model) if model else None, target=gpu,
+                          dtype=dtype or ("float64" if device == "cpu" else "bfloat16"),
+                          ranks=tuple(ranks) if ranks else ((2,) if device == "cpu" else ()),
+                          **({"tp": tuple(tp)} if tp else {}), **quick_opts)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("profiling", total=None)
+        cal = run_profile(opts, lambda what, done, total: bar.update(task, description=what[:60], completed=done,
+                                                                     total=total))
+    target = out if out is not None else calibration_dir() / f"{cal.device.target}.json"
+    try:
+        write_text_atomic(target, cal.model_dump_json(indent=1) + "\n")
+    except OSError as exc:
+        raise InputError(f"cannot write {target}: {exc.strerror}; choose a writable --out") from None
+    _print_calibration(_console(), cal, target)
+
+
+def _print_calibration(con: Console, cal: Any, path: Path) -> None:
+    f, m = cal.fitted, cal.measurements
+    con.print(f"[bold]{cal.device.name}[/] ({cal.device.target}, {cal.device.threads} thread(s)), torch "
+              f"{cal.software.torch}, {cal.software.backend}; {m.dtype}")
+    t = Table(title="fitted efficiency model", title_justify="left")
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    t.add_column("from")
+    t.add_row("fastest GEMM", f"{f.peak_flops / 1e9:,.1f} GFLOP/s", f"{len(m.gemms)} GEMMs")
+    t.add_row("GEMM curve", f"{len(f.gemm.flops)} points", "time vs FLOPs, non-decreasing")
+    t.add_row("attention curve", f"{len(f.attention.flops)} points", f"{len(m.attention)} SDPA shapes, fwd + bwd")
+    t.add_row("memory-bound", f"{f.memory.bytes_per_s / 1e9:,.1f} GB/s + {f.memory.alpha_s * 1e6:.1f} us",
+              f"{len(m.memory_ops)} operator runs")
+    for c in f.collectives:
+        t.add_row(f"{c.kind} x{c.ranks}", f"{c.bytes_per_s / 1e9:,.2f} GB/s + {c.alpha_s * 1e6:.0f} us",
+                  cal.software.backend)
+    if f.activation_ratio is not None:
+        t.add_row("layer activations", f"{f.activation_ratio:.2f} x the formula", "saved-tensor bytes")
+    con.print(t)
+    con.print(f"calibration written to {path}")
+
+
+@app.command()
 def show(
     plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan --out`.")],
     trace: Annotated[Optional[Path], typer.Option("--trace", help=(
@@ -466,9 +551,9 @@ def show(
 @app.command()
 def verify(
     plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan --out`.")],
-    scale: Annotated[Literal["tiny", "small"], typer.Option("--scale", help=(
+    scale: Annotated[Literal["tiny", "small", "none"], typer.Option("--scale", help=(
         "Model size to run: the plan's model with its layer count, structure and divisibility kept, widths "
-        "shrunk (docs/executor.md)."))] = "tiny",
+        "shrunk (docs/executor.md); none runs the plan's model as it is (a small model only)."))] = "tiny",
     steps: Annotated[int, typer.Option("--steps", min=1, help="AdamW steps; parameters are compared after the last.")] = 2,
     seq: Annotated[Optional[int], typer.Option("--seq", min=1, help=(
         "Tokens per sequence (default 16, raised to a multiple of 2 x cp x tp)."))] = None,
@@ -489,6 +574,9 @@ def verify(
     trace: Annotated[Optional[Path], typer.Option("--trace", help=(
         "Write a Chrome trace (open in ui.perfetto.dev): the cost model's simulated step of this run above the ranks' "
         "measured last step, one track per stage / rank."))] = None,
+    calibration: Annotated[Optional[str], typer.Option("--calibration", help=(
+        "A calibration of this host's CPU (meshplan profile --device cpu): the prediction beside the measurement is "
+        "then for this run on this host, not on the plan's GPUs."))] = None,
     inject: Annotated[Optional[str], typer.Option("--inject", hidden=True, help=(
         "Run a deliberately broken layout (see executor.plan_run.INJECTIONS) to see the check fail."))] = None,
 ) -> None:
@@ -503,7 +591,9 @@ def verify(
     if launcher is None:
         launcher = "torchrun" if "RANK" in os.environ else "spawn"
     opts = VerifyOptions(scale=scale, steps=steps, seq=seq, microbatches=microbatches, dtype=dtype, backend=backend,
-                         launcher=launcher, timeout_s=timeout, max_ranks=max_ranks, inject=inject)
+                         launcher=launcher, timeout_s=timeout, max_ranks=max_ranks, inject=inject,
+                         calibration=load_calibration(calibration) if calibration else None,
+                         calibration_origin=calibration or "the calibration")
     con = _console()
     try:
         outcome = run_verify(doc, opts, progress=lambda text: con.print(f"[dim]{text}[/]"))
@@ -539,20 +629,30 @@ def _print_verify(con: Console, report: Any) -> None:
     t.add_row(f"parameters (after step {report.steps})", f"{report.param_error:.2e}", report.worst_param,
               f"{report.tolerance:g}")
     con.print(t)
-    m = Table(title="memory per rank, MiB (measured: tensor accounting of the last step, activations at their "
-                    "peak; predicted: the cost model's elements at the run's dtype)")
-    for col in ("rank", "stage", "params", "grads", "optimizer", "activations", "total", "predicted total"):
+    calibrated = report.predicted_on != "the plan's GPUs"
+    m = Table(title="per rank, measured vs predicted (memory: tensor accounting of the last step, activations at "
+                    f"their peak, vs the cost model's elements at the run's dtype; predicted on {report.predicted_on})")
+    for col in ("rank", "stage", "params MiB", "grads MiB", "optimizer MiB", "activations MiB", "memory MiB",
+                "predicted MiB", "error", "step s", "predicted s", "error"):
         m.add_column(col, justify="right")
     mib = 2.0 ** 20
-    for row in report.memory:
+    for row, step_s in zip(report.memory, report.measured_step_s):
         meas = row.measured
         m.add_row(str(row.rank), str(row.stage), *(f"{meas.get(k, 0.0) / mib:.3f}" for k in
                   ("parameters", "gradients", "optimizer", "activations")),
-                  f"{row.measured_total / mib:.3f}", f"{row.predicted_total / mib:.3f}")
+                  f"{row.measured_total / mib:.3f}", f"{row.predicted_total / mib:.3f}",
+                  f"{100 * (row.predicted_total / row.measured_total - 1):+.1f} %" if row.measured_total else "-",
+                  f"{step_s:.4f}", f"{report.predicted_step_s:.4f}",
+                  f"{100 * (report.predicted_step_s / step_s - 1):+.1f} %" if calibrated and step_s else "-")
     con.print(m)
     slowest = max(report.measured_step_s, default=0.0)
-    con.print(f"step time: measured {slowest:.3f} s (slowest rank, CPU) vs predicted {report.predicted_step_s:.4f} s "
-              f"on the plan's GPUs: not comparable in absolute terms; compare the timelines (--trace)")
+    if calibrated:
+        con.print(f"step time: measured {slowest:.4f} s (slowest rank) vs predicted {report.predicted_step_s:.4f} s "
+                  f"on {report.predicted_on}: {100 * (report.predicted_step_s / slowest - 1):+.1f} %")
+    else:
+        con.print(f"step time: measured {slowest:.3f} s (slowest rank, CPU) vs predicted {report.predicted_step_s:.4f} s "
+                  f"on the plan's GPUs: not comparable in absolute terms; compare the timelines (--trace), or give "
+                  f"--calibration with a profile of this CPU")
     for note in report.notes:
         con.print(f"[dim]note: {escape(note)}[/]")
     if report.ok:

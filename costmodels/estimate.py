@@ -15,10 +15,16 @@ from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdo
                                layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
                                stage_params, StageParams)
 from costmodels.model import ModelSpec
-from costmodels.ops import (ACT_BYTES, Block, Collective, attention_half, embedding_block, head_block, mlp_half,
-                           mtp_projection)
+from costmodels.ops import (ACT_BYTES, Block, Collective, attention_half, embedding_block, head_block, memory_class,
+                           mlp_half, mtp_projection)
 from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
-from hardware_db.cluster import Cluster
+from costmodels import calibrate
+from costmodels.calibrate import interpolate
+from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu, check_target,
+                                     cpu_device_spec, digest)
+from hardware_db.cluster import Cluster, ClusterSpec
+from hardware_db.errors import InputError
+from hardware_db.gpu import load_gpu
 from hardware_db.gpu import GPUSpec
 
 ADAM_BYTES_PER_PARAM = 34  # read grad, master, m, v (16) + write master, m, v (12) + bf16 weight (2) + grad-norm read (4)
@@ -27,18 +33,77 @@ RANK_ORDER = tuple(DEFAULT_RANK_ORDER.split("-"))  # innermost first: Megatron-L
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Achieved fractions that turn peak numbers into time (from the GPU's defaults or a calibration)."""
+    """Achieved fractions that turn peak numbers into time (from the GPU's defaults or a calibration).
+
+    A calibration adds measured curves (FLOPs, seconds), which replace the saturating efficiency for GEMMs and
+    attention, and measured (alpha, bytes/s) per collective kind and group size, which replace the ring formula
+    inside one node for the group sizes that were profiled."""
 
     gemm_max: float
     gemm_half_flops: float
     attention_max: float
     memory_bandwidth: float
     kernel_overhead_s: float
+    gemm_curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    attention_curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    gemm_bwd_curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # backward passes (else gemm_curve)
+    attention_bwd_curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    layer_overhead: tuple[LayerOverhead, ...] = ()  # per decoder layer, by TP degree and SP
+    head_overhead: StepOverhead | None = None  # per micro-batch, outside the layers
+    collectives: tuple[tuple[str, int, float, float], ...] = ()  # (kind, ranks, alpha_s, bytes_per_s)
+    memory_classes: tuple[tuple[str, float, float], ...] = ()  # (ops.memory_class, alpha_s, bytes_per_s)
+    optimizer_s_per_param: float | None = None  # measured optimizer step per local parameter
+    curve_peak: float = 0.0  # the 16-bit peak the curves were measured against (fp8 GEMMs: half the time)
+    calibration: str | None = None  # "file name sha256:..." of the calibration, for the plan's record
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec) -> "Efficiency":
         e = gpu.efficiency
         return cls(e.gemm_max, e.gemm_half_flops, e.attention_max, e.memory_bandwidth, e.kernel_overhead_us * 1e-6)
+
+    @classmethod
+    def from_calibration(cls, cal: Calibration, gpu: GPUSpec, label: str) -> "Efficiency":
+        """`gpu` already calibrated (hardware_db.calibration.calibrated_gpu): its memory roof and launch cost."""
+        base = cls.from_gpu(gpu)
+        fit = cal.fitted
+        def pair(c: Curve | None) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+            return None if c is None else (c.flops, c.seconds)
+
+        return dataclasses.replace(
+            base, gemm_curve=pair(fit.gemm), attention_curve=pair(fit.attention),
+            gemm_bwd_curve=pair(fit.gemm_backward), attention_bwd_curve=pair(fit.attention_backward),
+            layer_overhead=fit.layer_overhead, head_overhead=fit.step_overhead,
+            collectives=tuple((c.kind, c.ranks, c.alpha_s, c.bytes_per_s) for c in fit.collectives),
+            memory_classes=tuple((c.name, c.alpha_s, c.bytes_per_s) for c in fit.memory_classes),
+            optimizer_s_per_param=1.0 / fit.optimizer.params_per_s if fit.optimizer else None,
+            curve_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"), calibration=label)
+
+    def overhead(self, tp: int, sp: bool) -> tuple[float, float]:
+        """The calibrated per-layer (forward, backward) overhead at this TP degree and sequence parallelism (the
+        nearest measured degree below, else the smallest; SP as measured where it was); (0, 0) uncalibrated."""
+        if not self.layer_overhead:
+            return 0.0, 0.0
+        below = [o for o in self.layer_overhead if o.tp <= tp] or [min(self.layer_overhead, key=lambda o: o.tp)]
+        degree = max(o.tp for o in below)
+        same = [o for o in below if o.tp == degree]
+        o = next((o for o in same if o.sp == bool(sp)), same[0])
+        return o.forward_s, o.backward_s
+
+    def memory_op_time(self, name: str, bytes_: float) -> float | None:
+        """A memory-bound operator's measured alpha + bytes / rate for its class, None without a calibration."""
+        if not self.memory_classes or bytes_ <= 0:
+            return None
+        cls = memory_class(name)
+        for k, alpha, bw in self.memory_classes:
+            if k == cls:
+                return alpha + bytes_ / bw
+        return None
+
+    def collective_fit(self, kind: str, n: int) -> tuple[float, float] | None:
+        for k, ranks, alpha, bw in self.collectives:
+            if k == kind and ranks == n:
+                return alpha, bw
+        return None
 
 
 @dataclass(frozen=True)
@@ -152,19 +217,45 @@ def layout_dict(lay: Layout) -> dict:
     return d
 
 
+def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str) -> tuple[Cluster, Efficiency]:
+    """The cluster on the calibrated device and the efficiency model to price it with. A CPU calibration is its own
+    device (--gpu cpu: ranks are processes on this host); a GPU one must be of the cluster's GPU type."""
+    if cal.device.kind == "cpu":
+        if spec.gpu != "cpu":
+            raise InputError(f"{origin} was measured on this host's CPU ({cal.device.name}), not on {spec.gpu}: "
+                             f"use --gpu cpu with it, or a calibration of {spec.gpu} (meshplan profile --device cuda)")
+        gpu = cpu_device_spec(cal)
+    else:
+        check_target(cal, spec.gpu, origin)
+        gpu = calibrated_gpu(load_gpu(spec.gpu), cal)
+    cluster = Cluster(spec, gpu=gpu)
+    label = f"{origin.rsplit('/', 1)[-1]} sha256:{digest(cal)}"
+    return cluster, Efficiency.from_calibration(cal, gpu, label)
+
+
 # ---- operator and collective times -------------------------------------------------------------------------------
 
-def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff: Efficiency) -> float:
+def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff: Efficiency,
+            backward: bool = False) -> float:
     """Roofline: max(FLOPs / (peak x efficiency(size)), bytes / achieved bandwidth) + launch overhead (Williams et
-    al., "Roofline", CACM 2009). Efficiency saturates with the operator's size: e_max * F / (F + F_half)."""
+    al., "Roofline", CACM 2009). Efficiency saturates with the operator's size: e_max * F / (F + F_half).
+    Calibrated: the measured time at these FLOPs (calibrate.interpolate, the backward curve for backward passes;
+    it includes the launch), never below the memory roof. `peak` above the 16-bit one (fp8) shortens a calibrated
+    GEMM by the same factor."""
     if flops <= 0 and bytes_ <= 0:
         return 0.0
     t_mem = bytes_ / (hbm * eff.memory_bandwidth)
-    t_flop = 0.0
     if flops > 0:
+        if kind == "attention":
+            curve = (eff.attention_bwd_curve if backward else None) or eff.attention_curve
+        else:
+            curve = (eff.gemm_bwd_curve if backward else None) or eff.gemm_curve
+        if curve is not None:
+            at = flops * (eff.curve_peak / peak if eff.curve_peak else 1.0)
+            return max(interpolate(curve[0], curve[1], at), t_mem + eff.kernel_overhead_s)
         e_max = eff.attention_max if kind == "attention" else eff.gemm_max
-        t_flop = flops / (peak * e_max * flops / (flops + eff.gemm_half_flops))
-    return max(t_flop, t_mem) + eff.kernel_overhead_s
+        return max(flops / (peak * e_max * flops / (flops + eff.gemm_half_flops)), t_mem) + eff.kernel_overhead_s
+    return t_mem + eff.kernel_overhead_s
 
 
 def rank_strides(lay: Layout) -> dict[str, int]:
@@ -198,11 +289,11 @@ def _unfold(k: int, tp_cp: int, stride_dp: int) -> int:
     return k % tp_cp + (k // tp_cp) * stride_dp
 
 
-def stage_p2p_s(model: ModelSpec, wl: Workload, lay: Layout, link: comm.Link) -> float:
+def stage_p2p_s(model: ModelSpec, wl: Workload, lay: Layout, link: comm.Link, eff: Efficiency) -> float:
     """P2P of one micro-batch's activations between stages; Megatron sends 1/tp with scatter-gather (SC'21 4.1)."""
     if lay.pp == 1:
         return 0.0
-    return comm.p2p(ACT_BYTES * lay.mbs * wl.seq_len / lay.cp * model.hidden / lay.tp, link)
+    return timed_collective("p2p", ACT_BYTES * lay.mbs * wl.seq_len / lay.cp * model.hidden / lay.tp, 2, link, eff)
 
 
 def group_link(cluster: Cluster, ranks: tuple[int, ...]) -> comm.Link:
@@ -212,16 +303,24 @@ def group_link(cluster: Cluster, ranks: tuple[int, ...]) -> comm.Link:
     return comm.Link(bw, lat, crosses)
 
 
-def collective_time(c: Collective, n: int, link: comm.Link) -> float:
-    if c.kind == "all_reduce":
-        return comm.all_reduce(c.bytes_, n, link)
-    if c.kind == "all_gather":
-        return comm.all_gather(c.bytes_, n, link)
-    if c.kind == "reduce_scatter":
-        return comm.reduce_scatter(c.bytes_, n, link)
-    if c.kind == "all_to_all":
-        return comm.all_to_all(c.bytes_, n, link)
-    return comm.p2p(c.bytes_, link)
+_RING = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather, "reduce_scatter": comm.reduce_scatter,
+         "all_to_all": comm.all_to_all}
+
+
+def timed_collective(kind: str, bytes_: float, n: int, link: comm.Link, eff: Efficiency) -> float:
+    """A collective's seconds: the calibration's measured alpha + bytes / beta for this kind and group size inside
+    one node (Hockney's model, fitted by costmodels/calibrate.py), else the ring formula of comm.py."""
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    if eff.collectives and not link.crosses_nodes:
+        fit = eff.collective_fit(kind, n)
+        if fit is not None:
+            return fit[0] + bytes_ / fit[1]
+    return comm.p2p(bytes_, link) if kind == "p2p" else _RING[kind](bytes_, n, link)
+
+
+def collective_time(c: Collective, n: int, link: comm.Link, eff: Efficiency) -> float:
+    return timed_collective(c.kind, c.bytes_, 2 if c.kind == "p2p" else n, link, eff)  # a P2P is between two ranks
 
 
 # ---- the estimate ------------------------------------------------------------------------------------------------
@@ -395,20 +494,34 @@ class PassCache:
         """The block's passes without recomputation, and the forward time of its selective-recompute operators."""
         fwd = bwd_i = bwd_w = sel = 0.0
         attn_core = 0.0
+        eff = self.eff
         for op in block.ops:
             peak = self.peak_fp8 if (op.kind == "gemm" and op.gemm_dtype_scale > 1) else self.peak16
-            f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, self.eff)
-            fwd += f
-            bwd_i += op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, self.eff)
-            bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, self.eff)
+            measured = eff.memory_op_time(op.name, op.fwd_bytes) if op.kind == "memory" else None
+            if measured is not None:  # calibrated: this operator class's measured rate (forward, backward)
+                f = measured
+                bwd_i += eff.memory_op_time(op.name, op.bwd_input_bytes) or 0.0
+                fwd += f
+            else:
+                f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff)
+                fwd += f
+                bwd_i += op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, eff, True)
+                bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, eff, True)
             if op.selective:
                 sel += f
             if op.kind == "attention" or op.name.startswith("attn_"):
                 attn_core += f
+        if block.name == "attention" and eff.layer_overhead:  # once per decoder layer: its measured framework cost
+            over_f, over_b = eff.overhead(lay.tp, lay.sp)
+            fwd += over_f
+            bwd_i += over_b
+        elif block.name == "head" and eff.head_overhead is not None:  # per micro-batch, outside the layers
+            fwd += eff.head_overhead.forward_s
+            bwd_i += eff.head_overhead.backward_s
         fwd_comm: dict[str, float] = {}
         bwd_comm: dict[str, float] = {}
         for c in block.comms:
-            t = collective_time(c, getattr(lay, c.dim), links[c.dim])  # tp, cp, ep, etp: group sizes
+            t = collective_time(c, getattr(lay, c.dim), links[c.dim], self.eff)  # tp, cp, ep, etp: group sizes
             if c.overlappable == "tp":
                 t *= 1.0 - self.rt.tp_comm_overlap
             tf, tb = c.fwd_count * t, c.bwd_count * t
@@ -504,7 +617,7 @@ class CostContext:
     @cached_property
     def p2p_s(self) -> float:
         """P2P of one micro-batch's activations between stages; Megatron sends 1/tp with scatter-gather (SC'21 4.1)."""
-        return stage_p2p_s(self.model, self.wl, self.lay, self.links["pp"])
+        return stage_p2p_s(self.model, self.wl, self.lay, self.links["pp"], self.eff)
 
     @property
     def blocking_p2p_s(self) -> float:
@@ -521,15 +634,16 @@ class CostContext:
             n, link = self.sizes[dim], self.links[dim]
             ra = rb = ga = gb = 0.0
             if n > 1:
-                # alpha-beta ring (comm.py): all-reduce 2(n-1) steps / 2(n-1)/n of the bytes, RS and AG half of that.
-                steps, share = (2 * (n - 1), 2 * (n - 1) / n) if lay.zero == 0 else (n - 1, (n - 1) / n)
-                ra, rb = steps * link.latency_s, share * 4 / link.bus_bytes_per_s
+                # alpha-beta ring (comm.py): all-reduce 2(n-1) steps / 2(n-1)/n of the bytes, RS and AG half of that;
+                # calibrated: the measured alpha and 1/beta of that collective (timed_collective).
+                reduce_kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
+                ra, rb = self._alpha_beta(reduce_kind, n, link, 4)
                 if lay.zero >= 1:
                     times = 2 if lay.zero == 3 else 1
-                    ga, gb = times * (n - 1) * link.latency_s, times * (n - 1) / n * 2 / link.bus_bytes_per_s
+                    ga, gb = (times * v for v in self._alpha_beta("all_gather", n, link, 2))
             coef.update({f"reduce_alpha_{kind}": ra, f"reduce_beta_{kind}": rb, f"gather_alpha_{kind}": ga,
                          f"gather_beta_{kind}": gb})
-        per_param = ADAM_BYTES_PER_PARAM / (self.hbm * self.eff.memory_bandwidth)
+        per_param = self.eff.optimizer_s_per_param or ADAM_BYTES_PER_PARAM / (self.hbm * self.eff.memory_bandwidth)
         shard_dense = lay.dp * lay.cp if lay.zero >= 1 else 1
         shard_expert = lay.edp if lay.zero >= 1 else 1
         return SyncCoefficients(**coef, optimizer_s_per_dense_param=per_param / shard_dense,
@@ -538,6 +652,14 @@ class CostContext:
     @cached_property
     def buffer_bytes(self) -> float:
         return buffer_bytes(self.model, self.lay.zero, self.lay.tp)
+
+    def _alpha_beta(self, kind: str, n: int, link: comm.Link, bytes_per_param: float) -> tuple[float, float]:
+        """(seconds, seconds per parameter) of a collective over n ranks moving bytes_per_param per parameter."""
+        fit = self.eff.collective_fit(kind, n) if self.eff.collectives and not link.crosses_nodes else None
+        if fit is not None:
+            return fit[0], bytes_per_param / fit[1]
+        steps, share = calibrate.ring_shape(kind, n)
+        return steps * link.latency_s, share * bytes_per_param / link.bus_bytes_per_s
 
 
 def buffer_bytes(model: ModelSpec, zero: int, tp: int) -> float:

@@ -59,6 +59,22 @@ class Block:
     comms: tuple[Collective, ...] = field(default_factory=tuple)
 
 
+MEMORY_CLASSES = ("norm", "swiglu", "activation", "residual_add", "rope", "softmax", "cross_entropy", "embedding")
+
+
+def memory_class(name: str) -> str | None:
+    """The class a calibration times a memory-bound operator by (costmodels/profiler.py), from its name here;
+    None for operators the profile has no class for (they take the fit over all classes)."""
+    base = name.removeprefix("expert_").removeprefix("shared_")
+    if base.endswith("norm") or base.endswith("norms") or base in ("norm1", "norm2"):
+        return "norm"
+    if base in ("gelu", "relu2"):
+        return "activation"
+    if base == "dropout_add":
+        return "residual_add"
+    return base if base in MEMORY_CLASSES else None
+
+
 def gemm(name: str, m: float, n: float, k: float, dtype_scale: float = 1.0, weight: bool = True) -> Op:
     """[m,k] x [k,n]: 2mnk FLOPs each pass; bytes: read both inputs, write the output (16-bit)."""
     flops = 2.0 * m * n * k

@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from costmodels.config import InputError, ParallelConfig, Workload, resolve
-from costmodels.estimate import Simulated, simulate_config
+from costmodels.estimate import Simulated, calibrated_cluster, simulate_config
 from costmodels.model import ModelSpec
 from costmodels.ops import ACT_BYTES
 from executor.scale import SCALES, scale_model
+from hardware_db.calibration import Calibration
+from hardware_db.cluster import ClusterSpec
 from planner.plan import Plan, plan_config
 
 __all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyOutcome", "VerifyReport", "measured_trace",
@@ -64,6 +67,8 @@ class VerifyOptions:
     timeout_s: float = 300.0
     max_ranks: int = MAX_RANKS
     inject: str | None = None  # a deliberate fault (executor.plan_run.INJECTIONS), to show the check can fail
+    calibration: Calibration | None = None  # this host's CPU: predict the run here instead of on the plan's GPUs
+    calibration_origin: str = "the calibration"
 
 
 @dataclass(frozen=True)
@@ -79,9 +84,18 @@ class VerifyCase:
     seq: int
     plan_model: str
 
-    def simulate(self, plan: Plan) -> Simulated:
-        _, cluster, _, _, _ = plan_config(plan)
-        return simulate_config(self.spec, cluster, self.workload, self.config, self.runtime)
+    def simulate(self, plan: Plan, calibration: Calibration | None = None, origin: str = "the calibration") -> Simulated:
+        """The cost model's prediction of this scaled run: on the plan's GPUs, or with a calibration of this host's
+        CPU on the ranks as they run here (processes on one host, the measured operator and gloo costs)."""
+        if calibration is None:
+            _, cluster, _, _, _ = plan_config(plan)
+            return simulate_config(self.spec, cluster, self.workload, self.config, self.runtime)
+        if calibration.device.kind != "cpu":
+            raise InputError(f"{origin} is of {calibration.device.target}; verify runs the plan on this host's CPU "
+                             f"over gloo, so it needs a CPU calibration (meshplan profile --device cpu)")
+        spec = ClusterSpec(gpu="cpu", num_gpus=self.num_gpus, gpus_per_node=self.num_gpus)
+        cluster, eff = calibrated_cluster(spec, calibration, origin)
+        return simulate_config(self.spec, cluster, self.workload, self.config, self.runtime, eff)
 
 
 def _default_seq(cfg: ParallelConfig, spec: ModelSpec, requested: int | None) -> int:
@@ -97,8 +111,8 @@ def _default_seq(cfg: ParallelConfig, spec: ModelSpec, requested: int | None) ->
 
 def verify_case(plan: Plan, opts: VerifyOptions) -> VerifyCase:
     """The plan's layout at a reduced size; InputError (one line, with the fix) when it cannot run here."""
-    if opts.scale not in SCALES:
-        raise InputError(f"--scale {opts.scale!r}: choose one of {', '.join(SCALES)}")
+    if opts.scale not in SCALES and opts.scale != "none":
+        raise InputError(f"--scale {opts.scale!r}: choose one of {', '.join(SCALES)} or none")
     if opts.steps < 1:
         raise InputError(f"--steps must be at least 1, got {opts.steps}")
     spec0, cluster, wl0, cfg, runtime = plan_config(plan)
@@ -107,8 +121,9 @@ def verify_case(plan: Plan, opts: VerifyOptions) -> VerifyCase:
         raise InputError(f"the plan runs {lay0.world} ranks; this machine runs at most {opts.max_ranks} "
                          f"(raise --max-ranks, or run under torchrun on the cluster with --backend nccl)")
     heads_multiple = cfg.tp * (cfg.cp if cfg.cp_comm == "a2a" else 1)
-    spec = scale_model(spec0, opts.scale, num_layers=spec0.num_layers, heads_multiple=heads_multiple,
-                       kv_multiple=cfg.tp, experts_multiple=cfg.ep)
+    spec = spec0 if opts.scale == "none" else scale_model(
+        spec0, opts.scale, num_layers=spec0.num_layers, heads_multiple=heads_multiple, kv_multiple=cfg.tp,
+        experts_multiple=cfg.ep)
     seq = _default_seq(cfg, spec, opts.seq)
     m = opts.microbatches if opts.microbatches is not None else lay0.num_microbatches
     if m < 1:
@@ -139,14 +154,15 @@ class MemoryRow:
         return sum(self.predicted.values())
 
 
-def predicted_state_bytes(sim: Simulated, stage: int, itemsize: int) -> dict[str, float]:
-    """The cost model's memory of a stage as elements times the run's itemsize (see PREDICTED_BYTES_PER_ELEMENT)."""
+def predicted_state_bytes(sim: Simulated, stage: int, itemsize: int, activation_ratio: float = 1.0) -> dict[str, float]:
+    """The cost model's memory of a stage as elements times the run's itemsize (see PREDICTED_BYTES_PER_ELEMENT);
+    a calibration's measured/formula ratio of a layer's activations scales the activations."""
     mem = sim.estimate.stages[stage].memory
     return {
         "parameters": mem.weights / PREDICTED_BYTES_PER_ELEMENT["weights"] * itemsize,
         "gradients": mem.gradients / PREDICTED_BYTES_PER_ELEMENT["gradients"] * itemsize,
         "optimizer": mem.optimizer / PREDICTED_BYTES_PER_ELEMENT["optimizer"] * itemsize,
-        "activations": (mem.activations / PREDICTED_BYTES_PER_ELEMENT["activations"]
+        "activations": (mem.activations / PREDICTED_BYTES_PER_ELEMENT["activations"] * activation_ratio
                         + mem.logits / PREDICTED_BYTES_PER_ELEMENT["logits"]) * itemsize,
     }
 
@@ -171,12 +187,13 @@ class VerifyReport:
     worst_param: str
     failures: tuple[str, ...]
     memory: tuple[MemoryRow, ...]
-    measured_step_s: tuple[float, ...]  # per rank, the last step's wall time
+    measured_step_s: tuple[float, ...]  # per rank, the median wall time of the steps after the first
     predicted_step_s: float
     losses: tuple[float, ...]
     reference_losses: tuple[float, ...]
     injected: str | None = None
     notes: tuple[str, ...] = field(default=())
+    predicted_on: str = "the plan's GPUs"  # or this host's CPU, with the calibration named
 
     @property
     def ok(self) -> bool:
@@ -288,6 +305,24 @@ def side_by_side(sim: Simulated, reports: Sequence[Any]) -> dict[str, Any]:
     return {"traceEvents": predicted["traceEvents"] + measured["traceEvents"], "displayTimeUnit": "ms"}
 
 
+def _steady_step_s(step_s: Sequence[float]) -> float:
+    """A rank's step time: the median of the steps after the first (which warms up allocator and caches), or
+    the only step."""
+    return statistics.median(step_s[1:]) if len(step_s) > 1 else step_s[0]
+
+
+def _activation_ratio(cal: Calibration | None, lay: Any, stage: int) -> float:
+    """The calibration's measured/formula activation ratio for the stage's recompute mode (a stage recomputing
+    only its first k layers in full: the ratio of "none", which most of its activations are)."""
+    if cal is None:
+        return 1.0
+    policy = lay.stage_recompute[stage]
+    mode = policy.granularity
+    if mode == "full" and policy.full_layers < lay.stage_layers[stage]:
+        mode = "none"
+    return cal.fitted.activation_ratio_for(mode)
+
+
 def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyOutcome:
     """Verify a plan (see the module docstring).
 
@@ -329,19 +364,27 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
         result = run_layout(run, exec_layout, inject=opts.inject, reference=reference, backend=opts.backend,
                             timeout_s=opts.timeout_s)
         reference_losses = reference.losses
-    sim = case.simulate(plan)
+    cal = opts.calibration
+    sim = case.simulate(plan, cal, opts.calibration_origin)
     itemsize = 8 if opts.dtype == "float64" else 4
     memory = tuple(MemoryRow(rank=r.rank, stage=r.coords["pp"], measured=dict(r.memory),
-                             predicted=predicted_state_bytes(sim, r.coords["pp"], itemsize))
+                             predicted=predicted_state_bytes(sim, r.coords["pp"], itemsize,
+                                                             _activation_ratio(cal, lay, r.coords["pp"])))
                    for r in result.reports)
+    predicted_on = ("the plan's GPUs" if cal is None else
+                    f"this host's CPU ({opts.calibration_origin}, {cal.device.name})")
     notes = sorted({n for r in result.reports for n in r.notes})
+    if cal is not None and cal.measurements.dtype != opts.dtype:
+        notes.append(f"the calibration was measured in {cal.measurements.dtype} and this run is {opts.dtype}: "
+                     f"predicted times are for {cal.measurements.dtype} (use --dtype {cal.measurements.dtype})")
     cmp = result.comparison
     report = VerifyReport(
         plan_model=case.plan_model, scaled_model=case.spec.name, layout=result.reports[0].layout,
         world=exec_layout.world, dtype=opts.dtype, tolerance=cmp.tolerance, steps=opts.steps, gbs=case.gbs,
         seq=case.seq, loss_error=cmp.loss_error, grad_error=cmp.grad_error, param_error=cmp.param_error,
         worst_grad=cmp.worst_grad, worst_param=cmp.worst_param, failures=result.failures, memory=memory,
-        measured_step_s=tuple(r.step_s[-1] for r in result.reports), predicted_step_s=sim.estimate.step_time_s,
+        measured_step_s=tuple(_steady_step_s(r.step_s) for r in result.reports),
+        predicted_step_s=sim.estimate.step_time_s,
         losses=result.reports[0].losses, reference_losses=reference_losses, injected=opts.inject,
-        notes=tuple(notes))
+        notes=tuple(notes), predicted_on=predicted_on)
     return VerifyOutcome(report=report, trace=side_by_side(sim, result.reports), ok=report.ok)

@@ -48,7 +48,7 @@ class GPUSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: str
     display_name: str
-    vendor: Literal["nvidia", "amd"]
+    vendor: Literal["nvidia", "amd", "cpu"]
     peak_tflops: dict[DType, Sourced]  # dense (no sparsity); fp8 absent where the chip has none
     hbm_gib: Sourced
     hbm_tb_s: Sourced

@@ -363,7 +363,7 @@ class _Search:
         if key not in self.hops:
             lay = _MeshLayout(tp=m.tp, cp=m.cp, dp=m.dp, pp=m.pp, ep=m.ep, etp=m.etp, edp=m.edp, mbs=mbs,
                               rank_order=m.order)
-            self.hops[key] = stage_p2p_s(self.model, self.wl, lay, self._links(m)["pp"])  # type: ignore[arg-type]
+            self.hops[key] = stage_p2p_s(self.model, self.wl, lay, self._links(m)["pp"], self.eff)  # type: ignore[arg-type]
         return self.hops[key]
 
     def _family_bound(self, c: Candidate, prob: PartitionProblem, below: float) -> float:

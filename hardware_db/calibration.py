@@ -1,0 +1,331 @@
+"""Calibration files: what `meshplan profile` measured on one device, and the efficiency model fitted to it.
+
+A calibration is data (this package computes no costs): the device it was measured on, the software, the raw
+measurements (every timed GEMM, attention call, memory-bound operator, collective and the activation memory of a
+layer) and the fitted model the cost model reads (costmodels/calibrate.py fits it; docs/calibration.md). It is
+versioned JSON: a file from a newer meshplan (a higher `schema_version`) or from another device type is refused
+with one line that says what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hardware_db.errors import InputError
+from hardware_db.gpu import EfficiencyDefaults, GPUSpec, Sourced
+
+CALIBRATION_SCHEMA_VERSION = 1
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class DeviceInfo(_Frozen):
+    """What was profiled. `target` is the hardware_db GPU name the calibration applies to (e.g. "h100-sxm"), or
+    "cpu" for a host CPU, which has no hardware_db entry: its device spec is built from the measurements."""
+
+    kind: Literal["cuda", "cpu"]
+    target: str = Field(min_length=1)
+    name: str = Field(description="the device's own name (torch.cuda.get_device_name, or the CPU model)")
+    threads: int = Field(ge=1, description="intra-op threads per rank during the profile")
+    memory_bytes: float = Field(gt=0, description="device memory (GPU) or the host's RAM (CPU)")
+
+
+class Software(_Frozen):
+    meshplan: str
+    python: str
+    torch: str
+    backend: str = Field(description="collective backend: gloo or nccl")
+    backend_version: str = ""
+    cuda: str = ""
+
+
+class GemmPoint(_Frozen):
+    """One [m,k] x [k,n] product: FLOPs 2mnk, the median seconds. Backward points are a forward shape's input
+    gradient ([m,n] x [n,k]) and weight gradient ([k,m] x [m,n]) as autograd runs them (transposed operands)."""
+
+    name: str
+    direction: Literal["forward", "backward"] = "forward"
+    m: int = Field(ge=1)
+    n: int = Field(ge=1)
+    k: int = Field(ge=1)
+    seconds: float = Field(gt=0)
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+
+class AttentionPoint(_Frozen):
+    """One causal SDPA call: shapes, the cost model's FLOPs for it (costmodels/ops.py), forward and backward seconds."""
+
+    batch: int = Field(ge=1)
+    heads: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    seq: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    fwd_flops: float = Field(gt=0)
+    fwd_seconds: float = Field(gt=0)
+    bwd_seconds: float = Field(gt=0)
+
+
+class MemoryOpPoint(_Frozen):
+    """One memory-bound operator: the bytes the cost model counts for it (16-bit elements) and the median seconds."""
+
+    name: str
+    direction: Literal["forward", "backward"]
+    elements: int = Field(ge=1)
+    model_bytes: float = Field(gt=0)
+    seconds: float = Field(gt=0)
+
+
+class OptimizerPoint(_Frozen):
+    """One optimizer step (torch AdamW) over `params` parameters held as layer-sized tensors; median seconds."""
+
+    params: int = Field(ge=1)
+    seconds: float = Field(gt=0)
+
+
+class CollectivePoint(_Frozen):
+    """One collective over `ranks` ranks on a buffer of `bytes` (comm.py's convention: the logical buffer)."""
+
+    kind: CollectiveKind
+    ranks: int = Field(ge=2)
+    bytes: float = Field(gt=0)
+    seconds: float = Field(gt=0)
+
+
+class ActivationPoint(_Frozen):
+    """Autograd's saved bytes for one decoder layer's forward (the executor's layer) vs the cost model's formula."""
+
+    model: str
+    tokens: int = Field(ge=1)
+    recompute: Literal["none", "selective", "full"] = "none"
+    measured_bytes: float = Field(gt=0)
+    predicted_bytes: float = Field(gt=0)
+
+
+class Measurements(_Frozen):
+    dtype: str = Field(description="torch dtype the operators ran in")
+    gemms: tuple[GemmPoint, ...] = Field(min_length=2)
+    attention: tuple[AttentionPoint, ...] = Field(min_length=2)
+    memory_ops: tuple[MemoryOpPoint, ...] = Field(min_length=2)
+    collectives: tuple[CollectivePoint, ...] = ()
+    activations: tuple[ActivationPoint, ...] = ()
+    optimizer: tuple[OptimizerPoint, ...] = ()
+
+
+class Curve(_Frozen):
+    """Seconds as a non-decreasing function of FLOPs, given at points of increasing FLOPs; between points
+    log-log interpolation, below the first the first time, above the last the last achieved rate."""
+
+    flops: tuple[float, ...] = Field(min_length=1)
+    seconds: tuple[float, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _monotone(self) -> "Curve":
+        if len(self.flops) != len(self.seconds):
+            raise ValueError("flops and seconds must have the same length")
+        if any(f <= 0 for f in self.flops) or any(t <= 0 for t in self.seconds):
+            raise ValueError("flops and seconds must be positive")
+        if any(b <= a for a, b in zip(self.flops, self.flops[1:])):
+            raise ValueError("flops must increase")
+        if any(b < a for a, b in zip(self.seconds, self.seconds[1:])):
+            raise ValueError("seconds must not decrease with flops")
+        return self
+
+
+class LinearFit(_Frozen):
+    """t = alpha_s + bytes / bytes_per_s."""
+
+    alpha_s: float = Field(ge=0)
+    bytes_per_s: float = Field(gt=0)
+
+
+class MemoryClassFit(LinearFit):
+    """A memory-bound operator class (costmodels/ops.py memory_class): its launch cost and achieved rate."""
+
+    name: str
+
+
+class OptimizerFit(_Frozen):
+    """t = alpha_s + params / params_per_s for one optimizer step."""
+
+    alpha_s: float = Field(ge=0)
+    params_per_s: float = Field(gt=0)
+
+
+class CollectiveFit(LinearFit):
+    kind: CollectiveKind
+    ranks: int = Field(ge=2)
+
+
+class Overhead(_Frozen):
+    """Seconds beyond the sum of the operators' fitted times (framework dispatch, autograd, copies and kernels
+    the cost model does not list), per micro-batch: the median over the profiled sequence lengths. (A line in
+    the tokens was tried: on a shared 2-core VM its slope was noise, of either sign from run to run.)"""
+
+    forward_s: float
+    backward_s: float
+
+
+class LayerOverhead(Overhead):
+    """A decoder layer's overhead, measured on the profile's layer at a TP degree, with or without SP."""
+
+    tp: int = Field(ge=1)
+    sp: bool = False
+
+
+class StepOverhead(Overhead):
+    """A whole model's overhead outside its layers (embedding, head, loss and what runs around them)."""
+
+
+class FittedModel(_Frozen):
+    """What the cost model reads (costmodels/estimate.py: Efficiency.from_calibration)."""
+
+    gemm: Curve
+    attention: Curve
+    gemm_backward: Curve | None = None
+    attention_backward: Curve | None = None
+    layer_overhead: tuple[LayerOverhead, ...] = ()
+    step_overhead: StepOverhead | None = None
+    memory: LinearFit  # memory-bound operators: launch cost + the cost model's bytes at this rate
+    memory_classes: tuple[MemoryClassFit, ...] = ()  # the same per operator class
+    optimizer: OptimizerFit | None = None
+    peak_flops: float = Field(gt=0, description="the fastest measured GEMM's FLOP/s (a CPU's peak; a GPU reports)")
+    collectives: tuple[CollectiveFit, ...] = ()
+    ring: LinearFit | None = Field(default=None, description="per-step latency and bus bandwidth over all collectives")
+    activation_ratio: float | None = Field(default=None, gt=0, description="measured / predicted layer activations")
+    activation_ratios: dict[Literal["none", "selective", "full"], float] = Field(
+        default_factory=dict, description="the same per recompute mode")
+
+    def activation_ratio_for(self, mode: str) -> float:
+        """measured / predicted activations of a layer under this recompute mode (1 where not measured)."""
+        return self.activation_ratios.get(mode, self.activation_ratio if mode == "none" and self.activation_ratio
+                                          else 1.0)
+
+
+class Calibration(_Frozen):
+    schema_version: int
+    created: str
+    device: DeviceInfo
+    software: Software
+    measurements: Measurements
+    fitted: FittedModel
+
+    def collective(self, kind: str, ranks: int) -> CollectiveFit | None:
+        return next((c for c in self.fitted.collectives if c.kind == kind and c.ranks == ranks), None)
+
+
+def calibration_dir() -> Path:
+    return Path(str(resources.files("hardware_db.calibrations")))
+
+
+def digest(cal: Calibration) -> str:
+    """A short content hash: a plan records the calibration by file name and this, so a changed file shows."""
+    return hashlib.sha256(cal.model_dump_json().encode()).hexdigest()[:12]
+
+
+def parse_calibration(text: str, origin: str) -> Calibration:
+    """Validate a calibration document; every failure is one InputError line naming `origin` and the fix."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{origin}: not a calibration file: invalid JSON ({exc.msg} at line {exc.lineno}); "
+                         f"re-run meshplan profile --out {origin}") from None
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise InputError(f"{origin}: not a calibration file (no schema_version); make one with meshplan profile")
+    version = data["schema_version"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise InputError(f"{origin}: schema_version must be an integer, got {version!r}")
+    if version > CALIBRATION_SCHEMA_VERSION:
+        raise InputError(f"{origin}: calibration schema v{version} is newer than this meshplan reads "
+                         f"(v{CALIBRATION_SCHEMA_VERSION}); upgrade meshplan or re-run meshplan profile")
+    if version < CALIBRATION_SCHEMA_VERSION:
+        raise InputError(f"{origin}: calibration schema v{version} is older than this meshplan reads "
+                         f"(v{CALIBRATION_SCHEMA_VERSION}); re-run meshplan profile")
+    try:
+        return Calibration.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise InputError(f"{origin}: field '{where}': {first['msg']}; re-run meshplan profile") from None
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """A calibration file by path, or by name under hardware_db/calibrations/ (with or without .json)."""
+    p = Path(path)
+    if not p.exists():
+        named = calibration_dir() / (p.name if p.suffix == ".json" else f"{p.name}.json")
+        if p.parent == Path(".") and named.exists():
+            p = named
+        else:
+            raise InputError(f"calibration file '{path}' not found; make one with meshplan profile --out {path}")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read calibration file '{path}': {exc}") from None
+    return parse_calibration(text, str(path))
+
+
+def check_target(cal: Calibration, gpu_name: str, origin: str) -> None:
+    """Refuse a calibration measured on another device type than the one being planned for."""
+    if cal.device.target != gpu_name:
+        raise InputError(f"{origin} was measured on {cal.device.target} ({cal.device.name}), not on {gpu_name}: "
+                         f"profile a {gpu_name} (meshplan profile --device cuda) or plan without --calibration")
+
+
+def cpu_device_spec(cal: Calibration) -> GPUSpec:
+    """A CPU host as the cost model's 'GPU', every number from the calibration's measurements (a CPU has no
+    hardware_db entry: its peak and bandwidths are what this machine did). Ranks share one host: one scale-up
+    domain, the collectives' measured rates (costmodels/calibrate.py applies them per kind and group size)."""
+    if cal.device.kind != "cpu":
+        raise InputError(f"the calibration is of a {cal.device.kind} device ({cal.device.target}); "
+                         f"use it with --gpu {cal.device.target}")
+    src = f"measured by meshplan profile on {cal.device.name}, {cal.created}"
+    fit = cal.fitted
+    ring = fit.ring or LinearFit(alpha_s=fit.memory.alpha_s, bytes_per_s=fit.memory.bytes_per_s)
+    peak = Sourced(value=fit.peak_flops / 1e12, source=f"{src}: the fastest GEMM")
+    return GPUSpec(
+        name="cpu", display_name=f"CPU ({cal.device.name})", vendor="cpu",
+        peak_tflops={"bf16": peak, "fp32": peak},
+        hbm_gib=Sourced(value=cal.device.memory_bytes / 2**30, source=f"{src}: host RAM"),
+        hbm_tb_s=Sourced(value=fit.memory.bytes_per_s / 1e12, source=f"{src}: memory-bound operators"),
+        scaleup_gb_s=Sourced(value=ring.bytes_per_s / 1e9, source=f"{src}: ring fit over the collectives"),
+        scaleup_domain=Sourced(value=1024, source="one host: every rank on the same machine"),
+        nic_gb_s=Sourced(value=ring.bytes_per_s * 8 / 1e9, source="one host: no network (the ring fit)"),
+        price_usd_per_hour=Sourced(value=1e-9, source="not applicable: a local CPU"),
+        efficiency=EfficiencyDefaults(gemm_max=1.0, attention_max=1.0, memory_bandwidth=1.0, scaleup_bandwidth=1.0,
+                                      scaleout_bandwidth=1.0, scaleup_latency_us=max(ring.alpha_s * 1e6, 1e-3),
+                                      scaleout_latency_us=max(ring.alpha_s * 1e6, 1e-3),
+                                      kernel_overhead_us=fit.memory.alpha_s * 1e6,
+                                      source=f"{src} (a calibration replaces these)"),
+    )
+
+
+def calibrated_gpu(gpu: GPUSpec, cal: Calibration) -> GPUSpec:
+    """The GPU spec with the efficiency defaults replaced by what the calibration measured (memory roof and launch
+    cost; the collectives' ring fit where ranks were profiled). The GEMM and attention curves replace gemm_max and
+    attention_max in the cost model itself (costmodels/estimate.py, Efficiency.from_calibration)."""
+    if cal.device.kind == "cpu":
+        return cpu_device_spec(cal)
+    check_target(cal, gpu.name, "the calibration")
+    fit = cal.fitted
+    src = f"meshplan profile on {cal.device.name}, {cal.created}"
+    update: dict[str, float | str] = {
+        "memory_bandwidth": min(1.0, fit.memory.bytes_per_s / gpu.hbm_bytes_per_s),
+        "kernel_overhead_us": fit.memory.alpha_s * 1e6,
+        "source": f"calibrated: {src}",
+    }
+    if fit.ring is not None:
+        update["scaleup_bandwidth"] = min(1.0, fit.ring.bytes_per_s / gpu.scaleup_bytes_per_s)
+        update["scaleup_latency_us"] = max(fit.ring.alpha_s * 1e6, 1e-3)
+    return gpu.model_copy(update={"efficiency": gpu.efficiency.model_copy(update=update)})
