@@ -469,6 +469,9 @@ def profile(
         "Group sizes to time collectives on (repeatable; default 2 on a CPU, every GPU on a GPU host)."))] = None,
     tp: Annotated[Optional[list[int]], typer.Option("--tp", help=(
         "TP degrees whose sharded GEMM and attention shapes are profiled (repeatable; default 1 2)."))] = None,
+    statistic: Annotated[Literal["median", "min"], typer.Option("--statistic", help=(
+        "Which repetition each measurement keeps: the median, or the fastest (for a shared host whose speed "
+        "drifts; then also compare with the fastest measured runs)."))] = "median",
 ) -> None:
     """Measure this device (GEMMs, attention, memory-bound operators, collectives, a layer's activation memory) and
     write a calibration that `estimate`, `plan` and `verify --calibration` use instead of the efficiency defaults."""
@@ -480,7 +483,7 @@ def profile(
     quick_opts = dict(repeats=3, warmup=1, seq=(128, 256), tokens=(128, 512, 2048)) if quick else {}
     opts = ProfileOptions(device=device, quick=quick, model=load_model(model) if model else None, target=gpu,
                           dtype=dtype or ("float64" if device == "cpu" else "bfloat16"),
-                          ranks=tuple(ranks) if ranks else ((2,) if device == "cpu" else ()),
+                          ranks=tuple(ranks) if ranks else ((2,) if device == "cpu" else ()), statistic=statistic,
                           **({"tp": tuple(tp)} if tp else {}), **quick_opts)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
@@ -535,6 +538,9 @@ def show(
         spec, cluster, wl, cfg, runtime = plan_config(doc)
         con = _console()
         con.print(f"plan {plan_file} (schema v{doc.schema_version}, meshplan {doc.meshplan_version})")
+        if doc.inputs.calibration:
+            con.print(f"calibration: {doc.inputs.calibration} (the prediction in the file; the tables below are "
+                      f"re-simulated with the device's efficiency as the plan stores it)")
         sim = simulate_config(spec, cluster, wl, cfg, runtime)
         _print_estimate(con, spec, cluster, wl, sim.estimate)
         if doc.search is not None:
@@ -650,7 +656,8 @@ def _print_verify(con: Console, report: Any) -> None:
         con.print(f"step time: measured {slowest:.4f} s (slowest rank) vs predicted {report.predicted_step_s:.4f} s "
                   f"on {report.predicted_on}: {100 * (report.predicted_step_s / slowest - 1):+.1f} %")
     else:
-        con.print(f"step time: measured {slowest:.3f} s (slowest rank, CPU) vs predicted {report.predicted_step_s:.4f} s "
+        con.print(f"step time: measured {slowest:.3f} s (slowest rank, CPU) vs predicted "
+                  f"{report.predicted_step_s:.4f} s "
                   f"on the plan's GPUs: not comparable in absolute terms; compare the timelines (--trace), or give "
                   f"--calibration with a profile of this CPU")
     for note in report.notes:

@@ -115,6 +115,12 @@ RUNTIMES: dict[str, Runtime] = {
     # A plain PyTorch FSDP2 / torchtitan run: flash SDPA, prefetching FSDP (overlapped), no TP overlap.
     "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
                           overlap_param_gather=True, tp_comm_overlap=0.0, p2p_overlap=True),
+    # meshplan's reference executor (executor/plan_run.py): SDPA attention, no dropout, gradients synchronised after
+    # the backward, ZeRO-1 parameters broadcast after the step, blocking TP collectives and pipeline send/recv.
+    # `verify --calibration` predicts its runs with this preset.
+    "meshplan-executor": Runtime(name="meshplan-executor", flash_attention=True, dropout=False,
+                                 overlap_grad_reduce=False, overlap_param_gather=False, tp_comm_overlap=0.0,
+                                 p2p_overlap=False),
 }
 DEFAULT_RUNTIME = "megatron-core"
 

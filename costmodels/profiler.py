@@ -38,6 +38,8 @@ from hardware_db.errors import InputError
 __all__ = ["ProfileOptions", "Progress", "gemm_shapes", "profile"]
 
 Progress = Callable[[str, int, int], None]  # (what is running, done, total)
+EXECUTOR_RUNTIME = "meshplan-executor"  # the runtime preset of what the probes run (costmodels/config.py)
+DEEP = 4  # layers of the whole model whose overhead per layer is measured
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
@@ -58,6 +60,7 @@ class ProfileOptions:
     ranks: tuple[int, ...] = (2,)
     repeats: int = 5
     warmup: int = 2
+    statistic: str = "median"  # of the repetitions; "min" on a shared host whose speed drifts (noisy neighbours)
     timeout_s: float = 120.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -98,10 +101,12 @@ def _sweep(quick: bool, gpu: bool) -> list[tuple[str, int, int, int]]:
 
 # ---- timing ----------------------------------------------------------------------------------------------------------
 class _Timer:
-    """Median seconds of fn() over `repeats` runs after `warmup`: CUDA events on a GPU, perf_counter on a CPU."""
+    """Median (or fastest) seconds of fn() over `repeats` runs after `warmup`: CUDA events on a GPU, perf_counter
+    on a CPU."""
 
-    def __init__(self, device: str, repeats: int, warmup: int) -> None:
+    def __init__(self, device: str, repeats: int, warmup: int, statistic: str = "median") -> None:
         self.device, self.repeats, self.warmup = device, repeats, warmup
+        self.pick = min if statistic == "min" else statistics.median
 
     def __call__(self, fn: Callable[[], Any], setup: Callable[[], Any] | None = None) -> float:
         import torch
@@ -123,7 +128,7 @@ class _Timer:
                 elapsed = time.perf_counter() - t0
             if i >= self.warmup:
                 times.append(elapsed)
-        return max(statistics.median(times), 1e-9)
+        return max(self.pick(times), 1e-9)
 
 
 def _torch_dtype(name: str) -> Any:
@@ -290,7 +295,7 @@ def _activation_points(model: ModelSpec, opts: ProfileOptions, tick: Callable[[s
 
     dtype = _torch_dtype(opts.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    rt = get_runtime("torchtitan")  # the executor: fused (SDPA) attention, no dropout
+    rt = get_runtime(EXECUTOR_RUNTIME)
     points = []
     for mode in ("none", "selective", "full"):
         layer = TransformerBlock(model, 0, dtype).to(opts.device)
@@ -332,14 +337,15 @@ def _backward_timer(timer: _Timer, run: Callable[[], Any], sync: Callable[[], No
 
 
 def _chunk_times(model: ModelSpec, dtype_name: str, device: str, seqs: Sequence[int], repeats: int, warmup: int,
-                 layers: int, tp_mesh: Any = None, sp: bool = False) -> list[tuple[int, float, float]]:
+                 layers: int, tp_mesh: Any = None, sp: bool = False,
+                 statistic: str = "median") -> list[tuple[int, float, float]]:
     """(seq, forward s, backward s) of one micro-batch through the executor's model: layers=0, the middle layer of
     a 3-layer model (TP-sharded over tp_mesh when given, with sequence parallelism if sp: its input and output
     are then this rank's seq/tp tokens); layers=L, a whole L-layer model with its loss."""
     from executor.model import build_model
 
     dtype = _torch_dtype(dtype_name)
-    timer = _Timer(device, repeats, warmup)
+    timer = _Timer(device, repeats, warmup, statistic)
     out = []
     for seq in seqs:  # a fresh model each: TP shards a module once, and its chunk's positions are per length
         full = build_model(model.model_copy(update={"num_layers": layers or 3}), dtype)
@@ -372,10 +378,11 @@ def _chunk_seq_times(full: Any, model: ModelSpec, dtype: Any, device: str, seq: 
 
 
 def _tp_layer_rank(rank: int, world: int, model: ModelSpec, dtype_name: str, seqs: tuple[int, ...], repeats: int,
-                   warmup: int, sp: bool) -> list[tuple[int, float, float]]:
+                   warmup: int, sp: bool, statistic: str) -> list[tuple[int, float, float]]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    return _chunk_times(model, dtype_name, "cpu", seqs, repeats, warmup, 0, init_device_mesh("cpu", (world,)), sp)
+    return _chunk_times(model, dtype_name, "cpu", seqs, repeats, warmup, 0, init_device_mesh("cpu", (world,)), sp,
+                        statistic)
 
 
 def _predicted(model: ModelSpec, cal: Calibration, seq: int, tp: int, layers: int,
@@ -389,7 +396,7 @@ def _predicted(model: ModelSpec, cal: Calibration, seq: int, tp: int, layers: in
     cluster, eff = calibrated_cluster(spec, cal, "the profile")
     wl = Workload(global_batch=1, seq_len=seq)
     lay = resolve(model, tp, wl, ParallelConfig(tp=tp, mbs=1, sp=sp))
-    passes, links = PassCache(model, cluster, wl, get_runtime("torchtitan"), eff), GroupLinks(cluster, lay)
+    passes, links = PassCache(model, cluster, wl, get_runtime(EXECUTOR_RUNTIME), eff), GroupLinks(cluster, lay)
     t, _ = passes.layer(1, lay, links)
     fwd, bwd = t.forward, t.backward_input + t.bwd_weight_compute
     if layers == 0:
@@ -401,36 +408,49 @@ def _predicted(model: ModelSpec, cal: Calibration, seq: int, tp: int, layers: in
 
 def _overheads(model: ModelSpec, cal: Calibration, opts: ProfileOptions, tp_degrees: Sequence[int],
                tick: Callable[[str], None]) -> tuple[list[LayerOverhead], StepOverhead]:
-    """Measured minus predicted, the median over the probed sequence lengths: a decoder layer alone at
-    tp 1 and on each TP degree (with and without SP), and a whole one-layer model (its residual beyond the
-    layer's: the embedding, head and loss part)."""
+    """Measured minus predicted, the median over the probed sequence lengths: tp 1 from a decoder layer alone and
+    whole models of 1 and DEEP layers (outside the layers: the 1-layer model's residual beyond its layer alone;
+    per layer: the deep model's residual without that, over DEEP); tp > 1: that per-layer overhead plus what a layer
+    alone on that many ranks (with and without SP) leaves beyond a layer alone at tp 1."""
     from executor.launch import run_world
 
     seqs, reps = opts.overhead_seq, max(opts.repeats, 5)
-    tick("one layer, and a whole one-layer model")
-    layer = _chunk_times(model, opts.dtype, opts.device, seqs, reps, opts.warmup, 0)
-    whole = _chunk_times(model, opts.dtype, opts.device, seqs, reps, opts.warmup, 1)
-    rf = [f - _predicted(model, cal, seq, 1, 0)[0] for seq, f, _ in layer]
-    rb = [b - _predicted(model, cal, seq, 1, 0)[1] for seq, _, b in layer]
-    layers = [LayerOverhead(tp=1, forward_s=statistics.median(rf), backward_s=statistics.median(rb))]
-    # the model's residual beyond its one layer's: embedding, head, loss and what runs around them
-    edge_f = [f - _predicted(model, cal, seq, 1, 1)[0] - r for (seq, f, _), r in zip(whole, rf)]
-    edge_b = [b - _predicted(model, cal, seq, 1, 1)[1] - r for (seq, _, b), r in zip(whole, rb)]
+    tick(f"one layer, and whole models of 1 and {DEEP} layers")
+
+    def residuals(layers: int) -> tuple[list[float], list[float]]:
+        times = _chunk_times(model, opts.dtype, opts.device, seqs, reps, opts.warmup, layers, statistic=opts.statistic)
+        predicted = [_predicted(model, cal, seq, 1, layers) for seq, _, _ in times]
+        return ([f - p[0] for (_, f, _), p in zip(times, predicted)],
+                [b - p[1] for (_, _, b), p in zip(times, predicted)])
+
+    alone, one, deep = residuals(0), residuals(1), residuals(DEEP)
+    # outside the layers (embedding, head, loss): a one-layer model's residual beyond its layer's alone
+    edge_f = [m - a for m, a in zip(one[0], alone[0])]
+    edge_b = [m - a for m, a in zip(one[1], alone[1])]
+    # per layer: from the deeper model, whose layers run as a training step runs them (caches shared along
+    # the model, not one layer's warm inputs again and again)
+    per_f = [(d - e) / DEEP for d, e in zip(deep[0], edge_f)]
+    per_b = [(d - e) / DEEP for d, e in zip(deep[1], edge_b)]
+    layers = [LayerOverhead(tp=1, forward_s=statistics.median(per_f), backward_s=statistics.median(per_b))]
     for tp in tp_degrees:
         for sp in (False, True):
             tick(f"one layer on {tp} TP ranks{' with SP' if sp else ''}")
             times = run_world(tp, _tp_layer_rank, model, opts.dtype, tuple(seqs), reps, opts.warmup, sp,
-                              timeout_s=opts.timeout_s)[0]
+                              opts.statistic, timeout_s=opts.timeout_s)[0]
             predicted = [_predicted(model, cal, seq, tp, 0, sp) for seq, _, _ in times]
             rf_tp = [f - p[0] for (_, f, _), p in zip(times, predicted)]
             rb_tp = [b - p[1] for (_, _, b), p in zip(times, predicted)]
-            layers.append(LayerOverhead(tp=tp, sp=sp, forward_s=statistics.median(rf_tp), backward_s=statistics.median(rb_tp)))
+            # what TP adds over a layer alone at tp 1, on top of the in-model overhead per layer at tp 1
+            layers.append(LayerOverhead(
+                tp=tp, sp=sp,
+                forward_s=layers[0].forward_s + statistics.median(rf_tp) - statistics.median(alone[0]),
+                backward_s=layers[0].backward_s + statistics.median(rb_tp) - statistics.median(alone[1])))
     return layers, StepOverhead(forward_s=statistics.median(edge_f), backward_s=statistics.median(edge_b))
 
 
 # ---- collectives -----------------------------------------------------------------------------------------------------
 def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int, warmup: int,
-                     device: str) -> list[tuple[str, int, float]]:
+                     device: str, statistic: str) -> list[tuple[str, int, float]]:
     """On every rank: each collective at each size; rank 0's median seconds (a barrier before each run)."""
     import torch
     import torch.distributed as dist
@@ -472,7 +492,7 @@ def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int
                     torch.cuda.synchronize()
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
-            out.append((kind, 4 * n, statistics.median(times)))
+            out.append((kind, 4 * n, min(times) if statistic == "min" else statistics.median(times)))
     return out
 
 
@@ -484,7 +504,7 @@ def _time_collectives(opts: ProfileOptions, tick: Callable[[str], None]) -> list
     for world in opts.ranks:
         tick(f"collectives on {world} ranks ({'nccl' if opts.device == 'cuda' else 'gloo'})")
         backend = "nccl" if opts.device == "cuda" else "gloo"
-        results = run_world(world, _collective_rank, sizes, opts.repeats, opts.warmup, opts.device,
+        results = run_world(world, _collective_rank, sizes, opts.repeats, opts.warmup, opts.device, opts.statistic,
                             backend=backend, timeout_s=opts.timeout_s)
         points += [CollectivePoint(kind=kind, ranks=world, bytes=float(b), seconds=t) for kind, b, t in results[0]]
     return points
@@ -567,7 +587,8 @@ def profile(opts: ProfileOptions, progress: Progress | None = None) -> Calibrati
     n_attn = sum(1 for t in opts.tp if not (model.num_heads % t or model.kv_heads % t)) * len(opts.seq)
     ranks = opts.ranks if opts.device == "cpu" or torch.cuda.device_count() >= 2 else ()
     total = (len(shapes) + len(gemm_shapes(model, opts.tokens, opts.tp)) + n_attn + 7 * len(opts.tokens) + len(ranks)
-             + 3 * len(opts.seq) + (3 if opts.quick else 4) + 1 + 2 * sum(1 for t in opts.tp if t > 1 and t in ranks))  # noqa: E501
+             + 3 * len(opts.seq) + (3 if opts.quick else 4) + 1
+             + 2 * sum(1 for t in opts.tp if t > 1 and t in ranks))
     done = [0]
 
     def tick(what: str) -> None:
@@ -575,7 +596,9 @@ def profile(opts: ProfileOptions, progress: Progress | None = None) -> Calibrati
             progress(what, done[0], total)
         done[0] += 1
 
-    timer = _Timer(opts.device, opts.repeats, opts.warmup)
+    if opts.statistic not in ("median", "min"):
+        raise InputError(f"--statistic {opts.statistic!r}: choose median or min")
+    timer = _Timer(opts.device, opts.repeats, opts.warmup, opts.statistic)
     torch.manual_seed(0)
     sweep = _sweep(opts.quick, opts.device == "cuda")
     layer_shapes = gemm_shapes(model, opts.tokens, opts.tp)

@@ -42,6 +42,7 @@ from planner.plan import Plan, plan_config
 __all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyOutcome", "VerifyReport", "measured_trace",
            "run_layout", "run_verify", "side_by_side", "verify_case"]
 
+EXECUTOR_RUNTIME = "meshplan-executor"  # how the executor runs (costmodels/config.py RUNTIMES), whatever the plan's
 MAX_RANKS = 16  # ranks this machine runs by default: each is a process with its own copy of the model
 
 # bytes per element the cost model charges per category (costmodels/memory.py model_state_bytes, ops.ACT_BYTES)
@@ -84,7 +85,8 @@ class VerifyCase:
     seq: int
     plan_model: str
 
-    def simulate(self, plan: Plan, calibration: Calibration | None = None, origin: str = "the calibration") -> Simulated:
+    def simulate(self, plan: Plan, calibration: Calibration | None = None,
+                 origin: str = "the calibration") -> Simulated:
         """The cost model's prediction of this scaled run: on the plan's GPUs, or with a calibration of this host's
         CPU on the ranks as they run here (processes on one host, the measured operator and gloo costs)."""
         if calibration is None:
@@ -95,7 +97,7 @@ class VerifyCase:
                              f"over gloo, so it needs a CPU calibration (meshplan profile --device cpu)")
         spec = ClusterSpec(gpu="cpu", num_gpus=self.num_gpus, gpus_per_node=self.num_gpus)
         cluster, eff = calibrated_cluster(spec, calibration, origin)
-        return simulate_config(self.spec, cluster, self.workload, self.config, self.runtime, eff)
+        return simulate_config(self.spec, cluster, self.workload, self.config, EXECUTOR_RUNTIME, eff)
 
 
 def _default_seq(cfg: ParallelConfig, spec: ModelSpec, requested: int | None) -> int:
