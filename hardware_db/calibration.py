@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hardware_db.errors import InputError
+from hardware_db.errors import InputError, field_error
 from hardware_db.gpu import EfficiencyDefaults, GPUSpec, Sourced
 
 CALIBRATION_SCHEMA_VERSION = 1
@@ -255,9 +255,7 @@ def parse_calibration(text: str, origin: str) -> Calibration:
     try:
         return Calibration.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise InputError(f"{origin}: field '{where}': {first['msg']}; re-run meshplan profile") from None
+        raise InputError(f"{origin}: {field_error(exc)}; re-run meshplan profile") from None
 
 
 def load_calibration(path: str | Path) -> Calibration:

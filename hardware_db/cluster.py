@@ -11,7 +11,7 @@ from pathlib import Path
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hardware_db.errors import InputError
+from hardware_db.errors import InputError, field_error
 from hardware_db.gpu import GPUSpec, load_gpu
 
 
@@ -150,6 +150,4 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
     try:
         return ClusterSpec.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-        raise InputError(f"{p}: field '{where}': {first['msg']}") from None
+        raise InputError(f"{p}: {field_error(exc)}") from None

@@ -7,3 +7,11 @@ the CLI turns it into one line on stderr and exit code 2.
 
 class InputError(ValueError):
     """Bad user input: the message says what is wrong and how to fix it, in one line."""
+
+
+def field_error(exc: Exception) -> str:
+    """"field 'a.b': message" of a pydantic ValidationError's first error: the one line a bad file gets."""
+    first = exc.errors()[0]  # type: ignore[attr-defined]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    message = " ".join(str(first["msg"]).split()).removeprefix("Value error, ")
+    return f"field '{where}': {message}"

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from hardware_db.errors import InputError
+from hardware_db.errors import InputError, field_error
 
 DType = Literal["bf16", "fp16", "fp8", "fp32"]
 
@@ -107,9 +107,7 @@ def parse_gpu(text: str, origin: str) -> GPUSpec:
     try:
         return GPUSpec.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise InputError(f"{origin}: field '{where}': {first['msg']}") from None
+        raise InputError(f"{origin}: {field_error(exc)}") from None
 
 
 def load_gpu(name_or_path: str) -> GPUSpec:

@@ -27,7 +27,7 @@ from costmodels.memory import FRAGMENTATION
 from costmodels.model import ModelSpec
 from costmodels.model_io import parse_model_file, to_model_file
 from hardware_db.cluster import Cluster, ClusterSpec
-from hardware_db.errors import InputError
+from hardware_db.errors import InputError, field_error
 from hardware_db.gpu import GPUSpec
 
 if TYPE_CHECKING:  # planner.search imports planner.partition, which may not exist yet
@@ -442,9 +442,7 @@ def _jsonschema_error(data: Any) -> str | None:
 
 
 def _pydantic_error(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    return f"field '{where}': {_one_line(first['msg'].removeprefix('Value error, '))}"
+    return _one_line(field_error(exc))  # _one_line: also cut to its length limit
 
 
 # ---- writing and reading -------------------------------------------------------------------------------------------
