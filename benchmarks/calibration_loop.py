@@ -107,7 +107,7 @@ def run_case(case: Case, cal: Calibration, origin: str, steps: int) -> dict:
     model = loop_model()
     wl = Workload(global_batch=case.gbs, seq_len=SEQ)
     spec = ClusterSpec(gpu="cpu", num_gpus=case.world, gpus_per_node=case.world)
-    cluster, eff = calibrated_cluster(spec, cal, origin)
+    cluster, eff = calibrated_cluster(spec, cal, origin, RUNTIME)
     sim = simulate_config(model, cluster, wl, case.config, RUNTIME, eff)
     plan = build_plan(model, cluster, wl, case.config, sim, RUNTIME, calibration=eff.calibration)
     opts = VerifyOptions(scale="none", steps=steps, seq=SEQ, dtype=cal.measurements.dtype, calibration=cal,

@@ -83,7 +83,7 @@ def _console() -> Console:
 
 def _cluster(cluster_file: Optional[str], gpu: Optional[str], gpus: Optional[int], gpus_per_node: Optional[int],
              nic_gbps: Optional[float], nvlink_gbs: Optional[float],
-             calibration: Optional[str] = None) -> tuple[Cluster, Optional[Efficiency]]:
+             calibration: Optional[str] = None, runtime: Optional[str] = None) -> tuple[Cluster, Optional[Efficiency]]:
     """The cluster, and with --calibration its device as measured and the efficiency model fitted to it."""
     if cluster_file is not None:
         if any(v is not None for v in (gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)):
@@ -96,7 +96,7 @@ def _cluster(cluster_file: Optional[str], gpu: Optional[str], gpus: Optional[int
                            nvlink_gb_s=nvlink_gbs)
     if calibration is None:
         return Cluster(spec), None
-    return calibrated_cluster(spec, load_calibration(calibration), calibration)
+    return calibrated_cluster(spec, load_calibration(calibration), calibration, runtime)
 
 
 # Options shared by `estimate` and `plan` (type aliases: one definition, the same help in both commands).
@@ -198,7 +198,7 @@ def estimate(
     sequence parallelism on with TP; schedule interleaved when vpp > 1, else 1f1b.
     """
     spec = load_model(model)
-    cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration)
+    cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration, runtime)
     workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
     knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
                  sp=sp, schedule=schedule, rank_order=order)
@@ -343,7 +343,7 @@ def plan(
     from planner.trace import chrome_trace, write_trace
 
     spec = load_model(model)
-    cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration)
+    cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration, runtime)
     workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
     pins = Pins(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
                 recompute=recompute, sp=sp, schedule=schedule, order=order, max_mbs=max_mbs)

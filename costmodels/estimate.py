@@ -27,6 +27,7 @@ from hardware_db.errors import InputError
 from hardware_db.gpu import load_gpu
 from hardware_db.gpu import GPUSpec
 
+EXECUTOR_RUNTIME = "meshplan-executor"  # the reference executor's preset (config.RUNTIMES): what profiles measure
 ADAM_BYTES_PER_PARAM = 34  # read grad, master, m, v (16) + write master, m, v (12) + bf16 weight (2) + grad-norm read (4)
 RANK_ORDER = tuple(DEFAULT_RANK_ORDER.split("-"))  # innermost first: Megatron-LM's default "tp-cp-ep-dp-pp"
 
@@ -54,6 +55,7 @@ class Efficiency:
     memory_classes: tuple[tuple[str, float, float], ...] = ()  # (ops.memory_class, alpha_s, bytes_per_s)
     optimizer_s_per_param: float | None = None  # measured optimizer step per local parameter
     curve_peak: float = 0.0  # the 16-bit peak the curves were measured against (fp8 GEMMs: half the time)
+    activation_ratios: tuple[tuple[str, float], ...] = ()  # (recompute mode, measured / formula activations)
     calibration: str | None = None  # "file name sha256:..." of the calibration, for the plan's record
 
     @classmethod
@@ -62,8 +64,10 @@ class Efficiency:
         return cls(e.gemm_max, e.gemm_half_flops, e.attention_max, e.memory_bandwidth, e.kernel_overhead_us * 1e-6)
 
     @classmethod
-    def from_calibration(cls, cal: Calibration, gpu: GPUSpec, label: str) -> "Efficiency":
-        """`gpu` already calibrated (hardware_db.calibration.calibrated_gpu): its memory roof and launch cost."""
+    def from_calibration(cls, cal: Calibration, gpu: GPUSpec, label: str, runtime: str | None = None) -> "Efficiency":
+        """`gpu` already calibrated (hardware_db.calibration.calibrated_gpu): its memory roof and launch cost. The
+        profiled layer's activation ratios apply to plans for the framework that layer is, the reference executor
+        (runtime meshplan-executor); other frameworks save other tensors, so they keep the formula."""
         base = cls.from_gpu(gpu)
         fit = cal.fitted
         def pair(c: Curve | None) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
@@ -76,7 +80,8 @@ class Efficiency:
             collectives=tuple((c.kind, c.ranks, c.alpha_s, c.bytes_per_s) for c in fit.collectives),
             memory_classes=tuple((c.name, c.alpha_s, c.bytes_per_s) for c in fit.memory_classes),
             optimizer_s_per_param=1.0 / fit.optimizer.params_per_s if fit.optimizer else None,
-            curve_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"), calibration=label)
+            curve_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"), calibration=label,
+            activation_ratios=tuple(sorted(fit.activation_ratios.items())) if runtime == EXECUTOR_RUNTIME else ())
 
     def overhead(self, tp: int, sp: bool) -> tuple[float, float]:
         """The calibrated per-layer (forward, backward) overhead at this TP degree and sequence parallelism (the
@@ -88,6 +93,10 @@ class Efficiency:
         same = [o for o in below if o.tp == degree]
         o = next((o for o in same if o.sp == bool(sp)), same[0])
         return o.forward_s, o.backward_s
+
+    def activation_ratio(self, mode: str) -> float:
+        """Measured / formula activation bytes of a layer under this recompute mode (1 where not calibrated)."""
+        return next((r for m, r in self.activation_ratios if m == mode), 1.0)
 
     def memory_op_time(self, name: str, bytes_: float) -> float | None:
         """A memory-bound operator's measured alpha + bytes / rate for its class, None without a calibration."""
@@ -217,9 +226,11 @@ def layout_dict(lay: Layout) -> dict:
     return d
 
 
-def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str) -> tuple[Cluster, Efficiency]:
-    """The cluster on the calibrated device and the efficiency model to price it with. A CPU calibration is its own
-    device (--gpu cpu: ranks are processes on this host); a GPU one must be of the cluster's GPU type."""
+def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str,
+                       runtime: str | None = None) -> tuple[Cluster, Efficiency]:
+    """The cluster on the calibrated device and the efficiency model to price it with (for plans of `runtime`). A
+    CPU calibration is its own device (--gpu cpu: ranks are processes on this host); a GPU one must be of the
+    cluster's GPU type."""
     if cal.device.kind == "cpu":
         if spec.gpu != "cpu":
             raise InputError(f"{origin} was measured on this host's CPU ({cal.device.name}), not on {spec.gpu}: "
@@ -230,7 +241,7 @@ def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str) -> tupl
         gpu = calibrated_gpu(load_gpu(spec.gpu), cal)
     cluster = Cluster(spec, gpu=gpu)
     label = f"{origin.rsplit('/', 1)[-1]} sha256:{digest(cal)}"
-    return cluster, Efficiency.from_calibration(cal, gpu, label)
+    return cluster, Efficiency.from_calibration(cal, gpu, label, runtime)
 
 
 # ---- operator and collective times -------------------------------------------------------------------------------
@@ -596,7 +607,8 @@ class CostContext:
     def layer_activation(self, i: int, mode: str) -> float:
         key = (self.model.is_moe_layer(i), mode)
         if key not in self._layer_acts:
-            self._layer_acts[key] = layer_activation_bytes(self.model, i, self.lay, self.wl, self.rt, mode)
+            self._layer_acts[key] = (layer_activation_bytes(self.model, i, self.lay, self.wl, self.rt, mode)
+                                     * self.eff.activation_ratio(mode))
         return self._layer_acts[key]
 
     def layer_params(self, i: int) -> StageParams:

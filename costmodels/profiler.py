@@ -27,6 +27,7 @@ from typing import Any
 
 from costmodels.calibrate import fit_model
 from costmodels.config import ParallelConfig, Workload, get_runtime, resolve
+from costmodels.estimate import EXECUTOR_RUNTIME
 from costmodels.memory import layer_activation_bytes
 from costmodels.model import ModelSpec
 from costmodels.ops import ACT_BYTES
@@ -38,7 +39,6 @@ from hardware_db.errors import InputError
 __all__ = ["ProfileOptions", "Progress", "gemm_shapes", "profile"]
 
 Progress = Callable[[str, int, int], None]  # (what is running, done, total)
-EXECUTOR_RUNTIME = "meshplan-executor"  # the runtime preset of what the probes run (costmodels/config.py)
 DEEP = 4  # layers of the whole model whose overhead per layer is measured
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 

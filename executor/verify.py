@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from costmodels.config import InputError, ParallelConfig, Workload, resolve
-from costmodels.estimate import Simulated, calibrated_cluster, simulate_config
+from costmodels.estimate import EXECUTOR_RUNTIME, Simulated, calibrated_cluster, simulate_config
 from costmodels.model import ModelSpec
 from costmodels.ops import ACT_BYTES
 from executor.scale import SCALES, scale_model
@@ -42,7 +42,6 @@ from planner.plan import Plan, plan_config
 __all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyOutcome", "VerifyReport", "measured_trace",
            "run_layout", "run_verify", "side_by_side", "verify_case"]
 
-EXECUTOR_RUNTIME = "meshplan-executor"  # how the executor runs (costmodels/config.py RUNTIMES), whatever the plan's
 MAX_RANKS = 16  # ranks this machine runs by default: each is a process with its own copy of the model
 
 # bytes per element the cost model charges per category (costmodels/memory.py model_state_bytes, ops.ACT_BYTES)
@@ -96,7 +95,7 @@ class VerifyCase:
             raise InputError(f"{origin} is of {calibration.device.target}; verify runs the plan on this host's CPU "
                              f"over gloo, so it needs a CPU calibration (meshplan profile --device cpu)")
         spec = ClusterSpec(gpu="cpu", num_gpus=self.num_gpus, gpus_per_node=self.num_gpus)
-        cluster, eff = calibrated_cluster(spec, calibration, origin)
+        cluster, eff = calibrated_cluster(spec, calibration, origin, EXECUTOR_RUNTIME)
         return simulate_config(self.spec, cluster, self.workload, self.config, EXECUTOR_RUNTIME, eff)
 
 
@@ -156,15 +155,15 @@ class MemoryRow:
         return sum(self.predicted.values())
 
 
-def predicted_state_bytes(sim: Simulated, stage: int, itemsize: int, activation_ratio: float = 1.0) -> dict[str, float]:
+def predicted_state_bytes(sim: Simulated, stage: int, itemsize: int) -> dict[str, float]:
     """The cost model's memory of a stage as elements times the run's itemsize (see PREDICTED_BYTES_PER_ELEMENT);
-    a calibration's measured/formula ratio of a layer's activations scales the activations."""
+    calibrated, its layers' activations already carry the profile's measured/formula ratio (Efficiency)."""
     mem = sim.estimate.stages[stage].memory
     return {
         "parameters": mem.weights / PREDICTED_BYTES_PER_ELEMENT["weights"] * itemsize,
         "gradients": mem.gradients / PREDICTED_BYTES_PER_ELEMENT["gradients"] * itemsize,
         "optimizer": mem.optimizer / PREDICTED_BYTES_PER_ELEMENT["optimizer"] * itemsize,
-        "activations": (mem.activations / PREDICTED_BYTES_PER_ELEMENT["activations"] * activation_ratio
+        "activations": (mem.activations / PREDICTED_BYTES_PER_ELEMENT["activations"]
                         + mem.logits / PREDICTED_BYTES_PER_ELEMENT["logits"]) * itemsize,
     }
 
@@ -313,18 +312,6 @@ def _steady_step_s(step_s: Sequence[float]) -> float:
     return statistics.median(step_s[1:]) if len(step_s) > 1 else step_s[0]
 
 
-def _activation_ratio(cal: Calibration | None, lay: Any, stage: int) -> float:
-    """The calibration's measured/formula activation ratio for the stage's recompute mode (a stage recomputing
-    only its first k layers in full: the ratio of "none", which most of its activations are)."""
-    if cal is None:
-        return 1.0
-    policy = lay.stage_recompute[stage]
-    mode = policy.granularity
-    if mode == "full" and policy.full_layers < lay.stage_layers[stage]:
-        mode = "none"
-    return cal.fitted.activation_ratio_for(mode)
-
-
 def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyOutcome:
     """Verify a plan (see the module docstring).
 
@@ -370,8 +357,7 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
     sim = case.simulate(plan, cal, opts.calibration_origin)
     itemsize = 8 if opts.dtype == "float64" else 4
     memory = tuple(MemoryRow(rank=r.rank, stage=r.coords["pp"], measured=dict(r.memory),
-                             predicted=predicted_state_bytes(sim, r.coords["pp"], itemsize,
-                                                             _activation_ratio(cal, lay, r.coords["pp"])))
+                             predicted=predicted_state_bytes(sim, r.coords["pp"], itemsize))
                    for r in result.reports)
     predicted_on = ("the plan's GPUs" if cal is None else
                     f"this host's CPU ({opts.calibration_origin}, {cal.device.name})")

@@ -624,7 +624,8 @@ class _Search:
         if found is None:
             lay = c.layer_key
             params = stage_params(self.model, lay, range(i, i + 1), False, False)  # type: ignore[arg-type]
-            act = layer_activation_bytes(self.model, i, lay, self.wl, self.rt, mode)  # type: ignore[arg-type]
+            act = (layer_activation_bytes(self.model, i, lay, self.wl, self.rt, mode)  # type: ignore[arg-type]
+                   * self.eff.activation_ratio(mode))
             found = self.layer_memory[key] = (params.dense, params.expert, act)
         return found
 

@@ -287,3 +287,23 @@ def test_profile_refuses_a_device_this_machine_does_not_have(capsys, tmp_path):
     assert_input_error(*run(capsys, "profile", "--device", "cuda", "--out", str(out)), "no CUDA device",
                        "--device cpu")
     assert not out.exists()
+
+
+def test_the_measured_activation_ratio_applies_to_plans_of_the_profiled_framework_only():
+    from costmodels.config import get_runtime, resolve
+    from costmodels.estimate import CostContext
+    from costmodels.memory import layer_activation_bytes
+
+    model = load_model("llama3.1-8b").model_copy(update={"num_layers": 2, "hidden": 256, "num_heads": 8,
+                                                         "num_kv_heads": 4, "head_dim": 32, "ffn_hidden": 704,
+                                                         "vocab": 2048})
+    wl, spec = Workload(global_batch=2, seq_len=128), ClusterSpec(gpu="cpu", num_gpus=1, gpus_per_node=1)
+    lay = resolve(model, 1, wl, ParallelConfig(mbs=1))
+    cal = _calibration()  # measured: 1.5 x the formula without recomputation; nothing for "full"
+    for runtime, ratio in (("meshplan-executor", 1.5), ("torchtitan", 1.0)):
+        cluster, eff = calibrated_cluster(spec, cal, "t", runtime)
+        rt = get_runtime(runtime)
+        ctx = CostContext(model, cluster, wl, lay, rt, eff)
+        assert ctx.layer_activation(0, "none") == pytest.approx(
+            ratio * layer_activation_bytes(model, 0, lay, wl, rt, "none"))
+        assert ctx.layer_activation(0, "full") == pytest.approx(layer_activation_bytes(model, 0, lay, wl, rt, "full"))
