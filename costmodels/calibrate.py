@@ -18,10 +18,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from costmodels.comm import ring_shape
 from hardware_db.calibration import (CollectiveFit, CollectivePoint, Curve, FittedModel, LinearFit, Measurements,
                                      MemoryClassFit, OptimizerFit)
 
-__all__ = ["fit_curve", "fit_linear", "fit_model", "fit_ring", "interpolate", "isotonic", "ring_shape"]
+__all__ = ["fit_curve", "fit_linear", "fit_model", "fit_ring", "interpolate", "isotonic"]
 
 
 def isotonic(values: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
@@ -78,15 +79,6 @@ def fit_linear(sizes: Sequence[float], seconds: Sequence[float]) -> LinearFit:
         alpha = 0.0
         slope = float(np.sum(w * w * x * t) / np.sum(w * w * x * x))
     return LinearFit(alpha_s=float(alpha), bytes_per_s=float(1.0 / slope))
-
-
-def ring_shape(kind: str, n: int) -> tuple[float, float]:
-    """(latency steps, share of the buffer over each link) of comm.py's ring formulas for a collective of n."""
-    if kind == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if kind == "p2p":
-        return 1.0, 1.0
-    return n - 1, (n - 1) / n  # all-gather, reduce-scatter, all-to-all
 
 
 def fit_ring(points: Sequence[CollectivePoint]) -> LinearFit:

@@ -20,30 +20,38 @@ class Link(NamedTuple):
     crosses_nodes: bool
 
 
-def all_reduce(bytes_: float, n: int, link: Link) -> float:
+def ring_shape(kind: str, n: int) -> tuple[float, float]:
+    """(latency steps, share of the buffer over each link) of a ring collective over n ranks (the formulas below)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n  # ring: reduce-scatter then all-gather
+    if kind == "p2p":
+        return 1, 1.0
+    return n - 1, (n - 1) / n  # all-gather; reduce-scatter (the same traffic in reverse, Thakur et al. 2005 sec. 4);
+    # all-to-all: each rank sends (n-1)/n of its buffer to the others, pairwise exchange in n-1 steps
+
+
+def _ring(kind: str, bytes_: float, n: int, link: Link) -> float:
     if n <= 1 or bytes_ <= 0:
         return 0.0
-    return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * bytes_ / link.bus_bytes_per_s  # ring: RS + AG
+    steps, share = ring_shape(kind, n)
+    return steps * link.latency_s + share * bytes_ / link.bus_bytes_per_s
+
+
+def all_reduce(bytes_: float, n: int, link: Link) -> float:
+    return _ring("all_reduce", bytes_, n, link)
 
 
 def all_gather(bytes_: float, n: int, link: Link) -> float:
-    if n <= 1 or bytes_ <= 0:
-        return 0.0
-    return (n - 1) * link.latency_s + (n - 1) / n * bytes_ / link.bus_bytes_per_s
+    return _ring("all_gather", bytes_, n, link)
 
 
 def reduce_scatter(bytes_: float, n: int, link: Link) -> float:
-    return all_gather(bytes_, n, link)  # same traffic in reverse (Thakur et al. 2005, sec. 4)
+    return _ring("reduce_scatter", bytes_, n, link)
 
 
 def all_to_all(bytes_: float, n: int, link: Link) -> float:
-    """Each rank sends (n-1)/n of its buffer to the others; pairwise exchange in n-1 steps."""
-    if n <= 1 or bytes_ <= 0:
-        return 0.0
-    return (n - 1) * link.latency_s + (n - 1) / n * bytes_ / link.bus_bytes_per_s
+    return _ring("all_to_all", bytes_, n, link)
 
 
 def p2p(bytes_: float, link: Link) -> float:
-    if bytes_ <= 0:
-        return 0.0
-    return link.latency_s + bytes_ / link.bus_bytes_per_s
+    return _ring("p2p", bytes_, 2, link)

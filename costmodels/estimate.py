@@ -18,14 +18,12 @@ from costmodels.model import ModelSpec
 from costmodels.ops import (ACT_BYTES, Block, Collective, attention_half, embedding_block, head_block, memory_class,
                            mlp_half, mtp_projection)
 from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
-from costmodels import calibrate
 from costmodels.calibrate import interpolate
-from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu, check_target,
+from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
                                      cpu_device_spec, digest)
 from hardware_db.cluster import Cluster, ClusterSpec
 from hardware_db.errors import InputError
-from hardware_db.gpu import load_gpu
-from hardware_db.gpu import GPUSpec
+from hardware_db.gpu import GPUSpec, load_gpu
 
 EXECUTOR_RUNTIME = "meshplan-executor"  # the reference executor's preset (config.RUNTIMES): what profiles measure
 ADAM_BYTES_PER_PARAM = 34  # read grad, master, m, v (16) + write master, m, v (12) + bf16 weight (2) + grad-norm read (4)
@@ -108,7 +106,11 @@ class Efficiency:
                 return alpha + bytes_ / bw
         return None
 
-    def collective_fit(self, kind: str, n: int) -> tuple[float, float] | None:
+    def collective_fit(self, kind: str, n: int, link: comm.Link) -> tuple[float, float] | None:
+        """The measured (alpha_s, bytes/s) of this collective kind and group size, where it applies: a profile
+        runs on one host, so never to a group that crosses nodes."""
+        if link.crosses_nodes:
+            return None
         for k, ranks, alpha, bw in self.collectives:
             if k == kind and ranks == n:
                 return alpha, bw
@@ -237,8 +239,7 @@ def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str,
                              f"use --gpu cpu with it, or a calibration of {spec.gpu} (meshplan profile --device cuda)")
         gpu = cpu_device_spec(cal)
     else:
-        check_target(cal, spec.gpu, origin)
-        gpu = calibrated_gpu(load_gpu(spec.gpu), cal)
+        gpu = calibrated_gpu(load_gpu(spec.gpu), cal, origin)
     cluster = Cluster(spec, gpu=gpu)
     label = f"{origin.rsplit('/', 1)[-1]} sha256:{digest(cal)}"
     return cluster, Efficiency.from_calibration(cal, gpu, label, runtime)
@@ -323,10 +324,9 @@ def timed_collective(kind: str, bytes_: float, n: int, link: comm.Link, eff: Eff
     one node (Hockney's model, fitted by costmodels/calibrate.py), else the ring formula of comm.py."""
     if n <= 1 or bytes_ <= 0:
         return 0.0
-    if eff.collectives and not link.crosses_nodes:
-        fit = eff.collective_fit(kind, n)
-        if fit is not None:
-            return fit[0] + bytes_ / fit[1]
+    fit = eff.collective_fit(kind, n, link)
+    if fit is not None:
+        return fit[0] + bytes_ / fit[1]
     return comm.p2p(bytes_, link) if kind == "p2p" else _RING[kind](bytes_, n, link)
 
 
@@ -667,10 +667,10 @@ class CostContext:
 
     def _alpha_beta(self, kind: str, n: int, link: comm.Link, bytes_per_param: float) -> tuple[float, float]:
         """(seconds, seconds per parameter) of a collective over n ranks moving bytes_per_param per parameter."""
-        fit = self.eff.collective_fit(kind, n) if self.eff.collectives and not link.crosses_nodes else None
+        fit = self.eff.collective_fit(kind, n, link)
         if fit is not None:
             return fit[0], bytes_per_param / fit[1]
-        steps, share = calibrate.ring_shape(kind, n)
+        steps, share = comm.ring_shape(kind, n)
         return steps * link.latency_s, share * bytes_per_param / link.bus_bytes_per_s
 
 

@@ -22,7 +22,8 @@ import statistics
 import time
 from functools import partial
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from costmodels.calibrate import fit_model
@@ -62,7 +63,6 @@ class ProfileOptions:
     warmup: int = 2
     statistic: str = "median"  # of the repetitions; "min" on a shared host whose speed drifts (noisy neighbours)
     timeout_s: float = 120.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- shapes ----------------------------------------------------------------------------------------------------------
@@ -583,12 +583,14 @@ def profile(opts: ProfileOptions, progress: Progress | None = None) -> Calibrati
             raise InputError(f"--ranks {bad[0]}: collective groups need 2 to {max(2, cores)} ranks on this machine")
         torch.set_num_threads(1)  # as every executor rank runs (executor/launch.py)
     device = _device_info(opts)
-    shapes = _sweep(opts.quick, opts.device == "cuda") + gemm_shapes(model, opts.tokens, opts.tp)  # for the count
+    sweep = _sweep(opts.quick, opts.device == "cuda")
+    layer_shapes = gemm_shapes(model, opts.tokens, opts.tp)
     n_attn = sum(1 for t in opts.tp if not (model.num_heads % t or model.kv_heads % t)) * len(opts.seq)
     ranks = opts.ranks if opts.device == "cpu" or torch.cuda.device_count() >= 2 else ()
-    total = (len(shapes) + len(gemm_shapes(model, opts.tokens, opts.tp)) + n_attn + 7 * len(opts.tokens) + len(ranks)
-             + 3 * len(opts.seq) + (3 if opts.quick else 4) + 1
-             + 2 * sum(1 for t in opts.tp if t > 1 and t in ranks))
+    # progress steps: GEMMs, attention, 7 memory classes per token count, optimizer, activations (3 modes), collective
+    # worlds, the whole-model probe and two TP probes per degree
+    total = (len(sweep) + len(layer_shapes) + n_attn + 7 * len(opts.tokens) + (3 if opts.quick else 4)
+             + 3 * len(opts.seq) + len(ranks) + 1 + 2 * sum(1 for t in opts.tp if t > 1 and t in ranks))
     done = [0]
 
     def tick(what: str) -> None:
@@ -600,15 +602,13 @@ def profile(opts: ProfileOptions, progress: Progress | None = None) -> Calibrati
         raise InputError(f"--statistic {opts.statistic!r}: choose median or min")
     timer = _Timer(opts.device, opts.repeats, opts.warmup, opts.statistic)
     torch.manual_seed(0)
-    sweep = _sweep(opts.quick, opts.device == "cuda")
-    layer_shapes = gemm_shapes(model, opts.tokens, opts.tp)
     gemms = _time_gemms(sweep, opts, timer, tick, backward=False) + _time_gemms(layer_shapes, opts, timer, tick,
                                                                                 backward=True)
     attention = _time_attention(model, opts, timer, tick)
     memory_ops = _time_memory_ops(model, opts, timer, tick)
     optimizer = _time_optimizer(model, opts, timer, tick)
     activations = _activation_points(model, opts, tick)
-    collectives = _time_collectives(ProfileOptions(**{**opts.__dict__, "ranks": ranks}), tick) if ranks else []
+    collectives = _time_collectives(dataclasses.replace(opts, ranks=ranks), tick) if ranks else []
     m = Measurements(dtype=opts.dtype, gemms=tuple(gemms), attention=tuple(attention), memory_ops=tuple(memory_ops),
                      collectives=tuple(collectives), activations=tuple(activations), optimizer=tuple(optimizer))
     cal = Calibration(schema_version=CALIBRATION_SCHEMA_VERSION,

@@ -309,13 +309,11 @@ def cpu_device_spec(cal: Calibration) -> GPUSpec:
     )
 
 
-def calibrated_gpu(gpu: GPUSpec, cal: Calibration) -> GPUSpec:
+def calibrated_gpu(gpu: GPUSpec, cal: Calibration, origin: str = "the calibration") -> GPUSpec:
     """The GPU spec with the efficiency defaults replaced by what the calibration measured (memory roof and launch
     cost; the collectives' ring fit where ranks were profiled). The GEMM and attention curves replace gemm_max and
     attention_max in the cost model itself (costmodels/estimate.py, Efficiency.from_calibration)."""
-    if cal.device.kind == "cpu":
-        return cpu_device_spec(cal)
-    check_target(cal, gpu.name, "the calibration")
+    check_target(cal, gpu.name, origin)  # a CPU calibration is its own device: cpu_device_spec
     fit = cal.fitted
     src = f"meshplan profile on {cal.device.name}, {cal.created}"
     update: dict[str, float | str] = {

@@ -11,7 +11,8 @@ from hypothesis import given, strategies as st
 
 from cli_helpers import assert_input_error, run
 from costmodels import comm
-from costmodels.calibrate import fit_curve, fit_linear, fit_model, fit_ring, interpolate, isotonic, ring_shape
+from costmodels.calibrate import fit_curve, fit_linear, fit_model, fit_ring, interpolate, isotonic
+from costmodels.comm import ring_shape
 from costmodels.config import ParallelConfig, Workload
 from costmodels.estimate import Efficiency, calibrated_cluster, op_time, simulate_config, timed_collective
 from costmodels.model_io import load_model
@@ -307,3 +308,11 @@ def test_the_measured_activation_ratio_applies_to_plans_of_the_profiled_framewor
         assert ctx.layer_activation(0, "none") == pytest.approx(
             ratio * layer_activation_bytes(model, 0, lay, wl, rt, "none"))
         assert ctx.layer_activation(0, "full") == pytest.approx(layer_activation_bytes(model, 0, lay, wl, rt, "full"))
+
+
+def test_profile_refuses_more_collective_ranks_than_this_machine_has(capsys, tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "cpu.json"
+    assert_input_error(*run(capsys, "profile", "--ranks", "4096", "--out", str(out)), "--ranks 4096",
+                       "ranks on this machine")
+    assert not out.exists()
