@@ -34,6 +34,8 @@ EXIT_INPUT = 2  # bad input, the same code click uses for usage errors
 ClickException: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 NoArgsIsHelpError = getattr(sys.modules[ClickException.__module__], "NoArgsIsHelpError", None)
 
+ExportTarget = Literal["megatron", "torchtitan", "deepspeed", "torchrun", "nemo"]  # planner.launchers.TARGETS
+ImportSource = Literal["megatron", "torchtitan"]  # planner.launchers.SOURCES
 RuntimeName = Literal[tuple(RUNTIMES)]  # type: ignore[valid-type]  # choices follow costmodels.config.RUNTIMES
 
 app = typer.Typer(
@@ -328,6 +330,11 @@ def plan(
         "Say why the best plan beats the runner-up and which constraint binds."))] = False,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
         "Print the best plan as Plan JSON and nothing else."))] = False,
+    export_to: Annotated[Optional[ExportTarget], typer.Option("--export", rich_help_panel=P_OUT, help=(
+        "Also export the best plan for a launcher (as `meshplan export`): printed after the table, or written "
+        "to --export-out."))] = None,
+    export_out: Annotated[Optional[Path], typer.Option("--export-out", rich_help_panel=P_OUT, help=(
+        "Where --export writes: the file, or a directory when the export has several files."))] = None,
 ) -> None:
     """Search every parallel configuration and return the fastest that fits, proven optimal under the cost model.
 
@@ -337,8 +344,14 @@ def plan(
     space was, what was pruned by which bound, what was infeasible and why, and whether optimality is proven.
     """
     from planner.explain import explain
+    from planner.launchers import export_plan, write_export
     from planner.plan import build_plan, write_plan
     from planner.search import search
+
+    if export_out is not None and export_to is None:
+        raise InputError("--export-out needs --export TARGET")
+    if as_json and export_to is not None and export_out is None:
+        raise InputError("--json prints only the plan; give --export-out for the --export files")
     from planner.space import Pins
     from planner.trace import chrome_trace, write_trace
 
@@ -357,8 +370,11 @@ def plan(
     doc = build_plan(spec, cluster, workload, best.config, sim, runtime, account=result.account, rank=1,
                      bound_s=best.bound_s, partition_status=best.partition_status,
                      calibration=eff.calibration if eff else None)
+    exported = export_plan(doc, export_to) if export_to is not None else None  # refuses before anything is written
     if out is not None:
         write_plan(doc, out)
+    if exported is not None and export_out is not None:
+        written = write_export(exported, export_out)
     if trace is not None:
         write_trace(chrome_trace(sim), trace)
     if as_json:
@@ -373,6 +389,11 @@ def plan(
         con.print(f"plan written to {out}")
     if trace is not None:
         con.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
+    if exported is not None:
+        if export_out is not None:
+            con.print(f"{export_to} export written to {', '.join(map(str, written))}")
+        else:
+            _echo_export(exported)
 
 
 class _progress:
@@ -518,6 +539,110 @@ def _print_calibration(con: Console, cal: Any, path: Path) -> None:
         t.add_row("layer activations", f"{f.activation_ratio:.2f} x the formula", "saved-tensor bytes")
     con.print(t)
     con.print(f"calibration written to {path}")
+
+
+def _echo_export(exported: Any) -> None:
+    """Print exported files to stdout: one as is, several each under a `==> name <==` line (as head does)."""
+    for f in exported.files:
+        if len(exported.files) > 1:
+            typer.echo(f"==> {f.name} <==")
+        typer.echo(f.text, nl=False)
+
+
+@app.command("export")
+def export_(
+    plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan --out` or `meshplan import`.")],
+    to: Annotated[ExportTarget, typer.Option("--to", help=(
+        "megatron: pretrain_gpt.py arguments in a torchrun script; torchtitan: the TOML job config (<= 0.2) and "
+        "the config-registry function (>= 0.3); deepspeed: ds_config.json and the Megatron-DeepSpeed script; "
+        "torchrun: the launch of meshplan's executor on the plan's world; nemo: NeMo 2 MegatronStrategy and "
+        "Megatron-Bridge overrides."))],
+    out: Annotated[Optional[Path], typer.Option("--out", help=(
+        "Write here (atomically): the file, or a directory when the export has several files. Default: print."))
+    ] = None,
+) -> None:
+    """Turn a plan into a launcher's configuration, with the plan's predicted figures in a header comment.
+
+    A plan the launcher cannot express (a schedule it lacks, a ZeRO stage it has not, uneven stages it cannot
+    place) is refused with the reason and what to re-plan with; it is never silently changed.
+    """
+    from planner.launchers import export_plan, write_export
+    from planner.plan import read_plan
+
+    exported = export_plan(read_plan(plan_file), to)
+    if out is None:
+        _echo_export(exported)
+        return
+    written = write_export(exported, out)
+    _console().print(f"{to} export written to {', '.join(map(str, written))}")
+
+
+def _names_a_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # an argument string longer than a file name can be
+        return False
+
+
+@app.command("import")
+def import_(
+    source_text: Annotated[str, typer.Argument(metavar="SOURCE", help=(
+        "megatron: the pretrain_gpt.py arguments in one string after `--` (optionally after `torchrun ... "
+        "script.py`, which gives the world size), or a file holding them (an exported megatron.sh works); "
+        "torchtitan: the TOML job config file."))],
+    source: Annotated[ImportSource, typer.Option("--from", help="What SOURCE is.")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=(
+        "The model (zoo name or config file), when the arguments do not describe it whole; model arguments that "
+        "are given must agree with it."))] = None,
+    gpu: GpuOpt = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, rich_help_panel=P_CLUSTER, help=(
+        "World size, when SOURCE does not say it (no torchrun line)."))] = None,
+    gpus_per_node: PerNodeOpt = None,
+    nic_gbps: NicOpt = None,
+    nvlink_gbs: NvlinkOpt = None,
+    cluster_file: ClusterOpt = None,
+    runtime: RuntimeOpt = DEFAULT_RUNTIME,
+    calibration: CalibrationOpt = None,
+    out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
+        "Write the pinned plan as Plan JSON, to `meshplan show`, `export` or compare with `meshplan plan`."))] = None,
+    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
+        "Print the pinned plan as Plan JSON and nothing else."))] = False,
+) -> None:
+    """Read the launch configuration you run today into a pinned plan and estimate it.
+
+    Compare its step time with `meshplan plan` on the same model, cluster and batch. Arguments meshplan does not
+    model (data, optimizer, logging) are ignored; ones it cannot represent are refused with the reason.
+    """
+    from planner.launchers import launch_model, launch_world, pinned_plan, read_launch
+    from planner.plan import write_plan
+
+    text, origin = source_text, "the arguments"
+    path = Path(source_text)
+    if source == "torchtitan" or _names_a_file(path):
+        try:
+            text, origin = path.read_text(encoding="utf-8"), str(path)
+        except FileNotFoundError:
+            raise InputError(f"{path}: no such file; pass the torchtitan TOML job config") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"{path}: cannot read the file ({_one_line(exc)})") from None
+    named = load_model(model) if model else None
+    launch = read_launch(source, text, origin, named.num_layers if named else None)
+    world = launch_world(launch, gpus if cluster_file is None else None)
+    cluster, eff = _cluster(cluster_file, gpu, None if cluster_file else world, gpus_per_node, nic_gbps, nvlink_gbs,
+                            calibration, runtime)
+    if cluster.num_gpus != world:
+        raise InputError(f"the cluster has {cluster.num_gpus} GPUs but the launch configuration runs {world}")
+    spec = launch_model(launch, named)
+    doc, sim = pinned_plan(launch, spec, cluster, runtime, eff, eff.calibration if eff else None)
+    if out is not None:
+        write_plan(doc, out)
+    if as_json:
+        typer.echo(doc.model_dump_json(indent=2))
+        return
+    con = _console()
+    _print_estimate(con, spec, cluster, Workload(**launch.workload.model_dump()), sim.estimate)
+    if out is not None:
+        con.print(f"pinned plan written to {out}")
 
 
 @app.command()
@@ -808,7 +933,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ClickException as exc:  # usage errors: unknown option, bad value, missing option
         if NoArgsIsHelpError is not None and isinstance(exc, NoArgsIsHelpError):
             return 0  # a bare `meshplan` / `meshplan models`: typer has printed the help
-        _error(_one_line(exc.format_message()))  # type: ignore[attr-defined]
+        message = _one_line(exc.format_message())  # type: ignore[attr-defined]
+        if "import" in (argv if argv is not None else sys.argv[1:]) and message.startswith("No such option: --"):
+            message += ("; arguments that start with a dash go after `--`: meshplan import --from megatron -- "
+                        "\"--tensor-model-parallel-size 8 ...\"")
+        _error(message)
         return exc.exit_code  # type: ignore[attr-defined]
     except typer.Abort:
         _error("aborted")

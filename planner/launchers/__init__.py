@@ -1,0 +1,109 @@
+"""Plans as launch configurations: one module per launcher, each a small function of the Plan.
+
+`export_plan(plan, target)` returns the files that launch the plan with Megatron-LM, torchtitan, DeepSpeed
+(Megatron-DeepSpeed), torchrun (meshplan's executor) or NeMo / Megatron-Bridge, or raises ExportError with the reason
+when the target cannot express the plan (never a silently changed plan). `pinned_plan` turns a launch
+configuration read back (`megatron.parse_megatron_args`, `torchtitan.parse_torchtitan_toml`) into a Plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from costmodels.config import Workload
+from costmodels.estimate import Efficiency, Simulated, simulate_config
+from costmodels.model import ModelSpec
+from hardware_db.cluster import Cluster
+from hardware_db.errors import InputError
+from planner.launchers import deepspeed, megatron, nemo, torchrun, torchtitan
+from planner.launchers.common import Exported, ExportedFile, ExportError
+from planner.launchers.megatron import LaunchSpec
+from planner.plan import Plan, build_plan, write_text_atomic
+
+__all__ = ["TARGETS", "Exported", "ExportedFile", "ExportError", "LaunchSpec", "export_plan", "write_export",
+           "SOURCES", "read_launch", "launch_model", "launch_world", "pinned_plan"]
+
+TARGETS: dict[str, Callable[[Plan], Exported]] = {
+    "megatron": megatron.export_megatron,
+    "torchtitan": torchtitan.export_torchtitan,
+    "deepspeed": deepspeed.export_deepspeed,
+    "torchrun": torchrun.export_torchrun,
+    "nemo": nemo.export_nemo,
+}
+
+
+def export_plan(plan: Plan, target: str) -> Exported:
+    if target not in TARGETS:
+        raise InputError(f"unknown export target '{target}'; choose one of: {', '.join(TARGETS)}")
+    return TARGETS[target](plan)
+
+
+def write_export(exported: Exported, out: str | Path) -> list[Path]:
+    """Write the exported files atomically: `out` is the file when there is one, a directory (made if missing)
+    when there are several. Returns the paths written."""
+    out = Path(out)
+    if len(exported.files) == 1 and not out.is_dir():
+        targets = [out]
+    else:
+        if out.exists() and not out.is_dir():
+            raise InputError(f"{out} is a file, but the {exported.target} export has {len(exported.files)} files "
+                             f"({', '.join(f.name for f in exported.files)}); pass a directory to --out")
+        out.mkdir(parents=True, exist_ok=True)
+        targets = [out / f.name for f in exported.files]
+    for path, f in zip(targets, exported.files):
+        try:
+            write_text_atomic(path, f.text)
+        except OSError as exc:
+            raise InputError(f"cannot write {path} ({exc.strerror or exc}); check the directory is writable") from None
+    return targets
+
+
+SOURCES = ("megatron", "torchtitan")
+
+
+def read_launch(source: str, text: str, origin: str, num_layers: int | None = None) -> LaunchSpec:
+    """A launch configuration: Megatron-LM arguments (optionally with their torchrun line) or a torchtitan TOML;
+    `num_layers` of the model named beside it, for arguments that leave the model out."""
+    if source == "megatron":
+        return megatron.parse_megatron_args(text, num_layers=num_layers)
+    if source == "torchtitan":
+        return torchtitan.parse_torchtitan_toml(text, origin)[0]
+    raise InputError(f"unknown import source '{source}'; choose one of: {', '.join(SOURCES)}")
+
+
+def launch_model(launch: LaunchSpec, named: ModelSpec | None) -> ModelSpec:
+    """The model to plan: `named` (which the launch's model arguments must not contradict), else the one the
+    launch describes whole."""
+    if named is None:
+        if launch.model is None:
+            raise InputError("the arguments do not describe a whole model (--num-layers, --hidden-size, "
+                             "--num-attention-heads and --vocab-size); name one with --model")
+        return launch.model
+    problem = megatron.model_disagreement(launch, named)
+    if problem is None and launch.model is not None and not launch.model_fields:  # torchtitan: its own flavor
+        if launch.model.name != named.name:
+            problem = f"the config trains {launch.model.name}, not {named.name}"
+    if problem is not None:
+        raise InputError(f"--model {named.name} disagrees with the launch configuration: {problem}")
+    return named
+
+
+def launch_world(launch: LaunchSpec, gpus: int | None) -> int:
+    """The world size: the launch's own (torchrun's nodes x processes, torchtitan's degrees) or --gpus."""
+    if launch.num_gpus is not None and gpus is not None and gpus != launch.num_gpus:
+        raise InputError(f"--gpus {gpus} but the launch configuration runs {launch.num_gpus} processes")
+    world = gpus if gpus is not None else launch.num_gpus
+    if world is None:
+        raise InputError("the arguments do not say the world size (no torchrun --nnodes/--nproc-per-node); "
+                         "give --gpus")
+    return world
+
+
+def pinned_plan(launch: LaunchSpec, model: ModelSpec, cluster: Cluster, runtime: str,
+                efficiency: Efficiency | None = None, calibration: str | None = None) -> tuple[Plan, Simulated]:
+    """The plan of exactly the imported configuration on `cluster`, and its simulation (the cost model's
+    prediction)."""
+    workload = Workload(**launch.workload.model_dump())
+    sim = simulate_config(model, cluster, workload, launch.config, runtime, efficiency)
+    return build_plan(model, cluster, workload, launch.config, sim, runtime, calibration=calibration), sim

@@ -1,0 +1,117 @@
+"""What every exporter shares: the exported files, the refusal, the header, the node geometry, the torchrun line."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from hardware_db.errors import InputError
+from planner.plan import Plan
+
+__all__ = ["ExportError", "ExportedFile", "Exported", "refuse", "header_lines", "node_geometry", "torchrun_args",
+           "shell_lines", "uniform_recompute"]
+
+
+class ExportError(InputError):
+    """The plan cannot be expressed in the target launcher; the message says why and what to re-plan with."""
+
+    def __init__(self, target: str, why: str, fix: str) -> None:
+        self.target, self.why, self.fix = target, why, fix
+        super().__init__(f"cannot export to {target}: {why}; {fix}")
+
+
+@dataclass(frozen=True)
+class ExportedFile:
+    name: str  # the file name the exporter suggests (a launcher looks for some by name: ds_config.json)
+    text: str
+
+
+@dataclass(frozen=True)
+class Exported:
+    target: str
+    files: tuple[ExportedFile, ...]
+
+
+def refuse(target: str, why: str, fix: str) -> ExportError:
+    return ExportError(target, why, fix)
+
+
+def header_lines(plan: Plan, target: str) -> list[str]:
+    """The header every exported file carries (as comments): where it came from and what it is predicted to do."""
+    p, mesh, wl = plan.prediction, plan.mesh, plan.inputs.workload
+    gpu = plan.inputs.cluster.gpu_spec.name
+    lines = [
+        f"meshplan {plan.meshplan_version}: {target} launch configuration of a plan (schema v{plan.schema_version})",
+        f"model {plan.inputs.model_spec().name}; {mesh.world_size} x {gpu}; global batch {wl.global_batch} x "
+        f"{wl.seq_len} tokens, {wl.dtype}; runtime {plan.inputs.runtime}",
+        f"mesh tp {mesh.tp} cp {mesh.cp} pp {mesh.pp} (vpp {plan.pipeline.vpp}) dp {mesh.dp} ep {mesh.ep} "
+        f"etp {mesh.etp}; mbs {plan.pipeline.micro_batch_size} x {plan.pipeline.num_microbatches} micro-batches",
+        f"predicted: step {p.step_time_s:.4g} s, {p.tokens_per_s_per_gpu:.4g} tokens/s/GPU, MFU {p.mfu:.1%}, "
+        f"peak memory {p.peak_memory_gib:.1f} of {p.hbm_gib:.0f} GiB" + ("" if p.fits else " (DOES NOT FIT)"),
+    ]
+    if plan.inputs.calibration:
+        lines.append(f"calibration: {plan.inputs.calibration}")
+    return lines
+
+
+def node_geometry(plan: Plan) -> tuple[int, int]:
+    """(nodes, processes per node) for the plan's world on its cluster's nodes."""
+    world, per_node = plan.mesh.world_size, plan.inputs.cluster.gpus_per_node
+    if world <= per_node:
+        return 1, world
+    if world % per_node:
+        raise refuse("torchrun", f"{world} GPUs do not fill whole nodes of {per_node}",
+                     "plan for a multiple of the node size")
+    return world // per_node, per_node
+
+
+def torchrun_args(plan: Plan) -> list[str]:
+    """torchrun's own arguments for the plan's world: one process per GPU, c10d rendezvous at $MASTER_ADDR (the
+    elastic-launch flags of torch/distributed/run.py)."""
+    nodes, per_node = node_geometry(plan)
+    if nodes == 1:
+        return ["torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", str(per_node)]
+    return ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "${MASTER_ADDR}:${MASTER_PORT:-29500}", "--rdzv-id", "${JOB_ID:-meshplan}"]
+
+
+def _quote(arg: str) -> str:
+    """shlex.quote, but a `${VAR}` reference stays expandable (double quotes)."""
+    if "${" in arg:
+        return '"' + arg.replace('"', '\\"') + '"'
+    return shlex.quote(arg)
+
+
+def shell_lines(argv: list[str], per_line: int = 1) -> str:
+    """One command as a shell continuation: the program, then each flag with its value on its own line."""
+    groups: list[list[str]] = [[argv[0]]]
+    for arg in argv[1:]:
+        flag = arg.startswith("-") and not arg.lstrip("-").isdigit()
+        after_value = len(groups[-1]) > 1 and groups[-1][0].startswith("-")  # a program after "--flag value"
+        if flag or after_value:
+            groups.append([arg])
+        else:
+            groups[-1].append(arg)
+    rendered = [" ".join(_quote(a) for a in g) for g in groups]
+    return " \\\n    ".join(rendered)
+
+
+def uniform_recompute(plan: Plan) -> tuple[str, int | None]:
+    """The one recompute policy the plan applies on every stage: ("none"|"selective", None), ("full", None) when
+    every layer is recomputed, ("full", k) for the first k layers of each stage; raises ValueError otherwise (the
+    caller turns it into its launcher's refusal)."""
+    stages = plan.pipeline.stages
+    kinds = {s.recompute.granularity for s in stages}
+    if len(kinds) != 1:
+        raise ValueError("the stages recompute differently (" +
+                         ", ".join(s.recompute.label(s.num_layers) for s in stages) + ")")
+    kind = kinds.pop()
+    if kind != "full":
+        return kind, None
+    if all(s.recompute.full_layers == s.num_layers for s in stages):
+        return "full", None
+    ks = {s.recompute.full_layers for s in stages}
+    if len(ks) == 1:
+        return "full", ks.pop()
+    raise ValueError("the stages recompute different numbers of layers in full (" +
+                     ", ".join(s.recompute.label(s.num_layers) for s in stages) + ")")

@@ -1,0 +1,512 @@
+"""Megatron-LM: a plan as `pretrain_gpt.py` arguments (and the torchrun line around them), and back.
+
+The flag names and their rules are Megatron-LM's megatron/training/arguments.py and megatron-core's
+megatron/core/transformer/transformer_config.py (v0.16): uneven stages by --decoder-first/last-pipeline-num-layers
+(the middle stages equal, every stage's layers divisible by the virtual stages) or else by the
+--pipeline-model-parallel-layout string (megatron/core/transformer/pipeline_parallel_layer_layout.py: "E" the
+embedding, "t" a decoder layer, "m" an MTP layer, "L" the loss, "|" between virtual stages, "x*n" and "(...)*n"
+repeat; virtual stage v of pipeline rank r is entry v*pp + r).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from dataclasses import dataclass
+
+from costmodels.config import PP_INSIDE_DP, ParallelConfig, StagePolicy, Workload
+from costmodels.config import RUNTIMES
+from costmodels.model import ModelSpec
+from hardware_db.errors import InputError
+from planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
+                                      uniform_recompute)
+from planner.plan import Plan
+
+__all__ = ["TARGET", "Setting", "model_settings", "parallel_settings", "megatron_args", "export_megatron",
+           "pipeline_layout", "parse_layout", "moe_layer_freq", "parse_moe_layer_freq", "LaunchSpec",
+           "parse_megatron_args", "model_disagreement", "MEGATRON_SCRIPT"]
+
+TARGET = "megatron"
+MEGATRON_SCRIPT = "pretrain_gpt.py"
+Setting = tuple[str, object]  # (Megatron argument name with underscores, value); True: a switch; False/None: absent
+FSDP_STRATEGY = {1: "optim", 2: "optim_grads", 3: "optim_grads_params"}  # DistributedDataParallelConfig, mcore v0.16
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _argv(settings: list[Setting]) -> list[str]:
+    argv: list[str] = []
+    for name, value in settings:
+        if value is None or value is False:
+            continue
+        argv += [_flag(name)] if value is True else [_flag(name), str(value)]
+    return argv
+
+
+# ---- the model -----------------------------------------------------------------------------------------------------
+
+def moe_layer_freq(model: ModelSpec) -> int | str:
+    """--moe-layer-freq: an int N (layer i is MoE iff i % N == 0) or a Python list expression of 0/1 per layer,
+    run-length written ("([0]*3+[1]*58)", the form Megatron's DeepSeek-V3 recipes use)."""
+    moe = model.moe
+    assert moe is not None
+    if moe.first_k_dense == 0:
+        return moe.layer_freq
+    pattern = [int(model.is_moe_layer(i)) for i in range(model.num_layers)]
+    runs: list[list[int]] = []
+    for bit in pattern:
+        if runs and runs[-1][0] == bit:
+            runs[-1][1] += 1
+        else:
+            runs.append([bit, 1])
+    return "(" + "+".join(f"[{bit}]*{n}" for bit, n in runs) + ")"
+
+
+def parse_moe_layer_freq(text: str, num_layers: int) -> list[int]:
+    """The 0/1 pattern of an int or a list expression of --moe-layer-freq (the sums of `[..]*n` and `[..]` terms
+    Megatron's recipes write; evaluated here without eval)."""
+    text = text.strip()
+    if re.fullmatch(r"\d+", text):
+        n = int(text)
+        if n < 1:
+            raise InputError(f"--moe-layer-freq {text}: must be >= 1")
+        return [int(i % n == 0) for i in range(num_layers)]
+    body = text[1:-1] if text.startswith("(") and text.endswith(")") else text
+    pattern: list[int] = []
+    for term in body.split("+"):
+        m = re.fullmatch(r"\s*\[([\d,\s]*)\]\s*(?:\*\s*(\d+))?\s*", term)
+        if not m:
+            raise InputError(f"--moe-layer-freq {text!r}: cannot read {term.strip()!r}; write an int or a list "
+                             f"expression like ([0]*3+[1]*58)")
+        items = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+        if any(x not in (0, 1) for x in items):
+            raise InputError(f"--moe-layer-freq {text!r}: list entries must be 0 or 1")
+        pattern += items * int(m.group(2) or 1)
+    if len(pattern) != num_layers:
+        raise InputError(f"--moe-layer-freq {text!r} describes {len(pattern)} layers; the model has {num_layers}")
+    return pattern
+
+
+def model_settings(model: ModelSpec, seq_len: int) -> list[Setting]:
+    """The model shape arguments of `model` (megatron/training/arguments.py, _add_network_size_args and the MoE and
+    MLA groups)."""
+    if model.linear_bias and not model.qkv_bias:
+        raise refuse(TARGET, f"{model.name} has linear biases but no QKV bias, and Megatron's --add-bias-linear "
+                     "also biases QKV", "use a model file with qkv_bias true or linear_bias false")
+    mla = model.mla
+    s: list[Setting] = [
+        ("num_layers", model.num_layers), ("hidden_size", model.hidden), ("ffn_hidden_size", model.ffn_hidden),
+        ("num_attention_heads", model.num_heads),
+    ]
+    if mla is None:
+        gqa = model.kv_heads < model.num_heads
+        s += [("group_query_attention", gqa), ("num_query_groups", model.kv_heads if gqa else None)]
+        explicit = model.head_dim is not None and model.head_dim * model.num_heads != model.hidden
+        s.append(("kv_channels", model.head_dim if explicit else None))
+    else:
+        s += [("multi_latent_attention", True), ("q_lora_rank", mla.q_lora_rank), ("kv_lora_rank", mla.kv_lora_rank),
+              ("qk_head_dim", mla.qk_nope_head_dim), ("qk_pos_emb_head_dim", mla.qk_rope_head_dim),
+              ("v_head_dim", mla.v_head_dim)]
+    s += [
+        ("seq_length", seq_len), ("max_position_embeddings", model.max_seq_len or seq_len),
+        ("swiglu", model.mlp == "swiglu"), ("squared_relu", model.mlp == "relu2"),
+        ("normalization", "RMSNorm" if model.norm == "rmsnorm" else "LayerNorm"),
+        ("position_embedding_type", "learned_absolute" if model.learned_positions else "rope"),
+        ("untie_embeddings_and_output_weights", not model.tied_embeddings),
+        ("disable_bias_linear", not model.linear_bias), ("add_qkv_bias", model.qkv_bias and not model.linear_bias),
+        ("vocab_size", model.vocab),
+    ]
+    moe = model.moe
+    if moe is not None:
+        shared = moe.num_shared_experts * moe.shared_hidden if moe.num_shared_experts else None
+        s += [("num_experts", moe.num_experts), ("moe_router_topk", moe.top_k),
+              ("moe_ffn_hidden_size", moe.expert_ffn_hidden), ("moe_shared_expert_intermediate_size", shared),
+              ("moe_layer_freq", moe_layer_freq(model))]
+    s.append(("mtp_num_layers", model.num_mtp_layers or None))
+    return s
+
+
+# ---- the pipeline layout -------------------------------------------------------------------------------------------
+
+def pipeline_layout(chunk_layers: list[int], pp: int, mtp_layers: int) -> str:
+    """The layout string of decoder layers per virtual stage (model order: entry v*pp + r), embedding first, MTP
+    layers and loss in the last; a run of equal middle stages written once as "(...|)*n", four or more layers as
+    "t*n"."""
+    stages = ["t" * n for n in chunk_layers]
+    stages[0] = "E" + stages[0]
+    stages[-1] = stages[-1] + "m" * mtp_layers + "L"
+    parts = [stages[0] + "|"]
+    i = 1
+    while i < len(stages) - 1:
+        j = i
+        while j + 1 < len(stages) - 1 and stages[j + 1] == stages[i]:
+            j += 1
+        parts.append(f"({stages[i]}|)*{j - i + 1}" if j > i else stages[i] + "|")
+        i = j + 1
+    parts.append(stages[-1])
+    return re.sub(r"t{4,}", lambda m: f"t*{len(m.group(0))}", "".join(parts))
+
+
+def parse_layout(text: str, pp: int) -> tuple[list[int], int, bool, bool]:
+    """(decoder layers per virtual stage in model order, MTP layers, embedding first?, loss last?) of a layout
+    string, read by the grammar of megatron-core's PipelineParallelLayerLayout.parse_str_to_list."""
+    flat = text.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        flat = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), flat)
+    stages = flat.split("|")
+    bad = set(flat) - set("EtmL|")
+    if bad:
+        raise InputError(f"--pipeline-model-parallel-layout {text!r}: unknown layer characters {sorted(bad)}; "
+                         f"use E, t, m, L and |")
+    if len(stages) % pp:
+        raise InputError(f"--pipeline-model-parallel-layout {text!r} has {len(stages)} virtual stages, not a "
+                         f"multiple of --pipeline-model-parallel-size {pp}")
+    joined = "".join(stages)
+    if joined.count("E") != 1 or joined.count("L") != 1:
+        raise InputError(f"--pipeline-model-parallel-layout {text!r}: needs exactly one E and one L")
+    return ([s.count("t") for s in stages], joined.count("m"), stages[0].startswith("E"), stages[-1].endswith("L"))
+
+
+def _even_split(n: int, parts: int) -> list[int]:
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _pipeline_settings(plan: Plan, mtp_layers: int) -> list[Setting]:
+    pipe, pp, vpp = plan.pipeline, plan.mesh.pp, plan.pipeline.vpp
+    if pipe.schedule in ("gpipe", "zb"):
+        raise refuse(TARGET, f"Megatron-LM has no {pipe.schedule} schedule (megatron/core/pipeline_parallel/"
+                     "schedules.py runs 1F1B, interleaved with virtual stages)", "re-plan with --schedule 1f1b")
+    s: list[Setting] = [("pipeline_model_parallel_size", pp)]
+    if pp == 1:
+        return s
+    layers = [st.num_layers for st in pipe.stages]
+    chunk_model_order = [pipe.stages[r].chunks[v].num_layers for v in range(vpp) for r in range(pp)]
+    chunks_even = all([c.num_layers for c in st.chunks] == _even_split(st.num_layers, vpp) for st in pipe.stages)
+    divisible = all(n % vpp == 0 for n in layers)
+    middle = set(layers[1:-1])
+    if chunks_even and divisible and len(set(layers)) == 1:
+        if vpp > 1:
+            s.append(("num_layers_per_virtual_pipeline_stage", layers[0] // vpp))
+        return s
+    if chunks_even and divisible and len(middle) <= 1:
+        m = middle.pop() if middle else None
+        first = layers[0] if layers[0] != m or m is None else None
+        last = layers[-1] if layers[-1] != m or m is None else None
+        s += [("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last),
+              ("num_virtual_stages_per_pipeline_rank", vpp if vpp > 1 else None)]
+        return s
+    s.append(("pipeline_model_parallel_layout", pipeline_layout(chunk_model_order, pp, mtp_layers)))
+    return s
+
+
+# ---- the parallel configuration ------------------------------------------------------------------------------------
+
+def parallel_settings(plan: Plan) -> list[Setting]:
+    mesh, pipe, wl = plan.mesh, plan.pipeline, plan.inputs.workload
+    model = plan.inputs.model_spec()
+    s: list[Setting] = [("tensor_model_parallel_size", mesh.tp)]
+    s += _pipeline_settings(plan, model.num_mtp_layers)
+    s += [("context_parallel_size", mesh.cp if mesh.cp > 1 else None),
+          ("cp_comm_type", {"ring": "p2p", "a2a": "a2a"}[mesh.cp_comm] if mesh.cp > 1 else None)]
+    if model.moe is not None:
+        s += [("expert_model_parallel_size", mesh.ep), ("expert_tensor_parallel_size", mesh.etp)]
+    s += [("sequence_parallel", mesh.sp), ("use_tp_pp_dp_mapping", "-".join(mesh.rank_order) == PP_INSIDE_DP)]
+    zero = plan.memory.zero
+    if zero == 1:
+        s.append(("use_distributed_optimizer", True))
+    elif zero > 1:
+        s += [("use_megatron_fsdp", True), ("data_parallel_sharding_strategy", FSDP_STRATEGY[zero])]
+    try:
+        kind, k = uniform_recompute(plan)
+    except ValueError as exc:
+        raise refuse(TARGET, f"Megatron applies one recompute policy to every pipeline stage, but {exc}",
+                     "re-plan with --recompute none, selective or full") from None
+    if kind == "selective":
+        s.append(("recompute_granularity", "selective"))
+    elif kind == "full" and k is None:
+        s += [("recompute_granularity", "full"), ("recompute_method", "uniform"), ("recompute_num_layers", 1)]
+    elif kind == "full":
+        if pipe.vpp > 1:
+            raise refuse(TARGET, f"--recompute-method block recomputes {k} layers of every virtual stage, the plan "
+                         f"{k} of every pipeline stage", "re-plan with --recompute full or without virtual stages")
+        s += [("recompute_granularity", "full"), ("recompute_method", "block"), ("recompute_num_layers", k)]
+    s += [("micro_batch_size", pipe.micro_batch_size), ("global_batch_size", wl.global_batch)]
+    s += [("bf16", wl.dtype in ("bf16", "fp8")), ("fp16", wl.dtype == "fp16"),
+          ("fp8_format", "hybrid" if wl.dtype == "fp8" else None)]
+    runtime = RUNTIMES[plan.inputs.runtime]  # what the prediction assumed the framework overlaps
+    s += [("overlap_grad_reduce", runtime.overlap_grad_reduce and mesh.dp > 1),
+          ("overlap_param_gather", runtime.overlap_param_gather and mesh.dp > 1 and zero >= 1),
+          ("tp_comm_overlap", runtime.tp_comm_overlap > 0 and mesh.tp > 1 and mesh.sp)]
+    return s
+
+
+def megatron_args(plan: Plan) -> list[str]:
+    """`pretrain_gpt.py`'s arguments for the plan: parallel layout, batch, precision, then the model shape."""
+    wl = plan.inputs.workload
+    return _argv(parallel_settings(plan) + model_settings(plan.inputs.model_spec(), wl.seq_len))
+
+
+def export_megatron(plan: Plan) -> Exported:
+    header = "\n".join("# " + line for line in header_lines(plan, "Megatron-LM"))
+    note = ("# Add your data, tokenizer, optimizer and checkpoint arguments. Megatron pads the vocabulary to a "
+            "multiple of\n# --make-vocab-size-divisible-by x tp; --vocab-size is read with --tokenizer-type "
+            "NullTokenizer.")
+    command = shell_lines(torchrun_args(plan) + [MEGATRON_SCRIPT] + megatron_args(plan))
+    text = f"#!/usr/bin/env bash\n{header}\n{note}\nset -euo pipefail\n{command} \\\n    \"$@\"\n"
+    return Exported(TARGET, (ExportedFile("megatron.sh", text),))
+
+
+# ---- import --------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """A launch configuration read back: the knobs, the workload, the world size when the command names one, and
+    the model when the arguments describe it whole (else the caller names one)."""
+
+    config: ParallelConfig
+    workload: Workload
+    num_gpus: int | None
+    gpus_per_node: int | None
+    model: ModelSpec | None
+    model_fields: tuple[Setting, ...]  # the model-shape arguments as given, to check against a named model
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ints = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+            "seq_length", "max_position_embeddings", "vocab_size", "num_experts", "moe_router_topk",
+            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank",
+            "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers", "tensor_model_parallel_size",
+            "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers", "context_parallel_size", "expert_model_parallel_size",
+            "expert_tensor_parallel_size", "recompute_num_layers", "micro_batch_size", "global_batch_size"]
+    strs = ["normalization", "position_embedding_type", "moe_layer_freq", "pipeline_model_parallel_layout",
+            "cp_comm_type", "data_parallel_sharding_strategy", "recompute_granularity", "recompute_method",
+            "fp8_format"]
+    switches = ["group_query_attention", "multi_latent_attention", "swiglu", "squared_relu",
+                "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias", "sequence_parallel",
+                "use_tp_pp_dp_mapping", "use_distributed_optimizer", "use_megatron_fsdp", "use_torch_fsdp2", "bf16",
+                "fp16", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"]
+    for name in ints:
+        p.add_argument(_flag(name), dest=name, type=int)
+    for name in strs:
+        p.add_argument(_flag(name), dest=name)
+    for name in switches:
+        p.add_argument(_flag(name), dest=name, action="store_true")
+    return p
+
+
+def _torchrun_geometry(tokens: list[str]) -> tuple[list[str], int | None, int | None]:
+    """Split an optional `torchrun ... script.py` prefix off: (the script's arguments, nodes, processes per node)."""
+    if not tokens or not (tokens[0].endswith("torchrun") or tokens[0].endswith("torch.distributed.run")):
+        return tokens, None, None
+    script = next((i for i, t in enumerate(tokens) if t.endswith(".py")), None)
+    if script is None:
+        raise InputError("the torchrun line names no .py script; pass `torchrun ... pretrain_gpt.py ARGS` or the "
+                         "script's arguments alone")
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--nnodes")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc")
+    launch, _ = p.parse_known_args(tokens[1:script])
+    for flag, value in (("--nnodes", launch.nnodes), ("--nproc-per-node", launch.nproc)):
+        if value is not None and not re.fullmatch(r"\d+", value):
+            raise InputError(f"torchrun {flag} {value!r}: give a number (an elastic range such as 1:4 does not fix "
+                             f"the world size; pass --gpus)")
+    nodes = int(launch.nnodes) if launch.nnodes else None
+    per_node = int(launch.nproc) if launch.nproc else None
+    return tokens[script + 1:], nodes, per_node
+
+
+def _check_supported(a: argparse.Namespace) -> None:
+    if a.account_for_embedding_in_pipeline_split or a.account_for_loss_in_pipeline_split:
+        raise InputError("--account-for-embedding/loss-in-pipeline-split: meshplan places decoder layers only; "
+                         "write the same split with --decoder-first/last-pipeline-num-layers or a layout")
+    if a.cp_comm_type not in (None, "p2p", "a2a"):
+        raise InputError(f"--cp-comm-type {a.cp_comm_type}: meshplan models p2p (ring) and a2a (Ulysses)")
+    if a.recompute_granularity not in (None, "full", "selective"):
+        raise InputError(f"--recompute-granularity {a.recompute_granularity}: choose full or selective")
+    if a.recompute_method not in (None, "uniform", "block"):
+        raise InputError(f"--recompute-method {a.recompute_method}: choose uniform or block")
+
+
+def _stage_layers(a: argparse.Namespace, num_layers: int | None, mtp: int) -> tuple[tuple[int, ...] | None, int]:
+    """(decoder layers per pipeline stage or None for Megatron's even split, virtual stages)."""
+    pp = a.pipeline_model_parallel_size or 1
+    if a.pipeline_model_parallel_layout:
+        if a.decoder_first_pipeline_num_layers or a.decoder_last_pipeline_num_layers:
+            raise InputError("--pipeline-model-parallel-layout cannot be combined with --decoder-first/last-"
+                             "pipeline-num-layers (Megatron refuses it too)")
+        chunks, mtp_in_layout, e_first, l_last = parse_layout(a.pipeline_model_parallel_layout, pp)
+        if not (e_first and l_last):
+            raise InputError("--pipeline-model-parallel-layout: the embedding must open the first virtual stage and "
+                             "the loss close the last (meshplan places them there)")
+        if mtp_in_layout != mtp:
+            raise InputError(f"--pipeline-model-parallel-layout places {mtp_in_layout} MTP layers; the model has "
+                             f"{mtp}")
+        vpp = len(chunks) // pp
+        per_stage = [[chunks[v * pp + r] for v in range(vpp)] for r in range(pp)]
+        for r, mine in enumerate(per_stage):
+            if mine != _even_split(sum(mine), vpp) or min(mine) < 1:
+                raise InputError(f"--pipeline-model-parallel-layout: pipeline rank {r} holds {mine} decoder layers "
+                                 f"per virtual stage; meshplan splits a stage's layers over its virtual stages as "
+                                 f"evenly as possible, larger first ({_even_split(sum(mine), vpp)})")
+        return tuple(sum(m) for m in per_stage), vpp
+    vpp = a.num_virtual_stages_per_pipeline_rank or 1
+    first, last = a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers
+    if a.num_layers_per_virtual_pipeline_stage:
+        if first or last or a.num_virtual_stages_per_pipeline_rank:
+            raise InputError("--num-layers-per-virtual-pipeline-stage cannot be combined with uneven stages or "
+                             "--num-virtual-stages-per-pipeline-rank (Megatron's rule)")
+        if num_layers is None or num_layers % pp or (num_layers // pp) % a.num_layers_per_virtual_pipeline_stage:
+            raise InputError(f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} "
+                             f"must divide the layers per pipeline stage")
+        vpp = num_layers // pp // a.num_layers_per_virtual_pipeline_stage
+    if not (first or last):
+        return None, vpp
+    if num_layers is None:
+        raise InputError("uneven stages need --num-layers")
+    middle_stages = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if middle_stages < 0 or (middle_stages == 0) != (rest == 0) or (middle_stages and rest % middle_stages):
+        raise InputError(f"--decoder-first/last-pipeline-num-layers {first}/{last}: the other {rest} layers do not "
+                         f"split evenly over {max(middle_stages, 0)} middle stages (Megatron's rule)")
+    m = rest // middle_stages if middle_stages else 0
+    layers = [m] * pp
+    if first is not None:
+        layers[0] = first
+    if last is not None:
+        layers[-1] = last
+    return tuple(layers), vpp
+
+
+def _model_from(a: argparse.Namespace, name: str) -> ModelSpec | None:
+    """The model the arguments describe, when they describe one whole (Megatron's defaults for what is left out:
+    arguments.py sets ffn_hidden_size 4h, or int(8h/3/64)*64 with --swiglu, and kv_channels h / heads)."""
+    if a.num_layers is None or a.hidden_size is None or a.num_attention_heads is None or a.vocab_size is None:
+        return None
+    from costmodels.model import MLASpec, MoESpec  # the model types, only when the arguments name a whole model
+
+    h = a.hidden_size
+    ffn = a.ffn_hidden_size or (int(4 * h * 2 / 3 / 64) * 64 if a.swiglu else 4 * h)
+    moe = None
+    if a.num_experts:
+        pattern = parse_moe_layer_freq(a.moe_layer_freq or "1", a.num_layers)
+        first_k = next((i for i, bit in enumerate(pattern) if bit), a.num_layers)
+        freq = _layer_freq(pattern, first_k)
+        moe = MoESpec(num_experts=a.num_experts, top_k=a.moe_router_topk or 2,
+                      expert_ffn_hidden=a.moe_ffn_hidden_size or ffn,
+                      num_shared_experts=1 if a.moe_shared_expert_intermediate_size else 0,
+                      shared_ffn_hidden=a.moe_shared_expert_intermediate_size, first_k_dense=first_k, layer_freq=freq)
+    mla = None
+    if a.multi_latent_attention:
+        missing = [f for f in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+                   if getattr(a, f) is None]
+        if missing:
+            raise InputError(f"--multi-latent-attention: give {', '.join(_flag(f) for f in missing)} too")
+        mla = MLASpec(q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_head_dim,
+                      qk_rope_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim)
+    return ModelSpec(
+        name=name, num_layers=a.num_layers, hidden=h, num_heads=a.num_attention_heads,
+        num_kv_heads=a.num_query_groups if a.group_query_attention else None, head_dim=a.kv_channels,
+        ffn_hidden=ffn, mlp="swiglu" if a.swiglu else "relu2" if a.squared_relu else "gelu", vocab=a.vocab_size,
+        tied_embeddings=not a.untie_embeddings_and_output_weights,
+        norm="rmsnorm" if (a.normalization or "LayerNorm") == "RMSNorm" else "layernorm",
+        qkv_bias=not a.disable_bias_linear or a.add_qkv_bias, linear_bias=not a.disable_bias_linear,
+        learned_positions=(a.position_embedding_type or "learned_absolute") == "learned_absolute",
+        max_seq_len=a.max_position_embeddings, moe=moe, mla=mla, num_mtp_layers=a.mtp_num_layers or 0)
+
+
+def _layer_freq(pattern: list[int], first_k: int) -> int:
+    """The meshplan MoE rule (i >= first_k and i % freq == 0) that gives `pattern`, or an InputError."""
+    for freq in range(1, len(pattern) + 1):
+        if pattern == [int(i >= first_k and i % freq == 0) for i in range(len(pattern))]:
+            return freq
+    raise InputError("--moe-layer-freq: meshplan models MoE layers as every k-th layer after the first dense ones; "
+                     "this pattern is not of that form")
+
+
+def parse_megatron_args(args: str | list[str], model_name: str = "megatron-import",
+                        num_layers: int | None = None) -> LaunchSpec:
+    """Read `pretrain_gpt.py` arguments (optionally after `torchrun ... script.py`); other arguments (data,
+    optimizer, logging) are ignored. `num_layers`: the named model's, when the arguments omit --num-layers (uneven
+    stages and block recomputation need it). InputError names anything meshplan cannot represent."""
+    if isinstance(args, str):
+        text = re.sub(r"\\\s*(\n|$)", " ", args)  # shell line continuations, a trailing one too
+        try:
+            tokens = shlex.split(text, comments=True)
+        except ValueError as exc:
+            raise InputError(f"cannot split the arguments as a shell would ({exc}); check the quotes") from None
+    else:
+        tokens = list(args)
+    tokens = [t for t in tokens if t not in ("\\", "$@")]
+    start = next((i for i, t in enumerate(tokens) if t.endswith("torchrun") or t.endswith(".py")), 0)
+    tokens = tokens[start:] if tokens[start:start + 1] and tokens[start].endswith("torchrun") else tokens
+    tokens, nodes, per_node = _torchrun_geometry(tokens)
+    a, _unknown = _parser().parse_known_args(tokens)
+    _check_supported(a)
+    if a.seq_length is None or a.global_batch_size is None:
+        raise InputError("the arguments need --seq-length and --global-batch-size (the workload)")
+    if a.fp16 and a.bf16:
+        raise InputError("--fp16 and --bf16 together: choose one")
+    dtype = "fp8" if a.fp8_format else "fp16" if a.fp16 else "bf16"
+    workload = Workload(global_batch=a.global_batch_size, seq_len=a.seq_length, dtype=dtype)
+    model = _model_from(a, model_name)
+    layers = a.num_layers if a.num_layers is not None else num_layers
+    stage_layers, vpp = _stage_layers(a, layers, a.mtp_num_layers or 0)
+    zero = 0
+    if a.use_distributed_optimizer:
+        zero = 1
+    if a.use_megatron_fsdp:
+        strategies = {v: k for k, v in FSDP_STRATEGY.items()} | {"no_shard": 0}
+        if a.data_parallel_sharding_strategy not in strategies:
+            raise InputError(f"--data-parallel-sharding-strategy {a.data_parallel_sharding_strategy}: choose "
+                             f"{', '.join(strategies)}")
+        zero = strategies[a.data_parallel_sharding_strategy]
+    if a.use_torch_fsdp2:
+        zero = 3
+    recompute, stage_recompute = "none", None
+    if a.recompute_granularity == "selective":
+        recompute = "selective"
+    elif a.recompute_granularity == "full":
+        if a.recompute_method == "block":
+            if stage_layers is None:
+                pp = a.pipeline_model_parallel_size or 1
+                if layers is None or layers % pp:
+                    raise InputError("--recompute-method block needs --num-layers divisible by the pipeline size")
+                stage_layers = (layers // pp,) * pp
+            k = a.recompute_num_layers or 1
+            stage_recompute = tuple(StagePolicy(granularity="full", full_layers=min(k, n)) for n in stage_layers)
+        else:
+            recompute = "full"
+    tp = a.tensor_model_parallel_size or 1
+    config = ParallelConfig(
+        tp=tp, pp=a.pipeline_model_parallel_size or 1, vpp=vpp, cp=a.context_parallel_size or 1,
+        cp_comm="a2a" if a.cp_comm_type == "a2a" else "ring", ep=a.expert_model_parallel_size or 1,
+        etp=a.expert_tensor_parallel_size, mbs=a.micro_batch_size or 1, zero=zero, recompute=recompute,
+        sp=a.sequence_parallel and tp > 1, stage_layers=stage_layers, stage_recompute=stage_recompute,
+        rank_order=PP_INSIDE_DP if a.use_tp_pp_dp_mapping else "tp-cp-dp-pp")
+    num_gpus = (nodes or 1) * per_node if per_node else None
+    given = tuple((k, v) for k, v in vars(a).items() if v not in (None, False))
+    return LaunchSpec(config=config, workload=workload, num_gpus=num_gpus, gpus_per_node=per_node, model=model,
+                      model_fields=given)
+
+
+def model_disagreement(launch: LaunchSpec, model: ModelSpec) -> str | None:
+    """The first model-shape argument in `launch` that `model` contradicts, as a sentence; None when they agree."""
+    expected = dict(model_settings(model, launch.workload.seq_len))
+    for name, value in launch.model_fields:
+        if name not in expected or name in ("seq_length", "max_position_embeddings"):
+            continue
+        want = expected[name]
+        if name == "moe_layer_freq":
+            if parse_moe_layer_freq(str(value), model.num_layers) != parse_moe_layer_freq(str(want), model.num_layers):
+                return f"{_flag(name)} {value} does not give {model.name}'s MoE layers ({want})"
+        elif str(value) != str(want) and not (want in (None, False) and value in (None, False)):
+            shown = "absent" if want in (None, False) else want
+            return f"{_flag(name)} {value} but {model.name} has {shown}"
+    return None

@@ -1,0 +1,98 @@
+"""NeMo 2 and Megatron-Bridge: the plan as MegatronStrategy(...) arguments and as ConfigContainer overrides.
+
+Both pass the parallel layout to megatron-core's ModelParallelConfig / TransformerConfig, so the names are those
+fields (megatron/core/model_parallel_config.py, megatron/core/transformer/transformer_config.py, v0.16); the
+batch goes to the data module (NeMo 2) or cfg.train (Megatron-Bridge, megatron/bridge/training/config.py); the
+model itself comes from the user's recipe. The values are the Megatron export's (planner/launchers/megatron.py),
+renamed, so both exporters refuse the same plans for the same reasons.
+"""
+
+from __future__ import annotations
+
+from planner.launchers.common import Exported, ExportedFile, ExportError, header_lines, node_geometry, refuse
+from planner.launchers.megatron import parallel_settings
+from planner.plan import Plan
+
+__all__ = ["TARGET", "model_parallel_fields", "ddp_fields", "export_nemo"]
+
+TARGET = "nemo"
+# Megatron argument -> megatron-core config field (megatron/training/arguments.py, core_transformer_config_from_args)
+RENAMED = {
+    "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
+    "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
+}
+MODEL_PARALLEL = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                  "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                  "pipeline_model_parallel_layout", "context_parallel_size", "cp_comm_type",
+                  "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+                  "recompute_granularity", "recompute_method", "recompute_num_layers"}
+DDP = {"use_distributed_optimizer", "use_megatron_fsdp", "data_parallel_sharding_strategy"}
+
+
+def _settings(plan: Plan) -> dict[str, object]:
+    if "-".join(plan.mesh.rank_order) != "tp-cp-dp-pp":
+        raise refuse(TARGET, "this export writes Megatron's default rank order", "re-plan with --order tp-cp-dp-pp")
+    if plan.inputs.workload.dtype == "fp8":
+        raise refuse(TARGET, "NeMo's FP8 recipes are version-specific precision plugins", "re-plan with --dtype bf16")
+    try:
+        megatron = parallel_settings(plan)
+    except ExportError as exc:  # the same limits as Megatron's, said for NeMo
+        raise refuse(TARGET, exc.why, exc.fix) from None
+    settings = {RENAMED.get(k, k): v for k, v in megatron if v is not None and v is not False}
+    per_virtual = settings.pop("num_layers_per_virtual_pipeline_stage", None)
+    if per_virtual is not None:
+        settings["virtual_pipeline_model_parallel_size"] = plan.pipeline.vpp
+    settings.setdefault("sequence_parallel", False)
+    return settings
+
+
+def model_parallel_fields(plan: Plan) -> dict[str, object]:
+    """The TransformerConfig fields of the plan's layout (what GPTModelProvider / MegatronStrategy take)."""
+    return {k: v for k, v in _settings(plan).items() if k in MODEL_PARALLEL}
+
+
+def ddp_fields(plan: Plan) -> dict[str, object]:
+    """DistributedDataParallelConfig fields (megatron/core/distributed/distributed_data_parallel_config.py)."""
+    return {k: v for k, v in _settings(plan).items() if k in DDP}
+
+
+def export_nemo(plan: Plan) -> Exported:
+    mp, ddp = model_parallel_fields(plan), ddp_fields(plan)
+    pipe, wl = plan.pipeline, plan.inputs.workload
+    nodes, per_node = node_geometry(plan)
+    precision = "bf16-mixed" if wl.dtype == "bf16" else "16-mixed"
+    header = "\n".join("# " + line for line in header_lines(plan, "NeMo 2 / Megatron-Bridge"))
+    strategy_args = "".join(f"\n    {k}={v!r}," for k, v in mp.items())
+    ddp_args = "".join(f"{k}={v!r}, " for k, v in ddp.items()).rstrip(", ")
+    bridge = "".join(f"\n    cfg.model.{k} = {v!r}" for k, v in mp.items())
+    bridge += "".join(f"\n    cfg.ddp.{k} = {v!r}" for k, v in ddp.items())
+    if ddp.get("use_distributed_optimizer"):
+        bridge += "\n    cfg.optimizer.use_distributed_optimizer = True"
+    bridge += (f"\n    cfg.train.micro_batch_size = {pipe.micro_batch_size}"
+               f"\n    cfg.train.global_batch_size = {wl.global_batch}"
+               f"\n    cfg.model.seq_length = {wl.seq_len}"
+               f"\n    cfg.dataset.sequence_length = {wl.seq_len}")
+    text = f'''{header}
+# The model comes from your recipe (meshplan planned {plan.inputs.model_spec().name}); these set its parallel layout.
+import torch
+from megatron.core.distributed import DistributedDataParallelConfig
+from nemo import lightning as nl
+
+# ---- NeMo 2 (nemo.lightning): the trainer's strategy; the data module takes the batch -----------------------------
+strategy = nl.MegatronStrategy({strategy_args}
+    pipeline_dtype=torch.{"bfloat16" if wl.dtype == "bf16" else "float16"},
+    ddp=DistributedDataParallelConfig({ddp_args}),
+)
+trainer = nl.Trainer(num_nodes={nodes}, devices={per_node}, strategy=strategy,
+                     plugins=nl.MegatronMixedPrecision(precision="{precision}"))
+data_kwargs = dict(micro_batch_size={pipe.micro_batch_size}, global_batch_size={wl.global_batch},
+                   seq_length={wl.seq_len})
+
+
+# ---- Megatron-Bridge (megatron.bridge.training.config.ConfigContainer): the same layout as overrides --------------
+def apply_meshplan(cfg):
+    """Set the plan's layout and batch on a ConfigContainer from a Megatron-Bridge recipe."""{bridge}
+    return cfg
+'''
+    return Exported(TARGET, (ExportedFile("nemo_plan.py", text),))

@@ -1,0 +1,292 @@
+"""torchtitan: a plan as the TOML job config of releases up to 0.2 (torchtitan/config/job_config.py) and as the
+Python config-registry function of 0.3 (torchtitan/config/configs.py, torchtitan/trainer.py), and back from TOML.
+
+The rules are torchtitan's: dp_replicate * dp_shard * cp * tp * pp = world (distributed/parallel_dims.py); data
+parallelism is DDP (replicate) or FSDP2 (shard; reshard_after_forward "never" keeps parameters gathered: ZeRO-2,
+"always": ZeRO-3), there is no optimizer-only sharding (ZeRO-1); expert parallelism borrows ranks from
+dp_shard * cp, and from tp too when expert TP is 1; tensor parallelism always shards the norms' sequence (SP) before
+0.3 (enable_sequence_parallel from 0.3); the mesh is pp, dp_replicate, dp_shard, cp, tp (tp innermost); a pipeline
+stage is a list of module names (module_fqns_per_model_part); activation checkpointing is none, selective or full
+for every block.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+
+from costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
+from costmodels.model import ModelSpec
+from costmodels.model_io import load_zoo, to_model_file
+from hardware_db.errors import InputError
+from planner.launchers.common import Exported, ExportedFile, header_lines, refuse, uniform_recompute
+from planner.launchers.megatron import LaunchSpec
+from planner.plan import Plan
+
+__all__ = ["TARGET", "FLAVORS", "TitanModel", "parallelism_fields", "training_fields", "activation_mode",
+           "toml_text", "python_text", "export_torchtitan", "parse_torchtitan_toml", "stage_module_names"]
+
+TARGET = "torchtitan"
+SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}  # torch.distributed.pipelining
+
+
+@dataclass(frozen=True)
+class TitanModel:
+    """A meshplan zoo model and the torchtitan model of the same architecture."""
+
+    module: str  # [model] name (<= 0.2) and the models/ package (0.3)
+    flavor: str  # [model] flavor (<= 0.2)
+    registry_function: str | None  # models/<module>/config_registry.py function (0.3); None: not in 0.3
+
+
+# torchtitan/models/{llama3,qwen3}/__init__.py (0.2.2) and config_registry.py (0.3.0)
+FLAVORS: dict[str, TitanModel] = {
+    "llama3.1-8b": TitanModel("llama3", "8B", "llama3_8b"),
+    "llama3.1-70b": TitanModel("llama3", "70B", "llama3_70b"),
+    "llama3.1-405b": TitanModel("llama3", "405B", "llama3_405b"),
+    "qwen3-30b-a3b": TitanModel("qwen3", "30B-A3B", "qwen3_30b_a3b"),
+    "qwen3-235b-a22b": TitanModel("qwen3", "235B-A22B", None),
+}
+
+
+def _titan_model(model: ModelSpec) -> TitanModel:
+    known = FLAVORS.get(model.name)
+    if known is None:
+        raise refuse(TARGET, f"torchtitan trains only the models it defines, and meshplan knows no torchtitan flavor "
+                     f"of {model.name}", f"plan one of {', '.join(FLAVORS)}, or write the config by hand")
+    if to_model_file(load_zoo(model.name)) != to_model_file(model):
+        raise refuse(TARGET, f"the plan's {model.name} differs from the zoo's (a scaled or edited model), so "
+                     f"torchtitan's {known.module} {known.flavor} is not it", "plan the zoo model")
+    return known
+
+
+def _data_parallel(plan: Plan) -> tuple[int, int, str]:
+    """(dp_replicate, dp_shard, fsdp_reshard_after_forward) for the plan's ZeRO stage. torchtitan shards with FSDP2
+    over dp_shard * cp (parallelize.py applies fully_shard whenever dp_shard or cp is on)."""
+    zero, dp, cp = plan.memory.zero, plan.mesh.dp, plan.mesh.cp
+    if cp > 1 and zero < 2:
+        raise refuse(TARGET, f"torchtitan shards parameters with FSDP2 over dp_shard*cp whenever CP is on; the plan "
+                     f"has ZeRO-{zero}", "re-plan with --zero 2 or --zero 3")
+    if zero == 1 and dp > 1:
+        raise refuse(TARGET, "torchtitan has no ZeRO-1 (optimizer-only sharding): it runs DDP or FSDP2",
+                     "re-plan with --zero 0 (DDP), --zero 2 (FSDP2 without resharding) or --zero 3 (FSDP2)")
+    if dp * cp == 1:
+        return 1, 1, "default"  # nothing to replicate or shard over
+    if zero == 0:
+        return dp, 1, "default"
+    return 1, dp, "never" if zero == 2 else "always"
+
+
+def stage_module_names(plan: Plan) -> list[list[str]]:
+    """module_fqns_per_model_part: the torchtitan module names of every virtual stage in model order (virtual
+    stage v of pipeline rank r is part v*pp + r, torchtitan's 'loop' placement)."""
+    pipe, pp = plan.pipeline, plan.mesh.pp
+    parts: list[list[str]] = []
+    for v in range(pipe.vpp):
+        for r in range(pp):
+            c = pipe.stages[r].chunks[v]
+            parts.append([f"layers.{i}" for i in range(c.first_layer, c.first_layer + c.num_layers)])
+    parts[0].insert(0, "tok_embeddings")
+    parts[-1] += ["norm", "output"]
+    return parts
+
+
+def parallelism_fields(plan: Plan, release: str) -> dict[str, object]:
+    """[parallelism] for `release` "0.2" (TOML) or "0.3" (Python); refuses what torchtitan cannot run."""
+    mesh, pipe = plan.mesh, plan.pipeline
+    if "-".join(mesh.rank_order) != DEFAULT_RANK_ORDER:
+        raise refuse(TARGET, f"torchtitan's mesh is pp, dp, cp, tp (tp innermost), not {'-'.join(mesh.rank_order)}",
+                     f"re-plan with --order {DEFAULT_RANK_ORDER}")
+    if mesh.cp > 1 and mesh.cp_comm == "a2a":
+        raise refuse(TARGET, "torchtitan's context parallelism exchanges KV shards (ring attention), it has no "
+                     "all-to-all over heads (Ulysses)", "re-plan with --cp-comm ring")
+    if mesh.tp > 1 and not mesh.sp and release == "0.2":
+        raise refuse(TARGET, "torchtitan before 0.3 always shards the norms' sequence with TP (SP)",
+                     "re-plan with --sp, or use the 0.3 Python form")
+    replicate, shard, reshard = _data_parallel(plan)
+    fields: dict[str, object] = {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
+                                 "fsdp_reshard_after_forward": reshard, "tensor_parallel_degree": mesh.tp}
+    if release == "0.3":
+        fields["enable_sequence_parallel"] = mesh.sp
+    if mesh.pp > 1:
+        if pipe.schedule not in SCHEDULES:
+            raise refuse(TARGET, f"torch.distributed.pipelining has no single-stage {pipe.schedule} schedule",
+                         "re-plan with --schedule 1f1b")
+        fields |= {"pipeline_parallel_degree": mesh.pp, "pipeline_parallel_schedule": SCHEDULES[pipe.schedule],
+                   "module_fqns_per_model_part": stage_module_names(plan),
+                   "pipeline_parallel_microbatch_size": pipe.micro_batch_size}
+    if mesh.cp > 1:
+        fields["context_parallel_degree"] = mesh.cp
+        if release == "0.2":
+            fields["context_parallel_rotate_method"] = "alltoall"  # the ring exchange of KV shards
+    if plan.inputs.model_spec().moe is not None and mesh.ep > 1:
+        etp_one = release == "0.3" or mesh.etp == 1
+        if release == "0.3" and mesh.etp != 1:
+            raise refuse(TARGET, "torchtitan 0.3 runs experts without tensor parallelism (EP borrows TP ranks)",
+                         "re-plan with --etp 1")
+        if mesh.etp not in (1, mesh.tp):
+            raise refuse(TARGET, "torchtitan supports expert TP equal to TP or 1", f"re-plan with --etp 1 or {mesh.tp}")
+        pool = shard * mesh.cp * (mesh.tp if etp_one else 1)
+        if pool % mesh.ep:
+            raise refuse(TARGET, f"torchtitan's EP borrows ranks from dp_shard*cp{'*tp' if etp_one else ''} = {pool}, "
+                         f"which ep {mesh.ep} does not divide", "re-plan with FSDP (--zero 2/3) or another --ep")
+        fields["expert_parallel_degree"] = mesh.ep
+        if release == "0.2":
+            fields["expert_tensor_parallel_degree"] = mesh.etp
+    return fields
+
+
+def training_fields(plan: Plan) -> dict[str, object]:
+    """[training]: with PP a data-parallel rank's batch is all its micro-batches; without, one micro-batch and
+    torchtitan accumulates global / (local x dp) of them (torchtitan/train.py)."""
+    pipe, wl = plan.pipeline, plan.inputs.workload
+    if wl.dtype != "bf16":
+        raise refuse(TARGET, f"{wl.dtype} training is set by version-specific converters in torchtitan",
+                     "re-plan with --dtype bf16 and add the converter by hand")
+    local = pipe.micro_batch_size * (pipe.num_microbatches if plan.mesh.pp > 1 else 1)
+    return {"local_batch_size": local, "global_batch_size": wl.global_batch, "seq_len": wl.seq_len,
+            "mixed_precision_param": "bfloat16"}
+
+
+def activation_mode(plan: Plan) -> str:
+    try:
+        kind, k = uniform_recompute(plan)
+    except ValueError as exc:
+        raise refuse(TARGET, f"torchtitan checkpoints every block alike, but {exc}",
+                     "re-plan with --recompute none, selective or full") from None
+    if k is not None:
+        raise refuse(TARGET, f"the plan recomputes {k} layers per stage; torchtitan's full checkpointing takes every "
+                     "block", "re-plan with --recompute full")
+    return kind
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def toml_text(plan: Plan) -> str:
+    model = _titan_model(plan.inputs.model_spec())
+    tables = {
+        "model": {"name": model.module, "flavor": model.flavor},
+        "training": training_fields(plan),
+        "parallelism": parallelism_fields(plan, "0.2"),
+        "activation_checkpoint": {"mode": activation_mode(plan)} | (
+            {"selective_ac_option": "op"} if activation_mode(plan) == "selective" else {}),
+    }
+    lines = ["# " + line for line in header_lines(plan, "torchtitan (<= 0.2, --job.config_file)")]
+    for name, fields in tables.items():
+        lines += ["", f"[{name}]"] + [f"{key} = {_toml_value(value)}" for key, value in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+def python_text(plan: Plan) -> str | None:
+    """The 0.3 config-registry function, or None when torchtitan 0.3 has no registry entry for the model."""
+    model = _titan_model(plan.inputs.model_spec())
+    if model.registry_function is None:
+        return None
+    par, train, mode = parallelism_fields(plan, "0.3"), training_fields(plan), activation_mode(plan)
+    train.pop("mixed_precision_param")  # 0.3 sets precision in the registry's model spec
+    ac = {"none": "None", "selective": "SelectiveAC.Config()", "full": "FullAC.Config()"}[mode]
+    header = "\n".join("# " + line for line in header_lines(plan, "torchtitan (>= 0.3, config registry)"))
+    par_args = "".join(f"\n        {k}={v!r}," for k, v in par.items())
+    train_sets = "".join(f"\n    config.training.{k} = {v!r}" for k, v in train.items())
+    return (f"{header}\n# Put this function in a config_registry.py and run with --module {model.module} "
+            f"--config meshplan_plan.\n"
+            f"from torchtitan.config import ParallelismConfig\n"
+            f"from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC\n"
+            f"from torchtitan.models.{model.module}.config_registry import {model.registry_function}\n\n\n"
+            f"def meshplan_plan():\n"
+            f"    config = {model.registry_function}()\n"
+            f"    config.parallelism = ParallelismConfig({par_args}\n    )"
+            f"{train_sets}\n"
+            f"    config.activation_checkpoint = {ac}\n"
+            f"    return config\n")
+
+
+def export_torchtitan(plan: Plan) -> Exported:
+    files = [ExportedFile("torchtitan.toml", toml_text(plan))]
+    py = python_text(plan)
+    if py is not None:
+        files.append(ExportedFile("torchtitan_config.py", py))
+    return Exported(TARGET, tuple(files))
+
+
+# ---- import --------------------------------------------------------------------------------------------------------
+
+def _stages_from_fqns(parts: list[list[str]], pp: int, num_layers: int) -> tuple[tuple[int, ...], int]:
+    if len(parts) % pp:
+        raise InputError(f"module_fqns_per_model_part has {len(parts)} parts, not a multiple of "
+                         f"pipeline_parallel_degree {pp}")
+    counts = [sum(name.startswith("layers.") for name in part) for part in parts]
+    order = [int(name.split(".")[1]) for part in parts for name in part if name.startswith("layers.")]
+    if order != list(range(num_layers)):
+        raise InputError("module_fqns_per_model_part must list layers.0 ... layers.N-1 once each, in order")
+    vpp = len(parts) // pp
+    per_stage = [[counts[v * pp + r] for v in range(vpp)] for r in range(pp)]
+    for r, mine in enumerate(per_stage):
+        base, extra = divmod(sum(mine), vpp)
+        if mine != [base + (1 if i < extra else 0) for i in range(vpp)] or min(mine) < 1:
+            raise InputError(f"module_fqns_per_model_part: pipeline rank {r} holds {mine} layers per virtual stage; "
+                             f"meshplan splits a stage's layers over its virtual stages evenly, larger first")
+    return tuple(sum(m) for m in per_stage), vpp
+
+
+def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple[LaunchSpec, str]:
+    """A torchtitan (<= 0.2) TOML job config as a LaunchSpec and the zoo name of its model."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"{origin}: not valid TOML ({exc})") from None
+    model_t, train, par = doc.get("model", {}), doc.get("training", {}), doc.get("parallelism", {})
+    ac = doc.get("activation_checkpoint", {})
+    key = (model_t.get("name", "llama3"), model_t.get("flavor", "debugmodel"))
+    zoo = next((name for name, m in FLAVORS.items() if (m.module, m.flavor) == key), None)
+    if zoo is None:
+        raise InputError(f"{origin}: meshplan knows no zoo model for torchtitan {key[0]} {key[1]}; known: "
+                         + ", ".join(f"{m.module} {m.flavor}" for m in FLAVORS.values()))
+    model = load_zoo(zoo)
+    rep = int(par.get("data_parallel_replicate_degree", 1))
+    shard = int(par.get("data_parallel_shard_degree", -1))
+    tp, pp, cp = (int(par.get(k, 1)) for k in ("tensor_parallel_degree", "pipeline_parallel_degree",
+                                               "context_parallel_degree"))
+    if shard == -1:
+        raise InputError(f"{origin}: data_parallel_shard_degree -1 (fill the world) needs the world size; write "
+                         f"the degree")
+    if rep > 1 and shard > 1:
+        raise InputError(f"{origin}: HSDP (replicate {rep} x shard {shard}) is not modelled; meshplan has one DP "
+                         f"dimension")
+    dp = rep * shard
+    reshard = par.get("fsdp_reshard_after_forward", "default")
+    zero = 0 if shard * cp == 1 else 2 if reshard == "never" else 3
+    if "module_fqns_per_model_part" in par and pp > 1:
+        stage_layers, vpp = _stages_from_fqns(par["module_fqns_per_model_part"], pp, model.num_layers)
+    elif pp > 1:
+        raise InputError(f"{origin}: give module_fqns_per_model_part (meshplan reads explicit stages)")
+    else:
+        stage_layers, vpp = None, 1
+    schedule = {v: k for k, v in SCHEDULES.items()}.get(par.get("pipeline_parallel_schedule", "1F1B"))
+    if pp > 1 and schedule is None:
+        raise InputError(f"{origin}: pipeline_parallel_schedule {par.get('pipeline_parallel_schedule')!r}: meshplan "
+                         f"models {', '.join(SCHEDULES.values())}")
+    local = int(train.get("local_batch_size", 8))
+    mbs = int(par.get("pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
+    gbs = int(train.get("global_batch_size", -1))
+    gbs = local * dp if gbs == -1 else gbs
+    mode = ac.get("mode", "selective")
+    if mode not in ("none", "selective", "full"):
+        raise InputError(f"{origin}: activation_checkpoint mode {mode!r}: meshplan models none, selective, full")
+    config = ParallelConfig(
+        tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=int(par.get("expert_parallel_degree", 1)),
+        etp=int(par.get("expert_tensor_parallel_degree", 1)) if model.moe is not None else None, mbs=mbs, zero=zero,
+        recompute=mode, sp=tp > 1, schedule=(schedule if pp > 1 else None), stage_layers=stage_layers)
+    workload = Workload(global_batch=gbs, seq_len=int(train.get("seq_len", 2048)), dtype="bf16")
+    return LaunchSpec(config=config, workload=workload, num_gpus=dp * tp * pp * cp, gpus_per_node=None, model=model,
+                      model_fields=()), zoo
