@@ -611,7 +611,8 @@ def import_(
     """Read the launch configuration you run today into a pinned plan and estimate it.
 
     Compare its step time with `meshplan plan` on the same model, cluster and batch. Arguments meshplan does not
-    model (data, optimizer, logging) are ignored; ones it cannot represent are refused with the reason.
+    model (data, optimizer, logging) are ignored; ones it cannot represent are refused with the reason. A torchrun
+    line's --nproc-per-node is the node size unless --gpus-per-node says otherwise.
     """
     from planner.launchers import launch_model, launch_world, pinned_plan, read_launch
     from planner.plan import write_plan
@@ -628,7 +629,8 @@ def import_(
     named = load_model(model) if model else None
     launch = read_launch(source, text, origin, named.num_layers if named else None)
     world = launch_world(launch, gpus if cluster_file is None else None)
-    cluster, eff = _cluster(cluster_file, gpu, None if cluster_file else world, gpus_per_node, nic_gbps, nvlink_gbs,
+    per_node = gpus_per_node if gpus_per_node is not None or cluster_file else launch.gpus_per_node
+    cluster, eff = _cluster(cluster_file, gpu, None if cluster_file else world, per_node, nic_gbps, nvlink_gbs,
                             calibration, runtime)
     if cluster.num_gpus != world:
         raise InputError(f"the cluster has {cluster.num_gpus} GPUs but the launch configuration runs {world}")

@@ -40,8 +40,8 @@ def _settings(plan: Plan) -> dict[str, object]:
     except ExportError as exc:  # the same limits as Megatron's, said for NeMo
         raise refuse(TARGET, exc.why, exc.fix) from None
     settings = {RENAMED.get(k, k): v for k, v in megatron if v is not None and v is not False}
-    per_virtual = settings.pop("num_layers_per_virtual_pipeline_stage", None)
-    if per_virtual is not None:
+    settings.pop("num_layers_per_virtual_pipeline_stage", None)
+    if plan.pipeline.vpp > 1:  # the strategy builds vpp model chunks; with a layout string megatron-core checks it agrees
         settings["virtual_pipeline_model_parallel_size"] = plan.pipeline.vpp
     settings.setdefault("sequence_parallel", False)
     return settings
@@ -57,13 +57,20 @@ def ddp_fields(plan: Plan) -> dict[str, object]:
     return {k: v for k, v in _settings(plan).items() if k in DDP}
 
 
+# MegatronStrategy's own layout arguments (nemo/lightning/pytorch/strategies/megatron_strategy.py); the other fields go
+# on the model's config, a megatron-core TransformerConfig in every NeMo 2 recipe
+STRATEGY = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "context_parallel_size", "sequence_parallel", "expert_model_parallel_size")
+
+
 def export_nemo(plan: Plan) -> Exported:
     mp, ddp = model_parallel_fields(plan), ddp_fields(plan)
     pipe, wl = plan.pipeline, plan.inputs.workload
     nodes, per_node = node_geometry(plan)
     precision = "bf16-mixed" if wl.dtype == "bf16" else "16-mixed"
     header = "\n".join("# " + line for line in header_lines(plan, "NeMo 2 / Megatron-Bridge"))
-    strategy_args = "".join(f"\n    {k}={v!r}," for k, v in mp.items())
+    strategy_args = "".join(f"\n    {k}={v!r}," for k, v in mp.items() if k in STRATEGY)
+    on_config = "".join(f"\n    {k}={v!r}," for k, v in mp.items() if k not in STRATEGY)
     ddp_args = "".join(f"{k}={v!r}, " for k, v in ddp.items()).rstrip(", ")
     bridge = "".join(f"\n    cfg.model.{k} = {v!r}" for k, v in mp.items())
     bridge += "".join(f"\n    cfg.ddp.{k} = {v!r}" for k, v in ddp.items())
@@ -79,13 +86,15 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from nemo import lightning as nl
 
-# ---- NeMo 2 (nemo.lightning): the trainer's strategy; the data module takes the batch -----------------------------
+# ---- NeMo 2 (nemo.lightning): the trainer's strategy, the model config's layout fields, the data module's batch ---
 strategy = nl.MegatronStrategy({strategy_args}
     pipeline_dtype=torch.{"bfloat16" if wl.dtype == "bf16" else "float16"},
     ddp=DistributedDataParallelConfig({ddp_args}),
 )
 trainer = nl.Trainer(num_nodes={nodes}, devices={per_node}, strategy=strategy,
                      plugins=nl.MegatronMixedPrecision(precision="{precision}"))
+model_config_fields = dict({on_config}
+)  # set each on your recipe's model config: for k, v in model_config_fields.items(): setattr(model.config, k, v)
 data_kwargs = dict(micro_batch_size={pipe.micro_batch_size}, global_batch_size={wl.global_batch},
                    seq_length={wl.seq_len})
 
