@@ -35,6 +35,7 @@ ClickException: type[Exception] = next(c for c in typer.BadParameter.__mro__ if 
 NoArgsIsHelpError = getattr(sys.modules[ClickException.__module__], "NoArgsIsHelpError", None)
 
 ExportTarget = Literal["megatron", "torchtitan", "deepspeed", "torchrun", "nemo"]  # planner.launchers.TARGETS
+AnyExportTarget = Literal["megatron", "torchtitan", "deepspeed", "torchrun", "nemo", "vllm", "sglang"]  # + SERVING
 ImportSource = Literal["megatron", "torchtitan"]  # planner.launchers.SOURCES
 RuntimeName = Literal[tuple(RUNTIMES)]  # type: ignore[valid-type]  # choices follow costmodels.config.RUNTIMES
 
@@ -470,6 +471,157 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
 
 
 @app.command()
+def serve(
+    model: ModelOpt,
+    gpu: GpuOpt = None,
+    gpus: Annotated[Optional[str], typer.Option("--gpus", rich_help_panel=P_CLUSTER, help=(
+        "GPUs: N (at most N) or A-B (deployments using A to B)."))] = None,
+    gpus_per_node: PerNodeOpt = None,
+    nic_gbps: NicOpt = None,
+    nvlink_gbs: NvlinkOpt = None,
+    isl: Annotated[Optional[int], typer.Option("--isl", min=1, rich_help_panel=P_MODEL, help=(
+        "Input (prompt) tokens per request."))] = None,
+    osl: Annotated[Optional[int], typer.Option("--osl", min=1, rich_help_panel=P_MODEL, help=(
+        "Output tokens per request."))] = None,
+    lengths: Annotated[Optional[Path], typer.Option("--lengths", rich_help_panel=P_MODEL, help=(
+        "CSV of request lengths (columns input_tokens,output_tokens, or isl,osl): their means are the workload."))
+    ] = None,
+    ttft_ms: Annotated[Optional[float], typer.Option("--ttft-ms", min=0.001, rich_help_panel=P_PAR, help=(
+        "Time-to-first-token target, ms."))] = None,
+    tpot_ms: Annotated[Optional[float], typer.Option("--tpot-ms", min=0.001, rich_help_panel=P_PAR, help=(
+        "Time-per-output-token target, ms."))] = None,
+    e2e_ms: Annotated[Optional[float], typer.Option("--e2e-ms", min=0.001, rich_help_panel=P_PAR, help=(
+        "End-to-end latency target (TTFT + OSL x TPOT), ms."))] = None,
+    objective: Annotated[Literal["throughput", "min-gpus"], typer.Option("--objective", rich_help_panel=P_PAR,
+        help="throughput: most output tokens/s per GPU; min-gpus: fewest GPUs for --request-rate.")
+    ] = "throughput",
+    request_rate: Annotated[Optional[float], typer.Option("--request-rate", min=0.000001, rich_help_panel=P_PAR,
+        help="Requests/s to serve (objective min-gpus).")] = None,
+    weight_dtype: Annotated[Literal["bf16", "fp8"], typer.Option("--weight-dtype", rich_help_panel=P_MODEL,
+        help="Weights and GEMMs in bf16 or fp8.")] = "bf16",
+    kv_dtype: Annotated[Literal["bf16", "fp8"], typer.Option("--kv-dtype", rich_help_panel=P_MODEL,
+        help="KV cache precision.")] = "bf16",
+    mem_fraction: Annotated[float, typer.Option("--mem-fraction", min=0.05, max=1.0, rich_help_panel=P_PAR, help=(
+        "Fraction of HBM an engine uses (vLLM --gpu-memory-utilization, SGLang --mem-fraction-static)."))] = 0.9,
+    disaggregation: Annotated[bool, typer.Option("--disaggregation/--no-disaggregation", rich_help_panel=P_PAR,
+        help="Also search separate prefill and decode pools.")] = True,
+    layout: Annotated[Optional[str], typer.Option("--layout", rich_help_panel=P_PAR, help=(
+        "Evaluate this engine instead of searching, e.g. tp8 or tp4,dp80,ep320 (the decode pool with "
+        "--prefill-layout)."))] = None,
+    prefill_layout: Annotated[Optional[str], typer.Option("--prefill-layout", rich_help_panel=P_PAR, help=(
+        "With --layout: a disaggregated deployment with this prefill engine, e.g. tp4,dp8,ep32."))] = None,
+    engines: Annotated[Optional[int], typer.Option("--engines", min=1, rich_help_panel=P_PAR, help=(
+        "With --layout: engines of it (default: fill the GPUs, or 1 decode engine)."))] = None,
+    prefill_engines: Annotated[Optional[int], typer.Option("--prefill-engines", min=1, rich_help_panel=P_PAR, help=(
+        "With --prefill-layout: prefill engines (default: as many as the decode pool needs)."))] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", min=1, rich_help_panel=P_PAR, help=(
+        "With --layout: running sequences per engine (default: the best that meets the targets)."))] = None,
+    top: Annotated[int, typer.Option("--top", min=1, rich_help_panel=P_OUT, help="Deployments to rank.")] = 5,
+    out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
+        "Write the best deployment as a serving plan (Plan JSON, kind serving)."))] = None,
+    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
+        "Print the serving plan as JSON and nothing else."))] = False,
+    export_to: Annotated[Optional[Literal["vllm", "sglang"]], typer.Option("--export", rich_help_panel=P_OUT, help=(
+        "Also export the best deployment's command lines (printed, or written to --export-out)."))] = None,
+    export_out: Annotated[Optional[Path], typer.Option("--export-out", rich_help_panel=P_OUT, help=(
+        "Where --export writes."))] = None,
+) -> None:
+    """Search serving deployments: TP, attention DP, PP and EP per engine, batch and chunk sizes, aggregated or
+    disaggregated prefill and decode pools, under TTFT and TPOT targets.
+
+    Reports the deployments that meet the targets ranked by output tokens/s per GPU (or fewest GPUs for
+    --request-rate), the Pareto front of tokens/s/GPU vs tokens/s/user, and why the runners-up lose; when
+    nothing meets the targets, the nearest miss and what it misses.
+    """
+    from planner.launchers import export_plan, write_export
+    from planner.plan import build_serving_plan, write_plan
+    from planner.serve import (ServeTargets, explain_serving, load_lengths, parse_engine_layout, parse_gpu_range,
+                               pinned_deployment, search_serving, workload_from)
+
+    if export_out is not None and export_to is None:
+        raise InputError("--export-out needs --export vllm|sglang")
+    if as_json and export_to is not None and export_out is None:
+        raise InputError("--json prints only the plan; give --export-out for the --export files")
+    spec = load_model(model)
+    low, high = parse_gpu_range(gpus)
+    cluster, eff = _cluster(None, gpu, high, gpus_per_node, nic_gbps, nvlink_gbs)
+    wl = workload_from(isl, osl, load_lengths(lengths) if lengths else None, weight_dtype, kv_dtype)
+    targets = ServeTargets(ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms, request_rate=request_rate)
+    result = None
+    if layout is not None:
+        best = pinned_deployment(spec, cluster, wl, targets, parse_engine_layout(layout), engines, batch,
+                                 parse_engine_layout(prefill_layout) if prefill_layout else None, prefill_engines,
+                                 mem_fraction=mem_fraction)
+        if best.gpus > cluster.num_gpus:
+            raise InputError(f"the deployment needs {best.gpus} GPUs; --gpus gives {cluster.num_gpus}")
+        alternatives: list[str] = []
+    else:
+        if prefill_layout or engines or prefill_engines or batch:
+            raise InputError("--prefill-layout, --engines, --prefill-engines and --batch go with --layout")
+        result = search_serving(spec, cluster, wl, targets, low, objective, disaggregation, top=top,
+                                mem_fraction=mem_fraction)
+        if result.best is None:
+            raise InputError(result.why_nothing or "no deployment fits")
+        best, alternatives = result.best, explain_serving(result, targets, wl)
+    doc = build_serving_plan(spec, cluster, wl, targets, best, result, objective, alternatives)
+    exported = export_plan(doc, export_to) if export_to is not None else None
+    if out is not None:
+        write_plan(doc, out)
+    if exported is not None and export_out is not None:
+        written = write_export(exported, export_out)
+    if as_json:
+        typer.echo(doc.model_dump_json(indent=2))
+        return
+    con = _console()
+    _print_serving(con, spec, cluster, wl, targets, doc, result, alternatives)
+    if out is not None:
+        con.print(f"serving plan written to {out}")
+    if exported is not None:
+        if export_out is not None:
+            con.print(f"{export_to} export written to {', '.join(map(str, written))}")
+        else:
+            _echo_export(exported)
+
+
+def _print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, targets: Any, doc: Any, result: Any,
+                   alternatives: list[str]) -> None:
+    src = f" ({wl.source})" if wl.source else ""
+    aims = ", ".join(f"{k} {v:g} ms" for k, v in (("TTFT", targets.ttft_ms), ("TPOT", targets.tpot_ms),
+                                                    ("end-to-end", targets.e2e_ms)) if v is not None) or "none"
+    con.print(f"{spec.name} on up to {cluster.num_gpus} x {cluster.gpu.name}; ISL {wl.isl}, OSL {wl.osl}{src}; "
+              f"weights {wl.weight_dtype}, KV {wl.kv_dtype}; targets: {aims}")
+    if result is not None:
+        table = Table(title="deployments that meet the targets")
+        for col in ("#", "deployment", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT ms", "TPOT ms", "req/s"):
+            table.add_column(col, justify="left" if col == "deployment" else "right")
+        for i, d in enumerate(result.ranked, 1):
+            table.add_row(str(i), d.label(), str(d.gpus), f"{d.tokens_per_s_per_gpu:,.0f}",
+                          f"{d.tokens_per_s_per_user:.1f}", f"{d.ttft_s * 1e3:.0f}", f"{d.tpot_s * 1e3:.1f}",
+                          f"{d.requests_per_s:.2f}")
+        con.print(table)
+    if doc.search is not None:
+        front = Table(title="Pareto front: tokens/s/GPU vs tokens/s/user (every deployment evaluated)")
+        for col in ("deployment", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT ms", "TPOT ms", "meets"):
+            front.add_column(col, justify="left" if col == "deployment" else "right")
+        for d in doc.search.pareto:
+            front.add_row(d.deployment, str(d.gpus), f"{d.tokens_per_s_per_gpu:,.0f}",
+                          f"{d.tokens_per_s_per_user:.1f}", f"{d.ttft_ms:.0f}", f"{d.tpot_ms:.1f}",
+                          "yes" if d.meets_targets else "no")
+        con.print(front)
+        con.print(f"search: {doc.search.evaluated:,} engine configurations in {doc.search.seconds:.2f} s")
+    p = doc.prediction
+    con.print(f"best: {doc.mode}, {p.gpus} GPUs: {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+              f"{p.tokens_per_s_per_user:.1f} tokens/s/user, TTFT {p.ttft_ms:.0f} ms, TPOT {p.tpot_ms:.1f} ms, "
+              f"{p.requests_per_s:.2f} requests/s" + ("" if p.meets_targets else f" (misses {p.misses})"))
+    for e in doc.engines:
+        con.print(f"  {e.engines} x {e.role} engine TP{e.tp} DP{e.dp} PP{e.pp} EP{e.ep} ({e.gpus_per_engine} GPUs): "
+                  f"max {e.max_num_seqs} seqs, {e.max_num_batched_tokens} tokens/iteration, weights "
+                  f"{e.weights_gib:.1f} GiB + KV {e.kv_cache_gib:.1f} GiB per GPU ({e.kv_tokens:,} tokens)")
+    for line in alternatives:
+        con.print(f"  vs {line}")
+
+
+@app.command()
 def profile(
     device: Annotated[Literal["cpu", "cuda"], typer.Option("--device", help=(
         "What to profile: cpu (this host, one thread per rank, collectives on gloo) or cuda (GPU 0; NCCL "
@@ -552,11 +704,11 @@ def _echo_export(exported: Any) -> None:
 @app.command("export")
 def export_(
     plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan --out` or `meshplan import`.")],
-    to: Annotated[ExportTarget, typer.Option("--to", help=(
-        "megatron: pretrain_gpt.py arguments in a torchrun script; torchtitan: the TOML job config (<= 0.2) and "
-        "the config-registry function (>= 0.3); deepspeed: ds_config.json and the Megatron-DeepSpeed script; "
-        "torchrun: the launch of meshplan's executor on the plan's world; nemo: NeMo 2 MegatronStrategy and "
-        "Megatron-Bridge overrides."))],
+    to: Annotated[AnyExportTarget, typer.Option("--to", help=(
+        "Training plans: megatron (pretrain_gpt.py arguments in a torchrun script), torchtitan (the TOML job "
+        "config <= 0.2 and the config-registry function >= 0.3), deepspeed (ds_config.json and the "
+        "Megatron-DeepSpeed script), torchrun (meshplan's executor on the plan's world), nemo (NeMo 2 "
+        "MegatronStrategy and Megatron-Bridge overrides). Serving plans: vllm, sglang (a command line per pool)."))],
     out: Annotated[Optional[Path], typer.Option("--out", help=(
         "Write here (atomically): the file, or a directory when the export has several files. Default: print."))
     ] = None,
@@ -567,9 +719,9 @@ def export_(
     place) is refused with the reason and what to re-plan with; it is never silently changed.
     """
     from planner.launchers import export_plan, write_export
-    from planner.plan import read_plan
+    from planner.plan import read_any_plan
 
-    exported = export_plan(read_plan(plan_file), to)
+    exported = export_plan(read_any_plan(plan_file), to)
     if out is None:
         _echo_export(exported)
         return
@@ -649,16 +801,28 @@ def import_(
 
 @app.command()
 def show(
-    plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan --out`.")],
+    plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan`, `serve` or `import`.")],
     trace: Annotated[Optional[Path], typer.Option("--trace", help=(
         "Also write the plan's simulated pipeline timeline as a Chrome trace (open in ui.perfetto.dev)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the validated plan as JSON.")] = False,
 ) -> None:
-    """Print a plan file readably (and re-simulate it for --trace); refuses plans of another schema version."""
-    from planner.plan import plan_config, read_plan
+    """Print a plan file readably (and re-simulate a training plan for --trace); refuses plans of another schema
+    version."""
+    from planner.plan import ServingPlan, plan_config, read_any_plan
     from planner.trace import chrome_trace, write_trace
 
-    doc = read_plan(plan_file)
+    doc = read_any_plan(plan_file)
+    if isinstance(doc, ServingPlan):
+        if trace is not None:
+            raise InputError("--trace draws a training plan's pipeline; this is a serving plan")
+        if as_json:
+            typer.echo(doc.model_dump_json(indent=2))
+            return
+        con = _console()
+        con.print(f"serving plan {plan_file} (schema v{doc.schema_version}, meshplan {doc.meshplan_version})")
+        _print_serving(con, doc.inputs.model_spec(), doc.inputs.cluster.cluster(), doc.inputs.workload,
+                       doc.inputs.targets, doc, None, doc.search.alternatives if doc.search else [])
+        return
     if as_json:
         typer.echo(doc.model_dump_json(indent=2))
     else:

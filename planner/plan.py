@@ -16,9 +16,9 @@ import secrets
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, RANK_ORDERS, RUNTIMES, ParallelConfig, RankOrder,
                                Schedule, StagePolicy, Workload, resolve)
@@ -42,6 +42,10 @@ __all__ = [
     "plan_config",
     "write_plan",
     "read_plan",
+    "read_any_plan",
+    "read_serving_plan",
+    "ServingPlan",
+    "build_serving_plan",
     "plan_json_schema",
     "write_schema_file",
     "write_text_atomic",
@@ -403,13 +407,156 @@ def plan_config(plan: Plan) -> tuple[ModelSpec, Cluster, Workload, ParallelConfi
     return inputs.model_spec(), inputs.cluster.cluster(), inputs.workload, config, inputs.runtime
 
 
+# ---- serving plans -------------------------------------------------------------------------------------------------
+
+class ServingInputs(_Frozen):
+    """What a serving plan was made for, by value."""
+
+    model: dict[str, Any] = Field(description="meshplan model file (docs/models.md), complete: no zoo needed")
+    cluster: ClusterInput
+    workload: "ServeWorkload"
+    targets: "ServeTargets"
+
+    @field_validator("model")
+    @classmethod
+    def _model_file(cls, v: dict[str, Any]) -> dict[str, Any]:
+        parse_model_file(v, MODEL_ORIGIN)
+        return v
+
+    def model_spec(self) -> ModelSpec:
+        return parse_model_file(self.model, MODEL_ORIGIN)
+
+
+class ServingEngine(_Frozen):
+    """One pool of identical engines (model replicas) and what one of them is predicted to do."""
+
+    role: Literal["aggregated", "prefill", "decode"]
+    engines: int = Field(gt=0)
+    tp: int = Field(gt=0, description="tensor parallel inside an attention group")
+    dp: int = Field(gt=0, description="attention data-parallel groups")
+    pp: int = Field(gt=0)
+    ep: int = Field(gt=0, description="expert parallel over the tp x dp ranks of a stage")
+    gpus_per_engine: int = Field(gt=0)
+    max_num_seqs: int = Field(gt=0, description="running sequences (aggregated, decode) or prompts per iteration "
+                                                "(prefill)")
+    max_num_batched_tokens: int = Field(gt=0)
+    gpu_memory_utilization: float = Field(gt=0, le=1)
+    ttft_ms: float = Field(ge=0)
+    tpot_ms: float = Field(ge=0)
+    requests_per_s: float = Field(ge=0, description="one engine")
+    weights_gib: float = Field(ge=0, description="per GPU")
+    kv_cache_gib: float = Field(ge=0, description="per GPU")
+    kv_tokens: int = Field(ge=0, description="tokens the engine's KV cache holds")
+
+    @model_validator(mode="after")
+    def _gpus(self) -> "ServingEngine":
+        if self.tp * self.dp * self.pp != self.gpus_per_engine:
+            raise ValueError(f"gpus_per_engine {self.gpus_per_engine} != tp*dp*pp = {self.tp * self.dp * self.pp}")
+        return self
+
+
+class ServingPrediction(_Frozen):
+    ttft_ms: float = Field(ge=0)
+    tpot_ms: float = Field(ge=0)
+    e2e_ms: float = Field(ge=0)
+    requests_per_s: float = Field(ge=0)
+    output_tokens_per_s: float = Field(ge=0)
+    tokens_per_s_per_gpu: float = Field(ge=0)
+    tokens_per_s_per_user: float = Field(ge=0)
+    gpus: int = Field(gt=0)
+    meets_targets: bool
+    misses: str = Field(description="the targets missed, in words; empty when all are met")
+
+
+class ParetoPoint(_Frozen):
+    deployment: str
+    gpus: int
+    tokens_per_s_per_gpu: float
+    tokens_per_s_per_user: float
+    ttft_ms: float
+    tpot_ms: float
+    meets_targets: bool
+
+
+class ServingSearch(_Frozen):
+    objective: Literal["throughput", "min-gpus"]
+    evaluated: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+    pareto: list[ParetoPoint] = Field(description="tokens/s/GPU vs tokens/s/user, by tokens/s/user")
+    alternatives: list[str] = Field(description="why the runners-up lose, one line each")
+
+
+class ServingPlan(_Frozen):
+    """A meshplan serving plan, schema v1 (kind "serving")."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    kind: Literal["serving"] = "serving"
+    meshplan_version: str
+    inputs: ServingInputs
+    mode: Literal["aggregated", "disaggregated"]
+    engines: list[ServingEngine]
+    prediction: ServingPrediction
+    search: ServingSearch | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ServingPlan":
+        roles = [e.role for e in self.engines]
+        want = ["aggregated"] if self.mode == "aggregated" else ["prefill", "decode"]
+        if roles != want:
+            raise ValueError(f"a {self.mode} plan has engines {want}, got {roles}")
+        used = sum(e.engines * e.gpus_per_engine for e in self.engines)
+        if used != self.prediction.gpus:
+            raise ValueError(f"the engines use {used} GPUs but prediction.gpus is {self.prediction.gpus}")
+        if used > self.inputs.cluster.num_gpus:
+            raise ValueError(f"the engines use {used} GPUs; the cluster has {self.inputs.cluster.num_gpus}")
+        return self
+
+
+def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: "ServeWorkload", targets: "ServeTargets",
+                       deployment: Any, result: Any = None, objective: str = "throughput",
+                       alternatives: list[str] | None = None) -> ServingPlan:
+    """The plan of one deployment (planner.serve.Deployment); `result` (a ServeResult) when a search made it."""
+    from planner.serve import meets, misses
+
+    engines = [ServingEngine(
+        role=p.role, engines=n, tp=p.layout.tp, dp=p.layout.dp, pp=p.layout.pp, ep=p.layout.ep,
+        gpus_per_engine=p.layout.gpus, max_num_seqs=p.batch, max_num_batched_tokens=p.chunk,
+        gpu_memory_utilization=p.mem_fraction, ttft_ms=p.ttft_s * 1e3, tpot_ms=p.tpot_s * 1e3,
+        requests_per_s=p.requests_per_s, weights_gib=p.memory.weights_gib, kv_cache_gib=p.memory.kv_gib,
+        kv_tokens=p.memory.tokens) for p, n in deployment.pools]
+    d = deployment
+    prediction = ServingPrediction(
+        ttft_ms=d.ttft_s * 1e3, tpot_ms=d.tpot_s * 1e3, e2e_ms=d.e2e_s(workload.osl) * 1e3,
+        requests_per_s=d.requests_per_s, output_tokens_per_s=d.output_tokens_per_s,
+        tokens_per_s_per_gpu=d.tokens_per_s_per_gpu, tokens_per_s_per_user=d.tokens_per_s_per_user, gpus=d.gpus,
+        meets_targets=meets(d, targets, workload), misses=misses(d, targets, workload))
+    search = None
+    if result is not None:
+        pareto = [ParetoPoint(deployment=p.label(), gpus=p.gpus, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu,
+                              tokens_per_s_per_user=p.tokens_per_s_per_user, ttft_ms=p.ttft_s * 1e3,
+                              tpot_ms=p.tpot_s * 1e3, meets_targets=meets(p, targets, workload))
+                  for p in result.pareto]
+        search = ServingSearch(objective=objective, evaluated=result.evaluated, seconds=result.seconds,
+                               pareto=pareto, alternatives=alternatives or [])
+    spec_fields = cluster.spec.model_dump() | {"gpus_per_node": cluster.gpus_per_node}
+    return ServingPlan(
+        meshplan_version=meshplan_version(),
+        inputs=ServingInputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
+                             workload=workload, targets=targets),
+        mode=d.mode, engines=engines, prediction=prediction, search=search)
+
+
 # ---- JSON Schema ---------------------------------------------------------------------------------------------------
 
+AnyPlan = Annotated[Union[Plan, ServingPlan], Field(discriminator="kind")]
+
+
 def plan_json_schema() -> dict[str, Any]:
-    """The published JSON Schema of a plan (draft 2020-12), generated from the pydantic models."""
-    schema = Plan.model_json_schema()
+    """The published JSON Schema of a plan, training or serving by its `kind` (draft 2020-12), generated from the
+    pydantic models."""
+    schema = TypeAdapter(AnyPlan).json_schema()
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID,
-            **schema, "title": f"meshplan training plan (schema v{SCHEMA_VERSION})"}
+            **schema, "title": f"meshplan plan, training or serving (schema v{SCHEMA_VERSION})"}
 
 
 def write_schema_file(path: str | Path = SCHEMA_PATH) -> Path:
@@ -465,12 +612,12 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         raise
 
 
-def write_plan(plan: Plan, path: str | Path) -> None:
+def write_plan(plan: "Plan | ServingPlan", path: str | Path) -> None:
     """Validate (pydantic and the JSON Schema) and write `plan` as indented JSON, atomically."""
     path = Path(path)
     data = plan.model_dump(mode="json")
     try:
-        Plan.model_validate(data)
+        type(plan).model_validate(data)
     except ValidationError as exc:
         raise ValueError(f"refusing to write an invalid plan: {_pydantic_error(exc)}") from None
     problem = _jsonschema_error(data)
@@ -484,9 +631,8 @@ def write_plan(plan: Plan, path: str | Path) -> None:
                          f"and is writable") from None
 
 
-def read_plan(path: str | Path) -> Plan:
-    """Read and validate a plan; every problem is one InputError line naming the file and what is wrong."""
-    path = Path(path)
+def _read_document(path: Path) -> dict[str, Any]:
+    """The JSON object of a plan file of this schema version; InputError for anything else."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -510,12 +656,24 @@ def read_plan(path: str | Path) -> Plan:
     if version < SCHEMA_VERSION:
         raise InputError(f"{path} was written by meshplan with schema v{version}; this meshplan reads "
                          f"v{SCHEMA_VERSION}: re-run meshplan plan")
+    return data
+
+
+def read_any_plan(path: str | Path, kinds: tuple[str, ...] = ("training", "serving")) -> "Plan | ServingPlan":
+    """Read and validate a plan of one of `kinds`; every problem is one InputError line naming the file and what is
+    wrong."""
+    path = Path(path)
+    data = _read_document(path)
     kind = data.get("kind")
-    if kind != "training":
-        raise InputError(f"{path}: plan kind {_one_line(json.dumps(kind), 40)} is not supported; this meshplan "
-                         f"reads training plans")
+    if kind not in kinds:
+        takes = " or ".join(kinds)
+        known = kind in ("training", "serving")
+        what = f"is a {kind} plan (kind {json.dumps(kind)})" if known else \
+            f"plan kind {_one_line(json.dumps(kind), 40)} is not supported"
+        raise InputError(f"{path}: {what}; this command takes {takes} plans")
+    model = Plan if kind == "training" else ServingPlan
     try:
-        plan = Plan.model_validate(data)
+        plan = model.model_validate(data)
     except ValidationError as exc:
         raise InputError(f"{path}: invalid plan: {_pydantic_error(exc)}") from None
     problem = _jsonschema_error(data)
@@ -523,6 +681,24 @@ def read_plan(path: str | Path) -> Plan:
         raise InputError(f"{path}: invalid plan: {problem}")
     return plan
 
+
+def read_plan(path: str | Path) -> Plan:
+    """Read and validate a training plan."""
+    plan = read_any_plan(path, ("training",))
+    assert isinstance(plan, Plan)
+    return plan
+
+
+def read_serving_plan(path: str | Path) -> ServingPlan:
+    plan = read_any_plan(path, ("serving",))
+    assert isinstance(plan, ServingPlan)
+    return plan
+
+
+from planner.serve import ServeTargets, ServeWorkload  # noqa: E402  (the serving inputs; serve imports no plan)
+
+ServingInputs.model_rebuild()
+ServingPlan.model_rebuild()
 
 if __name__ == "__main__":
     print(f"wrote {write_schema_file()}")

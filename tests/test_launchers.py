@@ -462,7 +462,8 @@ def test_cli_import_megatron_and_torchtitan(capsys, tmp_path, plan_file):
     run(capsys, "export", str(plan_file), "--to", "torchtitan", "--out", str(tmp_path / "tt"))
     code, out, err = run(capsys, "import", "--from", "torchtitan", str(tmp_path / "tt" / "torchtitan.toml"),
                          "--gpu", "h100-sxm", "--json")
-    assert code == 0, err and json.loads(out)["mesh"] == original["mesh"]
+    assert code == 0, err
+    assert json.loads(out)["mesh"] == original["mesh"]
     code, out, err = run(capsys, "import", "--from", "megatron", "--gpu", "h100-sxm", "--gpus", "8", "-m",
                          "llama3.1-8b", "--", "--tensor-model-parallel-size 2 --seq-length 2048 "
                          "--global-batch-size 16")

@@ -16,12 +16,13 @@ from costmodels.estimate import Efficiency, Simulated, simulate_config
 from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
-from planner.launchers import deepspeed, megatron, nemo, torchrun, torchtitan
+from planner.launchers import deepspeed, megatron, nemo, sglang, torchrun, torchtitan, vllm
 from planner.launchers.common import Exported, ExportedFile, ExportError
 from planner.launchers.megatron import LaunchSpec
-from planner.plan import Plan, build_plan, write_text_atomic
+from planner.plan import Plan, ServingPlan, build_plan, write_text_atomic
 
-__all__ = ["TARGETS", "Exported", "ExportedFile", "ExportError", "LaunchSpec", "export_plan", "write_export",
+__all__ = ["TARGETS", "SERVING_TARGETS", "Exported", "ExportedFile", "ExportError", "LaunchSpec", "export_plan",
+           "write_export",
            "SOURCES", "read_launch", "launch_model", "launch_world", "pinned_plan"]
 
 TARGETS: dict[str, Callable[[Plan], Exported]] = {
@@ -31,12 +32,26 @@ TARGETS: dict[str, Callable[[Plan], Exported]] = {
     "torchrun": torchrun.export_torchrun,
     "nemo": nemo.export_nemo,
 }
+SERVING_TARGETS: dict[str, Callable[[ServingPlan], Exported]] = {
+    "vllm": vllm.export_vllm,
+    "sglang": sglang.export_sglang,
+}
 
 
-def export_plan(plan: Plan, target: str) -> Exported:
-    if target not in TARGETS:
-        raise InputError(f"unknown export target '{target}'; choose one of: {', '.join(TARGETS)}")
-    return TARGETS[target](plan)
+def export_plan(plan: Plan | ServingPlan, target: str) -> Exported:
+    """The files of `plan` for `target`: a training plan for a training launcher, a serving plan for vLLM or
+    SGLang."""
+    if isinstance(plan, ServingPlan):
+        if target in SERVING_TARGETS:
+            return SERVING_TARGETS[target](plan)
+        if target in TARGETS:
+            raise InputError(f"{target} launches training; this is a serving plan: export it --to vllm or sglang")
+    elif target in TARGETS:
+        return TARGETS[target](plan)
+    elif target in SERVING_TARGETS:
+        raise InputError(f"{target} serves models; this is a training plan: export it --to "
+                         f"{', '.join(TARGETS)}")
+    raise InputError(f"unknown export target '{target}'; choose one of: {', '.join([*TARGETS, *SERVING_TARGETS])}")
 
 
 def write_export(exported: Exported, out: str | Path) -> list[Path]:

@@ -6,10 +6,10 @@ import shlex
 from dataclasses import dataclass
 
 from hardware_db.errors import InputError
-from planner.plan import Plan
+from planner.plan import Plan, ServingPlan
 
 __all__ = ["ExportError", "ExportedFile", "Exported", "refuse", "header_lines", "node_geometry", "torchrun_args",
-           "shell_lines", "uniform_recompute"]
+           "shell_lines", "uniform_recompute", "serving_header_lines", "engine_nodes"]
 
 
 class ExportError(InputError):
@@ -82,10 +82,11 @@ def _quote(arg: str) -> str:
     return shlex.quote(arg)
 
 
-def shell_lines(argv: list[str], per_line: int = 1) -> str:
-    """One command as a shell continuation: the program, then each flag with its value on its own line."""
-    groups: list[list[str]] = [[argv[0]]]
-    for arg in argv[1:]:
+def shell_lines(argv: list[str], head: int = 1) -> str:
+    """One command as a shell continuation: the program (its first `head` words), then each flag with its value
+    on its own line."""
+    groups: list[list[str]] = [argv[:head]]
+    for arg in argv[head:]:
         flag = arg.startswith("-") and not arg.lstrip("-").isdigit()
         after_value = len(groups[-1]) > 1 and groups[-1][0].startswith("-")  # a program after "--flag value"
         if flag or after_value:
@@ -115,3 +116,23 @@ def uniform_recompute(plan: Plan) -> tuple[str, int | None]:
         return "full", ks.pop()
     raise ValueError("the stages recompute different numbers of layers in full (" +
                      ", ".join(s.recompute.label(s.num_layers) for s in stages) + ")")
+
+
+def serving_header_lines(plan: "ServingPlan", target: str) -> list[str]:
+    """The header of a serving export: where it came from and what the deployment is predicted to do."""
+    p, wl = plan.prediction, plan.inputs.workload
+    gpu = plan.inputs.cluster.gpu_spec.name
+    lines = [
+        f"meshplan {plan.meshplan_version}: {target} commands of a serving plan (schema v{plan.schema_version})",
+        f"model {plan.inputs.model_spec().name}; {p.gpus} x {gpu}; ISL {wl.isl}, OSL {wl.osl}; weights "
+        f"{wl.weight_dtype}, KV {wl.kv_dtype}; {plan.mode}",
+        f"predicted: TTFT {p.ttft_ms:.0f} ms, TPOT {p.tpot_ms:.1f} ms, {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+        f"{p.tokens_per_s_per_user:.1f} tokens/s/user, {p.requests_per_s:.2f} requests/s"
+        + ("" if p.meets_targets else f" (misses {p.misses})"),
+    ]
+    return lines
+
+
+def engine_nodes(gpus: int, per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) of one engine."""
+    return (1, gpus) if gpus <= per_node else (gpus // per_node, per_node)

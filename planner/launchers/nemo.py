@@ -41,7 +41,7 @@ def _settings(plan: Plan) -> dict[str, object]:
         raise refuse(TARGET, exc.why, exc.fix) from None
     settings = {RENAMED.get(k, k): v for k, v in megatron if v is not None and v is not False}
     settings.pop("num_layers_per_virtual_pipeline_stage", None)
-    if plan.pipeline.vpp > 1:  # the strategy builds vpp model chunks; with a layout string megatron-core checks it agrees
+    if plan.pipeline.vpp > 1:  # the strategy builds vpp chunks; with a layout string megatron-core checks they agree
         settings["virtual_pipeline_model_parallel_size"] = plan.pipeline.vpp
     settings.setdefault("sequence_parallel", False)
     return settings

@@ -1,0 +1,371 @@
+"""Serving cost of one engine (a model replica): KV cache bytes per token, what fits beside the weights, and the
+time of one iteration (decode tokens, prefill tokens, or both) per operator on one GPU.
+
+An engine is attention TP x attention DP x PP GPUs. Attention and dense MLPs are tensor-parallel inside an attention
+group of `tp` GPUs (Megatron sharding, as vLLM and SGLang do); `dp` attention groups each serve their own
+sequences and keep their own KV cache (SGLang --enable-dp-attention, vLLM --data-parallel-size with expert
+parallelism); the routed experts of an MoE layer are spread over all tp x dp ranks of a stage, `ep` ways by expert
+and tp*dp/ep ways inside each expert (expert TP). Every operator is timed by the training cost model's roofline
+(estimate.op_time, with the GPU's efficiency or a calibration) and every collective by its ring formula on the
+links the ranks cross (estimate.timed_collective).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from costmodels import comm
+from costmodels.comm import Link
+from costmodels.estimate import Efficiency, group_link, op_time, timed_collective
+from costmodels.model import ModelSpec
+from costmodels.ops import ACT_BYTES, Op, elementwise, gemm
+from hardware_db.cluster import Cluster
+from hardware_db.errors import InputError
+
+__all__ = ["WEIGHT_BYTES", "EngineLayout", "kv_bytes_per_token_layer", "kv_bytes_per_token", "weight_bytes_per_gpu",
+           "Capacity", "capacity", "IterationTime", "iteration_time", "kv_transfer_s", "stage_layer_counts"]
+
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}  # bytes per weight / KV element for a serving dtype
+RESERVED_BYTES = 1.0 * 2**30  # CUDA context, NCCL and cuBLAS workspaces (the training model's stated assumption)
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """One engine's parallel layout; GPUs = tp x dp x pp."""
+
+    tp: int = 1  # tensor parallel inside an attention group
+    dp: int = 1  # attention data-parallel groups
+    pp: int = 1  # pipeline stages
+    ep: int = 1  # MoE: expert parallel over the tp x dp ranks of a stage
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor parallel: the ranks of a stage that share each expert."""
+        return self.tp * self.dp // self.ep
+
+    def check(self, model: ModelSpec) -> None:
+        """InputError naming the rule (vLLM and SGLang: heads split evenly over TP; experts over EP)."""
+        if model.num_heads % self.tp:
+            raise InputError(f"tp {self.tp} does not divide the {model.num_heads} attention heads of {model.name}")
+        if self.pp > model.num_layers:
+            raise InputError(f"pp {self.pp} exceeds the {model.num_layers} layers of {model.name}")
+        if model.moe is None:
+            if self.ep > 1:
+                raise InputError(f"ep {self.ep} given but {model.name} has no experts")
+            if self.dp > 1:
+                raise InputError("attention data parallelism is for MoE models; serve a dense model with replicas")
+            return
+        experts = model.moe.num_experts
+        if (self.tp * self.dp) % self.ep or (experts % self.ep and self.ep < experts):
+            raise InputError(f"ep {self.ep} must divide tp*dp = {self.tp * self.dp} and either divide the {experts} "
+                             f"experts of {model.name} or exceed them (redundant experts, one per GPU)")
+
+    def label(self) -> str:
+        parts = [f"TP{self.tp}"]
+        if self.dp > 1:
+            parts.append(f"DP{self.dp}")
+        if self.pp > 1:
+            parts.append(f"PP{self.pp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        return " ".join(parts)
+
+
+# ---- KV cache and weights ------------------------------------------------------------------------------------------
+
+def kv_bytes_per_token_layer(model: ModelSpec, tp: int, kv_bytes: float) -> float:
+    """KV cache bytes one GPU keeps per token and layer."""
+    if model.mla is not None:
+        # MLA caches the compressed latent c_KV and the decoupled RoPE key k^R, shared by all heads (DeepSeek-V2
+        # sec. 2.1.2-2.1.3); serving engines keep it whole on every TP rank (vLLM and SGLang MLA backends)
+        return (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * kv_bytes
+    # K and V of the KV heads this rank holds; TP beyond the KV heads replicates them (vLLM QKVParallelLinear)
+    return 2 * math.ceil(model.kv_heads / tp) * model.head_size * kv_bytes
+
+
+def stage_layer_counts(model: ModelSpec, pp: int) -> tuple[int, int]:
+    """(dense, MoE) decoder layers on the heaviest pipeline stage: layers split evenly, the larger shares first."""
+    per_stage = math.ceil(model.num_layers / pp)
+    layers = range(per_stage)  # the first stage: the dense layers of an MoE model come first
+    moe = sum(model.is_moe_layer(i) for i in layers)
+    if model.moe is not None and pp > 1:
+        moe = max(moe, min(per_stage, model.num_moe_layers))  # a later stage may be all MoE
+    return per_stage - moe, moe
+
+
+def kv_bytes_per_token(model: ModelSpec, layout: EngineLayout, kv_bytes: float) -> float:
+    """KV bytes per token on one GPU of the heaviest stage (all its layers)."""
+    return math.ceil(model.num_layers / layout.pp) * kv_bytes_per_token_layer(model, layout.tp, kv_bytes)
+
+
+def weight_bytes_per_gpu(model: ModelSpec, layout: EngineLayout, weight_bytes: float) -> float:
+    """Weights on one GPU of the heaviest stage: attention, norms and dense MLPs over tp (MLA's down-projections
+    and the router replicated, as vLLM's ReplicatedLinear), routed experts over ep x etp, embedding and LM head
+    vocab-parallel over tp. The MTP modules are not loaded (they serve only speculative decoding)."""
+    dense_layers, moe_layers = stage_layer_counts(model, layout.pp)
+    attn = model.attention_params()
+    replicated = 2 * model.norm_params()
+    if model.mla is not None:
+        a = model.mla
+        down = model.hidden * (a.kv_lora_rank + a.qk_rope_head_dim) + (model.hidden * a.q_lora_rank if a.q_lora_rank
+                                                                         else 0)
+        attn -= down
+        replicated += down
+    per_dense = (attn + model.mlp_params(model.ffn_hidden)) / layout.tp + replicated
+    params = dense_layers * per_dense
+    if moe_layers:
+        moe = model.moe
+        assert moe is not None
+        local = max(moe.num_experts / layout.ep, 1.0)  # beyond E ranks: one (redundant) expert each
+        experts = local * model.mlp_params(moe.expert_ffn_hidden) / layout.etp
+        shared = moe.num_shared_experts * model.mlp_params(moe.shared_hidden) / layout.tp
+        router = model.hidden * moe.num_experts
+        params += moe_layers * (attn / layout.tp + replicated + shared + router + experts)
+    ends = model.embedding_params() + model.head_params() if layout.pp == 1 else max(
+        model.embedding_params(), model.head_params())
+    return (params + ends / layout.tp) * weight_bytes
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Memory of one GPU (GiB) and the KV tokens the engine can hold."""
+
+    weights_gib: float
+    workspace_gib: float
+    kv_gib: float  # left for the KV cache on one GPU
+    kv_bytes_per_token: float  # on one GPU
+    tokens: int  # KV tokens the whole engine holds (all attention groups)
+
+    @property
+    def fits(self) -> bool:
+        return self.tokens > 0
+
+
+def _workspace_bytes(model: ModelSpec, layout: EngineLayout, batched_tokens: int, max_seqs: int) -> float:
+    """Activation peak of one iteration, which vLLM measures by a dummy forward of max_num_batched_tokens
+    (vllm/v1/worker/gpu_worker.py, determine_available_memory): residual and normed hidden states, the QKV and
+    the MLP intermediates of the group's tokens, and fp32 logits of the sequences sampled."""
+    tokens = batched_tokens / layout.dp
+    q = model.num_heads * (model.head_size if model.mla is None else model.mla.qk_head_dim)
+    ffn = max(model.ffn_hidden, model.moe.expert_ffn_hidden * model.moe.top_k if model.moe else 0)
+    per_token = ACT_BYTES * (2 * model.hidden + 2 * q / layout.tp + 3 * ffn / layout.tp)
+    return tokens * per_token + 4.0 * max_seqs / layout.dp * model.vocab / layout.tp
+
+
+def capacity(model: ModelSpec, cluster: Cluster, layout: EngineLayout, weight_dtype: str, kv_dtype: str,
+             mem_fraction: float, batched_tokens: int, max_seqs: int) -> Capacity:
+    """What is left for the KV cache after the weights, the iteration's activations and the runtime's reserve, of
+    the `mem_fraction` of HBM the engine may use (vLLM --gpu-memory-utilization, SGLang --mem-fraction-static)."""
+    weights = weight_bytes_per_gpu(model, layout, WEIGHT_BYTES[weight_dtype])
+    work = _workspace_bytes(model, layout, batched_tokens, max_seqs)
+    free = cluster.gpu.hbm_bytes * mem_fraction - weights - work - RESERVED_BYTES
+    per_token = kv_bytes_per_token(model, layout, WEIGHT_BYTES[kv_dtype])
+    tokens = int(free // per_token) * layout.dp if free > 0 else 0  # every attention group its own cache
+    gib = 2**30
+    return Capacity(weights / gib, work / gib, max(free, 0.0) / gib, per_token, tokens)
+
+
+# ---- one iteration -------------------------------------------------------------------------------------------------
+
+def _all_reduce(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
+    """A decode step's all-reduces are small: inside a node serving engines reduce them in one shot, each rank
+    reading its peers' buffers over NVLink (vLLM csrc/custom_all_reduce.cuh, one-shot below 512 KiB, two-shot
+    above), so one latency and (n-1) buffers; across nodes a tree; the ring formula where it is faster."""
+    ring = timed_collective("all_reduce", bytes_, n, link, eff)
+    if n <= 1:
+        return ring
+    if link.crosses_nodes:  # NCCL's double binary tree: 2 log2(n) latencies (NCCL 2.4 release notes, "trees")
+        steps, share = comm.ring_shape("all_reduce", n)
+        return min(ring, 2 * math.ceil(math.log2(n)) * link.latency_s + share * bytes_ / link.bus_bytes_per_s)
+    return min(ring, link.latency_s + (n - 1) * bytes_ / link.bus_bytes_per_s)
+
+
+def _all_to_all(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
+    """Expert dispatch or combine: every rank sends to all peers at once (DeepEP's kernels, NCCL grouped
+    send/recv), so one latency and (n-1)/n of the send buffer at the link's rate; not the training model's
+    pairwise exchange of n-1 steps, which small decode messages would make latency-bound n-1 times over."""
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    fit = eff.collective_fit("all_to_all", n, link)
+    if fit is not None:
+        return fit[0] + bytes_ / fit[1]
+    return link.latency_s + (n - 1) / n * bytes_ / link.bus_bytes_per_s
+
+
+@dataclass(frozen=True)
+class IterationTime:
+    """Seconds of one engine iteration: every decode sequence advances one token and the prefill tokens are
+    processed; split into compute (operators) and exposed communication."""
+
+    seconds: float
+    compute_s: float
+    comm_s: float
+
+
+def _attention_ops(model: ModelSpec, tp: int, dec: float, dec_ctx: float, pre: float, pre_ctx: float,
+                   wdt: float, kv_bytes: float) -> list[Op]:
+    """Projections and attention core of one layer for `dec` decode tokens (each attending to `dec_ctx` cached
+    tokens) and `pre` prefill tokens (to `pre_ctx` on average) of one attention group, on one of its GPUs."""
+    h = model.hidden
+    t = dec + pre
+    heads = model.num_heads / tp
+    ops: list[Op] = []
+    if model.mla is None:
+        d = model.head_size
+        kv = math.ceil(model.kv_heads / tp)
+        ops.append(gemm("qkv_proj", t, (heads + 2 * kv) * d, h, wdt))
+        d_qk = d_v = d
+        cache = kv_bytes_per_token_layer(model, tp, kv_bytes)
+        # decode: read the sequence's cached K,V once per token (FlashDecoding / paged attention): 2*ctx*(d_qk+d_v)
+        # FLOPs per head (Vaswani et al. 2017)
+        dec_flops = 2.0 * dec * heads * dec_ctx * (d_qk + d_v)
+        dec_bytes = dec * dec_ctx * cache
+    else:
+        a = model.mla
+        d_qk, d_v = a.qk_head_dim, a.v_head_dim
+        if a.q_lora_rank:
+            ops.append(gemm("q_down_proj", t, a.q_lora_rank, h, wdt))
+            ops.append(gemm("q_up_proj", t, heads * d_qk, a.q_lora_rank, wdt))
+        else:
+            ops.append(gemm("q_proj", t, heads * d_qk, h, wdt))
+        ops.append(gemm("kv_down_proj", t, a.kv_lora_rank + a.qk_rope_head_dim, h, wdt))
+        if pre:  # prefill expands the latent to per-head K and V (DeepSeek-V2 sec. 2.1.2)
+            ops.append(gemm("kv_up_proj", pre, heads * (a.qk_nope_head_dim + d_v), a.kv_lora_rank, wdt))
+        if dec:  # decode absorbs W_UK into the query and W_UV into the output and attends over the latent
+            ops.append(_per_head_gemm("q_absorb", heads, dec, a.kv_lora_rank, a.qk_nope_head_dim, wdt))
+            ops.append(_per_head_gemm("o_absorb", heads, dec, d_v, a.kv_lora_rank, wdt))
+        latent = a.kv_lora_rank + a.qk_rope_head_dim
+        dec_flops = 2.0 * dec * heads * dec_ctx * (latent + a.kv_lora_rank)
+        dec_bytes = dec * dec_ctx * latent * kv_bytes
+    if dec:
+        ops.append(Op("decode_attention", "attention", dec_flops, dec_bytes, 0.0, 0.0))
+    if pre:
+        # causal prefill with FlashAttention: pre_ctx is the average context, so the masked half is already out
+        pre_flops = 2.0 * pre * heads * pre_ctx * (d_qk + d_v)
+        pre_bytes = ACT_BYTES * pre * heads * (2 * d_qk + 2 * d_v)
+        ops.append(Op("prefill_attention", "attention", pre_flops, pre_bytes, 0.0, 0.0))
+    ops.append(gemm("out_proj", t, h, heads * d_v, wdt))
+    ops.append(elementwise("norms_residuals", 4 * t * h, 2 * t * h))
+    return ops
+
+
+def _per_head_gemm(name: str, heads: float, m: float, n: float, k: float, wdt: float) -> Op:
+    """A batched GEMM with one [k, n] weight per head: `heads` times [m,k] x [k,n]."""
+    flops = 2.0 * heads * m * n * k
+    return Op(name, "gemm", flops, ACT_BYTES * heads * (m * k + k * n + m * n), 0.0, 0.0, gemm_dtype_scale=wdt)
+
+
+def _mlp_ops(model: ModelSpec, tokens: float, ffn_local: float, wdt: float, prefix: str = "") -> list[Op]:
+    mats = 2 if model.mlp == "swiglu" else 1
+    return [gemm(f"{prefix}up_proj", tokens, mats * ffn_local, model.hidden, wdt),
+            gemm(f"{prefix}down_proj", tokens, model.hidden, ffn_local, wdt)]
+
+
+def _experts_op(model: ModelSpec, layout: EngineLayout, tokens_engine: float, wdt: float, imbalance: float) -> Op:
+    """The routed experts of one MoE layer on one GPU: its E/ep experts, each split etp ways. FLOPs follow the
+    tokens routed to them (top-k of every token, the busiest rank `imbalance` times the mean); bytes read the
+    weights of the experts at least one token reaches: of E experts and n = tokens x k uniform assignments,
+    E (1 - (1 - 1/E)^n) are hit on average (balls into bins)."""
+    moe = model.moe
+    assert moe is not None
+    mats = 3 if model.mlp == "swiglu" else 2
+    expert_params = mats * model.hidden * moe.expert_ffn_hidden / layout.etp
+    assignments = tokens_engine * moe.top_k
+    local_tokens = assignments * imbalance / layout.ep
+    flops = 2.0 * local_tokens * expert_params
+    hit = 1.0 - (1.0 - 1.0 / moe.num_experts) ** assignments
+    local_experts = max(moe.num_experts / layout.ep, 1.0)  # beyond E ranks: one (redundant) expert each
+    io = ACT_BYTES * (local_experts * hit * expert_params + local_tokens * model.hidden * 2)  # 16-bit units, as gemm()
+    return Op("routed_experts", "gemm", flops, io, 0.0, 0.0, gemm_dtype_scale=wdt)
+
+
+def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: float, dec_ctx: float,
+                   pre_tokens: float, pre_ctx: float, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+                   eff: Efficiency | None = None, moe_imbalance: float = 1.0) -> IterationTime:
+    """One iteration of the engine: `dec_seqs` sequences each decode a token at context `dec_ctx`, and
+    `pre_tokens` prompt tokens at average context `pre_ctx` are prefilled (chunked prefill batches both, as in
+    Sarathi-Serve, Agrawal et al. OSDI'24). With pp > 1 the batch is split into pp micro-batches that keep every
+    stage busy (vLLM's virtual engines): the iteration is pp stage-times of a micro-batch plus its transfers."""
+    eff = eff or Efficiency.from_gpu(cluster.gpu)
+    gpu = cluster.gpu
+    wbytes = WEIGHT_BYTES[weight_dtype]
+    wdt = 2.0 if weight_dtype == "fp8" else 1.0
+    peak16 = gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16")
+    peak8 = gpu.peak_flops("fp8") if weight_dtype == "fp8" else peak16
+    hbm = gpu.hbm_bytes_per_s
+    micro = layout.pp
+    dec = dec_seqs / layout.dp / micro  # per attention group and micro-batch
+    pre = pre_tokens / layout.dp / micro
+    t = dec + pre
+
+    def ops_time(ops: list[Op]) -> float:
+        total = 0.0
+        for op in ops:
+            peak = peak8 if (op.kind == "gemm" and op.gemm_dtype_scale > 1) else peak16
+            # weights are read at their own width: scale a GEMM's bytes for fp8 weights
+            total += op_time(op.fwd_flops, op.fwd_bytes * (wbytes / ACT_BYTES if op.kind == "gemm" else 1.0),
+                             op.kind, peak, hbm, eff)
+        return total
+
+    tp_link = group_link(cluster, tuple(range(layout.tp)))
+    stage_ranks = layout.tp * layout.dp
+    ep_link = group_link(cluster, tuple(range(layout.ep))) if layout.ep > 1 else tp_link
+    etp_link = group_link(cluster, tuple(range(layout.etp))) if layout.etp > 1 else tp_link
+    tp_ar = _all_reduce(ACT_BYTES * t * model.hidden, layout.tp, tp_link, eff)
+
+    attention = ops_time(_attention_ops(model, layout.tp, dec, dec_ctx, pre, pre_ctx, wdt, WEIGHT_BYTES[kv_dtype]))
+    dense_layers, moe_layers = stage_layer_counts(model, layout.pp)
+    compute = comm = 0.0
+    if dense_layers:
+        compute += dense_layers * (attention + ops_time(_mlp_ops(model, t, model.ffn_hidden / layout.tp, wdt)))
+        comm += dense_layers * 2 * tp_ar
+    if moe_layers:
+        moe = model.moe
+        assert moe is not None
+        engine_tokens = t * layout.dp
+        ops = [gemm("router", t, moe.num_experts, model.hidden, wdt),
+               _experts_op(model, layout, engine_tokens, wdt, moe_imbalance)]
+        if moe.num_shared_experts:
+            ops += _mlp_ops(model, t, moe.num_shared_experts * moe.shared_hidden / layout.tp, wdt, "shared_")
+        compute += moe_layers * (attention + ops_time(ops))
+        per_layer = tp_ar  # the attention output
+        if layout.ep > 1:
+            # dispatch and combine: each GPU sends its share of the group's tokens, top-k copies of each (GShard)
+            send = ACT_BYTES * (t / layout.tp) * moe.top_k * model.hidden
+            per_layer += 2 * _all_to_all(send, layout.ep, ep_link, eff)
+        if layout.etp > 1:  # expert TP: the partial sums of each expert's output
+            out = ACT_BYTES * engine_tokens * moe.top_k / layout.ep * model.hidden
+            per_layer += _all_reduce(out, layout.etp, etp_link, eff)
+        elif layout.tp > 1:
+            per_layer += tp_ar
+        comm += moe_layers * per_layer
+    sampled = dec + (1.0 if pre else 0.0)
+    head = ops_time([gemm("lm_head", sampled, model.vocab / layout.tp, model.hidden, wdt),
+                     elementwise("embedding", t, t * model.hidden)])
+    head_comm = _all_to_all(4.0 * sampled * model.vocab, layout.tp, tp_link, eff)  # gather the logits' shards
+    stage = compute + comm + head + head_comm  # the heaviest stage: its layers and the LM head (the last stage)
+    p2p = 0.0
+    if layout.pp > 1:
+        link = group_link(cluster, (0, stage_ranks)) if cluster.num_gpus > stage_ranks else tp_link
+        p2p = timed_collective("p2p", ACT_BYTES * t * model.hidden, 2, link, eff)
+    seconds = micro * (stage + p2p)
+    return IterationTime(seconds, micro * (compute + head), micro * (comm + head_comm + p2p))
+
+
+def kv_transfer_s(model: ModelSpec, cluster: Cluster, prompt_tokens: float, kv_dtype: str,
+                  crosses_nodes: bool = True) -> float:
+    """Moving one request's KV cache from a prefill engine to a decode engine (DistServe, Zhong et al. OSDI'24,
+    sec. 4): all layers of the prompt's tokens over one GPU's NIC (or NVLink inside a node), at the link's
+    achieved rate."""
+    per_token = model.num_layers * kv_bytes_per_token_layer(model, 1, WEIGHT_BYTES[kv_dtype])
+    e = cluster.gpu.efficiency
+    if crosses_nodes:
+        rate, latency = cluster.scaleout.bytes_per_s * e.scaleout_bandwidth, cluster.scaleout.latency_s
+    else:
+        rate, latency = cluster.scaleup.bytes_per_s * e.scaleup_bandwidth, cluster.scaleup.latency_s
+    return latency + prompt_tokens * per_token / rate

@@ -1,0 +1,556 @@
+"""The serving search: engine layouts (TP, attention DP, PP, EP), batch and chunk sizes, aggregated or
+disaggregated prefill and decode pools, under TTFT and TPOT targets.
+
+Aggregated engines batch decode and chunked prefill in every iteration (Sarathi-Serve, Agrawal et al. OSDI'24): in
+steady state the prompt tokens prefilled per iteration keep pace with the sequences finishing, P = B x ISL / OSL,
+so an iteration holds B decode tokens and P prefill tokens and the token budget (max_num_batched_tokens) must hold
+both; a new request gets the budget left by the decode tokens until its prompt is in. Disaggregated deployments
+(DistServe, Zhong et al. OSDI'24; DeepSeek-V3 report sec. 3.4) run prefill engines (batches of prompts, TTFT = the
+batch's prefill + the KV transfer) and decode engines (TPOT = one decode iteration), x of one for y of the other so
+that the request rates balance. Queueing delay is not modelled: a target is met at the stated load.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from costmodels.estimate import Efficiency
+from costmodels.model import ModelSpec
+from costmodels.serving import EngineLayout, Capacity, capacity, iteration_time, kv_transfer_s
+from hardware_db.cluster import Cluster, ClusterSpec
+from hardware_db.errors import InputError
+
+__all__ = ["ServeWorkload", "ServeTargets", "PoolPoint", "Deployment", "ServeResult", "engine_layouts",
+           "aggregated_point", "prefill_point", "decode_point", "search_serving", "pareto_front", "CHUNKS"]
+
+CHUNKS = (2048, 4096, 8192, 16384, 32768)  # max_num_batched_tokens tried (vLLM's default is 8192 for online serving)
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+MEM_FRACTION = 0.9  # vLLM --gpu-memory-utilization default
+
+
+class ServeWorkload(BaseModel):
+    """Request lengths (mean input and output tokens) and precisions."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    isl: int = Field(gt=0, description="input (prompt) tokens per request")
+    osl: int = Field(gt=0, description="output tokens per request")
+    weight_dtype: Literal["bf16", "fp8"] = "bf16"
+    kv_dtype: Literal["bf16", "fp8"] = "bf16"
+    moe_imbalance: float = Field(default=1.0, ge=1.0, description="busiest expert rank's load / mean")
+    source: str | None = Field(default=None, description="where the lengths came from (a CSV's mean), if not given")
+
+
+class ServeTargets(BaseModel):
+    """Latency targets; None: no target."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+    e2e_ms: float | None = Field(default=None, gt=0, description="TTFT + OSL x TPOT")
+    request_rate: float | None = Field(default=None, gt=0, description="requests/s to serve (objective min-gpus)")
+
+
+@dataclass(frozen=True)
+class PoolPoint:
+    """One engine configuration at one batch: what an engine of it does."""
+
+    role: Literal["aggregated", "prefill", "decode"]
+    layout: EngineLayout
+    batch: int  # max running sequences (aggregated, decode) or prompts per prefill iteration
+    chunk: int  # max tokens per iteration (max_num_batched_tokens)
+    ttft_s: float  # aggregated, prefill (prefill + KV transfer); 0 for decode
+    tpot_s: float  # aggregated, decode; 0 for prefill
+    requests_per_s: float  # one engine
+    memory: Capacity
+    mem_fraction: float = 0.9  # of HBM the engine may use (vLLM --gpu-memory-utilization)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Engines of one or two pools and what they deliver together."""
+
+    mode: Literal["aggregated", "disaggregated"]
+    pools: tuple[tuple[PoolPoint, int], ...]  # (engine configuration, engines)
+    ttft_s: float
+    tpot_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    gpus: int
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.output_tokens_per_s / self.gpus
+
+    @property
+    def tokens_per_s_per_user(self) -> float:
+        return 1.0 / self.tpot_s
+
+    def e2e_s(self, osl: int) -> float:
+        return self.ttft_s + osl * self.tpot_s
+
+    def label(self) -> str:
+        parts = []
+        for p, n in self.pools:
+            role = {"aggregated": "", "prefill": "prefill ", "decode": "decode "}[p.role]
+            chunk = f" c{p.chunk}" if p.role == "aggregated" else ""
+            parts.append(f"{n}x {role}{p.layout.label()} b{p.batch}{chunk}")
+        return " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    best: Deployment | None
+    pareto: tuple[Deployment, ...]  # tokens/s/GPU vs tokens/s/user, over every deployment evaluated
+    ranked: tuple[Deployment, ...]  # meeting the targets, best first
+    nearest_miss: Deployment | None  # when nothing meets the targets: the one that misses least
+    why_nothing: str | None
+    evaluated: int
+    seconds: float
+
+
+# ---- engine layouts ------------------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def engine_layouts(model: ModelSpec, max_gpus: int, per_node: int) -> list[EngineLayout]:
+    """Every engine of at most `max_gpus` GPUs that fills whole nodes (or fits in one): TP a power of two dividing
+    the heads, at most two nodes; PP only when TP already spans a node (pipelining is for models a node cannot
+    hold); for MoE models attention DP and EP either over every rank of a stage (expert TP 1) or off (experts
+    tensor-parallel over the stage), EP beyond the experts as redundant experts (DeepSeek-V3's decode). Pipeline
+    stages are whole nodes (TP, and attention DP, inside a node, PP across nodes: how vLLM and SGLang deploy a model
+    larger than a node); the cost model's PP has no bubble, so a single-node PP engine would only look better."""
+    out: list[EngineLayout] = []
+    sizes = [g for g in range(1, max_gpus + 1) if g <= per_node and per_node % g == 0 or g % per_node == 0]
+    for size in sizes:
+        for tp in (1, 2, 4, 8, 16, 32):
+            if tp > size or size % tp or model.num_heads % tp or tp > 2 * per_node:
+                continue
+            for pp in (1, 2, 4, 8):
+                if (size // tp) % pp or pp > model.num_layers or (pp > 1 and size // pp != per_node):
+                    continue
+                dp = size // (tp * pp)
+                if model.moe is None:
+                    if dp == 1:
+                        out.append(EngineLayout(tp=tp, pp=pp))
+                    continue
+                for ep in sorted({1, tp * dp}):
+                    lay = EngineLayout(tp=tp, dp=dp, pp=pp, ep=ep)
+                    if _ep_ok(model, lay):
+                        out.append(lay)
+    return out
+
+
+def _ep_ok(model: ModelSpec, lay: EngineLayout) -> bool:
+    moe = model.moe
+    assert moe is not None
+    if lay.ep == 1:
+        return True
+    return moe.num_experts % lay.ep == 0 or lay.ep >= moe.num_experts  # beyond E: redundant experts
+
+
+def _cluster(gpu_cluster: Cluster, gpus: int) -> Cluster:
+    """The engine's own GPUs on the deployment's node size."""
+    spec = gpu_cluster.spec.model_copy(update={"num_gpus": gpus, "gpus_per_node": gpu_cluster.gpus_per_node})
+    return Cluster(ClusterSpec(**spec.model_dump()), gpu=gpu_cluster.gpu)
+
+
+# ---- one engine ----------------------------------------------------------------------------------------------------
+
+def aggregated_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
+                     chunk: int, eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
+    """An engine that prefills and decodes; None when the batch does not fit its memory or the budget cannot
+    keep prefill in pace with decode."""
+    if batch < lay.dp:
+        return None
+    prefill_per_iter = batch * wl.isl / wl.osl
+    budget = chunk - batch
+    if budget <= 0 or prefill_per_iter > budget:
+        return None
+    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, chunk, batch)
+    if batch * (wl.isl + wl.osl) > mem.tokens:
+        return None
+    ctx = wl.isl + wl.osl / 2
+    kw = dict(weight_dtype=wl.weight_dtype, kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
+    steady = iteration_time(model, cluster, lay, batch, ctx, prefill_per_iter, wl.isl / 2, **kw)
+    full = iteration_time(model, cluster, lay, batch, ctx, budget, wl.isl / 2, **kw)
+    iterations = math.ceil(wl.isl / (budget / lay.dp))  # the request's attention group gets its share of the budget
+    return PoolPoint("aggregated", lay, batch, chunk, iterations * full.seconds, steady.seconds,
+                     batch / (wl.osl * steady.seconds), mem, mem_fraction)
+
+
+def prefill_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, prompts: int,
+                  eff: Efficiency | None = None, crosses_nodes: bool = True,
+                  mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
+    """A prefill engine taking `prompts` prompts per iteration (one attention group each at least)."""
+    if prompts < lay.dp or prompts % lay.dp:
+        return None
+    tokens = prompts * wl.isl
+    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, tokens, prompts)
+    if tokens > mem.tokens:
+        return None
+    it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.isl / 2, weight_dtype=wl.weight_dtype,
+                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
+    ttft = it.seconds + kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes)
+    return PoolPoint("prefill", lay, prompts, tokens, ttft, 0.0, prompts / it.seconds, mem, mem_fraction)
+
+
+def decode_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
+                 eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
+    if batch < lay.dp:
+        return None
+    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, batch, batch)
+    if batch * (wl.isl + wl.osl) > mem.tokens:
+        return None
+    it = iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, 0, 0, weight_dtype=wl.weight_dtype,
+                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
+    return PoolPoint("decode", lay, batch, batch, 0.0, it.seconds, batch / (wl.osl * it.seconds), mem, mem_fraction)
+
+
+# ---- deployments ---------------------------------------------------------------------------------------------------
+
+def _aggregated(point: PoolPoint, engines: int, wl: ServeWorkload) -> Deployment:
+    rate = engines * point.requests_per_s
+    return Deployment("aggregated", ((point, engines),), point.ttft_s, point.tpot_s, rate, rate * wl.osl,
+                      engines * point.layout.gpus)
+
+
+def _disaggregated(pre: PoolPoint, x: int, dec: PoolPoint, y: int, wl: ServeWorkload) -> Deployment:
+    rate = min(x * pre.requests_per_s, y * dec.requests_per_s)
+    return Deployment("disaggregated", ((pre, x), (dec, y)), pre.ttft_s, dec.tpot_s, rate, rate * wl.osl,
+                      x * pre.layout.gpus + y * dec.layout.gpus)
+
+
+def meets(d: Deployment, targets: ServeTargets, wl: ServeWorkload) -> bool:
+    return _excess(d, targets, wl) <= 1.0
+
+
+def _excess(d: Deployment, targets: ServeTargets, wl: ServeWorkload) -> float:
+    """The largest measured / target ratio (<= 1: every target met)."""
+    ratios = [0.0]
+    if targets.ttft_ms is not None:
+        ratios.append(d.ttft_s * 1e3 / targets.ttft_ms)
+    if targets.tpot_ms is not None:
+        ratios.append(d.tpot_s * 1e3 / targets.tpot_ms)
+    if targets.e2e_ms is not None:
+        ratios.append(d.e2e_s(wl.osl) * 1e3 / targets.e2e_ms)
+    return max(ratios)
+
+
+def misses(d: Deployment, targets: ServeTargets, wl: ServeWorkload) -> str:
+    """What a deployment misses, in words ("" when it meets every target)."""
+    out = []
+    if targets.ttft_ms is not None and d.ttft_s * 1e3 > targets.ttft_ms:
+        out.append(f"TTFT {d.ttft_s * 1e3:.0f} ms > {targets.ttft_ms:g}")
+    if targets.tpot_ms is not None and d.tpot_s * 1e3 > targets.tpot_ms:
+        out.append(f"TPOT {d.tpot_s * 1e3:.1f} ms > {targets.tpot_ms:g}")
+    if targets.e2e_ms is not None and d.e2e_s(wl.osl) * 1e3 > targets.e2e_ms:
+        out.append(f"end-to-end {d.e2e_s(wl.osl) * 1e3:.0f} ms > {targets.e2e_ms:g}")
+    return ", ".join(out)
+
+
+def pareto_front(deployments: list[Deployment]) -> tuple[Deployment, ...]:
+    """The deployments no other beats on both tokens/s/GPU and tokens/s/user, by tokens/s/user."""
+    front: list[Deployment] = []
+    best_gpu = -1.0
+    for d in sorted(deployments, key=lambda d: (-d.tokens_per_s_per_user, -d.tokens_per_s_per_gpu)):
+        if d.tokens_per_s_per_gpu > best_gpu:
+            front.append(d)
+            best_gpu = d.tokens_per_s_per_gpu
+    return tuple(front)
+
+
+def _ratio(pre: PoolPoint, dec: PoolPoint, gpus: int) -> tuple[int, int] | None:
+    """The x prefill : y decode engines within `gpus` with the most requests/s per GPU (rates balanced)."""
+    best: tuple[float, int, int] | None = None
+    for y in range(1, gpus // dec.layout.gpus + 1):
+        need = y * dec.requests_per_s / pre.requests_per_s
+        low = max(1, math.floor(need))
+        if low * pre.layout.gpus + y * dec.layout.gpus > gpus:
+            break  # more decode engines only need more prefill engines
+        for x in (low, max(1, math.ceil(need))):
+            used = x * pre.layout.gpus + y * dec.layout.gpus
+            if used > gpus:
+                continue
+            per_gpu = min(x * pre.requests_per_s, y * dec.requests_per_s) / used
+            if best is None or per_gpu > best[0] * (1 + 1e-12):
+                best = (per_gpu, x, y)
+    return None if best is None else (best[1], best[2])
+
+
+def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
+                   min_gpus: int = 1, objective: Literal["throughput", "min-gpus"] = "throughput",
+                   disaggregation: bool = True, eff: Efficiency | None = None, top: int = 5,
+                   mem_fraction: float = MEM_FRACTION) -> ServeResult:
+    """Every engine layout, batch and chunk within `cluster.num_gpus` GPUs (deployments using at least
+    `min_gpus`), aggregated and disaggregated; the best under the targets by tokens/s/GPU (objective
+    throughput) or by fewest GPUs for targets.request_rate (objective min-gpus)."""
+    start = time.perf_counter()
+    if objective == "min-gpus" and targets.request_rate is None:
+        raise InputError("objective min-gpus needs a request rate (--request-rate)")
+    budget, per_node = cluster.num_gpus, cluster.gpus_per_node
+    layouts = engine_layouts(model, budget, per_node)
+    if not layouts:
+        raise InputError(f"no engine of at most {budget} GPUs can hold {model.name}'s heads and layers")
+    evaluated = 0
+    agg_points: list[PoolPoint] = []
+    pre_points: list[PoolPoint] = []
+    dec_points: list[PoolPoint] = []
+    clusters: dict[int, Cluster] = {}
+    for lay in layouts:
+        c = clusters.setdefault(lay.gpus, _cluster(cluster, lay.gpus))
+        for batch in BATCHES:
+            b = batch * lay.dp if model.moe is not None else batch
+            for chunk in (ch for ch in CHUNKS if ch - b >= b * wl.isl / wl.osl):
+                p = aggregated_point(model, c, lay, wl, b, chunk, eff, mem_fraction)  # larger chunks: shorter TTFT
+                evaluated += 1
+                if p is None:
+                    break
+                agg_points.append(p)
+            if disaggregation:
+                d = decode_point(model, c, lay, wl, b, eff, mem_fraction)
+                evaluated += 1
+                if d is not None:
+                    dec_points.append(d)
+                elif b > lay.dp:
+                    break  # a larger batch needs more memory still
+        if disaggregation:
+            for prompts in (1, 2, 4, 8, 16, 32, 64):
+                p = prefill_point(model, c, lay, wl, prompts * lay.dp, eff, budget > per_node, mem_fraction)
+                evaluated += 1
+                if p is None:
+                    break
+                pre_points.append(p)
+    deployments: list[Deployment] = []
+    for p in agg_points:
+        engines = budget // p.layout.gpus
+        if engines * p.layout.gpus >= min_gpus:
+            deployments.append(_aggregated(p, engines, wl))
+    if disaggregation and pre_points and dec_points:
+        deployments += _disaggregated_deployments(pre_points, dec_points, wl, targets, budget, min_gpus)
+    if objective == "min-gpus":
+        deployments = [_scaled_to_rate(d, targets.request_rate, wl) for d in deployments]  # type: ignore[arg-type]
+        deployments = [d for d in deployments if min_gpus <= d.gpus <= budget]
+    ok = [d for d in deployments if meets(d, targets, wl)]
+    if objective == "min-gpus":
+        ok.sort(key=lambda d: (d.gpus, -d.tokens_per_s_per_gpu))
+    else:
+        ok.sort(key=lambda d: -d.tokens_per_s_per_gpu)
+    nearest = None if ok or not deployments else min(deployments, key=lambda d: _excess(d, targets, wl))
+    why = None
+    if not deployments:
+        why = (f"no engine of at most {budget} GPUs holds {model.name} with a batch of ISL {wl.isl} + OSL "
+               f"{wl.osl} tokens in {mem_fraction:.0%} of HBM; give more GPUs or shorter requests")
+    elif not ok:
+        why = f"no deployment meets the targets; the nearest, {nearest.label()}, misses {misses(nearest, targets, wl)}"
+    return ServeResult(ok[0] if ok else None, pareto_front(deployments), tuple(ok[:top]), nearest, why, evaluated,
+                       time.perf_counter() - start)
+
+
+def _disaggregated_deployments(pre: list[PoolPoint], dec: list[PoolPoint], wl: ServeWorkload,
+                               targets: ServeTargets, budget: int, min_gpus: int) -> list[Deployment]:
+    """Pairs of the prefill points that meet the TTFT target (the best few per GPU) and, for every decode engine
+    size, the decode points on that size's front (requests/s/GPU vs TPOT), each at its best x:y ratio."""
+    def ttft_ok(p: PoolPoint) -> bool:
+        return targets.ttft_ms is None or p.ttft_s * 1e3 <= targets.ttft_ms
+
+    pre_ok = sorted((p for p in pre if ttft_ok(p)), key=lambda p: -p.requests_per_s / p.layout.gpus)[:6]
+    if not pre_ok:
+        pre_ok = sorted(pre, key=lambda p: p.ttft_s)[:2]  # keep the nearest misses for the account
+    by_size: dict[int, list[PoolPoint]] = {}
+    for d in dec:
+        by_size.setdefault(d.layout.gpus, []).append(d)
+    front: list[PoolPoint] = []
+    for points in by_size.values():
+        best = -1.0
+        for d in sorted(points, key=lambda d: (d.tpot_s, -d.requests_per_s)):
+            if d.requests_per_s > best:
+                front.append(d)
+                best = d.requests_per_s
+    out = []
+    for p in pre_ok:
+        for d in front:
+            if p.layout.gpus + d.layout.gpus > budget:
+                continue
+            ratio = _ratio(p, d, budget)
+            if ratio is None:
+                continue
+            dep = _disaggregated(p, ratio[0], d, ratio[1], wl)
+            if dep.gpus >= min_gpus:
+                out.append(dep)
+    return out
+
+
+def _scaled_to_rate(d: Deployment, rate: float, wl: ServeWorkload) -> Deployment:
+    """The same engines, as many of each as serve `rate` requests/s."""
+    if d.mode == "aggregated":
+        (p, _), = d.pools
+        return _aggregated(p, max(1, math.ceil(rate / p.requests_per_s)), wl)
+    (p, _), (q, _) = d.pools
+    return _disaggregated(p, max(1, math.ceil(rate / p.requests_per_s)), q,
+                          max(1, math.ceil(rate / q.requests_per_s)), wl)
+
+
+def with_engines(d: Deployment, counts: tuple[int, ...], wl: ServeWorkload) -> Deployment:
+    """`d` with other engine counts (for a deployment given by hand)."""
+    if d.mode == "aggregated":
+        return _aggregated(d.pools[0][0], counts[0], wl)
+    return _disaggregated(d.pools[0][0], counts[0], d.pools[1][0], counts[1], wl)
+
+
+
+# ---- a deployment given by hand, and the account of a search -------------------------------------------------------
+
+def parse_engine_layout(text: str) -> EngineLayout:
+    """"tp4,dp8,ep32" (any order; pp too; missing degrees are 1) -> EngineLayout; InputError on anything else."""
+    degrees = {"tp": 1, "dp": 1, "pp": 1, "ep": 1}
+    for part in text.replace(" ", "").lower().split(","):
+        name, value = part[:2], part[2:]
+        if name not in degrees or not value.isdigit() or int(value) < 1:
+            raise InputError(f"engine layout {text!r}: write degrees like tp4,dp8,ep32 (tp, dp, pp, ep; each >= 1)")
+        degrees[name] = int(value)
+    return EngineLayout(**degrees)
+
+
+def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
+                      layout: EngineLayout, engines: int | None = None, batch: int | None = None,
+                      prefill_layout: EngineLayout | None = None, prefill_engines: int | None = None,
+                      prefill_batch: int | None = None, eff: Efficiency | None = None,
+                      mem_fraction: float = MEM_FRACTION) -> Deployment:
+    """The deployment of the given engine layouts (aggregated, or disaggregated with `prefill_layout`): batches not
+    given are the largest that meet the targets (else the one nearest to them); engine counts not given fill the
+    GPUs (aggregated) or balance the pools. InputError when a layout breaks a rule or nothing fits."""
+    layout.check(model)
+    per_node = cluster.gpus_per_node
+    for lay in (layout, prefill_layout):
+        if lay is not None and lay.gpus > per_node and lay.gpus % per_node:
+            raise InputError(f"an engine of {lay.gpus} GPUs does not fill whole nodes of {per_node}")
+    c = _cluster(cluster, layout.gpus)
+    step = layout.dp if model.moe is not None else 1
+    batches = [batch] if batch is not None else [b * step for b in BATCHES]
+
+    def pick(candidates: list[Deployment]) -> Deployment:
+        if not candidates:
+            raise InputError(f"no batch of {layout.label()} fits its memory with ISL {wl.isl} + OSL {wl.osl}")
+        ok = [d for d in candidates if meets(d, targets, wl)]
+        return max(ok, key=lambda d: d.tokens_per_s_per_gpu) if ok else min(
+            candidates, key=lambda d: _excess(d, targets, wl))
+
+    if prefill_layout is None:
+        points = [p for b in batches for ch in CHUNKS if ch - b >= b * wl.isl / wl.osl
+                  for p in [aggregated_point(model, c, layout, wl, b, ch, eff, mem_fraction)] if p is not None]
+        n = engines or max(1, cluster.num_gpus // layout.gpus)
+        return pick([_aggregated(p, n, wl) for p in points])
+    prefill_layout.check(model)
+    pc = _cluster(cluster, prefill_layout.gpus)
+    dec = [p for b in batches for p in [decode_point(model, c, layout, wl, b, eff, mem_fraction)] if p is not None]
+    prompts = [prefill_batch] if prefill_batch is not None else [k * prefill_layout.dp for k in (1, 2, 4, 8, 16)]
+    pre = [p for k in prompts for p in [prefill_point(model, pc, prefill_layout, wl, k, eff,
+                                                      cluster.num_gpus > per_node, mem_fraction)] if p is not None]
+    if not pre:
+        raise InputError(f"no prompt batch of prefill {prefill_layout.label()} fits its memory with ISL {wl.isl}")
+    candidates = []
+    for p in pre:
+        for d in dec:
+            if prefill_engines and engines:
+                x, y = prefill_engines, engines
+            else:
+                y = engines or 1
+                x = prefill_engines or max(1, math.ceil(y * d.requests_per_s / p.requests_per_s))
+            candidates.append(_disaggregated(p, x, d, y, wl))
+    return pick(candidates)
+
+
+def explain_serving(result: ServeResult, targets: ServeTargets, wl: ServeWorkload, most: int = 4) -> list[str]:
+    """Why the runners-up lose to the best: the best of the other mode and of other engine layouts, each with
+    what it misses or how much less it delivers per GPU."""
+    best = result.best
+    if best is None:
+        return []
+    seen = {best.label()}
+    out = []
+    pool = sorted(set(result.pareto) | set(result.ranked), key=lambda d: -d.tokens_per_s_per_gpu)
+    other_mode = next((d for d in pool if d.mode != best.mode and not misses(d, targets, wl)), None) or next(
+        (d for d in pool if d.mode != best.mode), None)
+    candidates = ([other_mode] if other_mode else []) + pool
+    for d in candidates:
+        if d.label() in seen or len(out) >= most:
+            continue
+        seen.add(d.label())
+        why = misses(d, targets, wl)
+        if not why:
+            gap = 1 - d.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
+            why = f"{gap:.0%} fewer tokens/s/GPU" if gap > 0 else "as fast per GPU, with more GPUs"
+        out.append(f"{d.label()} ({d.mode}, {d.gpus} GPUs): {why}")
+    return out
+
+
+# ---- inputs from the command line ----------------------------------------------------------------------------------
+
+def parse_gpu_range(text: str | None) -> tuple[int, int]:
+    """"64" -> (1, 64); "16-320" -> (16, 320); InputError otherwise."""
+    if text is None:
+        raise InputError("say how many GPUs: --gpus N (at most N) or --gpus A-B")
+    low, _, high = text.strip().partition("-")
+    try:
+        a, b = (int(low), int(high)) if high else (1, int(low))
+    except ValueError:
+        raise InputError(f"--gpus {text!r}: give a number N or a range A-B") from None
+    if a < 1 or b < a:
+        raise InputError(f"--gpus {text!r}: need 1 <= A <= B")
+    return a, b
+
+
+def load_lengths(path: str | Path) -> tuple[float, float, int]:
+    """(mean input tokens, mean output tokens, requests) of a CSV with a header naming input_tokens and
+    output_tokens (or isl and osl) columns."""
+    import csv
+
+    path = Path(path)
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise InputError(f"{path}: cannot read it as CSV ({exc})") from None
+    if not rows:
+        raise InputError(f"{path}: no requests (a header line, then one line per request)")
+    cols = {c.strip().lower(): c for c in rows[0] if c}
+    pick = next(((cols[i], cols[o]) for i, o in (("input_tokens", "output_tokens"), ("isl", "osl"))
+                 if i in cols and o in cols), None)
+    if pick is None:
+        raise InputError(f"{path}: needs columns input_tokens and output_tokens (or isl and osl); found "
+                         f"{', '.join(cols) or 'none'}")
+    ins, outs = [], []
+    for n, row in enumerate(rows, start=2):
+        try:
+            i, o = int(row[pick[0]]), int(row[pick[1]])
+        except (TypeError, ValueError):
+            raise InputError(f"{path} line {n}: token counts must be whole numbers") from None
+        if i < 1 or o < 1:
+            raise InputError(f"{path} line {n}: token counts must be at least 1 (got {i}, {o})")
+        ins.append(i)
+        outs.append(o)
+    return sum(ins) / len(ins), sum(outs) / len(outs), len(ins)
+
+
+def workload_from(isl: int | None, osl: int | None, lengths: tuple[float, float, int] | None, weight_dtype: str,
+                  kv_dtype: str) -> ServeWorkload:
+    """The workload of --isl/--osl or of a lengths file (its means)."""
+    if lengths is not None:
+        if isl is not None or osl is not None:
+            raise InputError("give --isl/--osl or --lengths, not both")
+        mean_in, mean_out, n = lengths
+        return ServeWorkload(isl=max(1, round(mean_in)), osl=max(1, round(mean_out)), weight_dtype=weight_dtype,
+                             kv_dtype=kv_dtype, source=f"means of {n} requests")
+    if isl is None or osl is None:
+        raise InputError("say the request lengths: --isl N --osl M, or --lengths requests.csv")
+    return ServeWorkload(isl=isl, osl=osl, weight_dtype=weight_dtype, kv_dtype=kv_dtype)

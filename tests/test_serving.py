@@ -1,0 +1,358 @@
+"""The serving cost model (costmodels/serving.py) and search (planner/serve.py): KV cache sizes against hand
+computation for GQA and MLA models, memory admission, monotonicity, the disaggregation ratio, the Pareto front,
+the DeepSeek-V3 deployment its authors describe, and refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costmodels.model_io import load_zoo
+from costmodels.serving import (EngineLayout, capacity, iteration_time, kv_bytes_per_token,
+                                kv_bytes_per_token_layer, weight_bytes_per_gpu)
+from hardware_db.cluster import Cluster, ClusterSpec
+from hardware_db.errors import InputError
+from planner.serve import (ServeTargets, ServeWorkload, aggregated_point, decode_point, engine_layouts,
+                           pareto_front, prefill_point, search_serving)
+
+LLAMA70 = load_zoo("llama3.1-70b")
+LLAMA8 = load_zoo("llama3.1-8b")
+DSV3 = load_zoo("deepseek-v3")
+WL = ServeWorkload(isl=4000, osl=500)
+
+
+def cluster(gpu: str, n: int) -> Cluster:
+    return Cluster(ClusterSpec(gpu=gpu, num_gpus=n))
+
+
+# ---- KV cache against hand computation -----------------------------------------------------------------------------
+
+def test_gqa_kv_bytes_by_hand():
+    """Llama 3.1 70B: 80 layers x K,V x 8 KV heads x 128 x 2 B = 327,680 B per token; TP8 holds one KV head per GPU
+    (40,960 B); TP16 cannot split 8 KV heads further, so each GPU keeps one whole head: still 40,960 B."""
+    assert 80 * kv_bytes_per_token_layer(LLAMA70, 1, 2) == 327_680
+    assert kv_bytes_per_token(LLAMA70, EngineLayout(tp=8), 2) == 40_960
+    assert kv_bytes_per_token(LLAMA70, EngineLayout(tp=16), 2) == 40_960
+    assert kv_bytes_per_token(LLAMA8, EngineLayout(tp=2), 1) == 32 * 2 * 4 * 128  # fp8 cache, 4 KV heads per GPU
+    assert kv_bytes_per_token(LLAMA70, EngineLayout(tp=8, pp=2), 2) == 40 * 2 * 1 * 128 * 2  # half the layers
+
+
+def test_mla_kv_bytes_by_hand():
+    """DeepSeek-V3: the latent (512) and the RoPE key (64), 2 B each, 61 layers = 70,272 B per token, the same on
+    every TP rank (the latent is not split over heads)."""
+    for tp in (1, 4, 8, 16):
+        assert kv_bytes_per_token(DSV3, EngineLayout(tp=tp), 2) == 61 * (512 + 64) * 2
+
+
+def test_mla_capacity_grows_with_attention_dp_not_with_tp():
+    """16 H800 for DeepSeek-V3 (fp8 weights): TP16 keeps one copy of each sequence's latent on all 16 GPUs; DP16
+    attention keeps each sequence on one GPU, so the engine holds many times the tokens."""
+    c = cluster("h800", 16)
+    tp = capacity(DSV3, c, EngineLayout(tp=16, ep=16), "fp8", "bf16", 0.9, 8192, 256)
+    dp = capacity(DSV3, c, EngineLayout(tp=1, dp=16, ep=16), "fp8", "bf16", 0.9, 8192, 256)
+    assert tp.kv_bytes_per_token == dp.kv_bytes_per_token == 70_272
+    assert tp.weights_gib < dp.weights_gib  # DP replicates attention weights
+    assert dp.tokens > 5 * tp.tokens  # 16 caches of what is left beside replicated attention weights
+    gib = 2**30
+    assert tp.tokens == math.floor(tp.kv_gib * gib / 70_272)  # what is left, in whole tokens
+    assert dp.tokens == 16 * math.floor(dp.kv_gib * gib / 70_272)  # every attention group its own cache
+
+
+def test_weights_per_gpu_by_hand():
+    """TP8 bf16: every parameter once over 8 GPUs (norms replicated: < 0.1 % more)."""
+    got = weight_bytes_per_gpu(LLAMA70, EngineLayout(tp=8), 2)
+    assert got == pytest.approx(LLAMA70.total_params() * 2 / 8, rel=1e-3)
+    assert got > LLAMA70.total_params() * 2 / 8
+    cap = capacity(LLAMA70, cluster("h100-sxm", 8), EngineLayout(tp=8), "bf16", "bf16", 0.9, 8192, 256)
+    free = 80 * 2**30 * 0.9 - got - cap.workspace_gib * 2**30 - 2**30
+    assert cap.tokens == math.floor(free / 40_960)
+
+
+def test_layout_rules():
+    with pytest.raises(InputError, match="does not divide the 64 attention heads"):
+        EngineLayout(tp=3).check(LLAMA70)
+    with pytest.raises(InputError, match="has no experts"):
+        EngineLayout(tp=8, ep=8).check(LLAMA70)
+    with pytest.raises(InputError, match="replicas"):
+        EngineLayout(tp=4, dp=2).check(LLAMA70)
+    EngineLayout(tp=4, dp=80, ep=320).check(DSV3)  # EP beyond the 256 experts: redundant experts
+
+
+# ---- time: monotone, and the regimes ------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 512), ctx=st.integers(1, 32_000), tp=st.sampled_from([1, 2, 4, 8]))
+def test_decode_time_grows_with_batch_and_context(batch, ctx, tp):
+    c = cluster("h100-sxm", 8)
+    lay = EngineLayout(tp=tp)
+    t = iteration_time(LLAMA8, c, lay, batch, ctx, 0, 0).seconds
+    assert iteration_time(LLAMA8, c, lay, batch + 1, ctx, 0, 0).seconds >= t
+    assert iteration_time(LLAMA8, c, lay, batch, ctx + 1000, 0, 0).seconds >= t
+
+
+def test_decode_is_weight_bound_at_batch_one():
+    """At batch 1 a decode step reads every weight once: at least weights / HBM bandwidth."""
+    c = cluster("h100-sxm", 8)
+    t = iteration_time(LLAMA70, c, EngineLayout(tp=8), 1, 1000, 0, 0)
+    assert t.compute_s >= weight_bytes_per_gpu(LLAMA70, EngineLayout(tp=8), 2) / c.gpu.hbm_bytes_per_s
+    assert iteration_time(LLAMA70, c, EngineLayout(tp=8), 1, 1000, 0, 0, weight_dtype="fp8").compute_s < t.compute_s
+
+
+def test_prefill_is_compute_bound():
+    """A 4,000-token prefill does 2 x params x tokens FLOPs: at least that over the GPUs' peak."""
+    c = cluster("h100-sxm", 8)
+    t = iteration_time(LLAMA70, c, EngineLayout(tp=8), 0, 0, 4000, 2000)
+    assert t.compute_s >= 2 * LLAMA70.active_params() * 4000 / (8 * c.gpu.peak_flops("bf16"))
+
+
+# ---- engines and deployments ---------------------------------------------------------------------------------------
+
+def test_memory_admission_refuses_a_batch_that_does_not_fit():
+    c = cluster("h100-sxm", 2)
+    lay = EngineLayout(tp=2)
+    assert decode_point(LLAMA70, c, lay, WL, 4) is not None  # 66 GiB of weights per GPU leave ~5 GiB
+    assert decode_point(LLAMA70, c, lay, WL, 4096) is None  # 4096 x 4,500 tokens x 160 KiB >> HBM
+    assert prefill_point(LLAMA70, cluster("h100-sxm", 1), EngineLayout(tp=1), WL, 1) is None  # 140 GB of weights
+
+
+def test_aggregated_point_keeps_prefill_in_pace():
+    """P = B x ISL / OSL prompt tokens per iteration must fit the chunk beside the B decode tokens."""
+    c = cluster("h100-sxm", 8)
+    assert aggregated_point(LLAMA70, c, EngineLayout(tp=8), WL, 256, 2048) is None  # needs 2048 + 256 > 2048
+    p = aggregated_point(LLAMA70, c, EngineLayout(tp=8), WL, 64, 2048)
+    assert p is not None and p.ttft_s > 0 and p.tpot_s > 0
+    assert p.requests_per_s == pytest.approx(64 / (500 * p.tpot_s))
+
+
+def test_deepseek_v3_authors_deployment_is_expressible_and_evaluated():
+    """DeepSeek-V3 report sec. 3.4: prefill attention TP4 + DP8 with EP32 on 32 GPUs; decode attention TP4 x DP80
+    with EP320 on 320 GPUs (256 experts + redundant ones)."""
+    c = cluster("h800", 352)
+    layouts = engine_layouts(DSV3, 352, 8)
+    pre_lay, dec_lay = EngineLayout(tp=4, dp=8, ep=32), EngineLayout(tp=4, dp=80, ep=320)
+    assert pre_lay in layouts and dec_lay in layouts
+    wl = ServeWorkload(isl=4000, osl=500, weight_dtype="fp8")
+    pre = prefill_point(DSV3, cluster("h800", 32), pre_lay, wl, 8)
+    dec = decode_point(DSV3, cluster("h800", 320), dec_lay, wl, 80 * 64)
+    assert pre is not None and dec is not None
+    assert 0 < pre.ttft_s < 1 and 0 < dec.tpot_s < 0.1
+    assert dec.memory.tokens >= 80 * 64 * 4500
+    assert c.num_gpus == 352
+
+
+def test_search_balances_disaggregated_pools():
+    c = cluster("h800", 64)
+    wl = ServeWorkload(isl=4000, osl=500, weight_dtype="fp8")
+    r = search_serving(DSV3, c, wl, ServeTargets(ttft_ms=1000, tpot_ms=100))
+    dis = [d for d in r.pareto if d.mode == "disaggregated"] + [d for d in r.ranked if d.mode == "disaggregated"]
+    assert dis
+    for d in dis:
+        (p, x), (q, y) = d.pools
+        assert d.gpus == x * p.layout.gpus + y * q.layout.gpus <= 64
+        # neither pool idles more than one engine's worth
+        assert min(x * p.requests_per_s, y * q.requests_per_s) >= max(x * p.requests_per_s, y * q.requests_per_s) \
+            - max(p.requests_per_s, q.requests_per_s) - 1e-9
+
+
+def test_search_meets_targets_and_ranks_by_throughput():
+    r = search_serving(LLAMA8, cluster("h100-sxm", 8), WL, ServeTargets(ttft_ms=500, tpot_ms=30))
+    assert r.best is not None and r.ranked[0] is r.best
+    for d in r.ranked:
+        assert d.ttft_s * 1e3 <= 500 and d.tpot_s * 1e3 <= 30
+    per_gpu = [d.tokens_per_s_per_gpu for d in r.ranked]
+    assert per_gpu == sorted(per_gpu, reverse=True)
+
+
+def test_pareto_front_is_not_dominated():
+    r = search_serving(LLAMA8, cluster("h100-sxm", 8), WL, ServeTargets())
+    front = r.pareto
+    assert front
+    for a in front:
+        for b in front:
+            assert not (b.tokens_per_s_per_gpu > a.tokens_per_s_per_gpu and
+                        b.tokens_per_s_per_user > a.tokens_per_s_per_user)
+    assert pareto_front(list(front)) == front
+
+
+def test_unmeetable_targets_name_the_nearest_miss():
+    r = search_serving(LLAMA70, cluster("h100-sxm", 8), WL, ServeTargets(ttft_ms=1, tpot_ms=1))
+    assert r.best is None and r.nearest_miss is not None
+    assert "misses" in r.why_nothing and "TTFT" in r.why_nothing and "TPOT" in r.why_nothing
+
+
+def test_min_gpus_objective():
+    targets = ServeTargets(ttft_ms=1000, tpot_ms=50, request_rate=5)
+    r = search_serving(LLAMA8, cluster("h100-sxm", 64), WL, targets, objective="min-gpus")
+    assert r.best is not None and r.best.requests_per_s >= 5
+    assert all(r.best.gpus <= d.gpus for d in r.ranked)
+    with pytest.raises(InputError, match="request rate"):
+        search_serving(LLAMA8, cluster("h100-sxm", 8), WL, ServeTargets(), objective="min-gpus")
+
+
+def test_bad_workloads():
+    with pytest.raises(ValueError):
+        ServeWorkload(isl=-1, osl=10)
+    with pytest.raises(ValueError):
+        ServeTargets(tpot_ms=0)
+
+
+# ---- the serving plan, its exports and the CLI ---------------------------------------------------------------------
+
+import json  # noqa: E402
+
+from cli_helpers import assert_input_error, run  # noqa: E402
+from planner.launchers import export_plan  # noqa: E402
+from planner.launchers.common import ExportError  # noqa: E402
+from planner.launchers.sglang import parse_sglang_command  # noqa: E402
+from planner.launchers.vllm import parse_vllm_command  # noqa: E402
+from planner.plan import (ServingPlan, build_serving_plan, read_any_plan, read_plan, read_serving_plan,  # noqa: E402
+                          write_plan)
+from planner.serve import parse_engine_layout, pinned_deployment  # noqa: E402
+
+TARGETS = ServeTargets(ttft_ms=300, tpot_ms=50)
+DS_WL = ServeWorkload(isl=4000, osl=500, weight_dtype="fp8")
+
+
+def authors_plan() -> ServingPlan:
+    c = cluster("h800", 352)
+    d = pinned_deployment(DSV3, c, DS_WL, TARGETS, parse_engine_layout("tp4,dp80,ep320"), engines=1,
+                          prefill_layout=parse_engine_layout("tp4,dp8,ep32"), prefill_engines=1)
+    return build_serving_plan(DSV3, c, DS_WL, TARGETS, d)
+
+
+def searched_plan() -> ServingPlan:
+    c = cluster("h100-sxm", 16)
+    r = search_serving(LLAMA8, c, WL, ServeTargets(ttft_ms=500, tpot_ms=30))
+    return build_serving_plan(LLAMA8, c, WL, ServeTargets(ttft_ms=500, tpot_ms=30), r.best, r)
+
+
+def test_authors_deployment_as_a_plan():
+    plan = authors_plan()
+    assert plan.mode == "disaggregated"
+    pre, dec = plan.engines
+    assert (pre.tp, pre.dp, pre.ep, pre.gpus_per_engine) == (4, 8, 32, 32)
+    assert (dec.tp, dec.dp, dec.ep, dec.gpus_per_engine) == (4, 80, 320, 320)
+    assert plan.prediction.gpus == pre.engines * 32 + dec.engines * 320
+    assert plan.prediction.tokens_per_s_per_gpu > 0 and plan.prediction.tpot_ms > 0
+
+
+def test_serving_plan_round_trip(tmp_path):
+    plan = searched_plan()
+    assert plan.search is not None and plan.search.pareto
+    write_plan(plan, tmp_path / "s.json")
+    assert read_serving_plan(tmp_path / "s.json") == plan
+    assert read_any_plan(tmp_path / "s.json") == plan
+    with pytest.raises(InputError, match='is a serving plan .kind "serving".; this command takes training plans'):
+        read_plan(tmp_path / "s.json")
+    jsonschema = pytest.importorskip("jsonschema")
+    from planner.plan import plan_json_schema
+    jsonschema.validate(json.loads((tmp_path / "s.json").read_text()), plan_json_schema())
+
+
+def test_serving_plan_refuses_inconsistent_engines():
+    data = searched_plan().model_dump(mode="json")
+    data["prediction"]["gpus"] += 1
+    with pytest.raises(ValueError, match="prediction.gpus"):
+        ServingPlan.model_validate(data)
+
+
+def test_vllm_and_sglang_commands_read_back():
+    """Every exported command line parses back to its pool's engine settings."""
+    for plan in (searched_plan(), authors_plan()):
+        for target, parse in (("vllm", parse_vllm_command), ("sglang", parse_sglang_command)):
+            try:
+                text = export_plan(plan, target).files[0].text
+            except ExportError as exc:
+                assert target == "vllm" and "redundant experts" in str(exc)
+                continue
+            commands = [c for c in text.split("\n\n") if "vllm serve" in c or "launch_server" in c]
+            assert len(commands) == len(plan.engines)
+            for engine, command in zip(plan.engines, commands):
+                got = parse("\n".join(line for line in command.splitlines() if not line.startswith("#")))
+                assert (got["tp"], got["dp"], got["pp"]) == (engine.tp, engine.dp, engine.pp)
+                assert got["max_num_seqs"] == engine.max_num_seqs
+                assert got["max_num_batched_tokens"] == engine.max_num_batched_tokens
+                assert got["gpu_memory_utilization"] == pytest.approx(engine.gpu_memory_utilization)
+                if target == "sglang":
+                    assert got["ep"] == engine.ep and got["role"] == engine.role
+                else:
+                    assert got["expert_parallel"] == (engine.ep > 1)
+
+
+def test_sglang_writes_redundant_experts_and_nodes():
+    text = export_plan(authors_plan(), "sglang").files[0].text
+    assert "--ep-num-redundant-experts 64" in text and "--nnodes 40" in text and "--enable-dp-attention" in text
+
+
+def test_serving_exports_refuse_training_targets():
+    with pytest.raises(InputError, match="serving plan: export it --to vllm or sglang"):
+        export_plan(searched_plan(), "megatron")
+
+
+def test_cli_serve_search_and_export(capsys, tmp_path):
+    out = tmp_path / "serve.json"
+    code, stdout, err = run(capsys, "serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl",
+                            "2000", "--osl", "200", "--ttft-ms", "500", "--tpot-ms", "30", "--out", str(out),
+                            "--export", "vllm", "--export-out", str(tmp_path / "vllm.sh"))
+    assert code == 0, err
+    assert "Pareto front" in stdout and "best:" in stdout and "serving plan written" in stdout
+    plan = read_serving_plan(out)
+    assert plan.prediction.meets_targets and plan.prediction.tpot_ms <= 30
+    assert "vllm serve" in (tmp_path / "vllm.sh").read_text()
+    code, stdout, err = run(capsys, "export", str(out), "--to", "sglang")
+    assert code == 0 and "sglang.launch_server" in stdout
+
+
+def test_cli_serve_pinned_authors_deployment(capsys):
+    code, stdout, err = run(capsys, "serve", "-m", "deepseek-v3", "--gpu", "h800", "--gpus", "352", "--isl", "4000",
+                            "--osl", "500", "--weight-dtype", "fp8", "--layout", "tp4,dp80,ep320",
+                            "--prefill-layout", "tp4,dp8,ep32", "--engines", "1", "--prefill-engines", "1", "--json")
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["kind"] == "serving" and [e["gpus_per_engine"] for e in doc["engines"]] == [32, 320]
+
+
+def test_cli_serve_lengths_csv(capsys, tmp_path):
+    csv = tmp_path / "req.csv"
+    csv.write_text("input_tokens,output_tokens\n1000,100\n3000,300\n")
+    code, stdout, err = run(capsys, "serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--lengths",
+                            str(csv), "--json")
+    assert code == 0, err
+    wl = json.loads(stdout)["inputs"]["workload"]
+    assert (wl["isl"], wl["osl"], wl["source"]) == (2000, 200, "means of 2 requests")
+    bad = tmp_path / "bad.csv"
+    bad.write_text("prompt,completion\n1,2\n")
+    assert_input_error(*run(capsys, "serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--lengths",
+                            str(bad)), "input_tokens")
+    bad.write_text("isl,osl\n-5,2\n")
+    assert_input_error(*run(capsys, "serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--lengths",
+                            str(bad)), "line 2", "at least 1")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--isl", "100", "--osl", "10", "--ttft-ms", "0.5", "--tpot-ms", "0.5"], ["nearest", "misses", "TPOT"]),
+    (["--osl", "10"], ["--isl"]),
+    (["--isl", "-3", "--osl", "10"], ["--isl", "greater than or equal to 1"]),
+    (["--isl", "100", "--osl", "10", "--gpus", "x"], ["--gpus"]),
+    (["--isl", "100", "--osl", "10", "--objective", "min-gpus"], ["request rate"]),
+    (["--isl", "100", "--osl", "10", "--layout", "tp3"], ["tp 3", "heads"]),
+    (["--isl", "100", "--osl", "10", "--engines", "2"], ["--layout"]),
+])
+def test_cli_serve_errors(capsys, args, words):
+    base = ["serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm"]
+    if "--gpus" not in args:
+        base += ["--gpus", "8"]
+    assert_input_error(*run(capsys, *base, *args), *words)
+
+
+def test_cli_show_serving_plan(capsys, tmp_path):
+    write_plan(searched_plan(), tmp_path / "s.json")
+    code, out, err = run(capsys, "show", str(tmp_path / "s.json"))
+    assert code == 0, err
+    assert "Pareto front" in out and "best:" in out
+    assert_input_error(*run(capsys, "show", str(tmp_path / "s.json"), "--trace", str(tmp_path / "t.json")),
+                       "serving plan")
+    assert_input_error(*run(capsys, "verify", str(tmp_path / "s.json")), "serving plan", "training plans")
