@@ -882,9 +882,12 @@ def verify(
     steps match a single-process run; measured memory and time are shown beside the cost model's prediction.
     Exit code 0: the numerics match; 1: they do not (the report says where); 2: bad input."""
     from executor.verify import VerifyOptions, run_verify
-    from planner.plan import read_plan, write_text_atomic
+    from planner.plan import ServingPlan, read_any_plan, write_text_atomic
 
-    doc = read_plan(plan_file)
+    doc = read_any_plan(plan_file)
+    if isinstance(doc, ServingPlan):
+        _verify_serving(doc, scale, steps, seq, max_ranks, timeout, calibration, inject, out)
+        return
     if launcher is None:
         launcher = "torchrun" if "RANK" in os.environ else "spawn"
     opts = VerifyOptions(scale=scale, steps=steps, seq=seq, microbatches=microbatches, dtype=dtype, backend=backend,
@@ -909,6 +912,40 @@ def verify(
         from planner.trace import write_trace
 
         write_trace(dict(outcome.trace), trace)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _verify_serving(doc: Any, scale: str, steps: int, seq: Optional[int], max_ranks: int, timeout: float,
+                    calibration: Optional[str], inject: Optional[str], out: Optional[Path]) -> None:
+    """verify for a serving plan: each engine's prefill and decode steps with a KV cache against the reference."""
+    import dataclasses
+
+    from executor.serving import run_serve_check
+    from planner.plan import write_text_atomic
+
+    report = run_serve_check(doc, scale=scale, prompt=seq, steps=steps, max_ranks=max_ranks, timeout_s=timeout,
+                             calibration=load_calibration(calibration) if calibration else None,
+                             calibration_origin=calibration or "the calibration", inject=inject)
+    con = _console()
+    table = Table(title=f"serving check: {report.scaled} (of {report.model}), float64, KV cache vs one forward")
+    for col in ("engine", "ranks", "batch x (prompt + steps)", "max rel. error", "prefill s (pred.)",
+                "decode step s (pred.)", "KV bytes/rank (pred.)"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for e in report.engines:
+        kv = f"{e.cache_bytes:,}" + (f" ({e.predicted_cache_bytes:,.0f})" if e.predicted_cache_bytes is not None
+                                     else " (MLA: latent not held)")
+        table.add_row(f"{e.role} {e.layout}", str(e.ranks), f"{e.batch} x ({e.prompt} + {e.steps})",
+                      f"{e.max_relative_error:.1e}", f"{e.prefill_s:.4f} ({e.predicted_prefill_s:.4f})",
+                      f"{e.decode_s:.4f} ({e.predicted_decode_s:.4f})", kv)
+    con.print(table)
+    where = report.engines[0].predicted_on if report.engines else ""
+    con.print(f"predicted times on {where}" + ("" if "calibrated" in where else
+              ": not comparable with this CPU's; give --calibration with a profile of this host"))
+    con.print(("OK" if report.ok else "FAILED") + f": every logit of the prefill and each decode step "
+              f"{'matches' if report.ok else 'does not match'} the reference (tolerance {report.tolerance:g})")
+    if out is not None:
+        write_text_atomic(out, json.dumps({"ok": report.ok, **dataclasses.asdict(report)}, indent=2) + "\n")
     if not report.ok:
         raise typer.Exit(1)
 

@@ -26,7 +26,8 @@ from hardware_db.errors import InputError
 __all__ = ["WEIGHT_BYTES", "EngineLayout", "kv_bytes_per_token_layer", "kv_bytes_per_token", "weight_bytes_per_gpu",
            "Capacity", "capacity", "IterationTime", "iteration_time", "kv_transfer_s", "stage_layer_counts"]
 
-WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}  # bytes per weight / KV element for a serving dtype
+# bytes per weight / KV element: the serving dtypes, and the reference executor's run dtypes (its checks)
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "float32": 4, "float64": 8}
 RESERVED_BYTES = 1.0 * 2**30  # CUDA context, NCCL and cuBLAS workspaces (the training model's stated assumption)
 
 
@@ -348,6 +349,11 @@ def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec
     head = ops_time([gemm("lm_head", sampled, model.vocab / layout.tp, model.hidden, wdt),
                      elementwise("embedding", t, t * model.hidden)])
     head_comm = _all_to_all(4.0 * sampled * model.vocab, layout.tp, tp_link, eff)  # gather the logits' shards
+    # a calibration's measured framework cost: per decoder layer forward at this TP degree, per forward outside
+    # the layers (estimate.Efficiency.overhead; zero uncalibrated, where a GPU engine's CUDA graphs hide it)
+    over_layer, _ = eff.overhead(layout.tp, False)
+    compute += (dense_layers + moe_layers) * over_layer
+    head += eff.head_overhead.forward_s if eff.head_overhead is not None else 0.0
     stage = compute + comm + head + head_comm  # the heaviest stage: its layers and the LM head (the last stage)
     p2p = 0.0
     if layout.pp > 1:

@@ -355,4 +355,5 @@ def test_cli_show_serving_plan(capsys, tmp_path):
     assert "Pareto front" in out and "best:" in out
     assert_input_error(*run(capsys, "show", str(tmp_path / "s.json"), "--trace", str(tmp_path / "t.json")),
                        "serving plan")
-    assert_input_error(*run(capsys, "verify", str(tmp_path / "s.json")), "serving plan", "training plans")
+    assert_input_error(*run(capsys, "import", "--from", "torchtitan", str(tmp_path / "s.json"), "--gpu", "h100-sxm"),
+                       "TOML")

@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from planner.launchers.common import (Exported, ExportedFile, engine_nodes, refuse, serving_header_lines,
-                                      shell_lines)
+from planner.launchers.common import Exported, ExportedFile, engine_nodes, full_ep_only, serving_script, shell_lines
 from planner.plan import ServingEngine, ServingPlan
 
 __all__ = ["TARGET", "sglang_args", "export_sglang", "parse_sglang_command"]
@@ -24,10 +23,8 @@ TARGET = "sglang"
 def sglang_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
     model = plan.inputs.model_spec()
     wl = plan.inputs.workload
+    full_ep_only(TARGET, engine)
     ranks = engine.tp * engine.dp
-    if engine.ep not in (1, ranks):
-        raise refuse(TARGET, f"SGLang runs experts with EP over every tp x dp = {ranks} rank or none (the plan: ep "
-                     f"{engine.ep})", f"re-plan with ep 1 or {ranks}")
     args = ["python", "-m", "sglang.launch_server", "--model-path", "${MODEL}", "--tp-size", str(ranks)]
     if engine.dp > 1:
         args += ["--dp-size", str(engine.dp), "--enable-dp-attention"]
@@ -52,21 +49,16 @@ def sglang_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
 
 
 def export_sglang(plan: ServingPlan) -> Exported:
-    lines = ["#!/usr/bin/env bash"] + ["# " + line for line in serving_header_lines(plan, "SGLang")]
-    lines += ['MODEL="${MODEL:?set MODEL to the checkpoint of ' + plan.inputs.model_spec().name + '}"', ""]
-    for e in plan.engines:
-        role = {"aggregated": "engine", "prefill": "prefill engine", "decode": "decode engine"}[e.role]
+    def pool(e: ServingEngine) -> list[str]:
         nodes, _ = engine_nodes(e.gpus_per_engine, plan.inputs.cluster.gpus_per_node)
-        where = f"on each of its {nodes} nodes with NODE_RANK 0..{nodes - 1} and HEAD node 0's address" \
-            if nodes > 1 else "on one node"
-        lines.append(f"# ---- {e.engines} x {role}, {e.gpus_per_engine} GPUs each (TP{e.tp} DP{e.dp} PP{e.pp} "
-                     f"EP{e.ep}), {where}; predicted {e.requests_per_s:.2f} requests/s each")
-        lines.append(shell_lines(sglang_args(plan, e), head=3))
-        lines.append("")
-    if plan.mode == "disaggregated":
-        lines.append("# Put SGLang's router in front with the prefill and decode engines' addresses "
-                     "(python -m sglang_router.launch_router --pd-disaggregation --prefill ... --decode ...).")
-    return Exported(TARGET, (ExportedFile("sglang.sh", "\n".join(lines) + "\n"),))
+        where = (f"# on each of its {nodes} nodes, with NODE_RANK 0..{nodes - 1} and HEAD the first node's address"
+                 if nodes > 1 else "# on one node")
+        return [where, shell_lines(sglang_args(plan, e), head=3)]
+
+    text = serving_script(plan, "SGLang", pool, "# Put SGLang's router in front with the prefill and decode engines' "
+                          "addresses (python -m sglang_router.launch_router --pd-disaggregation --prefill ... "
+                          "--decode ...).")
+    return Exported(TARGET, (ExportedFile("sglang.sh", text),))
 
 
 def parse_sglang_command(command: str) -> dict[str, object]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from planner.launchers.common import (Exported, ExportedFile, engine_nodes, refuse, serving_header_lines,
+from planner.launchers.common import (Exported, ExportedFile, engine_nodes, full_ep_only, refuse, serving_script,
                                       shell_lines)
 from planner.plan import ServingEngine, ServingPlan
 
@@ -25,10 +25,7 @@ KV_TRANSFER = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
 def vllm_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
     model = plan.inputs.model_spec()
     wl = plan.inputs.workload
-    ranks = engine.tp * engine.dp
-    if engine.ep not in (1, ranks):
-        raise refuse(TARGET, f"vLLM's --enable-expert-parallel spreads experts over all tp x dp = {ranks} ranks; it "
-                     f"has no EP size of its own (the plan: ep {engine.ep})", f"re-plan with ep 1 or {ranks}")
+    full_ep_only(TARGET, engine)  # --enable-expert-parallel: EP over all tp x dp ranks, no size of its own
     if model.moe is not None and engine.ep > model.moe.num_experts:
         raise refuse(TARGET, f"EP {engine.ep} beyond the {model.moe.num_experts} experts needs redundant experts "
                      "(vLLM's EPLB settings), which this export does not write", "use --to sglang")
@@ -65,19 +62,10 @@ def _multinode_note(engine: ServingEngine, per_node: int) -> str:
 
 def export_vllm(plan: ServingPlan) -> Exported:
     per_node = plan.inputs.cluster.gpus_per_node
-    lines = ["#!/usr/bin/env bash"] + ["# " + line for line in serving_header_lines(plan, "vLLM")]
-    lines += ['MODEL="${MODEL:?set MODEL to the checkpoint of ' + plan.inputs.model_spec().name + '}"', ""]
-    for e in plan.engines:
-        role = {"aggregated": "engine", "prefill": "prefill engine", "decode": "decode engine"}[e.role]
-        lines.append(f"# ---- {e.engines} x {role}, {e.gpus_per_engine} GPUs each (TP{e.tp} DP{e.dp} PP{e.pp} "
-                     f"EP{e.ep}); predicted {e.requests_per_s:.2f} requests/s each")
-        lines.append(_multinode_note(e, per_node))
-        lines.append(shell_lines(vllm_args(plan, e)))
-        lines.append("")
-    if plan.mode == "disaggregated":
-        lines.append("# Put a proxy that sends each request to a prefill engine, then to a decode engine, in front "
-                     "(vLLM examples: disaggregated_serving).")
-    return Exported(TARGET, (ExportedFile("vllm.sh", "\n".join(lines) + "\n"),))
+    text = serving_script(plan, "vLLM", lambda e: [_multinode_note(e, per_node), shell_lines(vllm_args(plan, e))],
+                          "# Put a proxy that sends each request to a prefill engine, then to a decode engine, in "
+                          "front (vLLM examples: disaggregated_serving).")
+    return Exported(TARGET, (ExportedFile("vllm.sh", text),))
 
 
 def parse_vllm_command(command: str) -> dict[str, object]:
