@@ -121,14 +121,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def engine_layouts(model: ModelSpec, max_gpus: int, per_node: int) -> list[EngineLayout]:
-    """Every engine of at most `max_gpus` GPUs that fills whole nodes (or fits in one): TP a power of two dividing
-    the heads, at most two nodes; PP only when TP already spans a node (pipelining is for models a node cannot
-    hold); for MoE models attention DP and EP either over every rank of a stage (expert TP 1) or off (experts
-    tensor-parallel over the stage), EP beyond the experts as redundant experts (DeepSeek-V3's decode). Pipeline
-    stages are whole nodes (TP, and attention DP, inside a node, PP across nodes: how vLLM and SGLang deploy a model
-    larger than a node); the cost model's PP has no bubble, so a single-node PP engine would only look better."""
+    """Every engine of at most `max_gpus` GPUs that fits in a node or fills whole nodes (`_engine_sizes`): TP a power
+    of two dividing the heads, at most two nodes; pipeline stages of whole nodes (TP and attention DP inside a node,
+    PP across nodes: how vLLM and SGLang deploy a model larger than a node; the cost model's PP has no bubble, so a
+    single-node PP engine would only look better); for MoE models attention DP filling the stage and EP over every
+    rank of it (expert TP 1) or off (experts tensor-parallel over the stage), EP beyond the experts meaning
+    redundant experts (DeepSeek-V3's decode)."""
     out: list[EngineLayout] = []
-    sizes = [g for g in range(1, max_gpus + 1) if g <= per_node and per_node % g == 0 or g % per_node == 0]
+    sizes = _engine_sizes(max_gpus, per_node)
     for size in sizes:
         for tp in (1, 2, 4, 8, 16, 32):
             if tp > size or size % tp or model.num_heads % tp or tp > 2 * per_node:
@@ -146,6 +146,14 @@ def engine_layouts(model: ModelSpec, max_gpus: int, per_node: int) -> list[Engin
                     if _ep_ok(model, lay):
                         out.append(lay)
     return out
+
+
+def _engine_sizes(max_gpus: int, per_node: int) -> list[int]:
+    """GPUs per engine: the divisors of a node, every node count up to 16 nodes, then every 8th node count (a
+    deployment of 38 or 40 nodes per engine differs little; the search stays linear in the GPUs / 8 nodes)."""
+    small = [g for g in range(1, min(per_node, max_gpus) + 1) if per_node % g == 0]
+    nodes = [k for k in range(1, max_gpus // per_node + 1) if k <= 16 or k % 8 == 0]
+    return sorted(set(small + [k * per_node for k in nodes]))
 
 
 def _ep_ok(model: ModelSpec, lay: EngineLayout) -> bool:
