@@ -162,7 +162,7 @@ class Layout:
         """(first layer, layer count) of every model chunk, in model order: chunk c*pp + stage holds a slice."""
         chunks = []
         start = 0
-        per_stage_chunks = [_split(n, self.vpp) for n in self.stage_layers]
+        per_stage_chunks = [split_evenly(n, self.vpp) for n in self.stage_layers]
         for c in range(self.vpp):
             for s in range(self.pp):
                 n = per_stage_chunks[s][c]
@@ -171,7 +171,7 @@ class Layout:
         return tuple(chunks)
 
 
-def _split(total: int, parts: int) -> list[int]:
+def split_evenly(total: int, parts: int) -> list[int]:
     """Split as evenly as possible, the larger shares first."""
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
@@ -225,7 +225,7 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     else:
         if model.num_layers < pp * vpp:
             raise InputError(f"{model.num_layers} layers cannot fill pp*vpp = {pp * vpp} model chunks")
-        stage_layers = tuple(_split(model.num_layers, pp))
+        stage_layers = tuple(split_evenly(model.num_layers, pp))
     ep = cfg.ep
     etp = cfg.etp if cfg.etp is not None else tp
     if model.moe is None:

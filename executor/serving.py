@@ -191,6 +191,7 @@ def run_serve_check(plan: "ServingPlan", scale: str = "tiny", prompt: int | None
     from executor.scale import SCALES, scale_model
     from hardware_db.cluster import ClusterSpec
     from hardware_db.errors import InputError
+    from planner.serve import engine_cluster
 
     if scale not in SCALES and scale != "none":
         raise InputError(f"--scale {scale!r}: choose one of {', '.join(SCALES)} or none")
@@ -229,9 +230,7 @@ def run_serve_check(plan: "ServingPlan", scale: str = "tiny", prompt: int | None
                                               calibration, calibration_origin, EXECUTOR_RUNTIME)
             dtype, where = "float64", "this host (calibrated)"
         else:
-            cluster = plan.inputs.cluster.cluster()
-            cluster = type(cluster)(ClusterSpec(**{**cluster.spec.model_dump(), "num_gpus": world,
-                                                   "gpus_per_node": max(world, 1)}), gpu=cluster.gpu)
+            cluster = engine_cluster(plan.inputs.cluster.cluster(), world)
             eff, dtype, where = Efficiency.from_gpu(cluster.gpu), plan.inputs.workload.weight_dtype, cluster.gpu.name
         kv = "float64" if calibration is not None else plan.inputs.workload.kv_dtype
         pre = iteration_time(spec, cluster, layout, 0, 0, engine.dp * batch * n_prompt, n_prompt / 2, dtype, kv, eff)

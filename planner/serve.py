@@ -164,7 +164,7 @@ def _ep_ok(model: ModelSpec, lay: EngineLayout) -> bool:
     return moe.num_experts % lay.ep == 0 or lay.ep >= moe.num_experts  # beyond E: redundant experts
 
 
-def _cluster(gpu_cluster: Cluster, gpus: int) -> Cluster:
+def engine_cluster(gpu_cluster: Cluster, gpus: int) -> Cluster:
     """The engine's own GPUs on the deployment's node size."""
     spec = gpu_cluster.spec.model_copy(update={"num_gpus": gpus, "gpus_per_node": gpu_cluster.gpus_per_node})
     return Cluster(ClusterSpec(**spec.model_dump()), gpu=gpu_cluster.gpu)
@@ -313,7 +313,9 @@ def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, target
     dec_points: list[PoolPoint] = []
     clusters: dict[int, Cluster] = {}
     for lay in layouts:
-        c = clusters.setdefault(lay.gpus, _cluster(cluster, lay.gpus))
+        if lay.gpus not in clusters:  # one cluster (and its link cache) per engine size
+            clusters[lay.gpus] = engine_cluster(cluster, lay.gpus)
+        c = clusters[lay.gpus]
         for batch in BATCHES:
             b = batch * lay.dp if model.moe is not None else batch
             for chunk in (ch for ch in CHUNKS if ch - b >= b * wl.isl / wl.osl):
@@ -440,7 +442,7 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
     for lay in (layout, prefill_layout):
         if lay is not None and lay.gpus > per_node and lay.gpus % per_node:
             raise InputError(f"an engine of {lay.gpus} GPUs does not fill whole nodes of {per_node}")
-    c = _cluster(cluster, layout.gpus)
+    c = engine_cluster(cluster, layout.gpus)
     step = layout.dp if model.moe is not None else 1
     batches = [batch] if batch is not None else [b * step for b in BATCHES]
 
@@ -457,7 +459,7 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
         n = engines or max(1, cluster.num_gpus // layout.gpus)
         return pick([_aggregated(p, n, wl) for p in points])
     prefill_layout.check(model)
-    pc = _cluster(cluster, prefill_layout.gpus)
+    pc = engine_cluster(cluster, prefill_layout.gpus)
     dec = [p for b in batches for p in [decode_point(model, c, layout, wl, b, eff, mem_fraction)] if p is not None]
     prompts = [prefill_batch] if prefill_batch is not None else [k * prefill_layout.dp for k in (1, 2, 4, 8, 16)]
     pre = [p for k in prompts for p in [prefill_point(model, pc, prefill_layout, wl, k, eff,

@@ -15,8 +15,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from costmodels.config import PP_INSIDE_DP, ParallelConfig, StagePolicy, Workload
-from costmodels.config import RUNTIMES
+from costmodels.config import PP_INSIDE_DP, RUNTIMES, ParallelConfig, StagePolicy, Workload, split_evenly
 from costmodels.model import ModelSpec
 from hardware_db.errors import InputError
 from planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
@@ -170,11 +169,6 @@ def parse_layout(text: str, pp: int) -> tuple[list[int], int, bool, bool]:
     return ([s.count("t") for s in stages], joined.count("m"), stages[0].startswith("E"), stages[-1].endswith("L"))
 
 
-def _even_split(n: int, parts: int) -> list[int]:
-    base, extra = divmod(n, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
 def _pipeline_settings(plan: Plan, mtp_layers: int) -> list[Setting]:
     pipe, pp, vpp = plan.pipeline, plan.mesh.pp, plan.pipeline.vpp
     if pipe.schedule in ("gpipe", "zb"):
@@ -185,7 +179,7 @@ def _pipeline_settings(plan: Plan, mtp_layers: int) -> list[Setting]:
         return s
     layers = [st.num_layers for st in pipe.stages]
     chunk_model_order = [pipe.stages[r].chunks[v].num_layers for v in range(vpp) for r in range(pp)]
-    chunks_even = all([c.num_layers for c in st.chunks] == _even_split(st.num_layers, vpp) for st in pipe.stages)
+    chunks_even = all([c.num_layers for c in st.chunks] == split_evenly(st.num_layers, vpp) for st in pipe.stages)
     divisible = all(n % vpp == 0 for n in layers)
     middle = set(layers[1:-1])
     if chunks_even and divisible and len(set(layers)) == 1:
@@ -351,10 +345,10 @@ def _stage_layers(a: argparse.Namespace, num_layers: int | None, mtp: int) -> tu
         vpp = len(chunks) // pp
         per_stage = [[chunks[v * pp + r] for v in range(vpp)] for r in range(pp)]
         for r, mine in enumerate(per_stage):
-            if mine != _even_split(sum(mine), vpp) or min(mine) < 1:
+            if mine != split_evenly(sum(mine), vpp) or min(mine) < 1:
                 raise InputError(f"--pipeline-model-parallel-layout: pipeline rank {r} holds {mine} decoder layers "
                                  f"per virtual stage; meshplan splits a stage's layers over its virtual stages as "
-                                 f"evenly as possible, larger first ({_even_split(sum(mine), vpp)})")
+                                 f"evenly as possible, larger first ({split_evenly(sum(mine), vpp)})")
         return tuple(sum(m) for m in per_stage), vpp
     vpp = a.num_virtual_stages_per_pipeline_rank or 1
     first, last = a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers

@@ -15,7 +15,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 
-from costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
+from costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload, split_evenly
 from costmodels.model import ModelSpec
 from costmodels.model_io import load_zoo, to_model_file
 from hardware_db.errors import InputError
@@ -232,8 +232,7 @@ def _stages_from_fqns(parts: list[list[str]], pp: int, num_layers: int) -> tuple
     vpp = len(parts) // pp
     per_stage = [[counts[v * pp + r] for v in range(vpp)] for r in range(pp)]
     for r, mine in enumerate(per_stage):
-        base, extra = divmod(sum(mine), vpp)
-        if mine != [base + (1 if i < extra else 0) for i in range(vpp)] or min(mine) < 1:
+        if mine != split_evenly(sum(mine), vpp) or min(mine) < 1:
             raise InputError(f"module_fqns_per_model_part: pipeline rank {r} holds {mine} layers per virtual stage; "
                              f"meshplan splits a stage's layers over its virtual stages evenly, larger first")
     return tuple(sum(m) for m in per_stage), vpp
