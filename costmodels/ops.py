@@ -90,6 +90,21 @@ def elementwise(name: str, elements_in: float, elements_out: float, bwd_factor: 
     return Op(name, "memory", 0.0, b, 0.0, bwd_factor * b, selective=selective)
 
 
+def mla_query_and_latent(model: ModelSpec, tokens: float, heads: float, dtype_scale: float) -> list[Op]:
+    """MLA's query projection (through the q_lora bottleneck when there is one) and the KV down-projection to the
+    latent and the RoPE key (DeepSeek-V2 sec. 2.1.2-2.1.3), for `tokens` tokens and this rank's `heads`. The
+    down-projections are not split by TP in Megatron's MLA (replicated on every TP rank)."""
+    a = model.mla
+    assert a is not None
+    h = model.hidden
+    if a.q_lora_rank:
+        ops = [gemm("q_down_proj", tokens, a.q_lora_rank, h, dtype_scale),
+               gemm("q_up_proj", tokens, heads * a.qk_head_dim, a.q_lora_rank, dtype_scale)]
+    else:
+        ops = [gemm("q_proj", tokens, heads * a.qk_head_dim, h, dtype_scale)]
+    return ops + [gemm("kv_down_proj", tokens, a.kv_lora_rank + a.qk_rope_head_dim, h, dtype_scale)]
+
+
 def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8: float) -> list[Op]:
     """Projections and attention core of one layer (GQA/MHA, or MLA as in DeepSeek-V2 sec. 2.1)."""
     b, s, h = lay.mbs, wl.seq_len, model.hidden
@@ -106,13 +121,7 @@ def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
     else:
         a = model.mla
         d_qk, d_v = a.qk_head_dim, a.v_head_dim
-        if a.q_lora_rank:
-            # The down-projections are not split by TP in Megatron's MLA (replicated on every TP rank).
-            ops.append(gemm("q_down_proj", tokens, a.q_lora_rank, h, fp8))
-            ops.append(gemm("q_up_proj", tokens, heads * d_qk, a.q_lora_rank, fp8))
-        else:
-            ops.append(gemm("q_proj", tokens, heads * d_qk, h, fp8))
-        ops.append(gemm("kv_down_proj", tokens, a.kv_lora_rank + a.qk_rope_head_dim, h, fp8))
+        ops += mla_query_and_latent(model, tokens, heads, fp8)
         ops.append(gemm("kv_up_proj", tokens, heads * (a.qk_nope_head_dim + d_v), a.kv_lora_rank, fp8))
         ops.append(elementwise("rope", tokens * (heads + 1) * a.qk_rope_head_dim, tokens * (heads + 1) * a.qk_rope_head_dim))
     # Attention core: QK^T is 2*s_q*s_k*d_qk and PV 2*s_q*s_k*d_v FLOPs per head (Vaswani et al. 2017).

@@ -19,7 +19,7 @@ from costmodels import comm
 from costmodels.comm import Link
 from costmodels.estimate import Efficiency, group_link, op_time, timed_collective
 from costmodels.model import ModelSpec
-from costmodels.ops import ACT_BYTES, Op, elementwise, gemm
+from costmodels.ops import ACT_BYTES, Op, elementwise, gemm, mla_query_and_latent
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
 
@@ -181,7 +181,7 @@ def _all_reduce(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
     if n <= 1:
         return ring
     if link.crosses_nodes:  # NCCL's double binary tree: 2 log2(n) latencies (NCCL 2.4 release notes, "trees")
-        steps, share = comm.ring_shape("all_reduce", n)
+        _, share = comm.ring_shape("all_reduce", n)
         return min(ring, 2 * math.ceil(math.log2(n)) * link.latency_s + share * bytes_ / link.bus_bytes_per_s)
     return min(ring, link.latency_s + (n - 1) * bytes_ / link.bus_bytes_per_s)
 
@@ -229,12 +229,7 @@ def _attention_ops(model: ModelSpec, tp: int, dec: float, dec_ctx: float, pre: f
     else:
         a = model.mla
         d_qk, d_v = a.qk_head_dim, a.v_head_dim
-        if a.q_lora_rank:
-            ops.append(gemm("q_down_proj", t, a.q_lora_rank, h, wdt))
-            ops.append(gemm("q_up_proj", t, heads * d_qk, a.q_lora_rank, wdt))
-        else:
-            ops.append(gemm("q_proj", t, heads * d_qk, h, wdt))
-        ops.append(gemm("kv_down_proj", t, a.kv_lora_rank + a.qk_rope_head_dim, h, wdt))
+        ops += mla_query_and_latent(model, t, heads, wdt)
         if pre:  # prefill expands the latent to per-head K and V (DeepSeek-V2 sec. 2.1.2)
             ops.append(gemm("kv_up_proj", pre, heads * (a.qk_nope_head_dim + d_v), a.kv_lora_rank, wdt))
         if dec:  # decode absorbs W_UK into the query and W_UV into the output and attends over the latent

@@ -408,14 +408,6 @@ def _scaled_to_rate(d: Deployment, rate: float, wl: ServeWorkload) -> Deployment
                           max(1, math.ceil(rate / q.requests_per_s)), wl)
 
 
-def with_engines(d: Deployment, counts: tuple[int, ...], wl: ServeWorkload) -> Deployment:
-    """`d` with other engine counts (for a deployment given by hand)."""
-    if d.mode == "aggregated":
-        return _aggregated(d.pools[0][0], counts[0], wl)
-    return _disaggregated(d.pools[0][0], counts[0], d.pools[1][0], counts[1], wl)
-
-
-
 # ---- a deployment given by hand, and the account of a search -------------------------------------------------------
 
 def parse_engine_layout(text: str) -> EngineLayout:

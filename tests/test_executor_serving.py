@@ -87,3 +87,17 @@ def test_cli_verify_serving_plan(capsys, tmp_path):
     assert report["ok"] and engine["cache_bytes"] == engine["predicted_cache_bytes"] == 7680  # the KV formula
     code, out, err = run(capsys, "verify", str(path), "--inject", "position-offset")
     assert code == 1 and "FAILED" in out
+
+
+@pytest.mark.parametrize("layout, extra, words", [
+    ("tp1,pp2", [], ["pp 2", "pipeline"]),
+    ("tp2", ["--max-ranks", "1"], ["2 ranks", "at most 1"]),
+    ("tp2", ["--inject", "nonsense"], ["unknown injection"]),
+    ("tp2", ["--scale", "huge"], ["--scale"]),
+])
+def test_cli_verify_serving_refusals(capsys, tmp_path, layout, extra, words):
+    """Refused before any rank starts: one error line, exit 2."""
+    from cli_helpers import assert_input_error
+
+    path = _serving_plan(tmp_path, "llama3.1-8b", layout)
+    assert_input_error(*run(capsys, "verify", str(path), *extra), *words)
