@@ -1,10 +1,13 @@
-"""Predicted vs published throughput for every run in ../shared/reference_runs/training_dev.yaml.
+"""Predicted vs published throughput for every run of both development sets: ../shared/reference_runs/
+training_dev.yaml (the first) and benchmarks/published_runs.yaml (the second, meshplan's own data file).
 
-Usage:  python benchmarks/reference_runs.py [--yaml PATH] [--markdown]
+Usage:  python benchmarks/reference_runs.py [--yaml PATH] [--runs PATH] [--markdown] [--only-second]
 
 Each run is estimated with its published configuration; knobs the entry leaves unknown take the value from the
-authors' own launch scripts where those exist (cited below) and otherwise Megatron-LM's defaults. The prediction is
-converted to the entry's own metric with the entry's own FLOPs accounting before comparing.
+authors' own launch scripts where those exist (cited below, or in the entry's `assumed`) and otherwise the
+framework's defaults. The prediction is converted to the entry's own metric with the entry's own FLOPs accounting
+before comparing. The summary gives the MAPE overall and per group (GPU type, dense/MoE, precision, framework,
+sequences of 32K tokens or more).
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from costmodels.config import ParallelConfig, Workload  # noqa: E402
-from costmodels.estimate import Efficiency, estimate  # noqa: E402
+from costmodels.config import ParallelConfig, StagePolicy, Workload, split_evenly  # noqa: E402
+from costmodels.estimate import Efficiency, Estimate, estimate, model_flops_per_step  # noqa: E402
 from costmodels.model import ModelSpec  # noqa: E402
+from costmodels.model_io import load_model  # noqa: E402
 from hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
+from planner.launchers.megatron import parse_layout  # noqa: E402
+from published_runs import DEFAULT_FILE, Run, load_runs  # noqa: E402
 
 DEFAULT_YAML = ROOT.parent / "shared" / "reference_runs" / "training_dev.yaml"
 
@@ -43,10 +50,19 @@ class Row:
     predicted: float
     step_time_s: float
     mfu: float
+    groups: tuple[tuple[str, str], ...] = ()  # (group kind, value): gpu, experts, precision, framework, sequence
+    fits: bool = True
 
     @property
     def error(self) -> float:
+        """Predicted over published throughput, minus one: positive = the model is optimistic (for a time metric
+        the ratio is inverted, so the sign means the same for every metric)."""
+        if self.metric in TIME_METRICS:
+            return self.published / self.predicted - 1
         return (self.predicted - self.published) / self.published
+
+
+TIME_METRICS = ("iteration s", "step s")
 
 
 def gpu_name(text: str) -> str:
@@ -106,40 +122,185 @@ def evaluate(entry: dict, efficiency: Efficiency | None = None) -> Row:
     est = estimate(megatron_gpt(entry), cluster, wl, cfg, runtime=runtime, efficiency=efficiency)
     metric = entry["metric"]
     gpus = cluster.num_gpus
+    groups = (("set", "first"), ("gpu", cluster.spec.gpu), ("experts", "dense"), ("precision", "bf16"),
+              ("framework", runtime), ("sequence", ">= 32K" if wl.seq_len >= 32768 else "< 32K"))
     if metric.get("iteration_time_s"):
-        return Row(entry["id"], "iteration s", metric["iteration_time_s"], est.step_time_s, est.step_time_s, est.mfu)
+        return Row(entry["id"], "iteration s", metric["iteration_time_s"], est.step_time_s, est.step_time_s, est.mfu,
+                   groups, est.fits)
     if metric.get("tflops_per_gpu"):
         counts_recompute = "Eq.3" in str(metric.get("flops_accounting", ""))
         flops = megatron_flops(entry, wl.global_batch, counts_recompute)
         return Row(entry["id"], "TFLOP/s/GPU", metric["tflops_per_gpu"], flops / est.step_time_s / gpus / 1e12,
-                   est.step_time_s, est.mfu)
+                   est.step_time_s, est.mfu, groups, est.fits)
     peak = entry["hardware"]["peak_tflops_bf16_dense"] * 1e12
     mfu = megatron_flops(entry, wl.global_batch, False) / est.step_time_s / gpus / peak
-    return Row(entry["id"], "MFU", metric["mfu"], mfu, est.step_time_s, est.mfu)
+    return Row(entry["id"], "MFU", metric["mfu"], mfu, est.step_time_s, est.mfu, groups, est.fits)
+
+
+# ---- the second set (benchmarks/published_runs.yaml) ------------------------------------------------------------
+
+def run_model(run: Run) -> ModelSpec:
+    """A zoo model, or a model file of benchmarks/models/ (by path or by its name)."""
+    local = ROOT / "benchmarks" / "models" / f"{run.model}.json"
+    if run.model.startswith("benchmarks/"):
+        return load_model(str(ROOT / run.model))
+    return load_model(str(local) if local.exists() else run.model)
+
+
+def run_config(run: Run, model: ModelSpec) -> ParallelConfig:
+    """The run's parallel configuration as meshplan's knobs: uneven first/last stages as stage_layers, a Megatron
+    layout string as per-chunk layers, full recomputation of k layers per stage as stage policies."""
+    p = run.parallel
+    stage_layers = chunk_layers = None
+    if p.layout:
+        chunks, _, _, _ = parse_layout(p.layout, p.pp)
+        chunk_layers = tuple(chunks)
+    elif p.first_stage_layers is not None or p.last_stage_layers is not None:
+        first = p.first_stage_layers
+        last = p.last_stage_layers
+        middle = p.pp - (first is not None) - (last is not None)
+        rest = model.num_layers - (first or 0) - (last or 0)
+        each = rest // middle if middle else 0
+        stage_layers = tuple([first if first is not None else each] + [each] * (p.pp - 2)
+                             + [last if last is not None else each]) if p.pp > 1 else (model.num_layers,)
+        if p.vpp > 1:  # Megatron counts the embedding / loss as a layer of the first / last virtual stage
+            chunk_layers = end_light_chunks(stage_layers, p.vpp)
+            stage_layers = None
+    stage_recompute = None
+    if p.recompute == "full" and p.recompute_layers is not None:
+        counts = stage_layers
+        if counts is None and chunk_layers is not None:
+            counts = tuple(sum(chunk_layers[s::p.pp]) for s in range(p.pp))
+        if counts is None:
+            counts = tuple([model.num_layers // p.pp] * p.pp)
+        stage_recompute = tuple(StagePolicy(granularity="full", full_layers=min(p.recompute_layers, n))
+                                for n in counts)
+    schedule = {"dualpipe": "1f1b"}.get(p.schedule or "", p.schedule)
+    return ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, dp=p.dp, cp=p.cp, cp_comm="a2a" if p.cp_comm == "a2a" else "ring",
+                          ep=p.ep, etp=p.etp, mbs=p.mbs, zero=p.zero, recompute=p.recompute, sp=p.sp,
+                          schedule=schedule, stage_layers=stage_layers, chunk_layers=chunk_layers,
+                          stage_recompute=stage_recompute, rank_order=p.rank_order or "tp-cp-dp-pp")
+
+
+def end_light_chunks(stage_layers: tuple[int, ...], vpp: int) -> tuple[int, ...]:
+    """Chunk layers (model order) when the first and last stages are lighter than the others: the middle stages'
+    per-chunk count k on every chunk, the first stage's deficit taken from its first chunk (which also holds the
+    embedding) and the last stage's from its last chunk (which holds the loss), as Megatron's
+    --account-for-embedding/loss-in-pipeline-split place them."""
+    pp = len(stage_layers)
+    k = max(stage_layers) // vpp if pp <= 2 else stage_layers[1] // vpp
+    per_stage = []
+    for s, n in enumerate(stage_layers):
+        row = [k] * vpp
+        deficit = k * vpp - n
+        where = vpp - 1 if s == pp - 1 and s > 0 else 0
+        row[where] -= deficit
+        if min(row) < 0 or sum(row) != n:
+            row = split_evenly(n, vpp)
+        per_stage.append(row)
+    return tuple(per_stage[s][c] for c in range(vpp) for s in range(pp))
+
+
+def accounted_flops(run: Run, model: ModelSpec, wl: Workload) -> float:
+    """Model FLOPs of one step as the source counts them (published_runs.FlopsAccounting)."""
+    tokens = wl.tokens
+    n = model.active_params() - model.embedding_params() + (model.vocab * model.hidden if model.tied_embeddings
+                                                            else 0)
+    d_qk = model.head_size if model.mla is None else model.mla.qk_head_dim
+    d_v = model.head_size if model.mla is None else model.mla.v_head_dim
+    full_attention = 6 * model.num_layers * model.num_heads * wl.seq_len * (d_qk + d_v) * tokens
+    acc = run.flops_accounting
+    if acc == "megatron-causal":
+        return model_flops_per_step(model, wl)
+    if acc == "6n":
+        return 6 * n * tokens
+    if acc in ("palm", "megatron"):  # 6N + the attention scores in full (PaLM App. B; Megatron before 2025-03)
+        return 6 * n * tokens + full_attention
+    raise ValueError(f"{run.id}: flops accounting {acc} is for the first set's GPT runs")
+
+
+def evaluate_run(run: Run, efficiency: Efficiency | None = None) -> Row:
+    """Predict one run of the second set in its own metric."""
+    model = run_model(run)
+    cluster = Cluster(ClusterSpec(gpu=run.gpu, num_gpus=run.gpus, gpus_per_node=run.gpus_per_node,
+                                  nic_gbps=run.nic_gbps))
+    wl = Workload(global_batch=run.global_batch, seq_len=run.seq_len, dtype=run.dtype)
+    est = estimate(model, cluster, wl, run_config(run, model), runtime=run.runtime, efficiency=efficiency)
+    predicted, label = predicted_metric(run, model, wl, est, cluster)
+    groups = (("set", "second"), ("gpu", run.gpu), ("experts", "moe" if model.moe is not None else "dense"),
+              ("precision", run.dtype), ("framework", run.runtime),
+              ("sequence", ">= 32K" if run.seq_len >= 32768 else "< 32K"))
+    return Row(run.id, label, run.value, predicted, est.step_time_s, est.mfu, groups, est.fits)
+
+
+def predicted_metric(run: Run, model: ModelSpec, wl: Workload, est: Estimate, cluster: Cluster) -> tuple[float, str]:
+    step = est.step_time_s
+    if run.metric == "tokens_per_s_per_gpu":
+        return est.tokens_per_s_per_gpu, "tokens/s/GPU"
+    if run.metric == "step_time_s":
+        return step, "step s"
+    if run.metric == "samples_per_s":
+        return wl.global_batch / step, "samples/s"
+    flops = accounted_flops(run, model, wl) / step / cluster.num_gpus
+    if run.metric == "tflops_per_gpu":
+        return flops / 1e12, "TFLOP/s/GPU"
+    assert run.mfu_peak_tflops is not None
+    return flops / (run.mfu_peak_tflops * 1e12), "MFU"
+
+
+def summary(rows: list[Row]) -> list[tuple[str, str, int, float, float]]:
+    """(group kind, value, runs, MAPE, mean signed error) overall and per group."""
+    out = [("all", "", len(rows), statistics.mean(abs(r.error) for r in rows),
+            statistics.mean(r.error for r in rows))]
+    kinds: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        for k, v in r.groups:
+            kinds.setdefault((k, v), []).append(r)
+    for (k, v), rs in sorted(kinds.items()):
+        out.append((k, v, len(rs), statistics.mean(abs(r.error) for r in rs), statistics.mean(r.error for r in rs)))
+    return out
+
+
+def all_rows(yaml_path: Path = DEFAULT_YAML, runs_path: Path = DEFAULT_FILE, first: bool = True,
+             efficiency: Efficiency | None = None) -> list[Row]:
+    rows = [evaluate(e, efficiency) for e in yaml.safe_load(yaml_path.read_text())] if first else []
+    return rows + [evaluate_run(r, efficiency) for r in load_runs(runs_path)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--yaml", type=Path, default=DEFAULT_YAML)
-    ap.add_argument("--markdown", action="store_true", help="print a markdown table for RESULTS.md")
+    ap.add_argument("--yaml", type=Path, default=DEFAULT_YAML, help="the first set")
+    ap.add_argument("--runs", type=Path, default=DEFAULT_FILE, help="the second set (published_runs.py schema)")
+    ap.add_argument("--only-second", action="store_true")
+    ap.add_argument("--markdown", action="store_true", help="print markdown tables for RESULTS.md")
     args = ap.parse_args()
-    entries = yaml.safe_load(args.yaml.read_text())
-    rows = [evaluate(e) for e in entries]
+    rows = all_rows(args.yaml, args.runs, first=not args.only_second)
     if args.markdown:
-        print("| run | metric | published | predicted | error |")
-        print("| --- | --- | ---: | ---: | ---: |")
+        print("| run | metric | published | predicted | error | fits |")
+        print("| --- | --- | ---: | ---: | ---: | --- |")
         for r in rows:
-            print(f"| {r.id} | {r.metric} | {r.published:.4g} | {r.predicted:.4g} | {100 * r.error:+.1f}% |")
+            print(f"| {r.id} | {r.metric} | {r.published:.4g} | {r.predicted:.4g} | {100 * r.error:+.1f}% | "
+                  f"{'yes' if r.fits else 'NO'} |")
     else:
-        print(f"{'run':40s} {'metric':12s} {'published':>10s} {'predicted':>10s} {'error':>8s}")
+        print(f"{'run':52s} {'metric':12s} {'published':>10s} {'predicted':>10s} {'error':>8s}")
         for r in rows:
-            print(f"{r.id:40s} {r.metric:12s} {r.published:10.4g} {r.predicted:10.4g} {100 * r.error:+7.1f}%")
+            print(f"{r.id:52s} {r.metric:12s} {r.published:10.4g} {r.predicted:10.4g} {100 * r.error:+7.1f}%"
+                  f"{'' if r.fits else '  DOES NOT FIT'}")
     errors = [abs(r.error) for r in rows]
+    print(f"\nMAPE over {len(rows)} runs: {100 * statistics.mean(errors):.2f}%  (max {100 * max(errors):.2f}%); "
+          f"error > 0: predicted faster than measured; {sum(not r.fits for r in rows)} published configurations "
+          f"predicted not to fit")
     kor = [abs(r.error) for r in rows if r.id.startswith("korthikanti") and r.metric == "iteration s"]
-    print(f"\nMAPE over {len(rows)} runs: {100 * statistics.mean(errors):.2f}%  (max {100 * max(errors):.2f}%)")
     if kor:
         print(f"Korthikanti iteration times ({len(kor)} runs): mean {100 * statistics.mean(kor):.2f}%, "
               f"max {100 * max(kor):.2f}%  (Calculon: 3.65% mean, 8.87% max)")
+    print("\n| group | runs | MAPE | mean signed error |" if args.markdown else "")
+    if args.markdown:
+        print("| --- | ---: | ---: | ---: |")
+    for kind, value, n, mape, signed in summary(rows):
+        label = f"{kind} {value}".strip()
+        print(f"| {label} | {n} | {100 * mape:.1f}% | {100 * signed:+.1f}% |" if args.markdown
+              else f"{label:32s} {n:4d} runs  MAPE {100 * mape:5.1f}%  mean {100 * signed:+6.1f}%")
     return 0
 
 

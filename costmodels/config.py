@@ -83,6 +83,10 @@ class ParallelConfig(BaseModel):
     sp: bool | None = None  # default: on whenever tp > 1
     schedule: Schedule | None = None  # default: interleaved when vpp > 1, else 1f1b
     stage_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage; default: balanced
+    # decoder layers of every model chunk in model order (pp * vpp entries; chunk c * pp + s is stage s's c-th
+    # virtual stage), as Megatron's --pipeline-model-parallel-layout places them; default: each stage's layers
+    # split evenly over its chunks, the larger shares first
+    chunk_layers: tuple[int, ...] | None = None
     stage_recompute: tuple[StagePolicy, ...] | None = None  # per pipeline stage; overrides `recompute` when given
     rank_order: RankOrder = DEFAULT_RANK_ORDER  # "tp-cp-pp-dp": Megatron-LM --use-tp-pp-dp-mapping
 
@@ -101,20 +105,48 @@ class Runtime(BaseModel):
     overlap_param_gather: bool  # ZeRO param all-gather overlapped with the forward pass
     tp_comm_overlap: float = Field(ge=0, le=1)  # fraction of TP communication hidden behind GEMMs
     p2p_overlap: bool  # pipeline send/recv overlapped with compute
+    # what the framework can run at all: the search picks only these, a pinned knob outside them is refused
+    schedules: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved", "zb")
+    cp_comms: tuple[Literal["ring", "a2a"], ...] = ("ring", "a2a")  # () = no context parallelism
+    zero_stages: tuple[Literal[0, 1, 2, 3], ...] = (0, 1, 2, 3)
+
+    def lacks(self, schedule: str | None = None, cp: int = 1, cp_comm: str = "ring",
+              zero: int | None = None) -> str | None:
+        """Why this framework cannot run these knobs (one clause), or None."""
+        if schedule is not None and schedule not in self.schedules:
+            return f"{self.name} has no {schedule} schedule (it runs {', '.join(self.schedules)})"
+        if cp > 1 and not self.cp_comms:
+            return f"{self.name} has no context parallelism"
+        if cp > 1 and cp_comm not in self.cp_comms:
+            return f"{self.name} has no {cp_comm} context parallelism (it has {', '.join(self.cp_comms)})"
+        if zero is not None and zero not in self.zero_stages:
+            return f"{self.name} has no ZeRO-{zero} (it has {', '.join(map(str, self.zero_stages))})"
+        return None
 
 
 RUNTIMES: dict[str, Runtime] = {
     # Megatron-LM as in Narayanan et al. SC'21 and Korthikanti et al. 2022: unfused softmax attention, DP all-reduce
     # after the backward pass, blocking TP all-reduce and blocking P2P (megatron/schedules.py of that time).
+    # It runs 1F1B and interleaved 1F1B only, has no context parallelism (Megatron-Core 0.4, 2023, added it) and
+    # shards nothing beyond the distributed optimizer (--use-distributed-optimizer, Megatron-LM 2022).
     "megatron-2022": Runtime(name="megatron-2022", flash_attention=False, dropout=True, overlap_grad_reduce=False,
-                             overlap_param_gather=False, tp_comm_overlap=0.0, p2p_overlap=False),
+                             overlap_param_gather=False, tp_comm_overlap=0.0, p2p_overlap=False,
+                             schedules=("1f1b", "interleaved"), cp_comms=(), zero_stages=(0, 1)),
     # Megatron-Core r0.8 (2024) with TransformerEngine: flash attention, --overlap-grad-reduce,
     # --overlap-param-gather, --tp-comm-overlap (userbuffers); NVIDIA/Megatron-LM README "Performance Benchmarking".
+    # Schedules: megatron/core/pipeline_parallel/schedules.py has 1F1B and interleaved 1F1B (no GPipe, no zero
+    # bubble); CP: --cp-comm-type p2p (ring) or a2a; ZeRO: 1 = distributed optimizer, 2/3 = Megatron-FSDP
+    # (--data-parallel-sharding-strategy optim_grads / optim_grads_params).
     "megatron-core": Runtime(name="megatron-core", flash_attention=True, dropout=True, overlap_grad_reduce=True,
-                             overlap_param_gather=True, tp_comm_overlap=0.6, p2p_overlap=True),
+                             overlap_param_gather=True, tp_comm_overlap=0.6, p2p_overlap=True,
+                             schedules=("1f1b", "interleaved")),
     # A plain PyTorch FSDP2 / torchtitan run: flash SDPA, prefetching FSDP (overlapped), no TP overlap.
+    # torch.distributed.pipelining schedules GPipe, 1F1B and Interleaved1F1B (its zero-bubble schedules are V-shaped
+    # or interleaved, not meshplan's ZB-H1); CP: ring attention only (torch context_parallel); sharding: DDP or
+    # FSDP2 (reshard after forward = ZeRO-3, never = ZeRO-2), no ZeRO-1.
     "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
-                          overlap_param_gather=True, tp_comm_overlap=0.0, p2p_overlap=True),
+                          overlap_param_gather=True, tp_comm_overlap=0.0, p2p_overlap=True,
+                          schedules=("gpipe", "1f1b", "interleaved"), cp_comms=("ring",), zero_stages=(0, 2, 3)),
     # meshplan's reference executor (executor/plan_run.py): SDPA attention, no dropout, gradients synchronised after
     # the backward, ZeRO-1 parameters broadcast after the step, blocking TP collectives and pipeline send/recv.
     # `verify --calibration` predicts its runs with this preset.
@@ -153,6 +185,7 @@ class Layout:
     stage_layers: tuple[int, ...]  # decoder layers per pipeline stage (pp entries)
     stage_recompute: tuple[StagePolicy, ...]  # recomputation per pipeline stage (pp entries)
     rank_order: RankOrder = DEFAULT_RANK_ORDER  # dense dims innermost first (group placement, estimate.group_ranks)
+    chunks: tuple[int, ...] = ()  # decoder layers per model chunk, model order (resolve fills it: pp * vpp entries)
 
     @property
     def world(self) -> int:
@@ -160,15 +193,29 @@ class Layout:
 
     def chunk_layers(self) -> tuple[tuple[int, int], ...]:
         """(first layer, layer count) of every model chunk, in model order: chunk c*pp + stage holds a slice."""
-        chunks = []
-        start = 0
-        per_stage_chunks = [split_evenly(n, self.vpp) for n in self.stage_layers]
-        for c in range(self.vpp):
-            for s in range(self.pp):
-                n = per_stage_chunks[s][c]
-                chunks.append((start, n))
-                start += n
-        return tuple(chunks)
+        counts = self.chunks or even_chunks(self.stage_layers, self.vpp)
+        out, start = [], 0
+        for n in counts:
+            out.append((start, n))
+            start += n
+        return tuple(out)
+
+    @property
+    def chunks_even(self) -> bool:
+        """Each stage's layers split over its chunks as evenly as possible, larger first (Megatron's
+        --num-layers-per-virtual-pipeline-stage and decoder-first/last splits); else only a layout expresses it."""
+        return self.chunks == even_chunks(self.stage_layers, self.vpp)
+
+
+def even_chunks(stage_layers: tuple[int, ...], vpp: int) -> tuple[int, ...]:
+    """Chunk layer counts in model order when each stage's layers split evenly over its vpp chunks."""
+    per_stage = [split_evenly(n, vpp) for n in stage_layers]
+    return tuple(per_stage[s][c] for c in range(vpp) for s in range(len(stage_layers)))
+
+
+def stages_of_chunks(chunks: tuple[int, ...], pp: int) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage: stage s holds chunks s, s + pp, s + 2 pp, ..."""
+    return tuple(sum(chunks[s::pp]) for s in range(pp))
 
 
 def split_evenly(total: int, parts: int) -> list[int]:
@@ -215,17 +262,30 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
         raise InputError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
     if schedule == "interleaved" and m % pp:
         raise InputError(f"interleaved schedule needs micro-batches ({m}) divisible by pp ({pp}) (Megatron rule)")
-    if cfg.stage_layers is not None:
+    if cfg.chunk_layers is not None:
+        chunks = tuple(cfg.chunk_layers)
+        if len(chunks) != pp * vpp or sum(chunks) != model.num_layers or min(chunks) < 0:
+            raise InputError(f"chunk_layers {list(chunks)} must have pp*vpp = {pp * vpp} entries >= 0 summing to "
+                             f"{model.num_layers} layers")
+        stage_layers = stages_of_chunks(chunks, pp)
+        if min(stage_layers) < 1:
+            raise InputError(f"chunk_layers {list(chunks)} leave a pipeline stage without layers ({list(stage_layers)})")
+        if cfg.stage_layers is not None and tuple(cfg.stage_layers) != stage_layers:
+            raise InputError(f"stage_layers {list(cfg.stage_layers)} disagree with chunk_layers "
+                             f"(stages of {list(stage_layers)})")
+    elif cfg.stage_layers is not None:
         stage_layers = tuple(cfg.stage_layers)
         if len(stage_layers) != pp or sum(stage_layers) != model.num_layers or min(stage_layers) < vpp:
             raise InputError(
                 f"stage_layers {list(stage_layers)} must have pp={pp} entries, each >= vpp={vpp}, "
                 f"summing to {model.num_layers} layers"
             )
+        chunks = even_chunks(stage_layers, vpp)
     else:
         if model.num_layers < pp * vpp:
             raise InputError(f"{model.num_layers} layers cannot fill pp*vpp = {pp * vpp} model chunks")
         stage_layers = tuple(split_evenly(model.num_layers, pp))
+        chunks = even_chunks(stage_layers, vpp)
     ep = cfg.ep
     etp = cfg.etp if cfg.etp is not None else tp
     if model.moe is None:
@@ -247,7 +307,8 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     stage_recompute, recompute = _stage_recompute(cfg, stage_layers)
     return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cfg.cp_comm, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
                   num_microbatches=m, zero=cfg.zero, recompute=recompute, sp=sp, schedule=schedule,
-                  stage_layers=stage_layers, stage_recompute=stage_recompute, rank_order=cfg.rank_order)
+                  stage_layers=stage_layers, stage_recompute=stage_recompute, rank_order=cfg.rank_order,
+                  chunks=chunks)
 
 
 def _stage_recompute(cfg: ParallelConfig, stage_layers: tuple[int, ...]) -> tuple[tuple[StagePolicy, ...], str]:

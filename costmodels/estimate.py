@@ -573,7 +573,7 @@ class CostContext:
         """The same costs for a layout that differs only in stage partition or recomputation (what the planner
         varies once the mesh, micro-batch, ZeRO stage and schedule are fixed)."""
         mine = dataclasses.replace(self.lay, stage_layers=lay.stage_layers, stage_recompute=lay.stage_recompute,
-                                   recompute=lay.recompute)
+                                   recompute=lay.recompute, chunks=lay.chunks)
         if mine != lay:
             raise ValueError("derive() needs the same mesh, micro-batch, ZeRO stage and schedule")
         other = copy.copy(self)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from costmodels.config import Layout
+from costmodels.config import Layout, even_chunks
 
 __all__ = ["DENSE_DIMS", "EXPERT_DIMS", "ExecLayout", "Meshes", "build_meshes", "group_of", "rank_coords"]
 
@@ -51,6 +51,7 @@ class ExecLayout:
     stage_layers: tuple[int, ...] = (1,)
     stage_recompute: tuple[tuple[str, int], ...] = (("none", 0),)
     rank_order: str = "tp-cp-dp-pp"
+    chunk_layers: tuple[int, ...] = ()  # decoder layers per model chunk, model order; () = each stage split evenly
 
     def __post_init__(self) -> None:
         if self.rank_order not in ("tp-cp-dp-pp", "tp-cp-pp-dp"):
@@ -66,7 +67,7 @@ class ExecLayout:
                    etp=lay.etp, mbs=lay.mbs, num_microbatches=lay.num_microbatches, zero=lay.zero, sp=lay.sp,
                    schedule=lay.schedule, stage_layers=tuple(lay.stage_layers),
                    stage_recompute=tuple((p.granularity, p.full_layers) for p in lay.stage_recompute),
-                   rank_order=lay.rank_order)
+                   rank_order=lay.rank_order, chunk_layers=tuple(lay.chunks))
 
     def label(self, inject: str | None = None) -> str:
         """One line naming the layout (every degree, micro-batching, stages, recompute), for reports; `inject`
@@ -99,16 +100,12 @@ class ExecLayout:
     def chunk_ranges(self) -> tuple[tuple[int, int], ...]:
         """[start, stop) of every model chunk in model order; chunk c * pp + s runs on pipeline rank s
         (Megatron's interleaving), each stage's layers split as evenly as possible over its vpp chunks,
-        the larger shares first (as costmodels.config.Layout.chunk_layers)."""
-        shares = []
-        for n in self.stage_layers:
-            base, extra = divmod(n, self.vpp)
-            shares.append([base + (1 if i < extra else 0) for i in range(self.vpp)])
+        the larger shares first, unless chunk_layers gives every chunk (as costmodels.config.Layout.chunk_layers)."""
+        counts = self.chunk_layers or even_chunks(self.stage_layers, self.vpp)
         out, start = [], 0
-        for c in range(self.vpp):
-            for s in range(self.pp):
-                out.append((start, start + shares[s][c]))
-                start += shares[s][c]
+        for n in counts:
+            out.append((start, start + n))
+            start += n
         return tuple(out)
 
 

@@ -118,6 +118,9 @@ def verify_case(plan: Plan, opts: VerifyOptions) -> VerifyCase:
         raise InputError(f"--steps must be at least 1, got {opts.steps}")
     spec0, cluster, wl0, cfg, runtime = plan_config(plan)
     lay0 = resolve(spec0, cluster.num_gpus, wl0, cfg)
+    if 0 in lay0.chunks:
+        raise InputError(f"the plan leaves virtual stage {lay0.chunks.index(0)} (model order) without decoder layers; "
+                         f"the executor runs a layer in every virtual stage: re-plan with --vpp 1 or another --pp")
     if lay0.world > opts.max_ranks and opts.launcher == "spawn":
         raise InputError(f"the plan runs {lay0.world} ranks; this machine runs at most {opts.max_ranks} "
                          f"(raise --max-ranks, or run under torchrun on the cluster with --backend nccl)")

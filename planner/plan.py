@@ -139,10 +139,11 @@ class Mesh(_Frozen):
 
 
 class Chunk(_Frozen):
-    """One virtual stage (model chunk): a contiguous run of decoder layers."""
+    """One virtual stage (model chunk): a contiguous run of decoder layers (none where a layout leaves a virtual
+    stage to the embedding or the loss alone, as Megatron's --pipeline-model-parallel-layout may)."""
 
     first_layer: int = Field(ge=0)
-    num_layers: int = Field(gt=0)
+    num_layers: int = Field(ge=0)
 
 
 class PipelineStage(_Frozen):
@@ -224,6 +225,7 @@ class PredictedLayout(_Frozen):
     stage_layers: list[int]
     stage_recompute: list[StagePolicy]
     rank_order: RankOrder = DEFAULT_RANK_ORDER
+    chunks: list[int] = Field(default_factory=list, description="decoder layers per model chunk, model order")
 
 
 class PredictedStage(_Frozen):
@@ -402,6 +404,7 @@ def plan_config(plan: Plan) -> tuple[ModelSpec, Cluster, Workload, ParallelConfi
         tp=mesh.tp, pp=mesh.pp, vpp=pipe.vpp, dp=mesh.dp, cp=mesh.cp, cp_comm=mesh.cp_comm, ep=mesh.ep,
         etp=mesh.etp, mbs=pipe.micro_batch_size, zero=plan.memory.zero, recompute=uniform, sp=mesh.sp,
         schedule=pipe.schedule, stage_layers=tuple(s.num_layers for s in pipe.stages),
+        chunk_layers=tuple(pipe.stages[r].chunks[v].num_layers for v in range(pipe.vpp) for r in range(mesh.pp)),
         stage_recompute=tuple(s.recompute for s in pipe.stages), rank_order="-".join(mesh.rank_order))
     inputs = plan.inputs
     return inputs.model_spec(), inputs.cluster.cluster(), inputs.workload, config, inputs.runtime

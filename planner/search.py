@@ -34,7 +34,8 @@ from hardware_db.errors import InputError
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, partitions_below,
                                per_stage_bound, solve_cpsat, solve_rank0_path_sync,
                                solve_dp, solve_dp_pairs, solve_stage0_sync)
-from planner.space import Candidate, Enumeration, Group, LayerKey, Mesh, Pins, check_pins, enumerate_space
+from planner.space import (Candidate, Enumeration, Group, LayerKey, Mesh, Pins, check_pins, enumerate_space,
+                           interleaved_chunks)
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
 LOOKAHEAD = 0.1  # a DP solves exactly only below (1 + this) x its step's queue key; above, it is queued again there
@@ -130,11 +131,11 @@ def search(model: ModelSpec, cluster: Cluster, wl: Workload, pins: Pins = Pins()
     """The top_k plans by predicted step time, and the account of the search (see the module docstring)."""
     if top_k < 1:
         raise InputError("--top must be at least 1")
-    check_pins(model, cluster.num_gpus, wl, pins)
-    start = time.perf_counter()
     rt = get_runtime(runtime)
+    check_pins(model, cluster.num_gpus, wl, pins, rt)
+    start = time.perf_counter()
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
-    enum = enumerate_space(model, cluster.num_gpus, cluster.gpus_per_node, wl, pins)
+    enum = enumerate_space(model, cluster.num_gpus, cluster.gpus_per_node, wl, pins, rt)
     s = _Search(model, cluster, wl, rt.name, eff, enum, top_k)
     deadline = None if time_limit_s is None else start + time_limit_s
     timed_out = s.run(deadline, progress)
@@ -194,13 +195,16 @@ class _Search:
 
     # ---- costs
     def _config(self, cand: Candidate, stage_layers: tuple[int, ...] | None = None,
-                policies: tuple[StagePolicy, ...] | None = None) -> ParallelConfig:
+                policies: tuple[StagePolicy, ...] | None = None,
+                chunks: tuple[int, ...] | None = None) -> ParallelConfig:
         m = cand.mesh
         uniform = cand.recompute if cand.recompute != "per-stage" else "none"
+        if chunks is None and cand.vpp > 1 and stage_layers is None:  # the first virtual-stage split searched
+            chunks = interleaved_chunks(self.model.num_layers, m.pp, cand.vpp)[0]
         return ParallelConfig(tp=m.tp, pp=m.pp, vpp=cand.vpp, dp=m.dp, cp=m.cp, cp_comm=cand.cp_comm, ep=m.ep,
                               etp=m.etp, mbs=cand.mbs, zero=cand.zero, recompute=uniform, sp=cand.sp,
                               schedule=cand.schedule, stage_layers=stage_layers, stage_recompute=policies,
-                              rank_order=m.order)
+                              chunk_layers=chunks, rank_order=m.order)
 
     def _context(self, cand: Candidate) -> CostContext:
         """Per-layer costs are shared by every candidate with the same layer key; links by the same mesh."""
@@ -424,9 +428,9 @@ class _Search:
         return best
 
     def _rank_contents(self, c: Candidate, ctx: CostContext, mode: str) -> tuple[np.ndarray, ...]:
-        """Per rank under even virtual stages: dense and expert parameters on one GPU and the smallest chunk's
-        activations. They depend on the layer costs, pp and vpp only, so every ZeRO stage and dp shares them."""
-        key = (c.layer_key, c.mesh.pp, c.vpp, mode)
+        """Per rank under virtual stages: dense and expert parameters on one GPU and the smallest chunk's
+        activations. They depend on the layer costs and the chunks only, so every ZeRO stage and dp shares them."""
+        key = (c.layer_key, c.mesh.pp, ctx.lay.chunks, mode)
         if key not in self.rank_contents:
             lay, model = ctx.lay, self.model
             per = {k: (ctx.layer_params(i), ctx.layer_activation(i, mode)) for k, i in self.layer_kinds.items()}
@@ -577,7 +581,7 @@ class _Search:
         if c.vpp > 1:
             key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.vpp, c.recompute)  # the time bound ignores ZeRO
             if key not in self.interleaved_bounds:
-                self.interleaved_bounds[key] = self._interleaved_bound(ctx, c.recompute)
+                self.interleaved_bounds[key] = min(b for b, _ in self._chunk_options(c, ctx))
             self._next(self.interleaved_bounds[key], "ileave", c, ctx)
             return
         prob = self.problem(c, ctx)
@@ -629,15 +633,33 @@ class _Search:
             found = self.layer_memory[key] = (params.dense, params.expert, act)
         return found
 
+    def _chunk_options(self, c: Candidate, ctx: CostContext) -> list[tuple[float, CostContext]]:
+        """(interleaved bound, context) of every virtual-stage split searched for this candidate (space.
+        interleaved_chunks), fastest bound first; the contexts differ from `ctx` in their chunks only."""
+        out = []
+        for chunks in interleaved_chunks(self.model.num_layers, c.mesh.pp, c.vpp):
+            option = ctx if chunks == ctx.lay.chunks else ctx.derive(
+                resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c, chunks=chunks)))
+            out.append((self._interleaved_bound(option, c.recompute), option))
+        return sorted(out, key=lambda x: x[0])
+
     def _step_interleaved(self, bound: float, c: Candidate, ctx: CostContext) -> None:
-        """Even virtual stages: one partition, so the bound and memory floor are of that partition itself."""
+        """Each virtual-stage split (one partition each, so its bound and memory floor are of the partition itself)
+        simulated where its bound beats the cutoff and its memory floor fits."""
         self.bounded += 1
-        need = self._interleaved_memory_floor(c, ctx, c.recompute)
-        if need > self.cap:
+        simulated = False
+        for option_bound, option in self._chunk_options(c, ctx):
+            if simulated and option_bound >= self.best.cutoff() * (1 - REL_TOL):
+                break
+            need = self._interleaved_memory_floor(c, option, c.recompute)
+            if need > self.cap:
+                self._note_memory(need, _describe(c))
+                continue
+            self._simulate(c, None, None, max(bound, option_bound), ctx=ctx, chunks=option.lay.chunks,
+                           another_partition=simulated)
+            simulated = True
+        if not simulated:
             self._count(self.infeasible, "memory: in-flight micro-batches of the interleaved schedule")
-            self._note_memory(need, _describe(c))
-            return
-        self._simulate(c, None, None, bound, ctx=ctx)
 
     def _step_family(self, key: float, c: Candidate, prob: PartitionProblem) -> None:
         """The candidate's own partition bound: the exact DP (per-stage recomputation: the relaxed DP first),
@@ -848,11 +870,11 @@ class _Search:
         return self.sp_dominance[key]
 
     def _simulate(self, c: Candidate, stage_layers, policies, bound: float, ctx: CostContext,
-                  another_partition: bool = False) -> None:
+                  another_partition: bool = False, chunks: tuple[int, ...] | None = None) -> None:
         """Simulate one candidate with the given partition and rank it. Each candidate lands in exactly one
         account column: evaluated (ranked), infeasible (over memory once simulated) or pruned (a ZeRO-only tie).
         another_partition: a further partition of a candidate already counted (closing a gap): no new count."""
-        cfg = self._config(c, stage_layers, policies)
+        cfg = self._config(c, stage_layers, policies, chunks)
         sim = simulate_config(self.model, self.cluster, self.wl, cfg, self.runtime, self.eff, context=ctx,
                               timelines=self.timelines)
         est = sim.estimate

@@ -17,7 +17,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from costmodels.model import ModelSpec
-from costmodels.config import DEFAULT_RANK_ORDER, PP_INSIDE_DP, RankOrder, Workload
+from costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, RankOrder, Runtime, Workload, even_chunks,
+                               split_evenly)
 from hardware_db.errors import InputError
 
 RecomputeChoice = Literal["none", "selective", "full", "per-stage"]
@@ -25,9 +26,11 @@ RecomputeChoice = Literal["none", "selective", "full", "per-stage"]
 # its weight passes are placed greedily by the simulation and its partition bound is loose, so including it by
 # default would leave every search with an optimality gap.
 SCHEDULES_FLAT = ("1f1b", "gpipe")
+SCHEDULES_ALL = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTES: tuple[RecomputeChoice, ...] = ("none", "selective", "full", "per-stage")
 ZEROS = (0, 1, 2, 3)
-MAX_VPP = 8  # virtual stages per pipeline rank searched: 2..8 (Megatron runs use 2-6)
+MAX_VPP = 8  # virtual stages per pipeline rank searched unpinned: 2..8 (a pinned --vpp may be any degree)
+MAX_CHUNK_OPTIONS = 3  # uneven virtual-stage splits tried per interleaved candidate (interleaved_chunks)
 MIN_CP_TOKENS = 1024  # CP degrees searched leave each rank at least this many tokens of the sequence
 
 
@@ -146,20 +149,24 @@ class Enumeration:
     domains: dict[str, str]  # what was searched, in words (for the report)
 
 
-def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Workload, pins: Pins) -> Enumeration:
+def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Workload, pins: Pins,
+                    runtime: Runtime | None = None) -> Enumeration:
     """All candidates, grouped; the launchers' rules (Megatron-LM arguments.py) reject subtrees, counted by rule.
 
     Domains (stated in the plan's account): tp divides the GPUs and stays inside one node (TP across nodes is not
     searched unless pinned); cp divides what is left with seq/cp >= MIN_CP_TOKENS; pp divides what is left;
     dp fills the GPUs; ep divides the experts, etp divides tp; the rank order is the default, and also pp inside
     dp where that moves a group onto other links (`rank_orders`); mbs divides the global batch up to max_mbs; vpp
-    2..MAX_VPP; ZeRO 0-3; recomputation none, selective, full or per stage (the partitioner's choice).
+    2..MAX_VPP; ZeRO 0-3; recomputation none, selective, full or per stage (the partitioner's choice). With a
+    runtime, only the schedules, CP kinds and ZeRO stages its framework has (config.Runtime) are in the space.
     """
     infeasible: dict[str, int] = {}
     groups: list[Group] = []
     size = 0
     moe = model.moe
-    zeros = tuple(_pick(list(ZEROS), pins.zero))
+    rt_schedules = runtime.schedules if runtime is not None else SCHEDULES_ALL
+    rt_cp_comms = runtime.cp_comms if runtime is not None else ("ring", "a2a")
+    zeros = tuple(z for z in _pick(list(ZEROS), pins.zero) if runtime is None or z in runtime.zero_stages)
     recs = tuple(_pick(list(RECOMPUTES), pins.recompute))
 
     def reject(rule: str, count: int) -> None:
@@ -168,7 +175,7 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
 
     def variants(tp: int, cp: int, pp: int) -> list[tuple[bool, str, str, int]]:
         sps = _pick([True, False], pins.sp) if tp > 1 else [False]
-        comms = _pick(["ring", "a2a"], pins.cp_comm) if cp > 1 else ["ring"]
+        comms = [c for c in _pick(["ring", "a2a"], pins.cp_comm) if c in rt_cp_comms] if cp > 1 else ["ring"]
         if pp == 1:
             # one stage has no schedule: 1F1B by convention; a pinned pipeline schedule needs stages
             scheds = [("1f1b", 1)] if pins.schedule in (None, "1f1b") and pins.vpp in (None, 1) else []
@@ -180,6 +187,9 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                 scheds = [(s, v) for s, v in scheds if s == pins.schedule]
         if pins.vpp is not None:
             scheds = [(s, v) for s, v in scheds if v == pins.vpp]
+            if pp > 1 and pins.vpp > MAX_VPP and pins.schedule in (None, "interleaved"):
+                scheds = [("interleaved", pins.vpp)]  # above the searched range: honoured as pinned
+        scheds = [(s, v) for s, v in scheds if s in rt_schedules or pp == 1]
         return [(sp, cc, sch, v) for sp in sps for cc in comms for sch, v in scheds]
 
     weights: dict[tuple[int, int], int] = {}
@@ -193,7 +203,8 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
     for tp in tp_domain:
         if num_gpus % tp:
             continue
-        cp_domain = [c for c in divisors(num_gpus // tp) if wl.seq_len // c >= MIN_CP_TOKENS or c == 1]
+        cp_domain = [c for c in divisors(num_gpus // tp)
+                     if c == 1 or (wl.seq_len // c >= MIN_CP_TOKENS and rt_cp_comms)]
         for cp in _pick(cp_domain, pins.cp):
             if (num_gpus // tp) % cp:
                 continue
@@ -244,15 +255,22 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
         "tp": f"divisors of {num_gpus} up to {gpus_per_node} (one node)" if pins.tp is None else f"pinned {pins.tp}",
         "cp": f"seq/cp >= {MIN_CP_TOKENS} tokens" if pins.cp is None else f"pinned {pins.cp}",
         "pp": "divisors of what is left, <= layers" if pins.pp is None else f"pinned {pins.pp}",
-        "vpp": f"1, or 2..{MAX_VPP} with even virtual stages" if pins.vpp is None else f"pinned {pins.vpp}",
+        "vpp": (f"1, or 2..{MAX_VPP}: even virtual stages, or fewer layers on the first and last" if pins.vpp is None
+                else f"pinned {pins.vpp}"),
         "mbs": f"divisors of the global batch up to {pins.max_mbs}" if pins.mbs is None else f"pinned {pins.mbs}",
         "ep/etp": ("ep divides the experts, etp divides tp" if moe is not None else "no experts"),
         "order": (f"{DEFAULT_RANK_ORDER}; also {PP_INSIDE_DP} (pp inside dp) where it moves a group onto other "
                   f"links: tp*cp < GPUs per node < GPUs, pp > 1, dp > 1, cp = 1, ep = 1")
                  if pins.order is None else f"pinned {pins.order}",
-        "zero": ",".join(map(str, zeros)), "recompute": ",".join(recs),
-        "schedule": "1f1b, gpipe, interleaved (zb only when pinned)" if pins.schedule is None else f"pinned {pins.schedule}",
-        "stages": "contiguous uneven layer ranges (exact DP); even with virtual stages",
+        "zero": ",".join(map(str, zeros)) + (f" ({runtime.name} has these)" if runtime is not None and len(
+            runtime.zero_stages) < len(ZEROS) and pins.zero is None else ""),
+        "recompute": ",".join(recs),
+        "schedule": (", ".join(s for s in ("1f1b", "gpipe", "interleaved") if s in rt_schedules)
+                     + (" (zb only when pinned)" if "zb" in rt_schedules else "")
+                     + (f"; {runtime.name} runs no other" if runtime is not None else "")
+                     if pins.schedule is None else f"pinned {pins.schedule}"),
+        "stages": ("contiguous uneven layer ranges (exact DP); with virtual stages even, or the first and last "
+                   "chunk lighter"),
     }
     return Enumeration(groups, size, infeasible, domains)
 
@@ -289,15 +307,41 @@ def _knob_rule(model: ModelSpec, tp: int, cp: int, pp: int, m: int, cp_comm: str
     if cp > 1 and cp_comm == "a2a" and (model.num_heads // tp) % cp:
         return "cp a2a needs heads per TP rank divisible by cp"
     if sched == "interleaved":
-        if model.num_layers % (pp * vpp):
-            return "interleaving needs layers divisible by pp*vpp (even virtual stages)"
+        if not interleaved_chunks(model.num_layers, pp, vpp):
+            return "interleaving needs at least one layer per virtual stage (layers >= pp*vpp)"
         if m % pp:
             return "interleaving needs micro-batches divisible by pp"
     return None
 
 
-def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins) -> None:
-    """Pins that contradict each other or the cluster fail before the search, with the rule that failed."""
+def interleaved_chunks(num_layers: int, pp: int, vpp: int) -> list[tuple[int, ...]]:
+    """The virtual-stage splits searched for pp x vpp model chunks (decoder layers per chunk, model order): the even
+    split where the layers divide; else k = ceil(layers / chunks) on every chunk but the first and the last, which
+    share the rest (at most k each, the last no more than the first: it also runs the LM head and loss; the splits
+    nearest to even first, at most MAX_CHUNK_OPTIONS), and the stages balanced with each stage's layers split
+    evenly over its chunks (resolve's default). Megatron writes such splits as --pipeline-model-parallel-layout
+    (e.g. DeepSeek-V3's 'Et|(tt|)*30mL', 61 layers on pp 16 x vpp 2)."""
+    chunks = pp * vpp
+    if num_layers % chunks == 0:
+        return [(num_layers // chunks,) * chunks]
+    out = []
+    k = -(-num_layers // chunks)
+    rest = num_layers - (chunks - 2) * k
+    if rest >= 0:
+        ends = sorted(((f, rest - f) for f in range(max(0, rest - k), min(k, rest) + 1) if rest - f <= f),
+                      key=lambda fl: fl[0] - fl[1])[:MAX_CHUNK_OPTIONS]
+        out = [(f,) + (k,) * (chunks - 2) + (last,) for f, last in ends]
+    stages = split_evenly(num_layers, pp)
+    if min(stages) >= vpp:
+        balanced = even_chunks(tuple(stages), vpp)
+        if balanced not in out:
+            out.append(balanced)
+    return [c for c in out if all(sum(c[s::pp]) >= 1 for s in range(pp))]
+
+
+def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins, runtime: Runtime | None = None) -> None:
+    """Pins that contradict each other, the cluster or the runtime fail before the search, with the rule that
+    failed."""
     prod = 1
     for name in ("tp", "cp", "pp", "dp"):
         v = getattr(pins, name)
@@ -317,3 +361,9 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins) -> Non
         got = ", ".join(f"{k}={v}" for k, v in (("cp", pins.cp), ("ep", pins.ep)) if (v or 1) > 1)
         raise InputError(f"--order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs cp = 1 and ep = 1; "
                          f"got {got}")
+    if runtime is not None:
+        default_comm = runtime.cp_comms[0] if runtime.cp_comms else "ring"
+        why = runtime.lacks(schedule=pins.schedule, cp=pins.cp or 1, cp_comm=pins.cp_comm or default_comm,
+                            zero=pins.zero)
+        if why:
+            raise InputError(f"{why}: unpin it, or plan for a --runtime that has it")

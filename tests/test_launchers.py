@@ -536,3 +536,27 @@ def test_torchrun_export_runs_the_executor(tmp_path):
                           capture_output=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "OK: the layout computes the same training step" in done.stdout
+
+
+# ---- uneven virtual stages (issue 16): the published DeepSeek-V3 layout, round trip ------------------------------
+
+def test_deepseek_v3_published_layout_round_trips():
+    """61 layers on pp 16 x vpp 2 as DeepSeek-V3's Megatron recipes place them: one layer with the embedding, two
+    per virtual stage after it, the last virtual stage holding only the MTP module and the loss."""
+    from costmodels.config import ParallelConfig
+    from planner.launchers.megatron import parse_layout, pipeline_layout
+    from planner.space import interleaved_chunks
+
+    options = interleaved_chunks(61, 16, 2)
+    assert options[0] == (1,) + (2,) * 30 + (0,)
+    assert pipeline_layout(list(options[0]), 16, 1) == "Et|(tt|)*30mL"
+    chunks, mtp, e_first, l_last = parse_layout("Et|(tt|)*30mL", 16)
+    assert tuple(chunks) == options[0] and mtp == 1 and e_first and l_last
+    plan = make_plan("deepseek-v3", "h800", 2048, Workload(global_batch=4096, seq_len=4096),
+                     ParallelConfig(tp=1, pp=16, vpp=2, ep=64, mbs=1, zero=1, chunk_layers=options[0]))
+    lay = resolve(plan.inputs.model_spec(), 2048, plan.inputs.workload, plan_config(plan)[3])
+    assert lay.stage_layers == (3,) + (4,) * 14 + (2,) and not lay.chunks_even
+    args = megatron_args(plan)
+    assert flags(args)["--pipeline-model-parallel-layout"] == "Et|(tt|)*30mL"
+    back = parse_megatron_args(args)
+    assert back.config.chunk_layers == options[0]

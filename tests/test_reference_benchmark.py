@@ -35,3 +35,15 @@ def test_every_reference_run_gets_a_prediction_in_a_sane_band():
     for row in rows:
         assert row.step_time_s > 0 and 0 < row.mfu < 1, row
         assert 0.5 < row.predicted / row.published < 2.0, row
+
+
+def test_every_run_of_the_second_set_validates_and_gets_a_prediction():
+    """benchmarks/published_runs.yaml: every entry validates (published_runs.Run), resolves and gets a finite
+    prediction within a factor of three of the published figure (a rot guard: the accuracy is in RESULTS.md)."""
+    bench = _benchmark()
+    runs = bench.load_runs()
+    assert len(runs) >= 40
+    for run in runs:
+        row = bench.evaluate_run(run)
+        assert row.step_time_s > 0 and 0 < row.mfu < 1, row
+        assert 1 / 3 < row.predicted / row.published < 3, row

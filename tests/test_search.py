@@ -16,13 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cli.main import main
-from costmodels.config import ParallelConfig, StagePolicy, Workload, resolve
+from costmodels.config import DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, StagePolicy, Workload, get_runtime, resolve
 from costmodels.estimate import estimate
 from costmodels.model import ModelSpec
 from costmodels.model_io import load_zoo
 from hardware_db.cluster import Cluster, ClusterSpec
+from hardware_db.errors import InputError
 from planner.search import SearchResult, search
-from planner.space import Pins, enumerate_space
+from planner.space import Pins, enumerate_space, interleaved_chunks
 
 REL = 1e-9
 UNIFORM = ("none", "selective", "full")
@@ -45,9 +46,15 @@ def shrunk(name: str, layers: int) -> ModelSpec:
 
 @functools.lru_cache(maxsize=None)
 def run(model: str, n: int, gbs: int, seq: int, gpu: str = "h100-sxm", top_k: int = 5,
-        pins: tuple = ()) -> SearchResult:
+        pins: tuple = (), runtime: str = DEFAULT_RUNTIME) -> SearchResult:
     return search(zoo(model), cluster(n, gpu), Workload(global_batch=gbs, seq_len=seq), Pins(**dict(pins)),
-                  top_k=top_k)
+                  runtime, top_k=top_k)
+
+
+def runtime_for(pins: dict) -> str:
+    """The default runtime (megatron-core), or the reference executor's where a pinned schedule needs it (it runs
+    every schedule: config.RUNTIMES)."""
+    return "meshplan-executor" if pins.get("schedule") in ("gpipe", "zb") else DEFAULT_RUNTIME
 
 
 def close(a: float, b: float, rel: float = REL) -> bool:
@@ -124,7 +131,7 @@ def _pin_id(case) -> str:
 @pytest.mark.parametrize("case", PIN_CASES, ids=[_pin_id(c) for c in PIN_CASES])
 def test_pins_are_honoured(case):
     (model, n, gbs, seq), pins, holds = case
-    result = run(model, n, gbs, seq, pins=tuple(sorted({"max_mbs": 2, **pins}.items())))
+    result = run(model, n, gbs, seq, pins=tuple(sorted({"max_mbs": 2, **pins}.items())), runtime=runtime_for(pins))
     assert result.plans, f"{pins}: no plan ({result.why_nothing_fits}); {describe(result)}"
     for rank, p in enumerate(result.plans, 1):
         lay = p.estimate.layout
@@ -164,7 +171,7 @@ def check_plans(model: ModelSpec, c: Cluster, wl: Workload, result: SearchResult
         lay = resolve(model, c.num_gpus, wl, p.config)  # raises InputError if a divisibility rule fails
         assert lay == p.estimate.layout
         assert p.estimate.fits and p.estimate.peak_memory_gib <= c.gpu.hbm_gib.value
-        fresh = estimate(model, c, wl, p.config)
+        fresh = estimate(model, c, wl, p.config, p.estimate.runtime)
         assert fresh.fits
         assert close(fresh.step_time_s, p.step_time_s), (p.config, fresh.step_time_s, p.step_time_s)
         assert close(fresh.peak_memory_gib, p.estimate.peak_memory_gib, 1e-9)
@@ -200,7 +207,7 @@ def test_account_adds_up(model, n, gbs, seq, gpu, pins):
     acc = result.account
     spec = zoo(model)
     enum = enumerate_space(spec, n, cluster(n, gpu).gpus_per_node, Workload(global_batch=gbs, seq_len=seq),
-                           Pins(**dict((("max_mbs", 2), *pins))))
+                           Pins(**dict((("max_mbs", 2), *pins))), get_runtime(DEFAULT_RUNTIME))
     assert acc.space_size == enum.space_size
     assert enum.space_size == sum(g.size() for g in enum.groups) + sum(enum.infeasible.values())
     assert all(v > 0 for v in acc.pruned.values()) and all(v > 0 for v in acc.infeasible.values())
@@ -221,24 +228,30 @@ def compositions(total: int, parts: int):
         yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: Pins) -> tuple[float, ParallelConfig | None, int]:
+def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: Pins,
+                       runtime: str = DEFAULT_RUNTIME) -> tuple[float, ParallelConfig | None, int]:
     """The fastest fitting configuration of the search space with uniform recomputation: every candidate of
-    enumerate_space, every stage partition when vpp == 1 (the even one with virtual stages), each estimated."""
-    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins)
+    enumerate_space, every stage partition when vpp == 1 (with virtual stages every split of
+    space.interleaved_chunks), each estimated."""
+    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins, get_runtime(runtime))
     best, arg, count = math.inf, None, 0
     for g in enum.groups:
         m = g.mesh
         for sp, cp_comm, schedule, vpp in g.variants:
-            partitions = [None] if (vpp > 1 or m.pp == 1) else list(compositions(model.num_layers, m.pp))
+            partitions = [None] if m.pp == 1 else list(compositions(model.num_layers, m.pp)) if vpp == 1 else [
+                ("chunks", c) for c in interleaved_chunks(model.num_layers, m.pp, vpp)]
             for zero in g.zeros:
                 for rec in g.recomputes_for(vpp):
                     if rec == "per-stage":
                         continue
-                    for stage_layers in partitions:
+                    for part in partitions:
+                        chunks = part[1] if part is not None and part[0] == "chunks" else None
+                        stage_layers = None if chunks is not None else part
                         cfg = ParallelConfig(tp=m.tp, pp=m.pp, vpp=vpp, dp=m.dp, cp=m.cp, cp_comm=cp_comm, ep=m.ep,
                                              etp=m.etp, mbs=g.mbs, zero=zero, recompute=rec, sp=sp,
-                                             schedule=schedule, stage_layers=stage_layers, rank_order=m.order)
-                        est = estimate(model, c, wl, cfg)
+                                             schedule=schedule, stage_layers=stage_layers, chunk_layers=chunks,
+                                             rank_order=m.order)
+                        est = estimate(model, c, wl, cfg, runtime)
                         count += 1
                         if est.fits and est.step_time_s < best:
                             best, arg = est.step_time_s, cfg
@@ -270,8 +283,8 @@ TINY = [
 def test_search_matches_exhaustive_enumeration(name, layers, gpu, n, gbs, seq, pins):
     model = zoo(name) if layers is None else shrunk(name, layers)
     c, wl, p = cluster(n, gpu), Workload(global_batch=gbs, seq_len=seq), Pins(**pins)
-    result = search(model, c, wl, p, top_k=3)
-    truth, arg, count = exhaustive_minimum(model, c, wl, p)
+    result = search(model, c, wl, p, runtime_for(pins), top_k=3)
+    truth, arg, count = exhaustive_minimum(model, c, wl, p, runtime_for(pins))
     acc = result.account
     assert count > 0
     if not math.isfinite(truth):
@@ -307,7 +320,7 @@ def test_per_stage_pin_lower_bound_is_sound():
     pins = Pins(max_mbs=2, pp=2, tp=1, cp=1, recompute="per-stage")
     result = search(model, c, wl, pins, top_k=3)
     acc = result.account
-    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins)
+    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins, get_runtime(DEFAULT_RUNTIME))
     best, arg = math.inf, None
     for g in enum.groups:
         m = g.mesh
@@ -429,3 +442,37 @@ def test_a_gap_is_closed_by_simulating_every_partition_below_the_best():
     assert best.estimate.layout.stage_layers == (4,) * 15 + (1,)
     assert best.step_time_s < dp_time * (1 - 0.005)  # 21.87 s against 22.09 s
     assert result.account.status == "optimal" and result.account.gap == 0.0
+
+
+# ---- the runtime's capabilities (issue 16) --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("runtime", sorted(RUNTIMES))
+def test_the_search_picks_only_what_the_runtime_runs(runtime):
+    """Megatron-Core has no GPipe or zero-bubble schedule, torchtitan no ZeRO-1 and no all-to-all CP, Megatron 2022
+    no CP: no plan of a free search uses them (the space holds only what the framework has)."""
+    rt = get_runtime(runtime)
+    result = run("llama3.1-8b", 16, 32, 8192, top_k=10, pins=(("max_mbs", 2),), runtime=runtime)
+    assert result.plans
+    for p in result.plans:
+        lay = p.estimate.layout
+        assert rt.lacks(lay.schedule if lay.pp > 1 else None, lay.cp, lay.cp_comm, lay.zero) is None, (runtime, lay)
+
+
+def test_a_pinned_knob_the_runtime_lacks_is_refused():
+    with pytest.raises(InputError, match="megatron-core has no gpipe schedule"):
+        run("llama3.1-8b", 8, 16, 2048, pins=(("schedule", "gpipe"),))
+    with pytest.raises(InputError, match="torchtitan has no ZeRO-1"):
+        run("llama3.1-8b", 8, 16, 2048, pins=(("zero", 1),), runtime="torchtitan")
+    with pytest.raises(InputError, match="megatron-2022 has no context parallelism"):
+        run("llama3.1-8b", 8, 16, 2048, pins=(("cp", 2),), runtime="megatron-2022")
+
+
+def test_a_pinned_vpp_above_the_searched_range_is_honoured():
+    """--vpp 16 (above MAX_VPP) is searched as pinned; 126 layers on pp 8 x vpp 16 = 128 virtual stages leave the
+    first and the last empty (Megatron's layout 'E|t|...|t|L')."""
+    model = zoo("llama3.1-405b")
+    result = search(model, cluster(1024), Workload(global_batch=512, seq_len=8192),
+                    Pins(tp=8, pp=8, vpp=16, mbs=1, max_mbs=1), top_k=1)
+    assert result.plans, result.why_nothing_fits
+    lay = result.plans[0].estimate.layout
+    assert lay.vpp == 16 and lay.chunks == (0,) + (1,) * 126 + (0,)

@@ -328,8 +328,10 @@ def _check_supported(a: argparse.Namespace) -> None:
         raise InputError(f"--recompute-method {a.recompute_method}: choose uniform or block")
 
 
-def _stage_layers(a: argparse.Namespace, num_layers: int | None, mtp: int) -> tuple[tuple[int, ...] | None, int]:
-    """(decoder layers per pipeline stage or None for Megatron's even split, virtual stages)."""
+def _stage_layers(a: argparse.Namespace, num_layers: int | None,
+                  mtp: int) -> tuple[tuple[int, ...] | None, int, tuple[int, ...] | None]:
+    """(decoder layers per pipeline stage or None for Megatron's even split, virtual stages, decoder layers per
+    virtual stage in model order where a layout gives them)."""
     pp = a.pipeline_model_parallel_size or 1
     if a.pipeline_model_parallel_layout:
         if a.decoder_first_pipeline_num_layers or a.decoder_last_pipeline_num_layers:
@@ -343,13 +345,12 @@ def _stage_layers(a: argparse.Namespace, num_layers: int | None, mtp: int) -> tu
             raise InputError(f"--pipeline-model-parallel-layout places {mtp_in_layout} MTP layers; the model has "
                              f"{mtp}")
         vpp = len(chunks) // pp
-        per_stage = [[chunks[v * pp + r] for v in range(vpp)] for r in range(pp)]
-        for r, mine in enumerate(per_stage):
-            if mine != split_evenly(sum(mine), vpp) or min(mine) < 1:
-                raise InputError(f"--pipeline-model-parallel-layout: pipeline rank {r} holds {mine} decoder layers "
-                                 f"per virtual stage; meshplan splits a stage's layers over its virtual stages as "
-                                 f"evenly as possible, larger first ({split_evenly(sum(mine), vpp)})")
-        return tuple(sum(m) for m in per_stage), vpp
+        per_stage = [sum(chunks[r::pp]) for r in range(pp)]
+        empty = [r for r, n in enumerate(per_stage) if n < 1]
+        if empty:
+            raise InputError(f"--pipeline-model-parallel-layout: pipeline rank {empty[0]} holds no decoder layer; "
+                             f"meshplan needs at least one per rank")
+        return tuple(per_stage), vpp, tuple(chunks)
     vpp = a.num_virtual_stages_per_pipeline_rank or 1
     first, last = a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers
     if a.num_layers_per_virtual_pipeline_stage:
@@ -361,7 +362,7 @@ def _stage_layers(a: argparse.Namespace, num_layers: int | None, mtp: int) -> tu
                              f"must divide the layers per pipeline stage")
         vpp = num_layers // pp // a.num_layers_per_virtual_pipeline_stage
     if not (first or last):
-        return None, vpp
+        return None, vpp, None
     if num_layers is None:
         raise InputError("uneven stages need --num-layers")
     middle_stages = pp - (first is not None) - (last is not None)
@@ -375,7 +376,7 @@ def _stage_layers(a: argparse.Namespace, num_layers: int | None, mtp: int) -> tu
         layers[0] = first
     if last is not None:
         layers[-1] = last
-    return tuple(layers), vpp
+    return tuple(layers), vpp, None
 
 
 def _model_from(a: argparse.Namespace, name: str) -> ModelSpec | None:
@@ -451,7 +452,7 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
     workload = Workload(global_batch=a.global_batch_size, seq_len=a.seq_length, dtype=dtype)
     model = _model_from(a, model_name)
     layers = a.num_layers if a.num_layers is not None else num_layers
-    stage_layers, vpp = _stage_layers(a, layers, a.mtp_num_layers or 0)
+    stage_layers, vpp, chunk_layers = _stage_layers(a, layers, a.mtp_num_layers or 0)
     zero = 0
     if a.use_distributed_optimizer:
         zero = 1
@@ -483,7 +484,7 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
         cp_comm="a2a" if a.cp_comm_type == "a2a" else "ring", ep=a.expert_model_parallel_size or 1,
         etp=a.expert_tensor_parallel_size, mbs=a.micro_batch_size or 1, zero=zero, recompute=recompute,
         sp=a.sequence_parallel and tp > 1, stage_layers=stage_layers, stage_recompute=stage_recompute,
-        rank_order=PP_INSIDE_DP if a.use_tp_pp_dp_mapping else "tp-cp-dp-pp")
+        chunk_layers=chunk_layers, rank_order=PP_INSIDE_DP if a.use_tp_pp_dp_mapping else "tp-cp-dp-pp")
     num_gpus = (nodes or 1) * per_node if per_node else None
     given = tuple((k, v) for k, v in vars(a).items() if v not in (None, False))
     return LaunchSpec(config=config, workload=workload, num_gpus=num_gpus, gpus_per_node=per_node, model=model,

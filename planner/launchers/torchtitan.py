@@ -15,7 +15,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 
-from costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload, split_evenly
+from costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from costmodels.model import ModelSpec
 from costmodels.model_io import load_zoo, to_model_file
 from hardware_db.errors import InputError
@@ -221,7 +221,8 @@ def export_torchtitan(plan: Plan) -> Exported:
 
 # ---- import --------------------------------------------------------------------------------------------------------
 
-def _stages_from_fqns(parts: list[list[str]], pp: int, num_layers: int) -> tuple[tuple[int, ...], int]:
+def _stages_from_fqns(parts: list[list[str]], pp: int, num_layers: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    """(layers per pipeline stage, virtual stages, layers per model part in model order)."""
     if len(parts) % pp:
         raise InputError(f"module_fqns_per_model_part has {len(parts)} parts, not a multiple of "
                          f"pipeline_parallel_degree {pp}")
@@ -230,12 +231,11 @@ def _stages_from_fqns(parts: list[list[str]], pp: int, num_layers: int) -> tuple
     if order != list(range(num_layers)):
         raise InputError("module_fqns_per_model_part must list layers.0 ... layers.N-1 once each, in order")
     vpp = len(parts) // pp
-    per_stage = [[counts[v * pp + r] for v in range(vpp)] for r in range(pp)]
-    for r, mine in enumerate(per_stage):
-        if mine != split_evenly(sum(mine), vpp) or min(mine) < 1:
-            raise InputError(f"module_fqns_per_model_part: pipeline rank {r} holds {mine} layers per virtual stage; "
-                             f"meshplan splits a stage's layers over its virtual stages evenly, larger first")
-    return tuple(sum(m) for m in per_stage), vpp
+    per_stage = [sum(counts[r::pp]) for r in range(pp)]
+    if min(per_stage) < 1:
+        raise InputError(f"module_fqns_per_model_part: pipeline rank {per_stage.index(min(per_stage))} holds no "
+                         f"decoder layer; meshplan needs at least one per rank")
+    return tuple(per_stage), vpp, tuple(counts)
 
 
 def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple[LaunchSpec, str]:
@@ -266,11 +266,12 @@ def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple
     reshard = par.get("fsdp_reshard_after_forward", "default")
     zero = 0 if shard * cp == 1 else 2 if reshard == "never" else 3
     if "module_fqns_per_model_part" in par and pp > 1:
-        stage_layers, vpp = _stages_from_fqns(par["module_fqns_per_model_part"], pp, model.num_layers)
+        stage_layers, vpp, chunk_layers = _stages_from_fqns(par["module_fqns_per_model_part"], pp,
+                                                            model.num_layers)
     elif pp > 1:
         raise InputError(f"{origin}: give module_fqns_per_model_part (meshplan reads explicit stages)")
     else:
-        stage_layers, vpp = None, 1
+        stage_layers, vpp, chunk_layers = None, 1, None
     schedule = {v: k for k, v in SCHEDULES.items()}.get(par.get("pipeline_parallel_schedule", "1F1B"))
     if pp > 1 and schedule is None:
         raise InputError(f"{origin}: pipeline_parallel_schedule {par.get('pipeline_parallel_schedule')!r}: meshplan "
@@ -285,7 +286,8 @@ def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple
     config = ParallelConfig(
         tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=int(par.get("expert_parallel_degree", 1)),
         etp=int(par.get("expert_tensor_parallel_degree", 1)) if model.moe is not None else None, mbs=mbs, zero=zero,
-        recompute=mode, sp=tp > 1, schedule=(schedule if pp > 1 else None), stage_layers=stage_layers)
+        recompute=mode, sp=tp > 1, schedule=(schedule if pp > 1 else None), stage_layers=stage_layers,
+        chunk_layers=chunk_layers)
     workload = Workload(global_batch=gbs, seq_len=int(train.get("seq_len", 2048)), dtype="bf16")
     return LaunchSpec(config=config, workload=workload, num_gpus=dp * tp * pp * cp, gpus_per_node=None, model=model,
                       model_fields=()), zoo
