@@ -11,7 +11,6 @@ Usage:  python benchmarks/published_runs.py --check [FILE ...]   # validate data
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -104,6 +103,9 @@ class Run(BaseModel):
     dtype: Literal["bf16", "fp16", "fp8"]
     fp8_recipe: Literal["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"] | None = None
     moe_balanced: bool = False  # the benchmark forces a balanced token distribution among experts
+    # hidden / attention dropout; None: off, as every Llama, Qwen, DeepSeek, Nemotron and MLPerf recipe trains,
+    # except on the megatron-2022 runtime, whose GPT defaults (0.1) apply
+    dropout: bool | None = None
     parallel: Parallel
     assumed: dict[str, str] = {}  # knob -> the value assumed and why (knobs the source leaves out)
     metric: Metric

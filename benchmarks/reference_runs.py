@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from costmodels.config import ParallelConfig, StagePolicy, Workload, split_evenly  # noqa: E402
 from costmodels.estimate import Efficiency, Estimate, estimate, model_flops_per_step  # noqa: E402
+from costmodels.kernels import Physics  # noqa: E402
 from costmodels.model import ModelSpec  # noqa: E402
 from costmodels.model_io import load_model  # noqa: E402
 from hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
@@ -60,6 +61,11 @@ class Row:
         if self.metric in TIME_METRICS:
             return self.published / self.predicted - 1
         return (self.predicted - self.published) / self.published
+
+    @property
+    def measured_step_s(self) -> float:
+        """The run's measured step time, read off its metric (every metric is throughput or time per step)."""
+        return self.step_time_s * (1 + self.error)
 
 
 TIME_METRICS = ("iteration s", "step s")
@@ -116,9 +122,10 @@ def configure(entry: dict) -> tuple[Cluster, Workload, ParallelConfig, str]:
     return cluster, wl, cfg, runtime
 
 
-def evaluate(entry: dict, efficiency: Efficiency | None = None) -> Row:
-    """Predict one run (with the GPU's default efficiencies unless given) in the run's own metric."""
+def evaluate(entry: dict, efficiency: Efficiency | None = None, physics: Physics | None = None) -> Row:
+    """Predict one run (with the GPU's default efficiencies and `physics` unless given) in the run's metric."""
     cluster, wl, cfg, runtime = configure(entry)
+    efficiency = efficiency or (Efficiency.from_gpu(cluster.gpu, physics) if physics else None)
     est = estimate(megatron_gpt(entry), cluster, wl, cfg, runtime=runtime, efficiency=efficiency)
     metric = entry["metric"]
     gpus = cluster.num_gpus
@@ -219,18 +226,46 @@ def accounted_flops(run: Run, model: ModelSpec, wl: Workload) -> float:
     raise ValueError(f"{run.id}: flops accounting {acc} is for the first set's GPT runs")
 
 
-def evaluate_run(run: Run, efficiency: Efficiency | None = None) -> Row:
+def evaluate_run(run: Run, efficiency: Efficiency | None = None, physics: Physics | None = None) -> Row:
     """Predict one run of the second set in its own metric."""
     model = run_model(run)
-    cluster = Cluster(ClusterSpec(gpu=run.gpu, num_gpus=run.gpus, gpus_per_node=run.gpus_per_node,
-                                  nic_gbps=run.nic_gbps))
-    wl = Workload(global_batch=run.global_batch, seq_len=run.seq_len, dtype=run.dtype)
-    est = estimate(model, cluster, wl, run_config(run, model), runtime=run.runtime, efficiency=efficiency)
+    cluster = run_cluster(run)
+    efficiency = efficiency or (Efficiency.from_gpu(cluster.gpu, physics) if physics else None)
+    wl = run_workload(run)
+    est = estimate(model, cluster, wl, run_config(run, model), runtime=run_runtime(run), efficiency=efficiency)
     predicted, label = predicted_metric(run, model, wl, est, cluster)
     groups = (("set", "second"), ("gpu", run.gpu), ("experts", "moe" if model.moe is not None else "dense"),
               ("precision", run.dtype), ("framework", run.runtime),
               ("sequence", ">= 32K" if run.seq_len >= 32768 else "< 32K"))
     return Row(run.id, label, run.value, predicted, est.step_time_s, est.mfu, groups, est.fits)
+
+
+def run_cluster(run: Run) -> Cluster:
+    return Cluster(ClusterSpec(gpu=run.gpu, num_gpus=run.gpus, gpus_per_node=run.gpus_per_node, nic_gbps=run.nic_gbps))
+
+
+def run_runtime(run: Run) -> str:
+    """The run's runtime preset with the options its recorded features select (config.RUNTIME_OPTIONS): torch.compile
+    and async TP in torchtitan; in Megatron-Core a recipe read without TP overlap runs its TP collectives blocking;
+    the EP all-to-all overlap; cuDNN attention."""
+    options = []
+    f = set(run.features)
+    if run.runtime == "torchtitan":
+        options += ["compile"] if "torch.compile" in f else []
+        options += ["async-tp"] if "async-tp" in f else []
+    if run.runtime == "megatron-core" and f and run.parallel.tp > 1 and "tp-comm-overlap" not in f:
+        options.append("no-tp-comm-overlap")
+    if "ep-a2a-overlap" in f:
+        options.append("ep-a2a-overlap")
+    if "cudnn-attention" in f and run.runtime == "torchtitan":
+        options.append("cudnn-attention")
+    return "+".join([run.runtime, *options])
+
+
+def run_workload(run: Run) -> Workload:
+    dropout = run.dropout if run.dropout is not None else (None if run.runtime.startswith("megatron-2022") else False)
+    return Workload(global_batch=run.global_batch, seq_len=run.seq_len, dtype=run.dtype,
+                    fp8_recipe=run.fp8_recipe or "tensorwise", dropout=dropout)
 
 
 def predicted_metric(run: Run, model: ModelSpec, wl: Workload, est: Estimate, cluster: Cluster) -> tuple[float, str]:
@@ -262,9 +297,10 @@ def summary(rows: list[Row]) -> list[tuple[str, str, int, float, float]]:
 
 
 def all_rows(yaml_path: Path = DEFAULT_YAML, runs_path: Path = DEFAULT_FILE, first: bool = True,
-             efficiency: Efficiency | None = None) -> list[Row]:
-    rows = [evaluate(e, efficiency) for e in yaml.safe_load(yaml_path.read_text())] if first else []
-    return rows + [evaluate_run(r, efficiency) for r in load_runs(runs_path)]
+             physics: Physics | None = None) -> list[Row]:
+    """Both sets' rows, each run at its GPU's default efficiencies with `physics` (all terms on unless given)."""
+    rows = [evaluate(e, physics=physics) for e in yaml.safe_load(yaml_path.read_text())] if first else []
+    return rows + [evaluate_run(r, physics=physics) for r in load_runs(runs_path)]
 
 
 def main() -> int:

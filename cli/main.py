@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from costmodels.config import DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, RankOrder, Workload
+from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, RUNTIME_OPTIONS, RUNTIMES, ParallelConfig, RankOrder,
+                               Workload)
 from costmodels.estimate import (Efficiency, Estimate, calibrated_cluster, estimate as estimate_cost, simulate_config,
                                  stage_ranges)
 from costmodels.model import ModelSpec
@@ -37,7 +38,6 @@ NoArgsIsHelpError = getattr(sys.modules[ClickException.__module__], "NoArgsIsHel
 ExportTarget = Literal["megatron", "torchtitan", "deepspeed", "torchrun", "nemo"]  # planner.launchers.TARGETS
 AnyExportTarget = Literal["megatron", "torchtitan", "deepspeed", "torchrun", "nemo", "vllm", "sglang"]  # + SERVING
 ImportSource = Literal["megatron", "torchtitan"]  # planner.launchers.SOURCES
-RuntimeName = Literal[tuple(RUNTIMES)]  # type: ignore[valid-type]  # choices follow costmodels.config.RUNTIMES
 
 app = typer.Typer(
     name="meshplan",
@@ -111,6 +111,10 @@ GbsOpt = Annotated[int, typer.Option("--gbs", min=1, rich_help_panel=P_MODEL,
 SeqOpt = Annotated[int, typer.Option("--seq", min=1, rich_help_panel=P_MODEL, help="Sequence length, in tokens.")]
 DtypeOpt = Annotated[Literal["bf16", "fp16", "fp8"], typer.Option(
     "--dtype", rich_help_panel=P_MODEL, help="GEMM precision; MFU is measured against this dtype's dense peak.")]
+Fp8RecipeOpt = Annotated[Literal["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"], typer.Option(
+    "--fp8-recipe", metavar="RECIPE", rich_help_panel=P_MODEL, help=(
+        "FP8 scaling (with --dtype fp8): delayed (TE DelayedScaling), tensorwise (current scaling), rowwise "
+        "(torchao), blockwise (1x128 / 128x128), mxfp8 (Blackwell). Decides the FP8 kernel and its casts."))]
 GpuOpt = Annotated[Optional[str], typer.Option("--gpu", rich_help_panel=P_CLUSTER, help=(
     "GPU name (`meshplan hardware list`, e.g. h100-sxm) or a GPU .toml file."))]
 GpusOpt = Annotated[Optional[int], typer.Option("--gpus", min=1, rich_help_panel=P_CLUSTER,
@@ -157,8 +161,10 @@ CalibrationOpt = Annotated[Optional[str], typer.Option("--calibration", rich_hel
     "Calibration file from `meshplan profile` (or a name under hardware_db/calibrations/): the device's measured "
     "GEMM, attention, memory and collective costs replace the GPU's efficiency defaults. A CPU calibration goes "
     "with --gpu cpu."))]
-RuntimeOpt = Annotated[RuntimeName, typer.Option("--runtime", rich_help_panel=P_PAR, help=(
-    "Training framework behaviour: what it fuses and which communication it overlaps (docs/cost_model.md)."))]
+RuntimeOpt = Annotated[str, typer.Option("--runtime", metavar="PRESET[+OPTION...]", rich_help_panel=P_PAR, help=(
+    f"Training framework behaviour: what it fuses, which kernels and which overlap it has, which schedules, CP kinds "
+    f"and ZeRO stages it runs (docs/cost_model.md): {', '.join(RUNTIMES)}, with options appended as +option "
+    f"({', '.join('+' + o for o in RUNTIME_OPTIONS)}), e.g. torchtitan+compile+async-tp."))]
 
 
 @app.command()
@@ -167,6 +173,7 @@ def estimate(
     gbs: GbsOpt = 256,
     seq: SeqOpt = 4096,
     dtype: DtypeOpt = "bf16",
+    fp8_recipe: Fp8RecipeOpt = "tensorwise",
     gpu: GpuOpt = None,
     gpus: GpusOpt = None,
     gpus_per_node: PerNodeOpt = None,
@@ -202,7 +209,7 @@ def estimate(
     """
     spec = load_model(model)
     cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration, runtime)
-    workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
+    workload = _workload(gbs, seq, dtype, fp8_recipe)
     knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
                  sp=sp, schedule=schedule, rank_order=order)
     cfg = ParallelConfig(**{k: v for k, v in knobs.items() if v is not None})
@@ -211,6 +218,12 @@ def estimate(
         typer.echo(json.dumps(est.to_dict(), indent=2))
     else:
         _print_estimate(_console(), spec, cluster, workload, est)
+
+
+def _workload(gbs: int, seq: int, dtype: str, fp8_recipe: str) -> Workload:
+    if fp8_recipe != "tensorwise" and dtype != "fp8":
+        raise InputError(f"--fp8-recipe {fp8_recipe} needs --dtype fp8")
+    return Workload(global_batch=gbs, seq_len=seq, dtype=dtype, fp8_recipe=fp8_recipe)
 
 
 BREAKDOWN_LABELS = {
@@ -253,7 +266,9 @@ def _print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workloa
     t.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
     t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.1f}")
     t.add_row("TFLOP/s/GPU (model FLOPs)", f"{est.tflops_per_gpu:.1f}")
-    t.add_row(f"MFU (vs {wl.dtype} dense peak)", f"{100 * est.mfu:.1f} %")
+    t.add_row(f"MFU (vs {wl.dtype} dense peak)", f"{100 * est.mfu:.1f} %"
+              + (" [bold yellow](above every published run of its class)[/]" if est.realism and est.realism.exceeds
+                 else ""))
     t.add_row("HFU (with recompute FLOPs)", f"{100 * est.hfu:.1f} %")
     t.add_row("pipeline bubble fraction", f"{100 * est.bubble_fraction:.1f} %")
     con.print(t)
@@ -277,6 +292,8 @@ def _print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workloa
     t.add_row("fits", *("[green]yes[/]" if s["peak_memory_gib"] <= est.hbm_gib else "[bold red]NO[/]"
                         for s in shown))
     con.print(t)
+    if est.realism is not None:
+        con.print(("[bold yellow]realism:[/] " if est.realism.exceeds else "realism: ") + est.realism.line())
     if est.fits:
         con.print(f"[green]memory: fits[/] (peak {est.peak_memory_gib:.1f} GiB of {est.hbm_gib:.0f} GiB HBM)")
     else:
@@ -292,6 +309,7 @@ def plan(
     gbs: GbsOpt = 256,
     seq: SeqOpt = 4096,
     dtype: DtypeOpt = "bf16",
+    fp8_recipe: Fp8RecipeOpt = "tensorwise",
     gpu: GpuOpt = None,
     gpus: GpusOpt = None,
     gpus_per_node: PerNodeOpt = None,
@@ -358,7 +376,7 @@ def plan(
 
     spec = load_model(model)
     cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration, runtime)
-    workload = Workload(global_batch=gbs, seq_len=seq, dtype=dtype)
+    workload = _workload(gbs, seq, dtype, fp8_recipe)
     pins = Pins(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
                 recompute=recompute, sp=sp, schedule=schedule, order=order, max_mbs=max_mbs)
     with _progress(not as_json) as bar:
@@ -463,6 +481,9 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
               f"partition bounds solved ({acc.cpsat_calls} with CP-SAT); {acc.seconds:.2f} s")
     con.print(f"  pruned: {pruned}")
     con.print(f"  infeasible: {infeasible}")
+    best = result.plans[0].estimate.realism
+    if best is not None:
+        con.print(("[bold yellow]realism of plan #1:[/] " if best.exceeds else "realism of plan #1: ") + best.line())
     if acc.status == "optimal":
         con.print("[green]optimal[/]: no candidate in the space is predicted faster (proven by the bounds above)")
     else:

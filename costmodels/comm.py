@@ -18,6 +18,9 @@ class Link(NamedTuple):
     bus_bytes_per_s: float
     latency_s: float
     crosses_nodes: bool
+    a2a_bytes_per_s: float = 0.0  # all-to-all inside a node (0: the ring's bus bandwidth)
+    nic_bytes_per_s: float = 0.0  # one GPU's achieved NIC rate (groups across nodes)
+    ranks_per_node: int = 0  # the group's members on each node (groups across nodes)
 
 
 def ring_shape(kind: str, n: int) -> tuple[float, float]:
@@ -50,7 +53,19 @@ def reduce_scatter(bytes_: float, n: int, link: Link) -> float:
 
 
 def all_to_all(bytes_: float, n: int, link: Link) -> float:
-    return _ring("all_to_all", bytes_, n, link)
+    """Each rank sends (n-1)/n of its buffer to the others. Inside a node at the all-to-all bus bandwidth (NCCL
+    reaches about 0.71 of NVLink with it, against 0.8 for rings: NVIDIA GTC25 S72583, slides 12-13). Across nodes
+    it cannot be reduced hierarchically as a ring can: the (n-k)/n for the other nodes leaves through the GPU's own
+    NIC while the (k-1)/n for its node's k-1 peers crosses NVLink (48 GB/s all-to-all busbw against 370 for
+    all-reduce on 32 DGX H100 GPUs, 8 x 400G NICs; same slides)."""
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    steps, share = ring_shape("all_to_all", n)
+    up = link.a2a_bytes_per_s or link.bus_bytes_per_s
+    if not link.crosses_nodes or not link.nic_bytes_per_s:
+        return steps * link.latency_s + share * bytes_ / up
+    k = max(1, link.ranks_per_node)
+    return steps * link.latency_s + max(bytes_ * (k - 1) / n / up, bytes_ * (n - k) / n / link.nic_bytes_per_s)
 
 
 def p2p(bytes_: float, link: Link) -> float:

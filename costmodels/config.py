@@ -30,11 +30,19 @@ class Workload(BaseModel):
     global_batch: int = Field(gt=0)
     seq_len: int = Field(gt=0)
     dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    # FP8 scaling recipe (dtype fp8 only): delayed (TE DelayedScaling), tensorwise (current scaling, TE
+    # Float8CurrentScaling / torchao tensorwise), rowwise (torchao), blockwise (1x128 / 128x128, DeepSeek-V3 /
+    # TE Float8BlockScaling), mxfp8 (Blackwell MX 32-element blocks)
+    fp8_recipe: Literal["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
     moe_imbalance: float = Field(default=1.0, ge=1.0)  # busiest expert's load / mean load
+    dropout: bool | None = None  # hidden/attention dropout on; None: the runtime's default (Runtime.dropout)
 
     @property
     def tokens(self) -> int:
         return self.global_batch * self.seq_len
+
+    def uses_dropout(self, rt: "Runtime") -> bool:
+        return rt.dropout if self.dropout is None else self.dropout
 
 
 class StagePolicy(BaseModel):
@@ -103,12 +111,29 @@ class Runtime(BaseModel):
     dropout: bool  # dropout masks stored (Megatron GPT defaults: hidden and attention dropout 0.1)
     overlap_grad_reduce: bool  # DP gradient reduce overlapped with the backward pass
     overlap_param_gather: bool  # ZeRO param all-gather overlapped with the forward pass
-    tp_comm_overlap: float = Field(ge=0, le=1)  # fraction of TP communication hidden behind GEMMs
+    # TP communication overlap: none (blocking collectives), userbuffers (TransformerEngine's ring-exchange and
+    # pipelined GEMM+collective splits), async-tp (PyTorch's micro-pipelined all-gather/reduce-scatter matmuls)
+    tp_overlap: Literal["none", "userbuffers", "async-tp"]
     p2p_overlap: bool  # pipeline send/recv overlapped with compute
+    # the attention kernel: "fused" = cuDNN fused attention (TransformerEngine) or FlashAttention-3 class,
+    # "fa2" = FlashAttention-2 (PyTorch SDPA's flash backend); both skip masked causal blocks
+    attention_kernel: Literal["fused", "fa2"] = "fused"
+    # memory-bound kernels by ops.memory_class: their achieved fraction of the GPU's fused-kernel bandwidth
+    # (GPUSpec efficiency.memory_bandwidth); a class not listed runs fused (1.0)
+    memory_kernels: tuple[tuple[str, float], ...] = ()
+    ep_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute (DualPipe / 1F1B A2A)
+    # what "selective" recomputation means in this framework: Megatron's core attention (Korthikanti et al. 2022
+    # sec. 5), or torchtitan's op-level SAC (saves matmul outputs but every other one and the attention output,
+    # recomputes the rest: torchtitan parallelize_llama.py _save_list)
+    selective: Literal["core-attention", "op-sac"] = "core-attention"
     # what the framework can run at all: the search picks only these, a pinned knob outside them is refused
     schedules: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved", "zb")
     cp_comms: tuple[Literal["ring", "a2a"], ...] = ("ring", "a2a")  # () = no context parallelism
     zero_stages: tuple[Literal[0, 1, 2, 3], ...] = (0, 1, 2, 3)
+
+    def memory_kernel(self, cls: str | None) -> float:
+        """The achieved fraction of the GPU's fused-kernel bandwidth of this framework's kernel of a class."""
+        return next((f for c, f in self.memory_kernels if c == cls), 1.0)
 
     def lacks(self, schedule: str | None = None, cp: int = 1, cp_comm: str = "ring",
               zero: int | None = None) -> str | None:
@@ -130,37 +155,88 @@ RUNTIMES: dict[str, Runtime] = {
     # It runs 1F1B and interleaved 1F1B only, has no context parallelism (Megatron-Core 0.4, 2023, added it) and
     # shards nothing beyond the distributed optimizer (--use-distributed-optimizer, Megatron-LM 2022).
     "megatron-2022": Runtime(name="megatron-2022", flash_attention=False, dropout=True, overlap_grad_reduce=False,
-                             overlap_param_gather=False, tp_comm_overlap=0.0, p2p_overlap=False,
+                             overlap_param_gather=False, tp_overlap="none", p2p_overlap=False,
                              schedules=("1f1b", "interleaved"), cp_comms=(), zero_stages=(0, 1)),
     # Megatron-Core r0.8 (2024) with TransformerEngine: flash attention, --overlap-grad-reduce,
     # --overlap-param-gather, --tp-comm-overlap (userbuffers); NVIDIA/Megatron-LM README "Performance Benchmarking".
     # Schedules: megatron/core/pipeline_parallel/schedules.py has 1F1B and interleaved 1F1B (no GPipe, no zero
     # bubble); CP: --cp-comm-type p2p (ring) or a2a; ZeRO: 1 = distributed optimizer, 2/3 = Megatron-FSDP
     # (--data-parallel-sharding-strategy optim_grads / optim_grads_params).
+    # Kernels: TransformerEngine's fused norms (LayerNormLinear) and cuDNN fused attention; SwiGLU / GeLU through
+    # Megatron's TorchScript bias_swiglu / bias_gelu: 55 % of H100 HBM forward, backward 2.6x slower than Liger's
+    # ~90 % kernel (Liger-Kernel benchmark/data/all_benchmark_data.csv @ ead96b6, 8192 tokens, ffn 16384), i.e.
+    # 0.44 of the fused rate over a forward + backward; cross-entropy: fused_vocab_parallel_cross_entropy takes
+    # 18.2 ms fwd+bwd for 8192 tokens x 131,072 vocab on H100 (same file), 0.47 of its bytes at the fused rate.
     "megatron-core": Runtime(name="megatron-core", flash_attention=True, dropout=True, overlap_grad_reduce=True,
-                             overlap_param_gather=True, tp_comm_overlap=0.6, p2p_overlap=True,
-                             schedules=("1f1b", "interleaved")),
+                             overlap_param_gather=True, tp_overlap="userbuffers", p2p_overlap=True,
+                             schedules=("1f1b", "interleaved"),
+                             memory_kernels=(("swiglu", 0.44), ("activation", 0.44), ("cross_entropy", 0.47))),
     # A plain PyTorch FSDP2 / torchtitan run: flash SDPA, prefetching FSDP (overlapped), no TP overlap.
     # torch.distributed.pipelining schedules GPipe, 1F1B and Interleaved1F1B (its zero-bubble schedules are V-shaped
     # or interleaved, not meshplan's ZB-H1); CP: ring attention only (torch context_parallel); sharding: DDP or
     # FSDP2 (reshard after forward = ZeRO-3, never = ZeRO-2), no ZeRO-1.
+    # Kernels (eager, torch <= 2.8): SDPA picks FlashAttention-2 on H100, not cuDNN (pytorch/pytorch#142132:
+    # 329 vs 631 TFLOP/s, nightly 2024-12; cuDNN SDPA is opt-in until torch 2.9, #138522 / #162073); nn.RMSNorm
+    # 54 % of H100 HBM (0.6 of fused), eager SwiGLU 32 % (0.36), eager cross-entropy like Megatron's unfused one,
+    # 21.3 ms for 8192 x 131,072 (0.40) (Liger-Kernel all_benchmark_data.csv @ ead96b6). `+compile` fuses them.
     "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
-                          overlap_param_gather=True, tp_comm_overlap=0.0, p2p_overlap=True,
-                          schedules=("gpipe", "1f1b", "interleaved"), cp_comms=("ring",), zero_stages=(0, 2, 3)),
+                          overlap_param_gather=True, tp_overlap="none", p2p_overlap=True,
+                          schedules=("gpipe", "1f1b", "interleaved"), cp_comms=("ring",), zero_stages=(0, 2, 3),
+                          attention_kernel="fa2", selective="op-sac",
+                          memory_kernels=(("norm", 0.6), ("swiglu", 0.36), ("activation", 0.36), ("rope", 0.36),
+                                          ("cross_entropy", 0.40))),
     # meshplan's reference executor (executor/plan_run.py): SDPA attention, no dropout, gradients synchronised after
     # the backward, ZeRO-1 parameters broadcast after the step, blocking TP collectives and pipeline send/recv.
     # `verify --calibration` predicts its runs with this preset.
     "meshplan-executor": Runtime(name="meshplan-executor", flash_attention=True, dropout=False,
-                                 overlap_grad_reduce=False, overlap_param_gather=False, tp_comm_overlap=0.0,
+                                 overlap_grad_reduce=False, overlap_param_gather=False, tp_overlap="none",
                                  p2p_overlap=False),
 }
 DEFAULT_RUNTIME = "megatron-core"
 
+# A preset's framework options, appended as "+option" (e.g. torchtitan+compile+async-tp): what each changes.
+RUNTIME_OPTIONS: dict[str, str] = {
+    # torch.compile (Inductor) fuses the elementwise chains into Triton kernels near the HBM roof (QuACK's
+    # comparison puts its RMSNorm at 0.5-1.25x QuACK's ~90 %); its cross-entropy reads the logits once more than
+    # a fused one (QuACK blog, 2025-07-10: 1.89 vs 3.01 TB/s softmax): 0.63 of fused
+    "compile": "elementwise kernels fused (torch.compile)",
+    "async-tp": "TP all-gather / reduce-scatter micro-pipelined with the matmuls (PyTorch async TP)",
+    "tp-comm-overlap": "TransformerEngine userbuffers TP overlap",
+    "no-tp-comm-overlap": "blocking TP collectives",
+    "cudnn-attention": "cuDNN / FlashAttention-3 class attention kernels",
+    "fa2": "FlashAttention-2 kernels",
+    "ep-a2a-overlap": "EP all-to-all hidden behind another micro-batch (DualPipe / Megatron 1F1B A2A overlap)",
+}
+
 
 def get_runtime(name: str) -> Runtime:
-    if name not in RUNTIMES:
-        raise InputError(f"unknown runtime '{name}'; choose one of: {', '.join(RUNTIMES)}")
-    return RUNTIMES[name]
+    """A preset by name, with options appended as '+option' (RUNTIME_OPTIONS)."""
+    base, *options = name.split("+")
+    if base not in RUNTIMES:
+        raise InputError(f"unknown runtime '{base}'; choose one of: {', '.join(RUNTIMES)}")
+    rt = RUNTIMES[base]
+    if not options:
+        return rt
+    update: dict = {"name": name}
+    for opt in options:
+        if opt not in RUNTIME_OPTIONS:
+            raise InputError(f"unknown runtime option '+{opt}'; choose from: "
+                             + ", ".join(f"+{o}" for o in RUNTIME_OPTIONS))
+        if opt == "compile":
+            update["memory_kernels"] = (("cross_entropy", 0.63),)
+        elif opt == "async-tp":
+            update["tp_overlap"] = "async-tp"
+        elif opt == "tp-comm-overlap":
+            update["tp_overlap"] = "userbuffers"
+        elif opt == "no-tp-comm-overlap":
+            update["tp_overlap"] = "none"
+        elif opt == "cudnn-attention":
+            update["attention_kernel"] = "fused"
+        elif opt == "fa2":
+            update["attention_kernel"] = "fa2"
+        elif opt == "ep-a2a-overlap":
+            update["ep_overlap"] = True
+    return rt.model_copy(update=update)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,14 @@ from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdo
                                layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
                                stage_params, StageParams)
 from costmodels.model import ModelSpec
-from costmodels.ops import (ACT_BYTES, Block, Collective, attention_half, embedding_block, head_block, memory_class,
+from costmodels.ops import (ACT_BYTES, Block, Collective, Op, attention_half, embedding_block, head_block, memory_class,
                            mlp_half, mtp_projection)
 from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
+from costmodels.realism import RealismCheck
+from costmodels.realism import check as realism_check
 from costmodels.calibrate import interpolate
+from costmodels.kernels import (QUANT_BYTES_PER_ELEMENT, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
+                                ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks)
 from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
                                      cpu_device_spec, digest)
 from hardware_db.cluster import Cluster, ClusterSpec
@@ -55,11 +59,30 @@ class Efficiency:
     curve_peak: float = 0.0  # the 16-bit peak the curves were measured against (fp8 GEMMs: half the time)
     activation_ratios: tuple[tuple[str, float], ...] = ()  # (recompute mode, measured / formula activations)
     calibration: str | None = None  # "file name sha256:..." of the calibration, for the plan's record
+    # kernel ceilings beyond the BF16 GEMM (hardware_db.gpu.EfficiencyDefaults; kernels.py states the physics)
+    gemm_k_half: float = 0.0
+    fp8_gemm_max: float = 0.0  # 0: 0.88 x gemm_max
+    fp8_block_factor: float = 0.81
+    grouped_gemm_max: float = 0.0  # 0: 0.5 x gemm_max
+    fp8_grouped_gemm_max: float = 0.0  # 0: 0.5 x the FP8 ceiling
+    attention_bwd_max: float = 0.0  # 0: 0.86 x attention_max
+    attention_fa2_max: float = 0.0  # 0: attention_max
+    attention_causal_s0: float = 0.0
+    bf16_peak: float = 0.0  # the GPU's 16-bit peak: an FP8 GEMM's half-saturation FLOPs scale with its peak
+    physics: Physics = Physics()
 
     @classmethod
-    def from_gpu(cls, gpu: GPUSpec) -> "Efficiency":
+    def from_gpu(cls, gpu: GPUSpec, physics: Physics | None = None) -> "Efficiency":
         e = gpu.efficiency
-        return cls(e.gemm_max, e.gemm_half_flops, e.attention_max, e.memory_bandwidth, e.kernel_overhead_us * 1e-6)
+        return cls(e.gemm_max, e.gemm_half_flops, e.attention_max, e.memory_bandwidth, e.kernel_overhead_us * 1e-6,
+                   gemm_k_half=e.gemm_k_half, fp8_gemm_max=e.fp8_gemm_max or 0.88 * e.gemm_max,
+                   fp8_block_factor=e.fp8_block_factor, grouped_gemm_max=e.grouped_gemm_max or 0.5 * e.gemm_max,
+                   fp8_grouped_gemm_max=e.fp8_grouped_gemm_max or 0.5 * (e.fp8_gemm_max or 0.88 * e.gemm_max),
+                   attention_bwd_max=e.attention_bwd_max or 0.86 * e.attention_max,
+                   attention_fa2_max=e.attention_fa2_max or e.attention_max,
+                   attention_causal_s0=e.attention_causal_s0,
+                   bf16_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"),
+                   physics=physics or Physics())
 
     @classmethod
     def from_calibration(cls, cal: Calibration, gpu: GPUSpec, label: str, runtime: str | None = None) -> "Efficiency":
@@ -189,6 +212,7 @@ class Estimate:
     stages: tuple[StageReport, ...]
     hbm_gib: float
     bubble_fraction: float
+    realism: RealismCheck | None = None  # the MFU beside the best published for its class (costmodels/realism.py)
 
     @property
     def peak_memory_gib(self) -> float:
@@ -213,6 +237,9 @@ class Estimate:
             "breakdown_s": self.breakdown_s,
             "layout": layout_dict(self.layout),
             "runtime": self.runtime,
+            "realism": None if self.realism is None else {
+                "published_mfu": self.realism.published_mfu, "run": self.realism.run, "source": self.realism.source,
+                "exceeds": self.realism.exceeds},
             "stages": [
                 {"rank": s.rank, "first_layer": s.layers[0], "num_layers": s.layers[1], "in_flight_microbatches": s.in_flight,
                  "peak_memory_gib": s.peak_gib, "memory_gib": {k: v / GIB for k, v in asdict(s.memory).items()}}
@@ -248,15 +275,22 @@ def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str,
 # ---- operator and collective times -------------------------------------------------------------------------------
 
 def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff: Efficiency,
-            backward: bool = False) -> float:
-    """Roofline: max(FLOPs / (peak x efficiency(size)), bytes / achieved bandwidth) + launch overhead (Williams et
-    al., "Roofline", CACM 2009). Efficiency saturates with the operator's size: e_max * F / (F + F_half).
+            backward: bool = False, *, depth: float = 0.0, groups: float = 1.0, fp8: str | None = None,
+            keys: float = 0.0, kernel: str = "fused", bandwidth_factor: float = 1.0, chunks: float = 1.0) -> float:
+    """Roofline: max(FLOPs / (peak x efficiency), bytes / achieved bandwidth) + launch overhead (Williams et al.,
+    "Roofline", CACM 2009). Efficiency = ceiling x F / (F + F_half) x shape factors (kernels.py): F is the kernel's
+    FLOPs (a grouped kernel of `groups` expert GEMMs saturates on all of them, under the grouped ceiling),
+    `depth` the pass's inner dimension (the k-depth ramp), `fp8` the recipe of an FP8 GEMM (its ceiling is a
+    fraction of the FP8 `peak`), attention by pass and `kernel` with the causal tile factor at `keys`. Memory-bound
+    operators run at the framework kernel's `bandwidth_factor` of the GPU's fused-kernel bandwidth. A GEMM split
+    into `chunks` to overlap a TP collective (kernels.tp_gemm_chunks) runs at the efficiency of one chunk.
     Calibrated: the measured time at these FLOPs (calibrate.interpolate, the backward curve for backward passes;
     it includes the launch), never below the memory roof. `peak` above the 16-bit one (fp8) shortens a calibrated
     GEMM by the same factor."""
     if flops <= 0 and bytes_ <= 0:
         return 0.0
-    t_mem = bytes_ / (hbm * eff.memory_bandwidth)
+    ph = eff.physics
+    t_mem = bytes_ / (hbm * eff.memory_bandwidth * (bandwidth_factor if ph.memory_kernels else 1.0))
     if flops > 0:
         if kind == "attention":
             curve = (eff.attention_bwd_curve if backward else None) or eff.attention_curve
@@ -265,8 +299,33 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
         if curve is not None:
             at = flops * (eff.curve_peak / peak if eff.curve_peak else 1.0)
             return max(interpolate(curve[0], curve[1], at), t_mem + eff.kernel_overhead_s)
-        e_max = eff.attention_max if kind == "attention" else eff.gemm_max
-        return max(flops / (peak * e_max * flops / (flops + eff.gemm_half_flops)), t_mem) + eff.kernel_overhead_s
+        grouped = groups > 1 and ph.grouped_gemm
+        # a grouped GEMM is one launch whose tiles from all groups fill the GPU together, so it saturates on its
+        # total FLOPs (TE's CUTLASS grouped GEMM reaches dense efficiency at 8-16 groups; TE PR #2045)
+        one = flops / (chunks if ph.overlap_limits else 1.0)
+        half = eff.gemm_half_flops * (peak / eff.bf16_peak if eff.bf16_peak and fp8 else 1.0)
+        e = one / (one + half)
+        if kind == "attention":
+            if ph.attention:
+                ceiling = (eff.attention_fa2_max if kernel == "fa2" else
+                           eff.attention_bwd_max if backward else eff.attention_max)
+                e *= ceiling * causal_tile_factor(keys, eff.attention_causal_s0)
+            else:
+                e *= eff.attention_max
+        else:
+            if fp8 and ph.fp8:
+                ceiling = fp8_kernel_ceiling(eff.gemm_max, eff.fp8_gemm_max, fp8, eff.fp8_block_factor)
+                if grouped:
+                    ceiling *= eff.fp8_grouped_gemm_max / eff.fp8_gemm_max
+                # an FP8 kernel keeps no larger a share of its peak than the BF16 one of its kind (TE's measured
+                # GEMMs: 0.69 vs 0.72, docs/examples/gemm_profiling): FP8 at most halves a GEMM
+                ceiling = min(ceiling, eff.grouped_gemm_max if grouped else eff.gemm_max)
+            elif fp8:  # the plain model: an FP8 GEMM at BF16's efficiency of the FP8 peak
+                ceiling = eff.grouped_gemm_max if grouped else eff.gemm_max
+            else:
+                ceiling = eff.grouped_gemm_max if grouped else eff.gemm_max
+            e *= ceiling * (k_depth_factor(depth, eff.gemm_k_half) if ph.gemm_shape else 1.0)
+        return max(flops / (peak * e), t_mem) + eff.kernel_overhead_s
     return t_mem + eff.kernel_overhead_s
 
 
@@ -312,7 +371,13 @@ def group_link(cluster: Cluster, ranks: tuple[int, ...]) -> comm.Link:
     """Achieved bus bandwidth: line rate x the GPU's NCCL efficiency on the level the ring crosses."""
     e = cluster.gpu.efficiency
     bw, lat, crosses = cluster.group_link(ranks, e.scaleup_bandwidth, e.scaleout_bandwidth)
-    return comm.Link(bw, lat, crosses)
+    a2a = cluster.scaleup.bytes_per_s * (e.scaleup_a2a_bandwidth or e.scaleup_bandwidth)
+    if not crosses:
+        return comm.Link(bw, lat, crosses, min(a2a, bw) if e.scaleup_a2a_bandwidth else 0.0)
+    per_node: dict[int, int] = {}
+    for r in ranks:
+        per_node[cluster.node_of(r)] = per_node.get(cluster.node_of(r), 0) + 1
+    return comm.Link(bw, lat, crosses, a2a, cluster.scaleout.bytes_per_s * e.scaleout_bandwidth, min(per_node.values()))
 
 
 _RING = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather, "reduce_scatter": comm.reduce_scatter,
@@ -504,21 +569,36 @@ class PassCache:
     def _passes_of(self, block: Block, lay, links) -> tuple[PassTimes, float]:
         """The block's passes without recomputation, and the forward time of its selective-recompute operators."""
         fwd = bwd_i = bwd_w = sel = 0.0
-        attn_core = 0.0
+        attn_core = attn_core_bwd = 0.0
         eff = self.eff
         for op in block.ops:
-            peak = self.peak_fp8 if (op.kind == "gemm" and op.gemm_dtype_scale > 1) else self.peak16
+            fp8 = op.kind == "gemm" and op.gemm_dtype_scale > 1
+            if op.name.startswith("fp8_cast") and not eff.physics.fp8:
+                continue
+            peak = self.peak_fp8 if fp8 else self.peak16
             measured = eff.memory_op_time(op.name, op.fwd_bytes) if op.kind == "memory" else None
             if measured is not None:  # calibrated: this operator class's measured rate (forward, backward)
                 f = measured
                 bwd_i += eff.memory_op_time(op.name, op.bwd_input_bytes) or 0.0
                 fwd += f
             else:
-                f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff)
+                m, n, k = op.shape or (0.0, 0.0, 0.0)  # each pass's inner dimension: k, then n (dgrad), m (wgrad)
+                kw = dict(groups=op.groups, fp8=self.wl.fp8_recipe if fp8 else None, keys=op.keys,
+                          kernel=op.kernel or "fused",
+                          bandwidth_factor=self.rt.memory_kernel(memory_class(op.name)) if op.kind == "memory" else 1.0)
+                split = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp) if op.kind == "gemm" else 1
+                f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff, depth=k, chunks=split, **kw)
                 fwd += f
-                bwd_i += op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, eff, True)
-                bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, eff, True)
-            if op.selective:
+                b = op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, eff, True, depth=n,
+                            chunks=split, **kw)
+                bwd_i += b
+                if op.kind == "attention" or op.name.startswith("attn_"):
+                    attn_core_bwd += b
+                bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, eff, True,
+                                 depth=m, **kw)
+            if self.rt.selective == "op-sac":
+                sel += f * op_sac_recomputed(op, self.model)
+            elif op.selective:
                 sel += f
             if op.kind == "attention" or op.name.startswith("attn_"):
                 attn_core += f
@@ -534,12 +614,17 @@ class PassCache:
         for c in block.comms:
             t = collective_time(c, getattr(lay, c.dim), links[c.dim], self.eff)  # tp, cp, ep, etp: group sizes
             if c.overlappable == "tp":
-                t *= 1.0 - self.rt.tp_comm_overlap
+                t *= tp_exposed_fraction(self.rt.tp_overlap, lay.tp, lay.sp, eff.physics)
             tf, tb = c.fwd_count * t, c.bwd_count * t
-            if c.overlappable == "cp":
-                # Ring exchange runs under the attention blocks; only what exceeds them is exposed.
-                tf = max(0.0, tf - attn_core)
-                tb = max(0.0, tb - 2.5 * attn_core)
+            if c.overlappable == "cp":  # the ring exchange runs under the attention steps (kernels.ring_cp_exposed)
+                tf = ring_cp_exposed(tf, attn_core, lay.cp, False, eff.physics)
+                tb = ring_cp_exposed(tb, attn_core_bwd or 2.5 * attn_core, lay.cp, True, eff.physics)
+            elif c.overlappable == "ep" and self.rt.ep_overlap:
+                # DualPipe / Megatron's 1F1B A2A overlap run one micro-batch's dispatch and combine under another's
+                # compute (a layer's worth: the block's passes here); DeepSeek's H800 trace hides 96 % of it
+                # (deepseek-ai/profile-data, train.json) with 20 of 132 SMs on communication (kernels.CONTENTION_SM)
+                tf = overlapped_exposed(tf, fwd, 0.0, eff.physics)
+                tb = overlapped_exposed(tb, bwd_i + bwd_w, 0.0, eff.physics)
             fwd_comm[c.dim] = fwd_comm.get(c.dim, 0.0) + tf
             bwd_comm[c.dim] = bwd_comm.get(c.dim, 0.0) + tb
         return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, 0.0), sel
@@ -581,8 +666,12 @@ class CostContext:
         return other
 
     def share_layer_cache(self, other: "CostContext") -> None:
-        """Reuse another context's per-layer costs: valid when tp, cp, cp_comm, sp, mbs, ep and etp agree."""
-        for name in ("tp", "cp", "cp_comm", "sp", "mbs", "ep", "etp"):
+        """Reuse another context's per-layer costs: valid when tp, cp, cp_comm, sp, mbs, ep and etp agree (and, with
+        ZeRO-3's per-layer gathers in them, the DP groups)."""
+        names = ("tp", "cp", "cp_comm", "sp", "mbs", "ep", "etp")
+        if self.lay.zero == 3 or other.lay.zero == 3:
+            names += ("zero", "dp", "edp", "rank_order")
+        for name in names:
             if getattr(self.lay, name) != getattr(other.lay, name):
                 raise ValueError(f"layer costs differ in {name}")
         self._layer_times, self._layer_acts = other._layer_times, other._layer_acts
@@ -595,8 +684,23 @@ class CostContext:
         key = (self.model.is_moe_layer(i), mode)
         if key not in self._layer_times:
             base, selective = self._layer_base(i)
+            if self.lay.zero == 3:
+                base = base.plus(self._fsdp_gathers(i, base))
             self._layer_times[key] = _with_recompute(base, mode, selective)
         return self._layer_times[key]
+
+    def _fsdp_gathers(self, i: int, base: PassTimes) -> PassTimes:
+        """ZeRO-3 / FSDP: each micro-batch gathers layer i's weights before its forward and again before its
+        backward (PyTorch FSDP2 reshard_after_forward; Megatron-FSDP optim_grads_params), prefetched during the
+        layer before: exposed only beyond that layer's compute, and the hidden part slows it
+        (kernels.overlapped_exposed)."""
+        a_d, b_d, a_e, b_e = self.fsdp_gather
+        p = self.layer_params(i)
+        g = (a_d + b_d * p.dense if p.dense > 0 else 0.0) + (a_e + b_e * p.expert if p.expert > 0 else 0.0)
+        ph = self.eff.physics
+        return PassTimes(fwd_comm={"dp": overlapped_exposed(g, base.fwd_compute, 0.0, ph)},
+                         bwd_comm={"dp": overlapped_exposed(g, base.bwd_input_compute + base.bwd_weight_compute,
+                                                            0.0, ph)})
 
     def _layer_base(self, i: int) -> tuple[PassTimes, float]:
         kind = self.model.is_moe_layer(i)
@@ -639,7 +743,8 @@ class CostContext:
     def sync(self) -> SyncCoefficients:
         """Megatron reduces fp32 gradients when training in bf16 (--accumulate-allreduce-grads-in-fp32,
         arguments.py); ZeRO-0 all-reduces, ZeRO >= 1 reduce-scatters gradients and all-gathers the updated 16-bit
-        weights (Megatron-LM docs, distrib_optimizer.md); ZeRO-3 / FSDP gathers the weights again for the backward."""
+        weights (Megatron-LM docs, distrib_optimizer.md). ZeRO-3 / FSDP gathers each layer's weights for every
+        micro-batch's forward and backward instead (CostContext.fsdp_gather, in the stage times), not after the step."""
         lay = self.lay
         coef: dict[str, float] = {}
         for kind, dim in (("dense", "dp_cp"), ("expert", "edp")):
@@ -650,9 +755,8 @@ class CostContext:
                 # calibrated: the measured alpha and 1/beta of that collective (timed_collective).
                 reduce_kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
                 ra, rb = self._alpha_beta(reduce_kind, n, link, 4)
-                if lay.zero >= 1:
-                    times = 2 if lay.zero == 3 else 1
-                    ga, gb = (times * v for v in self._alpha_beta("all_gather", n, link, 2))
+                if lay.zero in (1, 2):
+                    ga, gb = self._alpha_beta("all_gather", n, link, 2)
             coef.update({f"reduce_alpha_{kind}": ra, f"reduce_beta_{kind}": rb, f"gather_alpha_{kind}": ga,
                          f"gather_beta_{kind}": gb})
         per_param = self.eff.optimizer_s_per_param or ADAM_BYTES_PER_PARAM / (self.hbm * self.eff.memory_bandwidth)
@@ -660,6 +764,17 @@ class CostContext:
         shard_expert = lay.edp if lay.zero >= 1 else 1
         return SyncCoefficients(**coef, optimizer_s_per_dense_param=per_param / shard_dense,
                                 optimizer_s_per_expert_param=per_param / shard_expert)
+
+    @cached_property
+    def fsdp_gather(self) -> tuple[float, float, float, float]:
+        """ZeRO-3 / FSDP: (alpha, seconds per parameter) of one all-gather of 16-bit weights over dp x cp (dense)
+        and over the expert-DP group (experts), run for each micro-batch's forward and again for its backward
+        (PyTorch FSDP2 reshard_after_forward, Megatron-FSDP optim_grads_params)."""
+        out = []
+        for dim in ("dp_cp", "edp"):
+            n = self.sizes[dim]
+            out += list(self._alpha_beta("all_gather", n, self.links[dim], 2)) if n > 1 else [0.0, 0.0]
+        return out[0], out[1], out[2], out[3]
 
     @cached_property
     def buffer_bytes(self) -> float:
@@ -784,9 +899,14 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
         t_reduce, t_gather = sync.reduce(params.dense, params.expert), sync.gather(params.dense, params.expert)
         bwd_window = sum(t.backward_input + t.bwd_weight_compute for t in chunk_pass[r])
         fwd_window = sum(t.forward for t in chunk_pass[r])
-        exposed = t_reduce if not rt.overlap_grad_reduce else max(0.0, t_reduce - bwd_window)
-        exposed += t_gather if not rt.overlap_param_gather else max(0.0, t_gather - fwd_window)
-        optim = sync.optimizer(params.dense, params.expert)
+        # Megatron's overlap leaves one bucket exposed: the last layer's gradients, the first layer's weights
+        # (one virtual stage with interleaving): kernels.overlapped_exposed
+        unhidden = 1 / lay.vpp if lay.vpp > 1 else 1 / max(count, 1)
+        exposed = (t_reduce if not rt.overlap_grad_reduce
+                   else overlapped_exposed(t_reduce, bwd_window, unhidden, eff.physics))
+        exposed += (t_gather if not rt.overlap_param_gather
+                    else overlapped_exposed(t_gather, fwd_window, unhidden, eff.physics))
+        optim = sync.optimizer(params.dense, params.expert) + fp8_weight_cast_s(ctx, params, r == 0, r == last_rank)
         dp_exposed_per_rank.append(exposed)
         optim_per_rank.append(optim)
         finish.append(rank_end[r] + exposed + optim)
@@ -822,8 +942,36 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
         mfu=model_flops / step / gpus / peak, hfu=hw_flops / step / gpus / peak, breakdown_s=breakdown,
         stages=tuple(stages), hbm_gib=cluster.gpu.hbm_gib.value,
         bubble_fraction=timeline.bubble_fraction(),
+        realism=realism_check(cluster.spec.gpu, model.moe is not None, workload.dtype, model_flops / step / gpus / peak),
     )
     return Simulated(est, timeline, p2p_s)
+
+
+def op_sac_recomputed(op: Op, model: ModelSpec) -> float:
+    """The share of an operator's forward torchtitan's op-level SAC re-runs in the backward (memory._op_sac_bytes):
+    every memory-bound operator; of the matmuls the k projection (in our fused qkv), the output projection, the
+    SwiGLU up half (w3) or the GeLU down projection; the attention kernel's output is saved."""
+    if op.kind == "memory":
+        return 1.0
+    if op.kind == "attention":
+        return 0.0
+    if op.name == "qkv_proj" and model.mla is None:
+        q, kv = model.num_heads, model.kv_heads
+        return kv / (q + 2 * kv)
+    share = {"out_proj": 1.0, "up_gate_proj": 0.5, "up_proj": 0.0, "down_proj": 0.0 if model.mlp == "swiglu" else 1.0}
+    return share.get(op.name, 0.5)
+
+
+def fp8_weight_cast_s(ctx: CostContext, params: StageParams, first: bool, last: bool) -> float:
+    """FP8 training casts each GEMM weight to FP8 (with its transposed copy) once per step: TransformerEngine
+    quantises in the first micro-batch and reuses it (Megatron passes is_first_microbatch), or at the parameter
+    gather with FP8 weights (docs/features/low_precision_training, 'Master weights'). Embedding and LM head stay
+    16-bit (DeepSeek-V3 report sec. 3.3.1)."""
+    if ctx.wl.dtype != "fp8" or not ctx.eff.physics.fp8:
+        return 0.0
+    edge = stage_params(ctx.model, ctx.lay, range(0), first, last)
+    weights = max(0.0, params.dense - edge.dense) + params.expert
+    return weights * QUANT_BYTES_PER_ELEMENT[ctx.wl.fp8_recipe] / (ctx.hbm * ctx.eff.memory_bandwidth)
 
 
 def _layer_mix(model: ModelSpec, layers: range, modes: tuple[str, ...]) -> dict[tuple[int, str], int]:

@@ -101,10 +101,15 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
     sbh = s * b * h
     if recompute == "full":
         return ACT_BYTES * sbh / sp  # only the layer input is kept (Korthikanti Eq. 5 with SP)
-    mask = 1.0 if rt.dropout else 0.0
+    mask = 1.0 if wl.uses_dropout(rt) else 0.0
+    # FP8 training saves each FP8 GEMM's quantised input for its weight gradient, 1 byte an element
+    # (TransformerEngine transformer_engine/pytorch/module/linear.py: the forward saves its FP8 input)
+    gin = 1.0 if wl.dtype == "fp8" else ACT_BYTES
+    if recompute == "selective" and rt.selective == "op-sac":
+        return _op_sac_bytes(model, index, lay, wl)
     # Outside the TP region (sharded only by SP): two norm inputs, the inputs of the QKV and first MLP linears,
     # two dropout masks: Korthikanti's replicated 10sbh (Eq. 2), /t with sequence parallel (Eq. 4).
-    outside = (4 * ACT_BYTES + 2 * mask) * sbh / sp
+    outside = (2 * ACT_BYTES + 2 * gin + 2 * mask) * sbh / sp
     if model.mla is None:
         q = model.num_heads * model.head_size
         kv = model.kv_heads * model.head_size
@@ -114,28 +119,55 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
         kv = model.num_heads * (model.mla.qk_head_dim + model.mla.v_head_dim) / 2
         v_dim = model.num_heads * model.mla.v_head_dim
     # Inside the TP region: Q, K, V for the core and the core output feeding the out-projection (8sbh/t for MHA).
-    attn = ACT_BYTES * s * b * (q + 2 * kv + v_dim) / t
+    attn = (ACT_BYTES * (q + 2 * kv) + gin * v_dim) * s * b / t
     heads = model.num_heads / t
     if rt.flash_attention:
         attn += 4 * b * heads * s  # fp32 log-sum-exp per query row (FlashAttention-2)
     elif recompute != "selective":
         # softmax output (2), dropout mask (1), dropout output (2) per score: 5as^2b/t (Korthikanti Eq. 1)
-        attn += (2 + mask + (ACT_BYTES if rt.dropout else 0)) * b * heads * s * s
+        attn += (2 + mask + (ACT_BYTES if wl.uses_dropout(rt) else 0)) * b * heads * s * s
     if model.is_moe_layer(index):
         moe = model.moe
         assert moe is not None
         assignments = s * b / t * moe.top_k * wl.moe_imbalance
         ffn = moe.expert_ffn_hidden / lay.etp
-        # permuted expert inputs and the experts' activation tensors
-        mlp = ACT_BYTES * assignments * (h + (3 if model.mlp == "swiglu" else 2) * ffn) * lay.etp
+        # permuted expert inputs and the experts' activation tensors (the last one the down projection's input)
+        mlp = assignments * (gin * h + _act_bytes(model, ffn, gin)) * lay.etp
         if moe.num_shared_experts:
             f = moe.num_shared_experts * moe.shared_hidden
-            mlp += ACT_BYTES * s * b * (3 if model.mlp == "swiglu" else 2) * f / t
+            mlp += s * b * _act_bytes(model, f, gin) / t
     else:
         f = model.ffn_hidden
         # MLP activation input(s) and output: GELU/ReLU^2 2x(sbf) (16sbh/t at f=4h), SwiGLU gate, up and product 3x(sbf)
-        mlp = ACT_BYTES * s * b * (3 if model.mlp == "swiglu" else 2) * f / t
+        mlp = s * b * _act_bytes(model, f, gin) / t
     return outside + attn + mlp
+
+
+def _act_bytes(model: ModelSpec, ffn: float, gin: float) -> float:
+    """Per token, what an MLP of width ffn keeps: the activation's input(s) in 16 bits and its output, the down
+    projection's input, at `gin` bytes."""
+    return (2 * ACT_BYTES + gin if model.mlp == "swiglu" else ACT_BYTES + gin) * ffn
+
+
+def _op_sac_bytes(model: ModelSpec, index: int, lay: Layout, wl: Workload) -> float:
+    """torchtitan's op-level SAC (parallelize_llama.py _save_list): the block input, the attention output, and the
+    outputs of every other matmul (q, v, the first MLP matmul, the down projection); norms, RoPE, the activation
+    and the other matmuls are recomputed."""
+    b, s, h, t = lay.mbs, wl.seq_len / lay.cp, model.hidden, lay.tp
+    sp = t if lay.sp else 1
+    if model.mla is None:
+        q, v = model.num_heads * model.head_size, model.kv_heads * model.head_size
+    else:
+        q, v = model.num_heads * model.mla.qk_head_dim, model.num_heads * model.mla.v_head_dim
+    core_out = model.num_heads * (model.head_size if model.mla is None else model.mla.v_head_dim)
+    if model.is_moe_layer(index):
+        moe = model.moe
+        assert moe is not None
+        assignments = s * b / t * moe.top_k * wl.moe_imbalance
+        mlp = assignments * (moe.expert_ffn_hidden / lay.etp + h) * lay.etp
+    else:
+        mlp = s * b * (model.ffn_hidden / t + h / sp)
+    return ACT_BYTES * (s * b * (h / sp + (q + v + core_out) / t) + mlp)
 
 
 def logits_bytes(model: ModelSpec, lay: Layout, wl: Workload) -> float:
@@ -157,4 +189,4 @@ def mtp_activation_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtim
 def embedding_activation_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> float:
     """First stage: embedding output dropout mask per in-flight micro-batch (Korthikanti sec. 4.3)."""
     sp = lay.tp if lay.sp else 1
-    return (1.0 if rt.dropout else 0.0) * lay.mbs * wl.seq_len / lay.cp * model.hidden / sp
+    return (1.0 if wl.uses_dropout(rt) else 0.0) * lay.mbs * wl.seq_len / lay.cp * model.hidden / sp

@@ -35,6 +35,10 @@ class Op:
     bwd_weight_bytes: float = 0.0
     selective: bool = False
     gemm_dtype_scale: float = 1.0  # GEMM throughput multiple of the 16-bit peak (fp8 GEMMs run at the fp8 peak)
+    shape: tuple[float, float, float] | None = None  # GEMM: (m, n, k) of one GEMM ([m,k] x [k,n])
+    groups: float = 1.0  # identical GEMMs run as one grouped kernel (local experts); FLOPs and bytes are totals
+    keys: float = 0.0  # attention: keys each query attends (the causal tile factor reads it)
+    kernel: str = ""  # attention: the framework's kernel ("fused" cuDNN / FA3 class, "fa2")
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class Collective:
     bytes_: float
     fwd_count: int  # times in the forward pass
     bwd_count: int  # times in the backward pass
-    overlappable: Literal["tp", "cp", "none"] = "none"
+    overlappable: Literal["tp", "cp", "ep", "none"] = "none"
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,16 @@ class Block:
     comms: tuple[Collective, ...] = field(default_factory=tuple)
 
 
-MEMORY_CLASSES = ("norm", "swiglu", "activation", "residual_add", "rope", "softmax", "cross_entropy", "embedding")
+MEMORY_CLASSES = ("norm", "swiglu", "activation", "residual_add", "rope", "softmax", "cross_entropy", "embedding",
+                  "fp8_cast")
 
 
 def memory_class(name: str) -> str | None:
     """The class a calibration times a memory-bound operator by (costmodels/profiler.py), from its name here;
     None for operators the profile has no class for (they take the fit over all classes)."""
     base = name.removeprefix("expert_").removeprefix("shared_")
+    if base.startswith("fp8_cast"):
+        return "fp8_cast"
     if base.endswith("norm") or base.endswith("norms") or base in ("norm1", "norm2"):
         return "norm"
     if base in ("gelu", "relu2"):
@@ -80,7 +87,24 @@ def gemm(name: str, m: float, n: float, k: float, dtype_scale: float = 1.0, weig
     flops = 2.0 * m * n * k
     io = ACT_BYTES * (m * k + k * n + m * n)
     return Op(name, "gemm", flops, io, flops, io, flops if weight else 0.0, io if weight else 0.0,
-              gemm_dtype_scale=dtype_scale)
+              gemm_dtype_scale=dtype_scale, shape=(m, n, k))
+
+
+def fp8_quantize_ops(ops: list[Op], recipe: str) -> list[Op]:
+    """The casts an FP8 recipe adds around each FP8 GEMM (TransformerEngine's Linear, docs/features/
+    low_precision_training: performance_considerations.rst): its activation input to FP8 in the forward and the
+    output gradient in the backward, each with the transposed / column-wise copy the other backward GEMM reads
+    (kernels.QUANT_BYTES_PER_ELEMENT per element). Weights are cast once per step (estimate.fp8_weight_cast_s)."""
+    from costmodels.kernels import QUANT_BYTES_PER_ELEMENT
+
+    per = QUANT_BYTES_PER_ELEMENT[recipe]
+    out = []
+    for op in ops:
+        if op.kind != "gemm" or op.gemm_dtype_scale <= 1 or op.shape is None:
+            continue
+        m, n, k = op.shape
+        out.append(Op(f"fp8_cast_{op.name}", "memory", 0.0, per * m * k * op.groups, 0.0, per * m * n * op.groups))
+    return out
 
 
 def elementwise(name: str, elements_in: float, elements_out: float, bwd_factor: float = 2.0,
@@ -134,7 +158,9 @@ def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
         f = 0.5 * core_flops
         kv_heads = (model.kv_heads / lay.tp) if model.mla is None else heads
         io = ACT_BYTES * tokens * (2 * heads * max(d_qk, d_v) + 2 * kv_heads * max(d_qk, d_v))
-        ops.append(Op("attention_core", "attention", f, io, 2.5 * f, 2.5 * io, selective=True))
+        # keys per query for the causal tile factor: a CP rank's load-balanced chunks see tiles of s / cp keys
+        ops.append(Op("attention_core", "attention", f, io, 2.5 * f, 2.5 * io, selective=True, keys=s / lay.cp,
+                      kernel=rt.attention_kernel))
     else:
         # Unfused Megatron path: baddbmm QK^T over the full s x s (mask applied after), fused scale-mask-softmax,
         # dropout on the probabilities, bmm with V (megatron/model/transformer.py, CoreAttention).
@@ -143,7 +169,7 @@ def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
         ops.append(Op("attn_scores", "gemm", qk, ACT_BYTES * (tokens * heads * d_qk * 2 + scores), qk,
                       ACT_BYTES * (tokens * heads * d_qk * 2 + 2 * scores), selective=True))
         ops.append(elementwise("softmax", scores, scores, bwd_factor=1.5, selective=True))
-        if rt.dropout:
+        if wl.uses_dropout(rt):
             ops.append(Op("attn_dropout", "memory", 0.0, ACT_BYTES * 2 * scores + scores, 0.0,
                           ACT_BYTES * 2 * scores + scores, selective=True))
         ops.append(Op("attn_pv", "gemm", pv, ACT_BYTES * (2 * scores + tokens * heads * d_v), pv,
@@ -175,10 +201,12 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> 
     h = model.hidden
     tokens = lay.mbs * wl.seq_len / lay.cp
     norm_tokens = tokens / lay.tp if lay.sp else tokens  # sequence parallel shards norms and dropouts (Korthikanti sec. 4.2.2)
-    residual = elementwise("dropout_add" if rt.dropout else "residual_add", 2 * norm_tokens * h, norm_tokens * h)
+    residual = elementwise("dropout_add" if wl.uses_dropout(rt) else "residual_add", 2 * norm_tokens * h, norm_tokens * h)
     ops: list[Op] = [elementwise("norm1", norm_tokens * h, norm_tokens * h)]
     ops += _attention_ops(model, lay, wl, rt, fp8)
     ops += [residual, elementwise("norm2", norm_tokens * h, norm_tokens * h), residual]
+    if wl.dtype == "fp8":
+        ops += fp8_quantize_ops(ops, wl.fp8_recipe)
     comms = _tp_pair(model, lay, wl)
     if lay.cp > 1:
         kv_dim = (model.kv_heads * model.head_size) if model.mla is None else model.num_heads * (
@@ -218,8 +246,10 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
     h = model.hidden
     tokens = lay.mbs * wl.seq_len / lay.cp
     if not model.is_moe_layer(index):
-        return Block("mlp", tuple(_mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8)),
-                     tuple(_tp_pair(model, lay, wl)))
+        dense = _mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8)
+        if wl.dtype == "fp8":
+            dense += fp8_quantize_ops(dense, wl.fp8_recipe)
+        return Block("mlp", tuple(dense), tuple(_tp_pair(model, lay, wl)))
     moe = model.moe
     assert moe is not None
     ops: list[Op] = []
@@ -238,9 +268,12 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
     ops.append(elementwise("unpermute", assignments * h, assignments * h / moe.top_k))
     if moe.num_shared_experts:
         ops += _mlp_ops("shared_", model, tokens, moe.num_shared_experts * moe.shared_hidden / lay.tp, fp8)
+    if wl.dtype == "fp8":
+        ops += fp8_quantize_ops(ops, wl.fp8_recipe)
     if lay.ep > 1:
         # Dispatch and combine: each rank sends its token copies to the experts' owners (GShard, Lepikhin 2020).
-        comms.append(Collective("ep_all_to_all", "all_to_all", "ep", ACT_BYTES * assignments * h, 2, 2))
+        comms.append(Collective("ep_all_to_all", "all_to_all", "ep", ACT_BYTES * assignments * h, 2, 2,
+                                overlappable="ep"))
     if lay.etp > 1:
         comms.append(Collective("etp_all_gather", "all_gather", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
         comms.append(Collective("etp_reduce_scatter", "reduce_scatter", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
@@ -258,7 +291,8 @@ def _scale(op: Op, times: float) -> Op:
     """`times` identical GEMMs (one per local expert) as one grouped operator."""
     return Op(op.name, op.kind, op.fwd_flops * times, op.fwd_bytes * times, op.bwd_input_flops * times,
               op.bwd_input_bytes * times, op.bwd_weight_flops * times, op.bwd_weight_bytes * times,
-              op.selective, op.gemm_dtype_scale)
+              op.selective, op.gemm_dtype_scale, op.shape, op.groups * times if op.kind == "gemm" else 1.0,
+              op.keys, op.kernel)
 
 
 def embedding_block(model: ModelSpec, lay: Layout, wl: Workload) -> Block:

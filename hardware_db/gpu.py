@@ -26,15 +26,26 @@ class EfficiencyDefaults(BaseModel):
     """Achieved fractions of peak used when no calibration file is given.
 
     One set per GPU type, never per run. `source` says how the values were chosen. The schema defaults below are
-    meshplan's stated assumptions (docs/cost_model.md, "Efficiency defaults") until `meshplan profile` measures them.
+    meshplan's stated assumptions (docs/cost_model.md, "Kernel efficiency") until `meshplan profile` measures them.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    gemm_max: float = Field(default=0.75, gt=0, le=1)  # best GEMM efficiency at large shapes
+    gemm_max: float = Field(default=0.75, gt=0, le=1)  # best GEMM efficiency at large training shapes (BF16)
     gemm_half_flops: float = Field(default=2.0e9, gt=0)  # GEMM FLOPs at which efficiency is half of gemm_max
-    attention_max: float = Field(default=0.55, gt=0, le=1)  # fused (flash) attention core
+    gemm_k_half: float = Field(default=0.0, ge=0)  # inner dimension at which the k-depth ramp halves it (0: none)
+    # FP8 GEMM kernel ceiling as a fraction of the FP8 peak (tensorwise / delayed; MXFP8 on Blackwell); default:
+    # 0.88 x gemm_max, the H100 best-shape FP8/BF16 ratio (70.9 % / 80.3 %, stas00/ml-engineering MAMF tables)
+    fp8_gemm_max: float | None = Field(default=None, gt=0, le=1)
+    fp8_block_factor: float = Field(default=0.81, gt=0, le=1)  # block / row-scaled FP8 kernels vs tensorwise
+    grouped_gemm_max: float | None = Field(default=None, gt=0, le=1)  # grouped expert GEMMs (BF16); default 0.5 x gemm_max
+    fp8_grouped_gemm_max: float | None = Field(default=None, gt=0, le=1)  # grouped FP8; default 0.5 x the FP8 ceiling
+    attention_max: float = Field(default=0.55, gt=0, le=1)  # fused (flash) attention core, forward
+    attention_bwd_max: float | None = Field(default=None, gt=0, le=1)  # its backward; default 0.86 x forward
+    attention_fa2_max: float | None = Field(default=None, gt=0, le=1)  # FlashAttention-2 kernels; default forward's
+    attention_causal_s0: float = Field(default=0.0, ge=0)  # keys at which causal tiles halve the rate (0: none)
     memory_bandwidth: float = Field(default=0.80, gt=0, le=1)  # elementwise / norm kernels vs HBM peak
     scaleup_bandwidth: float = Field(default=0.80, gt=0, le=1)  # NCCL bus bandwidth vs NVLink peak
+    scaleup_a2a_bandwidth: float | None = Field(default=None, gt=0, le=1)  # all-to-all inside a node; default ring's
     scaleout_bandwidth: float = Field(default=0.85, gt=0, le=1)  # NCCL bus bandwidth vs NIC line rate
     scaleup_latency_us: float = Field(default=8.0, gt=0)  # per collective step inside a domain
     scaleout_latency_us: float = Field(default=15.0, gt=0)  # per collective step across nodes

@@ -72,6 +72,9 @@ class SyncModel:
     overlap_gather: bool  # True: only max(0, gather - forward_window) is exposed
     optimizer_s_per_dense_param: float
     optimizer_s_per_expert_param: float
+    # the compute slowdown per second of overlapped collective (costmodels.kernels.overlapped_exposed): the
+    # exposure is then at least (1 - c) max(0, collective - window) + c collective, a bound of the estimate's
+    contention: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -86,7 +89,7 @@ class SyncModel:
     @classmethod
     def zero(cls) -> "SyncModel":
         """No data parallelism: nothing to reduce, gather or update after the last backward."""
-        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False, False, 0.0, 0.0)
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False, False, 0.0, 0.0, 0.0)
 
 
 _NO_SYNC = SyncModel.zero()
@@ -363,8 +366,9 @@ def _stage_sync(pr, r, s: _LayerSums, f, b):
         sy.reduce_alpha_expert, sy.reduce_beta_expert, expert)
     gather = _collective(sy.gather_alpha_dense, sy.gather_beta_dense, dense) + _collective(
         sy.gather_alpha_expert, sy.gather_beta_expert, expert)
-    exposed = (_max(0.0, reduce - b) if sy.overlap_reduce else reduce) + (
-        _max(0.0, gather - f) if sy.overlap_gather else gather)
+    c = sy.contention
+    exposed = ((1 - c) * _max(0.0, reduce - b) + c * reduce if sy.overlap_reduce else reduce) + (
+        (1 - c) * _max(0.0, gather - f) + c * gather if sy.overlap_gather else gather)
     return exposed + sy.optimizer_s_per_dense_param * dense + sy.optimizer_s_per_expert_param * expert
 
 

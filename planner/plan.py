@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, RANK_ORDERS, RUNTIMES, ParallelConfig, RankOrder,
-                               Schedule, StagePolicy, Workload, resolve)
+from costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, RANK_ORDERS, ParallelConfig, RankOrder,
+                               Schedule, StagePolicy, Workload, get_runtime, resolve)
 from costmodels.estimate import Simulated
 from costmodels.memory import FRAGMENTATION
 from costmodels.model import ModelSpec
@@ -83,7 +83,7 @@ class Inputs(_Frozen):
     model: dict[str, Any] = Field(description="meshplan model file (docs/models.md), complete: no zoo needed")
     cluster: ClusterInput
     workload: Workload
-    runtime: str = Field(description="runtime preset (costmodels.config.RUNTIMES)")
+    runtime: str = Field(description="runtime preset (costmodels.config.RUNTIMES), with +options")
     calibration: str | None = Field(default=None,
                                     description="calibration the efficiencies came from; null: GPU defaults")
 
@@ -96,8 +96,7 @@ class Inputs(_Frozen):
     @field_validator("runtime")
     @classmethod
     def _known_runtime(cls, v: str) -> str:
-        if v not in RUNTIMES:
-            raise ValueError(f"unknown runtime '{v}'; known: {', '.join(RUNTIMES)}")
+        get_runtime(v)  # InputError (a ValueError) names the unknown preset or option
         return v
 
     def model_spec(self) -> ModelSpec:
@@ -247,6 +246,16 @@ class StageTime(_Frozen):
     busy_s: float = Field(ge=0)
 
 
+class RealismRecord(_Frozen):
+    """The prediction's MFU beside the best published MFU of its GPU family, model class and precision
+    (costmodels/realism.py); exceeds: the plan looks better than anything measured."""
+
+    published_mfu: float | None
+    run: str | None
+    source: str | None
+    exceeds: bool
+
+
 class Prediction(_Frozen):
     """Exactly Estimate.to_dict(), plus per-stage pass times."""
 
@@ -265,6 +274,7 @@ class Prediction(_Frozen):
     runtime: str
     stages: list[PredictedStage]
     stage_time_s: list[StageTime]
+    realism: RealismRecord | None = None
 
 
 class SearchInfo(_Frozen):

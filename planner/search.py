@@ -24,13 +24,14 @@ from typing import Callable
 import numpy as np
 
 from costmodels.config import ParallelConfig, StagePolicy, Workload, get_runtime, resolve, DEFAULT_RUNTIME
-from costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, Estimate, buffer_bytes, simulate_config,
-                                 stage_p2p_s, stage_ranges)
+from costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, Estimate, buffer_bytes,
+                                 fp8_weight_cast_s, simulate_config, stage_p2p_s, stage_ranges)
 from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, layer_activation_bytes,
                                logits_bytes, model_state_bytes, mtp_activation_bytes, stage_params)
 from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
+from costmodels.kernels import CONTENTION_SM
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, partitions_below,
                                per_stage_bound, solve_cpsat, solve_rank0_path_sync,
                                solve_dp, solve_dp_pairs, solve_stage0_sync)
@@ -170,7 +171,8 @@ class _Search:
         self.rank_contents: dict[tuple, tuple] = {}
         self.work_bounds: dict[tuple, tuple[float, float]] = {}
         self.family_bounds: dict[tuple, float] = {}
-        self.interleaved_bounds: dict[tuple, float] = {}
+        self.interleaved_bounds: dict[tuple, list] = {}  # per mesh/mbs/...: each split's per-rank paths
+        self.chunk_kinds: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
         self.timelines: dict[tuple, object] = {}  # simulated pipelines by their stage times  # by id of a context held in self.contexts
         self.recomputes_searched = {r for g in enum.groups for r in g.recomputes}
         self.pp_values = sorted({g.mesh.pp for g in enum.groups})
@@ -214,11 +216,13 @@ class _Search:
             lay = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(cand))
             ctx = CostContext(self.model, self.cluster, self.wl, lay, self.rt, self.eff,
                               links=self._links(cand.mesh), passes=self.passes)
-            shared = self.contexts.get(("layers", cand.layer_key))
+            # ZeRO-3's layer times hold its per-layer weight gathers over the DP group (CostContext._fsdp_gathers)
+            layers_key = ("layers", cand.layer_key, cand.mesh if cand.zero == 3 else None)
+            shared = self.contexts.get(layers_key)
             if shared is not None:
                 ctx.share_layer_cache(shared)
             else:
-                self.contexts[("layers", cand.layer_key)] = ctx
+                self.contexts[layers_key] = ctx
             self.contexts[key] = ctx
         return ctx
 
@@ -258,7 +262,8 @@ class _Search:
             stage_forward_extra=ctx.blocking_p2p_s, stage_backward_extra=ctx.blocking_p2p_s, hop_s=ctx.p2p_s,
             fixed_bytes=ctx.buffer_bytes, fragmentation=FRAGMENTATION, memory_cap_bytes=self.cap,
             sync=SyncModel(**vars(ctx.sync), overlap_reduce=rt.overlap_grad_reduce,
-                           overlap_gather=rt.overlap_param_gather),
+                           overlap_gather=rt.overlap_param_gather,
+                           contention=CONTENTION_SM if self.eff.physics.contention else 0.0),
         )
         self.problems[id(ctx)] = prob
         return prob
@@ -414,17 +419,62 @@ class _Search:
             out.append(row)
         return out
 
-    def _interleaved_bound(self, ctx: CostContext, mode: str) -> float:
+    def _chunk_kinds(self, chunks: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(MoE layers, dense layers) of every chunk (model order), from the MoE prefix count, as arrays."""
+        found = self.chunk_kinds.get(chunks)
+        if found is None:
+            ends = np.cumsum(np.array(chunks, dtype=np.int64))
+            starts = ends - np.array(chunks, dtype=np.int64)
+            prefix = np.asarray(self.moe_prefix)
+            moe = prefix[ends] - prefix[starts]
+            found = self.chunk_kinds[chunks] = (moe.astype(float), (np.array(chunks) - moe).astype(float))
+        return found
+
+    def _interleaved_ranks(self, c: Candidate, ctx: CostContext,
+                           mode: str) -> tuple[tuple[float, float, float, float, float, float], ...]:
+        """Per rank: (chunk 0's forward + backward, all its chunks' forward + backward, its dense and expert
+        parameters, its forward and backward windows) for one micro-batch (_interleaved_bound reads them); the
+        chunks' sums as simulate_config makes them (layers of one kind cost the same), in numpy."""
+        lay = ctx.lay
+        pp, vpp = lay.pp, lay.vpp
+        moe, dense_n = self._chunk_kinds(lay.chunks)
+        fw, bw = np.zeros(pp * vpp), np.zeros(pp * vpp)
+        for kind, i in self.layer_kinds.items():
+            t = ctx.layer_times(i, mode)
+            n = moe if kind else dense_n
+            fw += n * t.forward
+            bw += n * (t.backward_input + t.bwd_weight_compute)
+        emb, head = ctx.embedding, ctx.head
+        fw[0] += emb.forward
+        bw[0] += emb.backward_input + emb.bwd_weight_compute
+        fw[-1] += head.forward
+        bw[-1] += head.backward_input + head.bwd_weight_compute
+        fw, bw = (fw + ctx.blocking_p2p_s).reshape(vpp, pp), (bw + ctx.blocking_p2p_s).reshape(vpp, pp)
+        dense, expert, _ = self._rank_contents(c, ctx, mode)
+        f_rank, b_rank = fw.sum(axis=0), bw.sum(axis=0)
+        first = fw[0] + bw[0]
+        return tuple((float(first[r]), float(f_rank[r] + b_rank[r]), float(dense[r]), float(expert[r]),
+                      float(f_rank[r]), float(b_rank[r])) for r in range(pp))
+
+    def _interleaved_bound(self, ranks, ctx: CostContext) -> float:
         """Rank r starts after chunk 0 of ranks < r ran micro-batch 0 forward, runs m passes of each of its chunks,
-        and its last backward (chunk 0, Megatron's order) must still flow back through chunk 0 of ranks < r."""
-        lay, h, m = ctx.lay, ctx.p2p_s, ctx.lay.num_microbatches
-        times = self._chunk_times(ctx, mode)
-        best = 0.0
-        prefix = 0.0
-        for r in range(lay.pp):
-            work = m * sum(f + b for f, b in times[r])
-            best = max(best, prefix + 2 * r * h + work)
-            prefix += times[r][0][0] + times[r][0][1]
+        and its last backward (chunk 0, Megatron's order) must still flow back through chunk 0 of ranks < r; then
+        its DP sync (a lower bound of simulate_config's: the partition's SyncModel exposure, optimizer step and
+        FP8 weight casts). The bound is the max over ranks."""
+        sync, rt = ctx.sync, self.rt
+        h, m = ctx.p2p_s, ctx.lay.num_microbatches
+        c = CONTENTION_SM if self.eff.physics.contention else 0.0
+        best = prefix = 0.0
+        last = len(ranks) - 1
+        for r, (first_fb, per_mb, dense, expert, f, b) in enumerate(ranks):
+            path = prefix + 2 * r * h + m * per_mb
+            prefix += first_fb
+            reduce, gather = sync.reduce(dense, expert), sync.gather(dense, expert)
+            exposed = ((1 - c) * max(0.0, reduce - b) + c * reduce if rt.overlap_grad_reduce else reduce) + (
+                (1 - c) * max(0.0, gather - f) + c * gather if rt.overlap_param_gather else gather)
+            extra = exposed + sync.optimizer(dense, expert) + fp8_weight_cast_s(
+                ctx, StageParams(dense, expert), r == 0, r == last)
+            best = max(best, path + extra)
         return best
 
     def _rank_contents(self, c: Candidate, ctx: CostContext, mode: str) -> tuple[np.ndarray, ...]:
@@ -554,35 +604,35 @@ class _Search:
 
     def _expand_group(self, g: Group) -> None:
         dominated_sp = {cc for sp, cc, _, _ in g.variants if sp and g.mesh.tp > 1 and self._sp_dominates(g, cc)}
+        cands = []
         for sp, cc, sched, vpp in g.variants:
             if not sp and cc in dominated_sp:
                 self._count(self.pruned, "dominated: sequence parallel is no slower and uses less memory",
                             len(g.zeros) * len(g.recomputes_for(vpp)))
                 continue
-            recomputes = g.recomputes_for(vpp)
-            cands = [Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec) for zero in g.zeros for rec in recomputes]
-            if vpp == 1:  # the memory floor first: it needs no context, and most memory-hungry candidates fail it
-                floors = self._memory_floors(cands)
-                over = floors > self.cap
-                if over.any():
-                    self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)",
-                                int(over.sum()))
-                    k = int(np.argmin(np.where(over, floors, np.inf)))
-                    self._note_memory(float(floors[k]), _describe(cands[k]))
-                    cands = [c for c, bad in zip(cands, over.tolist()) if not bad]
-            if cands:
-                for c, bound in zip(cands, self.work_bounds_of(cands).tolist()):
-                    self._push(bound, "cand", c)
+            cands += [Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec) for zero in g.zeros
+                      for rec in g.recomputes_for(vpp)]
+        # the memory floor first (the group's candidates at once): it needs no context, and most memory-hungry
+        # candidates fail it. It holds for virtual stages too: interleaving keeps ((p-r-1) 2 + (v-1) p + 1)
+        # chunk-micro-batches on rank r, at least the p - r whole stages the 1F1B floor counts (their difference is
+        # (p - 1 + r (v - 2)) / v >= 0)
+        floors = self._memory_floors(cands)
+        over = floors > self.cap
+        if over.any():
+            self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)", int(over.sum()))
+            k = int(np.argmin(np.where(over, floors, np.inf)))
+            self._note_memory(float(floors[k]), _describe(cands[k]))
+            cands = [c for c, bad in zip(cands, over.tolist()) if not bad]
+        if cands:
+            for c, bound in zip(cands, self.work_bounds_of(cands).tolist()):
+                self._push(bound, "cand", c)
 
     def _step_candidate(self, key: float, c: Candidate) -> None:
         """The candidate's next bound: the interleaved bound with virtual stages, else (after the memory floor) the
         partition DP without memory or DP sync, shared by its ZeRO stages."""
         ctx = self._context(c)
         if c.vpp > 1:
-            key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.vpp, c.recompute)  # the time bound ignores ZeRO
-            if key not in self.interleaved_bounds:
-                self.interleaved_bounds[key] = min(b for b, _ in self._chunk_options(c, ctx))
-            self._next(self.interleaved_bounds[key], "ileave", c, ctx)
+            self._next(min(b for b, _ in self._chunk_options(c, ctx)), "ileave", c, ctx)
             return
         prob = self.problem(c, ctx)
         below = self._below(key)
@@ -633,24 +683,38 @@ class _Search:
             found = self.layer_memory[key] = (params.dense, params.expert, act)
         return found
 
-    def _chunk_options(self, c: Candidate, ctx: CostContext) -> list[tuple[float, CostContext]]:
-        """(interleaved bound, context) of every virtual-stage split searched for this candidate (space.
-        interleaved_chunks), fastest bound first; the contexts differ from `ctx` in their chunks only."""
-        out = []
-        for chunks in interleaved_chunks(self.model.num_layers, c.mesh.pp, c.vpp):
-            option = ctx if chunks == ctx.lay.chunks else ctx.derive(
-                resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c, chunks=chunks)))
-            out.append((self._interleaved_bound(option, c.recompute), option))
-        return sorted(out, key=lambda x: x[0])
+    def _chunk_options(self, c: Candidate, ctx: CostContext) -> list[tuple[float, tuple[int, ...]]]:
+        """(interleaved bound, chunks) of every virtual-stage split searched for this candidate (space.
+        interleaved_chunks), fastest bound first. The splits' rank paths are shared by the candidate's ZeRO
+        stages (cached), their DP sync is the candidate's own (its context's)."""
+        # the rank sums read the layer costs and pp only (not dp, unless ZeRO-3's per-layer gathers are in the
+        # layer costs): candidates of other meshes and micro-batch counts share them
+        key = (c.layer_key, c.mesh.pp, c.vpp, c.recompute, ctx.blocking_p2p_s, c.mesh if c.zero == 3 else None)
+        paths = self.interleaved_bounds.get(key)
+        if paths is None:
+            paths = []
+            for chunks in interleaved_chunks(self.model.num_layers, c.mesh.pp, c.vpp):
+                option = ctx if chunks == ctx.lay.chunks else ctx.derive(
+                    resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c, chunks=chunks)))
+                paths.append((chunks, self._interleaved_ranks(c, option, c.recompute)))
+            self.interleaved_bounds[key] = paths
+        return sorted(((self._interleaved_bound(ranks, ctx), chunks) for chunks, ranks in paths), key=lambda x: x[0])
+
+    def _option_context(self, c: Candidate, ctx: CostContext, chunks: tuple[int, ...]) -> CostContext:
+        """The candidate's context with another virtual-stage split (its layer costs shared)."""
+        if chunks == ctx.lay.chunks:
+            return ctx
+        return ctx.derive(resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c, chunks=chunks)))
 
     def _step_interleaved(self, bound: float, c: Candidate, ctx: CostContext) -> None:
         """Each virtual-stage split (one partition each, so its bound and memory floor are of the partition itself)
         simulated where its bound beats the cutoff and its memory floor fits."""
         self.bounded += 1
         simulated = False
-        for option_bound, option in self._chunk_options(c, ctx):
+        for option_bound, chunks in self._chunk_options(c, ctx):
             if simulated and option_bound >= self.best.cutoff() * (1 - REL_TOL):
                 break
+            option = self._option_context(c, ctx, chunks)
             need = self._interleaved_memory_floor(c, option, c.recompute)
             if need > self.cap:
                 self._note_memory(need, _describe(c))

@@ -9,6 +9,7 @@ the space size = evaluated + pruned + infeasible.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,7 +31,7 @@ SCHEDULES_ALL = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTES: tuple[RecomputeChoice, ...] = ("none", "selective", "full", "per-stage")
 ZEROS = (0, 1, 2, 3)
 MAX_VPP = 8  # virtual stages per pipeline rank searched unpinned: 2..8 (a pinned --vpp may be any degree)
-MAX_CHUNK_OPTIONS = 3  # uneven virtual-stage splits tried per interleaved candidate (interleaved_chunks)
+MAX_CHUNK_OPTIONS = 2  # uneven virtual-stage splits tried per interleaved candidate (interleaved_chunks)
 MIN_CP_TOKENS = 1024  # CP degrees searched leave each rank at least this many tokens of the sequence
 
 
@@ -244,7 +245,7 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                         m = wl.global_batch // (mbs * dp)
                         ok = []
                         for v in var:
-                            why = _knob_rule(model, tp, cp, pp, m, v[1], v[2], v[3])
+                            why = _knob_rule(model, tp, cp, pp, m, v[1], v[2], v[3], pins.vpp is not None)
                             if why:
                                 reject(why, weight(pp, v[3]))
                             else:
@@ -255,8 +256,8 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
         "tp": f"divisors of {num_gpus} up to {gpus_per_node} (one node)" if pins.tp is None else f"pinned {pins.tp}",
         "cp": f"seq/cp >= {MIN_CP_TOKENS} tokens" if pins.cp is None else f"pinned {pins.cp}",
         "pp": "divisors of what is left, <= layers" if pins.pp is None else f"pinned {pins.pp}",
-        "vpp": (f"1, or 2..{MAX_VPP}: even virtual stages, or fewer layers on the first and last" if pins.vpp is None
-                else f"pinned {pins.vpp}"),
+        "vpp": (f"1, or 2..{MAX_VPP}: even virtual stages, or (where pp does not divide the layers) fewer layers on "
+                f"the first and last" if pins.vpp is None else f"pinned {pins.vpp}"),
         "mbs": f"divisors of the global batch up to {pins.max_mbs}" if pins.mbs is None else f"pinned {pins.mbs}",
         "ep/etp": ("ep divides the experts, etp divides tp" if moe is not None else "no experts"),
         "order": (f"{DEFAULT_RANK_ORDER}; also {PP_INSIDE_DP} (pp inside dp) where it moves a group onto other "
@@ -303,18 +304,33 @@ def _mesh_rule(model: ModelSpec, wl: Workload, tp: int, cp: int, pp: int, dp: in
     return None
 
 
-def _knob_rule(model: ModelSpec, tp: int, cp: int, pp: int, m: int, cp_comm: str, sched: str, vpp: int) -> str | None:
+def _knob_rule(model: ModelSpec, tp: int, cp: int, pp: int, m: int, cp_comm: str, sched: str, vpp: int,
+               vpp_pinned: bool = False) -> str | None:
     if cp > 1 and cp_comm == "a2a" and (model.num_heads // tp) % cp:
         return "cp a2a needs heads per TP rank divisible by cp"
     if sched == "interleaved":
         if not interleaved_chunks(model.num_layers, pp, vpp):
             return "interleaving needs at least one layer per virtual stage (layers >= pp*vpp)"
+        if not vpp_pinned and model.num_layers % (pp * vpp) and model.num_layers % pp == 0:
+            # where pp divides the layers an even interleaving exists at some vpp: uneven ones are searched only
+            # where the stages are uneven anyway (126 layers on 8 or 16 stages, 61, 94), or with --vpp pinned
+            return "uneven virtual stages only where pp does not divide the layers (or with --vpp pinned)"
         if m % pp:
             return "interleaving needs micro-batches divisible by pp"
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _interleaved_chunks(num_layers: int, pp: int, vpp: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(_splits(num_layers, pp, vpp))
+
+
 def interleaved_chunks(num_layers: int, pp: int, vpp: int) -> list[tuple[int, ...]]:
+    """The virtual-stage splits searched (_splits), cached: the search asks for the same ones many times over."""
+    return list(_interleaved_chunks(num_layers, pp, vpp))
+
+
+def _splits(num_layers: int, pp: int, vpp: int) -> list[tuple[int, ...]]:
     """The virtual-stage splits searched for pp x vpp model chunks (decoder layers per chunk, model order): the even
     split where the layers divide; else k = ceil(layers / chunks) on every chunk but the first and the last, which
     share the rest (at most k each, the last no more than the first: it also runs the LM head and loss; the splits

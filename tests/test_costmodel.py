@@ -197,10 +197,17 @@ def test_estimate_is_consistent():
 
 
 def test_fp8_is_faster_than_bf16_on_hopper():
+    """At training shapes (a 70B-class layer) FP8 GEMMs win; at a toy model's shapes the casts eat the gain, as
+    measured (TransformerEngine gemm_profiling: the hidden x hidden GEMM gains nothing; torchao: speed-up < 1 for
+    small shapes), so FP8 is no faster there."""
+    big = LLAMA.model_copy(update={"hidden": 8192, "num_heads": 64, "num_kv_heads": 8, "ffn_hidden": 28672})
     cfg = ParallelConfig(tp=2, pp=2)
-    bf16 = estimate(LLAMA, H100x16, Workload(global_batch=64, seq_len=2048), cfg)
-    fp8 = estimate(LLAMA, H100x16, Workload(global_batch=64, seq_len=2048, dtype="fp8"), cfg)
+    bf16 = estimate(big, H100x16, Workload(global_batch=64, seq_len=8192), cfg)
+    fp8 = estimate(big, H100x16, Workload(global_batch=64, seq_len=8192, dtype="fp8"), cfg)
     assert fp8.step_time_s < bf16.step_time_s
+    small_bf16 = estimate(LLAMA, H100x16, Workload(global_batch=64, seq_len=2048), cfg)
+    small_fp8 = estimate(LLAMA, H100x16, Workload(global_batch=64, seq_len=2048, dtype="fp8"), cfg)
+    assert small_fp8.step_time_s > 0.9 * small_bf16.step_time_s
 
 
 @pytest.mark.parametrize("kw, needle", [

@@ -15,7 +15,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from costmodels.config import PP_INSIDE_DP, RUNTIMES, ParallelConfig, StagePolicy, Workload, split_evenly
+from costmodels.config import PP_INSIDE_DP, ParallelConfig, StagePolicy, Workload, get_runtime, split_evenly
 from costmodels.model import ModelSpec
 from hardware_db.errors import InputError
 from planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
@@ -231,10 +231,10 @@ def parallel_settings(plan: Plan) -> list[Setting]:
     s += [("micro_batch_size", pipe.micro_batch_size), ("global_batch_size", wl.global_batch)]
     s += [("bf16", wl.dtype in ("bf16", "fp8")), ("fp16", wl.dtype == "fp16"),
           ("fp8_format", "hybrid" if wl.dtype == "fp8" else None)]
-    runtime = RUNTIMES[plan.inputs.runtime]  # what the prediction assumed the framework overlaps
+    runtime = get_runtime(plan.inputs.runtime)  # what the prediction assumed the framework overlaps
     s += [("overlap_grad_reduce", runtime.overlap_grad_reduce and mesh.dp > 1),
           ("overlap_param_gather", runtime.overlap_param_gather and mesh.dp > 1 and zero >= 1),
-          ("tp_comm_overlap", runtime.tp_comm_overlap > 0 and mesh.tp > 1 and mesh.sp)]
+          ("tp_comm_overlap", runtime.tp_overlap == "userbuffers" and mesh.tp > 1 and mesh.sp)]
     return s
 
 

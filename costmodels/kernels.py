@@ -1,0 +1,156 @@
+"""How fast the kernels of a training step run: achieved fractions of peak by operator shape, precision recipe and
+framework, from published measurements (the sources name each number; docs/cost_model.md, "Kernel efficiency").
+
+Small pure functions that estimate.op_time and ops.py read. Nothing here is fitted to a training run: the
+numbers are microbenchmark measurements (GEMM and attention tables, bandwidth tests) and the algorithms the
+libraries document (TransformerEngine's FP8 casts and transposes, userbuffers' overlap splits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Fp8Recipe = Literal["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"]
+FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
+
+
+@dataclass(frozen=True)
+class Physics:
+    """Which of the measured effects the cost model applies; all on by default. Each can be switched off to show
+    what it contributes (benchmarks/physics_ablation.py); off, the term reverts to the plain roofline."""
+
+    gemm_shape: bool = True  # K-depth ramp of a GEMM (small inner dimension, high TP)
+    grouped_gemm: bool = True  # grouped expert GEMMs: one launch over all experts, under its own ceiling
+    fp8: bool = True  # FP8 kernel ceiling below BF16's x 2, quantisation casts and transposes per GEMM
+    attention: bool = True  # flash-attention forward / backward ceilings, causal tiles at short sequences
+    memory_kernels: bool = True  # elementwise kernels at the framework's achieved bandwidth, cross-entropy passes
+    contention: bool = True  # communication overlapped with compute slows the compute (SMs, HBM)
+    overlap_limits: bool = True  # what overlap cannot hide: the last DP bucket, the first/last ring step, splits
+    cp_steps: bool = True  # ring CP exposure per step instead of in aggregate
+
+    @classmethod
+    def none(cls) -> "Physics":
+        return cls(**{name: False for name in cls.__dataclass_fields__})
+
+    def without(self, name: str) -> "Physics":
+        if name not in self.__dataclass_fields__:
+            raise ValueError(f"unknown physics term {name!r}; one of {', '.join(self.__dataclass_fields__)}")
+        return Physics(**{**{n: getattr(self, n) for n in self.__dataclass_fields__}, name: False})
+
+
+# Compute slowdown per second of communication hidden behind it: NCCL's kernels take SMs exclusively (one per
+# channel) and HBM bandwidth. 0.19 = the average compute slowdown while overlapped, A100/H100/MI250/MI210, GPT and
+# LLaMA layers (arXiv:2507.03114, abstract: 18.9 % average, 40 % max). Copy-engine transfers (TE userbuffers
+# ring-exchange, PyTorch async TP on symmetric memory) take almost no SMs: 0.13 from pytorch/pytorch#172714
+# (8192^3 matmul + 64 MiB all-gather on H100: 2.02 ms overlapped on NCCL, 1.77 ms on copy engines, vs 1.6 + 1.35
+# ms alone: 0.17 ms of slowdown per 1.35 ms hidden).
+CONTENTION_SM = 0.19
+CONTENTION_COPY_ENGINE = 0.13
+
+# FP8 quantisation traffic per element of a GEMM operand (TransformerEngine docs, low_precision_training
+# performance_considerations.rst, "Handling transposes"): read the 16-bit tensor (2 B) and write its FP8 copy
+# (1 B) plus the transposed (Hopper) or column-wise (Blackwell MXFP8) copy the backward GEMMs read (1 B); current
+# scaling (tensorwise) first reads the tensor once more for its amax (2 B); delayed scaling takes the amax from
+# history (fused); block / row / MX scales are computed in the cast pass.
+QUANT_BYTES_PER_ELEMENT: dict[str, float] = {"delayed": 4.0, "tensorwise": 6.0, "rowwise": 4.0, "blockwise": 4.0,
+                                             "mxfp8": 4.0}
+
+
+def k_depth_factor(k: float, k_half: float) -> float:
+    """A GEMM's efficiency over its inner (reduction) dimension: the tile pipeline's prologue and epilogue are paid
+    per output tile whatever k is, so efficiency ramps as k / (k + k_half) (fitted form of OpenXLA's measured H100
+    table, xla/service/gpu/model/matmul_interpolator_data.h: (4096, 4096, K) at K = 256 / 512 / 4096 runs at 40 /
+    55 / 79 % of peak, i.e. k_half ~ 230)."""
+    return k / (k + k_half) if k_half > 0 and k > 0 else 1.0
+
+
+def causal_tile_factor(s_k: float, s0: float) -> float:
+    """Flash attention's useful-FLOP rate under a causal mask relative to the unmasked rate, by key length: the
+    diagonal tiles are half empty and short sequences have few full tiles. s / (s + s0) with s0 = 400 reproduces
+    FlashAttention-3's H100 causal/non-causal forward ratios 0.63 / 0.83 / 0.91 / 0.95 at 512 / 2k / 4k / 16k
+    (Shah et al. 2024, Fig. 5, hdim 128, bar labels; read off the figures in Dao-AILab/flash-attention assets)."""
+    return s_k / (s_k + s0) if s0 > 0 and s_k > 0 else 1.0
+
+
+def fp8_kernel_ceiling(gemm_max: float, fp8_gemm_max: float, recipe: str, block_factor: float) -> float:
+    """Fraction of the FP8 peak an FP8 GEMM kernel reaches: the GPU's tensorwise/delayed ceiling; block-, row- or
+    MX-scaled kernels on Hopper run at `block_factor` of it (scales applied inside the main loop), MXFP8 is the
+    Blackwell-native format whose ceiling the GPU file gives directly."""
+    if recipe in ("blockwise", "rowwise"):
+        return fp8_gemm_max * block_factor
+    return fp8_gemm_max
+
+
+def tp_exposed_fraction(kind: str, tp: int, sp: bool, physics: Physics) -> float:
+    """Share of a TP collective's time on the critical path under the framework's overlap. TransformerEngine's
+    userbuffers overlap needs sequence parallelism (Megatron-LM arguments.py: --tp-comm-overlap needs
+    --sequence-parallel) and splits each collective: the ring-exchange all-gather before QKV / FC1 into tp
+    chunks on copy engines (1 SM), the pipelined reduce-scatter after the projection / FC2 into 4 chunks on 16 SMs
+    (transformer_engine/pytorch/module/base.py, get_default_config); the first chunk of each is exposed and the
+    rest slows the GEMM it hides behind (CONTENTION_*). PyTorch async TP micro-pipelines both over tp chunks on
+    copy engines (pytorch/pytorch#130583). A collective split into k chunks exposes 1/k of itself."""
+    if kind == "none" or tp <= 1 or (kind == "userbuffers" and not sp):
+        return 1.0
+
+    def split(chunks: int, contention: float) -> float:
+        first = 1.0 / chunks if physics.overlap_limits else 0.0
+        return first + (contention if physics.contention else 0.0) * (1.0 - first)
+
+    if kind == "async-tp":
+        return split(tp, CONTENTION_COPY_ENGINE)
+    return 0.5 * split(tp, CONTENTION_COPY_ENGINE) + 0.5 * split(4, CONTENTION_SM)
+
+
+def ring_cp_exposed(comm_s: float, compute_s: float, cp: int, backward: bool, physics: Physics) -> float:
+    """Exposed seconds of ring context parallelism's KV exchange (Liu et al., "Ring Attention", 2023; Megatron-Core
+    context_parallel.rst): cp attention steps, each computing the local queries against one KV chunk while the next
+    chunk travels, so cp - 1 transfers each hide behind one step's compute; a transfer longer than its step shows
+    the difference, and the hidden part slows the step (NCCL P2P takes SMs, CONTENTION_SM). The backward also moves
+    the KV gradients and sends the last of them home after the last step (exposed). `comm_s` is the pass's total
+    exchange time, `compute_s` its attention compute."""
+    if cp <= 1 or comm_s <= 0:
+        return 0.0
+    if not physics.cp_steps:  # the aggregate model: all the exchange hides behind all the compute
+        return max(0.0, comm_s - compute_s)
+    transfers = cp - 1 + (1 if backward else 0)
+    per_comm, per_compute = comm_s / transfers, compute_s / cp
+    hidden = min(per_comm, per_compute)
+    exposed = (cp - 1) * (per_comm - hidden)
+    if backward:
+        exposed += per_comm  # the last KV-gradient hop has no step behind it
+    if physics.contention:
+        exposed += CONTENTION_SM * (cp - 1) * hidden
+    return exposed
+
+
+def overlapped_exposed(comm_s: float, window_s: float, unhidden_share: float, physics: Physics) -> float:
+    """Exposed seconds of a collective overlapped with `window_s` of compute: what exceeds the window, at least the
+    share no overlap can hide (Megatron's last gradient bucket, the first parameter all-gather: one layer, or one
+    virtual stage with interleaving; Megatron-Bridge docs/performance-guide.md, overlap section), plus the
+    slowdown its hidden part costs the compute (CONTENTION_SM)."""
+    if comm_s <= 0:
+        return 0.0
+    exposed = max(0.0, comm_s - window_s)
+    if physics.overlap_limits:
+        exposed = max(exposed, unhidden_share * comm_s)
+    if physics.contention:
+        exposed += CONTENTION_SM * (comm_s - exposed)
+    return exposed
+
+
+TP_OVERLAPPED_GEMMS = {"qkv_proj": "all_gather", "up_gate_proj": "all_gather", "up_proj": "all_gather",
+                       "out_proj": "reduce_scatter", "down_proj": "reduce_scatter"}
+
+
+def tp_gemm_chunks(kind: str, gemm: str, tp: int, sp: bool) -> int:
+    """Pieces a GEMM beside a TP collective is cut into to overlap it, each running at a smaller GEMM's efficiency:
+    userbuffers splits the all-gather side into tp ring-exchange steps and the reduce-scatter side into 4 pipeline
+    chunks (TransformerEngine get_default_config); PyTorch async TP micro-pipelines both over tp shards
+    (pytorch/pytorch#130583). MLA's and the experts' GEMMs are not beside a TP collective."""
+    if tp <= 1 or kind == "none" or (kind == "userbuffers" and not sp):
+        return 1
+    side = TP_OVERLAPPED_GEMMS.get(gemm)
+    if side is None:
+        return 1
+    return tp if kind == "async-tp" or side == "all_gather" else 4
