@@ -115,9 +115,10 @@ class Runtime(BaseModel):
     # pipelined GEMM+collective splits), async-tp (PyTorch's micro-pipelined all-gather/reduce-scatter matmuls)
     tp_overlap: Literal["none", "userbuffers", "async-tp"]
     p2p_overlap: bool  # pipeline send/recv overlapped with compute
-    # the attention kernel: "fused" = cuDNN fused attention (TransformerEngine) or FlashAttention-3 class,
-    # "fa2" = FlashAttention-2 (PyTorch SDPA's flash backend); both skip masked causal blocks
-    attention_kernel: Literal["fused", "fa2"] = "fused"
+    # the attention kernel: "fused" = FlashAttention-3 class, "cudnn" = cuDNN fused attention (TransformerEngine's
+    # choice on Hopper and later: dot_product_attention/utils.py "give FusedAttention preference on Hopper+"),
+    # "fa2" = FlashAttention-2 (PyTorch SDPA's flash backend); all skip masked causal blocks
+    attention_kernel: Literal["fused", "cudnn", "fa2"] = "fused"
     # memory-bound kernels by ops.memory_class: their achieved fraction of the GPU's fused-kernel bandwidth
     # (GPUSpec efficiency.memory_bandwidth); a class not listed runs fused (1.0)
     memory_kernels: tuple[tuple[str, float], ...] = ()
@@ -169,7 +170,7 @@ RUNTIMES: dict[str, Runtime] = {
     # 18.2 ms fwd+bwd for 8192 tokens x 131,072 vocab on H100 (same file), 0.47 of its bytes at the fused rate.
     "megatron-core": Runtime(name="megatron-core", flash_attention=True, dropout=True, overlap_grad_reduce=True,
                              overlap_param_gather=True, tp_overlap="userbuffers", p2p_overlap=True,
-                             schedules=("1f1b", "interleaved"),
+                             schedules=("1f1b", "interleaved"), attention_kernel="cudnn",
                              memory_kernels=(("swiglu", 0.44), ("activation", 0.44), ("cross_entropy", 0.47))),
     # A plain PyTorch FSDP2 / torchtitan run: flash SDPA, prefetching FSDP (overlapped), no TP overlap.
     # torch.distributed.pipelining schedules GPipe, 1F1B and Interleaved1F1B (its zero-bubble schedules are V-shaped
@@ -203,7 +204,8 @@ RUNTIME_OPTIONS: dict[str, str] = {
     "async-tp": "TP all-gather / reduce-scatter micro-pipelined with the matmuls (PyTorch async TP)",
     "tp-comm-overlap": "TransformerEngine userbuffers TP overlap",
     "no-tp-comm-overlap": "blocking TP collectives",
-    "cudnn-attention": "cuDNN / FlashAttention-3 class attention kernels",
+    "cudnn-attention": "cuDNN fused attention kernels",
+    "fa3": "FlashAttention-3 class attention kernels",
     "fa2": "FlashAttention-2 kernels",
     "ep-a2a-overlap": "EP all-to-all hidden behind another micro-batch (DualPipe / Megatron 1F1B A2A overlap)",
 }
@@ -231,6 +233,8 @@ def get_runtime(name: str) -> Runtime:
         elif opt == "no-tp-comm-overlap":
             update["tp_overlap"] = "none"
         elif opt == "cudnn-attention":
+            update["attention_kernel"] = "cudnn"
+        elif opt == "fa3":
             update["attention_kernel"] = "fused"
         elif opt == "fa2":
             update["attention_kernel"] = "fa2"

@@ -67,6 +67,8 @@ class Efficiency:
     fp8_grouped_gemm_max: float = 0.0  # 0: 0.5 x the FP8 ceiling
     attention_bwd_max: float = 0.0  # 0: 0.86 x attention_max
     attention_fa2_max: float = 0.0  # 0: attention_max
+    attention_cudnn_max: float = 0.0  # 0: attention_max
+    attention_cudnn_bwd_max: float = 0.0  # 0: attention_bwd_max
     attention_causal_s0: float = 0.0
     bf16_peak: float = 0.0  # the GPU's 16-bit peak: an FP8 GEMM's half-saturation FLOPs scale with its peak
     physics: Physics = Physics()
@@ -80,6 +82,8 @@ class Efficiency:
                    fp8_grouped_gemm_max=e.fp8_grouped_gemm_max or 0.5 * (e.fp8_gemm_max or 0.88 * e.gemm_max),
                    attention_bwd_max=e.attention_bwd_max or 0.86 * e.attention_max,
                    attention_fa2_max=e.attention_fa2_max or e.attention_max,
+                   attention_cudnn_max=e.attention_cudnn_max or e.attention_max,
+                   attention_cudnn_bwd_max=e.attention_cudnn_bwd_max or e.attention_bwd_max or 0.86 * e.attention_max,
                    attention_causal_s0=e.attention_causal_s0,
                    bf16_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"),
                    physics=physics or Physics())
@@ -307,8 +311,13 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
         e = one / (one + half)
         if kind == "attention":
             if ph.attention:
-                ceiling = (eff.attention_fa2_max if kernel == "fa2" else
-                           eff.attention_bwd_max if backward else eff.attention_max)
+                if kernel == "fa2":
+                    ceiling = eff.attention_fa2_max
+                elif kernel == "cudnn":
+                    ceiling = ((eff.attention_cudnn_bwd_max or eff.attention_bwd_max) if backward
+                               else (eff.attention_cudnn_max or eff.attention_max))
+                else:
+                    ceiling = eff.attention_bwd_max if backward else eff.attention_max
                 e *= ceiling * causal_tile_factor(keys, eff.attention_causal_s0)
             else:
                 e *= eff.attention_max

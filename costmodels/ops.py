@@ -38,7 +38,7 @@ class Op:
     shape: tuple[float, float, float] | None = None  # GEMM: (m, n, k) of one GEMM ([m,k] x [k,n])
     groups: float = 1.0  # identical GEMMs run as one grouped kernel (local experts); FLOPs and bytes are totals
     keys: float = 0.0  # attention: keys each query attends (the causal tile factor reads it)
-    kernel: str = ""  # attention: the framework's kernel ("fused" cuDNN / FA3 class, "fa2")
+    kernel: str = ""  # attention: the framework's kernel ("fused" FA3 class, "cudnn", "fa2")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,9 @@ class EfficiencyDefaults(BaseModel):
     attention_max: float = Field(default=0.55, gt=0, le=1)  # fused (flash) attention core, forward
     attention_bwd_max: float | None = Field(default=None, gt=0, le=1)  # its backward; default 0.86 x forward
     attention_fa2_max: float | None = Field(default=None, gt=0, le=1)  # FlashAttention-2 kernels; default forward's
+    # cuDNN fused attention (TransformerEngine's backend on Hopper+), forward and backward; default the flash ones
+    attention_cudnn_max: float | None = Field(default=None, gt=0, le=1)
+    attention_cudnn_bwd_max: float | None = Field(default=None, gt=0, le=1)
     attention_causal_s0: float = Field(default=0.0, ge=0)  # keys at which causal tiles halve the rate (0: none)
     memory_bandwidth: float = Field(default=0.80, gt=0, le=1)  # elementwise / norm kernels vs HBM peak
     scaleup_bandwidth: float = Field(default=0.80, gt=0, le=1)  # NCCL bus bandwidth vs NVLink peak

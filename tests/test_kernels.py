@@ -127,6 +127,30 @@ def test_fp8_speedup_of_a_5b_layer_matches_transformer_engine():
     assert bf16 / (gemms("tensorwise") + casts("tensorwise")) == pytest.approx(1.58, rel=0.10)
 
 
+def _attention_tflops(kernel: str, seq: int, backward: bool = False) -> float:
+    """Useful TFLOP/s of a causal hdim-128 attention pass at the FA3 paper's shapes (16k tokens, hidden 2048)."""
+    heads, d, batch = 16, 128, 16384 // seq
+    flops = 4 * seq * seq * d * heads * batch / 2 * (2.5 if backward else 1.0)
+    return flops / op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, backward, keys=seq, kernel=kernel) / 1e12
+
+
+@pytest.mark.parametrize("seq,fa3,cudnn", [(512, 292, 315), (2048, 521, 484), (4096, 579, 518), (16384, 616, 539)])
+def test_causal_attention_forward_matches_the_fa3_papers_h100_figure(seq, fa3, cudnn):
+    """FA3 paper Fig. 5 (H100, BF16, causal, hdim 128): FA3 and cuDNN forward TFLOP/s, within 12 %."""
+    assert _attention_tflops("fused", seq) == pytest.approx(fa3, rel=0.12)
+    assert _attention_tflops("cudnn", seq) == pytest.approx(cudnn, rel=0.12)
+
+
+def test_megatron_core_attention_is_cudnn_and_torchtitan_fa2():
+    """TransformerEngine gives cuDNN fused attention preference on Hopper+; torch SDPA's default is FA2."""
+    assert get_runtime("megatron-core").attention_kernel == "cudnn"
+    assert get_runtime("megatron-core+fa3").attention_kernel == "fused"
+    assert get_runtime("torchtitan").attention_kernel == "fa2"
+    assert get_runtime("torchtitan+cudnn-attention").attention_kernel == "cudnn"
+    assert _attention_tflops("cudnn", 16384, True) < _attention_tflops("fused", 16384, True)
+    assert _attention_tflops("fa2", 16384) < _attention_tflops("cudnn", 16384)
+
+
 # ---- invariants ----------------------------------------------------------------------------------------------------
 
 MODEL = ModelSpec(name="m", num_layers=8, hidden=4096, num_heads=32, num_kv_heads=8, ffn_hidden=14336, vocab=128256)
