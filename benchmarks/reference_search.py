@@ -35,7 +35,8 @@ from reference_runs import (DEFAULT_YAML, configure, evaluate_run, megatron_gpt,
 
 def describe(lay) -> str:
     stages = "" if lay.pp == 1 or len(set(lay.stage_layers)) == 1 else f" [{'-'.join(map(str, lay.stage_layers))}]"
-    return (f"tp{lay.tp} cp{lay.cp} pp{lay.pp}{'' if lay.vpp == 1 else f'x{lay.vpp}'} dp{lay.dp} mbs{lay.mbs} "
+    experts = f" ep{lay.ep} etp{lay.etp}" if lay.ep > 1 or lay.etp != lay.tp else ""
+    return (f"tp{lay.tp} cp{lay.cp} pp{lay.pp}{'' if lay.vpp == 1 else f'x{lay.vpp}'} dp{lay.dp}{experts} mbs{lay.mbs} "
             f"z{lay.zero} {lay.recompute} {lay.schedule}{' sp' if lay.sp else ''}{stages}")
 
 

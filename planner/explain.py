@@ -14,6 +14,8 @@ def knob_diff(a: RankedPlan, b: RankedPlan) -> list[str]:
     for name in ("tp", "cp", "pp", "vpp", "dp", "ep", "etp", "mbs", "zero", "recompute", "sp", "schedule", "cp_comm",
                  "rank_order", "stage_layers"):
         va, vb = getattr(la, name), getattr(lb, name)
+        if name == "etp" and la.etp == la.tp and lb.etp == lb.tp:
+            continue  # expert TP that just follows TP (every dense model) is not a knob of its own
         if va != vb:
             show = (lambda v: "-".join(map(str, v))) if name == "stage_layers" else str
             out.append(f"{name} {show(va)} -> {show(vb)}")
