@@ -247,18 +247,19 @@ def run_cluster(run: Run) -> Cluster:
 def run_runtime(run: Run) -> str:
     """The run's runtime preset with the options its recorded features select (config.RUNTIME_OPTIONS): torch.compile
     and async TP in torchtitan; in Megatron-Core a recipe read without TP overlap runs its TP collectives blocking;
-    the EP all-to-all overlap; cuDNN attention."""
+    the EP all-to-all overlap; the attention kernel where the source (or the framework version) fixes it."""
     options = []
     f = set(run.features)
+    kernels = {"flash-attention-2": "fa2", "flash-attention-3": "fa3", "cudnn-attention": "cudnn-attention"}
     if run.runtime == "torchtitan":
         options += ["compile"] if "torch.compile" in f else []
         options += ["async-tp"] if "async-tp" in f else []
-    if run.runtime == "megatron-core" and f and run.parallel.tp > 1 and "tp-comm-overlap" not in f:
+    read = f - set(kernels)  # the recipe's execution flags were read (an attention kernel alone says nothing of TP)
+    if run.runtime == "megatron-core" and read and run.parallel.tp > 1 and "tp-comm-overlap" not in f:
         options.append("no-tp-comm-overlap")
     if "ep-a2a-overlap" in f:
         options.append("ep-a2a-overlap")
-    if "cudnn-attention" in f and run.runtime == "torchtitan":
-        options.append("cudnn-attention")
+    options += [opt for feature, opt in kernels.items() if feature in f]
     return "+".join([run.runtime, *options])
 
 
