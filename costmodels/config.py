@@ -195,24 +195,35 @@ RUNTIMES: dict[str, Runtime] = {
 }
 DEFAULT_RUNTIME = "megatron-core"
 
-# A preset's framework options, appended as "+option" (e.g. torchtitan+compile+async-tp): what each changes.
-RUNTIME_OPTIONS: dict[str, str] = {
+@dataclass(frozen=True)
+class RuntimeOption:
+    """One '+option' of a preset: what it means, and the Runtime fields it sets."""
+
+    description: str
+    fields: tuple[tuple[str, object], ...]
+
+
+# A preset's framework options, appended as "+option" (e.g. torchtitan+compile+async-tp).
+RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     # torch.compile (Inductor) fuses the elementwise chains into Triton kernels near the HBM roof (QuACK's
     # comparison puts its RMSNorm at 0.5-1.25x QuACK's ~90 %); its cross-entropy reads the logits once more than
     # a fused one (QuACK blog, 2025-07-10: 1.89 vs 3.01 TB/s softmax): 0.63 of fused
-    "compile": "elementwise kernels fused (torch.compile)",
-    "async-tp": "TP all-gather / reduce-scatter micro-pipelined with the matmuls (PyTorch async TP)",
-    "tp-comm-overlap": "TransformerEngine userbuffers TP overlap",
-    "no-tp-comm-overlap": "blocking TP collectives",
-    "cudnn-attention": "cuDNN fused attention kernels",
-    "fa3": "FlashAttention-3 class attention kernels",
-    "fa2": "FlashAttention-2 kernels",
-    "ep-a2a-overlap": "EP all-to-all hidden behind another micro-batch (DualPipe / Megatron 1F1B A2A overlap)",
+    "compile": RuntimeOption("elementwise kernels fused (torch.compile)",
+                             (("memory_kernels", (("cross_entropy", 0.63),)),)),
+    "async-tp": RuntimeOption("TP all-gather / reduce-scatter micro-pipelined with the matmuls (PyTorch async TP)",
+                              (("tp_overlap", "async-tp"),)),
+    "tp-comm-overlap": RuntimeOption("TransformerEngine userbuffers TP overlap", (("tp_overlap", "userbuffers"),)),
+    "no-tp-comm-overlap": RuntimeOption("blocking TP collectives", (("tp_overlap", "none"),)),
+    "cudnn-attention": RuntimeOption("cuDNN fused attention kernels", (("attention_kernel", "cudnn"),)),
+    "fa3": RuntimeOption("FlashAttention-3 class attention kernels", (("attention_kernel", "fused"),)),
+    "fa2": RuntimeOption("FlashAttention-2 kernels", (("attention_kernel", "fa2"),)),
+    "ep-a2a-overlap": RuntimeOption("EP all-to-all hidden behind another micro-batch (DualPipe / Megatron 1F1B A2A "
+                                    "overlap)", (("ep_overlap", True),)),
 }
 
 
 def get_runtime(name: str) -> Runtime:
-    """A preset by name, with options appended as '+option' (RUNTIME_OPTIONS)."""
+    """A preset by name, with options appended as '+option' (RUNTIME_OPTIONS), applied left to right."""
     base, *options = name.split("+")
     if base not in RUNTIMES:
         raise InputError(f"unknown runtime '{base}'; choose one of: {', '.join(RUNTIMES)}")
@@ -224,22 +235,7 @@ def get_runtime(name: str) -> Runtime:
         if opt not in RUNTIME_OPTIONS:
             raise InputError(f"unknown runtime option '+{opt}'; choose from: "
                              + ", ".join(f"+{o}" for o in RUNTIME_OPTIONS))
-        if opt == "compile":
-            update["memory_kernels"] = (("cross_entropy", 0.63),)
-        elif opt == "async-tp":
-            update["tp_overlap"] = "async-tp"
-        elif opt == "tp-comm-overlap":
-            update["tp_overlap"] = "userbuffers"
-        elif opt == "no-tp-comm-overlap":
-            update["tp_overlap"] = "none"
-        elif opt == "cudnn-attention":
-            update["attention_kernel"] = "cudnn"
-        elif opt == "fa3":
-            update["attention_kernel"] = "fused"
-        elif opt == "fa2":
-            update["attention_kernel"] = "fa2"
-        elif opt == "ep-a2a-overlap":
-            update["ep_overlap"] = True
+        update.update(RUNTIME_OPTIONS[opt].fields)
     return rt.model_copy(update=update)
 
 

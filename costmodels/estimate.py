@@ -73,17 +73,28 @@ class Efficiency:
     bf16_peak: float = 0.0  # the GPU's 16-bit peak: an FP8 GEMM's half-saturation FLOPs scale with its peak
     physics: Physics = Physics()
 
+    def __post_init__(self) -> None:
+        """Ceilings left at 0 take their stated defaults (hardware_db.gpu.EfficiencyDefaults), here only."""
+        derived = {"fp8_gemm_max": 0.88 * self.gemm_max, "grouped_gemm_max": 0.5 * self.gemm_max}
+        derived["fp8_grouped_gemm_max"] = 0.5 * (self.fp8_gemm_max or derived["fp8_gemm_max"])
+        derived["attention_bwd_max"] = 0.86 * self.attention_max
+        derived["attention_fa2_max"] = self.attention_max
+        derived["attention_cudnn_max"] = self.attention_max
+        derived["attention_cudnn_bwd_max"] = self.attention_bwd_max or derived["attention_bwd_max"]
+        for name, value in derived.items():
+            if not getattr(self, name):
+                object.__setattr__(self, name, value)
+
     @classmethod
     def from_gpu(cls, gpu: GPUSpec, physics: Physics | None = None) -> "Efficiency":
         e = gpu.efficiency
         return cls(e.gemm_max, e.gemm_half_flops, e.attention_max, e.memory_bandwidth, e.kernel_overhead_us * 1e-6,
-                   gemm_k_half=e.gemm_k_half, fp8_gemm_max=e.fp8_gemm_max or 0.88 * e.gemm_max,
-                   fp8_block_factor=e.fp8_block_factor, grouped_gemm_max=e.grouped_gemm_max or 0.5 * e.gemm_max,
-                   fp8_grouped_gemm_max=e.fp8_grouped_gemm_max or 0.5 * (e.fp8_gemm_max or 0.88 * e.gemm_max),
-                   attention_bwd_max=e.attention_bwd_max or 0.86 * e.attention_max,
-                   attention_fa2_max=e.attention_fa2_max or e.attention_max,
-                   attention_cudnn_max=e.attention_cudnn_max or e.attention_max,
-                   attention_cudnn_bwd_max=e.attention_cudnn_bwd_max or e.attention_bwd_max or 0.86 * e.attention_max,
+                   gemm_k_half=e.gemm_k_half, fp8_gemm_max=e.fp8_gemm_max or 0.0,
+                   fp8_block_factor=e.fp8_block_factor, grouped_gemm_max=e.grouped_gemm_max or 0.0,
+                   fp8_grouped_gemm_max=e.fp8_grouped_gemm_max or 0.0,
+                   attention_bwd_max=e.attention_bwd_max or 0.0, attention_fa2_max=e.attention_fa2_max or 0.0,
+                   attention_cudnn_max=e.attention_cudnn_max or 0.0,
+                   attention_cudnn_bwd_max=e.attention_cudnn_bwd_max or 0.0,
                    attention_causal_s0=e.attention_causal_s0,
                    bf16_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"),
                    physics=physics or Physics())
@@ -314,8 +325,7 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
                 if kernel == "fa2":
                     ceiling = eff.attention_fa2_max
                 elif kernel == "cudnn":
-                    ceiling = ((eff.attention_cudnn_bwd_max or eff.attention_bwd_max) if backward
-                               else (eff.attention_cudnn_max or eff.attention_max))
+                    ceiling = eff.attention_cudnn_bwd_max if backward else eff.attention_cudnn_max
                 else:
                     ceiling = eff.attention_bwd_max if backward else eff.attention_max
                 e *= ceiling * causal_tile_factor(keys, eff.attention_causal_s0)
@@ -329,9 +339,7 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
                 # an FP8 kernel keeps no larger a share of its peak than the BF16 one of its kind (TE's measured
                 # GEMMs: 0.69 vs 0.72, docs/examples/gemm_profiling): FP8 at most halves a GEMM
                 ceiling = min(ceiling, eff.grouped_gemm_max if grouped else eff.gemm_max)
-            elif fp8:  # the plain model: an FP8 GEMM at BF16's efficiency of the FP8 peak
-                ceiling = eff.grouped_gemm_max if grouped else eff.gemm_max
-            else:
+            else:  # BF16, or (fp8 physics off) an FP8 GEMM at BF16's efficiency of the FP8 peak
                 ceiling = eff.grouped_gemm_max if grouped else eff.gemm_max
             e *= ceiling * (k_depth_factor(depth, eff.gemm_k_half) if ph.gemm_shape else 1.0)
         return max(flops / (peak * e), t_mem) + eff.kernel_overhead_s

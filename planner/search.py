@@ -31,7 +31,7 @@ from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activa
 from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
-from costmodels.kernels import CONTENTION_SM
+from costmodels.kernels import CONTENTION_SM, overlapped_exposed
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, partitions_below,
                                per_stage_bound, solve_cpsat, solve_rank0_path_sync,
                                solve_dp, solve_dp_pairs, solve_stage0_sync)
@@ -461,17 +461,17 @@ class _Search:
         and its last backward (chunk 0, Megatron's order) must still flow back through chunk 0 of ranks < r; then
         its DP sync (a lower bound of simulate_config's: the partition's SyncModel exposure, optimizer step and
         FP8 weight casts). The bound is the max over ranks."""
-        sync, rt = ctx.sync, self.rt
+        sync, rt, physics = ctx.sync, self.rt, self.eff.physics
         h, m = ctx.p2p_s, ctx.lay.num_microbatches
-        c = CONTENTION_SM if self.eff.physics.contention else 0.0
         best = prefix = 0.0
         last = len(ranks) - 1
         for r, (first_fb, per_mb, dense, expert, f, b) in enumerate(ranks):
             path = prefix + 2 * r * h + m * per_mb
             prefix += first_fb
             reduce, gather = sync.reduce(dense, expert), sync.gather(dense, expert)
-            exposed = ((1 - c) * max(0.0, reduce - b) + c * reduce if rt.overlap_grad_reduce else reduce) + (
-                (1 - c) * max(0.0, gather - f) + c * gather if rt.overlap_param_gather else gather)
+            # no unhidden share: simulate_config's last-bucket exposure only adds to this
+            exposed = ((overlapped_exposed(reduce, b, 0.0, physics) if rt.overlap_grad_reduce else reduce)
+                       + (overlapped_exposed(gather, f, 0.0, physics) if rt.overlap_param_gather else gather))
             extra = exposed + sync.optimizer(dense, expert) + fp8_weight_cast_s(
                 ctx, StageParams(dense, expert), r == 0, r == last)
             best = max(best, path + extra)
@@ -694,9 +694,7 @@ class _Search:
         if paths is None:
             paths = []
             for chunks in interleaved_chunks(self.model.num_layers, c.mesh.pp, c.vpp):
-                option = ctx if chunks == ctx.lay.chunks else ctx.derive(
-                    resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c, chunks=chunks)))
-                paths.append((chunks, self._interleaved_ranks(c, option, c.recompute)))
+                paths.append((chunks, self._interleaved_ranks(c, self._option_context(c, ctx, chunks), c.recompute)))
             self.interleaved_bounds[key] = paths
         return sorted(((self._interleaved_bound(ranks, ctx), chunks) for chunks, ranks in paths), key=lambda x: x[0])
 

@@ -192,6 +192,14 @@ def test_other_bad_input(capsys, args):
     assert_input_error(*run(capsys, *args))
 
 
+def test_fp8_recipe_and_runtime_options_bad_input(capsys):
+    assert_input_error(*run(capsys, *SMALL, "--fp8-recipe", "mxfp8"), "--fp8-recipe", "--dtype fp8")
+    assert_input_error(*run(capsys, *SMALL, "--runtime", "megatron-core+bogus"), "+bogus", "+compile")
+    assert_input_error(*run(capsys, *SMALL, "--runtime", "nemo"), "nemo", "megatron-core")
+    plan = ["plan", *SMALL[1:], "--pp", "2", "--schedule", "gpipe"]
+    assert_input_error(*run(capsys, *plan), "megatron-core has no gpipe", "--runtime")
+
+
 def test_real_process_one_line_error_and_version():
     cmd = [sys.executable, "-m", "cli.main"]
     p = subprocess.run([*cmd, "estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "0"],
