@@ -74,7 +74,7 @@ class Efficiency:
     physics: Physics = Physics()
 
     def __post_init__(self) -> None:
-        """Ceilings left at 0 take their stated defaults (hardware_db.gpu.EfficiencyDefaults), here only."""
+        """Ceilings left at 0 take their defaults, here only (their sources: hardware_db.gpu.EfficiencyDefaults)."""
         derived = {"fp8_gemm_max": 0.88 * self.gemm_max, "grouped_gemm_max": 0.5 * self.gemm_max}
         derived["fp8_grouped_gemm_max"] = 0.5 * (self.fp8_gemm_max or derived["fp8_gemm_max"])
         derived["attention_bwd_max"] = 0.86 * self.attention_max

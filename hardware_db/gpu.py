@@ -37,10 +37,13 @@ class EfficiencyDefaults(BaseModel):
     # 0.88 x gemm_max, the H100 best-shape FP8/BF16 ratio (70.9 % / 80.3 %, stas00/ml-engineering MAMF tables)
     fp8_gemm_max: float | None = Field(default=None, gt=0, le=1)
     fp8_block_factor: float = Field(default=0.81, gt=0, le=1)  # block / row-scaled FP8 kernels vs tensorwise
-    grouped_gemm_max: float | None = Field(default=None, gt=0, le=1)  # grouped expert GEMMs (BF16); default 0.5 x gemm_max
+    # grouped expert GEMMs (BF16); default 0.5 x gemm_max, the conservative end of measured MoE kernels (torch
+    # _grouped_mm / Triton fused MoE at 24-50 % of H100 peak: ByteDance-Seed/VeOmni PR #460)
+    grouped_gemm_max: float | None = Field(default=None, gt=0, le=1)
     fp8_grouped_gemm_max: float | None = Field(default=None, gt=0, le=1)  # grouped FP8; default 0.5 x the FP8 ceiling
     attention_max: float = Field(default=0.55, gt=0, le=1)  # fused (flash) attention core, forward
-    attention_bwd_max: float | None = Field(default=None, gt=0, le=1)  # its backward; default 0.86 x forward
+    # its backward; default 0.86 x forward (FlashAttention-3 on H100 at 16k: ~561 backward / 648 forward TFLOP/s)
+    attention_bwd_max: float | None = Field(default=None, gt=0, le=1)
     attention_fa2_max: float | None = Field(default=None, gt=0, le=1)  # FlashAttention-2 kernels; default forward's
     # cuDNN fused attention (TransformerEngine's backend on Hopper+), forward and backward; default the flash ones
     attention_cudnn_max: float | None = Field(default=None, gt=0, le=1)
