@@ -76,6 +76,9 @@ class Parallel(BaseModel):
     zero: Literal[0, 1, 2, 3]
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: int | None = Field(default=None, gt=0)  # full recompute of this many layers per stage
+    # selective only: Megatron-Core --recompute-modules as the recipe sets them (default core_attn)
+    recompute_modules: tuple[Literal["core_attn", "layernorm", "mla_up_proj", "mlp", "moe_act", "moe",
+                                     "shared_experts"], ...] | None = None
     sp: bool | None = None  # default: on with tp > 1
     schedule: Literal["1f1b", "interleaved", "gpipe", "zb", "dualpipe"] | None = None
     first_stage_layers: int | None = Field(default=None, ge=0)  # decoder layers on the first pipeline stage

@@ -186,7 +186,8 @@ def run_config(run: Run, model: ModelSpec) -> ParallelConfig:
     return ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, dp=p.dp, cp=p.cp, cp_comm="a2a" if p.cp_comm == "a2a" else "ring",
                           ep=p.ep, etp=p.etp, mbs=p.mbs, zero=p.zero, recompute=p.recompute, sp=p.sp,
                           schedule=schedule, stage_layers=stage_layers, chunk_layers=chunk_layers,
-                          stage_recompute=stage_recompute, rank_order=p.rank_order or "tp-cp-dp-pp")
+                          stage_recompute=stage_recompute, rank_order=p.rank_order or "tp-cp-dp-pp",
+                          **({"recompute_modules": p.recompute_modules} if p.recompute_modules else {}))
 
 
 def end_light_chunks(stage_layers: tuple[int, ...], vpp: int) -> tuple[int, ...]:
@@ -259,6 +260,8 @@ def run_runtime(run: Run) -> str:
         options.append("no-tp-comm-overlap")
     if "ep-a2a-overlap" in f:
         options.append("ep-a2a-overlap")
+    if "deepep" in f:
+        options.append("deepep")
     options += [opt for feature, opt in kernels.items() if feature in f]
     return "+".join([run.runtime, *options])
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, RUNTIME_OPTIONS, RUNTIMES, ParallelConfig, RankOrder,
+from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, RECOMPUTE_MODULES, RUNTIME_OPTIONS, RUNTIMES, ParallelConfig, RankOrder,
                                Workload)
 from costmodels.estimate import (Efficiency, Estimate, calibrated_cluster, estimate as estimate_cost, simulate_config,
                                  stage_ranges)
@@ -157,6 +157,10 @@ ScheduleOpt = Annotated[Optional[Literal["1f1b", "interleaved", "gpipe", "zb"]],
 OrderOpt = Annotated[Optional[RankOrder], typer.Option("--order", rich_help_panel=P_PAR, help=(
     "rank order of the dimensions, innermost first: tp-cp-dp-pp (Megatron default) or tp-cp-pp-dp "
     "(--use-tp-pp-dp-mapping; needs cp=1, ep=1); plan: pins it"))]
+RecomputeModulesOpt = Annotated[Optional[str], typer.Option(
+    "--recompute-modules", metavar="MODULE[,MODULE...]", rich_help_panel=P_PAR, help=(
+        "What selective recomputation re-runs (Megatron-Core --recompute-modules): core_attn (default), layernorm, "
+        "mla_up_proj, mlp, moe_act, moe, shared_experts, comma-separated, e.g. mla_up_proj,moe_act."))]
 CalibrationOpt = Annotated[Optional[str], typer.Option("--calibration", rich_help_panel=P_CLUSTER, help=(
     "Calibration file from `meshplan profile` (or a name under hardware_db/calibrations/): the device's measured "
     "GEMM, attention, memory and collective costs replace the GPU's efficiency defaults. A CPU calibration goes "
@@ -193,6 +197,7 @@ def estimate(
     recompute: Annotated[Optional[Literal["none", "selective", "full"]], typer.Option(
         "--recompute", rich_help_panel=P_PAR,
         help="Activation recomputation: none, selective (attention core) or full (whole layer) (default none).")] = None,
+    recompute_modules: RecomputeModulesOpt = None,
     sp: SpOpt = None,
     schedule: ScheduleOpt = None,
     order: OrderOpt = None,
@@ -211,13 +216,24 @@ def estimate(
     cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration, runtime)
     workload = _workload(gbs, seq, dtype, fp8_recipe)
     knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
-                 sp=sp, schedule=schedule, rank_order=order)
+                 sp=sp, schedule=schedule, rank_order=order, recompute_modules=_modules(recompute_modules))
     cfg = ParallelConfig(**{k: v for k, v in knobs.items() if v is not None})
     est = estimate_cost(spec, cluster, workload, cfg, runtime, eff)
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
     else:
         _print_estimate(_console(), spec, cluster, workload, est)
+
+
+def _modules(text: str | None) -> tuple[str, ...] | None:
+    """--recompute-modules a,b as a tuple; an unknown name is one error line."""
+    if text is None:
+        return None
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in RECOMPUTE_MODULES]
+    if unknown or not names:
+        raise InputError(f"--recompute-modules {text!r}: choose from {', '.join(RECOMPUTE_MODULES)}")
+    return names
 
 
 def _workload(gbs: int, seq: int, dtype: str, fp8_recipe: str) -> Workload:
@@ -330,6 +346,7 @@ def plan(
         "--recompute", rich_help_panel=P_PAR, help=(
             "Pin recomputation: none, selective, full, or per-stage (each stage none, selective or full on its "
             "first k layers, chosen by the CP-SAT partitioner)."))] = None,
+    recompute_modules: RecomputeModulesOpt = None,
     sp: SpOpt = None,
     schedule: ScheduleOpt = None,
     order: OrderOpt = None,
@@ -378,7 +395,8 @@ def plan(
     cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration, runtime)
     workload = _workload(gbs, seq, dtype, fp8_recipe)
     pins = Pins(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
-                recompute=recompute, sp=sp, schedule=schedule, order=order, max_mbs=max_mbs)
+                recompute=recompute, sp=sp, schedule=schedule, order=order, max_mbs=max_mbs,
+                **({} if recompute_modules is None else {"recompute_modules": _modules(recompute_modules)}))
     with _progress(not as_json) as bar:
         result = search(spec, cluster, workload, pins, runtime, efficiency=eff, top_k=top, time_limit_s=time_limit,
                         progress=bar)

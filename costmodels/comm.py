@@ -52,12 +52,14 @@ def reduce_scatter(bytes_: float, n: int, link: Link) -> float:
     return _ring("reduce_scatter", bytes_, n, link)
 
 
-def all_to_all(bytes_: float, n: int, link: Link) -> float:
+def all_to_all(bytes_: float, n: int, link: Link, dedup_top_k: int = 0) -> float:
     """Each rank sends (n-1)/n of its buffer to the others. Inside a node at the all-to-all bus bandwidth (NCCL
     reaches about 0.71 of NVLink with it, against 0.8 for rings: NVIDIA GTC25 S72583, slides 12-13). Across nodes
     it cannot be reduced hierarchically as a ring can: the (n-k)/n for the other nodes leaves through the GPU's own
     NIC while the (k-1)/n for its node's k-1 peers crosses NVLink (48 GB/s all-to-all busbw against 370 for
-    all-reduce on 32 DGX H100 GPUs, 8 x 400G NICs; same slides)."""
+    all-reduce on 32 DGX H100 GPUs, 8 x 400G NICs; same slides). A token dispatch deduplicated per node (DeepEP,
+    `dedup_top_k` copies per token) sends each token once to every other node holding one of its experts and
+    forwards it there over NVLink (DeepSeek-V3 report sec. 3.2.2): node_dedup_share of the off-node bytes."""
     if n <= 1 or bytes_ <= 0:
         return 0.0
     steps, share = ring_shape("all_to_all", n)
@@ -65,7 +67,22 @@ def all_to_all(bytes_: float, n: int, link: Link) -> float:
     if not link.crosses_nodes or not link.nic_bytes_per_s:
         return steps * link.latency_s + share * bytes_ / up
     k = max(1, link.ranks_per_node)
-    return steps * link.latency_s + max(bytes_ * (k - 1) / n / up, bytes_ * (n - k) / n / link.nic_bytes_per_s)
+    off_node = bytes_ * (n - k) / n
+    inside = bytes_ * (k - 1) / n
+    if dedup_top_k > 1:
+        inside += off_node * (k - 1) / k  # what arrives once per node is forwarded to its experts' GPUs
+        off_node *= node_dedup_share(dedup_top_k, max(1, n // k))
+    return steps * link.latency_s + max(inside / up, off_node / link.nic_bytes_per_s)
+
+
+def node_dedup_share(top_k: int, nodes: int) -> float:
+    """Off-node bytes of a per-node deduplicated dispatch over a plain one, with the top_k experts of a token on
+    uniformly random nodes among `nodes`: E[other nodes hit] = (N-1)(1-(1-1/N)^k) single copies instead of
+    k (N-1)/N (balanced routing; node-limited routing, DeepSeek-V3 sec. 2.1.2, would cap it further: not assumed)."""
+    if nodes <= 1 or top_k <= 1:
+        return 1.0
+    hit = (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k)
+    return hit / (top_k * (nodes - 1) / nodes)
 
 
 def p2p(bytes_: float, link: Link) -> float:

@@ -16,6 +16,12 @@ from hardware_db.errors import InputError
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
+# What selective recomputation re-runs in Megatron-Core (--recompute-modules; megatron/training/arguments.py, default
+# core_attn): the attention core, the two norms, MLA's up-projections and RoPE, a dense MLP, the MoE experts'
+# activation function, a whole MoE layer (router, dispatch, experts, combine), the shared experts.
+RecomputeModule = Literal["core_attn", "layernorm", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts"]
+RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
+DEFAULT_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn",)
 # How global ranks are numbered over the dense dimensions, innermost (fastest-varying) first.
 RankOrder = Literal["tp-cp-dp-pp", "tp-cp-pp-dp"]
 RANK_ORDERS: tuple[str, ...] = get_args(RankOrder)
@@ -88,6 +94,8 @@ class ParallelConfig(BaseModel):
     mbs: int = Field(default=1, gt=0)
     zero: Literal[0, 1, 2, 3] = 1  # 1 = Megatron's --use-distributed-optimizer
     recompute: Recompute = "none"
+    # what "selective" recomputes (Megatron --recompute-modules); used only where a stage recomputes selectively
+    recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES
     sp: bool | None = None  # default: on whenever tp > 1
     schedule: Schedule | None = None  # default: interleaved when vpp > 1, else 1f1b
     stage_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage; default: balanced
@@ -123,6 +131,9 @@ class Runtime(BaseModel):
     # (GPUSpec efficiency.memory_bandwidth); a class not listed runs fused (1.0)
     memory_kernels: tuple[tuple[str, float], ...] = ()
     ep_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute (DualPipe / 1F1B A2A)
+    # the EP token dispatcher: NCCL all-to-all, or DeepEP / HybridEP (one copy per destination node over the NIC,
+    # forwarded over NVLink: DeepSeek-V3 report sec. 3.2.2; Megatron-Core flex dispatcher)
+    ep_dispatch: Literal["all-to-all", "deepep"] = "all-to-all"
     # what "selective" recomputation means in this framework: Megatron's core attention (Korthikanti et al. 2022
     # sec. 5), or torchtitan's op-level SAC (saves matmul outputs but every other one and the attention output,
     # recomputes the rest: torchtitan parallelize_llama.py _save_list)
@@ -219,6 +230,8 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     "fa2": RuntimeOption("FlashAttention-2 kernels", (("attention_kernel", "fa2"),)),
     "ep-a2a-overlap": RuntimeOption("EP all-to-all hidden behind another micro-batch (DualPipe / Megatron 1F1B A2A "
                                     "overlap)", (("ep_overlap", True),)),
+    "deepep": RuntimeOption("DeepEP / HybridEP token dispatch: each token crosses the NIC once per node (Megatron-Core "
+                            "--moe-token-dispatcher-type flex)", (("ep_dispatch", "deepep"),)),
 }
 
 
@@ -262,6 +275,7 @@ class Layout:
     stage_recompute: tuple[StagePolicy, ...]  # recomputation per pipeline stage (pp entries)
     rank_order: RankOrder = DEFAULT_RANK_ORDER  # dense dims innermost first (group placement, estimate.group_ranks)
     chunks: tuple[int, ...] = ()  # decoder layers per model chunk, model order (resolve fills it: pp * vpp entries)
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" re-runs (RecomputeModule)
 
     @property
     def world(self) -> int:
@@ -381,10 +395,25 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     if sp and tp == 1:
         sp = False  # sequence parallel is a no-op without tensor parallel
     stage_recompute, recompute = _stage_recompute(cfg, stage_layers)
+    modules = check_recompute_modules(model, cfg.recompute_modules)
     return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cfg.cp_comm, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
                   num_microbatches=m, zero=cfg.zero, recompute=recompute, sp=sp, schedule=schedule,
                   stage_layers=stage_layers, stage_recompute=stage_recompute, rank_order=cfg.rank_order,
-                  chunks=chunks)
+                  chunks=chunks, recompute_modules=modules)
+
+
+def check_recompute_modules(model: ModelSpec, given: tuple[str, ...]) -> tuple[str, ...]:
+    """The selective-recompute modules, each once, in Megatron's order; refused where the model lacks the part."""
+    if not given:
+        raise InputError("--recompute-modules is empty: name at least one of " + ", ".join(RECOMPUTE_MODULES))
+    lacking = {"mla_up_proj": model.mla is None and "no multi-latent attention",
+               "moe_act": model.moe is None and "no experts", "moe": model.moe is None and "no experts",
+               "shared_experts": (model.moe is None or not model.moe.num_shared_experts) and "no shared experts"}
+    for name in given:
+        if lacking.get(name):
+            raise InputError(f"recompute module {name} needs a part {model.name} lacks ({lacking[name]}); "
+                             f"drop it from --recompute-modules")
+    return tuple(m for m in RECOMPUTE_MODULES if m in given)
 
 
 def _stage_recompute(cfg: ParallelConfig, stage_layers: tuple[int, ...]) -> tuple[tuple[StagePolicy, ...], str]:

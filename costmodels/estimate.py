@@ -9,14 +9,14 @@ from functools import cached_property
 from operator import attrgetter
 
 from costmodels import comm
-from costmodels.config import (DEFAULT_RANK_ORDER, Layout, ParallelConfig, Runtime, Workload, get_runtime,
+from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, Layout, ParallelConfig, Runtime, Workload, get_runtime,
                                DEFAULT_RUNTIME, resolve)
 from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdown, embedding_activation_bytes,
                                layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
                                stage_params, StageParams)
 from costmodels.model import ModelSpec
 from costmodels.ops import (ACT_BYTES, Block, Collective, Op, attention_half, embedding_block, head_block, memory_class,
-                           mlp_half, mtp_projection)
+                           mlp_half, mtp_projection, recompute_modules_of)
 from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
 from costmodels.realism import RealismCheck
 from costmodels.realism import check as realism_check
@@ -401,7 +401,7 @@ _RING = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather, "reduce_s
          "all_to_all": comm.all_to_all}
 
 
-def timed_collective(kind: str, bytes_: float, n: int, link: comm.Link, eff: Efficiency) -> float:
+def timed_collective(kind: str, bytes_: float, n: int, link: comm.Link, eff: Efficiency, dedup_top_k: int = 0) -> float:
     """A collective's seconds: the calibration's measured alpha + bytes / beta for this kind and group size inside
     one node (Hockney's model, fitted by costmodels/calibrate.py), else the ring formula of comm.py."""
     if n <= 1 or bytes_ <= 0:
@@ -409,11 +409,14 @@ def timed_collective(kind: str, bytes_: float, n: int, link: comm.Link, eff: Eff
     fit = eff.collective_fit(kind, n, link)
     if fit is not None:
         return fit[0] + bytes_ / fit[1]
+    if kind == "all_to_all":
+        return comm.all_to_all(bytes_, n, link, dedup_top_k)
     return comm.p2p(bytes_, link) if kind == "p2p" else _RING[kind](bytes_, n, link)
 
 
 def collective_time(c: Collective, n: int, link: comm.Link, eff: Efficiency) -> float:
-    return timed_collective(c.kind, c.bytes_, 2 if c.kind == "p2p" else n, link, eff)  # a P2P is between two ranks
+    return timed_collective(c.kind, c.bytes_, 2 if c.kind == "p2p" else n, link, eff,  # a P2P is between two ranks
+                            c.dedup_top_k)
 
 
 # ---- the estimate ------------------------------------------------------------------------------------------------
@@ -501,8 +504,37 @@ class PassCache:
         if found is None:
             attn, sel_attn = self._block(attn_key, attn_build, lay, links)
             mlp, sel_mlp = self._block(mlp_key, mlp_build, lay, links)
-            found = self.store[key] = (attn.plus(mlp), sel_attn + sel_mlp)
-        return found
+            found = self.store[key] = (self._ep_overlapped(attn, mlp), _merge_parts(sel_attn, sel_mlp))
+        return found[0], self._selective_s(found[1], lay)
+
+    def _ep_overlapped(self, attn: PassTimes, mlp: PassTimes) -> PassTimes:
+        """The layer (attention then MLP half). DualPipe and Megatron-Core's EP A2A overlap
+        (--overlap-moe-expert-parallel-comm) run one micro-batch's forward chunk beside another's backward chunk,
+        each all-to-all under one piece of the other's compute (DeepSeek-V3 report sec. 3.2.1, Fig. 4): the forward
+        dispatch under the paired MLP backward, the forward combine under the attention backward, the backward
+        dispatch under the MLP forward, the backward combine under the attention forward. Dispatch and combine
+        move the same bytes (half the block's all-to-all each); what is hidden slows the compute
+        (kernels.CONTENTION_SM)."""
+        layer = attn.plus(mlp)
+        tf, tb = mlp.fwd_comm.get("ep", 0.0), mlp.bwd_comm.get("ep", 0.0)
+        if not self.rt.ep_overlap or tf + tb <= 0:
+            return layer
+        ph = self.eff.physics
+
+        def hidden(comm_s: float, window_a: float, window_b: float) -> float:
+            return overlapped_exposed(comm_s / 2, window_a, 0.0, ph) + overlapped_exposed(comm_s / 2, window_b, 0.0, ph)
+
+        mlp_bwd = mlp.bwd_input_compute + mlp.bwd_weight_compute
+        attn_bwd = attn.bwd_input_compute + attn.bwd_weight_compute
+        fwd_comm = {**layer.fwd_comm, "ep": hidden(tf, mlp_bwd, attn_bwd)}
+        bwd_comm = {**layer.bwd_comm, "ep": hidden(tb, mlp.fwd_compute, attn.fwd_compute)}
+        return dataclasses.replace(layer, fwd_comm=fwd_comm, bwd_comm=bwd_comm)
+
+    def _selective_s(self, parts: "RecomputeParts", lay) -> float:
+        """Forward seconds selective recomputation re-runs: torchtitan's op-SAC share, or the layout's modules."""
+        if self.rt.selective == "op-sac":
+            return dict(parts).get("op-sac", 0.0)
+        return sum(t for m, t in parts if m in lay.recompute_modules)
 
     def layer_times(self, i: int, mode: str, lay, links) -> PassTimes:
         base, selective = self.layer(i, lay, links)
@@ -539,12 +571,17 @@ class PassCache:
         gradients and the recomputation) from the halves' totals alone: what the planner's work bounds read, for
         thousands of layer keys, without composing PassTimes."""
         model = self.model
+        if self.rt.ep_overlap and model.is_moe_layer(i):  # the overlap pairs the halves' passes (_ep_overlapped)
+            base, selective = self.layer(i, lay, links)
+            again = base.forward if mode == "full" else selective if mode == "selective" else 0.0
+            return base.forward, base.backward_input + base.bwd_weight_compute + again
         attn = self._totals(self._key("attention", lay, links), lambda: attention_half(model, lay, self.wl, self.rt),
                             lay, links)
         mlp = self._totals(self._key("moe" if model.is_moe_layer(i) else "mlp", lay, links),
                            lambda: mlp_half(model, i, lay, self.wl, self.rt), lay, links)
         forward = attn[0] + mlp[0]
-        again = forward if mode == "full" else attn[2] + mlp[2] if mode == "selective" else 0.0  # _with_recompute
+        selective = self._selective_s(_merge_parts(attn[2], mlp[2]), lay) if mode == "selective" else 0.0
+        again = forward if mode == "full" else selective  # as _with_recompute
         return forward, attn[1] + mlp[1] + again
 
     def edges_fb(self, lay, links) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -561,8 +598,8 @@ class PassCache:
             b += model.num_mtp_layers * (proj[1] + layer_b + head[1])
         return (emb[0], emb[1]), (f, b)
 
-    def _totals(self, key: tuple, build, lay, links) -> tuple[float, float, float]:
-        """A block's (forward, backward without recomputation, selective part), cached beside its passes."""
+    def _totals(self, key: tuple, build, lay, links) -> tuple[float, float, "RecomputeParts"]:
+        """A block's (forward, backward without recomputation, recompute parts), cached beside its passes."""
         found = self.store.get(("totals", key))
         if found is None:
             t, sel = self._block(key, build, lay, links)
@@ -574,7 +611,7 @@ class PassCache:
         fields, dims = _BLOCK_GETTERS[name]
         return (name, fields(lay), *[links[d] for d in dims])
 
-    def _block(self, key: tuple, build, lay, links) -> tuple[PassTimes, float]:
+    def _block(self, key: tuple, build, lay, links) -> tuple[PassTimes, "RecomputeParts"]:
         found = self.store.get(key)
         if found is None:
             block = build()
@@ -583,9 +620,11 @@ class PassCache:
             found = self.store[key] = self._passes_of(block, lay, links)
         return found
 
-    def _passes_of(self, block: Block, lay, links) -> tuple[PassTimes, float]:
-        """The block's passes without recomputation, and the forward time of its selective-recompute operators."""
-        fwd = bwd_i = bwd_w = sel = 0.0
+    def _passes_of(self, block: Block, lay, links) -> tuple[PassTimes, "RecomputeParts"]:
+        """The block's passes without recomputation, and the forward seconds of what each recompute module (and
+        torchtitan's op-SAC, as "op-sac") would re-run."""
+        fwd = bwd_i = bwd_w = 0.0
+        parts: dict[str, float] = {}
         attn_core = attn_core_bwd = 0.0
         eff = self.eff
         for op in block.ops:
@@ -613,10 +652,9 @@ class PassCache:
                     attn_core_bwd += b
                 bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, eff, True,
                                  depth=m, **kw)
-            if self.rt.selective == "op-sac":
-                sel += f * op_sac_recomputed(op, self.model)
-            elif op.selective:
-                sel += f
+            parts["op-sac"] = parts.get("op-sac", 0.0) + f * op_sac_recomputed(op, self.model)
+            for m in recompute_modules_of(op, block.name):
+                parts[m] = parts.get(m, 0.0) + f
             if op.kind == "attention" or op.name.startswith("attn_"):
                 attn_core += f
         if block.name == "attention" and eff.layer_overhead:  # once per decoder layer: its measured framework cost
@@ -636,15 +674,14 @@ class PassCache:
             if c.overlappable == "cp":  # the ring exchange runs under the attention steps (kernels.ring_cp_exposed)
                 tf = ring_cp_exposed(tf, attn_core, lay.cp, False, eff.physics)
                 tb = ring_cp_exposed(tb, attn_core_bwd or 2.5 * attn_core, lay.cp, True, eff.physics)
-            elif c.overlappable == "ep" and self.rt.ep_overlap:
-                # DualPipe / Megatron's 1F1B A2A overlap run one micro-batch's dispatch and combine under another's
-                # compute (a layer's worth: the block's passes here); DeepSeek's H800 trace hides 96 % of it
-                # (deepseek-ai/profile-data, train.json) with 20 of 132 SMs on communication (kernels.CONTENTION_SM)
-                tf = overlapped_exposed(tf, fwd, 0.0, eff.physics)
-                tb = overlapped_exposed(tb, bwd_i + bwd_w, 0.0, eff.physics)
+            # with rt.ep_overlap the EP all-to-all stays raw here: PassCache.layer hides it under a paired pass
             fwd_comm[c.dim] = fwd_comm.get(c.dim, 0.0) + tf
             bwd_comm[c.dim] = bwd_comm.get(c.dim, 0.0) + tb
-        return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, 0.0), sel
+            # a recomputed dense MLP or MoE layer runs its own TP pair / dispatch and combine again
+            again = {"mlp": ("mlp",), "moe": ("moe",)}.get(block.name, ())
+            for m in again:
+                parts[m] = parts.get(m, 0.0) + tf
+        return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, 0.0), tuple(sorted(parts.items()))
 
 
 class CostContext:
@@ -685,7 +722,7 @@ class CostContext:
     def share_layer_cache(self, other: "CostContext") -> None:
         """Reuse another context's per-layer costs: valid when tp, cp, cp_comm, sp, mbs, ep and etp agree (and, with
         ZeRO-3's per-layer gathers in them, the DP groups)."""
-        names = ("tp", "cp", "cp_comm", "sp", "mbs", "ep", "etp")
+        names = ("tp", "cp", "cp_comm", "sp", "mbs", "ep", "etp", "recompute_modules")
         if self.lay.zero == 3 or other.lay.zero == 3:
             names += ("zero", "dp", "edp", "rank_order")
         for name in names:
@@ -816,9 +853,19 @@ def buffer_bytes(model: ModelSpec, zero: int, tp: int) -> float:
     return buffers
 
 
+RecomputeParts = tuple[tuple[str, float], ...]  # (recompute module or "op-sac", forward seconds it re-runs)
+
+
+def _merge_parts(a: RecomputeParts, b: RecomputeParts) -> RecomputeParts:
+    out = dict(a)
+    for k, v in b:
+        out[k] = out.get(k, 0.0) + v
+    return tuple(sorted(out.items()))
+
+
 def _with_recompute(base: PassTimes, recompute: str, selective_s: float) -> PassTimes:
-    """Full recomputation re-runs the whole forward, its communication included; selective only the attention core
-    (Korthikanti et al. 2022, sec. 5)."""
+    """Full recomputation re-runs the whole forward, its communication included; selective what its modules re-run
+    (the attention core by default: Korthikanti et al. 2022, sec. 5)."""
     re = base.forward if recompute == "full" else selective_s if recompute == "selective" else 0.0
     return PassTimes(base.fwd_compute, base.bwd_input_compute, base.bwd_weight_compute, base.fwd_comm, base.bwd_comm, re)
 
@@ -864,6 +911,9 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     variants share their pipeline and differ only after it) and each schedule's pass order."""
     lay = resolve(model, cluster.num_gpus, workload, cfg)
     rt = get_runtime(runtime)
+    if rt.selective == "op-sac" and lay.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
+        raise InputError(f"{rt.name} has no --recompute-modules (its selective recompute is per-operator SAC); "
+                         f"drop --recompute-modules or use a megatron-core runtime")
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
     ctx = context.derive(lay) if context is not None else CostContext(model, cluster, workload, lay, rt, eff)
     ranges = stage_ranges(lay)
@@ -950,7 +1000,7 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
 
     tokens = workload.tokens
     model_flops = model_flops_per_step(model, workload)
-    hw_flops = model_flops + recompute_flops_per_step(model, workload, modes)
+    hw_flops = model_flops + recompute_flops_per_step(model, workload, modes, lay.recompute_modules)
     gpus = cluster.num_gpus
     peak = ctx.peak_fp8 if workload.dtype == "fp8" else ctx.peak16
     est = Estimate(
@@ -1055,15 +1105,34 @@ def model_flops_per_step(model: ModelSpec, wl: Workload) -> float:
     return (6 * n + attn) * wl.tokens
 
 
-def recompute_flops_per_step(model: ModelSpec, wl: Workload, modes: tuple[str, ...]) -> float:
+def recompute_flops_per_step(model: ModelSpec, wl: Workload, modes: tuple[str, ...],
+                             modules: tuple[str, ...] = ("core_attn",)) -> float:
     """Extra forward FLOPs recomputation executes (counted in HFU, not MFU; Korthikanti et al. 2022, sec. 6):
-    the whole layer's forward under full, the attention core (causal half, as above) under selective."""
+    the whole layer's forward under full; under selective its modules' matmuls (2 FLOPs per weight per token; the
+    attention core's causal half, as above)."""
     d = model.head_size if model.mla is None else model.mla.qk_head_dim
-    core = 2 * model.num_heads * wl.seq_len * d
     total = 0.0
     for i, mode in enumerate(modes):
+        core = 2 * model.num_heads * wl.seq_len * d
         if mode == "full":
             total += 2 * model.layer_params(i, active_only=True) + core
         elif mode == "selective":
-            total += core
+            total += _selective_flops_per_token(model, i, modules, core)
     return total * wl.tokens
+
+
+def _selective_flops_per_token(model: ModelSpec, i: int, modules: tuple[str, ...], core: float) -> float:
+    total = core if "core_attn" in modules else 0.0
+    a, moe = model.mla, model.moe
+    if "mla_up_proj" in modules and a is not None:
+        total += 2 * model.num_heads * ((a.q_lora_rank or 0) * a.qk_head_dim
+                                        + a.kv_lora_rank * (a.qk_nope_head_dim + a.v_head_dim))
+    if not model.is_moe_layer(i):
+        return total + (2 * model.mlp_params(model.ffn_hidden) if "mlp" in modules else 0.0)
+    assert moe is not None
+    shared = moe.num_shared_experts * model.mlp_params(moe.shared_hidden) if moe.num_shared_experts else 0
+    if "moe" in modules:
+        total += 2 * (moe.top_k * model.mlp_params(moe.expert_ffn_hidden) + shared + model.hidden * moe.num_experts)
+    elif "shared_experts" in modules:
+        total += 2 * shared
+    return total

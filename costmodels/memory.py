@@ -107,23 +107,34 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
     gin = 1.0 if wl.dtype == "fp8" else ACT_BYTES
     if recompute == "selective" and rt.selective == "op-sac":
         return _op_sac_bytes(model, index, lay, wl)
-    # Outside the TP region (sharded only by SP): two norm inputs, the inputs of the QKV and first MLP linears,
-    # two dropout masks: Korthikanti's replicated 10sbh (Eq. 2), /t with sequence parallel (Eq. 4).
-    outside = (2 * ACT_BYTES + 2 * gin + 2 * mask) * sbh / sp
+    # What selective recomputation drops (Megatron-Core --recompute-modules; config.RecomputeModule): the module's
+    # outputs are freed after the forward and rebuilt in the backward from its kept input.
+    drops = set(lay.recompute_modules) if recompute == "selective" else set()
+    # Outside the TP region (sharded only by SP): two norm inputs, the inputs of the QKV and first MLP linears (the
+    # norms' outputs: dropped under layernorm), two dropout masks: Korthikanti's 10sbh (Eq. 2), /t with SP (Eq. 4).
+    norm_out = 0.0 if "layernorm" in drops else 2 * gin
+    outside = (2 * ACT_BYTES + norm_out + 2 * mask) * sbh / sp
     if model.mla is None:
         q = model.num_heads * model.head_size
         kv = model.kv_heads * model.head_size
         v_dim = q
+        latents = 0.0
     else:
-        q = model.num_heads * model.mla.qk_head_dim
-        kv = model.num_heads * (model.mla.qk_head_dim + model.mla.v_head_dim) / 2
-        v_dim = model.num_heads * model.mla.v_head_dim
-    # Inside the TP region: Q, K, V for the core and the core output feeding the out-projection (8sbh/t for MHA).
-    attn = (ACT_BYTES * (q + 2 * kv) + gin * v_dim) * s * b / t
+        a = model.mla
+        q = model.num_heads * a.qk_head_dim
+        kv = model.num_heads * (a.qk_head_dim + a.v_head_dim) / 2
+        v_dim = model.num_heads * a.v_head_dim
+        # the up-projections' inputs: the query and KV latents and the RoPE key, not split by TP in Megatron's MLA
+        # (DeepSeek-V2 sec. 2.1.2; multi_latent_attention.py)
+        latents = (gin * ((a.q_lora_rank or 0) + a.kv_lora_rank) + ACT_BYTES * a.qk_rope_head_dim) * s * b
+    # Inside the TP region: Q, K, V for the core (dropped under mla_up_proj, which rebuilds them from the latents)
+    # and the core output feeding the out-projection (8sbh/t for MHA).
+    qkv = 0.0 if "mla_up_proj" in drops else ACT_BYTES * (q + 2 * kv)
+    attn = (qkv + gin * v_dim) * s * b / t + latents
     heads = model.num_heads / t
     if rt.flash_attention:
         attn += 4 * b * heads * s  # fp32 log-sum-exp per query row (FlashAttention-2)
-    elif recompute != "selective":
+    elif "core_attn" not in drops:
         # softmax output (2), dropout mask (1), dropout output (2) per score: 5as^2b/t (Korthikanti Eq. 1)
         attn += (2 + mask + (ACT_BYTES if wl.uses_dropout(rt) else 0)) * b * heads * s * s
     if model.is_moe_layer(index):
@@ -131,15 +142,19 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
         assert moe is not None
         assignments = s * b / t * moe.top_k * wl.moe_imbalance
         ffn = moe.expert_ffn_hidden / lay.etp
-        # permuted expert inputs and the experts' activation tensors (the last one the down projection's input)
-        mlp = assignments * (gin * h + _act_bytes(model, ffn, gin)) * lay.etp
-        if moe.num_shared_experts:
+        # permuted expert inputs and the experts' activation tensors (the last one, the down projection's input, is
+        # the activation's output: dropped under moe_act)
+        kept = _act_bytes(model, ffn, gin) - (gin * ffn if "moe_act" in drops else 0.0)
+        mlp = assignments * (gin * h + kept) * lay.etp
+        if moe.num_shared_experts and "shared_experts" not in drops:
             f = moe.num_shared_experts * moe.shared_hidden
             mlp += s * b * _act_bytes(model, f, gin) / t
+        if "moe" in drops:  # the whole MoE layer re-runs from its input (the pre-MLP norm's output, kept)
+            mlp = 0.0
     else:
         f = model.ffn_hidden
         # MLP activation input(s) and output: GELU/ReLU^2 2x(sbf) (16sbh/t at f=4h), SwiGLU gate, up and product 3x(sbf)
-        mlp = s * b * _act_bytes(model, f, gin) / t
+        mlp = 0.0 if "mlp" in drops else s * b * _act_bytes(model, f, gin) / t
     return outside + attn + mlp
 
 

@@ -52,6 +52,7 @@ class Collective:
     fwd_count: int  # times in the forward pass
     bwd_count: int  # times in the backward pass
     overlappable: Literal["tp", "cp", "ep", "none"] = "none"
+    dedup_top_k: int = 0  # an EP token dispatch deduplicated per destination node (DeepEP): its copies per token
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,30 @@ def memory_class(name: str) -> str | None:
     if base == "dropout_add":
         return "residual_add"
     return base if base in MEMORY_CLASSES else None
+
+
+def recompute_modules_of(op: Op, block: str) -> tuple[str, ...]:
+    """The Megatron-Core recompute modules (config.RecomputeModule) whose checkpoint re-runs this operator of a
+    block: core_attn wraps the attention core (attention.py _checkpointed_attention_forward), layernorm the two
+    norms (transformer_layer.py), mla_up_proj the query/KV up-projections with RoPE (multi_latent_attention.py
+    qkv_up_checkpoint), mlp a dense MLP, moe the whole MoE layer, moe_act the experts' activation (experts.py),
+    shared_experts the shared MLP (moe_layer.py). An FP8 cast goes with its GEMM."""
+    name = op.name.removeprefix("fp8_cast_")
+    if op.selective:
+        return ("core_attn",)
+    if name in ("norm1", "norm2"):
+        return ("layernorm",)
+    if block == "attention":
+        return ("mla_up_proj",) if name in ("q_up_proj", "kv_up_proj", "rope") else ()
+    if block == "mlp":
+        return ("mlp",)
+    if block != "moe":
+        return ()
+    if name.startswith("shared_"):
+        return ("moe", "shared_experts")
+    if name in ("expert_swiglu", "expert_gelu", "expert_relu2"):
+        return ("moe", "moe_act")
+    return ("moe",)
 
 
 def gemm(name: str, m: float, n: float, k: float, dtype_scale: float = 1.0, weight: bool = True) -> Op:
@@ -273,7 +298,7 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
     if lay.ep > 1:
         # Dispatch and combine: each rank sends its token copies to the experts' owners (GShard, Lepikhin 2020).
         comms.append(Collective("ep_all_to_all", "all_to_all", "ep", ACT_BYTES * assignments * h, 2, 2,
-                                overlappable="ep"))
+                                overlappable="ep", dedup_top_k=moe.top_k if rt.ep_dispatch == "deepep" else 0))
     if lay.etp > 1:
         comms.append(Collective("etp_all_gather", "all_gather", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
         comms.append(Collective("etp_reduce_scatter", "reduce_scatter", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, RANK_ORDERS, ParallelConfig, RankOrder,
-                               Schedule, StagePolicy, Workload, get_runtime, resolve)
+from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RANK_ORDERS, ParallelConfig,
+                               RankOrder, RecomputeModule, Schedule, StagePolicy, Workload, get_runtime, resolve)
 from costmodels.estimate import Simulated
 from costmodels.memory import FRAGMENTATION
 from costmodels.model import ModelSpec
@@ -197,6 +197,9 @@ class MemoryStage(_Frozen):
 class Memory(_Frozen):
     zero: Literal[0, 1, 2, 3]
     recompute: str = Field(description="none | selective | full | full:k | per-stage (the layout's summary)")
+    recompute_modules: list[RecomputeModule] = Field(
+        default_factory=lambda: list(DEFAULT_RECOMPUTE_MODULES),
+        description="what selective recomputation re-runs (Megatron-Core --recompute-modules)")
     fragmentation: float = Field(ge=0, description="allocator fragmentation allowance, a fraction of the rest")
     stages: list[MemoryStage]
 
@@ -225,6 +228,7 @@ class PredictedLayout(_Frozen):
     stage_recompute: list[StagePolicy]
     rank_order: RankOrder = DEFAULT_RANK_ORDER
     chunks: list[int] = Field(default_factory=list, description="decoder layers per model chunk, model order")
+    recompute_modules: list[RecomputeModule] = Field(default_factory=lambda: list(DEFAULT_RECOMPUTE_MODULES))
 
 
 class PredictedStage(_Frozen):
@@ -399,7 +403,8 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
                   cp_comm=lay.cp_comm, rank_order=lay.rank_order.split("-"), world_size=lay.world),
         pipeline=Pipeline(schedule=lay.schedule, vpp=lay.vpp, micro_batch_size=lay.mbs,
                           num_microbatches=lay.num_microbatches, global_batch=workload.global_batch, stages=stages),
-        memory=Memory(zero=lay.zero, recompute=lay.recompute, fragmentation=FRAGMENTATION, stages=memory_stages),
+        memory=Memory(zero=lay.zero, recompute=lay.recompute, recompute_modules=list(lay.recompute_modules),
+                      fragmentation=FRAGMENTATION, stages=memory_stages),
         prediction=Prediction(**predicted, stage_time_s=_stage_times(simulated)),
         search=None if account is None else _search_info(account, rank, bound_s, partition_status),
     )
@@ -415,7 +420,8 @@ def plan_config(plan: Plan) -> tuple[ModelSpec, Cluster, Workload, ParallelConfi
         etp=mesh.etp, mbs=pipe.micro_batch_size, zero=plan.memory.zero, recompute=uniform, sp=mesh.sp,
         schedule=pipe.schedule, stage_layers=tuple(s.num_layers for s in pipe.stages),
         chunk_layers=tuple(pipe.stages[r].chunks[v].num_layers for v in range(pipe.vpp) for r in range(mesh.pp)),
-        stage_recompute=tuple(s.recompute for s in pipe.stages), rank_order="-".join(mesh.rank_order))
+        stage_recompute=tuple(s.recompute for s in pipe.stages), rank_order="-".join(mesh.rank_order),
+        recompute_modules=tuple(plan.memory.recompute_modules))
     inputs = plan.inputs
     return inputs.model_spec(), inputs.cluster.cluster(), inputs.workload, config, inputs.runtime
 

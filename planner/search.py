@@ -23,7 +23,8 @@ from typing import Callable
 
 import numpy as np
 
-from costmodels.config import ParallelConfig, StagePolicy, Workload, get_runtime, resolve, DEFAULT_RUNTIME
+from costmodels.config import (DEFAULT_RECOMPUTE_MODULES, DEFAULT_RUNTIME, ParallelConfig, StagePolicy, Workload,
+                               get_runtime, resolve)
 from costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, Estimate, buffer_bytes,
                                  fp8_weight_cast_s, simulate_config, stage_p2p_s, stage_ranges)
 from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, layer_activation_bytes,
@@ -137,7 +138,7 @@ def search(model: ModelSpec, cluster: Cluster, wl: Workload, pins: Pins = Pins()
     start = time.perf_counter()
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
     enum = enumerate_space(model, cluster.num_gpus, cluster.gpus_per_node, wl, pins, rt)
-    s = _Search(model, cluster, wl, rt.name, eff, enum, top_k)
+    s = _Search(model, cluster, wl, rt.name, eff, enum, top_k, pins.recompute_modules)
     deadline = None if time_limit_s is None else start + time_limit_s
     timed_out = s.run(deadline, progress)
     return s.result(time.perf_counter() - start, timed_out)
@@ -145,8 +146,9 @@ def search(model: ModelSpec, cluster: Cluster, wl: Workload, pins: Pins = Pins()
 
 class _Search:
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, runtime: str, eff: Efficiency,
-                 enum: Enumeration, top_k: int):
+                 enum: Enumeration, top_k: int, modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES):
         self.model, self.cluster, self.wl, self.runtime, self.eff, self.enum = model, cluster, wl, runtime, eff, enum
+        self.modules = modules  # what selective recomputation re-runs (Pins.recompute_modules)
         self.rt = get_runtime(runtime)
         self.best = _Best(top_k)
         self.cap = cluster.gpu.hbm_gib.value * GIB
@@ -206,7 +208,7 @@ class _Search:
         return ParallelConfig(tp=m.tp, pp=m.pp, vpp=cand.vpp, dp=m.dp, cp=m.cp, cp_comm=cand.cp_comm, ep=m.ep,
                               etp=m.etp, mbs=cand.mbs, zero=cand.zero, recompute=uniform, sp=cand.sp,
                               schedule=cand.schedule, stage_layers=stage_layers, stage_recompute=policies,
-                              chunk_layers=chunks, rank_order=m.order)
+                              chunk_layers=chunks, rank_order=m.order, recompute_modules=cand.modules)
 
     def _context(self, cand: Candidate) -> CostContext:
         """Per-layer costs are shared by every candidate with the same layer key; links by the same mesh."""
@@ -610,7 +612,7 @@ class _Search:
                 self._count(self.pruned, "dominated: sequence parallel is no slower and uses less memory",
                             len(g.zeros) * len(g.recomputes_for(vpp)))
                 continue
-            cands += [Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec) for zero in g.zeros
+            cands += [Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec, self.modules) for zero in g.zeros
                       for rec in g.recomputes_for(vpp)]
         # the memory floor first (the group's candidates at once): it needs no context, and most memory-hungry
         # candidates fail it. It holds for virtual stages too: interleaving keeps ((p-r-1) 2 + (v-1) p + 1)
@@ -914,7 +916,8 @@ class _Search:
         """Sequence parallelism is never slower and never uses more memory than plain TP for this mesh: every
         block's pass times (each recompute mode) and activations are no larger with it (checked, not assumed;
         once per layer key, from the PassCache)."""
-        on, off = (Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), "1f1b", 1, "none") for sp in (True, False))
+        on, off = (Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), "1f1b", 1, "none", self.modules)
+                   for sp in (True, False))
         key = on.layer_key
         if key not in self.sp_dominance:
             links = self._links(g.mesh)

@@ -18,8 +18,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from costmodels.model import ModelSpec
-from costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, RankOrder, Runtime, Workload, even_chunks,
-                               split_evenly)
+from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RankOrder, RecomputeModule,
+                               Runtime, Workload, check_recompute_modules, even_chunks, split_evenly)
 from hardware_db.errors import InputError
 
 RecomputeChoice = Literal["none", "selective", "full", "per-stage"]
@@ -53,6 +53,8 @@ class Pins(BaseModel):
     sp: bool | None = None
     schedule: Literal["1f1b", "interleaved", "gpipe", "zb"] | None = None
     order: RankOrder | None = None  # rank order (ParallelConfig.rank_order)
+    # what selective recomputation re-runs, wherever the search picks it (ParallelConfig.recompute_modules)
+    recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES
     max_mbs: int = Field(default=16, gt=0)  # micro-batch sizes searched: divisors of gbs/dp up to this
 
 
@@ -84,6 +86,7 @@ class LayerKey:
     mbs: int
     ep: int
     etp: int
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" re-runs
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,12 @@ class Candidate:
     schedule: str
     vpp: int
     recompute: RecomputeChoice
+    modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # Pins.recompute_modules
 
     @property
     def layer_key(self) -> LayerKey:
         m = self.mesh
-        return LayerKey(m.tp, m.cp, self.cp_comm, self.sp, self.mbs, m.ep, m.etp)
+        return LayerKey(m.tp, m.cp, self.cp_comm, self.sp, self.mbs, m.ep, m.etp, self.modules)
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.mbs * self.mesh.dp)
@@ -365,6 +369,10 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins, runtim
             prod *= v
     if num_gpus % prod:
         raise InputError(f"the pinned degrees multiply to {prod}, which does not divide the {num_gpus} GPUs")
+    check_recompute_modules(model, pins.recompute_modules)
+    if runtime is not None and runtime.selective == "op-sac" and pins.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
+        raise InputError(f"{runtime.name} has no --recompute-modules (its selective recompute is per-operator SAC); "
+                         f"drop --recompute-modules or use a megatron-core runtime")
     if pins.ep is not None and model.moe is None:
         raise InputError(f"--ep given but {model.name} has no experts")
     if pins.etp is not None and model.moe is None:

@@ -51,6 +51,8 @@ def megatron_plans():
         ("llama-405b tp8 pp16 first/last", llama_405b()),
         ("llama-405b tp8 pp16 vpp2 layout", llama_405b(vpp=2)),
         ("deepseek-v3 pp16 ep64", deepseek_v3()),
+        ("deepseek-v3 recompute modules", deepseek_v3(recompute="selective",
+                                                      recompute_modules=("layernorm", "mla_up_proj", "moe_act"))),
         ("even vpp2", small(tp=2, pp=2, vpp=2)),
         ("uneven middle", small(tp=2, pp=4, stage_layers=(3, 2, 4, 3))),
         ("first/last with vpp", small(tp=2, pp=4, vpp=2, stage_layers=(2, 4, 4, 2))),

@@ -67,7 +67,7 @@ def test_golden_deepseek_v3_megatron():
     assert megatron_args(deepseek_v3()) == [
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "16",
         "--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "2",
-        "--expert-model-parallel-size", "64", "--expert-tensor-parallel-size", "1",
+        "--expert-model-parallel-size", "64", "--expert-tensor-parallel-size", "1", "--moe-grouped-gemm",
         "--use-distributed-optimizer", "--micro-batch-size", "1", "--global-batch-size", "15360", "--bf16",
         "--overlap-grad-reduce", "--overlap-param-gather",
         "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432", "--num-attention-heads", "128",

@@ -15,7 +15,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from costmodels.config import PP_INSIDE_DP, ParallelConfig, StagePolicy, Workload, get_runtime, split_evenly
+from costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RECOMPUTE_MODULES, ParallelConfig, StagePolicy,
+                               Workload, get_runtime, split_evenly)
 from costmodels.model import ModelSpec
 from hardware_db.errors import InputError
 from planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
@@ -41,7 +42,10 @@ def _argv(settings: list[Setting]) -> list[str]:
     for name, value in settings:
         if value is None or value is False:
             continue
-        argv += [_flag(name)] if value is True else [_flag(name), str(value)]
+        if isinstance(value, (list, tuple)):  # nargs="*" flags (--recompute-modules a b)
+            argv += [_flag(name), *map(str, value)]
+        else:
+            argv += [_flag(name)] if value is True else [_flag(name), str(value)]
     return argv
 
 
@@ -206,8 +210,9 @@ def parallel_settings(plan: Plan) -> list[Setting]:
     s += _pipeline_settings(plan, model.num_mtp_layers)
     s += [("context_parallel_size", mesh.cp if mesh.cp > 1 else None),
           ("cp_comm_type", {"ring": "p2p", "a2a": "a2a"}[mesh.cp_comm] if mesh.cp > 1 else None)]
-    if model.moe is not None:
-        s += [("expert_model_parallel_size", mesh.ep), ("expert_tensor_parallel_size", mesh.etp)]
+    if model.moe is not None:  # the experts run as one grouped GEMM, as the cost model prices them (ops.mlp_half)
+        s += [("expert_model_parallel_size", mesh.ep), ("expert_tensor_parallel_size", mesh.etp),
+              ("moe_grouped_gemm", True)]
     s += [("sequence_parallel", mesh.sp), ("use_tp_pp_dp_mapping", "-".join(mesh.rank_order) == PP_INSIDE_DP)]
     zero = plan.memory.zero
     if zero == 1:
@@ -221,6 +226,9 @@ def parallel_settings(plan: Plan) -> list[Setting]:
                      "re-plan with --recompute none, selective or full") from None
     if kind == "selective":
         s.append(("recompute_granularity", "selective"))
+        modules = list(plan.memory.recompute_modules)
+        if modules != list(DEFAULT_RECOMPUTE_MODULES):  # megatron-core's default is core_attn alone
+            s.append(("recompute_modules", modules))
     elif kind == "full" and k is None:
         s += [("recompute_granularity", "full"), ("recompute_method", "uniform"), ("recompute_num_layers", 1)]
     elif kind == "full":
@@ -285,13 +293,15 @@ def _parser() -> argparse.ArgumentParser:
     switches = ["group_query_attention", "multi_latent_attention", "swiglu", "squared_relu",
                 "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias", "sequence_parallel",
                 "use_tp_pp_dp_mapping", "use_distributed_optimizer", "use_megatron_fsdp", "use_torch_fsdp2", "bf16",
-                "fp16", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"]
+                "fp16", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                "moe_grouped_gemm"]
     for name in ints:
         p.add_argument(_flag(name), dest=name, type=int)
     for name in strs:
         p.add_argument(_flag(name), dest=name)
     for name in switches:
         p.add_argument(_flag(name), dest=name, action="store_true")
+    p.add_argument("--recompute-modules", dest="recompute_modules", nargs="*")
     return p
 
 
@@ -465,6 +475,10 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
     if a.use_torch_fsdp2:
         zero = 3
     recompute, stage_recompute = "none", None
+    modules = tuple(a.recompute_modules) if a.recompute_modules else DEFAULT_RECOMPUTE_MODULES
+    unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+    if unknown:
+        raise InputError(f"--recompute-modules {' '.join(unknown)}: choose from {', '.join(RECOMPUTE_MODULES)}")
     if a.recompute_granularity == "selective":
         recompute = "selective"
     elif a.recompute_granularity == "full":
@@ -484,7 +498,8 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
         cp_comm="a2a" if a.cp_comm_type == "a2a" else "ring", ep=a.expert_model_parallel_size or 1,
         etp=a.expert_tensor_parallel_size, mbs=a.micro_batch_size or 1, zero=zero, recompute=recompute,
         sp=a.sequence_parallel and tp > 1, stage_layers=stage_layers, stage_recompute=stage_recompute,
-        chunk_layers=chunk_layers, rank_order=PP_INSIDE_DP if a.use_tp_pp_dp_mapping else "tp-cp-dp-pp")
+        chunk_layers=chunk_layers, rank_order=PP_INSIDE_DP if a.use_tp_pp_dp_mapping else "tp-cp-dp-pp",
+        recompute_modules=modules)
     num_gpus = (nodes or 1) * per_node if per_node else None
     given = tuple((k, v) for k, v in vars(a).items() if v not in (None, False))
     return LaunchSpec(config=config, workload=workload, num_gpus=num_gpus, gpus_per_node=per_node, model=model,

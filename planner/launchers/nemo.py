@@ -26,7 +26,8 @@ MODEL_PARALLEL = {"tensor_model_parallel_size", "pipeline_model_parallel_size", 
                   "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
                   "pipeline_model_parallel_layout", "context_parallel_size", "cp_comm_type",
                   "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
-                  "recompute_granularity", "recompute_method", "recompute_num_layers"}
+                  "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+                  "moe_grouped_gemm"}
 DDP = {"use_distributed_optimizer", "use_megatron_fsdp", "data_parallel_sharding_strategy"}
 
 
