@@ -77,6 +77,7 @@ class Parallel(BaseModel):
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: int | None = Field(default=None, gt=0)  # full recompute of this many layers per stage
     # selective only: Megatron-Core --recompute-modules as the recipe sets them (default core_attn)
+    offload_layers: int = Field(default=0, ge=0)  # Megatron cpu_offloading_num_layers (activations on the host)
     recompute_modules: tuple[Literal["core_attn", "layernorm", "mla_up_proj", "mlp", "moe_act", "moe",
                                      "shared_experts"], ...] | None = None
     sp: bool | None = None  # default: on with tp > 1

@@ -187,6 +187,7 @@ def run_config(run: Run, model: ModelSpec) -> ParallelConfig:
                           ep=p.ep, etp=p.etp, mbs=p.mbs, zero=p.zero, recompute=p.recompute, sp=p.sp,
                           schedule=schedule, stage_layers=stage_layers, chunk_layers=chunk_layers,
                           stage_recompute=stage_recompute, rank_order=p.rank_order or "tp-cp-dp-pp",
+                          offload_layers=p.offload_layers,
                           **({"recompute_modules": p.recompute_modules} if p.recompute_modules else {}))
 
 

@@ -198,6 +198,10 @@ def estimate(
         "--recompute", rich_help_panel=P_PAR,
         help="Activation recomputation: none, selective (attention core) or full (whole layer) (default none).")] = None,
     recompute_modules: RecomputeModulesOpt = None,
+    offload_layers: Annotated[Optional[int], typer.Option(
+        "--offload-layers", min=0, rich_help_panel=P_PAR, help=(
+            "Keep this many decoder layers' activations in host memory between forward and backward (Megatron "
+            "--cpu-offloading-num-layers): needs --pp 1, no recomputation and the GPU's host_link_gb_s."))] = None,
     sp: SpOpt = None,
     schedule: ScheduleOpt = None,
     order: OrderOpt = None,
@@ -216,7 +220,8 @@ def estimate(
     cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration, runtime)
     workload = _workload(gbs, seq, dtype, fp8_recipe)
     knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
-                 sp=sp, schedule=schedule, rank_order=order, recompute_modules=_modules(recompute_modules))
+                 sp=sp, schedule=schedule, rank_order=order, recompute_modules=_modules(recompute_modules),
+                 offload_layers=offload_layers)
     cfg = ParallelConfig(**{k: v for k, v in knobs.items() if v is not None})
     est = estimate_cost(spec, cluster, workload, cfg, runtime, eff)
     if as_json:
@@ -249,6 +254,7 @@ BREAKDOWN_LABELS = {
     "pipeline_bubble": "pipeline bubble",
     "dp_comm": "DP gradient reduce / param gather (exposed)",
     "optimizer": "optimizer step",
+    "offload_comm": "activation offload to host (exposed)",
 }
 
 

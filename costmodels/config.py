@@ -96,6 +96,9 @@ class ParallelConfig(BaseModel):
     recompute: Recompute = "none"
     # what "selective" recomputes (Megatron --recompute-modules); used only where a stage recomputes selectively
     recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES
+    # activations of this many decoder layers kept in host memory between their forward and backward (Megatron
+    # --cpu-offloading-num-layers, TransformerEngine's CPU offload); pp 1 and no recomputation, as Megatron requires
+    offload_layers: int = Field(default=0, ge=0)
     sp: bool | None = None  # default: on whenever tp > 1
     schedule: Schedule | None = None  # default: interleaved when vpp > 1, else 1f1b
     stage_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage; default: balanced
@@ -276,6 +279,7 @@ class Layout:
     rank_order: RankOrder = DEFAULT_RANK_ORDER  # dense dims innermost first (group placement, estimate.group_ranks)
     chunks: tuple[int, ...] = ()  # decoder layers per model chunk, model order (resolve fills it: pp * vpp entries)
     recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" re-runs (RecomputeModule)
+    offload_layers: int = 0  # decoder layers whose activations wait in host memory (ParallelConfig.offload_layers)
 
     @property
     def world(self) -> int:
@@ -396,10 +400,21 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
         sp = False  # sequence parallel is a no-op without tensor parallel
     stage_recompute, recompute = _stage_recompute(cfg, stage_layers)
     modules = check_recompute_modules(model, cfg.recompute_modules)
+    if cfg.offload_layers:
+        # megatron/core/transformer/transformer_config.py __post_init__: the same three rules
+        if pp > 1:
+            raise InputError(f"--offload-layers needs --pp 1 (Megatron has no CPU offloading with pipeline "
+                             f"parallelism); got --pp {pp}")
+        if any(p.granularity != "none" for p in stage_recompute):
+            raise InputError("--offload-layers cannot be combined with recomputation (Megatron refuses it): "
+                             "use --recompute none")
+        if cfg.offload_layers >= model.num_layers:
+            raise InputError(f"--offload-layers {cfg.offload_layers}: offload fewer than the model's "
+                             f"{model.num_layers} layers")
     return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cfg.cp_comm, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
                   num_microbatches=m, zero=cfg.zero, recompute=recompute, sp=sp, schedule=schedule,
                   stage_layers=stage_layers, stage_recompute=stage_recompute, rank_order=cfg.rank_order,
-                  chunks=chunks, recompute_modules=modules)
+                  chunks=chunks, recompute_modules=modules, offload_layers=cfg.offload_layers)
 
 
 def check_recompute_modules(model: ModelSpec, given: tuple[str, ...]) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
 from costmodels.realism import RealismCheck
 from costmodels.realism import check as realism_check
 from costmodels.calibrate import interpolate
-from costmodels.kernels import (QUANT_BYTES_PER_ELEMENT, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
+from costmodels.kernels import (copy_engine_exposed, QUANT_BYTES_PER_ELEMENT, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
                                 ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks)
 from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
                                      cpu_device_spec, digest)
@@ -863,6 +863,21 @@ def _merge_parts(a: RecomputeParts, b: RecomputeParts) -> RecomputeParts:
     return tuple(sorted(out.items()))
 
 
+def _offload_passes(ctx: CostContext, modes: tuple[str, ...]) -> PassTimes:
+    """What activation offload adds to a micro-batch (pp 1): each offloaded layer's activations leave for the host
+    during the next layer's forward and come back during the next layer's backward, over the GPU-host link on the
+    copy engines (TransformerEngine cpu_offload.py, Megatron --cpu-offloading-num-layers)."""
+    bw = ctx.cluster.gpu.host_link_bytes_per_s
+    ph = ctx.eff.physics
+    out = inn = 0.0
+    for i in range(ctx.lay.offload_layers):
+        t = ctx.layer_activation(i, modes[i]) / bw
+        nxt = ctx.layer_times(i + 1, modes[i + 1])
+        out += copy_engine_exposed(t, nxt.fwd_compute, ph)
+        inn += copy_engine_exposed(t, nxt.bwd_input_compute + nxt.bwd_weight_compute, ph)
+    return PassTimes(fwd_comm={"offload": out}, bwd_comm={"offload": inn})
+
+
 def _with_recompute(base: PassTimes, recompute: str, selective_s: float) -> PassTimes:
     """Full recomputation re-runs the whole forward, its communication included; selective what its modules re-run
     (the attention core by default: Korthikanti et al. 2022, sec. 5)."""
@@ -928,6 +943,8 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
             t = PassTimes.total([(ctx.layer_times(i, mode), n) for (i, mode), n in mix.items()])
             if r == 0 and c == 0:
                 t = t.plus(ctx.embedding)
+                if lay.offload_layers:
+                    t = t.plus(_offload_passes(ctx, modes))
             if r == last_rank and c == last_chunk:
                 t = t.plus(ctx.head)
             row.append(t)
@@ -1077,6 +1094,9 @@ def _stage_memory(ctx: CostContext, rank: int, chunks: list[tuple[int, int]], pa
         acts += held * per_mb
     if rank == 0:
         acts += sum(timeline.peak_in_flight[0]) * embedding_activation_bytes(model, lay, wl, rt)
+    if lay.offload_layers:  # pp 1: the first layers' activations wait on the host, one layer's in transit
+        off = [ctx.layer_activation(i, modes[i]) for i in range(lay.offload_layers)]
+        acts -= timeline.peak_in_flight[0][0] * sum(off) - max(off)
     first = chunks[0][0]
     if lay.stage_recompute[rank].granularity != "none":
         # The layer being recomputed holds what recomputation regenerates during its backward (Korthikanti sec. 5).

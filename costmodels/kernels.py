@@ -139,6 +139,18 @@ def overlapped_exposed(comm_s: float, window_s: float, unhidden_share: float, ph
     return exposed
 
 
+def copy_engine_exposed(transfer_s: float, window_s: float, physics: Physics) -> float:
+    """Exposed seconds of a copy-engine transfer (activation offload to host memory) beside `window_s` of compute:
+    what exceeds the window, plus the HBM contention its hidden part costs (CONTENTION_COPY_ENGINE: copy engines
+    take no SMs)."""
+    if transfer_s <= 0:
+        return 0.0
+    exposed = max(0.0, transfer_s - window_s)
+    if physics.contention:
+        exposed += CONTENTION_COPY_ENGINE * (transfer_s - exposed)
+    return exposed
+
+
 TP_OVERLAPPED_GEMMS = {"qkv_proj": "all_gather", "up_gate_proj": "all_gather", "up_proj": "all_gather",
                        "out_proj": "reduce_scatter", "down_proj": "reduce_scatter"}
 

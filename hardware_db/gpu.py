@@ -73,6 +73,7 @@ class GPUSpec(BaseModel):
     scaleup_domain: Sourced  # GPUs that share the scale-up fabric
     nic_gb_s: Sourced  # scale-out line rate per GPU, Gb/s
     price_usd_per_hour: Sourced
+    host_link_gb_s: Sourced | None = None  # GPU <-> host memory, GB/s per GPU per direction (activation offload)
     efficiency: EfficiencyDefaults
 
     @field_validator("peak_tflops")
@@ -100,6 +101,14 @@ class GPUSpec(BaseModel):
     @property
     def scaleup_bytes_per_s(self) -> float:
         return self.scaleup_gb_s.value * 1e9
+
+    @property
+    def host_link_bytes_per_s(self) -> float:
+        """GPU-host bandwidth one way; InputError where the GPU file does not give it."""
+        if self.host_link_gb_s is None:
+            raise InputError(f"GPU '{self.name}' has no host_link_gb_s (its GPU <-> CPU bandwidth), which activation "
+                             f"offload needs: add it with its source to the GPU's TOML (docs/hardware.md)")
+        return self.host_link_gb_s.value * 1e9
 
     @property
     def nic_bytes_per_s(self) -> float:

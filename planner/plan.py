@@ -200,6 +200,8 @@ class Memory(_Frozen):
     recompute_modules: list[RecomputeModule] = Field(
         default_factory=lambda: list(DEFAULT_RECOMPUTE_MODULES),
         description="what selective recomputation re-runs (Megatron-Core --recompute-modules)")
+    offload_layers: int = Field(default=0, ge=0, description="decoder layers whose activations wait in host memory "
+                                "(Megatron --cpu-offloading-num-layers)")
     fragmentation: float = Field(ge=0, description="allocator fragmentation allowance, a fraction of the rest")
     stages: list[MemoryStage]
 
@@ -229,6 +231,7 @@ class PredictedLayout(_Frozen):
     rank_order: RankOrder = DEFAULT_RANK_ORDER
     chunks: list[int] = Field(default_factory=list, description="decoder layers per model chunk, model order")
     recompute_modules: list[RecomputeModule] = Field(default_factory=lambda: list(DEFAULT_RECOMPUTE_MODULES))
+    offload_layers: int = 0
 
 
 class PredictedStage(_Frozen):
@@ -404,7 +407,7 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
         pipeline=Pipeline(schedule=lay.schedule, vpp=lay.vpp, micro_batch_size=lay.mbs,
                           num_microbatches=lay.num_microbatches, global_batch=workload.global_batch, stages=stages),
         memory=Memory(zero=lay.zero, recompute=lay.recompute, recompute_modules=list(lay.recompute_modules),
-                      fragmentation=FRAGMENTATION, stages=memory_stages),
+                      offload_layers=lay.offload_layers, fragmentation=FRAGMENTATION, stages=memory_stages),
         prediction=Prediction(**predicted, stage_time_s=_stage_times(simulated)),
         search=None if account is None else _search_info(account, rank, bound_s, partition_status),
     )
@@ -421,7 +424,7 @@ def plan_config(plan: Plan) -> tuple[ModelSpec, Cluster, Workload, ParallelConfi
         schedule=pipe.schedule, stage_layers=tuple(s.num_layers for s in pipe.stages),
         chunk_layers=tuple(pipe.stages[r].chunks[v].num_layers for v in range(pipe.vpp) for r in range(mesh.pp)),
         stage_recompute=tuple(s.recompute for s in pipe.stages), rank_order="-".join(mesh.rank_order),
-        recompute_modules=tuple(plan.memory.recompute_modules))
+        recompute_modules=tuple(plan.memory.recompute_modules), offload_layers=plan.memory.offload_layers)
     inputs = plan.inputs
     return inputs.model_spec(), inputs.cluster.cluster(), inputs.workload, config, inputs.runtime
 

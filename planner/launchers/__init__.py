@@ -47,6 +47,10 @@ def export_plan(plan: Plan | ServingPlan, target: str) -> Exported:
         if target in TARGETS:
             raise InputError(f"{target} launches training; this is a serving plan: export it --to vllm or sglang")
     elif target in TARGETS:
+        if plan.memory.offload_layers and target not in ("megatron", "nemo"):
+            raise ExportError(target, f"the plan offloads {plan.memory.offload_layers} layers' activations to host "
+                              f"memory, which only Megatron-LM / NeMo (--cpu-offloading-num-layers) run",
+                              "export it --to megatron or nemo, or re-plan without --offload-layers")
         return TARGETS[target](plan)
     elif target in SERVING_TARGETS:
         raise InputError(f"{target} serves models; this is a training plan: export it --to "

@@ -236,6 +236,8 @@ def parallel_settings(plan: Plan) -> list[Setting]:
             raise refuse(TARGET, f"--recompute-method block recomputes {k} layers of every virtual stage, the plan "
                          f"{k} of every pipeline stage", "re-plan with --recompute full or without virtual stages")
         s += [("recompute_granularity", "full"), ("recompute_method", "block"), ("recompute_num_layers", k)]
+    # Megatron sets cpu_offloading itself when the count is positive (training/arguments.py)
+    s.append(("cpu_offloading_num_layers", plan.memory.offload_layers or None))
     s += [("micro_batch_size", pipe.micro_batch_size), ("global_batch_size", wl.global_batch)]
     s += [("bf16", wl.dtype in ("bf16", "fp8")), ("fp16", wl.dtype == "fp16"),
           ("fp8_format", "hybrid" if wl.dtype == "fp8" else None)]
@@ -286,7 +288,8 @@ def _parser() -> argparse.ArgumentParser:
             "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
             "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
             "decoder_last_pipeline_num_layers", "context_parallel_size", "expert_model_parallel_size",
-            "expert_tensor_parallel_size", "recompute_num_layers", "micro_batch_size", "global_batch_size"]
+            "expert_tensor_parallel_size", "recompute_num_layers", "micro_batch_size", "global_batch_size",
+            "cpu_offloading_num_layers"]
     strs = ["normalization", "position_embedding_type", "moe_layer_freq", "pipeline_model_parallel_layout",
             "cp_comm_type", "data_parallel_sharding_strategy", "recompute_granularity", "recompute_method",
             "fp8_format"]
@@ -499,7 +502,7 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
         etp=a.expert_tensor_parallel_size, mbs=a.micro_batch_size or 1, zero=zero, recompute=recompute,
         sp=a.sequence_parallel and tp > 1, stage_layers=stage_layers, stage_recompute=stage_recompute,
         chunk_layers=chunk_layers, rank_order=PP_INSIDE_DP if a.use_tp_pp_dp_mapping else "tp-cp-dp-pp",
-        recompute_modules=modules)
+        recompute_modules=modules, offload_layers=a.cpu_offloading_num_layers or 0)
     num_gpus = (nodes or 1) * per_node if per_node else None
     given = tuple((k, v) for k, v in vars(a).items() if v not in (None, False))
     return LaunchSpec(config=config, workload=workload, num_gpus=num_gpus, gpus_per_node=per_node, model=model,

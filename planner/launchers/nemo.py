@@ -27,7 +27,7 @@ MODEL_PARALLEL = {"tensor_model_parallel_size", "pipeline_model_parallel_size", 
                   "pipeline_model_parallel_layout", "context_parallel_size", "cp_comm_type",
                   "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
                   "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
-                  "moe_grouped_gemm"}
+                  "moe_grouped_gemm", "cpu_offloading", "cpu_offloading_num_layers"}
 DDP = {"use_distributed_optimizer", "use_megatron_fsdp", "data_parallel_sharding_strategy"}
 
 
@@ -45,6 +45,8 @@ def _settings(plan: Plan) -> dict[str, object]:
     if plan.pipeline.vpp > 1:  # the strategy builds vpp chunks; with a layout string megatron-core checks they agree
         settings["virtual_pipeline_model_parallel_size"] = plan.pipeline.vpp
     settings.setdefault("sequence_parallel", False)
+    if settings.get("cpu_offloading_num_layers"):  # TransformerConfig needs the switch too (Megatron's CLI sets it)
+        settings["cpu_offloading"] = True
     return settings
 
 
