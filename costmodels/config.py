@@ -151,7 +151,7 @@ class Runtime(BaseModel):
         return next((f for c, f in self.memory_kernels if c == cls), 1.0)
 
     def lacks(self, schedule: str | None = None, cp: int = 1, cp_comm: str = "ring",
-              zero: int | None = None) -> str | None:
+              zero: int | None = None, recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES) -> str | None:
         """Why this framework cannot run these knobs (one clause), or None."""
         if schedule is not None and schedule not in self.schedules:
             return f"{self.name} has no {schedule} schedule (it runs {', '.join(self.schedules)})"
@@ -161,6 +161,9 @@ class Runtime(BaseModel):
             return f"{self.name} has no {cp_comm} context parallelism (it has {', '.join(self.cp_comms)})"
         if zero is not None and zero not in self.zero_stages:
             return f"{self.name} has no ZeRO-{zero} (it has {', '.join(map(str, self.zero_stages))})"
+        if self.selective == "op-sac" and tuple(recompute_modules) != DEFAULT_RECOMPUTE_MODULES:
+            return (f"{self.name} has no --recompute-modules (its selective recompute is per-operator SAC); drop "
+                    f"--recompute-modules or use a megatron-core runtime")
         return None
 
 

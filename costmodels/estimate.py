@@ -9,7 +9,7 @@ from functools import cached_property
 from operator import attrgetter
 
 from costmodels import comm
-from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, Layout, ParallelConfig, Runtime, Workload, get_runtime,
+from costmodels.config import (DEFAULT_RANK_ORDER, Layout, ParallelConfig, Runtime, Workload, get_runtime,
                                DEFAULT_RUNTIME, resolve)
 from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdown, embedding_activation_bytes,
                                layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
@@ -580,7 +580,7 @@ class PassCache:
         mlp = self._totals(self._key("moe" if model.is_moe_layer(i) else "mlp", lay, links),
                            lambda: mlp_half(model, i, lay, self.wl, self.rt), lay, links)
         forward = attn[0] + mlp[0]
-        selective = self._selective_s(_merge_parts(attn[2], mlp[2]), lay) if mode == "selective" else 0.0
+        selective = self._selective_s(attn[2], lay) + self._selective_s(mlp[2], lay) if mode == "selective" else 0.0
         again = forward if mode == "full" else selective  # as _with_recompute
         return forward, attn[1] + mlp[1] + again
 
@@ -652,9 +652,11 @@ class PassCache:
                     attn_core_bwd += b
                 bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, eff, True,
                                  depth=m, **kw)
-            parts["op-sac"] = parts.get("op-sac", 0.0) + f * op_sac_recomputed(op, self.model)
-            for m in recompute_modules_of(op, block.name):
-                parts[m] = parts.get(m, 0.0) + f
+            if self.rt.selective == "op-sac":  # torchtitan: per-operator SAC, no modules
+                parts["op-sac"] = parts.get("op-sac", 0.0) + f * op_sac_recomputed(op, self.model)
+            else:
+                for m in recompute_modules_of(op, block.name):
+                    parts[m] = parts.get(m, 0.0) + f
             if op.kind == "attention" or op.name.startswith("attn_"):
                 attn_core += f
         if block.name == "attention" and eff.layer_overhead:  # once per decoder layer: its measured framework cost
@@ -926,9 +928,9 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     variants share their pipeline and differ only after it) and each schedule's pass order."""
     lay = resolve(model, cluster.num_gpus, workload, cfg)
     rt = get_runtime(runtime)
-    if rt.selective == "op-sac" and lay.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
-        raise InputError(f"{rt.name} has no --recompute-modules (its selective recompute is per-operator SAC); "
-                         f"drop --recompute-modules or use a megatron-core runtime")
+    why = rt.lacks(recompute_modules=lay.recompute_modules)
+    if why:
+        raise InputError(why)
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
     ctx = context.derive(lay) if context is not None else CostContext(model, cluster, workload, lay, rt, eff)
     ranges = stage_ranges(lay)
@@ -1131,9 +1133,9 @@ def recompute_flops_per_step(model: ModelSpec, wl: Workload, modes: tuple[str, .
     the whole layer's forward under full; under selective its modules' matmuls (2 FLOPs per weight per token; the
     attention core's causal half, as above)."""
     d = model.head_size if model.mla is None else model.mla.qk_head_dim
+    core = 2 * model.num_heads * wl.seq_len * d
     total = 0.0
     for i, mode in enumerate(modes):
-        core = 2 * model.num_heads * wl.seq_len * d
         if mode == "full":
             total += 2 * model.layer_params(i, active_only=True) + core
         elif mode == "selective":

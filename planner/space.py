@@ -370,9 +370,6 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins, runtim
     if num_gpus % prod:
         raise InputError(f"the pinned degrees multiply to {prod}, which does not divide the {num_gpus} GPUs")
     check_recompute_modules(model, pins.recompute_modules)
-    if runtime is not None and runtime.selective == "op-sac" and pins.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
-        raise InputError(f"{runtime.name} has no --recompute-modules (its selective recompute is per-operator SAC); "
-                         f"drop --recompute-modules or use a megatron-core runtime")
     if pins.ep is not None and model.moe is None:
         raise InputError(f"--ep given but {model.name} has no experts")
     if pins.etp is not None and model.moe is None:
@@ -388,6 +385,6 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins, runtim
     if runtime is not None:
         default_comm = runtime.cp_comms[0] if runtime.cp_comms else "ring"
         why = runtime.lacks(schedule=pins.schedule, cp=pins.cp or 1, cp_comm=pins.cp_comm or default_comm,
-                            zero=pins.zero)
+                            zero=pins.zero, recompute_modules=pins.recompute_modules)
         if why:
             raise InputError(f"{why}: unpin it, or plan for a --runtime that has it")
