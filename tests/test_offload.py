@@ -68,6 +68,8 @@ def test_cli_offload(capsys):
     assert "activation offload" in out
     assert_input_error(*run(capsys, "estimate", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--pp", "2",
                             "--offload-layers", "8"), "--pp 1")
+    assert_input_error(*run(capsys, "estimate", "-m", "llama3.1-8b", "--gpu", "mi300x", "--gpus", "8",
+                            "--offload-layers", "8"), "host_link_gb_s")
 
 
 def test_exports_carry_or_refuse_the_offload():

@@ -102,6 +102,10 @@ def test_cli_recompute_modules(capsys):
                             "--recompute-modules", "attn"), "recompute-modules", "core_attn")
     assert_input_error(*run(capsys, "estimate", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8",
                             "--recompute", "selective", "--recompute-modules", "mla_up_proj"), "mla_up_proj")
+    for command in ("estimate", "plan"):  # torchtitan's selective recompute is op-SAC: Runtime.lacks refuses
+        assert_input_error(*run(capsys, command, "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8",
+                                "--runtime", "torchtitan", "--recompute-modules", "layernorm"), "torchtitan",
+                           "recompute-modules")
 
 
 def test_published_deepseek_v3_layout_fits_with_its_recomputation():
