@@ -137,6 +137,10 @@ class Runtime(BaseModel):
     # the EP token dispatcher: NCCL all-to-all, or DeepEP / HybridEP (one copy per destination node over the NIC,
     # forwarded over NVLink: DeepSeek-V3 report sec. 3.2.2; Megatron-Core flex dispatcher)
     ep_dispatch: Literal["all-to-all", "deepep"] = "all-to-all"
+    # expert GEMMs: one grouped kernel over all local experts (torch._grouped_mm, CUTLASS, DeepGEMM, TE's
+    # GroupedTensor path), or TransformerEngine's default of one cuBLAS GEMM per expert on 4 streams
+    # (kernels.TE_GEMM_STREAMS)
+    grouped_gemm: Literal["kernel", "multi-stream"] = "kernel"
     # what "selective" recomputation means in this framework: Megatron's core attention (Korthikanti et al. 2022
     # sec. 5), or torchtitan's op-level SAC (saves matmul outputs but every other one and the attention output,
     # recomputes the rest: torchtitan parallelize_llama.py _save_list)
@@ -180,6 +184,7 @@ RUNTIMES: dict[str, Runtime] = {
     # Schedules: megatron/core/pipeline_parallel/schedules.py has 1F1B and interleaved 1F1B (no GPipe, no zero
     # bubble); CP: --cp-comm-type p2p (ring) or a2a; ZeRO: 1 = distributed optimizer, 2/3 = Megatron-FSDP
     # (--data-parallel-sharding-strategy optim_grads / optim_grads_params).
+    # Expert GEMMs: TE GroupedLinear's default, one cuBLAS GEMM per expert on 4 streams (kernels.TE_GEMM_STREAMS).
     # Kernels: TransformerEngine's fused norms (LayerNormLinear) and cuDNN fused attention; SwiGLU / GeLU through
     # Megatron's TorchScript bias_swiglu / bias_gelu: 55 % of H100 HBM forward, backward 2.6x slower than Liger's
     # ~90 % kernel (Liger-Kernel benchmark/data/all_benchmark_data.csv @ ead96b6, 8192 tokens, ffn 16384), i.e.
@@ -187,7 +192,7 @@ RUNTIMES: dict[str, Runtime] = {
     # 18.2 ms fwd+bwd for 8192 tokens x 131,072 vocab on H100 (same file), 0.47 of its bytes at the fused rate.
     "megatron-core": Runtime(name="megatron-core", flash_attention=True, dropout=True, overlap_grad_reduce=True,
                              overlap_param_gather=True, tp_overlap="userbuffers", p2p_overlap=True,
-                             schedules=("1f1b", "interleaved"), attention_kernel="cudnn",
+                             schedules=("1f1b", "interleaved"), attention_kernel="cudnn", grouped_gemm="multi-stream",
                              memory_kernels=(("swiglu", 0.44), ("activation", 0.44), ("cross_entropy", 0.47))),
     # A plain PyTorch FSDP2 / torchtitan run: flash SDPA, prefetching FSDP (overlapped), no TP overlap.
     # torch.distributed.pipelining schedules GPipe, 1F1B and Interleaved1F1B (its zero-bubble schedules are V-shaped
@@ -236,6 +241,8 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     "fa2": RuntimeOption("FlashAttention-2 kernels", (("attention_kernel", "fa2"),)),
     "ep-a2a-overlap": RuntimeOption("EP all-to-all hidden behind another micro-batch (DualPipe / Megatron 1F1B A2A "
                                     "overlap)", (("ep_overlap", True),)),
+    "grouped-kernel": RuntimeOption("expert GEMMs as one grouped kernel (TE GroupedTensor / op fuser, CUTLASS, "
+                                    "DeepGEMM)", (("grouped_gemm", "kernel"),)),
     "deepep": RuntimeOption("DeepEP / HybridEP token dispatch: each token crosses the NIC once per node (Megatron-Core "
                             "--moe-token-dispatcher-type flex)", (("ep_dispatch", "deepep"),)),
 }

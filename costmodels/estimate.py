@@ -21,7 +21,7 @@ from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
 from costmodels.realism import RealismCheck
 from costmodels.realism import check as realism_check
 from costmodels.calibrate import interpolate
-from costmodels.kernels import (copy_engine_exposed, QUANT_BYTES_PER_ELEMENT, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
+from costmodels.kernels import (copy_engine_exposed, QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
                                 ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks)
 from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
                                      cpu_device_spec, digest)
@@ -291,14 +291,17 @@ def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str,
 
 def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff: Efficiency,
             backward: bool = False, *, depth: float = 0.0, groups: float = 1.0, fp8: str | None = None,
-            keys: float = 0.0, kernel: str = "fused", bandwidth_factor: float = 1.0, chunks: float = 1.0) -> float:
+            keys: float = 0.0, kernel: str = "fused", bandwidth_factor: float = 1.0, chunks: float = 1.0,
+            streams: int = 0) -> float:
     """Roofline: max(FLOPs / (peak x efficiency), bytes / achieved bandwidth) + launch overhead (Williams et al.,
     "Roofline", CACM 2009). Efficiency = ceiling x F / (F + F_half) x shape factors (kernels.py): F is the kernel's
     FLOPs (a grouped kernel of `groups` expert GEMMs saturates on all of them, under the grouped ceiling),
     `depth` the pass's inner dimension (the k-depth ramp), `fp8` the recipe of an FP8 GEMM (its ceiling is a
     fraction of the FP8 `peak`), attention by pass and `kernel` with the causal tile factor at `keys`. Memory-bound
     operators run at the framework kernel's `bandwidth_factor` of the GPU's fused-kernel bandwidth. A GEMM split
-    into `chunks` to overlap a TP collective (kernels.tp_gemm_chunks) runs at the efficiency of one chunk.
+    into `chunks` to overlap a TP collective (kernels.tp_gemm_chunks) runs at the efficiency of one chunk. A
+    grouped GEMM run as one GEMM per group on `streams` streams (0: one grouped kernel) saturates on `streams`
+    groups' FLOPs and takes at least one launch per group (kernels.TE_GEMM_STREAMS).
     Calibrated: the measured time at these FLOPs (calibrate.interpolate, the backward curve for backward passes;
     it includes the launch), never below the memory roof. `peak` above the 16-bit one (fp8) shortens a calibrated
     GEMM by the same factor."""
@@ -318,6 +321,10 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
         # a grouped GEMM is one launch whose tiles from all groups fill the GPU together, so it saturates on its
         # total FLOPs (TE's CUTLASS grouped GEMM reaches dense efficiency at 8-16 groups; TE PR #2045)
         one = flops / (chunks if ph.overlap_limits else 1.0)
+        launches = 0.0
+        if grouped and streams > 0:  # one GEMM per expert, `streams` at a time (kernels.TE_GEMM_STREAMS)
+            one = one / groups * min(groups, streams)
+            launches = groups * eff.kernel_overhead_s
         half = eff.gemm_half_flops * (peak / eff.bf16_peak if eff.bf16_peak and fp8 else 1.0)
         e = one / (one + half)
         if kind == "attention":
@@ -342,7 +349,7 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
             else:  # BF16, or (fp8 physics off) an FP8 GEMM at BF16's efficiency of the FP8 peak
                 ceiling = eff.grouped_gemm_max if grouped else eff.gemm_max
             e *= ceiling * (k_depth_factor(depth, eff.gemm_k_half) if ph.gemm_shape else 1.0)
-        return max(flops / (peak * e), t_mem) + eff.kernel_overhead_s
+        return max(flops / (peak * e), t_mem, launches) + eff.kernel_overhead_s
     return t_mem + eff.kernel_overhead_s
 
 
@@ -641,6 +648,7 @@ class PassCache:
                 m, n, k = op.shape or (0.0, 0.0, 0.0)  # each pass's inner dimension: k, then n (dgrad), m (wgrad)
                 kw = dict(groups=op.groups, fp8=self.wl.fp8_recipe if fp8 else None, keys=op.keys,
                           kernel=op.kernel or "fused",
+                          streams=TE_GEMM_STREAMS if self.rt.grouped_gemm == "multi-stream" else 0,
                           bandwidth_factor=self.rt.memory_kernel(memory_class(op.name)) if op.kind == "memory" else 1.0)
                 split = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp) if op.kind == "gemm" else 1
                 f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff, depth=k, chunks=split, **kw)

@@ -46,6 +46,14 @@ class Physics:
 # (8192^3 matmul + 64 MiB all-gather on H100: 2.02 ms overlapped on NCCL, 1.77 ms on copy engines, vs 1.6 + 1.35
 # ms alone: 0.17 ms of slowdown per 1.35 ms hidden).
 CONTENTION_SM = 0.19
+
+# TransformerEngine's default grouped GEMM (GroupedLinear -> nvte_multi_tensor_gemm) launches one cuBLAS GEMM per
+# expert, round-robin on 4 compute streams (transformer_engine/common/util/multi_stream.h: num_compute_streams = 4;
+# gemm/cublaslt_gemm.cu: the CUTLASS grouped kernel only on Hopper with NVTE_USE_CUTLASS_GROUPED_GEMM=1). At most 4
+# expert GEMMs share the GPU at once, so a wave saturates on 4 experts' FLOPs, and the host issues one launch per
+# expert. Megatron-Core keeps this path unless --moe-use-grouped-tensor or the TE op fuser is on
+# (transformer_config.py, moe_use_grouped_tensor = False).
+TE_GEMM_STREAMS = 4
 CONTENTION_COPY_ENGINE = 0.13
 
 # FP8 quantisation traffic per element of a GEMM operand (TransformerEngine docs, low_precision_training

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from costmodels import comm
 from costmodels.config import ParallelConfig, Workload, get_runtime
 from costmodels.estimate import Efficiency, estimate, op_time
-from costmodels.kernels import (CONTENTION_COPY_ENGINE, CONTENTION_SM, QUANT_BYTES_PER_ELEMENT, Physics,
+from costmodels.kernels import (CONTENTION_COPY_ENGINE, CONTENTION_SM, QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics,
                                 causal_tile_factor, k_depth_factor, overlapped_exposed, ring_cp_exposed,
                                 tp_exposed_fraction, tp_gemm_chunks)
 from costmodels.model import ModelSpec
@@ -91,7 +91,41 @@ def test_cross_node_all_to_all_goes_through_each_gpus_own_nic():
     assert t > 3 * comm.all_to_all(1e9, 16, ring_like)
 
 
+def test_multi_stream_grouped_gemm_by_hand():
+    """TransformerEngine's default grouped GEMM: one cuBLAS GEMM per expert on 4 streams, so a wave of 4 experts
+    saturates on their FLOPs (not all experts'), and the host issues one launch per expert."""
+    m, n, k, experts = 512, 768, 2048, 128
+    one = 2 * m * n * k
+    ceiling = EFF.grouped_gemm_max * k_depth_factor(k, EFF.gemm_k_half)
+    wave = TE_GEMM_STREAMS * one
+    compute = experts * one / (PEAK16 * ceiling * wave / (wave + EFF.gemm_half_flops))
+    expected = max(compute, experts * EFF.kernel_overhead_s) + EFF.kernel_overhead_s
+    got = op_time(experts * one, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=experts, streams=TE_GEMM_STREAMS)
+    assert got == pytest.approx(expected)
+    kernel = op_time(experts * one, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=experts)
+    assert got > 1.3 * kernel  # 128 small experts: a grouped kernel saturates on all of them
+    # up to 4 experts of more work than their launches, the two paths are one wave
+    big = 8 * one
+    assert op_time(4 * big, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=4, streams=4) == pytest.approx(
+        op_time(4 * big, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=4))
+    # the host's launch loop is a floor (here it binds: 128 launches of 4 us against 0.50 ms of GEMM waves)
+    assert compute < experts * EFF.kernel_overhead_s
+    assert get_runtime("megatron-core").grouped_gemm == "multi-stream"
+    assert get_runtime("megatron-core+grouped-kernel").grouped_gemm == "kernel"
+    assert get_runtime("torchtitan").grouped_gemm == "kernel"
+
+
 # ---- published measurements reproduced ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("groups,m,tflops", [(8, 4096, 628), (16, 2048, 554)])
+def test_te_default_grouped_gemm_matches_its_h100_measurement(groups, m, tflops):
+    """TransformerEngine PR #2045: its default (multi-stream cuBLAS) BF16 grouped GEMM forward on H100 at
+    (g, m, n, k) = (8, 4096, 768, 2048) and (16, 2048, 768, 2048), 628 and 554 TFLOP/s; within 10 %."""
+    flops = groups * 2 * m * 768 * 2048
+    t = op_time(flops, 0.0, "gemm", PEAK16, HBM, EFF, depth=2048, groups=groups, streams=TE_GEMM_STREAMS)
+    assert flops / t / 1e12 == pytest.approx(tflops, rel=0.10)
+
+
 
 def test_fp8_speedup_of_a_5b_layer_matches_transformer_engine():
     """TransformerEngine's GEMM profile of a 5B layer (hidden 4096, ffn 16384, 15,872 tokens) on H200: FP8 with
@@ -166,6 +200,15 @@ def test_an_fp8_gemm_is_never_more_than_twice_as_fast_as_bf16(m, n, k, recipe, g
     bf16 = op_time(flops, io, "gemm", PEAK16, HBM, EFF, depth=k, groups=groups)
     fp8 = op_time(flops, io / 2, "gemm", PEAK8, HBM, EFF, depth=k, groups=groups, fp8=recipe)
     assert fp8 >= bf16 * PEAK16 / PEAK8 * (1 - 1e-12)  # the datasheet's FP8 peak is 2.0001x the BF16 one
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.sampled_from([64, 512, 4096]), groups=st.sampled_from([2, 4, 16, 128, 256]),
+       n=st.sampled_from([512, 2048]), k=st.sampled_from([1024, 7168]))
+def test_per_expert_gemms_are_never_faster_than_one_grouped_kernel(m, groups, n, k):
+    flops = groups * 2 * m * n * k
+    streams = op_time(flops, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=groups, streams=TE_GEMM_STREAMS)
+    assert streams >= op_time(flops, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=groups) * (1 - 1e-12)
 
 
 @settings(max_examples=30, deadline=None)
