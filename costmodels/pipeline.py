@@ -199,63 +199,71 @@ def simulate_events(schedule: list[list[Pass]], times: list[list[StageTimes]], p
 def _simulate_fixed_order(schedule: list[list[Pass]], times: list[list[StageTimes]], p2p_s: float) -> Timeline:
     """The same simulation when every rank's order is fixed (no weight passes to place): each pass starts at
     max(its rank is free, its input arrived), so sweeping the ranks in turn and running every pass whose input is
-    ready gives the event simulation's times exactly, without a priority queue."""
+    ready gives the event simulation's times exactly, without a priority queue. Each pass's dependency key and
+    cost are resolved once before the sweep (the search simulates thousands of passes per candidate)."""
     pp = len(schedule)
     vpp = len(times[0])
-    last_stage = pp * vpp - 1
-    fwd_done: dict[tuple[int, int], float] = {}  # (micro-batch, model stage) -> end
-    bwd_done: dict[tuple[int, int], float] = {}
+    stages = pp * vpp
+    last_stage = stages - 1
+    done: dict[int, float] = {}  # end of (micro-batch, model stage, pass kind), keyed as one int
+    rows = []
+    for r in range(pp):
+        row = []
+        for p in schedule[r]:
+            stage = p.chunk * pp + r
+            key = 2 * (p.microbatch * stages + stage)
+            if p.kind == "F":
+                dep = -1 if stage == 0 else key - 2  # the previous stage's forward
+                row.append((p, True, key, dep, times[r][p.chunk].forward, 0.0 if stage == 0 else p2p_s))
+            elif stage == last_stage:  # its own forward, already run in this rank's order
+                row.append((p, False, key + 1, key, times[r][p.chunk].backward, 0.0))
+            else:  # the next stage's backward
+                row.append((p, False, key + 1, key + 3, times[r][p.chunk].backward, p2p_s))
+        rows.append(row)
     cursor = [0] * pp
     free_at = [0.0] * pp
     busy = [0.0] * pp
     events: list[tuple[int, Pass, float, float]] = []
     in_flight = [[0] * vpp for _ in range(pp)]
+    total = [0] * pp
     peak = [[0] * vpp for _ in range(pp)]
     peak_total = [0] * pp
-    remaining = sum(len(s) for s in schedule)
+    remaining = sum(len(s) for s in rows)
     while remaining:
         progressed = False
         for r in range(pp):
-            seq = schedule[r]
-            while cursor[r] < len(seq):
-                p = seq[cursor[r]]
-                stage = p.chunk * pp + r
-                t = times[r][p.chunk]
-                if p.kind == "F":
-                    if stage == 0:
-                        ready = 0.0
-                    else:
-                        dep = fwd_done.get((p.microbatch, stage - 1))
-                        if dep is None:
-                            break
-                        ready = dep + p2p_s
-                    cost = t.forward
+            row = rows[r]
+            i, n = cursor[r], len(row)
+            free = free_at[r]
+            while i < n:
+                p, forward, key, dep, cost, hop = row[i]
+                if dep < 0:
+                    ready = 0.0
                 else:
-                    if stage == last_stage:
-                        ready = fwd_done[(p.microbatch, stage)]  # own forward, already run in this rank's order
-                    else:
-                        dep = bwd_done.get((p.microbatch, stage + 1))
-                        if dep is None:
-                            break
-                        ready = dep + p2p_s
-                    cost = t.backward
-                start = max(free_at[r], ready)
-                end = start + cost
-                free_at[r] = end
+                    arrived = done.get(dep)
+                    if arrived is None:
+                        break
+                    ready = arrived + hop
+                start = free if free > ready else ready
+                free = start + cost
                 busy[r] += cost
-                events.append((r, p, start, end))
-                cursor[r] += 1
-                remaining -= 1
-                progressed = True
-                if p.kind == "F":
-                    fwd_done[(p.microbatch, stage)] = end
+                events.append((r, p, start, free))
+                done[key] = free
+                i += 1
+                if forward:
                     in_flight[r][p.chunk] += 1
-                    if sum(in_flight[r]) > peak_total[r]:
-                        peak_total[r] = sum(in_flight[r])
+                    total[r] += 1
+                    if total[r] > peak_total[r]:
+                        peak_total[r] = total[r]
                         peak[r] = list(in_flight[r])
                 else:
-                    bwd_done[(p.microbatch, stage)] = end
                     in_flight[r][p.chunk] -= 1
+                    total[r] -= 1
+            if i != cursor[r]:
+                remaining -= i - cursor[r]
+                cursor[r] = i
+                free_at[r] = free
+                progressed = True
         if not progressed:
             raise RuntimeError("pipeline schedule deadlocked (a pass waits on one that never runs)")
     events.sort(key=lambda e: (e[2], e[0]))
