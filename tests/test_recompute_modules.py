@@ -17,6 +17,7 @@ from costmodels.memory import layer_activation_bytes
 from costmodels.model_io import load_model
 from hardware_db.cluster import Cluster, ClusterSpec
 from hardware_db.errors import InputError
+from planner.launchers import export_plan
 from planner.launchers.megatron import megatron_args, parse_megatron_args
 from tests.cli_helpers import assert_input_error, run
 from tests.launcher_helpers import DEEPSEEK_V3_STAGES, deepseek_v3, make_plan
@@ -131,6 +132,20 @@ def test_megatron_export_round_trip_of_recompute_modules():
     with pytest.raises(InputError, match="attn"):
         parse_megatron_args(argv[:i + 1] + ["attn"] + argv[i + 4:])
 
+
+
+def test_exports_without_megatron_modules_refuse_them():
+    """torchtitan's selective recompute is per-operator SAC, Megatron-DeepSpeed's and the executor's core attention
+    only: a plan whose memory counts on other modules is refused there, not exported as plain 'selective'."""
+    llama = make_plan("llama3.1-8b", "h100-sxm", 8, Workload(global_batch=16, seq_len=8192),
+                      ParallelConfig(tp=2, recompute="selective", recompute_modules=("core_attn", "mlp")))
+    for target in ("torchtitan", "deepspeed", "torchrun"):
+        with pytest.raises(InputError, match="--recompute-modules"):
+            export_plan(llama, target)
+    assert export_plan(llama, "megatron").files
+    plain = make_plan("llama3.1-8b", "h100-sxm", 8, Workload(global_batch=16, seq_len=8192),
+                      ParallelConfig(tp=2, recompute="selective", zero=0))
+    assert export_plan(plain, "torchtitan").files and export_plan(plain, "deepspeed").files
 
 # ---- DeepEP-style dispatch -----------------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from costmodels.config import Workload
+from costmodels.config import DEFAULT_RECOMPUTE_MODULES, Workload
 from costmodels.estimate import Efficiency, Simulated, simulate_config
 from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
@@ -51,6 +51,14 @@ def export_plan(plan: Plan | ServingPlan, target: str) -> Exported:
             raise ExportError(target, f"the plan offloads {plan.memory.offload_layers} layers' activations to host "
                               f"memory, which only Megatron-LM / NeMo (--cpu-offloading-num-layers) run",
                               "export it --to megatron or nemo, or re-plan without --offload-layers")
+        modules = tuple(plan.memory.recompute_modules)
+        if (target not in ("megatron", "nemo") and plan.memory.recompute in ("selective", "per-stage")
+                and modules != DEFAULT_RECOMPUTE_MODULES):
+            # their own selective recompute means something else (torchtitan: per-operator SAC; Megatron-DeepSpeed
+            # and meshplan's executor: core attention only), so the plan's memory and time would not hold there
+            raise ExportError(target, f"the plan's selective recompute re-runs the Megatron-Core modules "
+                              f"{', '.join(modules)} (--recompute-modules), which {target} does not have",
+                              "export it --to megatron or nemo, or re-plan without --recompute-modules")
         return TARGETS[target](plan)
     elif target in SERVING_TARGETS:
         raise InputError(f"{target} serves models; this is a training plan: export it --to "
