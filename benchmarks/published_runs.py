@@ -28,6 +28,7 @@ Feature = Literal[
     "fp8-param-gather",  # FSDP / distributed optimizer gathers fp8 weights
     "cuda-graphs",  # CUDA graphs around layers or the whole step
     "deepep",  # DeepEP all-to-all dispatcher
+    "fp8-dispatch",  # EP dispatch in FP8, combine in BF16 (DeepSeek-V3 report sec. 3.3.3)
     "ep-a2a-overlap",  # EP all-to-all overlapped with another micro-batch's compute (1F1B A2A overlap, DualPipe-like)
     "overlap-grad-reduce",
     "overlap-param-gather",

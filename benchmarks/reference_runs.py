@@ -263,6 +263,8 @@ def run_runtime(run: Run) -> str:
         options.append("ep-a2a-overlap")
     if "deepep" in f:
         options.append("deepep")
+    if "fp8-dispatch" in f:
+        options.append("fp8-dispatch")
     options += [opt for feature, opt in kernels.items() if feature in f]
     return "+".join([run.runtime, *options])
 

@@ -137,6 +137,9 @@ class Runtime(BaseModel):
     # the EP token dispatcher: NCCL all-to-all, or DeepEP / HybridEP (one copy per destination node over the NIC,
     # forwarded over NVLink: DeepSeek-V3 report sec. 3.2.2; Megatron-Core flex dispatcher)
     ep_dispatch: Literal["all-to-all", "deepep"] = "all-to-all"
+    # FP8 training only: the dispatch (forward) and the activation gradient before the down-projection (backward)
+    # cross the EP all-to-all in FP8, the combines in BF16 (DeepSeek-V3 report sec. 3.3.3; ops.EP_FP8_DISPATCH_SHARE)
+    ep_fp8_dispatch: bool = False
     # expert GEMMs: one grouped kernel over all local experts (torch._grouped_mm, CUTLASS, DeepGEMM, TE's
     # GroupedTensor path), or TransformerEngine's default of one cuBLAS GEMM per expert on 4 streams
     # (kernels.TE_GEMM_STREAMS)
@@ -243,6 +246,8 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
                                     "overlap)", (("ep_overlap", True),)),
     "grouped-kernel": RuntimeOption("expert GEMMs as one grouped kernel (TE GroupedTensor / op fuser, CUTLASS, "
                                     "DeepGEMM)", (("grouped_gemm", "kernel"),)),
+    "fp8-dispatch": RuntimeOption("FP8 EP dispatch, BF16 combine, in FP8 training (DeepSeek-V3 report sec. 3.3.3)",
+                                  (("ep_fp8_dispatch", True),)),
     "deepep": RuntimeOption("DeepEP / HybridEP token dispatch: each token crosses the NIC once per node (Megatron-Core "
                             "--moe-token-dispatcher-type flex)", (("ep_dispatch", "deepep"),)),
 }

@@ -15,7 +15,7 @@ from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdo
                                layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
                                stage_params, StageParams)
 from costmodels.model import ModelSpec
-from costmodels.ops import (ACT_BYTES, Block, Collective, Op, attention_half, embedding_block, head_block, memory_class,
+from costmodels.ops import (ACT_BYTES, EP_FP8_DISPATCH_SHARE, Block, Collective, Op, attention_half, embedding_block, head_block, memory_class,
                            mlp_half, mtp_projection, recompute_modules_of)
 from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
 from costmodels.realism import RealismCheck
@@ -520,16 +520,21 @@ class PassCache:
         each all-to-all under one piece of the other's compute (DeepSeek-V3 report sec. 3.2.1, Fig. 4): the forward
         dispatch under the paired MLP backward, the forward combine under the attention backward, the backward
         dispatch under the MLP forward, the backward combine under the attention forward. Dispatch and combine
-        move the same bytes (half the block's all-to-all each); what is hidden slows the compute
-        (kernels.CONTENTION_SM)."""
+        move the same bytes (half the block's all-to-all each; with FP8 dispatch the first piece of each pass is
+        the FP8 one, ops.EP_FP8_DISPATCH_SHARE); what is hidden slows the compute (kernels.CONTENTION_SM)."""
         layer = attn.plus(mlp)
         tf, tb = mlp.fwd_comm.get("ep", 0.0), mlp.bwd_comm.get("ep", 0.0)
         if not self.rt.ep_overlap or tf + tb <= 0:
             return layer
         ph = self.eff.physics
 
+        first = 0.5
+        if self.rt.ep_fp8_dispatch and self.wl.dtype == "fp8":  # the FP8 all-to-all's share of the pair's bytes
+            first = 1 - ACT_BYTES / (2 * ACT_BYTES * EP_FP8_DISPATCH_SHARE)
+
         def hidden(comm_s: float, window_a: float, window_b: float) -> float:
-            return overlapped_exposed(comm_s / 2, window_a, 0.0, ph) + overlapped_exposed(comm_s / 2, window_b, 0.0, ph)
+            return (overlapped_exposed(comm_s * first, window_a, 0.0, ph)
+                    + overlapped_exposed(comm_s * (1 - first), window_b, 0.0, ph))
 
         mlp_bwd = mlp.bwd_input_compute + mlp.bwd_weight_compute
         attn_bwd = attn.bwd_input_compute + attn.bwd_weight_compute

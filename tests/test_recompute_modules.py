@@ -14,6 +14,7 @@ from costmodels import comm
 from costmodels.config import RECOMPUTE_MODULES, ParallelConfig, Workload, get_runtime, resolve
 from costmodels.estimate import estimate
 from costmodels.memory import layer_activation_bytes
+from costmodels.ops import EP_FP8_DISPATCH_SHARE, mlp_half
 from costmodels.model_io import load_model
 from hardware_db.cluster import Cluster, ClusterSpec
 from hardware_db.errors import InputError
@@ -185,3 +186,33 @@ def test_ep_overlap_never_beats_compute_alone():
     plain = estimate(DSV3, cluster, wl, cfg, runtime="megatron-core")
     hidden = estimate(DSV3, cluster, wl, cfg, runtime="megatron-core+ep-a2a-overlap")
     assert hidden.breakdown_s["ep_comm"] < plain.breakdown_s["ep_comm"]
+
+
+def test_fp8_dispatch_by_hand():
+    """DeepSeek-V3 sec. 3.3.3: dispatch (and the gradient before the down-projection) in FP8 with a 4-byte scale per
+    128 elements, combines in BF16: each pass's all-to-all pair moves (1.03125 + 2) / 4 of its BF16 bytes."""
+    assert EP_FP8_DISPATCH_SHARE == pytest.approx((1 + 4 / 128 + 2) / 4)
+    lay = resolve(DSV3, 512, Workload(global_batch=512, seq_len=4096, dtype="fp8", fp8_recipe="blockwise"),
+                  ParallelConfig(tp=1, pp=8, ep=64, mbs=1))
+    fp8 = Workload(global_batch=512, seq_len=4096, dtype="fp8", fp8_recipe="blockwise")
+    bf16 = Workload(global_batch=512, seq_len=4096, dtype="bf16")
+    layer = DSV3.num_layers - 1
+
+    def ep_bytes(wl, runtime):
+        (c,) = [c for c in mlp_half(DSV3, layer, lay, wl, get_runtime(runtime)).comms if c.dim == "ep"]
+        return c.bytes_
+
+    assert ep_bytes(fp8, "megatron-core+fp8-dispatch") == pytest.approx(EP_FP8_DISPATCH_SHARE
+                                                                        * ep_bytes(fp8, "megatron-core"))
+    assert ep_bytes(bf16, "megatron-core+fp8-dispatch") == ep_bytes(bf16, "megatron-core")  # BF16 training: no FP8
+
+
+def test_fp8_dispatch_is_never_slower():
+    cluster = Cluster(ClusterSpec(gpu="h800", num_gpus=512))
+    wl = Workload(global_batch=512, seq_len=4096, dtype="fp8", fp8_recipe="blockwise")
+    for base in ("megatron-core", "megatron-core+ep-a2a-overlap", "megatron-core+ep-a2a-overlap+deepep"):
+        cfg = ParallelConfig(tp=1, pp=8, ep=64, mbs=1, recompute="selective")
+        plain = estimate(DSV3, cluster, wl, cfg, runtime=base)
+        fp8 = estimate(DSV3, cluster, wl, cfg, runtime=base + "+fp8-dispatch")
+        assert fp8.step_time_s <= plain.step_time_s * (1 + 1e-12)
+        assert fp8.breakdown_s["ep_comm"] < plain.breakdown_s["ep_comm"]
