@@ -138,7 +138,7 @@ class Runtime(BaseModel):
     # forwarded over NVLink: DeepSeek-V3 report sec. 3.2.2; Megatron-Core flex dispatcher)
     ep_dispatch: Literal["all-to-all", "deepep"] = "all-to-all"
     # FP8 training only: the dispatch (forward) and the activation gradient before the down-projection (backward)
-    # cross the EP all-to-all in FP8, the combines in BF16 (DeepSeek-V3 report sec. 3.3.3; ops.EP_FP8_DISPATCH_SHARE)
+    # cross the EP all-to-all in FP8, the combines in BF16 (DeepSeek-V3 report sec. 3.3.3; ops.ep_dispatch_bytes)
     ep_fp8_dispatch: bool = False
     # expert GEMMs: one grouped kernel over all local experts (torch._grouped_mm, CUTLASS, DeepGEMM, TE's
     # GroupedTensor path), or TransformerEngine's default of one cuBLAS GEMM per expert on 4 streams

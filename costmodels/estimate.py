@@ -15,8 +15,8 @@ from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdo
                                layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
                                stage_params, StageParams)
 from costmodels.model import ModelSpec
-from costmodels.ops import (ACT_BYTES, EP_FP8_DISPATCH_SHARE, Block, Collective, Op, attention_half, embedding_block, head_block, memory_class,
-                           mlp_half, mtp_projection, recompute_modules_of)
+from costmodels.ops import (ACT_BYTES, Block, Collective, Op, attention_half, embedding_block, head_block, memory_class,
+                           ep_dispatch_bytes, mlp_half, mtp_projection, recompute_modules_of)
 from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
 from costmodels.realism import RealismCheck
 from costmodels.realism import check as realism_check
@@ -520,17 +520,16 @@ class PassCache:
         each all-to-all under one piece of the other's compute (DeepSeek-V3 report sec. 3.2.1, Fig. 4): the forward
         dispatch under the paired MLP backward, the forward combine under the attention backward, the backward
         dispatch under the MLP forward, the backward combine under the attention forward. Dispatch and combine
-        move the same bytes (half the block's all-to-all each; with FP8 dispatch the first piece of each pass is
-        the FP8 one, ops.EP_FP8_DISPATCH_SHARE); what is hidden slows the compute (kernels.CONTENTION_SM)."""
+        move the same elements; the first piece of each pass is the dispatch, at ops.ep_dispatch_bytes per element
+        (FP8 with +fp8-dispatch), the second a BF16 combine; what is hidden slows the compute (kernels.CONTENTION_SM)."""
         layer = attn.plus(mlp)
         tf, tb = mlp.fwd_comm.get("ep", 0.0), mlp.bwd_comm.get("ep", 0.0)
         if not self.rt.ep_overlap or tf + tb <= 0:
             return layer
         ph = self.eff.physics
 
-        first = 0.5
-        if self.rt.ep_fp8_dispatch and self.wl.dtype == "fp8":  # the FP8 all-to-all's share of the pair's bytes
-            first = 1 - ACT_BYTES / (2 * ACT_BYTES * EP_FP8_DISPATCH_SHARE)
+        dispatch = ep_dispatch_bytes(self.rt, self.wl)
+        first = dispatch / (dispatch + ACT_BYTES)  # the dispatch's share of the pair's bytes
 
         def hidden(comm_s: float, window_a: float, window_b: float) -> float:
             return (overlapped_exposed(comm_s * first, window_a, 0.0, ph)

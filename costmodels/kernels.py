@@ -46,6 +46,7 @@ class Physics:
 # (8192^3 matmul + 64 MiB all-gather on H100: 2.02 ms overlapped on NCCL, 1.77 ms on copy engines, vs 1.6 + 1.35
 # ms alone: 0.17 ms of slowdown per 1.35 ms hidden).
 CONTENTION_SM = 0.19
+CONTENTION_COPY_ENGINE = 0.13
 
 # TransformerEngine's default grouped GEMM (GroupedLinear -> nvte_multi_tensor_gemm) launches one cuBLAS GEMM per
 # expert, round-robin on 4 compute streams (transformer_engine/common/util/multi_stream.h: num_compute_streams = 4;
@@ -54,7 +55,6 @@ CONTENTION_SM = 0.19
 # expert. Megatron-Core keeps this path unless --moe-use-grouped-tensor or the TE op fuser is on
 # (transformer_config.py, moe_use_grouped_tensor = False).
 TE_GEMM_STREAMS = 4
-CONTENTION_COPY_ENGINE = 0.13
 
 # FP8 quantisation traffic per element of a GEMM operand (TransformerEngine docs, low_precision_training
 # performance_considerations.rst, "Handling transposes"): read the 16-bit tensor (2 B) and write its FP8 copy

@@ -19,9 +19,14 @@ Dim = Literal["tp", "cp", "ep", "etp", "dp", "pp"]
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
 
 ACT_BYTES = 2  # bf16/fp16 activations (fp8 GEMMs still keep 16-bit activations between operators)
-# EP all-to-all bytes relative to BF16 with FP8 dispatch: of each pass's two all-to-alls of equal element count, one
-# in FP8 (1 B plus a 4-byte scale per 1x128 tile) and one (a combine) in BF16 (DeepSeek-V3 report sec. 3.3.3)
-EP_FP8_DISPATCH_SHARE = (1 + 4 / 128 + ACT_BYTES) / (2 * ACT_BYTES)
+# An FP8 EP dispatch element: 1 B plus a 4-byte scale per 1x128 tile (DeepSeek-V3 report sec. 3.3.3)
+EP_FP8_DISPATCH_BYTES = 1 + 4 / 128
+
+
+def ep_dispatch_bytes(rt: Runtime, wl: Workload) -> float:
+    """Bytes per element of the EP all-to-all that carries tokens to the experts (the forward dispatch, and the
+    activation gradient before the down-projection backward); the combines stay BF16 (DeepSeek-V3 sec. 3.3.3)."""
+    return EP_FP8_DISPATCH_BYTES if rt.ep_fp8_dispatch and wl.dtype == "fp8" else ACT_BYTES
 
 
 @dataclass(frozen=True)
@@ -300,8 +305,9 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
         ops += fp8_quantize_ops(ops, wl.fp8_recipe)
     if lay.ep > 1:
         # Dispatch and combine: each rank sends its token copies to the experts' owners (GShard, Lepikhin 2020).
-        share = EP_FP8_DISPATCH_SHARE if rt.ep_fp8_dispatch and wl.dtype == "fp8" else 1.0
-        comms.append(Collective("ep_all_to_all", "all_to_all", "ep", share * ACT_BYTES * assignments * h, 2, 2,
+        # each pass: one all-to-all at the dispatch's element bytes, one (a combine) in BF16, counted as 2 of the mean
+        per_element = (ep_dispatch_bytes(rt, wl) + ACT_BYTES) / 2
+        comms.append(Collective("ep_all_to_all", "all_to_all", "ep", per_element * assignments * h, 2, 2,
                                 overlappable="ep", dedup_top_k=moe.top_k if rt.ep_dispatch == "deepep" else 0))
     if lay.etp > 1:
         comms.append(Collective("etp_all_gather", "all_gather", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))

@@ -441,6 +441,29 @@ def test_cli_export_refusal_writes_nothing(capsys, tmp_path):
     assert_input_error(*run(capsys, "export", str(path), "--to", "deepspeed", "--out", str(tmp_path / "f")))
 
 
+
+def test_cli_export_refuses_recompute_modules_outside_megatron(capsys, tmp_path):
+    """A plan whose selective recompute re-runs Megatron-Core modules beyond core attention: one error line, exit 2,
+    nothing written, for the launchers whose selective recompute means something else; a per-stage plan with a
+    selective stage is refused the same way, one without is not."""
+    path = tmp_path / "plan.json"
+    write_plan(small(16, tp=2, zero=0, recompute="selective", recompute_modules=("core_attn", "mlp")), path)
+    for target in ("torchtitan", "deepspeed", "torchrun"):
+        out = tmp_path / target
+        assert_input_error(*run(capsys, "export", str(path), "--to", target, "--out", str(out)),
+                           f"cannot export to {target}", "--recompute-modules")
+        assert not out.exists()
+    code, _, err = run(capsys, "export", str(path), "--to", "megatron", "--out", str(tmp_path / "m.sh"))
+    assert code == 0, err
+    mixed = small(16, pp=2, zero=0, recompute_modules=("core_attn", "mlp"),
+                  stage_recompute=(StagePolicy(granularity="selective"), StagePolicy(granularity="full", full_layers=1)))
+    with pytest.raises(InputError, match="--recompute-modules"):
+        export_plan(mixed, "deepspeed")
+    no_selective = small(16, pp=2, zero=0, recompute_modules=("core_attn", "mlp"),
+                         stage_recompute=(StagePolicy(granularity="none"), StagePolicy(granularity="full", full_layers=1)))
+    with pytest.raises(InputError, match="one recompute policy"):  # refused for its mixed stages, not the modules
+        export_plan(no_selective, "deepspeed")
+
 def test_cli_plan_export_in_one_go(capsys, tmp_path):
     out = tmp_path / "m.sh"
     code, stdout, err = run(capsys, "plan", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "32",

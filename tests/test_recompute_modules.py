@@ -14,7 +14,7 @@ from costmodels import comm
 from costmodels.config import RECOMPUTE_MODULES, ParallelConfig, Workload, get_runtime, resolve
 from costmodels.estimate import estimate
 from costmodels.memory import layer_activation_bytes
-from costmodels.ops import EP_FP8_DISPATCH_SHARE, mlp_half
+from costmodels.ops import ACT_BYTES, EP_FP8_DISPATCH_BYTES, mlp_half
 from costmodels.model_io import load_model
 from hardware_db.cluster import Cluster, ClusterSpec
 from hardware_db.errors import InputError
@@ -191,6 +191,7 @@ def test_ep_overlap_never_beats_compute_alone():
 def test_fp8_dispatch_by_hand():
     """DeepSeek-V3 sec. 3.3.3: dispatch (and the gradient before the down-projection) in FP8 with a 4-byte scale per
     128 elements, combines in BF16: each pass's all-to-all pair moves (1.03125 + 2) / 4 of its BF16 bytes."""
+    EP_FP8_DISPATCH_SHARE = (EP_FP8_DISPATCH_BYTES + ACT_BYTES) / (2 * ACT_BYTES)  # one FP8, one BF16 per pass
     assert EP_FP8_DISPATCH_SHARE == pytest.approx((1 + 4 / 128 + 2) / 4)
     lay = resolve(DSV3, 512, Workload(global_batch=512, seq_len=4096, dtype="fp8", fp8_recipe="blockwise"),
                   ParallelConfig(tp=1, pp=8, ep=64, mbs=1))

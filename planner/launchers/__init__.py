@@ -52,8 +52,8 @@ def export_plan(plan: Plan | ServingPlan, target: str) -> Exported:
                               f"memory, which only Megatron-LM / NeMo (--cpu-offloading-num-layers) run",
                               "export it --to megatron or nemo, or re-plan without --offload-layers")
         modules = tuple(plan.memory.recompute_modules)
-        if (target not in ("megatron", "nemo") and plan.memory.recompute in ("selective", "per-stage")
-                and modules != DEFAULT_RECOMPUTE_MODULES):
+        selective = any(s.recompute.granularity == "selective" for s in plan.pipeline.stages)
+        if target not in ("megatron", "nemo") and selective and modules != DEFAULT_RECOMPUTE_MODULES:
             # their own selective recompute means something else (torchtitan: per-operator SAC; Megatron-DeepSpeed
             # and meshplan's executor: core attention only), so the plan's memory and time would not hold there
             raise ExportError(target, f"the plan's selective recompute re-runs the Megatron-Core modules "
