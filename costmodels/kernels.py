@@ -52,8 +52,8 @@ CONTENTION_COPY_ENGINE = 0.13
 # expert, round-robin on 4 compute streams (transformer_engine/common/util/multi_stream.h: num_compute_streams = 4;
 # gemm/cublaslt_gemm.cu: the CUTLASS grouped kernel only on Hopper with NVTE_USE_CUTLASS_GROUPED_GEMM=1). At most 4
 # expert GEMMs share the GPU at once, so a wave saturates on 4 experts' FLOPs, and the host issues one launch per
-# expert. Megatron-Core keeps this path unless --moe-use-grouped-tensor or the TE op fuser is on
-# (transformer_config.py, moe_use_grouped_tensor = False).
+# expert. Megatron-Core keeps this path unless its TransformerConfig sets moe_use_grouped_tensor (default False) or
+# use_transformer_engine_op_fuser, which turns it on (megatron/core/transformer/transformer_config.py).
 TE_GEMM_STREAMS = 4
 
 # FP8 quantisation traffic per element of a GEMM operand (TransformerEngine docs, low_precision_training
