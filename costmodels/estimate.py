@@ -21,8 +21,9 @@ from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
 from costmodels.realism import RealismCheck
 from costmodels.realism import check as realism_check
 from costmodels.calibrate import interpolate
-from costmodels.kernels import (copy_engine_exposed, QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
-                                ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks)
+from costmodels.kernels import (attention_keys_factor, copy_engine_exposed, QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
+                                ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks,
+                                TP_OVERLAPPED_GEMMS)
 from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
                                      cpu_device_spec, digest)
 from hardware_db.cluster import Cluster, ClusterSpec
@@ -336,6 +337,8 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
                 else:
                     ceiling = eff.attention_bwd_max if backward else eff.attention_max
                 e *= ceiling * causal_tile_factor(keys, eff.attention_causal_s0)
+                if ph.attention_keys:  # the backward's steeper ramp over short keys (short sequences, CP chunks)
+                    e *= attention_keys_factor(keys, kernel, backward)
             else:
                 e *= eff.attention_max
         else:
@@ -655,10 +658,11 @@ class PassCache:
                           streams=TE_GEMM_STREAMS if self.rt.grouped_gemm == "multi-stream" else 0,
                           bandwidth_factor=self.rt.memory_kernel(memory_class(op.name)) if op.kind == "memory" else 1.0)
                 split = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp) if op.kind == "gemm" else 1
+                split_b = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp, True) if op.kind == "gemm" else 1
                 f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff, depth=k, chunks=split, **kw)
                 fwd += f
                 b = op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, eff, True, depth=n,
-                            chunks=split, **kw)
+                            chunks=split_b, **kw)
                 bwd_i += b
                 if op.kind == "attention" or op.name.startswith("attn_"):
                     attn_core_bwd += b
@@ -680,11 +684,15 @@ class PassCache:
             bwd_i += eff.head_overhead.backward_s
         fwd_comm: dict[str, float] = {}
         bwd_comm: dict[str, float] = {}
+        column = next((op.name for op in block.ops if TP_OVERLAPPED_GEMMS.get(op.name) == "all_gather"), "")
         for c in block.comms:
             t = collective_time(c, getattr(lay, c.dim), links[c.dim], self.eff)  # tp, cp, ep, etp: group sizes
-            if c.overlappable == "tp":
-                t *= tp_exposed_fraction(self.rt.tp_overlap, lay.tp, lay.sp, eff.physics)
             tf, tb = c.fwd_count * t, c.bwd_count * t
+            if c.overlappable == "tp":
+                tf *= tp_exposed_fraction(self.rt.tp_overlap, lay.tp, lay.sp, eff.physics, collective=c.name,
+                                          column_gemm=column)
+                tb *= tp_exposed_fraction(self.rt.tp_overlap, lay.tp, lay.sp, eff.physics, backward=True,
+                                          collective=c.name, column_gemm=column)
             if c.overlappable == "cp":  # the ring exchange runs under the attention steps (kernels.ring_cp_exposed)
                 tf = ring_cp_exposed(tf, attn_core, lay.cp, False, eff.physics)
                 tb = ring_cp_exposed(tb, attn_core_bwd or 2.5 * attn_core, lay.cp, True, eff.physics)

@@ -28,6 +28,7 @@ class Physics:
     contention: bool = True  # communication overlapped with compute slows the compute (SMs, HBM)
     overlap_limits: bool = True  # what overlap cannot hide: the last DP bucket, the first/last ring step, splits
     cp_steps: bool = True  # ring CP exposure per step instead of in aggregate
+    attention_keys: bool = True  # flash attention's rate ramps with the keys per launch (short sequences, CP chunks)
 
     @classmethod
     def none(cls) -> "Physics":
@@ -81,6 +82,37 @@ def causal_tile_factor(s_k: float, s0: float) -> float:
     return s_k / (s_k + s0) if s0 > 0 and s_k > 0 else 1.0
 
 
+# Keys at which a flash-attention launch's rate is half its long-sequence rate (non-causal), per kernel as
+# (forward, backward): L0 least-squares fitted to L / (L + L0), normalised at 16K keys, over FlashAttention-3
+# (Shah et al. 2024) Figs. 5-6, H100 SXM5, hdim 128, non-causal, 16K tokens per batch at 512 ... 16K keys
+# (forward FA3 467/565/625/638/646/648, FA2 309/350/362/368/370/370, cuDNN 497/574/617/609/600/595 TFLOP/s;
+# backward FA3 316/424/501/542/559/561, FA2 214/260/291/310/318/322, cuDNN 305/408/465/499/518/516). The fit is
+# within 4 % of each bar but cuDNN's forward at 2-4K (3-7 % above). Blackwell kernels: the Hopper ramps (no figure).
+ATTENTION_KEYS_HALF: dict[str, tuple[float, float]] = {"fused": (185.0, 375.0), "fa2": (90.0, 265.0),
+                                                      "cudnn": (75.0, 330.0)}
+ATTENTION_KEYS_REFERENCE = 16384.0  # keys at which the GPU files' attention ceilings are read (FA3 paper, 16k)
+
+
+def attention_keys_ramp(keys: float, kernel: str, backward: bool) -> float:
+    """A flash-attention launch's non-causal rate over `keys` (its key length) relative to its rate at 16K keys:
+    each query tile pays its prologue (loading Q, the softmax state) and epilogue (rescaling and writing O, or
+    dQ/dK/dV) whatever the key loop's length, so the rate ramps as L / (L + L0); never above the 16K rate."""
+    half = ATTENTION_KEYS_HALF.get(kernel, ATTENTION_KEYS_HALF["fused"])[1 if backward else 0]
+    if keys <= 0:
+        return 1.0
+    return min(1.0, (keys / (keys + half)) / (ATTENTION_KEYS_REFERENCE / (ATTENTION_KEYS_REFERENCE + half)))
+
+
+def attention_keys_factor(keys: float, kernel: str, backward: bool) -> float:
+    """What the model applies on top of the causal tile factor and the FLOP saturation: those two reproduce the
+    causal forward figure (FA3 and cuDNN, 512-16K keys, within 12 %; tests/test_kernels.py), so the forward's
+    ramp is in them; the backward ramps more steeply (FA3 L0 375 against 185 forward), so a backward launch
+    runs at its ramp over the forward's."""
+    if not backward:
+        return 1.0
+    return min(1.0, attention_keys_ramp(keys, kernel, True) / attention_keys_ramp(keys, kernel, False))
+
+
 def fp8_kernel_ceiling(gemm_max: float, fp8_gemm_max: float, recipe: str, block_factor: float) -> float:
     """Fraction of the FP8 peak an FP8 GEMM kernel reaches: the GPU's tensorwise/delayed ceiling; block-, row- or
     MX-scaled kernels on Hopper run at `block_factor` of it (scales applied inside the main loop), MXFP8 is the
@@ -90,15 +122,20 @@ def fp8_kernel_ceiling(gemm_max: float, fp8_gemm_max: float, recipe: str, block_
     return fp8_gemm_max
 
 
-def tp_exposed_fraction(kind: str, tp: int, sp: bool, physics: Physics) -> float:
+def tp_exposed_fraction(kind: str, tp: int, sp: bool, physics: Physics, *, backward: bool = False,
+                        collective: str = "", column_gemm: str = "") -> float:
     """Share of a TP collective's time on the critical path under the framework's overlap. TransformerEngine's
     userbuffers overlap needs sequence parallelism (Megatron-LM arguments.py: --tp-comm-overlap needs
     --sequence-parallel) and splits each collective: the ring-exchange all-gather before QKV / FC1 into tp
     chunks on copy engines (1 SM), the pipelined reduce-scatter after the projection / FC2 into 4 chunks on 16 SMs
     (transformer_engine/pytorch/module/base.py, get_default_config); the first chunk of each is exposed and the
     rest slows the GEMM it hides behind (CONTENTION_*). PyTorch async TP micro-pipelines both over tp chunks on
-    copy engines (pytorch/pytorch#130583). A collective split into k chunks exposes 1/k of itself."""
+    copy engines (pytorch/pytorch#130583), but only where Inductor finds the patterns (async_tp_fused). A
+    collective split into k chunks exposes 1/k of itself. `collective` names the forward collective whose mirror
+    the backward runs; `column_gemm` is the block's column-parallel GEMM."""
     if kind == "none" or tp <= 1 or (kind == "userbuffers" and not sp):
+        return 1.0
+    if kind == "async-tp" and physics.overlap_limits and not async_tp_fused(sp, backward, collective, column_gemm):
         return 1.0
 
     def split(chunks: int, contention: float) -> float:
@@ -163,14 +200,30 @@ TP_OVERLAPPED_GEMMS = {"qkv_proj": "all_gather", "up_gate_proj": "all_gather", "
                        "out_proj": "reduce_scatter", "down_proj": "reduce_scatter"}
 
 
-def tp_gemm_chunks(kind: str, gemm: str, tp: int, sp: bool) -> int:
+def async_tp_fused(sp: bool, backward: bool, collective: str, column_gemm: str) -> bool:
+    """Whether PyTorch's micro-pipeline TP pass fuses a TP collective with its GEMM. It matches only all-gather
+    -> matmul and matmul -> reduce-scatter where the reduce-scatter's input is one matmul's sole output
+    (torch/_inductor/fx_passes/micro_pipeline_tp.py, fuse_matmul_reduce_scatter), so without sequence parallelism
+    nothing is fused, and the backward's mirror of the all-gather, the reduce-scatter of the input gradient, is
+    fused only when one linear makes that gradient: torchtitan's models keep Q, K, V and the gated MLP's w1, w3
+    as separate nn.Linear layers (torchtitan/models/llama3/model.py), whose input gradients are summed first."""
+    if not sp:
+        return False
+    return not (backward and collective == "tp_all_gather" and column_gemm != "up_proj")
+
+
+def tp_gemm_chunks(kind: str, gemm: str, tp: int, sp: bool, backward: bool = False) -> int:
     """Pieces a GEMM beside a TP collective is cut into to overlap it, each running at a smaller GEMM's efficiency:
     userbuffers splits the all-gather side into tp ring-exchange steps and the reduce-scatter side into 4 pipeline
     chunks (TransformerEngine get_default_config); PyTorch async TP micro-pipelines both over tp shards
-    (pytorch/pytorch#130583). MLA's and the experts' GEMMs are not beside a TP collective."""
+    (pytorch/pytorch#130583) where it fuses them (async_tp_fused; `backward`: the input-gradient GEMM). MLA's and
+    the experts' GEMMs are not beside a TP collective."""
     if tp <= 1 or kind == "none" or (kind == "userbuffers" and not sp):
         return 1
     side = TP_OVERLAPPED_GEMMS.get(gemm)
     if side is None:
         return 1
-    return tp if kind == "async-tp" or side == "all_gather" else 4
+    if kind == "async-tp":  # the backward input-gradient GEMM of an unfused reduce-scatter runs whole
+        fused = async_tp_fused(sp, backward, "tp_all_gather" if side == "all_gather" else "tp_reduce_scatter", gemm)
+        return tp if fused else 1
+    return tp if side == "all_gather" else 4

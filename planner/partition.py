@@ -1321,6 +1321,69 @@ def partitions_below(problem: PartitionProblem, policy: Granularity, threshold: 
     return sorted(found)
 
 
+PER_STAGE_ENUMERATION_MAX_PARTITIONS = 512  # partitions per_stage_partitions_below walks before it gives up
+
+
+def per_stage_partitions_below(problem: PartitionProblem, threshold: float, limit: int = 64
+                               ) -> list[tuple[float, tuple[int, ...], tuple[StagePolicy, ...]]] | None:
+    """Every (partition, per-stage policy) whose J is below `threshold`: (J, boundaries, policies), smallest first;
+    None when the partitions number more than PER_STAGE_ENUMERATION_MAX_PARTITIONS or more than `limit` pairs are
+    below it (the caller's bound then stays open). Per stage the policies are none, selective and full on its first
+    k layers; J never decreases when any stage's backward grows (solve_dp's relaxation argument), so each stage's
+    fitting policies are tried by growing backward and a branch stops at the first that reaches the threshold with
+    the cheapest policies on the stages after it. Brute force over partitions because the DP has no per-stage
+    equivalent of partitions_below's table; it closes the gaps of small pipelines, where per-stage plans win."""
+    p, L = problem.num_stages, problem.num_layers
+    if math.comb(L - 1, p - 1) > PER_STAGE_ENUMERATION_MAX_PARTITIONS:
+        return None
+    t = _tables(problem)
+    found: list[tuple[float, tuple[int, ...], tuple[StagePolicy, ...]]] = []
+    for cuts in itertools.combinations(range(1, L), p - 1):
+        bounds = (0, *cuts, L)
+        options = []  # per stage: (f, b, e, policy) of each fitting policy, by growing backward
+        for r in range(p):
+            i, j = bounds[r], bounds[r + 1]
+            row = []
+            for pol in _policy_options(j - i, True, "none"):
+                c, d, peak = _cuts(t, pol, i, j)
+                sums = _layer_sums(t, i, j, c, d, False)
+                if not float(_stage_memory(problem, r, sums, peak)) <= problem.memory_cap_bytes:
+                    continue
+                f, b = float(_stage_forward(problem, r, sums)), float(_stage_backward(problem, r, sums))
+                row.append((f, b, float(_stage_sync(problem, r, sums, f, b)), pol))
+            if not row:
+                break
+            options.append(sorted(row, key=lambda x: x[1]))
+        if len(options) < p:
+            continue
+
+        def objective(chosen: list[tuple[float, float, float, StagePolicy]]) -> float:
+            f = [x[0] for x in chosen]
+            b = [x[1] for x in chosen]
+            return max(float(_stage_objective(problem, r, f[r], b[r], chosen[r][2], sum(f[:r]), sum(b[:r]),
+                                              sum(f[s] + b[s] for s in range(r + 1, p)))) for r in range(p))
+
+        def extend(chosen: list) -> bool:
+            r = len(chosen)
+            if r == p:
+                j = objective(chosen)
+                if j < threshold:
+                    if len(found) == limit:
+                        return False
+                    found.append((j, bounds, tuple(x[3] for x in chosen)))
+                return True
+            for option in options[r]:
+                if objective(chosen + [option] + [o[0] for o in options[r + 1:]]) >= threshold:
+                    break  # a larger backward here (or after) only raises J
+                if not extend(chosen + [option]):
+                    return False
+            return True
+
+        if not extend([]):
+            return None
+    return sorted(found, key=lambda x: (x[0], x[1]))
+
+
 # ---- the 1F1B steady-state pair bound --------------------------------------------------------------------------------
 #
 # J_r above sees each rank alone. In 1F1B's steady state two neighbours also chain each other: on rank r the pair

@@ -34,6 +34,7 @@ from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
 from costmodels.kernels import CONTENTION_SM, overlapped_exposed
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, partitions_below,
+                               per_stage_partitions_below,
                                per_stage_bound, solve_cpsat, solve_rank0_path_sync,
                                solve_dp, solve_dp_pairs, solve_stage0_sync)
 from planner.space import (Candidate, Enumeration, Group, LayerKey, Mesh, Pins, check_pins, enumerate_space,
@@ -837,6 +838,22 @@ class _Search:
             return
         self._simulate(c, res.stage_layers, _policies(res), res.objective if proven else bound, ctx)
 
+    def _close_per_stage_gap(self, c: Candidate, prob: PartitionProblem, ctx: CostContext, stage_layers, policies,
+                             best: float) -> bool:
+        """Simulate every (partition, per-stage policy) of a per-stage candidate whose J is below the best plan
+        (planner/partition.py per_stage_partitions_below), which closes its gap; False when they are too many."""
+        found = per_stage_partitions_below(prob, best * (1 - REL_TOL), limit=ENUMERATE_PARTITIONS)
+        if found is None:
+            return False
+        self.bounded += 1
+        for lower, bounds, pols in found:
+            if lower >= self.best.ranked()[0].step_time_s * (1 - REL_TOL):
+                break
+            layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+            if (layers, pols) != (stage_layers, policies):
+                self._simulate(c, layers, pols, lower, ctx, another_partition=True)
+        return True
+
     def _close_gaps(self, deadline: float | None) -> None:
         """Where a candidate's simulated time exceeds its J bound and the bound is below the best plan: simulate
         every partition whose bound is below the best when there are few (partitions_below), which closes the gap;
@@ -847,12 +864,15 @@ class _Search:
         for bound, c, stage_layers, policies in sorted(self.open_bounds, key=lambda x: x[0]):
             best = self.best.ranked()[0].step_time_s if self.best.heap else math.inf
             late = deadline is not None and time.perf_counter() > deadline
-            if (bound >= best * (1 - REL_TOL) or late or c.vpp > 1 or c.recompute == "per-stage"
-                    or policies is not None):
+            if bound >= best * (1 - REL_TOL) or late or c.vpp > 1:
                 still_open.append((bound, c, stage_layers, policies))
                 continue
             ctx = self._context(c)
             prob = self.problem(c, ctx)
+            if c.recompute == "per-stage" or policies is not None:
+                if not self._close_per_stage_gap(c, prob, ctx, stage_layers, policies, best):
+                    still_open.append((bound, c, stage_layers, policies))
+                continue
             parts = partitions_below(prob, c.recompute, best * (1 - REL_TOL), limit=ENUMERATE_PARTITIONS)
             if parts is not None:  # every partition that could beat the best: simulate them, and the gap is closed
                 self.bounded += 1

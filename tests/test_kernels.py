@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from costmodels import comm
 from costmodels.config import ParallelConfig, Workload, get_runtime
 from costmodels.estimate import Efficiency, estimate, op_time
-from costmodels.kernels import (CONTENTION_COPY_ENGINE, CONTENTION_SM, QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics,
+from costmodels.kernels import (ATTENTION_KEYS_HALF, CONTENTION_COPY_ENGINE, CONTENTION_SM, QUANT_BYTES_PER_ELEMENT,
+                                TE_GEMM_STREAMS, Physics, async_tp_fused, attention_keys_factor, attention_keys_ramp,
                                 causal_tile_factor, k_depth_factor, overlapped_exposed, ring_cp_exposed,
                                 tp_exposed_fraction, tp_gemm_chunks)
 from costmodels.model import ModelSpec
@@ -52,6 +53,88 @@ def test_tp_exposure_by_hand():
     assert tp_gemm_chunks("userbuffers", "down_proj", 8, True) == 4
     assert tp_gemm_chunks("async-tp", "down_proj", 8, True) == 8
     assert tp_gemm_chunks("userbuffers", "router", 8, True) == 1
+
+
+def test_async_tp_backward_by_hand():
+    """PyTorch's micro-pipeline pass fuses a reduce-scatter only with the one matmul that feeds it: the backward's
+    input-gradient reduce-scatter of torchtitan's separate Q/K/V (and w1/w3) linears stays a plain collective."""
+    ring = 1 / 8 + CONTENTION_COPY_ENGINE * 7 / 8
+    qkv_bwd = dict(backward=True, collective="tp_all_gather", column_gemm="qkv_proj")
+    assert tp_exposed_fraction("async-tp", 8, True, ON, **qkv_bwd) == 1.0
+    assert tp_exposed_fraction("async-tp", 8, True, ON, backward=True, collective="tp_all_gather",
+                               column_gemm="up_gate_proj") == 1.0
+    # one linear makes the gradient (a plain MLP's up_proj), or the mirror is an all-gather before a matmul: fused
+    assert tp_exposed_fraction("async-tp", 8, True, ON, backward=True, collective="tp_all_gather",
+                               column_gemm="up_proj") == pytest.approx(ring)
+    assert tp_exposed_fraction("async-tp", 8, True, ON, backward=True, collective="tp_reduce_scatter",
+                               column_gemm="qkv_proj") == pytest.approx(ring)
+    assert tp_exposed_fraction("async-tp", 8, True, ON, collective="tp_all_gather", column_gemm="qkv_proj") == \
+        pytest.approx(ring)  # the forward all-gather feeds Q, K and V: fused with all three
+    assert tp_exposed_fraction("async-tp", 8, False, ON) == 1.0  # no all-gather / reduce-scatter to fuse
+    assert not async_tp_fused(False, False, "tp_all_gather", "qkv_proj")
+    # the GEMM beside an unfused collective runs whole; beside a fused one in tp pieces
+    assert tp_gemm_chunks("async-tp", "qkv_proj", 8, True, backward=True) == 1
+    assert tp_gemm_chunks("async-tp", "down_proj", 8, True, backward=True) == 8
+    assert tp_gemm_chunks("async-tp", "qkv_proj", 8, True) == 8
+    # switched off (overlap_limits), every collective is overlapped again
+    assert tp_exposed_fraction("async-tp", 8, True, Physics(overlap_limits=False), **qkv_bwd) < 1.0
+
+
+def test_async_tp_still_helps_but_less_than_everything_hidden():
+    cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=16))
+    wl = Workload(global_batch=16, seq_len=8192)
+    cfg = ParallelConfig(tp=8, dp=2, zero=3, sp=True)
+    vanilla = estimate(MODEL, cluster, wl, cfg, runtime="torchtitan+compile").step_time_s
+    async_tp = estimate(MODEL, cluster, wl, cfg, runtime="torchtitan+compile+async-tp").step_time_s
+    unlimited = estimate(MODEL, cluster, wl, cfg, runtime="torchtitan+compile+async-tp",
+                         efficiency=Efficiency.from_gpu(cluster.gpu, ON.without("overlap_limits"))).step_time_s
+    assert unlimited < async_tp < vanilla
+
+
+def test_attention_keys_ramp_by_hand():
+    fwd, bwd = ATTENTION_KEYS_HALF["fused"]
+    assert attention_keys_ramp(16384, "fused", False) == pytest.approx(1.0)
+    assert attention_keys_ramp(512, "fused", False) == pytest.approx((512 / (512 + fwd)) / (16384 / (16384 + fwd)))
+    assert attention_keys_ramp(512, "fused", True) == pytest.approx((512 / (512 + bwd)) / (16384 / (16384 + bwd)))
+    assert attention_keys_ramp(262144, "fa2", True) == 1.0  # never faster than at the figures' longest keys
+    assert attention_keys_ramp(0, "fused", False) == 1.0
+    # applied: the forward's ramp is in the causal-tile fit already, the backward runs at its ramp over it
+    assert attention_keys_factor(512, "fused", False) == 1.0
+    assert attention_keys_factor(512, "fused", True) == pytest.approx(
+        attention_keys_ramp(512, "fused", True) / attention_keys_ramp(512, "fused", False))
+    assert attention_keys_factor(512, "fused", True) < 0.8
+
+
+# FA3 paper Figs. 5-6 (H100 SXM5, hdim 128, non-causal), TFLOP/s at 512 / 1k / 2k / 4k / 8k / 16k keys
+FA3_FIGURES = {("fused", False): (467, 565, 625, 638, 646, 648), ("fused", True): (316, 424, 501, 542, 559, 561),
+               ("fa2", False): (309, 350, 362, 368, 370, 370), ("fa2", True): (214, 260, 291, 310, 318, 322),
+               ("cudnn", True): (305, 408, 465, 499, 518, 516)}
+
+
+@pytest.mark.parametrize("kernel,backward", sorted(FA3_FIGURES))
+def test_attention_keys_ramp_follows_the_fa3_papers_non_causal_bars(kernel, backward):
+    bars = FA3_FIGURES[(kernel, backward)]
+    for keys, bar in zip((512, 1024, 2048, 4096, 8192, 16384), bars):
+        assert attention_keys_ramp(keys, kernel, backward) * bars[-1] == pytest.approx(bar, rel=0.05)
+
+
+@settings(max_examples=60, deadline=None)
+@given(keys=st.floats(1, 1e6), more=st.floats(0, 1e6), kernel=st.sampled_from(["fused", "fa2", "cudnn"]),
+       backward=st.booleans())
+def test_attention_keys_ramp_is_a_monotone_fraction(keys, more, kernel, backward):
+    f = attention_keys_ramp(keys, kernel, backward)
+    assert 0 < f <= 1 and attention_keys_ramp(keys + more, kernel, backward) >= f
+    assert 0 < attention_keys_factor(keys, kernel, backward) <= 1
+
+
+def test_short_key_backward_is_slower_per_flop():
+    """CP cuts the keys per launch: the same backward FLOPs take longer at 1K keys than at 16K."""
+    flops = 1e13
+    short = op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, True, keys=1024, kernel="cudnn")
+    long = op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, True, keys=16384, kernel="cudnn")
+    off = Efficiency.from_gpu(H100, ON.without("attention_keys"))
+    short_off = op_time(flops, 0.0, "attention", PEAK16, HBM, off, True, keys=1024, kernel="cudnn")
+    assert short > short_off > long
 
 
 def test_ring_cp_exposure_by_hand():

@@ -612,3 +612,33 @@ def test_partitions_below_lists_every_partition_under_the_threshold(problem, fra
             assert listed[0][0] >= rank0_path_sync_bound(problem, policy) * (1 - 1e-12)
         if len(under) > 1:
             assert partitions_below(problem, policy, threshold, limit=len(under) - 1) is None
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(problems(max_layers=7, max_stages=3), st.floats(0.95, 1.3))
+def test_per_stage_partitions_below_lists_every_pair_under_the_threshold(problem, fraction):
+    """per_stage_partitions_below returns exactly the (partition, per-stage policy) pairs whose J is below the
+    threshold, each with that J, smallest first; over `limit` of them, None (brute force over every pair)."""
+    from planner.partition import _policy_options, per_stage_partitions_below
+    L, p = problem.num_layers, problem.num_stages
+    best = brute_force(problem, per_stage=True)
+    if best is None:
+        assert per_stage_partitions_below(problem, 1e9) == []
+        return
+    threshold = best.objective * fraction
+    under, near = set(), {}
+    for cuts in itertools.combinations(range(1, L), p - 1):
+        b = (0, *cuts, L)
+        for pols in itertools.product(*[_policy_options(b[r + 1] - b[r], True, "none") for r in range(p)]):
+            res = evaluate(problem, b, pols)
+            if res is not None and res.objective < threshold * (1 + 1e-9):
+                near[(b, pols)] = res.objective
+                if res.objective < threshold * (1 - 1e-9):
+                    under.add((b, pols))
+    listed = per_stage_partitions_below(problem, threshold, limit=10**6)
+    assert [x[0] for x in listed] == sorted(x[0] for x in listed)
+    for value, b, pols in listed:
+        assert (b, pols) in near and value == pytest.approx(near[(b, pols)], rel=1e-9)
+    assert under <= {(b, pols) for _, b, pols in listed}
+    if len(under) > 1:
+        assert per_stage_partitions_below(problem, threshold, limit=len(under) - 1) is None
