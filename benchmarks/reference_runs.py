@@ -265,6 +265,8 @@ def run_runtime(run: Run) -> str:
         options.append("deepep")
     if "fp8-dispatch" in f:
         options.append("fp8-dispatch")
+    if "sharded-grad-accumulation" in f:
+        options.append("reduce-each-microbatch")
     options += [opt for feature, opt in kernels.items() if feature in f]
     return "+".join([run.runtime, *options])
 

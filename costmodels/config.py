@@ -152,6 +152,21 @@ class Runtime(BaseModel):
     schedules: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved", "zb")
     cp_comms: tuple[Literal["ring", "a2a"], ...] = ("ring", "a2a")  # () = no context parallelism
     zero_stages: tuple[Literal[0, 1, 2, 3], ...] = (0, 1, 2, 3)
+    # ZeRO-2/3 gradients (sharded): reduce-scattered layer by layer in every micro-batch's backward
+    # ("every-microbatch": Megatron-FSDP, "for grads shard mode there will actually always be gradient sync",
+    # megatron_fsdp.py no_sync, and docs/user-guide/features/megatron_fsdp.md "accumulated during every backward
+    # pass"; FSDP2 in a gradient-accumulation loop, torchtitan trainer.py train_step), or, under a pipeline
+    # schedule, accumulated unsharded in fp32 and reduced after the last micro-batch only ("pipeline-defers":
+    # torch.distributed.pipelining stage.py backward_maybe_with_nosync, FSDPParam.to_accumulated_grad_if_needed)
+    sharded_grad_reduce: Literal["every-microbatch", "pipeline-defers"] = "every-microbatch"
+
+    def reduces_each_microbatch(self, zero: int, pp: int) -> bool:
+        """Whether each micro-batch's backward reduce-scatters its gradients (sharded gradients, not deferred)."""
+        return zero >= 2 and not (self.sharded_grad_reduce == "pipeline-defers" and pp > 1)
+
+    def holds_unsharded_grads(self, zero: int, pp: int) -> bool:
+        """Whether ZeRO-2/3 gradients sit unsharded (fp32) between micro-batches: pipelining's deferred reduce."""
+        return zero >= 2 and self.sharded_grad_reduce == "pipeline-defers" and pp > 1
 
     def memory_kernel(self, cls: str | None) -> float:
         """The achieved fraction of the GPU's fused-kernel bandwidth of this framework's kernel of a class."""
@@ -208,6 +223,7 @@ RUNTIMES: dict[str, Runtime] = {
     "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
                           overlap_param_gather=True, tp_overlap="none", p2p_overlap=True,
                           schedules=("gpipe", "1f1b", "interleaved"), cp_comms=("ring",), zero_stages=(0, 2, 3),
+                          sharded_grad_reduce="pipeline-defers",
                           attention_kernel="fa2", selective="op-sac",
                           memory_kernels=(("norm", 0.6), ("swiglu", 0.36), ("activation", 0.36), ("rope", 0.36),
                                           ("cross_entropy", 0.40))),
@@ -248,6 +264,9 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
                                     "DeepGEMM)", (("grouped_gemm", "kernel"),)),
     "fp8-dispatch": RuntimeOption("FP8 EP dispatch, BF16 combine, in FP8 training (DeepSeek-V3 report sec. 3.3.3)",
                                   (("ep_fp8_dispatch", True),)),
+    "reduce-each-microbatch": RuntimeOption("ZeRO-2/3 gradients reduce-scattered in every micro-batch's backward "
+                                            "under pipelining too (kept sharded, as Megatron-FSDP does)",
+                                            (("sharded_grad_reduce", "every-microbatch"),)),
     "deepep": RuntimeOption("DeepEP / HybridEP token dispatch: each token crosses the NIC once per node (Megatron-Core "
                             "--moe-token-dispatcher-type flex)", (("ep_dispatch", "deepep"),)),
 }

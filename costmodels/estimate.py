@@ -745,8 +745,8 @@ class CostContext:
         """Reuse another context's per-layer costs: valid when tp, cp, cp_comm, sp, mbs, ep and etp agree (and, with
         ZeRO-3's per-layer gathers in them, the DP groups)."""
         names = ("tp", "cp", "cp_comm", "sp", "mbs", "ep", "etp", "recompute_modules")
-        if self.lay.zero == 3 or other.lay.zero == 3:
-            names += ("zero", "dp", "edp", "rank_order")
+        if self.dp_in_layer_times or other.dp_in_layer_times:
+            names += ("zero", "pp", "dp", "edp", "rank_order")
         for name in names:
             if getattr(self.lay, name) != getattr(other.lay, name):
                 raise ValueError(f"layer costs differ in {name}")
@@ -760,23 +760,50 @@ class CostContext:
         key = (self.model.is_moe_layer(i), mode)
         if key not in self._layer_times:
             base, selective = self._layer_base(i)
-            if self.lay.zero == 3:
-                base = base.plus(self._fsdp_gathers(i, base))
-            self._layer_times[key] = _with_recompute(base, mode, selective)
+            times = _with_recompute(base, mode, selective)
+            if self.dp_in_layer_times:  # after recomputation: it re-runs the layer with the weights gathered once
+                times = times.plus(self._sharded_dp_passes(i, times))
+            self._layer_times[key] = times
         return self._layer_times[key]
 
-    def _fsdp_gathers(self, i: int, base: PassTimes) -> PassTimes:
+    @cached_property
+    def reduce_in_backward(self) -> bool:
+        """ZeRO-2/3 reduce-scatter each layer's gradients in every micro-batch's backward (Runtime.
+        reduces_each_microbatch), not once after the step as ZeRO-0/1's accumulated buffer does."""
+        return self.rt.reduces_each_microbatch(self.lay.zero, self.lay.pp)
+
+    @property
+    def dp_in_layer_times(self) -> bool:
+        """The layer times hold DP collectives (so they depend on the DP groups): ZeRO-3's weight gathers, the
+        per-micro-batch gradient reduce-scatters."""
+        return self.lay.zero == 3 or self.reduce_in_backward
+
+    def _sharded_dp_passes(self, i: int, base: PassTimes) -> PassTimes:
         """ZeRO-3 / FSDP: each micro-batch gathers layer i's weights before its forward and again before its
         backward (PyTorch FSDP2 reshard_after_forward; Megatron-FSDP optim_grads_params), prefetched during the
-        layer before: exposed only beyond that layer's compute, and the hidden part slows it
-        (kernels.overlapped_exposed)."""
-        a_d, b_d, a_e, b_e = self.fsdp_gather
+        layer before: exposed beyond that layer's compute (its recomputed forward included). ZeRO-2/3: the backward
+        also reduce-scatters the layer's gradients (fp32, as the step-end reduce: sync); nothing waits on it until
+        the optimizer step, so it runs on the link whenever the gathers leave it idle during the layer's compute,
+        forward and backward. The hidden parts slow the compute (kernels.overlapped_exposed); a blocking reduce is
+        exposed in full."""
         p = self.layer_params(i)
-        g = (a_d + b_d * p.dense if p.dense > 0 else 0.0) + (a_e + b_e * p.expert if p.expert > 0 else 0.0)
+
+        def alpha_beta(a_d: float, b_d: float, a_e: float, b_e: float) -> float:
+            return (a_d + b_d * p.dense if p.dense > 0 else 0.0) + (a_e + b_e * p.expert if p.expert > 0 else 0.0)
+
+        gather = alpha_beta(*self.fsdp_gather) if self.lay.zero == 3 else 0.0
+        scatter = alpha_beta(*self.grad_scatter) if self.reduce_in_backward else 0.0
         ph = self.eff.physics
-        return PassTimes(fwd_comm={"dp": overlapped_exposed(g, base.fwd_compute, 0.0, ph)},
-                         bwd_comm={"dp": overlapped_exposed(g, base.bwd_input_compute + base.bwd_weight_compute,
-                                                            0.0, ph)})
+        fwd_window = base.fwd_compute
+        bwd_window = base.bwd_input_compute + base.bwd_weight_compute + base.recompute
+        fwd = overlapped_exposed(gather, fwd_window, 0.0, ph)
+        bwd = overlapped_exposed(gather, bwd_window, 0.0, ph)
+        if self.rt.overlap_grad_reduce:
+            idle = max(0.0, fwd_window + bwd_window - 2 * gather)  # the layer's compute with the link free
+            bwd += overlapped_exposed(scatter, idle, 0.0, ph)
+        else:
+            bwd += scatter
+        return PassTimes(fwd_comm={"dp": fwd}, bwd_comm={"dp": bwd})
 
     def _layer_base(self, i: int) -> tuple[PassTimes, float]:
         kind = self.model.is_moe_layer(i)
@@ -850,6 +877,16 @@ class CostContext:
         for dim in ("dp_cp", "edp"):
             n = self.sizes[dim]
             out += list(self._alpha_beta("all_gather", n, self.links[dim], 2)) if n > 1 else [0.0, 0.0]
+        return out[0], out[1], out[2], out[3]
+
+    @cached_property
+    def grad_scatter(self) -> tuple[float, float, float, float]:
+        """ZeRO-2/3: (alpha, seconds per parameter) of one reduce-scatter of fp32 gradients over dp x cp (dense)
+        and over the expert-DP group (experts), run in every micro-batch's backward (reduce_in_backward)."""
+        out = []
+        for dim in ("dp_cp", "edp"):
+            n = self.sizes[dim]
+            out += list(self._alpha_beta("reduce_scatter", n, self.links[dim], 4)) if n > 1 else [0.0, 0.0]
         return out[0], out[1], out[2], out[3]
 
     @cached_property
@@ -1008,8 +1045,17 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
         # Megatron's overlap leaves one bucket exposed: the last layer's gradients, the first layer's weights
         # (one virtual stage with interleaving): kernels.overlapped_exposed
         unhidden = 1 / lay.vpp if lay.vpp > 1 else 1 / max(count, 1)
-        exposed = (t_reduce if not rt.overlap_grad_reduce
-                   else overlapped_exposed(t_reduce, bwd_window, unhidden, eff.physics))
+        if ctx.reduce_in_backward:
+            # the layers' reduce-scatters ran in each backward (layer_times); the embedding / head / MTP gradients
+            # of the last micro-batch remain, and the last layer bucket, which no compute follows
+            edges = stage_params(ctx.model, lay, range(0), r == 0, r == last_rank)
+            t_edges = sync.reduce(edges.dense, edges.expert)
+            tail = unhidden * (t_reduce - t_edges) if eff.physics.overlap_limits and rt.overlap_grad_reduce else 0.0
+            exposed = tail + (t_edges if not rt.overlap_grad_reduce
+                              else overlapped_exposed(t_edges, bwd_window, 0.0, eff.physics))
+        else:
+            exposed = (t_reduce if not rt.overlap_grad_reduce
+                       else overlapped_exposed(t_reduce, bwd_window, unhidden, eff.physics))
         exposed += (t_gather if not rt.overlap_param_gather
                     else overlapped_exposed(t_gather, fwd_window, unhidden, eff.physics))
         optim = sync.optimizer(params.dense, params.expert) + fp8_weight_cast_s(ctx, params, r == 0, r == last_rank)
@@ -1034,7 +1080,8 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     breakdown.update({f"{d}_comm": v for d, v in sorted(comm_by_dim.items())})
     breakdown["pp_comm"] = max(0.0, pp_comm)
     breakdown["pipeline_bubble"] = rank_end[crit] - busy
-    breakdown["dp_comm"] = dp_exposed_per_rank[crit]
+    # the step-end DP exposure adds to the per-layer DP collectives of ZeRO-2/3 (their "dp" key above)
+    breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + dp_exposed_per_rank[crit]
     breakdown["optimizer"] = optim_per_rank[crit]
 
     tokens = workload.tokens
@@ -1107,7 +1154,7 @@ def _stage_params(ctx: CostContext, chunks: list[tuple[int, int]], modes: tuple[
 def _stage_memory(ctx: CostContext, rank: int, chunks: list[tuple[int, int]], params: StageParams,
                   timeline: Timeline, modes: tuple[str, ...]) -> MemoryBreakdown:
     model, lay, wl, rt = ctx.model, ctx.lay, ctx.wl, ctx.rt
-    weights, grads, optim = model_state_bytes(params, lay)
+    weights, grads, optim = model_state_bytes(params, lay, rt.holds_unsharded_grads(lay.zero, lay.pp))
     acts = 0.0
     for c, (first, count) in enumerate(chunks):
         held = timeline.peak_in_flight[rank][c]

@@ -77,8 +77,9 @@ def stage_params(model: ModelSpec, lay: Layout, layers: range, first: bool, last
     return StageParams(dense, expert)
 
 
-def model_state_bytes(params: StageParams, lay: Layout) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per GPU under the layout's ZeRO stage."""
+def model_state_bytes(params: StageParams, lay: Layout, unsharded_grads: bool = False) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per GPU under the layout's ZeRO stage; `unsharded_grads`: ZeRO-2/3
+    gradients accumulated whole between micro-batches (Runtime.holds_unsharded_grads)."""
     dp_dense = lay.dp * lay.cp  # Megatron shards the distributed optimizer over DP x CP
     dp_expert = lay.edp
 
@@ -86,7 +87,8 @@ def model_state_bytes(params: StageParams, lay: Layout) -> tuple[float, float, f
         return n / d if lay.zero >= stage_needed else n
 
     weights = 2 * (shard(params.dense, dp_dense, 3) + shard(params.expert, dp_expert, 3))
-    grads = 4 * (shard(params.dense, dp_dense, 2) + shard(params.expert, dp_expert, 2))
+    grad_stage = 4 if unsharded_grads else 2  # 4: never sharded
+    grads = 4 * (shard(params.dense, dp_dense, grad_stage) + shard(params.expert, dp_expert, grad_stage))
     optim = 12 * (shard(params.dense, dp_dense, 1) + shard(params.expert, dp_expert, 1))
     return weights, grads, optim
 

@@ -219,8 +219,8 @@ class _Search:
             lay = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(cand))
             ctx = CostContext(self.model, self.cluster, self.wl, lay, self.rt, self.eff,
                               links=self._links(cand.mesh), passes=self.passes)
-            # ZeRO-3's layer times hold its per-layer weight gathers over the DP group (CostContext._fsdp_gathers)
-            layers_key = ("layers", cand.layer_key, cand.mesh if cand.zero == 3 else None)
+            # ZeRO-2/3's layer times hold per-layer DP collectives (CostContext._sharded_dp_passes)
+            layers_key = ("layers", cand.layer_key, (cand.mesh, cand.zero) if ctx.dp_in_layer_times else None)
             shared = self.contexts.get(layers_key)
             if shared is not None:
                 ctx.share_layer_cache(shared)
@@ -236,6 +236,7 @@ class _Search:
         if cached is not None:
             return cached
         model, lay, wl, rt = self.model, ctx.lay, self.wl, self.rt
+        unsharded = rt.holds_unsharded_grads(lay.zero, lay.pp)
         per_type: dict[bool, tuple] = {}
         for kind, i in self.layer_kinds.items():  # layers of one kind cost the same
             base = ctx.layer_times(i, "none")
@@ -243,7 +244,7 @@ class _Search:
             per_type[kind] = (
                 base.forward, base.backward_input + base.bwd_weight_compute,
                 ctx.layer_times(i, "selective").recompute, ctx.layer_times(i, "full").recompute,
-                sum(model_state_bytes(params, lay)), ctx.layer_activation(i, "none"),
+                sum(model_state_bytes(params, lay, unsharded)), ctx.layer_activation(i, "none"),
                 ctx.layer_activation(i, "selective"), ctx.layer_activation(i, "full"), params.dense, params.expert)
         rows = [per_type[kind] for kind in self.layer_kind_list]
         f, b, sel, full, state, a_none, a_sel, a_full, p_dense, p_expert = (tuple(col) for col in zip(*rows))
@@ -257,19 +258,30 @@ class _Search:
             layer_act_selective=tuple(a_sel), layer_act_full=tuple(a_full), layer_params_dense=tuple(p_dense),
             layer_params_expert=tuple(p_expert),
             first_forward=emb.forward, first_backward=emb.backward_input + emb.bwd_weight_compute,
-            first_state_bytes=sum(model_state_bytes(first, lay)),
+            first_state_bytes=sum(model_state_bytes(first, lay, unsharded)),
             first_act_bytes=embedding_activation_bytes(model, lay, wl, rt), first_params_dense=first.dense,
             last_forward=head.forward, last_backward=head.backward_input + head.bwd_weight_compute,
-            last_state_bytes=sum(model_state_bytes(last, lay)), last_fixed_bytes=logits_bytes(model, lay, wl) + mtp_activation_bytes(model, lay, wl, rt),
+            last_state_bytes=sum(model_state_bytes(last, lay, unsharded)), last_fixed_bytes=logits_bytes(model, lay, wl) + mtp_activation_bytes(model, lay, wl, rt),
             last_params_dense=last.dense,
             stage_forward_extra=ctx.blocking_p2p_s, stage_backward_extra=ctx.blocking_p2p_s, hop_s=ctx.p2p_s,
             fixed_bytes=ctx.buffer_bytes, fragmentation=FRAGMENTATION, memory_cap_bytes=self.cap,
-            sync=SyncModel(**vars(ctx.sync), overlap_reduce=rt.overlap_grad_reduce,
+            sync=SyncModel(**self._step_end_sync(ctx), overlap_reduce=rt.overlap_grad_reduce,
                            overlap_gather=rt.overlap_param_gather,
                            contention=CONTENTION_SM if self.eff.physics.contention else 0.0),
         )
         self.problems[id(ctx)] = prob
         return prob
+
+    @staticmethod
+    def _step_end_sync(ctx: CostContext) -> dict[str, float]:
+        """The context's DP sync coefficients as the partitioner sees them after a stage's last backward: without
+        the gradient reduce where each micro-batch's backward reduce-scatters (in the layer times; what is left,
+        the edges' gradients and the last bucket, is left out, so the partition's objective stays a bound)."""
+        coef = dict(vars(ctx.sync))
+        if ctx.reduce_in_backward:
+            for name in ("reduce_alpha_dense", "reduce_beta_dense", "reduce_alpha_expert", "reduce_beta_expert"):
+                coef[name] = 0.0
+        return coef
 
     def _dp(self, prob: PartitionProblem, policy: str, relaxed: bool = False,
             below: float = math.inf) -> PartitionResult | None:
@@ -471,7 +483,10 @@ class _Search:
         for r, (first_fb, per_mb, dense, expert, f, b) in enumerate(ranks):
             path = prefix + 2 * r * h + m * per_mb
             prefix += first_fb
-            reduce, gather = sync.reduce(dense, expert), sync.gather(dense, expert)
+            # per-micro-batch reduce-scatters are in the layer times; what remains after the step (the edges'
+            # gradients, the last bucket) is left out: a lower bound still
+            reduce = 0.0 if ctx.reduce_in_backward else sync.reduce(dense, expert)
+            gather = sync.gather(dense, expert)
             # no unhidden share: simulate_config's last-bucket exposure only adds to this
             exposed = ((overlapped_exposed(reduce, b, 0.0, physics) if rt.overlap_grad_reduce else reduce)
                        + (overlapped_exposed(gather, f, 0.0, physics) if rt.overlap_param_gather else gather))
@@ -506,8 +521,9 @@ class _Search:
         lay = ctx.lay
         dense, expert, act = self._rank_contents(c, ctx, mode)
         # model_state_bytes is linear in the parameter counts: its bytes per dense and per expert parameter
-        per_dense = sum(model_state_bytes(StageParams(1.0, 0.0), lay))
-        per_expert = sum(model_state_bytes(StageParams(0.0, 1.0), lay))
+        unsharded = self.rt.holds_unsharded_grads(lay.zero, lay.pp)
+        per_dense = sum(model_state_bytes(StageParams(1.0, 0.0), lay, unsharded))
+        per_expert = sum(model_state_bytes(StageParams(0.0, 1.0), lay, unsharded))
         r = np.arange(lay.pp)
         held = np.minimum((lay.pp - r - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, lay.num_microbatches * lay.vpp)
         logits = np.where(r == lay.pp - 1, logits_bytes(self.model, lay, self.wl)
@@ -690,9 +706,10 @@ class _Search:
         """(interleaved bound, chunks) of every virtual-stage split searched for this candidate (space.
         interleaved_chunks), fastest bound first. The splits' rank paths are shared by the candidate's ZeRO
         stages (cached), their DP sync is the candidate's own (its context's)."""
-        # the rank sums read the layer costs and pp only (not dp, unless ZeRO-3's per-layer gathers are in the
-        # layer costs): candidates of other meshes and micro-batch counts share them
-        key = (c.layer_key, c.mesh.pp, c.vpp, c.recompute, ctx.blocking_p2p_s, c.mesh if c.zero == 3 else None)
+        # the rank sums read the layer costs and pp only (not dp, unless ZeRO-2/3's per-layer collectives are in
+        # the layer costs): candidates of other meshes and micro-batch counts share them
+        key = (c.layer_key, c.mesh.pp, c.vpp, c.recompute, ctx.blocking_p2p_s,
+               (c.mesh, c.zero) if ctx.dp_in_layer_times else None)
         paths = self.interleaved_bounds.get(key)
         if paths is None:
             paths = []

@@ -435,13 +435,13 @@ def test_a_gap_is_closed_by_simulating_every_partition_below_the_best():
     partition whose bound is below the best and proves the result optimal: no other split it could have chosen
     (the DP's, the even 4 x 15 + 1) is faster."""
     model, c, wl = zoo("deepseek-v3"), cluster(2048, "h800"), Workload(global_batch=15360, seq_len=4096)
-    pins = Pins(tp=2, cp=1, pp=16, dp=64, ep=8, etp=1, mbs=1, zero=2, recompute="none", sp=True, schedule="1f1b")
+    pins = Pins(tp=2, cp=1, pp=16, dp=64, ep=8, etp=1, mbs=1, zero=1, recompute="none", sp=True, schedule="1f1b")
     result = search(model, c, wl, pins, top_k=1)
     best = result.plans[0]
     assert best.partition_status == "bound gap" and best.bound_s < best.step_time_s
     assert result.account.status == "optimal" and result.account.gap == 0.0 and result.account.bounded > 0
     for split in ((5, 3) + (4,) * 13 + (1,), (4,) * 15 + (1,)):
-        other = estimate(model, c, wl, ParallelConfig(tp=2, pp=16, dp=64, ep=8, etp=1, mbs=1, zero=2, sp=True,
+        other = estimate(model, c, wl, ParallelConfig(tp=2, pp=16, dp=64, ep=8, etp=1, mbs=1, zero=1, sp=True,
                                                       schedule="1f1b", stage_layers=split))
         assert not other.fits or best.step_time_s <= other.step_time_s * (1 + 1e-9), split
 
