@@ -166,7 +166,7 @@ class Runtime(BaseModel):
 
     def holds_unsharded_grads(self, zero: int, pp: int) -> bool:
         """Whether ZeRO-2/3 gradients sit unsharded (fp32) between micro-batches: pipelining's deferred reduce."""
-        return zero >= 2 and self.sharded_grad_reduce == "pipeline-defers" and pp > 1
+        return zero >= 2 and not self.reduces_each_microbatch(zero, pp)
 
     def memory_kernel(self, cls: str | None) -> float:
         """The achieved fraction of the GPU's fused-kernel bandwidth of this framework's kernel of a class."""

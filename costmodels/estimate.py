@@ -873,20 +873,20 @@ class CostContext:
         """ZeRO-3 / FSDP: (alpha, seconds per parameter) of one all-gather of 16-bit weights over dp x cp (dense)
         and over the expert-DP group (experts), run for each micro-batch's forward and again for its backward
         (PyTorch FSDP2 reshard_after_forward, Megatron-FSDP optim_grads_params)."""
-        out = []
-        for dim in ("dp_cp", "edp"):
-            n = self.sizes[dim]
-            out += list(self._alpha_beta("all_gather", n, self.links[dim], 2)) if n > 1 else [0.0, 0.0]
-        return out[0], out[1], out[2], out[3]
+        return self._dp_collective("all_gather", 2)
 
     @cached_property
     def grad_scatter(self) -> tuple[float, float, float, float]:
         """ZeRO-2/3: (alpha, seconds per parameter) of one reduce-scatter of fp32 gradients over dp x cp (dense)
         and over the expert-DP group (experts), run in every micro-batch's backward (reduce_in_backward)."""
+        return self._dp_collective("reduce_scatter", 4)
+
+    def _dp_collective(self, kind: str, bytes_per_param: float) -> tuple[float, float, float, float]:
+        """(alpha, seconds per parameter) of one collective over dp x cp, then over the expert-DP group."""
         out = []
         for dim in ("dp_cp", "edp"):
             n = self.sizes[dim]
-            out += list(self._alpha_beta("reduce_scatter", n, self.links[dim], 4)) if n > 1 else [0.0, 0.0]
+            out += list(self._alpha_beta(kind, n, self.links[dim], bytes_per_param)) if n > 1 else [0.0, 0.0]
         return out[0], out[1], out[2], out[3]
 
     @cached_property

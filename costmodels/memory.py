@@ -87,8 +87,8 @@ def model_state_bytes(params: StageParams, lay: Layout, unsharded_grads: bool = 
         return n / d if lay.zero >= stage_needed else n
 
     weights = 2 * (shard(params.dense, dp_dense, 3) + shard(params.expert, dp_expert, 3))
-    grad_stage = 4 if unsharded_grads else 2  # 4: never sharded
-    grads = 4 * (shard(params.dense, dp_dense, grad_stage) + shard(params.expert, dp_expert, grad_stage))
+    grads = 4 * ((params.dense + params.expert) if unsharded_grads
+                 else shard(params.dense, dp_dense, 2) + shard(params.expert, dp_expert, 2))
     optim = 12 * (shard(params.dense, dp_dense, 1) + shard(params.expert, dp_expert, 1))
     return weights, grads, optim
 
