@@ -10,6 +10,7 @@ Schedules: GPipe (Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 20
 from __future__ import annotations
 
 import heapq
+from operator import itemgetter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -266,7 +267,7 @@ def _simulate_fixed_order(schedule: list[list[Pass]], times: list[list[StageTime
                 progressed = True
         if not progressed:
             raise RuntimeError("pipeline schedule deadlocked (a pass waits on one that never runs)")
-    events.sort(key=lambda e: (e[2], e[0]))
+    events.sort(key=itemgetter(2, 0))  # by start, then rank
     return Timeline(max(free_at), tuple(busy), tuple(events), tuple(tuple(x) for x in peak))
 
 

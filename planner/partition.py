@@ -75,6 +75,10 @@ class SyncModel:
     # the compute slowdown per second of overlapped collective (costmodels.kernels.overlapped_exposed): the
     # exposure is then at least (1 - c) max(0, collective - window) + c collective, a bound of the estimate's
     contention: float = 0.0
+    # Megatron's overlap leaves one layer's bucket of the stage exposed (kernels.overlapped_exposed's unhidden share,
+    # 1 / the stage's layers, as simulate_config): read by the O(p L^3) gap-closing bounds (_uniform_grids) and
+    # per_stage_partitions_below, not by J (solve_dp, evaluate, CP-SAT), which stays the looser bound
+    overlap_leaves_one_layer: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -355,8 +359,10 @@ def _collective(alpha: float, beta: float, params):
     return np.where(params > 0, alpha + beta * params, 0.0)
 
 
-def _stage_sync(pr, r, s: _LayerSums, f, b):
-    """E_r: exposed gradient reduce and parameter gather, then the optimizer step (meshplan docs/cost_model.md)."""
+def _stage_sync(pr, r, s: _LayerSums, f, b, layers=None):
+    """E_r: exposed gradient reduce and parameter gather, then the optimizer step (meshplan docs/cost_model.md).
+    layers: the stage's layer count (float or grid); with SyncModel.overlap_leaves_one_layer at least 1/layers of
+    each overlapped collective is exposed."""
     p, sy = pr.num_stages, pr.sync
     if sy == _NO_SYNC:  # a bound without DP sync (the search's family bound): nothing to add
         return 0.0
@@ -367,8 +373,11 @@ def _stage_sync(pr, r, s: _LayerSums, f, b):
     gather = _collective(sy.gather_alpha_dense, sy.gather_beta_dense, dense) + _collective(
         sy.gather_alpha_expert, sy.gather_beta_expert, expert)
     c = sy.contention
-    exposed = ((1 - c) * _max(0.0, reduce - b) + c * reduce if sy.overlap_reduce else reduce) + (
-        (1 - c) * _max(0.0, gather - f) + c * gather if sy.overlap_gather else gather)
+    share = 0.0
+    if layers is not None and sy.overlap_leaves_one_layer:
+        share = 1.0 / _max(layers, 1.0) if isinstance(layers, float) else 1.0 / np.maximum(layers, 1)
+    exposed = ((1 - c) * _max(_max(0.0, reduce - b), share * reduce) + c * reduce if sy.overlap_reduce else reduce) + (
+        (1 - c) * _max(_max(0.0, gather - f), share * gather) + c * gather if sy.overlap_gather else gather)
     return exposed + sy.optimizer_s_per_dense_param * dense + sy.optimizer_s_per_expert_param * expert
 
 
@@ -1164,24 +1173,31 @@ class _StageGrid:
         return np.where(self.fits, jr, np.inf)
 
 
-def _uniform_grids(pr: PartitionProblem, policy: Granularity) -> list[_StageGrid]:
-    """Every stage's grid with `policy` on every stage (the other stages' extras enter through the prefix tables)."""
+def _uniform_grids(pr: PartitionProblem, policy: Granularity, cheapest: bool = False) -> list[_StageGrid]:
+    """Every stage's grid with `policy` on every stage (the other stages' extras enter through the prefix tables).
+    cheapest: each stage (r, [i, j)) on its cheapest fitting policy instead (_cheapest_fitting) and the other
+    stages' extras left out, as per_stage_bound does: a bound over every per-stage policy mix (`policy` "none")."""
     if policy not in GRANULARITIES:
         raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
+    if cheapest and policy != "none":
+        raise ValueError("cheapest-fitting grids take policy 'none'")
     p, L = pr.num_stages, pr.num_layers
     t = _tables(pr)
     i, j = _grid(L)
     at, ext = _uniform_cuts(t, policy, i, j)
-    s = _layer_sums(t, i, j, at[0], at[1], False)
     ahead = j > i
     layers_before_f, layers_before_b = t.fwd[i], t.bwd[i] + ext[i]
     layers_after = (t.fwd[L] - t.fwd[j]) + (t.bwd[L] - t.bwd[j]) + (ext[L] - ext[j])
     grids = []
     with np.errstate(invalid="ignore"):
         for r in range(p):
+            if cheapest:  # on the (1, L+1, L+1) grid of one rank; j <= i is masked by `ahead`
+                c, d, peak = _cheapest_fitting(pr, t, np.full((1, 1, 1), r), i[None], np.maximum(j, i)[None])
+                at = (c[0], d[0], peak[0])
+            s = _layer_sums(t, i, j, at[0], at[1], False)
             f, b = _stage_forward(pr, r, s), _stage_backward(pr, r, s)
             grids.append(_StageGrid(
-                f=f, b=b, e=_stage_sync(pr, r, s, f, b),
+                f=f, b=b, e=_stage_sync(pr, r, s, f, b, layers=j - i),
                 f_before=layers_before_f + ((pr.first_forward if r > 0 else 0.0) + r * pr.stage_forward_extra),
                 b_before=layers_before_b + ((pr.first_backward if r > 0 else 0.0) + r * pr.stage_backward_extra),
                 t_after=layers_after + ((p - 1 - r) * (pr.stage_forward_extra + pr.stage_backward_extra)
@@ -1238,10 +1254,11 @@ def _bound_plan(problem: PartitionProblem, policy: Granularity,
     return replace(result, objective=max(result.objective, best))
 
 
-def _rank0_path_sync_dp(pr: PartitionProblem, policy: Granularity) -> tuple[float, tuple[int, ...]] | None:
-    """(the bound, a partition attaining it), or None when nothing fits."""
+def _rank0_path_sync_dp(pr: PartitionProblem, policy: Granularity,
+                        cheapest: bool = False) -> tuple[float, tuple[int, ...]] | None:
+    """(the bound, a partition attaining it), or None when nothing fits (cheapest: see _uniform_grids)."""
     p, L = pr.num_stages, pr.num_layers
-    grids = _uniform_grids(pr, policy)
+    grids = _uniform_grids(pr, policy, cheapest)
     full = (L + 1, L + 1)
     with np.errstate(invalid="ignore"):
         jm = [g.objective(pr, r) for r, g in enumerate(grids)]
@@ -1324,22 +1341,54 @@ def partitions_below(problem: PartitionProblem, policy: Granularity, threshold: 
 PER_STAGE_ENUMERATION_MAX_PARTITIONS = 512  # partitions per_stage_partitions_below walks before it gives up
 
 
+def _cheapest_partitions_below(problem: PartitionProblem, threshold: float,
+                               limit: int) -> list[tuple[int, ...]] | None:
+    """The boundaries of every partition whose J with each stage on its cheapest fitting policy (the other stages'
+    extras left out: a lower bound on J under any policy mix, per_stage_bound's argument) is below `threshold`;
+    None when more than `limit`. Depth-first, each branch cut by the least max of those J_r over the stages after
+    it, as partitions_below."""
+    p, L = problem.num_stages, problem.num_layers
+    grids = _uniform_grids(problem, "none", cheapest=True)
+    full = (L + 1, L + 1)
+    with np.errstate(invalid="ignore"):
+        jm = [np.broadcast_to(g.objective(problem, r), full) for r, g in enumerate(grids)]
+        after = np.full((p + 1, L + 1), np.inf)
+        after[p, L] = 0.0
+        for r in reversed(range(p)):
+            after[r] = np.min(np.maximum(jm[r], after[r + 1][None, :]), axis=1)
+    found: list[tuple[int, ...]] = []
+
+    def extend(r: int, i: int, worst: float, bounds: list[int]) -> bool:
+        if r == p:
+            if len(found) == limit:
+                return False
+            found.append(tuple(bounds))
+            return True
+        for j in range(i + 1, L - (p - 1 - r) + 1):
+            here = max(worst, float(jm[r][i, j]))
+            if max(here, float(after[r + 1][j])) < threshold and not extend(r + 1, j, here, bounds + [j]):
+                return False
+        return True
+
+    return found if extend(0, 0, 0.0, [0]) else None
+
+
 def per_stage_partitions_below(problem: PartitionProblem, threshold: float, limit: int = 64
                                ) -> list[tuple[float, tuple[int, ...], tuple[StagePolicy, ...]]] | None:
     """Every (partition, per-stage policy) whose J is below `threshold`: (J, boundaries, policies), smallest first;
-    None when the partitions number more than PER_STAGE_ENUMERATION_MAX_PARTITIONS or more than `limit` pairs are
-    below it (the caller's bound then stays open). Per stage the policies are none, selective and full on its first
+    None when more than `limit` pairs are below it (the caller's bound then stays open); the partitions walked are those whose cheapest-fitting-policy J
+    is below it (_cheapest_partitions_below), at most PER_STAGE_ENUMERATION_MAX_PARTITIONS. Per stage the policies are none, selective and full on its first
     k layers; J never decreases when any stage's backward grows (solve_dp's relaxation argument), so each stage's
     fitting policies are tried by growing backward and a branch stops at the first that reaches the threshold with
     the cheapest policies on the stages after it. Brute force over partitions because the DP has no per-stage
     equivalent of partitions_below's table; it closes the gaps of small pipelines, where per-stage plans win."""
     p, L = problem.num_stages, problem.num_layers
-    if math.comb(L - 1, p - 1) > PER_STAGE_ENUMERATION_MAX_PARTITIONS:
+    partitions = _cheapest_partitions_below(problem, threshold, PER_STAGE_ENUMERATION_MAX_PARTITIONS)
+    if partitions is None:
         return None
     t = _tables(problem)
     found: list[tuple[float, tuple[int, ...], tuple[StagePolicy, ...]]] = []
-    for cuts in itertools.combinations(range(1, L), p - 1):
-        bounds = (0, *cuts, L)
+    for bounds in partitions:
         options = []  # per stage: (f, b, e, policy) of each fitting policy, by growing backward
         for r in range(p):
             i, j = bounds[r], bounds[r + 1]
@@ -1350,7 +1399,7 @@ def per_stage_partitions_below(problem: PartitionProblem, threshold: float, limi
                 if not float(_stage_memory(problem, r, sums, peak)) <= problem.memory_cap_bytes:
                     continue
                 f, b = float(_stage_forward(problem, r, sums)), float(_stage_backward(problem, r, sums))
-                row.append((f, b, float(_stage_sync(problem, r, sums, f, b)), pol))
+                row.append((f, b, float(_stage_sync(problem, r, sums, f, b, layers=float(j - i))), pol))
             if not row:
                 break
             options.append(sorted(row, key=lambda x: x[1]))
@@ -1447,11 +1496,24 @@ def solve_dp_pairs(problem: PartitionProblem, policy: Granularity) -> PartitionR
     For other schedules it is solve_dp."""
     if problem.schedule != "1f1b" or problem.num_stages == 1:
         return solve_dp(problem, policy)
-    pr = problem
+    found = _pairs_dp(problem, policy)
+    if found is None:
+        return None
+    best, bounds = found
+    pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r]) if policy == "full"
+                 else StagePolicy(granularity=policy) for r in range(problem.num_stages))
+    result = _evaluate(problem, _tables(problem), bounds, pols, relaxed=False)
+    assert result is not None, "pair DP and evaluate disagree on feasibility"
+    return replace(result, objective=max(result.objective, best))
+
+
+def _pairs_dp(pr: PartitionProblem, policy: Granularity,
+              cheapest: bool = False) -> tuple[float, tuple[int, ...]] | None:
+    """(min over partitions of max(J, max_r P_r), a partition attaining it), or None when nothing fits (1F1B,
+    p > 1; cheapest: see _uniform_grids)."""
     p, L = pr.num_stages, pr.num_layers
-    t = _tables(pr)
     j = _grid(L)[1]
-    grids = _uniform_grids(pr, policy)
+    grids = _uniform_grids(pr, policy, cheapest)
     with np.errstate(invalid="ignore"):
         # v[r][i, j]: best max over stages >= r when stage r runs [i, j).
         v = np.where(j == L, grids[p - 1].objective(pr, p - 1), np.inf)
@@ -1475,11 +1537,27 @@ def solve_dp_pairs(problem: PartitionProblem, policy: Granularity) -> PartitionR
         k = int(nxt[r][start, end])
         start, end = end, k
         bounds.append(end)
-    pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r]) if policy == "full"
-                 else StagePolicy(granularity=policy) for r in range(p))
-    result = _evaluate(pr, t, tuple(bounds), pols, relaxed=False)
-    assert result is not None, "pair DP and evaluate disagree on feasibility"
-    return replace(result, objective=max(result.objective, best))
+    return best, tuple(bounds)
+
+
+def per_stage_tight_bound(problem: PartitionProblem) -> float:
+    """A lower bound on the step of every (partition, per-stage recompute policy): the largest of per_stage_bound
+    and the pair, rank-0-sync and rank-0-path bounds, each with every stage on its cheapest fitting policy and the
+    other stages' extras left out. Every path only grows with any stage's backward while the exposed sync it adds
+    loses at most that (solve_dp's relaxation argument), so each stays a bound; inf when no policy mix fits. Meant
+    for a per-stage candidate whose J bound stays below its simulated time and whose partitions are too many to
+    list."""
+    values = [per_stage_bound(problem)[0]]
+    if problem.num_stages > 1 and problem.schedule == "1f1b":
+        values += [_found(_pairs_dp(problem, "none", cheapest=True)),
+                   _found(_rank0_path_sync_dp(problem, "none", cheapest=True))]
+    if problem.num_stages > 1 and problem.schedule != "zb":
+        values.append(_found(_stage0_sync_dp(problem, "none", cheapest=True)))
+    return max(values)
+
+
+def _found(found: tuple[float, tuple[int, ...]] | None) -> float:
+    return math.inf if found is None else found[0]
 
 
 # ---- rank 0's own sync after the whole backward flow ------------------------------------------------------------------
@@ -1507,10 +1585,11 @@ def solve_stage0_sync(problem: PartitionProblem, policy: Granularity) -> Partiti
     return _bound_plan(problem, policy, _stage0_sync_dp(problem, policy))
 
 
-def _stage0_sync_dp(pr: PartitionProblem, policy: Granularity) -> tuple[float, tuple[int, ...]] | None:
-    """(the bound, a partition attaining it), or None when nothing fits."""
+def _stage0_sync_dp(pr: PartitionProblem, policy: Granularity,
+                    cheapest: bool = False) -> tuple[float, tuple[int, ...]] | None:
+    """(the bound, a partition attaining it), or None when nothing fits (cheapest: see _uniform_grids)."""
     p, L = pr.num_stages, pr.num_layers
-    grids = _uniform_grids(pr, policy)
+    grids = _uniform_grids(pr, policy, cheapest)
     with np.errstate(invalid="ignore"):
         jm = [g.objective(pr, r) for r, g in enumerate(grids)]
         am = [g.objective(pr, r, sync=False) for r, g in enumerate(grids)]  # A_r = end_r + B_<r + r h

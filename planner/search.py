@@ -34,6 +34,7 @@ from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
 from costmodels.kernels import CONTENTION_SM, overlapped_exposed
 from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, partitions_below,
+                               per_stage_tight_bound,
                                per_stage_partitions_below,
                                per_stage_bound, solve_cpsat, solve_rank0_path_sync,
                                solve_dp, solve_dp_pairs, solve_stage0_sync)
@@ -188,6 +189,7 @@ class _Search:
         self.seq = 0
         self.eager = False  # see _next
         self.deferred: list[tuple[float, int, Candidate, PartitionProblem]] = []  # per-stage candidates for CP-SAT
+        self.gaps_tried: set[tuple] = set()  # open bounds _close_gaps has worked on
 
     # ---- bookkeeping
     def _count(self, table: dict[str, int], reason: str, n: int = 1) -> None:
@@ -267,7 +269,8 @@ class _Search:
             fixed_bytes=ctx.buffer_bytes, fragmentation=FRAGMENTATION, memory_cap_bytes=self.cap,
             sync=SyncModel(**self._step_end_sync(ctx), overlap_reduce=rt.overlap_grad_reduce,
                            overlap_gather=rt.overlap_param_gather,
-                           contention=CONTENTION_SM if self.eff.physics.contention else 0.0),
+                           contention=CONTENTION_SM if self.eff.physics.contention else 0.0,
+                           overlap_leaves_one_layer=self.eff.physics.overlap_limits),
         )
         self.problems[id(ctx)] = prob
         return prob
@@ -354,16 +357,34 @@ class _Search:
         if found is None:
             lay = LayerKey(m.tp, m.cp, cp_comm, sp, mbs, m.ep, m.etp)  # it has every field the blocks read
             links = self._links(m)
-            n_moe = self.moe_prefix[-1]
-            passes = [(*self.passes.layer_fb(i, rec, lay, links), n_moe if kind else self.model.num_layers - n_moe)
-                      for kind, i in self.layer_kinds.items()]
-            passes = [x for x in passes if x[2]] + [(*fb, 1) for fb in self.passes.edges_fb(lay, links)]
-            alpha = min(f / (f + b) for f, b, _ in passes if f + b > 0)
-            layers = sorted([t for f, b, n in passes[:-2] for t in [f + b] * n], reverse=True)
-            found = [sum(n * (f + b) for f, b, n in passes), alpha, len(layers), layers[-1],
-                     passes[-1][0] + passes[-1][1], layers, None]  # the stage floors: _stage_floors
-            self.work_bounds[key] = found
+            passes = [self.passes.layer_fb(i, rec, lay, links) for i in self.layer_kinds.values()]
+            found = self.work_bounds[key] = self._costs_of(passes, self.passes.edges_fb(lay, links))
         return found
+
+    def _sharded_key_costs(self, c: Candidate, ctx: CostContext) -> list:
+        """_key_costs with the layer times of the candidate's context, which hold ZeRO-2/3's per-layer DP
+        collectives (CostContext._sharded_dp_passes): they depend on the DP groups, so per mesh and ZeRO stage."""
+        rec = "none" if c.recompute == "per-stage" else c.recompute
+        key = (c.layer_key, rec, c.mesh, c.zero)
+        found = self.work_bounds.get(key)
+        if found is None:
+            times = [ctx.layer_times(i, rec) for i in self.layer_kinds.values()]
+            edges = [(t.forward, t.backward_input + t.bwd_weight_compute) for t in (ctx.embedding, ctx.head)]
+            found = self.work_bounds[key] = self._costs_of(
+                [(t.forward, t.backward_input + t.bwd_weight_compute) for t in times], edges)
+        return found
+
+    def _costs_of(self, layer_fb: list[tuple[float, float]], edges_fb) -> list:
+        """The key costs' list (see _key_costs) from each layer kind's and the two edge blocks' (forward,
+        backward)."""
+        n_moe = self.moe_prefix[-1]
+        passes = [(f, b, n_moe if kind else self.model.num_layers - n_moe)
+                  for (f, b), kind in zip(layer_fb, self.layer_kinds)]
+        passes = [x for x in passes if x[2]] + [(*fb, 1) for fb in edges_fb]
+        alpha = min(f / (f + b) for f, b, _ in passes if f + b > 0)
+        layers = sorted([t for f, b, n in passes[:-2] for t in [f + b] * n], reverse=True)
+        return [sum(n * (f + b) for f, b, n in passes), alpha, len(layers), layers[-1],
+                passes[-1][0] + passes[-1][1], layers, None]  # the stage floors: _stage_floors
 
     def _stage_floors(self, costs: list) -> None:
         """Fill in heaviest_stage_floors of the layer keys that lack them, all in one vectorised call."""
@@ -392,10 +413,12 @@ class _Search:
 
     def _family_bound(self, c: Candidate, prob: PartitionProblem, below: float) -> float:
         """The DP optimum with no memory cap and no DP-sync or optimizer time: a bound for every ZeRO stage of
-        this candidate (they differ only in memory and sync), and with no recomputation for per-stage too. Exact
+        this candidate whose layer times hold no DP collectives (they differ only in memory and sync; ZeRO-2/3 with
+        per-layer collectives get their own), and with no recomputation for per-stage too. Exact
         when below `below`; otherwise `below`, a lower bound."""
         rec = "none" if c.recompute == "per-stage" else c.recompute
-        key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.schedule, rec)
+        # ZeRO-2/3's per-layer DP collectives are in the layer times: their own bound, not shared
+        key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.schedule, rec, c.zero if self._context(c).dp_in_layer_times else None)
         value, solved_below = self.family_bounds.get(key, (math.inf, -math.inf))
         if value >= solved_below and solved_below < below:
             free = dataclasses.replace(prob, memory_cap_bytes=UNBOUNDED_BYTES, sync=SyncModel.zero())
@@ -539,6 +562,7 @@ class _Search:
     # the search ends when the smallest bound left reaches the K-th best simulated time. Each step names the bound
     # that prunes what is left of it, for the account.
     PRUNED_BY = {"group": "work bound (group)", "cand": "work bound",
+                 "cand-dp": "work bound with ZeRO-2/3's per-layer DP collectives",
                  "ileave": "pipeline bound (interleaved)",
                  "family": "partition bound without memory or DP sync (shared by ZeRO stages)",
                  "sim": "partition bound (DP)", "per-stage": "partition bound (relaxed recompute)"}
@@ -589,11 +613,12 @@ class _Search:
         for _, _, step, payload in self.queue:  # every bound left is at or above the K-th best time
             self._count(self.pruned, self.PRUNED_BY[step], payload[0].size() if step == "group" else 1)
         self.queue.clear()
+        self._close_gaps(deadline)  # first: the partitions it simulates tighten the cutoff CP-SAT then meets
         if self._run_cpsat(deadline):
             if progress:
                 progress(live, live)
             return True
-        self._close_gaps(deadline)
+        self._close_gaps(deadline)  # the bounds CP-SAT left open
         if progress:
             progress(live, live)
         return False
@@ -603,6 +628,8 @@ class _Search:
             self._expand_group(*payload)
         elif step == "cand":
             self._step_candidate(bound, *payload)
+        elif step == "cand-dp":
+            self._step_candidate(bound, *payload, sharded_bound=True)
         elif step == "ileave":
             self._step_interleaved(bound, *payload)
         elif step == "family":
@@ -642,14 +669,35 @@ class _Search:
             k = int(np.argmin(np.where(over, floors, np.inf)))
             self._note_memory(float(floors[k]), _describe(cands[k]))
             cands = [c for c, bad in zip(cands, over.tolist()) if not bad]
-        if cands:
-            for c, bound in zip(cands, self.work_bounds_of(cands).tolist()):
-                self._push(bound, "cand", c)
+        if not cands:
+            return
+        bounds = self.work_bounds_of(cands)
+        # ZeRO-2/3 candidates whose layer times hold per-layer DP collectives: the work bound over those layer times
+        # (most end here: a gather or reduce-scatter per layer and micro-batch can outweigh the layer)
+        sharded = [n for n, c in enumerate(cands) if c.zero == 3 or self.rt.reduces_each_microbatch(c.zero, c.mesh.pp)]
+        if sharded:
+            gbs, rep = self.wl.global_batch, {}
+            for n in sharded:  # one context per (sp, cp_comm, zero): the layer times read nothing else of these
+                rep.setdefault((cands[n].sp, cands[n].cp_comm, cands[n].zero), cands[n])
+            ctxs = {k: self._context(c) for k, c in rep.items()}
+            rows = [(self._sharded_key_costs(c, ctxs[(c.sp, c.cp_comm, c.zero)]), c.num_microbatches(gbs),
+                     c.mesh.pp, c.schedule, self._hop(c.mesh, c.mbs)) for c in (cands[n] for n in sharded)]
+            bounds[sharded] = np.maximum(bounds[sharded], self._work_bounds(rows))
+        cutoff = self.best.cutoff() * (1 - REL_TOL)
+        flags = np.zeros(len(cands), dtype=bool)
+        flags[sharded] = True
+        for c, bound, has_dp in zip(cands, bounds.tolist(), flags.tolist()):
+            if has_dp and bound >= cutoff:
+                self._count(self.pruned, self.PRUNED_BY["cand-dp"])
+            else:
+                self._push(bound, "cand-dp" if has_dp else "cand", c)
 
-    def _step_candidate(self, key: float, c: Candidate) -> None:
+    def _step_candidate(self, key: float, c: Candidate, sharded_bound: bool = False) -> None:
         """The candidate's next bound: the interleaved bound with virtual stages, else (after the memory floor) the
-        partition DP without memory or DP sync, shared by its ZeRO stages."""
+        partition DP without memory or DP sync, shared by its ZeRO stages (ZeRO-2/3 candidates come queued by
+        their work bound over layer times with the per-layer DP collectives: _expand_group)."""
         ctx = self._context(c)
+        assert sharded_bound or not ctx.dp_in_layer_times, "ZeRO-2/3 candidates are queued with their sharded bound"
         if c.vpp > 1:
             self._next(min(b for b, _ in self._chunk_options(c, ctx)), "ileave", c, ctx)
             return
@@ -672,7 +720,13 @@ class _Search:
         states, acts, held, fixed = [], [], [], []
         p, mb = m.pp, cands[0].num_microbatches(self.wl.global_batch)
         steady = [min(p - r, mb) for r in range(p)]
-        for c in cands:
+        # a floor reads only these of a candidate (not cp_comm, vpp or the schedule beyond GPipe's held batches)
+        reads = [(c.sp, c.zero, "full" if c.recompute == "per-stage" else c.recompute, c.schedule == "gpipe")
+                 for c in cands]
+        distinct = {}
+        for c, what in zip(cands, reads):
+            distinct.setdefault(what, c)
+        for c in distinct.values():
             key = (m, c.zero)
             if key not in self.state_bytes:  # (bytes per dense, per expert parameter) on one GPU: linear in them
                 lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=c.zero)
@@ -686,7 +740,10 @@ class _Search:
             acts.append([act for _, _, act in rows])
             held.append([mb] * p if c.schedule == "gpipe" else steady)
             fixed.append(buffers)
-        return memory_floors(counts, np.array(states), np.array(acts), np.array(held), np.array(fixed), FRAGMENTATION)
+        floors = memory_floors(counts, np.array(states), np.array(acts), np.array(held), np.array(fixed),
+                               FRAGMENTATION)
+        index = {what: n for n, what in enumerate(distinct)}
+        return floors[[index[what] for what in reads]]
 
     def _layer_memory(self, c: Candidate, kind: bool, i: int, mode: str) -> tuple[float, float, float]:
         """(dense, expert parameters on one GPU, activation bytes per micro-batch) of one layer of this kind: they
@@ -832,7 +889,27 @@ class _Search:
         return False
 
     def _cpsat(self, c: Candidate, prob: PartitionProblem, bound: float, remaining: float | None) -> None:
+        """The candidate's best per-stage plan: every (partition, policy) whose J beats the cutoff simulated when
+        they are few (per_stage_partitions_below, which also leaves no gap), else CP-SAT's J-optimal plan."""
         ctx = self._context(c)
+        cutoff = self.best.cutoff()
+        if not math.isinf(cutoff):
+            found = per_stage_partitions_below(prob, cutoff * (1 - REL_TOL), limit=4 * ENUMERATE_PARTITIONS)
+            if found is not None:
+                self.bounded += 1
+                if not found:
+                    self._count(self.pruned, "partition bound (per-stage plans listed: none below the cutoff)")
+                for n, (lower, bounds, pols) in enumerate(found):
+                    if lower >= self.best.cutoff() * (1 - REL_TOL):
+                        break
+                    layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+                    self._simulate(c, layers, pols, lower, ctx, another_partition=n > 0)
+                return
+            if (c.mesh.pp * (self.model.num_layers + 1) ** 3 <= PAIR_DP_MAX_CELLS
+                    and per_stage_tight_bound(prob) >= cutoff * (1 - REL_TOL)):
+                self.bounded += 1
+                self._count(self.pruned, "partition bound (per-stage pair and sync paths)")
+                return
         self.cpsat_calls += 1
         limit = CPSAT_TIME_LIMIT_S if remaining is None else min(CPSAT_TIME_LIMIT_S, remaining)
         cutoff = self.best.cutoff()
@@ -881,14 +958,20 @@ class _Search:
         for bound, c, stage_layers, policies in sorted(self.open_bounds, key=lambda x: x[0]):
             best = self.best.ranked()[0].step_time_s if self.best.heap else math.inf
             late = deadline is not None and time.perf_counter() > deadline
-            if bound >= best * (1 - REL_TOL) or late or c.vpp > 1:
+            tried = (c, stage_layers, policies) in self.gaps_tried  # a second call takes only the new bounds
+            if bound >= best * (1 - REL_TOL) or late or c.vpp > 1 or tried:
                 still_open.append((bound, c, stage_layers, policies))
                 continue
+            self.gaps_tried.add((c, stage_layers, policies))
             ctx = self._context(c)
             prob = self.problem(c, ctx)
             if c.recompute == "per-stage" or policies is not None:
                 if not self._close_per_stage_gap(c, prob, ctx, stage_layers, policies, best):
-                    still_open.append((bound, c, stage_layers, policies))
+                    # too many partitions to list: the pair / sync path bounds over the relaxed policies
+                    self.bounded += 1
+                    tighter = max(bound, per_stage_tight_bound(prob))
+                    if tighter < best * (1 - REL_TOL):
+                        still_open.append((tighter, c, stage_layers, policies))
                 continue
             parts = partitions_below(prob, c.recompute, best * (1 - REL_TOL), limit=ENUMERATE_PARTITIONS)
             if parts is not None:  # every partition that could beat the best: simulate them, and the gap is closed

@@ -64,10 +64,9 @@ def test_estimate_not_fitting_is_reported(capsys):
 
 
 def test_readme_quickstart_command_plans(capsys, tmp_path):
-    """The README's first Quickstart command, as written (its --out redirected): a plan that fits, proven optimal or
-    within 1 % of the bound. Since ZeRO-2's per-micro-batch reduce-scatters (3ff4ba0) its best is a PP 4 per-stage
-    plan whose open bound the per-stage enumeration does not close (0.45 % gap): a known search regression, recorded
-    in benchmarks/RESULTS.md "Search speed"; tighten back to "optimal" once it is fixed."""
+    """The README's first Quickstart command, as written (its --out redirected): a plan that fits, proven optimal
+    (its best is a PP 4 per-stage plan: the per-stage enumeration walks only the partitions whose cheapest-policy J
+    is below the best, so it closes that plan's gap)."""
     readme = (ROOT / "README.md").read_text()
     line = next(ln for ln in readme.splitlines() if "meshplan plan" in ln and ln.lstrip().startswith("pip "))
     args = line.split("meshplan ", 1)[1].split()
@@ -77,7 +76,7 @@ def test_readme_quickstart_command_plans(capsys, tmp_path):
     plan = json.loads(out)
     assert plan["prediction"]["fits"] and 0 < plan["prediction"]["mfu"] < 1
     search = plan["search"]
-    assert search["status"] == "optimal" or (search["status"] == "gap" and search["gap"] < 0.01), search
+    assert search["status"] == "optimal" and search["gap"] == 0.0, search
     assert json.loads((tmp_path / "plan.json").read_text()) == plan
 
 

@@ -19,7 +19,7 @@ from cli.main import main
 from costmodels.config import DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, StagePolicy, Workload, get_runtime, resolve
 from costmodels.estimate import estimate
 from costmodels.model import ModelSpec
-from costmodels.model_io import load_zoo
+from costmodels.model_io import load_model, load_zoo
 from hardware_db.cluster import Cluster, ClusterSpec
 from hardware_db.errors import InputError
 from planner.search import SearchResult, search
@@ -478,3 +478,38 @@ def test_a_pinned_vpp_above_the_searched_range_is_honoured():
     assert result.plans, result.why_nothing_fits
     lay = result.plans[0].estimate.layout
     assert lay.vpp == 16 and lay.chunks == (0,) + (1,) * 126 + (0,)
+
+
+@pytest.mark.parametrize("zero,pp,schedule", [(3, 2, "1f1b"), (2, 2, "gpipe"), (3, 1, "1f1b"), (2, 4, "1f1b")])
+def test_sharded_work_bound_is_below_every_partition_and_above_the_plain_one(zero, pp, schedule):
+    """ZeRO-2/3 candidates are queued by the work bound over layer times that hold their per-layer DP gathers and
+    reduce-scatters: never above the estimate of any stage partition, and above the DP-free work bound (the
+    collectives cost something)."""
+    import itertools
+
+    from costmodels.config import ParallelConfig
+    from costmodels.estimate import estimate
+    from planner import search as S
+    from planner.space import Candidate
+
+    L, gpus = 8, 16
+    model = load_model("llama3.1-8b").model_copy(update={"num_layers": L, "name": "llama-8-layers"})
+    cluster, wl = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=gpus)), Workload(global_batch=32, seq_len=2048)
+    pins = Pins(tp=1, pp=pp, cp=1, mbs=1, zero=zero, recompute="none", schedule=schedule)
+    s = S._Search(model, cluster, wl, "megatron-core", S.Efficiency.from_gpu(cluster.gpu),
+                  S.enumerate_space(model, gpus, cluster.gpus_per_node, wl, pins), 1)
+    g = s.enum.groups[0]
+    c = Candidate(g.mesh, 1, False, "ring", zero, schedule, 1, "none")
+    ctx = s._context(c)
+    assert ctx.dp_in_layer_times
+    row = (s._sharded_key_costs(c, ctx), c.num_microbatches(wl.global_batch), pp, schedule, s._hop(c.mesh, 1))
+    bound = float(s._work_bounds([row])[0])
+    assert bound > s.work_bound(c) * (1 + 1e-6)
+    times = []
+    for cuts in itertools.combinations(range(1, L), pp - 1):
+        layers = tuple(b - a for a, b in zip((0, *cuts), (*cuts, L)))
+        est = estimate(model, cluster, wl, ParallelConfig(tp=1, pp=pp, dp=gpus // pp, mbs=1, zero=zero,
+                                                          recompute="none", schedule=schedule,
+                                                          stage_layers=layers if pp > 1 else None))
+        times.append(est.step_time_s)
+    assert bound <= min(times) * (1 + 1e-9)
