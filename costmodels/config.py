@@ -151,6 +151,11 @@ class Runtime(BaseModel):
     # what the framework can run at all: the search picks only these, a pinned knob outside them is refused
     schedules: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved", "zb")
     cp_comms: tuple[Literal["ring", "a2a"], ...] = ("ring", "a2a")  # () = no context parallelism
+    # how ring CP moves K,V: "p2p", one chunk per attention step (Megatron-Core / TE AttnFuncWithCPAndKVP2P), or
+    # "allgather" (torch context_parallel's default rotate method, _ContextParallelOptions.rotate_method: one
+    # all-gather issued with the first, local step and waited before the second, again in the backward; the K,V
+    # gradients go round in fp32, convert_to_f32; torch/distributed/tensor/experimental/_attention.py)
+    cp_rotate: Literal["p2p", "allgather"] = "p2p"
     zero_stages: tuple[Literal[0, 1, 2, 3], ...] = (0, 1, 2, 3)
     # ZeRO-2/3 gradients (sharded): reduce-scattered layer by layer in every micro-batch's backward
     # ("every-microbatch": Megatron-FSDP, "for grads shard mode there will actually always be gradient sync",
@@ -223,6 +228,7 @@ RUNTIMES: dict[str, Runtime] = {
     "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
                           overlap_param_gather=True, tp_overlap="none", p2p_overlap=True,
                           schedules=("gpipe", "1f1b", "interleaved"), cp_comms=("ring",), zero_stages=(0, 2, 3),
+                          cp_rotate="allgather",
                           sharded_grad_reduce="pipeline-defers",
                           attention_kernel="fa2", selective="op-sac",
                           memory_kernels=(("norm", 0.6), ("swiglu", 0.36), ("activation", 0.36), ("rope", 0.36),
@@ -267,6 +273,9 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     "reduce-each-microbatch": RuntimeOption("ZeRO-2/3 gradients reduce-scattered in every micro-batch's backward "
                                             "under pipelining too (kept sharded, as Megatron-FSDP does)",
                                             (("sharded_grad_reduce", "every-microbatch"),)),
+    "cp-alltoall": RuntimeOption("ring CP rotating K,V one chunk per attention step (torch context_parallel "
+                                 "set_rotate_method('alltoall'); torchtitan context_parallel_rotate_method)",
+                                 (("cp_rotate", "p2p"),)),
     "deepep": RuntimeOption("DeepEP / HybridEP token dispatch: each token crosses the NIC once per node (Megatron-Core "
                             "--moe-token-dispatcher-type flex)", (("ep_dispatch", "deepep"),)),
 }

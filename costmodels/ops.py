@@ -59,7 +59,8 @@ class Collective:
     bytes_: float
     fwd_count: int  # times in the forward pass
     bwd_count: int  # times in the backward pass
-    overlappable: Literal["tp", "cp", "ep", "none"] = "none"
+    # "cp-first-step": hidden behind the first of cp attention steps only (torch CP's K,V all-gather)
+    overlappable: Literal["tp", "cp", "cp-first-step", "ep", "none"] = "none"
     dedup_top_k: int = 0  # an EP token dispatch deduplicated per destination node (DeepEP): its copies per token
 
 
@@ -245,7 +246,15 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> 
         kv_dim = (model.kv_heads * model.head_size) if model.mla is None else model.num_heads * (
             model.mla.qk_head_dim + model.mla.v_head_dim) / 2
         kv_bytes = 2 * ACT_BYTES * tokens * kv_dim / lay.tp
-        if lay.cp_comm == "ring":
+        if lay.cp_comm == "ring" and rt.cp_rotate == "allgather":
+            # torch context_parallel (_templated_ring_attention with _AllGatherRotater): the K,V chunks all-gathered
+            # once per pass, hidden behind the first (local) step only; the backward gathers them again and passes
+            # the K,V gradients round in fp32 (grad_key / grad_value accumulate in float32 under convert_to_f32),
+            # one hop after each step's compute (dkv_rotater, all-to-all), the last after the loop.
+            comms.append(Collective("cp_allgather_kv", "all_gather", "cp", kv_bytes * lay.cp, 1, 1,
+                                    overlappable="cp-first-step"))
+            comms.append(Collective("cp_ring_dkv", "p2p", "cp", 2 * kv_bytes * lay.cp, 0, 1, overlappable="cp"))
+        elif lay.cp_comm == "ring":
             # Ring attention: cp-1 exchanges of each rank's K,V chunk forward; K,V and their gradients backward
             # (Liu et al., "Ring Attention", 2023; Megatron-Core context_parallel.rst), overlapped with attention.
             comms.append(Collective("cp_ring_kv", "p2p", "cp", kv_bytes * (lay.cp - 1), 1, 2, overlappable="cp"))

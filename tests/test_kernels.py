@@ -382,3 +382,50 @@ def test_fp8_activations_are_saved_in_fp8():
     fp8 = estimate(MODEL, cluster, Workload(global_batch=8, seq_len=4096, dtype="fp8"), cfg)
     assert fp8.stages[0].memory.activations < bf16.stages[0].memory.activations
     assert math.isclose(fp8.stages[0].memory.weights, bf16.stages[0].memory.weights)
+
+
+def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients():
+    """torch context_parallel's default rotate method (torchtitan): one K,V all-gather per pass, hidden behind the
+    first of cp attention steps; the backward gathers again and passes the K,V gradients round in fp32, one hop per
+    step plus the last. By hand from the attention block's collectives, on CP 8 across 8 nodes (TP 8 inside)."""
+    from costmodels.estimate import PassCache, collective_time
+    from costmodels.config import resolve
+    from costmodels.model_io import load_model
+    from costmodels.ops import attention_half
+    from costmodels.estimate import GroupLinks
+
+    model = load_model("llama3.1-8b")
+    cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=64))
+    wl = Workload(global_batch=1, seq_len=131072)
+    cfg = ParallelConfig(tp=8, cp=8, pp=1, dp=1, mbs=1, zero=1, recompute="none")
+    lay = resolve(model, 64, wl, cfg)
+    links = GroupLinks(cluster, lay)
+    kv_bytes = 2 * 2 * (131072 / 8) * (model.kv_heads * model.head_size) / 8
+    results = {}
+    for name in ("torchtitan", "torchtitan+cp-alltoall"):
+        rt = get_runtime(name)
+        block = attention_half(model, lay, wl, rt)
+        comms = {c.name: c for c in block.comms if c.dim == "cp"}
+        passes = PassCache(model, cluster, wl, rt, EFF).layer(0, lay, links)[0]
+        results[name] = (comms, passes)
+    comms, passes = results["torchtitan"]
+    assert set(comms) == {"cp_allgather_kv", "cp_ring_dkv"}
+    gather, dkv = comms["cp_allgather_kv"], comms["cp_ring_dkv"]
+    assert gather.kind == "all_gather" and gather.bytes_ == pytest.approx(8 * kv_bytes)
+    assert (dkv.fwd_count, dkv.bwd_count) == (0, 1) and dkv.bytes_ == pytest.approx(2 * 8 * kv_bytes)  # fp32
+    t_gather = collective_time(gather, 8, links["cp"], EFF)
+    t_dkv = collective_time(dkv, 8, links["cp"], EFF)
+    core = passes.fwd_comm  # the exposures the layer's forward carries
+    attn_f = [op for op in attention_half(model, lay, wl, get_runtime("torchtitan")).ops if op.kind == "attention"]
+    assert attn_f, "the attention block has its core"
+    # forward: what the first step (1/cp of the attention compute) cannot hide, and the contention on the rest
+    fwd_attention = sum(op_time(op.fwd_flops, op.fwd_bytes, op.kind, PEAK16, HBM, EFF, False, keys=op.keys,
+                                kernel="fa2") for op in attn_f)
+    assert core["cp"] == pytest.approx(overlapped_exposed(t_gather, fwd_attention / 8, 0.0, ON), rel=1e-6)
+    assert core["cp"] > 0.0
+    # the backward carries the second gather and the fp32 gradient ring (its last hop exposed in full)
+    assert passes.bwd_comm["cp"] >= t_dkv / 8
+    # the per-step rotation (alltoall) moves K,V chunk by chunk: its forward hides behind every step
+    ring, ring_passes = results["torchtitan+cp-alltoall"]
+    assert set(ring) == {"cp_ring_kv"}
+    assert ring_passes.fwd_comm["cp"] < core["cp"]

@@ -583,3 +583,12 @@ def test_deepseek_v3_published_layout_round_trips():
     assert flags(args)["--pipeline-model-parallel-layout"] == "Et|(tt|)*30mL"
     back = parse_megatron_args(args)
     assert back.config.chunk_layers == options[0]
+
+
+@pytest.mark.parametrize("runtime,method", [("torchtitan", "allgather"), ("torchtitan+cp-alltoall", "alltoall"),
+                                            ("megatron-core", "alltoall")])
+def test_torchtitan_exports_the_kv_rotation_the_plan_was_priced_with(runtime, method):
+    """torch context_parallel's rotate method follows the plan's runtime (Runtime.cp_rotate): the torchtitan preset
+    prices torch's default all-gather, +cp-alltoall the per-step rotation (a ring plan from another runtime too)."""
+    plan = make_plan("llama3.1-8b", "h100-sxm", 16, WL, ParallelConfig(tp=2, cp=4, zero=3), runtime=runtime)
+    assert tomllib.loads(toml_text(plan))["parallelism"]["context_parallel_rotate_method"] == method

@@ -15,7 +15,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 
-from costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
+from costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload, get_runtime
 from costmodels.model import ModelSpec
 from costmodels.model_io import load_zoo, to_model_file
 from hardware_db.errors import InputError
@@ -117,8 +117,9 @@ def parallelism_fields(plan: Plan, release: str) -> dict[str, object]:
                    "pipeline_parallel_microbatch_size": pipe.micro_batch_size}
     if mesh.cp > 1:
         fields["context_parallel_degree"] = mesh.cp
-        if release == "0.2":
-            fields["context_parallel_rotate_method"] = "alltoall"  # the ring exchange of KV shards
+        if release == "0.2":  # the K,V rotation the plan was priced with (Runtime.cp_rotate)
+            rotate = get_runtime(plan.inputs.runtime).cp_rotate
+            fields["context_parallel_rotate_method"] = "allgather" if rotate == "allgather" else "alltoall"
     if plan.inputs.model_spec().moe is not None and mesh.ep > 1:
         etp_one = release == "0.3" or mesh.etp == 1
         if release == "0.3" and mesh.etp != 1:
