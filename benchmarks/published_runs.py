@@ -23,6 +23,7 @@ DEFAULT_FILE = ROOT / "benchmarks" / "published_runs.yaml"
 # What a source can say of a framework's execution; the scorer maps some of these onto the runtime preset.
 Feature = Literal[
     "torch.compile",  # torchtitan / PyTorch: compiled blocks (fused elementwise kernels)
+    "compiled-loss",  # torchtitan >= PR #1033 (2025-04): the cross-entropy compiled too (build_cross_entropy_loss)
     "async-tp",  # TP all-gather / reduce-scatter decomposed and overlapped with the GEMMs (PyTorch async TP)
     "tp-comm-overlap",  # Megatron / TransformerEngine userbuffers TP overlap
     "fp8-param-gather",  # FSDP / distributed optimizer gathers fp8 weights
@@ -118,6 +119,8 @@ class Run(BaseModel):
     value: float = Field(gt=0)
     flops_accounting: FlopsAccounting | None = None  # for tflops_per_gpu / mfu
     mfu_peak_tflops: float | None = Field(default=None, gt=0)  # the peak an MFU was divided by
+    # the source's peak memory per GPU, GiB as it prints it (torchtitan logs the caching allocator's max reserved)
+    memory_gib: float | None = Field(default=None, gt=0)
     notes: str = ""
 
     @model_validator(mode="after")

@@ -53,6 +53,8 @@ class Row:
     mfu: float
     groups: tuple[tuple[str, str], ...] = ()  # (group kind, value): gpu, experts, precision, framework, sequence
     fits: bool = True
+    peak_gib: float = 0.0  # predicted peak memory of the fullest stage
+    published_gib: float | None = None  # the source's peak memory per GPU, where it gives one
 
     @property
     def error(self) -> float:
@@ -239,7 +241,8 @@ def evaluate_run(run: Run, efficiency: Efficiency | None = None, physics: Physic
     groups = (("set", "second"), ("gpu", run.gpu), ("experts", "moe" if model.moe is not None else "dense"),
               ("precision", run.dtype), ("framework", run.runtime),
               ("sequence", ">= 32K" if run.seq_len >= 32768 else "< 32K"))
-    return Row(run.id, label, run.value, predicted, est.step_time_s, est.mfu, groups, est.fits)
+    return Row(run.id, label, run.value, predicted, est.step_time_s, est.mfu, groups, est.fits,
+               max(s.peak_gib for s in est.stages), run.memory_gib)
 
 
 def run_cluster(run: Run) -> Cluster:
@@ -255,6 +258,7 @@ def run_runtime(run: Run) -> str:
     kernels = {"flash-attention-2": "fa2", "flash-attention-3": "fa3", "cudnn-attention": "cudnn-attention"}
     if run.runtime == "torchtitan":
         options += ["compile"] if "torch.compile" in f else []
+        options += ["compiled-loss"] if "compiled-loss" in f else []
         options += ["async-tp"] if "async-tp" in f else []
     read = f - set(kernels)  # the recipe's execution flags were read (an attention kernel alone says nothing of TP)
     if run.runtime == "megatron-core" and read and run.parallel.tp > 1 and "tp-comm-overlap" not in f:
@@ -346,6 +350,14 @@ def main() -> int:
         label = f"{kind} {value}".strip()
         print(f"| {label} | {n} | {100 * mape:.1f}% | {100 * signed:+.1f}% |" if args.markdown
               else f"{label:32s} {n:4d} runs  MAPE {100 * mape:5.1f}%  mean {100 * signed:+6.1f}%")
+    memory = [r for r in rows if r.published_gib]
+    if memory:  # the memory model, which decides what the search calls fitting
+        print(f"\nPeak memory per GPU where the source gives it ({len(memory)} runs; predicted / published - 1):")
+        for r in memory:
+            print(f"| {r.id} | {r.published_gib:.1f} | {r.peak_gib:.1f} | {100 * (r.peak_gib / r.published_gib - 1):+.1f}% |"
+                  if args.markdown else f"{r.id:52s} {r.published_gib:6.1f} GiB  predicted {r.peak_gib:6.1f}  "
+                  f"{100 * (r.peak_gib / r.published_gib - 1):+6.1f}%")
+        print(f"memory MAPE {100 * statistics.mean(abs(r.peak_gib / r.published_gib - 1) for r in memory):.1f}%")
     return 0
 
 

@@ -156,6 +156,11 @@ class Runtime(BaseModel):
     # all-gather issued with the first, local step and waited before the second, again in the backward; the K,V
     # gradients go round in fp32, convert_to_f32; torch/distributed/tensor/experimental/_attention.py)
     cp_rotate: Literal["p2p", "allgather"] = "p2p"
+    # bytes per logit element the loss holds at its peak on the last stage: 16-bit logits plus their fp32 copy in
+    # Megatron's fused vocab-parallel cross-entropy (Korthikanti et al. 2022 sec. 4.3, 4sbv/t), or, for an eager
+    # F.cross_entropy(pred.float(), labels) (torchtitan components/loss.py), the backward of its log_softmax: the
+    # saved fp32 output, its incoming and its outgoing fp32 gradient, 12 bytes
+    loss_bytes_per_logit: float = 6.0
     zero_stages: tuple[Literal[0, 1, 2, 3], ...] = (0, 1, 2, 3)
     # ZeRO-2/3 gradients (sharded): reduce-scattered layer by layer in every micro-batch's backward
     # ("every-microbatch": Megatron-FSDP, "for grads shard mode there will actually always be gradient sync",
@@ -228,7 +233,7 @@ RUNTIMES: dict[str, Runtime] = {
     "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
                           overlap_param_gather=True, tp_overlap="none", p2p_overlap=True,
                           schedules=("gpipe", "1f1b", "interleaved"), cp_comms=("ring",), zero_stages=(0, 2, 3),
-                          cp_rotate="allgather",
+                          cp_rotate="allgather", loss_bytes_per_logit=12.0,
                           sharded_grad_reduce="pipeline-defers",
                           attention_kernel="fa2", selective="op-sac",
                           memory_kernels=(("norm", 0.6), ("swiglu", 0.36), ("activation", 0.36), ("rope", 0.36),
@@ -257,6 +262,11 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     # a fused one (QuACK blog, 2025-07-10: 1.89 vs 3.01 TB/s softmax): 0.63 of fused
     "compile": RuntimeOption("elementwise kernels fused (torch.compile)",
                              (("memory_kernels", (("cross_entropy", 0.63),)),)),
+    # torchtitan compiles the loss with the model since PR #1033 (2025-04-01, components/loss.py
+    # build_cross_entropy_loss; reverted once in Dec 2024, PR #755): Inductor fuses the fp32 cast, the log-softmax
+    # and its backward, so the loss holds the 16-bit logits it saved and their 16-bit gradient
+    "compiled-loss": RuntimeOption("cross-entropy compiled with torch.compile (16-bit logits and gradient held)",
+                                   (("loss_bytes_per_logit", 4.0),)),
     "async-tp": RuntimeOption("TP all-gather / reduce-scatter micro-pipelined with the matmuls (PyTorch async TP)",
                               (("tp_overlap", "async-tp"),)),
     "tp-comm-overlap": RuntimeOption("TransformerEngine userbuffers TP overlap", (("tp_overlap", "userbuffers"),)),

@@ -1173,7 +1173,7 @@ def _stage_memory(ctx: CostContext, rank: int, chunks: list[tuple[int, int]], pa
     if lay.stage_recompute[rank].granularity != "none":
         # The layer being recomputed holds what recomputation regenerates during its backward (Korthikanti sec. 5).
         acts += ctx.layer_activation(first, "none") - ctx.layer_activation(first, modes[first])
-    logits = logits_bytes(model, lay, wl) if rank == lay.pp - 1 else 0.0
+    logits = logits_bytes(model, lay, wl, rt) if rank == lay.pp - 1 else 0.0
     if rank == lay.pp - 1:
         acts += mtp_activation_bytes(model, lay, wl, rt)  # one micro-batch's, as for the logits
     buffers = ctx.buffer_bytes

@@ -187,9 +187,10 @@ def _op_sac_bytes(model: ModelSpec, index: int, lay: Layout, wl: Workload) -> fl
     return ACT_BYTES * (s * b * (h / sp + (q + v + core_out) / t) + mlp)
 
 
-def logits_bytes(model: ModelSpec, lay: Layout, wl: Workload) -> float:
-    """Last stage: 16-bit logits plus their fp32 copy in the cross-entropy (Korthikanti sec. 4.3: 4sbv/t)."""
-    return (ACT_BYTES + 4) * lay.mbs * wl.seq_len / lay.cp * model.vocab / lay.tp
+def logits_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> float:
+    """Last stage: what the loss holds per logit element at its peak (Runtime.loss_bytes_per_logit: Megatron's
+    16-bit logits plus their fp32 copy, Korthikanti sec. 4.3 4sbv/t; torchtitan's eager fp32 cross-entropy)."""
+    return rt.loss_bytes_per_logit * lay.mbs * wl.seq_len / lay.cp * model.vocab / lay.tp
 
 
 def mtp_activation_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> float:
@@ -200,7 +201,7 @@ def mtp_activation_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtim
     sp = lay.tp if lay.sp else 1
     proj_in = ACT_BYTES * lay.mbs * wl.seq_len / lay.cp * 2 * model.hidden / sp
     layer = layer_activation_bytes(model, model.num_layers - 1, lay, wl, rt, "none")
-    return model.num_mtp_layers * (proj_in + layer + logits_bytes(model, lay, wl))
+    return model.num_mtp_layers * (proj_in + layer + logits_bytes(model, lay, wl, rt))
 
 
 def embedding_activation_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> float:

@@ -263,7 +263,7 @@ class _Search:
             first_state_bytes=sum(model_state_bytes(first, lay, unsharded)),
             first_act_bytes=embedding_activation_bytes(model, lay, wl, rt), first_params_dense=first.dense,
             last_forward=head.forward, last_backward=head.backward_input + head.bwd_weight_compute,
-            last_state_bytes=sum(model_state_bytes(last, lay, unsharded)), last_fixed_bytes=logits_bytes(model, lay, wl) + mtp_activation_bytes(model, lay, wl, rt),
+            last_state_bytes=sum(model_state_bytes(last, lay, unsharded)), last_fixed_bytes=logits_bytes(model, lay, wl, rt) + mtp_activation_bytes(model, lay, wl, rt),
             last_params_dense=last.dense,
             stage_forward_extra=ctx.blocking_p2p_s, stage_backward_extra=ctx.blocking_p2p_s, hop_s=ctx.p2p_s,
             fixed_bytes=ctx.buffer_bytes, fragmentation=FRAGMENTATION, memory_cap_bytes=self.cap,
@@ -549,7 +549,7 @@ class _Search:
         per_expert = sum(model_state_bytes(StageParams(0.0, 1.0), lay, unsharded))
         r = np.arange(lay.pp)
         held = np.minimum((lay.pp - r - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, lay.num_microbatches * lay.vpp)
-        logits = np.where(r == lay.pp - 1, logits_bytes(self.model, lay, self.wl)
+        logits = np.where(r == lay.pp - 1, logits_bytes(self.model, lay, self.wl, self.rt)
                           + mtp_activation_bytes(self.model, lay, self.wl, self.rt), 0.0)
         need = (per_dense * dense + per_expert * expert + held * act + logits + ctx.buffer_bytes) * (1 + FRAGMENTATION)
         return float(need.max())

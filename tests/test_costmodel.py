@@ -358,3 +358,17 @@ def test_pass_cache_totals_match_the_composed_passes(name, tp, cp, cp_comm, sp, 
                                       + ctx.embedding.bwd_weight_compute), rel=1e-12)
     assert (hf, hb) == pytest.approx((ctx.head.forward, ctx.head.backward_input + ctx.head.bwd_weight_compute),
                                      rel=1e-12)
+
+
+@pytest.mark.parametrize("runtime,per_logit", [("megatron-core", 6.0), ("torchtitan", 12.0),
+                                               ("torchtitan+compile+compiled-loss", 4.0)])
+def test_the_loss_holds_its_runtimes_bytes_per_logit(runtime, per_logit):
+    """The last stage's loss memory by hand: tokens x vocab / tp logit elements at the runtime's bytes each
+    (Megatron's 16-bit logits + fp32 copy; torchtitan's eager fp32 cross-entropy backward: the saved log_softmax
+    output, its incoming and outgoing gradient; compiled: 16-bit logits and gradient)."""
+    from costmodels.model_io import load_model
+    model = load_model("llama3.1-8b")
+    cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8))
+    wl = Workload(global_batch=16, seq_len=8192)
+    est = estimate(model, cluster, wl, ParallelConfig(tp=2, dp=4, mbs=2, zero=3, recompute="full"), runtime=runtime)
+    assert est.stages[0].memory.logits == pytest.approx(per_logit * 2 * 8192 * model.vocab / 2)

@@ -592,3 +592,19 @@ def test_torchtitan_exports_the_kv_rotation_the_plan_was_priced_with(runtime, me
     prices torch's default all-gather, +cp-alltoall the per-step rotation (a ring plan from another runtime too)."""
     plan = make_plan("llama3.1-8b", "h100-sxm", 16, WL, ParallelConfig(tp=2, cp=4, zero=3), runtime=runtime)
     assert tomllib.loads(toml_text(plan))["parallelism"]["context_parallel_rotate_method"] == method
+
+
+@pytest.mark.parametrize("pp,reshard,zero", [(1, "default", 3), (2, "default", 2), (2, "always", 3),
+                                             (1, "never", 2)])
+def test_torchtitan_import_reads_the_default_reshard_policy_by_pp(pp, reshard, zero):
+    """torchtitan's "default" reshard policy reshards after forward only without PP (parallelize.py apply_fsdp:
+    reshard_after_forward = not pp_enabled): under PP it keeps the weights whole, meshplan's ZeRO-2."""
+    first = ", ".join(f'"layers.{i}"' for i in range(16))
+    second = ", ".join(f'"layers.{i}"' for i in range(16, 32))
+    stages = (f'module_fqns_per_model_part = [["tok_embeddings", {first}], [{second}, "norm", "output"]]\n'
+              if pp > 1 else "")
+    text = ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 2\nseq_len = 8192\n'
+            f'[parallelism]\ndata_parallel_shard_degree = 4\npipeline_parallel_degree = {pp}\n'
+            f'fsdp_reshard_after_forward = "{reshard}"\n' + stages)
+    launch, _ = parse_torchtitan_toml(text)
+    assert launch.config.zero == zero

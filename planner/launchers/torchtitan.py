@@ -265,7 +265,9 @@ def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple
                          f"dimension")
     dp = rep * shard
     reshard = par.get("fsdp_reshard_after_forward", "default")
-    zero = 0 if shard * cp == 1 else 2 if reshard == "never" else 3
+    # the "default" policy reshards after forward only without PP (torchtitan parallelize.py apply_fsdp:
+    # reshard_after_forward = not pp_enabled), so under PP the weights stay whole, as ZeRO-2
+    zero = 0 if shard * cp == 1 else 2 if reshard == "never" or (reshard == "default" and pp > 1) else 3
     if "module_fqns_per_model_part" in par and pp > 1:
         stage_layers, vpp, chunk_layers = _stages_from_fqns(par["module_fqns_per_model_part"], pp,
                                                             model.num_layers)
