@@ -1307,25 +1307,38 @@ def partitions_below(problem: PartitionProblem, policy: Granularity, threshold: 
     full = (L + 1, L + 1)
     with np.errstate(invalid="ignore"):
         jm = [np.broadcast_to(g.objective(problem, r), full) for r, g in enumerate(grids)]
-        after = np.full((p + 1, L + 1), np.inf)  # after[r][i]: the least max J over stages >= r, stage r from i
-        after[p, L] = 0.0
-        for r in reversed(range(p)):
-            after[r] = np.min(np.maximum(jm[r], after[r + 1][None, :]), axis=1)
         if problem.schedule == "1f1b" and p > 1:
             g0 = grids[0]
             x0 = np.broadcast_to(_end_through_last(problem, 0, g0.f, g0.b, g0.f_before, g0.t_after), full)[0]
             tails = [np.broadcast_to(g.e - (g.b_before + r * problem.hop_s), full) for r, g in enumerate(grids)]
-    found: list[tuple[float, tuple[int, ...]]] = []
+
+    def finish(b: tuple[int, ...], worst: float) -> tuple[float, tuple[int, ...]] | None:
+        if problem.schedule == "1f1b" and p > 1:  # rank 0's path to every later rank's sync
+            worst = max(worst, float(x0[b[1]]) + max(float(tails[s][b[s], b[s + 1]]) for s in range(1, p)))
+        return (worst, b) if worst < threshold else None
+
+    found = _walk_below(jm, p, L, threshold, limit, finish)
+    return None if found is None else sorted(found)
+
+
+def _walk_below(jm: list[np.ndarray], p: int, L: int, threshold: float, limit: int, finish) -> list | None:
+    """Depth-first over the stage boundaries of every partition whose max of jm[r][i, j] is below `threshold`,
+    each branch cut by the least max over the stages after it (after[r][i], stage r from i); finish(boundaries,
+    that max) gives each one's entry, or None to leave it out. None when more than `limit` are reached."""
+    with np.errstate(invalid="ignore"):
+        after = np.full((p + 1, L + 1), np.inf)
+        after[p, L] = 0.0
+        for r in reversed(range(p)):
+            after[r] = np.min(np.maximum(jm[r], after[r + 1][None, :]), axis=1)
+    found: list = []
 
     def extend(r: int, i: int, worst: float, bounds: list[int]) -> bool:
         if r == p:
             if len(found) == limit:
                 return False
-            b = tuple(bounds)
-            if problem.schedule == "1f1b" and p > 1:  # rank 0's path to every later rank's sync
-                worst = max(worst, float(x0[b[1]]) + max(float(tails[s][b[s], b[s + 1]]) for s in range(1, p)))
-            if worst < threshold:
-                found.append((worst, b))
+            entry = finish(tuple(bounds), worst)
+            if entry is not None:
+                found.append(entry)
             return True
         for j in range(i + 1, L - (p - 1 - r) + 1):
             here = max(worst, float(jm[r][i, j]))
@@ -1333,9 +1346,7 @@ def partitions_below(problem: PartitionProblem, policy: Granularity, threshold: 
                 return False
         return True
 
-    if not extend(0, 0, 0.0, [0]):
-        return None
-    return sorted(found)
+    return found if extend(0, 0, 0.0, [0]) else None
 
 
 PER_STAGE_ENUMERATION_MAX_PARTITIONS = 512  # partitions per_stage_partitions_below walks before it gives up
@@ -1345,32 +1356,13 @@ def _cheapest_partitions_below(problem: PartitionProblem, threshold: float,
                                limit: int) -> list[tuple[int, ...]] | None:
     """The boundaries of every partition whose J with each stage on its cheapest fitting policy (the other stages'
     extras left out: a lower bound on J under any policy mix, per_stage_bound's argument) is below `threshold`;
-    None when more than `limit`. Depth-first, each branch cut by the least max of those J_r over the stages after
-    it, as partitions_below."""
+    None when more than `limit` (a depth-first walk, as partitions_below's)."""
     p, L = problem.num_stages, problem.num_layers
-    grids = _uniform_grids(problem, "none", cheapest=True)
     full = (L + 1, L + 1)
     with np.errstate(invalid="ignore"):
-        jm = [np.broadcast_to(g.objective(problem, r), full) for r, g in enumerate(grids)]
-        after = np.full((p + 1, L + 1), np.inf)
-        after[p, L] = 0.0
-        for r in reversed(range(p)):
-            after[r] = np.min(np.maximum(jm[r], after[r + 1][None, :]), axis=1)
-    found: list[tuple[int, ...]] = []
-
-    def extend(r: int, i: int, worst: float, bounds: list[int]) -> bool:
-        if r == p:
-            if len(found) == limit:
-                return False
-            found.append(tuple(bounds))
-            return True
-        for j in range(i + 1, L - (p - 1 - r) + 1):
-            here = max(worst, float(jm[r][i, j]))
-            if max(here, float(after[r + 1][j])) < threshold and not extend(r + 1, j, here, bounds + [j]):
-                return False
-        return True
-
-    return found if extend(0, 0, 0.0, [0]) else None
+        jm = [np.broadcast_to(g.objective(problem, r), full)
+              for r, g in enumerate(_uniform_grids(problem, "none", cheapest=True))]
+    return _walk_below(jm, p, L, threshold, limit, lambda bounds, worst: bounds)
 
 
 def per_stage_partitions_below(problem: PartitionProblem, threshold: float, limit: int = 64
@@ -1496,15 +1488,7 @@ def solve_dp_pairs(problem: PartitionProblem, policy: Granularity) -> PartitionR
     For other schedules it is solve_dp."""
     if problem.schedule != "1f1b" or problem.num_stages == 1:
         return solve_dp(problem, policy)
-    found = _pairs_dp(problem, policy)
-    if found is None:
-        return None
-    best, bounds = found
-    pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r]) if policy == "full"
-                 else StagePolicy(granularity=policy) for r in range(problem.num_stages))
-    result = _evaluate(problem, _tables(problem), bounds, pols, relaxed=False)
-    assert result is not None, "pair DP and evaluate disagree on feasibility"
-    return replace(result, objective=max(result.objective, best))
+    return _bound_plan(problem, policy, _pairs_dp(problem, policy))
 
 
 def _pairs_dp(pr: PartitionProblem, policy: Granularity,
