@@ -674,6 +674,7 @@ class _Search:
         bounds = self.work_bounds_of(cands)
         # ZeRO-2/3 candidates whose layer times hold per-layer DP collectives: the work bound over those layer times
         # (most end here: a gather or reduce-scatter per layer and micro-batch can outweigh the layer)
+        # (CostContext.dp_in_layer_times, read off the candidate without building its context)
         sharded = [n for n, c in enumerate(cands) if c.zero == 3 or self.rt.reduces_each_microbatch(c.zero, c.mesh.pp)]
         if sharded:
             gbs, rep = self.wl.global_batch, {}
@@ -897,13 +898,15 @@ class _Search:
             found = per_stage_partitions_below(prob, cutoff * (1 - REL_TOL), limit=4 * ENUMERATE_PARTITIONS)
             if found is not None:
                 self.bounded += 1
-                if not found:
-                    self._count(self.pruned, "partition bound (per-stage plans listed: none below the cutoff)")
-                for n, (lower, bounds, pols) in enumerate(found):
+                simulated = 0
+                for lower, bounds, pols in found:
                     if lower >= self.best.cutoff() * (1 - REL_TOL):
                         break
                     layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-                    self._simulate(c, layers, pols, lower, ctx, another_partition=n > 0)
+                    self._simulate(c, layers, pols, lower, ctx, another_partition=simulated > 0)
+                    simulated += 1
+                if not simulated:  # the candidate's one account column
+                    self._count(self.pruned, "partition bound (per-stage plans listed: none below the cutoff)")
                 return
             if (c.mesh.pp * (self.model.num_layers + 1) ** 3 <= PAIR_DP_MAX_CELLS
                     and per_stage_tight_bound(prob) >= cutoff * (1 - REL_TOL)):
@@ -967,7 +970,8 @@ class _Search:
             prob = self.problem(c, ctx)
             if c.recompute == "per-stage" or policies is not None:
                 if not self._close_per_stage_gap(c, prob, ctx, stage_layers, policies, best):
-                    # too many partitions to list: the pair / sync path bounds over the relaxed policies
+                    # too many partitions to list: the pair / sync path bounds, each stage on its cheapest
+                    # fitting policy
                     self.bounded += 1
                     tighter = max(bound, per_stage_tight_bound(prob))
                     if tighter < best * (1 - REL_TOL):
