@@ -693,12 +693,13 @@ class PassCache:
                                           column_gemm=column)
                 tb *= tp_exposed_fraction(self.rt.tp_overlap, lay.tp, lay.sp, eff.physics, backward=True,
                                           collective=c.name, column_gemm=column)
+            attn_bwd = attn_core_bwd or 2.5 * attn_core
             if c.overlappable == "cp":  # the ring exchange runs under the attention steps (kernels.ring_cp_exposed)
                 tf = ring_cp_exposed(tf, attn_core, lay.cp, False, eff.physics)
-                tb = ring_cp_exposed(tb, attn_core_bwd or 2.5 * attn_core, lay.cp, True, eff.physics)
+                tb = ring_cp_exposed(tb, attn_bwd, lay.cp, True, eff.physics)
             elif c.overlappable == "cp-first-step":  # waited before the second step: one step's compute hides it
                 tf = overlapped_exposed(tf, attn_core / lay.cp, 0.0, eff.physics)
-                tb = overlapped_exposed(tb, (attn_core_bwd or 2.5 * attn_core) / lay.cp, 0.0, eff.physics)
+                tb = overlapped_exposed(tb, attn_bwd / lay.cp, 0.0, eff.physics)
             # with rt.ep_overlap the EP all-to-all stays raw here: PassCache.layer hides it under a paired pass
             fwd_comm[c.dim] = fwd_comm.get(c.dim, 0.0) + tf
             bwd_comm[c.dim] = bwd_comm.get(c.dim, 0.0) + tb

@@ -1531,12 +1531,13 @@ def per_stage_tight_bound(problem: PartitionProblem) -> float:
     loses at most that (solve_dp's relaxation argument), so each stays a bound; inf when no policy mix fits. Meant
     for a per-stage candidate whose J bound stays below its simulated time and whose partitions are too many to
     list."""
-    values = [per_stage_bound(problem)[0]]
-    if problem.num_stages > 1 and problem.schedule == "1f1b":
+    if problem.num_stages == 1 or problem.schedule == "zb":
+        return per_stage_bound(problem)[0]
+    # each DP below is a min over partitions of max(J_cheapest, ...), so none is below per_stage_bound's value
+    values = [_found(_stage0_sync_dp(problem, "none", cheapest=True))]
+    if problem.schedule == "1f1b":
         values += [_found(_pairs_dp(problem, "none", cheapest=True)),
                    _found(_rank0_path_sync_dp(problem, "none", cheapest=True))]
-    if problem.num_stages > 1 and problem.schedule != "zb":
-        values.append(_found(_stage0_sync_dp(problem, "none", cheapest=True)))
     return max(values)
 
 

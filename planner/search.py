@@ -47,6 +47,9 @@ UNBOUNDED_BYTES = 1e30  # a memory cap no stage reaches (bounds that ignore memo
 CPSAT_TIME_LIMIT_S = 10.0  # per CP-SAT call; an unproven answer leaves its candidate's bound open (a gap)
 PAIR_DP_MAX_CELLS = 2e7  # the O(p L^3) pair and stage-0 sync bounds are tried only below this size
 ENUMERATE_PARTITIONS = 32  # closing a gap: simulate every partition below the best when there are at most this many
+# a deferred per-stage candidate: simulate every (partition, policy) pair below the cutoff instead of CP-SAT when
+# there are at most this many (each simulation is far cheaper than a CP-SAT solve)
+DEFERRED_ENUMERATE_PAIRS = 4 * ENUMERATE_PARTITIONS
 
 
 @dataclass(frozen=True)
@@ -895,7 +898,7 @@ class _Search:
         ctx = self._context(c)
         cutoff = self.best.cutoff()
         if not math.isinf(cutoff):
-            found = per_stage_partitions_below(prob, cutoff * (1 - REL_TOL), limit=4 * ENUMERATE_PARTITIONS)
+            found = per_stage_partitions_below(prob, cutoff * (1 - REL_TOL), limit=DEFERRED_ENUMERATE_PAIRS)
             if found is not None:
                 self.bounded += 1
                 simulated = 0
