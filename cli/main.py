@@ -1149,8 +1149,8 @@ def hardware_show(
     eff.add_column("parameter")
     eff.add_column("value", justify="right")
     for field, value in g.efficiency:
-        if field != "source":
-            eff.add_row(field, f"{value:g}")
+        if field != "source":  # a field left unset takes its derived default (docs/hardware.md)
+            eff.add_row(field, "derived default" if value is None else f"{value:g}")
     con.print(eff)
     con.print(f"efficiency source: {g.efficiency.source}")
 

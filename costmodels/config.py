@@ -128,8 +128,10 @@ class Runtime(BaseModel):
     p2p_overlap: bool  # pipeline send/recv overlapped with compute
     # the attention kernel: "fused" = FlashAttention-3 class, "cudnn" = cuDNN fused attention (TransformerEngine's
     # choice on Hopper and later: dot_product_attention/utils.py "give FusedAttention preference on Hopper+"),
-    # "fa2" = FlashAttention-2 (PyTorch SDPA's flash backend); all skip masked causal blocks
-    attention_kernel: Literal["fused", "cudnn", "fa2"] = "fused"
+    # "fa2" = FlashAttention-2 (the flash-attn package; TransformerEngine's FlashAttention backend), "sdpa-fa2" =
+    # PyTorch SDPA's flash backend (its own copy of the FA2 kernels, slower: kernels.SDPA_FLASH_OVER_FA2); all
+    # skip masked causal blocks
+    attention_kernel: Literal["fused", "cudnn", "fa2", "sdpa-fa2"] = "fused"
     # memory-bound kernels by ops.memory_class: their achieved fraction of the GPU's fused-kernel bandwidth
     # (GPUSpec efficiency.memory_bandwidth); a class not listed runs fused (1.0)
     memory_kernels: tuple[tuple[str, float], ...] = ()
@@ -148,6 +150,18 @@ class Runtime(BaseModel):
     # sec. 5), or torchtitan's op-level SAC (saves matmul outputs but every other one and the attention output,
     # recomputes the rest: torchtitan parallelize_llama.py _save_list)
     selective: Literal["core-attention", "op-sac"] = "core-attention"
+    # Q, K, V as one GEMM and a gated MLP's gate and up projections as one (Megatron-Core linear_qkv and
+    # linear_fc1, megatron/core/transformer/attention.py and mlp.py), or as separate linears, each reading the
+    # same input again and each a narrower GEMM (torchtitan/models/llama3/model.py wq, wk, wv, w1, w3)
+    fused_projections: bool = True
+    # FP8 recipes under which the TP all-gathers (the SP input forward, the output gradient backward) move FP8:
+    # torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput cast before the all-gather and
+    # Float8RowwiseParallel casts the output gradient (torchao float8/float8_tensor_parallel.py), which torchtitan
+    # uses for tensorwise only ("for rowwise recipes ... all-gather happens in high precision", parallelize_llama.py)
+    tp_fp8_all_gather: tuple[str, ...] = ()
+    # ZeRO-3 / FSDP sharding copies each gathered layer out of the all-gather buffer and each gradient into the
+    # reduce-scatter buffer on the compute stream (PyTorch FSDP2; estimate.FSDP_COPY_OUT_BYTES / _IN_BYTES)
+    fsdp_copies: bool = False
     # what the framework can run at all: the search picks only these, a pinned knob outside them is refused
     schedules: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved", "zb")
     cp_comms: tuple[Literal["ring", "a2a"], ...] = ("ring", "a2a")  # () = no context parallelism
@@ -230,12 +244,14 @@ RUNTIMES: dict[str, Runtime] = {
     # 329 vs 631 TFLOP/s, nightly 2024-12; cuDNN SDPA is opt-in until torch 2.9, #138522 / #162073); nn.RMSNorm
     # 54 % of H100 HBM (0.6 of fused), eager SwiGLU 32 % (0.36), eager cross-entropy like Megatron's unfused one,
     # 21.3 ms for 8192 x 131,072 (0.40) (Liger-Kernel all_benchmark_data.csv @ ead96b6). `+compile` fuses them.
+    # Its models keep wq, wk, wv and w1, w3 as separate linears (models/llama3/model.py): fused_projections off.
     "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
                           overlap_param_gather=True, tp_overlap="none", p2p_overlap=True,
                           schedules=("gpipe", "1f1b", "interleaved"), cp_comms=("ring",), zero_stages=(0, 2, 3),
                           cp_rotate="allgather", loss_bytes_per_logit=12.0,
                           sharded_grad_reduce="pipeline-defers",
-                          attention_kernel="fa2", selective="op-sac",
+                          attention_kernel="sdpa-fa2", selective="op-sac", fused_projections=False,
+                          tp_fp8_all_gather=("tensorwise",), fsdp_copies=True,
                           memory_kernels=(("norm", 0.6), ("swiglu", 0.36), ("activation", 0.36), ("rope", 0.36),
                                           ("cross_entropy", 0.40))),
     # meshplan's reference executor (executor/plan_run.py): SDPA attention, no dropout, gradients synchronised after
@@ -243,7 +259,7 @@ RUNTIMES: dict[str, Runtime] = {
     # `verify --calibration` predicts its runs with this preset.
     "meshplan-executor": Runtime(name="meshplan-executor", flash_attention=True, dropout=False,
                                  overlap_grad_reduce=False, overlap_param_gather=False, tp_overlap="none",
-                                 p2p_overlap=False),
+                                 p2p_overlap=False, fused_projections=False, fsdp_copies=True),
 }
 DEFAULT_RUNTIME = "megatron-core"
 
@@ -273,7 +289,8 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     "no-tp-comm-overlap": RuntimeOption("blocking TP collectives", (("tp_overlap", "none"),)),
     "cudnn-attention": RuntimeOption("cuDNN fused attention kernels", (("attention_kernel", "cudnn"),)),
     "fa3": RuntimeOption("FlashAttention-3 class attention kernels", (("attention_kernel", "fused"),)),
-    "fa2": RuntimeOption("FlashAttention-2 kernels", (("attention_kernel", "fa2"),)),
+    "fa2": RuntimeOption("FlashAttention-2 kernels (flash-attn)", (("attention_kernel", "fa2"),)),
+    "sdpa-fa2": RuntimeOption("PyTorch SDPA's FlashAttention-2 backend", (("attention_kernel", "sdpa-fa2"),)),
     "ep-a2a-overlap": RuntimeOption("EP all-to-all hidden behind another micro-batch (DualPipe / Megatron 1F1B A2A "
                                     "overlap)", (("ep_overlap", True),)),
     "grouped-kernel": RuntimeOption("expert GEMMs as one grouped kernel (TE GroupedTensor / op fuser, CUTLASS, "
@@ -283,6 +300,8 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     "reduce-each-microbatch": RuntimeOption("ZeRO-2/3 gradients reduce-scattered in every micro-batch's backward "
                                             "under pipelining too (kept sharded, as Megatron-FSDP does)",
                                             (("sharded_grad_reduce", "every-microbatch"),)),
+    "fused-projections": RuntimeOption("Q, K, V and the gated MLP's gate and up projections each one GEMM "
+                                       "(Megatron-Core linear_qkv / linear_fc1)", (("fused_projections", True),)),
     "cp-alltoall": RuntimeOption("ring CP rotating K,V one chunk per attention step (torch context_parallel "
                                  "set_rotate_method('alltoall'); torchtitan context_parallel_rotate_method)",
                                  (("cp_rotate", "p2p"),)),

@@ -23,7 +23,7 @@ from costmodels.realism import check as realism_check
 from costmodels.calibrate import interpolate
 from costmodels.kernels import (attention_keys_factor, copy_engine_exposed, QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
                                 ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks,
-                                TP_OVERLAPPED_GEMMS)
+                                FA2_BACKWARD_OVER_FORWARD, SDPA_FLASH_OVER_FA2, TP_OVERLAPPED_GEMMS)
 from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
                                      cpu_device_spec, digest)
 from hardware_db.cluster import Cluster, ClusterSpec
@@ -68,6 +68,7 @@ class Efficiency:
     fp8_grouped_gemm_max: float = 0.0  # 0: 0.5 x the FP8 ceiling
     attention_bwd_max: float = 0.0  # 0: 0.86 x attention_max
     attention_fa2_max: float = 0.0  # 0: attention_max
+    attention_fa2_bwd_max: float = 0.0  # 0: FA2_BACKWARD_OVER_FORWARD x attention_fa2_max
     attention_cudnn_max: float = 0.0  # 0: attention_max
     attention_cudnn_bwd_max: float = 0.0  # 0: attention_bwd_max
     attention_causal_s0: float = 0.0
@@ -80,6 +81,8 @@ class Efficiency:
         derived["fp8_grouped_gemm_max"] = 0.5 * (self.fp8_gemm_max or derived["fp8_gemm_max"])
         derived["attention_bwd_max"] = 0.86 * self.attention_max
         derived["attention_fa2_max"] = self.attention_max
+        derived["attention_fa2_bwd_max"] = FA2_BACKWARD_OVER_FORWARD * (self.attention_fa2_max
+                                                                        or derived["attention_fa2_max"])
         derived["attention_cudnn_max"] = self.attention_max
         derived["attention_cudnn_bwd_max"] = self.attention_bwd_max or derived["attention_bwd_max"]
         for name, value in derived.items():
@@ -94,6 +97,7 @@ class Efficiency:
                    fp8_block_factor=e.fp8_block_factor, grouped_gemm_max=e.grouped_gemm_max or 0.0,
                    fp8_grouped_gemm_max=e.fp8_grouped_gemm_max or 0.0,
                    attention_bwd_max=e.attention_bwd_max or 0.0, attention_fa2_max=e.attention_fa2_max or 0.0,
+                   attention_fa2_bwd_max=e.attention_fa2_bwd_max or 0.0,
                    attention_cudnn_max=e.attention_cudnn_max or 0.0,
                    attention_cudnn_bwd_max=e.attention_cudnn_bwd_max or 0.0,
                    attention_causal_s0=e.attention_causal_s0,
@@ -330,8 +334,10 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
         e = one / (one + half)
         if kind == "attention":
             if ph.attention:
-                if kernel == "fa2":
-                    ceiling = eff.attention_fa2_max
+                if kernel in ("fa2", "sdpa-fa2"):
+                    ceiling = eff.attention_fa2_bwd_max if backward else eff.attention_fa2_max
+                    if kernel == "sdpa-fa2":
+                        ceiling *= SDPA_FLASH_OVER_FA2
                 elif kernel == "cudnn":
                     ceiling = eff.attention_cudnn_bwd_max if backward else eff.attention_cudnn_max
                 else:
@@ -424,8 +430,9 @@ def timed_collective(kind: str, bytes_: float, n: int, link: comm.Link, eff: Eff
     return comm.p2p(bytes_, link) if kind == "p2p" else _RING[kind](bytes_, n, link)
 
 
-def collective_time(c: Collective, n: int, link: comm.Link, eff: Efficiency) -> float:
-    return timed_collective(c.kind, c.bytes_, 2 if c.kind == "p2p" else n, link, eff,  # a P2P is between two ranks
+def collective_time(c: Collective, n: int, link: comm.Link, eff: Efficiency, backward: bool = False) -> float:
+    """One forward (or, `backward`, one backward-mirror) instance of a block's collective."""
+    return timed_collective(c.kind, c.pass_bytes(backward), 2 if c.kind == "p2p" else n, link, eff,  # P2P: 2 ranks
                             c.dedup_top_k)
 
 
@@ -641,6 +648,7 @@ class PassCache:
         parts: dict[str, float] = {}
         attn_core = attn_core_bwd = 0.0
         eff = self.eff
+        columns = sum(TP_OVERLAPPED_GEMMS.get(op.name) == "all_gather" for op in block.ops)
         for op in block.ops:
             fp8 = op.kind == "gemm" and op.gemm_dtype_scale > 1
             if op.name.startswith("fp8_cast") and not eff.physics.fp8:
@@ -657,8 +665,10 @@ class PassCache:
                           kernel=op.kernel or "fused",
                           streams=TE_GEMM_STREAMS if self.rt.grouped_gemm == "multi-stream" else 0,
                           bandwidth_factor=self.rt.memory_kernel(memory_class(op.name)) if op.kind == "memory" else 1.0)
-                split = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp) if op.kind == "gemm" else 1
-                split_b = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp, True) if op.kind == "gemm" else 1
+                split = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp,
+                                       column_gemms=columns) if op.kind == "gemm" else 1
+                split_b = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp, True,
+                                         column_gemms=columns) if op.kind == "gemm" else 1
                 f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff, depth=k, chunks=split, **kw)
                 fwd += f
                 b = op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, eff, True, depth=n,
@@ -684,15 +694,15 @@ class PassCache:
             bwd_i += eff.head_overhead.backward_s
         fwd_comm: dict[str, float] = {}
         bwd_comm: dict[str, float] = {}
-        column = next((op.name for op in block.ops if TP_OVERLAPPED_GEMMS.get(op.name) == "all_gather"), "")
         for c in block.comms:
             t = collective_time(c, getattr(lay, c.dim), links[c.dim], self.eff)  # tp, cp, ep, etp: group sizes
-            tf, tb = c.fwd_count * t, c.bwd_count * t
+            t_b = t if c.bwd_bytes is None else collective_time(c, getattr(lay, c.dim), links[c.dim], self.eff, True)
+            tf, tb = c.fwd_count * t, c.bwd_count * t_b
             if c.overlappable == "tp":
                 tf *= tp_exposed_fraction(self.rt.tp_overlap, lay.tp, lay.sp, eff.physics, collective=c.name,
-                                          column_gemm=column)
+                                          column_gemms=columns)
                 tb *= tp_exposed_fraction(self.rt.tp_overlap, lay.tp, lay.sp, eff.physics, backward=True,
-                                          collective=c.name, column_gemm=column)
+                                          collective=c.name, column_gemms=columns)
             attn_bwd = attn_core_bwd or 2.5 * attn_core
             if c.overlappable == "cp":  # the ring exchange runs under the attention steps (kernels.ring_cp_exposed)
                 tf = ring_cp_exposed(tf, attn_core, lay.cp, False, eff.physics)
@@ -705,9 +715,25 @@ class PassCache:
             bwd_comm[c.dim] = bwd_comm.get(c.dim, 0.0) + tb
             # a recomputed dense MLP or MoE layer runs its own TP pair / dispatch and combine again
             again = {"mlp": ("mlp",), "moe": ("moe",)}.get(block.name, ())
+            if self.rt.selective == "op-sac" and c.name == "tp_all_gather":
+                # op-level SAC saves reduce-scatter outputs but not all-gather ones (torchtitan parallelize_llama.py
+                # _save_list), and the linears it re-runs (wk, wo, w3) need the gathered input: both all-gathered
+                # again in the backward
+                again = ("op-sac",)
             for m in again:
                 parts[m] = parts.get(m, 0.0) + tf
         return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, 0.0), tuple(sorted(parts.items()))
+
+
+# PyTorch FSDP2's copies around its collectives, per parameter of the layer (torch/distributed/fsdp/_fully_shard/
+# _fsdp_collectives.py): after each all-gather, foreach_all_gather_copy_out splits the gathered 16-bit buffer into
+# the parameters (split_with_sizes_copy: read 2 B, write 2 B) on the compute stream once the gather is waited;
+# before each reduce-scatter, foreach_reduce_scatter_copy_in concatenates the 16-bit gradients into the fp32
+# reduce-scatter input (chunk_cat: read 2 B, write 4 B), on the compute stream too ("Only after the copy-in
+# finishes can we free the gradients"). Megatron's distributed optimizer and Megatron-FSDP gather into and reduce
+# from contiguous buffers (no copies).
+FSDP_COPY_OUT_BYTES = 4.0
+FSDP_COPY_IN_BYTES = 6.0
 
 
 class CostContext:
@@ -807,6 +833,12 @@ class CostContext:
             bwd += overlapped_exposed(scatter, idle, 0.0, ph)
         else:
             bwd += scatter
+        if self.rt.fsdp_copies:  # on the compute stream, so never hidden
+            params = p.dense + p.expert
+            copy_out = FSDP_COPY_OUT_BYTES * params / (self.hbm * self.eff.memory_bandwidth) if gather else 0.0
+            copy_in = FSDP_COPY_IN_BYTES * params / (self.hbm * self.eff.memory_bandwidth) if scatter else 0.0
+            fwd += copy_out
+            bwd += copy_out + copy_in
         return PassTimes(fwd_comm={"dp": fwd}, bwd_comm={"dp": bwd})
 
     def _layer_base(self, i: int) -> tuple[PassTimes, float]:
@@ -1106,8 +1138,9 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
 
 def op_sac_recomputed(op: Op, model: ModelSpec) -> float:
     """The share of an operator's forward torchtitan's op-level SAC re-runs in the backward (memory._op_sac_bytes):
-    every memory-bound operator; of the matmuls the k projection (in our fused qkv), the output projection, the
-    SwiGLU up half (w3) or the GeLU down projection; the attention kernel's output is saved."""
+    every memory-bound operator; of the matmuls every second one in forward order: the k projection (wk, or its
+    share of a fused qkv), the output projection, the SwiGLU up half (w3) or the GeLU down projection; the
+    attention kernel's output is saved."""
     if op.kind == "memory":
         return 1.0
     if op.kind == "attention":
@@ -1115,7 +1148,9 @@ def op_sac_recomputed(op: Op, model: ModelSpec) -> float:
     if op.name == "qkv_proj" and model.mla is None:
         q, kv = model.num_heads, model.kv_heads
         return kv / (q + 2 * kv)
-    share = {"out_proj": 1.0, "up_gate_proj": 0.5, "up_proj": 0.0, "down_proj": 0.0 if model.mlp == "swiglu" else 1.0}
+    swiglu = model.mlp == "swiglu"
+    share = {"wq": 0.0, "wk": 1.0, "wv": 0.0, "w1": 0.0, "w3": 1.0, "out_proj": 1.0, "up_gate_proj": 0.5,
+             "up_proj": 0.0, "down_proj": 0.0 if swiglu else 1.0}
     return share.get(op.name, 0.5)
 
 

@@ -89,7 +89,14 @@ def causal_tile_factor(s_k: float, s0: float) -> float:
 # backward FA3 316/424/501/542/559/561, FA2 214/260/291/310/318/322, cuDNN 305/408/465/499/518/516). The fit is
 # within 4 % of each bar but cuDNN's forward at 2-4K (3-7 % above). Blackwell kernels: the Hopper ramps (no figure).
 ATTENTION_KEYS_HALF: dict[str, tuple[float, float]] = {"fused": (185.0, 375.0), "fa2": (90.0, 265.0),
-                                                      "cudnn": (75.0, 330.0)}
+                                                      "sdpa-fa2": (90.0, 265.0), "cudnn": (75.0, 330.0)}
+# FlashAttention-2's backward runs slower per FLOP than its forward: 322 against 370 TFLOP/s at 16K keys, hdim 128,
+# non-causal, H100 SXM5 (the FA2 bars of the FA3 paper's Figs. 5-6, as above); FA3's own pair is 561 / 648 (0.866)
+FA2_BACKWARD_OVER_FORWARD = 322.0 / 370.0
+# PyTorch SDPA's flash backend (a vendored FA2) against the flash-attn package's FA2, forward, non-causal, hdim 128,
+# H100: 329.5 TFLOP/s at 4,608 keys (pytorch/pytorch#142132, tritonbench flash_attention) against FA2's 368 at 4K
+# (FA3 paper Fig. 5); taken for its backward too (no published SDPA backward figure)
+SDPA_FLASH_OVER_FA2 = 329.5 / 368.0
 ATTENTION_KEYS_REFERENCE = 16384.0  # keys at which the GPU files' attention ceilings are read (FA3 paper, 16k)
 
 
@@ -123,7 +130,7 @@ def fp8_kernel_ceiling(gemm_max: float, fp8_gemm_max: float, recipe: str, block_
 
 
 def tp_exposed_fraction(kind: str, tp: int, sp: bool, physics: Physics, *, backward: bool = False,
-                        collective: str = "", column_gemm: str = "") -> float:
+                        collective: str = "", column_gemms: int = 1) -> float:
     """Share of a TP collective's time on the critical path under the framework's overlap. TransformerEngine's
     userbuffers overlap needs sequence parallelism (Megatron-LM arguments.py: --tp-comm-overlap needs
     --sequence-parallel) and splits each collective: the ring-exchange all-gather before QKV / FC1 into tp
@@ -132,10 +139,10 @@ def tp_exposed_fraction(kind: str, tp: int, sp: bool, physics: Physics, *, backw
     rest slows the GEMM it hides behind (CONTENTION_*). PyTorch async TP micro-pipelines both over tp chunks on
     copy engines (pytorch/pytorch#130583), but only where Inductor finds the patterns (async_tp_fused). A
     collective split into k chunks exposes 1/k of itself. `collective` names the forward collective whose mirror
-    the backward runs; `column_gemm` is the block's column-parallel GEMM."""
+    the backward runs; `column_gemms` counts the block's column-parallel GEMMs."""
     if kind == "none" or tp <= 1 or (kind == "userbuffers" and not sp):
         return 1.0
-    if kind == "async-tp" and physics.overlap_limits and not async_tp_fused(sp, backward, collective, column_gemm):
+    if kind == "async-tp" and physics.overlap_limits and not async_tp_fused(sp, backward, collective, column_gemms):
         return 1.0
 
     def split(chunks: int, contention: float) -> float:
@@ -196,23 +203,27 @@ def copy_engine_exposed(transfer_s: float, window_s: float, physics: Physics) ->
     return exposed
 
 
+# the column-parallel GEMMs after a TP all-gather and the row-parallel ones before a reduce-scatter; wq/wk/wv and
+# w1/w3 are the unfused projections of frameworks that keep them as separate linears (ops.py, Runtime.fused_projections)
 TP_OVERLAPPED_GEMMS = {"qkv_proj": "all_gather", "up_gate_proj": "all_gather", "up_proj": "all_gather",
-                       "out_proj": "reduce_scatter", "down_proj": "reduce_scatter"}
+                       "wq": "all_gather", "wk": "all_gather", "wv": "all_gather", "w1": "all_gather",
+                       "w3": "all_gather", "out_proj": "reduce_scatter", "down_proj": "reduce_scatter"}
 
 
-def async_tp_fused(sp: bool, backward: bool, collective: str, column_gemm: str) -> bool:
+def async_tp_fused(sp: bool, backward: bool, collective: str, column_gemms: int) -> bool:
     """Whether PyTorch's micro-pipeline TP pass fuses a TP collective with its GEMM. It matches only all-gather
     -> matmul and matmul -> reduce-scatter where the reduce-scatter's input is one matmul's sole output
     (torch/_inductor/fx_passes/micro_pipeline_tp.py, fuse_matmul_reduce_scatter), so without sequence parallelism
     nothing is fused, and the backward's mirror of the all-gather, the reduce-scatter of the input gradient, is
-    fused only when one linear makes that gradient: torchtitan's models keep Q, K, V and the gated MLP's w1, w3
-    as separate nn.Linear layers (torchtitan/models/llama3/model.py), whose input gradients are summed first."""
+    fused only when one linear makes that gradient (`column_gemms`, the block's column-parallel GEMMs, is 1):
+    torchtitan's models keep Q, K, V and the gated MLP's w1, w3 as separate nn.Linear layers
+    (torchtitan/models/llama3/model.py), whose input gradients are summed first."""
     if not sp:
         return False
-    return not (backward and collective == "tp_all_gather" and column_gemm != "up_proj")
+    return not (backward and collective == "tp_all_gather" and column_gemms != 1)
 
 
-def tp_gemm_chunks(kind: str, gemm: str, tp: int, sp: bool, backward: bool = False) -> int:
+def tp_gemm_chunks(kind: str, gemm: str, tp: int, sp: bool, backward: bool = False, column_gemms: int = 1) -> int:
     """Pieces a GEMM beside a TP collective is cut into to overlap it, each running at a smaller GEMM's efficiency:
     userbuffers splits the all-gather side into tp ring-exchange steps and the reduce-scatter side into 4 pipeline
     chunks (TransformerEngine get_default_config); PyTorch async TP micro-pipelines both over tp shards
@@ -224,6 +235,7 @@ def tp_gemm_chunks(kind: str, gemm: str, tp: int, sp: bool, backward: bool = Fal
     if side is None:
         return 1
     if kind == "async-tp":  # the backward input-gradient GEMM of an unfused reduce-scatter runs whole
-        fused = async_tp_fused(sp, backward, "tp_all_gather" if side == "all_gather" else "tp_reduce_scatter", gemm)
+        fused = async_tp_fused(sp, backward, "tp_all_gather" if side == "all_gather" else "tp_reduce_scatter",
+                               column_gemms)
         return tp if fused else 1
     return tp if side == "all_gather" else 4

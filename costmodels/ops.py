@@ -46,7 +46,7 @@ class Op:
     shape: tuple[float, float, float] | None = None  # GEMM: (m, n, k) of one GEMM ([m,k] x [k,n])
     groups: float = 1.0  # identical GEMMs run as one grouped kernel (local experts); FLOPs and bytes are totals
     keys: float = 0.0  # attention: keys each query attends (the causal tile factor reads it)
-    kernel: str = ""  # attention: the framework's kernel ("fused" FA3 class, "cudnn", "fa2")
+    kernel: str = ""  # attention: the framework's kernel ("fused" FA3 class, "cudnn", "fa2", "sdpa-fa2")
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,10 @@ class Collective:
     # "cp-first-step": hidden behind the first of cp attention steps only (torch CP's K,V all-gather)
     overlappable: Literal["tp", "cp", "cp-first-step", "ep", "none"] = "none"
     dedup_top_k: int = 0  # an EP token dispatch deduplicated per destination node (DeepEP): its copies per token
+    bwd_bytes: float | None = None  # the backward mirror's bytes where they differ (an FP8 TP all-gather's mirror)
+
+    def pass_bytes(self, backward: bool) -> float:
+        return self.bwd_bytes if backward and self.bwd_bytes is not None else self.bytes_
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,9 @@ def gemm(name: str, m: float, n: float, k: float, dtype_scale: float = 1.0, weig
               gemm_dtype_scale=dtype_scale, shape=(m, n, k))
 
 
+SHARED_INPUT_GEMMS = ("wk", "wv", "w3")  # unfused linears whose input an earlier one of the block also reads
+
+
 def fp8_quantize_ops(ops: list[Op], recipe: str) -> list[Op]:
     """The casts an FP8 recipe adds around each FP8 GEMM (TransformerEngine's Linear, docs/features/
     low_precision_training: performance_considerations.rst): its activation input to FP8 in the forward and the
@@ -137,7 +144,12 @@ def fp8_quantize_ops(ops: list[Op], recipe: str) -> list[Op]:
         if op.kind != "gemm" or op.gemm_dtype_scale <= 1 or op.shape is None:
             continue
         m, n, k = op.shape
-        out.append(Op(f"fp8_cast_{op.name}", "memory", 0.0, per * m * k * op.groups, 0.0, per * m * n * op.groups))
+        # unfused linears on one input (wk, wv after wq; w3 after w1) reuse its FP8 copy: torch.compile's graph
+        # CSE merges the identical casts (torch/_functorch/config.py cse), which torchao needs anyway ("required
+        # for competitive performance", torchtitan docs/float8.md); their output gradients are their own
+        shared = op.name.removeprefix("expert_").removeprefix("shared_") in SHARED_INPUT_GEMMS
+        out.append(Op(f"fp8_cast_{op.name}", "memory", 0.0, 0.0 if shared else per * m * k * op.groups, 0.0,
+                      per * m * n * op.groups))
     return out
 
 
@@ -173,7 +185,11 @@ def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
     if model.mla is None:
         d = model.head_size
         kv = model.kv_heads / lay.tp
-        ops.append(gemm("qkv_proj", tokens, (heads + 2 * kv) * d, h, fp8))
+        if rt.fused_projections:
+            ops.append(gemm("qkv_proj", tokens, (heads + 2 * kv) * d, h, fp8))
+        else:  # three linears, each reading the layer's normalised input (torchtitan wq, wk, wv)
+            ops += [gemm("wq", tokens, heads * d, h, fp8), gemm("wk", tokens, kv * d, h, fp8),
+                    gemm("wv", tokens, kv * d, h, fp8)]
         ops.append(elementwise("rope", tokens * (heads + kv) * d, tokens * (heads + kv) * d))
         d_qk = d_v = d
     else:
@@ -212,8 +228,18 @@ def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
     return ops
 
 
-def _mlp_ops(prefix: str, model: ModelSpec, tokens: float, ffn_local: float, fp8: float) -> list[Op]:
+def _mlp_ops(prefix: str, model: ModelSpec, tokens: float, ffn_local: float, fp8: float,
+             fused: bool = True) -> list[Op]:
+    """A (dense, shared or expert) MLP; `fused`: the gated MLP's gate and up projections as one GEMM
+    (Megatron-Core linear_fc1 with gated_linear_unit), else two linears on the same input (torchtitan w1, w3)."""
     h = model.hidden
+    if model.mlp == "swiglu" and not fused:
+        return [
+            gemm(f"{prefix}w1", tokens, ffn_local, h, fp8),
+            gemm(f"{prefix}w3", tokens, ffn_local, h, fp8),
+            elementwise(f"{prefix}swiglu", 2 * tokens * ffn_local, tokens * ffn_local),
+            gemm(f"{prefix}down_proj", tokens, h, ffn_local, fp8),
+        ]
     if model.mlp == "swiglu":
         return [
             gemm(f"{prefix}up_gate_proj", tokens, 2 * ffn_local, h, fp8),
@@ -241,7 +267,7 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> 
     ops += [residual, elementwise("norm2", norm_tokens * h, norm_tokens * h), residual]
     if wl.dtype == "fp8":
         ops += fp8_quantize_ops(ops, wl.fp8_recipe)
-    comms = _tp_pair(model, lay, wl)
+    comms = _tp_pair(model, lay, wl, rt)
     if lay.cp > 1:
         kv_dim = (model.kv_heads * model.head_size) if model.mla is None else model.num_heads * (
             model.mla.qk_head_dim + model.mla.v_head_dim) / 2
@@ -269,16 +295,23 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> 
     return Block("attention", tuple(ops), tuple(comms))
 
 
-def _tp_pair(model: ModelSpec, lay: Layout, wl: Workload) -> list[Collective]:
+def _tp_pair(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> list[Collective]:
     """One TP pair around a column- then row-parallel block: an all-reduce of the [b, s, h] activations forward and
     one backward (Shoeybi et al. 2019, fig. 4); with sequence parallel an all-gather plus a reduce-scatter
-    (Korthikanti et al. 2022, sec. 4.2.2). Attention has one, a dense MLP another; experts use EP/ETP instead."""
+    (Korthikanti et al. 2022, sec. 4.2.2). Attention has one, a dense MLP another; experts use EP/ETP instead.
+    Where the runtime all-gathers FP8 (Runtime.tp_fp8_all_gather) both all-gathers move 1 byte an element: the
+    forward one of the cast input, the backward one (the reduce-scatter's mirror) of the cast output gradient;
+    the reduce-scatters stay 16-bit."""
     if lay.tp == 1:
         return []
-    act_bytes = ACT_BYTES * lay.mbs * wl.seq_len / lay.cp * model.hidden
+    elements = lay.mbs * wl.seq_len / lay.cp * model.hidden
+    act_bytes = ACT_BYTES * elements
     if lay.sp:
-        return [Collective("tp_all_gather", "all_gather", "tp", act_bytes, 1, 1, overlappable="tp"),
-                Collective("tp_reduce_scatter", "reduce_scatter", "tp", act_bytes, 1, 1, overlappable="tp")]
+        fp8_gather = wl.dtype == "fp8" and wl.fp8_recipe in rt.tp_fp8_all_gather
+        gather = elements if fp8_gather else act_bytes
+        return [Collective("tp_all_gather", "all_gather", "tp", gather, 1, 1, overlappable="tp", bwd_bytes=act_bytes),
+                Collective("tp_reduce_scatter", "reduce_scatter", "tp", act_bytes, 1, 1, overlappable="tp",
+                           bwd_bytes=gather)]
     return [Collective("tp_all_reduce", "all_reduce", "tp", act_bytes, 1, 1, overlappable="tp")]
 
 
@@ -288,10 +321,10 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
     h = model.hidden
     tokens = lay.mbs * wl.seq_len / lay.cp
     if not model.is_moe_layer(index):
-        dense = _mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8)
+        dense = _mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8, rt.fused_projections)
         if wl.dtype == "fp8":
             dense += fp8_quantize_ops(dense, wl.fp8_recipe)
-        return Block("mlp", tuple(dense), tuple(_tp_pair(model, lay, wl)))
+        return Block("mlp", tuple(dense), tuple(_tp_pair(model, lay, wl, rt)))
     moe = model.moe
     assert moe is not None
     ops: list[Op] = []
@@ -305,11 +338,12 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
     ops.append(gemm("router", local_tokens, moe.num_experts, h, weight=True))
     ops.append(elementwise("router_topk", local_tokens * moe.num_experts, local_tokens * moe.top_k * 2))
     ops.append(elementwise("permute", assignments * h, assignments * h))
-    for op in _mlp_ops("expert_", model, tokens_per_expert, ffn_local, fp8):
+    for op in _mlp_ops("expert_", model, tokens_per_expert, ffn_local, fp8, rt.fused_projections):
         ops.append(_scale(op, experts_local))
     ops.append(elementwise("unpermute", assignments * h, assignments * h / moe.top_k))
     if moe.num_shared_experts:
-        ops += _mlp_ops("shared_", model, tokens, moe.num_shared_experts * moe.shared_hidden / lay.tp, fp8)
+        ops += _mlp_ops("shared_", model, tokens, moe.num_shared_experts * moe.shared_hidden / lay.tp, fp8,
+                        rt.fused_projections)
     if wl.dtype == "fp8":
         ops += fp8_quantize_ops(ops, wl.fp8_recipe)
     if lay.ep > 1:

@@ -45,6 +45,8 @@ class EfficiencyDefaults(BaseModel):
     # its backward; default 0.86 x forward (FlashAttention-3 on H100 at 16k: ~561 backward / 648 forward TFLOP/s)
     attention_bwd_max: float | None = Field(default=None, gt=0, le=1)
     attention_fa2_max: float | None = Field(default=None, gt=0, le=1)  # FlashAttention-2 kernels; default forward's
+    # FlashAttention-2's backward; default 0.87 x its forward (costmodels.kernels.FA2_BACKWARD_OVER_FORWARD)
+    attention_fa2_bwd_max: float | None = Field(default=None, gt=0, le=1)
     # cuDNN fused attention (TransformerEngine's backend on Hopper+), forward and backward; default the flash ones
     attention_cudnn_max: float | None = Field(default=None, gt=0, le=1)
     attention_cudnn_bwd_max: float | None = Field(default=None, gt=0, le=1)

@@ -59,23 +59,24 @@ def test_async_tp_backward_by_hand():
     """PyTorch's micro-pipeline pass fuses a reduce-scatter only with the one matmul that feeds it: the backward's
     input-gradient reduce-scatter of torchtitan's separate Q/K/V (and w1/w3) linears stays a plain collective."""
     ring = 1 / 8 + CONTENTION_COPY_ENGINE * 7 / 8
-    qkv_bwd = dict(backward=True, collective="tp_all_gather", column_gemm="qkv_proj")
+    qkv_bwd = dict(backward=True, collective="tp_all_gather", column_gemms=3)
     assert tp_exposed_fraction("async-tp", 8, True, ON, **qkv_bwd) == 1.0
     assert tp_exposed_fraction("async-tp", 8, True, ON, backward=True, collective="tp_all_gather",
-                               column_gemm="up_gate_proj") == 1.0
+                               column_gemms=2) == 1.0
     # one linear makes the gradient (a plain MLP's up_proj), or the mirror is an all-gather before a matmul: fused
     assert tp_exposed_fraction("async-tp", 8, True, ON, backward=True, collective="tp_all_gather",
-                               column_gemm="up_proj") == pytest.approx(ring)
+                               column_gemms=1) == pytest.approx(ring)
     assert tp_exposed_fraction("async-tp", 8, True, ON, backward=True, collective="tp_reduce_scatter",
-                               column_gemm="qkv_proj") == pytest.approx(ring)
-    assert tp_exposed_fraction("async-tp", 8, True, ON, collective="tp_all_gather", column_gemm="qkv_proj") == \
+                               column_gemms=3) == pytest.approx(ring)
+    assert tp_exposed_fraction("async-tp", 8, True, ON, collective="tp_all_gather", column_gemms=3) == \
         pytest.approx(ring)  # the forward all-gather feeds Q, K and V: fused with all three
     assert tp_exposed_fraction("async-tp", 8, False, ON) == 1.0  # no all-gather / reduce-scatter to fuse
-    assert not async_tp_fused(False, False, "tp_all_gather", "qkv_proj")
+    assert not async_tp_fused(False, False, "tp_all_gather", 3)
     # the GEMM beside an unfused collective runs whole; beside a fused one in tp pieces
-    assert tp_gemm_chunks("async-tp", "qkv_proj", 8, True, backward=True) == 1
-    assert tp_gemm_chunks("async-tp", "down_proj", 8, True, backward=True) == 8
-    assert tp_gemm_chunks("async-tp", "qkv_proj", 8, True) == 8
+    assert tp_gemm_chunks("async-tp", "wq", 8, True, backward=True, column_gemms=3) == 1
+    assert tp_gemm_chunks("async-tp", "down_proj", 8, True, backward=True, column_gemms=3) == 8
+    assert tp_gemm_chunks("async-tp", "wq", 8, True, column_gemms=3) == 8
+    assert tp_gemm_chunks("async-tp", "qkv_proj", 8, True, backward=True) == 8  # one fused linear: fused
     # switched off (overlap_limits), every collective is overlapped again
     assert tp_exposed_fraction("async-tp", 8, True, Physics(overlap_limits=False), **qkv_bwd) < 1.0
 
@@ -259,13 +260,30 @@ def test_causal_attention_forward_matches_the_fa3_papers_h100_figure(seq, fa3, c
 
 
 def test_megatron_core_attention_is_cudnn_and_torchtitan_fa2():
-    """TransformerEngine gives cuDNN fused attention preference on Hopper+; torch SDPA's default is FA2."""
+    """TransformerEngine gives cuDNN fused attention preference on Hopper+; torch SDPA's default is its FA2 copy."""
     assert get_runtime("megatron-core").attention_kernel == "cudnn"
     assert get_runtime("megatron-core+fa3").attention_kernel == "fused"
-    assert get_runtime("torchtitan").attention_kernel == "fa2"
+    assert get_runtime("torchtitan").attention_kernel == "sdpa-fa2"
     assert get_runtime("torchtitan+cudnn-attention").attention_kernel == "cudnn"
     assert _attention_tflops("cudnn", 16384, True) < _attention_tflops("fused", 16384, True)
     assert _attention_tflops("fa2", 16384) < _attention_tflops("cudnn", 16384)
+    assert _attention_tflops("sdpa-fa2", 16384) < _attention_tflops("fa2", 16384)
+
+
+@pytest.mark.parametrize("kernel,forward,backward", [("fa2", 370.0, 322.0), ("sdpa-fa2", 331.2, 288.2)])
+def test_flash_attention_2_by_hand(kernel, forward, backward):
+    """FlashAttention-2 on H100 at 16K keys, hdim 128, non-causal (FA3 paper Figs. 5-6): 370 forward, 322 backward
+    TFLOP/s; PyTorch SDPA's copy at 329.5 / 368 of it (pytorch/pytorch#142132 against FA2's 4K bar). By hand: the
+    ceiling x the GPU's peak x the FLOP saturation of a 16K x 16K launch of 16 heads (non-causal: keys = 0)."""
+    from costmodels.kernels import FA2_BACKWARD_OVER_FORWARD, SDPA_FLASH_OVER_FA2
+
+    assert FA2_BACKWARD_OVER_FORWARD == pytest.approx(322 / 370)
+    assert SDPA_FLASH_OVER_FA2 == pytest.approx(329.5 / 368)
+    flops = 4.0 * 16384 * 16384 * 128 * 16
+    sat = flops / (flops + EFF.gemm_half_flops)
+    for is_bwd, expected in ((False, forward), (True, backward)):
+        t = op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, is_bwd, kernel=kernel)
+        assert flops / (t - EFF.kernel_overhead_s) / 1e12 == pytest.approx(expected * sat, rel=0.01)
 
 
 # ---- invariants ----------------------------------------------------------------------------------------------------
@@ -420,7 +438,7 @@ def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients(
     assert attn_f, "the attention block has its core"
     # forward: what the first step (1/cp of the attention compute) cannot hide, and the contention on the rest
     fwd_attention = sum(op_time(op.fwd_flops, op.fwd_bytes, op.kind, PEAK16, HBM, EFF, False, keys=op.keys,
-                                kernel="fa2") for op in attn_f)
+                                kernel="sdpa-fa2") for op in attn_f)
     assert core["cp"] == pytest.approx(overlapped_exposed(t_gather, fwd_attention / 8, 0.0, ON), rel=1e-6)
     assert core["cp"] > 0.0
     # the backward carries the second gather and the fp32 gradient ring (its last hop exposed in full)
@@ -429,3 +447,103 @@ def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients(
     ring, ring_passes = results["torchtitan+cp-alltoall"]
     assert set(ring) == {"cp_ring_kv"}
     assert ring_passes.fwd_comm["cp"] < core["cp"]
+
+
+def test_unfused_projections_read_their_input_once_each():
+    """torchtitan keeps Q, K, V and the gated MLP's w1, w3 as separate linears (Runtime.fused_projections): the same
+    FLOPs as Megatron's fused linear_qkv / linear_fc1, but each GEMM reads the layer input again and is narrower.
+    By hand: the unfused block holds wq, wk, wv and w1, w3 with the fused GEMMs' FLOPs split by width, and its
+    forward GEMM time is the sum of the roofline times of its pieces (wk at TP 8 is memory-bound: 98,304 tokens x
+    4096 in, 128 out)."""
+    from costmodels.config import resolve
+    from costmodels.model_io import load_model
+    from costmodels.ops import attention_half, mlp_half
+
+    model = load_model("llama3.1-8b")
+    wl = Workload(global_batch=96, seq_len=8192)
+    lay = resolve(model, 64, wl, ParallelConfig(tp=8, pp=1, cp=1, mbs=12, zero=3, recompute="none"))
+    fused, split = get_runtime("megatron-core"), get_runtime("torchtitan")
+    assert fused.fused_projections and not split.fused_projections
+    assert not get_runtime("meshplan-executor").fused_projections  # executor/model.py: wq, wk, wv, w1, w3
+
+    def gemms(rt):
+        ops = attention_half(model, lay, wl, rt).ops + mlp_half(model, 0, lay, wl, rt).ops
+        return {op.name: op for op in ops if op.kind == "gemm"}
+
+    f, s = gemms(fused), gemms(split)
+    assert set(s) == {"wq", "wk", "wv", "out_proj", "w1", "w3", "down_proj"}
+    assert s["wq"].fwd_flops + s["wk"].fwd_flops + s["wv"].fwd_flops == pytest.approx(f["qkv_proj"].fwd_flops)
+    assert s["w1"].fwd_flops + s["w3"].fwd_flops == pytest.approx(f["up_gate_proj"].fwd_flops)
+    tokens, h = 12 * 8192, 4096
+    assert s["wk"].shape == (tokens, 128, h)  # 8 KV heads of 128 over TP 8: one head per rank
+    # each piece reads the whole input: the three move 2x the input more than the fused GEMM
+    extra = sum(s[n].fwd_bytes for n in ("wq", "wk", "wv")) - f["qkv_proj"].fwd_bytes
+    assert extra == pytest.approx(2 * 2 * tokens * h)
+
+    def t(op):
+        return op_time(op.fwd_flops, op.fwd_bytes, "gemm", PEAK16, HBM, EFF, depth=op.shape[2])
+
+    wk = s["wk"]
+    assert t(wk) == pytest.approx(wk.fwd_bytes / (HBM * EFF.memory_bandwidth) + EFF.kernel_overhead_s, rel=1e-6)
+    assert t(s["wq"]) + t(wk) + t(s["wv"]) > t(f["qkv_proj"])
+    assert t(s["w1"]) + t(s["w3"]) >= t(f["up_gate_proj"])
+
+
+def test_op_sac_all_gathers_the_tp_inputs_again():
+    """torchtitan's op-level SAC saves reduce-scatter outputs but not all-gather ones (parallelize_llama.py
+    _save_list), and the matmuls it re-runs need the gathered input: each TP block's recompute holds its forward
+    all-gather once more (vanilla TP: its whole time), and nothing for the reduce-scatter. By hand from one block
+    priced with and without its collectives."""
+    from costmodels.config import resolve
+    from costmodels.estimate import GroupLinks, PassCache, collective_time
+    from costmodels.model_io import load_model
+    from costmodels.ops import attention_half, mlp_half
+
+    model = load_model("llama3.1-8b")
+    cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=64))
+    wl = Workload(global_batch=96, seq_len=8192)
+    lay = resolve(model, 64, wl, ParallelConfig(tp=8, pp=1, cp=1, mbs=12, zero=3, recompute="selective"))
+    links = GroupLinks(cluster, lay)
+    for name in ("torchtitan", "megatron-core+no-tp-comm-overlap"):
+        rt = get_runtime(name)
+        cache = PassCache(model, cluster, wl, rt, EFF)
+        for block in (attention_half(model, lay, wl, rt), mlp_half(model, 0, lay, wl, rt)):
+            gather = next(c for c in block.comms if c.name == "tp_all_gather")
+            t_gather = collective_time(gather, 8, links["tp"], EFF)
+            with_comms = dict(cache._passes_of(block, lay, links)[1])
+            without = dict(cache._passes_of(dataclasses.replace(block, comms=()), lay, links)[1])
+            if name == "torchtitan":
+                assert with_comms["op-sac"] - without["op-sac"] == pytest.approx(t_gather, rel=1e-9)
+                assert t_gather > 0.0
+            else:  # Megatron's core-attention recompute re-runs no TP collective
+                assert with_comms.get("core_attn", 0.0) == pytest.approx(without.get("core_attn", 0.0))
+
+
+def test_fsdp2_copies_its_gathers_out_and_its_gradients_in_on_the_compute_stream():
+    """PyTorch FSDP2 splits each all-gathered 16-bit layer into its parameters (4 B a parameter: read and write)
+    and concatenates the 16-bit gradients into the fp32 reduce-scatter input (6 B) on the compute stream
+    (_fsdp_collectives.py foreach_all_gather_copy_out, foreach_reduce_scatter_copy_in): a ZeRO-3 layer's forward
+    holds one copy-out, its backward a copy-out and a copy-in, in full, on top of the collectives' exposure. By
+    hand against the same runtime without the copies; ZeRO-1 (no per-layer collectives) holds none."""
+    from costmodels.config import resolve
+    from costmodels.estimate import FSDP_COPY_IN_BYTES, FSDP_COPY_OUT_BYTES, CostContext
+    from costmodels.model_io import load_model
+
+    model = load_model("llama3.1-8b")
+    cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8))
+    wl = Workload(global_batch=16, seq_len=8192)
+    rt = get_runtime("torchtitan+compile")
+    assert rt.fsdp_copies and not get_runtime("megatron-core").fsdp_copies
+    plain = rt.model_copy(update={"fsdp_copies": False})
+    lay = resolve(model, 8, wl, ParallelConfig(tp=1, pp=1, cp=1, mbs=2, zero=3, recompute="none"))
+    with_copies, without = (CostContext(model, cluster, wl, lay, r, EFF) for r in (rt, plain))
+    params = with_copies.layer_params(0).dense
+    assert params == pytest.approx(218.1e6, rel=0.01)  # Llama 3.1 8B: 4096 x (4096 + 2 x 1024 + 4096 + 3 x 14336)
+    per_byte = 1.0 / (H100.hbm_bytes_per_s * EFF.memory_bandwidth)
+    a, b = with_copies.layer_times(0, "none"), without.layer_times(0, "none")
+    assert a.fwd_comm["dp"] - b.fwd_comm["dp"] == pytest.approx(FSDP_COPY_OUT_BYTES * params * per_byte, rel=1e-9)
+    assert a.bwd_comm["dp"] - b.bwd_comm["dp"] == pytest.approx(
+        (FSDP_COPY_OUT_BYTES + FSDP_COPY_IN_BYTES) * params * per_byte, rel=1e-9)
+    lay1 = resolve(model, 8, wl, ParallelConfig(tp=1, pp=1, cp=1, mbs=2, zero=1, recompute="none"))
+    z1 = CostContext(model, cluster, wl, lay1, rt, EFF).layer_times(0, "none")
+    assert "dp" not in z1.fwd_comm and "dp" not in z1.bwd_comm
