@@ -241,8 +241,11 @@ def evaluate_run(run: Run, efficiency: Efficiency | None = None, physics: Physic
     groups = (("set", "second"), ("gpu", run.gpu), ("experts", "moe" if model.moe is not None else "dense"),
               ("precision", run.dtype), ("framework", run.runtime),
               ("sequence", ">= 32K" if run.seq_len >= 32768 else "< 32K"))
-    return Row(run.id, label, run.value, predicted, est.step_time_s, est.mfu, groups, est.fits,
-               max(s.peak_gib for s in est.stages), run.memory_gib)
+    # torchtitan's published memory is rank 0's log line (run_train.sh LOG_RANK=0; the allocator's max_reserved):
+    # the first pipeline stage; other sources state the peak over the job
+    memory = est.stages[0].peak_gib if run.runtime == "torchtitan" else max(s.peak_gib for s in est.stages)
+    return Row(run.id, label, run.value, predicted, est.step_time_s, est.mfu, groups, est.fits, memory,
+               run.memory_gib)
 
 
 def run_cluster(run: Run) -> Cluster:
@@ -271,6 +274,8 @@ def run_runtime(run: Run) -> str:
         options.append("fp8-dispatch")
     if "sharded-grad-accumulation" in f:
         options.append("reduce-each-microbatch")
+    if "sp-regather" in f:
+        options.append("sp-regather")
     options += [opt for feature, opt in kernels.items() if feature in f]
     return "+".join([run.runtime, *options])
 

@@ -175,6 +175,15 @@ class Runtime(BaseModel):
     # F.cross_entropy(pred.float(), labels) (torchtitan components/loss.py), the backward of its log_softmax: the
     # saved fp32 output, its incoming and its outgoing fp32 gradient, 12 bytes
     loss_bytes_per_logit: float = 6.0
+    # the same under TP's vocab-sharded loss where it differs (None: as loss_bytes_per_logit): torch's loss_parallel
+    # runs its own eager log-softmax (torch/distributed/tensor/parallel/loss.py _log_softmax: the fp32 input, the
+    # shifted copy and its exp beside the 16-bit logits, 14 B; _nll_loss_and_log_softmax_backward: the saved fp32
+    # output, a zeros_like gradient, exp(x) and their sum, 16 B)
+    loss_parallel_bytes_per_logit: float | None = None
+    # torch's sequence parallelism (DTensor SequenceParallel + PrepareModuleInput) hands the all-gathered norm
+    # output to the column-parallel linears, which save it whole for their weight gradients; Megatron saves its
+    # shard and gathers it again in the backward (Korthikanti et al. 2022 sec. 4.2.3)
+    sp_saves_gathered_input: bool = False
     zero_stages: tuple[Literal[0, 1, 2, 3], ...] = (0, 1, 2, 3)
     # ZeRO-2/3 gradients (sharded): reduce-scattered layer by layer in every micro-batch's backward
     # ("every-microbatch": Megatron-FSDP, "for grads shard mode there will actually always be gradient sync",
@@ -248,7 +257,8 @@ RUNTIMES: dict[str, Runtime] = {
     "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
                           overlap_param_gather=True, tp_overlap="none", p2p_overlap=True,
                           schedules=("gpipe", "1f1b", "interleaved"), cp_comms=("ring",), zero_stages=(0, 2, 3),
-                          cp_rotate="allgather", loss_bytes_per_logit=12.0,
+                          cp_rotate="allgather", loss_bytes_per_logit=12.0, loss_parallel_bytes_per_logit=16.0,
+                          sp_saves_gathered_input=True,
                           sharded_grad_reduce="pipeline-defers",
                           attention_kernel="sdpa-fa2", selective="op-sac", fused_projections=False,
                           tp_fp8_all_gather=("tensorwise",), fsdp_copies=True,
@@ -259,7 +269,8 @@ RUNTIMES: dict[str, Runtime] = {
     # `verify --calibration` predicts its runs with this preset.
     "meshplan-executor": Runtime(name="meshplan-executor", flash_attention=True, dropout=False,
                                  overlap_grad_reduce=False, overlap_param_gather=False, tp_overlap="none",
-                                 p2p_overlap=False, fused_projections=False, fsdp_copies=True),
+                                 p2p_overlap=False, fused_projections=False, fsdp_copies=True,
+                                 sp_saves_gathered_input=True),
 }
 DEFAULT_RUNTIME = "megatron-core"
 
@@ -282,7 +293,7 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     # build_cross_entropy_loss; reverted once in Dec 2024, PR #755): Inductor fuses the fp32 cast, the log-softmax
     # and its backward, so the loss holds the 16-bit logits it saved and their 16-bit gradient
     "compiled-loss": RuntimeOption("cross-entropy compiled with torch.compile (16-bit logits and gradient held)",
-                                   (("loss_bytes_per_logit", 4.0),)),
+                                   (("loss_bytes_per_logit", 4.0), ("loss_parallel_bytes_per_logit", 4.0))),
     "async-tp": RuntimeOption("TP all-gather / reduce-scatter micro-pipelined with the matmuls (PyTorch async TP)",
                               (("tp_overlap", "async-tp"),)),
     "tp-comm-overlap": RuntimeOption("TransformerEngine userbuffers TP overlap", (("tp_overlap", "userbuffers"),)),
@@ -302,6 +313,9 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
                                             (("sharded_grad_reduce", "every-microbatch"),)),
     "fused-projections": RuntimeOption("Q, K, V and the gated MLP's gate and up projections each one GEMM "
                                        "(Megatron-Core linear_qkv / linear_fc1)", (("fused_projections", True),)),
+    "sp-regather": RuntimeOption("sequence parallelism saving each linear's input shard and gathering it again in "
+                                 "the backward (Megatron's; Korthikanti et al. 2022 sec. 4.2.3)",
+                                 (("sp_saves_gathered_input", False),)),
     "cp-alltoall": RuntimeOption("ring CP rotating K,V one chunk per attention step (torch context_parallel "
                                  "set_rotate_method('alltoall'); torchtitan context_parallel_rotate_method)",
                                  (("cp_rotate", "p2p"),)),

@@ -115,7 +115,10 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
     # Outside the TP region (sharded only by SP): two norm inputs, the inputs of the QKV and first MLP linears (the
     # norms' outputs: dropped under layernorm), two dropout masks: Korthikanti's 10sbh (Eq. 2), /t with SP (Eq. 4).
     norm_out = 0.0 if "layernorm" in drops else 2 * gin
-    outside = (2 * ACT_BYTES + norm_out + 2 * mask) * sbh / sp
+    if rt.sp_saves_gathered_input and lay.sp:  # saved as gathered for the linears (Runtime.sp_saves_gathered_input)
+        outside = (2 * ACT_BYTES + 2 * mask) * sbh / sp + norm_out * sbh
+    else:
+        outside = (2 * ACT_BYTES + norm_out + 2 * mask) * sbh / sp
     if model.mla is None:
         q = model.num_heads * model.head_size
         kv = model.kv_heads * model.head_size
@@ -189,8 +192,12 @@ def _op_sac_bytes(model: ModelSpec, index: int, lay: Layout, wl: Workload) -> fl
 
 def logits_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> float:
     """Last stage: what the loss holds per logit element at its peak (Runtime.loss_bytes_per_logit: Megatron's
-    16-bit logits plus their fp32 copy, Korthikanti sec. 4.3 4sbv/t; torchtitan's eager fp32 cross-entropy)."""
-    return rt.loss_bytes_per_logit * lay.mbs * wl.seq_len / lay.cp * model.vocab / lay.tp
+    16-bit logits plus their fp32 copy, Korthikanti sec. 4.3 4sbv/t; torchtitan's eager fp32 cross-entropy, or
+    under TP torch's loss_parallel, Runtime.loss_parallel_bytes_per_logit)."""
+    per = rt.loss_bytes_per_logit
+    if lay.tp > 1 and rt.loss_parallel_bytes_per_logit is not None:
+        per = rt.loss_parallel_bytes_per_logit
+    return per * lay.mbs * wl.seq_len / lay.cp * model.vocab / lay.tp
 
 
 def mtp_activation_bytes(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> float:

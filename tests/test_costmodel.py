@@ -360,15 +360,41 @@ def test_pass_cache_totals_match_the_composed_passes(name, tp, cp, cp_comm, sp, 
                                      rel=1e-12)
 
 
-@pytest.mark.parametrize("runtime,per_logit", [("megatron-core", 6.0), ("torchtitan", 12.0),
-                                               ("torchtitan+compile+compiled-loss", 4.0)])
-def test_the_loss_holds_its_runtimes_bytes_per_logit(runtime, per_logit):
+@pytest.mark.parametrize("runtime,tp,per_logit", [("megatron-core", 2, 6.0), ("torchtitan", 1, 12.0),
+                                                  ("torchtitan", 2, 16.0),
+                                                  ("torchtitan+compile+compiled-loss", 1, 4.0),
+                                                  ("torchtitan+compile+compiled-loss", 2, 4.0)])
+def test_the_loss_holds_its_runtimes_bytes_per_logit(runtime, tp, per_logit):
     """The last stage's loss memory by hand: tokens x vocab / tp logit elements at the runtime's bytes each
     (Megatron's 16-bit logits + fp32 copy; torchtitan's eager fp32 cross-entropy backward: the saved log_softmax
-    output, its incoming and outgoing gradient; compiled: 16-bit logits and gradient)."""
+    output, its incoming and outgoing gradient; under TP torch's loss_parallel: its saved fp32 output, a zeros_like
+    gradient, exp(x) and their sum; compiled: 16-bit logits and gradient)."""
     from costmodels.model_io import load_model
     model = load_model("llama3.1-8b")
     cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8))
     wl = Workload(global_batch=16, seq_len=8192)
-    est = estimate(model, cluster, wl, ParallelConfig(tp=2, dp=4, mbs=2, zero=3, recompute="full"), runtime=runtime)
-    assert est.stages[0].memory.logits == pytest.approx(per_logit * 2 * 8192 * model.vocab / 2)
+    est = estimate(model, cluster, wl, ParallelConfig(tp=tp, dp=8 // tp, mbs=2, zero=3, recompute="full"),
+                   runtime=runtime)
+    assert est.stages[0].memory.logits == pytest.approx(per_logit * 2 * 8192 * model.vocab / tp)
+
+
+def test_torch_sequence_parallel_saves_the_gathered_linear_inputs():
+    """torch's SP hands the all-gathered norm outputs to the column-parallel linears, which save them whole; Megatron
+    saves the shard and gathers it again (Korthikanti et al. 2022 sec. 4.2.3; +sp-regather). By hand on one
+    Llama 3.1 8B layer at TP 8 without recomputation: two gathered 16-bit [b, s, h] inputs less their shards; the
+    same under op-level SAC, which recomputes the gathers and saves neither."""
+    from costmodels.config import resolve
+    from costmodels.memory import layer_activation_bytes
+    from costmodels.model_io import load_model
+
+    model = load_model("llama3.1-8b")
+    wl = Workload(global_batch=16, seq_len=8192)
+    lay = resolve(model, 64, wl, ParallelConfig(tp=8, dp=8, mbs=2, zero=3, recompute="none"))
+    torch_sp, megatron_sp = get_runtime("torchtitan"), get_runtime("torchtitan+sp-regather")
+    assert torch_sp.sp_saves_gathered_input and not megatron_sp.sp_saves_gathered_input
+    sbh = 2 * 8192 * 4096
+    extra = (layer_activation_bytes(model, 0, lay, wl, torch_sp, "none")
+             - layer_activation_bytes(model, 0, lay, wl, megatron_sp, "none"))
+    assert extra == pytest.approx(2 * 2 * sbh * (1 - 1 / 8))
+    assert (layer_activation_bytes(model, 0, lay, wl, torch_sp, "selective")
+            == layer_activation_bytes(model, 0, lay, wl, megatron_sp, "selective"))  # op-SAC: gathers recomputed
