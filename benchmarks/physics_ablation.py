@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from costmodels.kernels import Physics  # noqa: E402
 from reference_runs import Row, all_rows  # noqa: E402
 
-GROUPS = (("set", "first"), ("set", "second"), ("experts", "moe"), ("precision", "fp8"), ("sequence", ">= 32K"))
+GROUPS = (("set", "first"), ("set", "second"), ("experts", "moe"), ("precision", "fp8"), ("sequence", ">= 32K"),
+          ("framework", "torchtitan"))
 
 
 def scores(rows: list[Row]) -> list[tuple[float, float]]:
@@ -43,14 +44,22 @@ def main() -> int:
     variants = [("all terms on", Physics())]
     variants += [(f"without {f.name}", Physics().without(f.name)) for f in dataclasses.fields(Physics)]
     variants.append(("all terms off", Physics.none()))
+    # framework terms, switched off through runtime options (config.RUNTIME_OPTIONS): torch's separate projection
+    # GEMMs, FSDP2's copies, torchao's FP8 TP all-gathers
+    options = [("fused projections (+fused-projections)", ("fused-projections",)),
+               ("no FSDP2 copies (+no-fsdp-copies)", ("no-fsdp-copies",)),
+               ("16-bit TP all-gathers (+bf16-tp-gather)", ("bf16-tp-gather",))]
     heads = ["all"] + [f"{k} {v}" for k, v in GROUPS]
     if args.markdown:
         print("| physics | " + " | ".join(f"{h} MAPE (mean)" for h in heads) + " |")
         print("| --- |" + " ---: |" * len(heads))
     else:
         print(f"{'physics':28s}" + "".join(f"{h:>22s}" for h in heads))
-    for label, physics in variants:
-        cells = [f"{100 * m:.1f}% ({100 * s:+.1f}%)" for m, s in scores(all_rows(physics=physics))]
+    runs = [(label, physics, ()) for label, physics in variants]
+    runs += [(label, Physics(), opts) for label, opts in options]
+    for label, physics, opts in runs:
+        cells = [f"{100 * m:.1f}% ({100 * s:+.1f}%)"
+                 for m, s in scores(all_rows(physics=physics, runtime_options=opts))]
         print(f"| {label} | " + " | ".join(cells) + " |" if args.markdown
               else f"{label:28s}" + "".join(f"{c:>22s}" for c in cells))
     return 0

@@ -230,13 +230,16 @@ def accounted_flops(run: Run, model: ModelSpec, wl: Workload) -> float:
     raise ValueError(f"{run.id}: flops accounting {acc} is for the first set's GPT runs")
 
 
-def evaluate_run(run: Run, efficiency: Efficiency | None = None, physics: Physics | None = None) -> Row:
-    """Predict one run of the second set in its own metric."""
+def evaluate_run(run: Run, efficiency: Efficiency | None = None, physics: Physics | None = None,
+                 runtime_options: tuple[str, ...] = ()) -> Row:
+    """Predict one run of the second set in its own metric; `runtime_options` appended to its runtime (an
+    ablation: config.RUNTIME_OPTIONS)."""
     model = run_model(run)
     cluster = run_cluster(run)
     efficiency = efficiency or (Efficiency.from_gpu(cluster.gpu, physics) if physics else None)
     wl = run_workload(run)
-    est = estimate(model, cluster, wl, run_config(run, model), runtime=run_runtime(run), efficiency=efficiency)
+    runtime = "+".join([run_runtime(run), *runtime_options])
+    est = estimate(model, cluster, wl, run_config(run, model), runtime=runtime, efficiency=efficiency)
     predicted, label = predicted_metric(run, model, wl, est, cluster)
     groups = (("set", "second"), ("gpu", run.gpu), ("experts", "moe" if model.moe is not None else "dense"),
               ("precision", run.dtype), ("framework", run.runtime),
@@ -315,10 +318,11 @@ def summary(rows: list[Row]) -> list[tuple[str, str, int, float, float]]:
 
 
 def all_rows(yaml_path: Path = DEFAULT_YAML, runs_path: Path = DEFAULT_FILE, first: bool = True,
-             physics: Physics | None = None) -> list[Row]:
-    """Both sets' rows, each run at its GPU's default efficiencies with `physics` (all terms on unless given)."""
+             physics: Physics | None = None, runtime_options: tuple[str, ...] = ()) -> list[Row]:
+    """Both sets' rows, each run at its GPU's default efficiencies with `physics` (all terms on unless given); the
+    second set's with `runtime_options` appended (the first set's 2021-22 runtime has none of these terms)."""
     rows = [evaluate(e, physics=physics) for e in yaml.safe_load(yaml_path.read_text())] if first else []
-    return rows + [evaluate_run(r, physics=physics) for r in load_runs(runs_path)]
+    return rows + [evaluate_run(r, physics=physics, runtime_options=runtime_options) for r in load_runs(runs_path)]
 
 
 def main() -> int:

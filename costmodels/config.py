@@ -313,6 +313,9 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
                                             (("sharded_grad_reduce", "every-microbatch"),)),
     "fused-projections": RuntimeOption("Q, K, V and the gated MLP's gate and up projections each one GEMM "
                                        "(Megatron-Core linear_qkv / linear_fc1)", (("fused_projections", True),)),
+    "no-fsdp-copies": RuntimeOption("ZeRO-3 / FSDP gathering into and reducing from the parameters' own buffers "
+                                    "(no copy-out / copy-in)", (("fsdp_copies", False),)),
+    "bf16-tp-gather": RuntimeOption("TP all-gathers in 16 bits whatever the FP8 recipe", (("tp_fp8_all_gather", ()),)),
     "sp-regather": RuntimeOption("sequence parallelism saving each linear's input shard and gathering it again in "
                                  "the backward (Megatron's; Korthikanti et al. 2022 sec. 4.2.3)",
                                  (("sp_saves_gathered_input", False),)),
