@@ -61,8 +61,12 @@ TE_GEMM_STREAMS = 4
 # performance_considerations.rst, "Handling transposes"): read the 16-bit tensor (2 B) and write its FP8 copy
 # (1 B) plus the transposed (Hopper) or column-wise (Blackwell MXFP8) copy the backward GEMMs read (1 B); current
 # scaling (tensorwise) first reads the tensor once more for its amax (2 B); delayed scaling takes the amax from
-# history (fused); block / row / MX scales are computed in the cast pass.
-QUANT_BYTES_PER_ELEMENT: dict[str, float] = {"delayed": 4.0, "tensorwise": 6.0, "rowwise": 4.0, "blockwise": 4.0,
+# history (fused); block / MX scales are computed in the cast pass. torchao's row-wise recipe casts each operand
+# twice, once scaled along each dim (torchao/float8/float8_linear.py: the forward saves the 16-bit input, the
+# backward casts it and the output gradient again along dim 1; config.py: "vanilla rowwise" scales "across" two
+# dims): a row-scaled copy (read 2 B, write 1 B, the row's amax in the same pass) and a column-scaled one, whose
+# amax is a separate reduction pass over the tensor (read 2 B, read 2 B, write 1 B): 8 B.
+QUANT_BYTES_PER_ELEMENT: dict[str, float] = {"delayed": 4.0, "tensorwise": 6.0, "rowwise": 8.0, "blockwise": 4.0,
                                              "mxfp8": 4.0}
 
 
