@@ -798,7 +798,11 @@ def import_(
     nic_gbps: NicOpt = None,
     nvlink_gbs: NvlinkOpt = None,
     cluster_file: ClusterOpt = None,
-    runtime: RuntimeOpt = DEFAULT_RUNTIME,
+    runtime: Annotated[Optional[str], typer.Option("--runtime", metavar="PRESET[+OPTION...]", rich_help_panel=P_PAR,
+                                                   help=(
+        "Training framework behaviour, as for `plan`. Default: what the configuration implies (torchtitan: "
+        "torchtitan with +compile, +async-tp, +cp-alltoall as its TOML turns them on), else "
+        f"{DEFAULT_RUNTIME}."))] = None,
     calibration: CalibrationOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Write the pinned plan as Plan JSON, to `meshplan show`, `export` or compare with `meshplan plan`."))] = None,
@@ -825,6 +829,7 @@ def import_(
             raise InputError(f"{path}: cannot read the file ({_one_line(exc)})") from None
     named = load_model(model) if model else None
     launch = read_launch(source, text, origin, named.num_layers if named else None)
+    runtime = runtime or launch.runtime or DEFAULT_RUNTIME
     world = launch_world(launch, gpus if cluster_file is None else None)
     per_node = gpus_per_node if gpus_per_node is not None or cluster_file else launch.gpus_per_node
     cluster, eff = _cluster(cluster_file, gpu, None if cluster_file else world, per_node, nic_gbps, nvlink_gbs,

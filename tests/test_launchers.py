@@ -608,3 +608,33 @@ def test_torchtitan_import_reads_the_default_reshard_policy_by_pp(pp, reshard, z
             f'fsdp_reshard_after_forward = "{reshard}"\n' + stages)
     launch, _ = parse_torchtitan_toml(text)
     assert launch.config.zero == zero
+
+
+@pytest.mark.parametrize("runtime", ["torchtitan", "torchtitan+compile", "torchtitan+compile+async-tp",
+                                     "torchtitan+cp-alltoall", "torchtitan+compile+async-tp+cp-alltoall"])
+def test_torchtitan_round_trip_keeps_the_runtime_the_plan_was_priced_with(runtime):
+    """The TOML export writes the runtime's torchtitan switches (training.compile, enable_async_tensor_parallel,
+    context_parallel_rotate_method; async TP compiles) and the import reads them back into the same runtime, so
+    `import` prices the config as `plan` did."""
+    plan = make_plan("llama3.1-8b", "h100-sxm", 16, WL, ParallelConfig(tp=2, cp=4, zero=3), runtime=runtime)
+    launch, _ = parse_torchtitan_toml(toml_text(plan))
+    expected = runtime.replace("torchtitan+async-tp", "torchtitan+compile+async-tp")
+    assert launch.runtime == expected
+
+
+@pytest.mark.parametrize("section,dtype,recipe", [
+    ('[model]\nconverters = ["float8"]\n', "fp8", "tensorwise"),
+    ('[model]\nconverters = ["float8"]\n[float8]\nrecipe_name = "rowwise"\n', "fp8", "rowwise"),
+    ('[float8]\nenable_float8_linear = true\n', "fp8", "tensorwise"),  # torchtitan of Dec 2024
+    ("", "bf16", "tensorwise")])
+def test_torchtitan_import_reads_float8_training(section, dtype, recipe):
+    """model.converters = ["float8"] (or the 2024 float8.enable_float8_linear) is FP8 training with torchao's
+    recipe (float8.recipe_name; unset = tensorwise); a recipe meshplan does not model is refused with its name."""
+    base = '[training]\nlocal_batch_size = 2\nseq_len = 8192\n[parallelism]\ndata_parallel_shard_degree = 8\n'
+    head = '[model]\nname = "llama3"\nflavor = "8B"\n'
+    text = (head + section.removeprefix("[model]\n") if section.startswith("[model]") else head + section) + base
+    launch, _ = parse_torchtitan_toml(text)
+    assert (launch.workload.dtype, launch.workload.fp8_recipe) == (dtype, recipe)
+    bad = head + 'converters = ["float8"]\n[float8]\nrecipe_name = "rowwise_with_gw_hp"\n' + base
+    with pytest.raises(InputError, match="rowwise_with_gw_hp"):
+        parse_torchtitan_toml(bad)

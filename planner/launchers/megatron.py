@@ -277,6 +277,7 @@ class LaunchSpec:
     gpus_per_node: int | None
     model: ModelSpec | None
     model_fields: tuple[Setting, ...]  # the model-shape arguments as given, to check against a named model
+    runtime: str | None = None  # the runtime preset and options the configuration itself implies (torchtitan's)
 
 
 def _parser() -> argparse.ArgumentParser:

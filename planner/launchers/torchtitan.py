@@ -120,6 +120,8 @@ def parallelism_fields(plan: Plan, release: str) -> dict[str, object]:
         if release == "0.2":  # the K,V rotation the plan was priced with (Runtime.cp_rotate)
             rotate = get_runtime(plan.inputs.runtime).cp_rotate
             fields["context_parallel_rotate_method"] = "allgather" if rotate == "allgather" else "alltoall"
+    if release == "0.2" and mesh.tp > 1 and get_runtime(plan.inputs.runtime).tp_overlap == "async-tp":
+        fields["enable_async_tensor_parallel"] = True  # priced with async TP (needs training.compile)
     if plan.inputs.model_spec().moe is not None and mesh.ep > 1:
         etp_one = release == "0.3" or mesh.etp == 1
         if release == "0.3" and mesh.etp != 1:
@@ -175,9 +177,11 @@ def _toml_value(value: object) -> str:
 
 def toml_text(plan: Plan) -> str:
     model = _titan_model(plan.inputs.model_spec())
+    rt_options = plan.inputs.runtime.split("+")[1:]
+    compiled = "compile" in rt_options or get_runtime(plan.inputs.runtime).tp_overlap == "async-tp"  # async TP compiles
     tables = {
         "model": {"name": model.module, "flavor": model.flavor},
-        "training": training_fields(plan),
+        "training": training_fields(plan) | ({"compile": True} if compiled else {}),
         "parallelism": parallelism_fields(plan, "0.2"),
         "activation_checkpoint": {"mode": activation_mode(plan)} | (
             {"selective_ac_option": "op"} if activation_mode(plan) == "selective" else {}),
@@ -291,6 +295,38 @@ def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple
         etp=int(par.get("expert_tensor_parallel_degree", 1)) if model.moe is not None else None, mbs=mbs, zero=zero,
         recompute=mode, sp=tp > 1, schedule=(schedule if pp > 1 else None), stage_layers=stage_layers,
         chunk_layers=chunk_layers)
-    workload = Workload(global_batch=gbs, seq_len=int(train.get("seq_len", 2048)), dtype="bf16")
+    dtype, recipe = _float8(doc, origin)
+    workload = Workload(global_batch=gbs, seq_len=int(train.get("seq_len", 2048)), dtype=dtype, fp8_recipe=recipe)
     return LaunchSpec(config=config, workload=workload, num_gpus=dp * tp * pp * cp, gpus_per_node=None, model=model,
-                      model_fields=()), zoo
+                      model_fields=(), runtime=_runtime(doc, origin)), zoo
+
+
+def _runtime(doc: dict, origin: str) -> str:
+    """The torchtitan runtime with the options the config turns on (torchtitan config_manager.py of 0.1-0.2:
+    training.compile, parallelism.enable_async_tensor_parallel, the CP rotate method under parallelism or, before
+    2025, experimental)."""
+    train, par, exp = doc.get("training", {}), doc.get("parallelism", {}), doc.get("experimental", {})
+    options = []
+    if train.get("compile", False) is True:
+        options.append("compile")
+    if par.get("enable_async_tensor_parallel", False) is True:
+        options.append("async-tp")
+    rotate = par.get("context_parallel_rotate_method", exp.get("context_parallel_rotate_method", "allgather"))
+    if rotate not in ("allgather", "alltoall"):
+        raise InputError(f"{origin}: context_parallel_rotate_method {rotate!r}: torchtitan has allgather and alltoall")
+    if rotate == "alltoall":
+        options.append("cp-alltoall")
+    return "+".join(["torchtitan", *options])
+
+
+def _float8(doc: dict, origin: str) -> tuple[str, str]:
+    """(dtype, FP8 recipe): float8 training when model.converters holds "float8" (or, before 2025, the float8
+    section's enable_float8_linear), with float8.recipe_name (unset: torchao's tensorwise default)."""
+    converters = doc.get("model", {}).get("converters", [])
+    f8 = doc.get("float8", {})
+    if not ("float8" in converters or f8.get("enable_float8_linear", False) is True):
+        return "bf16", "tensorwise"
+    recipe = f8.get("recipe_name") or "tensorwise"
+    if recipe not in ("tensorwise", "rowwise"):
+        raise InputError(f"{origin}: float8 recipe_name {recipe!r}: meshplan models tensorwise and rowwise")
+    return "fp8", recipe
