@@ -1,6 +1,7 @@
 """What each measured kernel effect contributes to the cost model's accuracy: both development sets scored with
 all the physics on, with each term of costmodels.kernels.Physics switched off in turn, and with all of it off
-(the plain roofline at the GPU's GEMM and attention ceilings).
+(the plain roofline at the GPU's GEMM and attention ceilings); then the torch runtimes' framework terms, each switched
+off by appending a runtime option (config.RUNTIME_OPTIONS) to the second set's runtimes.
 
 Usage:  python benchmarks/physics_ablation.py [--markdown]
 
