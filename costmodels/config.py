@@ -252,7 +252,9 @@ RUNTIMES: dict[str, Runtime] = {
     # Kernels (eager, torch <= 2.8): SDPA picks FlashAttention-2 on H100, not cuDNN (pytorch/pytorch#142132:
     # 329 vs 631 TFLOP/s, nightly 2024-12; cuDNN SDPA is opt-in until torch 2.9, #138522 / #162073); nn.RMSNorm
     # 54 % of H100 HBM (0.6 of fused), eager SwiGLU 32 % (0.36), eager cross-entropy like Megatron's unfused one,
-    # 21.3 ms for 8192 x 131,072 (0.40) (Liger-Kernel all_benchmark_data.csv @ ead96b6). `+compile` fuses them.
+    # 21.3 ms for 8192 x 131,072 (0.40) (Liger-Kernel all_benchmark_data.csv @ ead96b6); eager RoPE in fp32 complex
+    # (models/llama3/model.py apply_rotary_emb: .float() 2+4 B, the complex multiply 4+4 B, .type_as 4+2 B an
+    # element against a fused kernel's 2+2 B: 0.2). `+compile` fuses them.
     # Its models keep wq, wk, wv and w1, w3 as separate linears (models/llama3/model.py): fused_projections off.
     "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
                           overlap_param_gather=True, tp_overlap="none", p2p_overlap=True,
@@ -262,7 +264,7 @@ RUNTIMES: dict[str, Runtime] = {
                           sharded_grad_reduce="pipeline-defers",
                           attention_kernel="sdpa-fa2", selective="op-sac", fused_projections=False,
                           tp_fp8_all_gather=("tensorwise",), fsdp_copies=True,
-                          memory_kernels=(("norm", 0.6), ("swiglu", 0.36), ("activation", 0.36), ("rope", 0.36),
+                          memory_kernels=(("norm", 0.6), ("swiglu", 0.36), ("activation", 0.36), ("rope", 0.2),
                                           ("cross_entropy", 0.40))),
     # meshplan's reference executor (executor/plan_run.py): SDPA attention, no dropout, gradients synchronised after
     # the backward, ZeRO-1 parameters broadcast after the step, blocking TP collectives and pipeline send/recv.
