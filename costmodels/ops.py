@@ -307,11 +307,13 @@ def _tp_pair(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> list[C
     elements = lay.mbs * wl.seq_len / lay.cp * model.hidden
     act_bytes = ACT_BYTES * elements
     if lay.sp:
-        fp8_gather = wl.dtype == "fp8" and wl.fp8_recipe in rt.tp_fp8_all_gather
-        gather = elements if fp8_gather else act_bytes
-        return [Collective("tp_all_gather", "all_gather", "tp", gather, 1, 1, overlappable="tp", bwd_bytes=act_bytes),
-                Collective("tp_reduce_scatter", "reduce_scatter", "tp", act_bytes, 1, 1, overlappable="tp",
-                           bwd_bytes=gather)]
+        if wl.dtype == "fp8" and wl.fp8_recipe in rt.tp_fp8_all_gather:  # each mirror at its own bytes
+            return [Collective("tp_all_gather", "all_gather", "tp", elements, 1, 1, overlappable="tp",
+                               bwd_bytes=act_bytes),
+                    Collective("tp_reduce_scatter", "reduce_scatter", "tp", act_bytes, 1, 1, overlappable="tp",
+                               bwd_bytes=elements)]
+        return [Collective("tp_all_gather", "all_gather", "tp", act_bytes, 1, 1, overlappable="tp"),
+                Collective("tp_reduce_scatter", "reduce_scatter", "tp", act_bytes, 1, 1, overlappable="tp")]
     return [Collective("tp_all_reduce", "all_reduce", "tp", act_bytes, 1, 1, overlappable="tp")]
 
 

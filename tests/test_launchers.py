@@ -638,3 +638,16 @@ def test_torchtitan_import_reads_float8_training(section, dtype, recipe):
     bad = head + 'converters = ["float8"]\n[float8]\nrecipe_name = "rowwise_with_gw_hp"\n' + base
     with pytest.raises(InputError, match="rowwise_with_gw_hp"):
         parse_torchtitan_toml(bad)
+
+
+@pytest.mark.parametrize("extra,words", [
+    ('[model]\nconverters = ["float8"]\n[float8]\nrecipe_name = "rowwise_with_gw_hp"\n', ("rowwise_with_gw_hp",)),
+    ('[experimental]\ncontext_parallel_rotate_method = "ring"\n', ("context_parallel_rotate_method", "ring"))])
+def test_torchtitan_import_refuses_what_it_does_not_model_in_one_line(tmp_path, capsys, extra, words):
+    """A float8 recipe or a CP rotate method meshplan does not model: one error line naming it, exit 2."""
+    head = '[model]\nname = "llama3"\nflavor = "8B"\n'
+    body = '[training]\nlocal_batch_size = 2\nseq_len = 8192\n[parallelism]\ndata_parallel_shard_degree = 8\n'
+    text = head + extra.removeprefix("[model]\n") + body if extra.startswith("[model]") else head + body + extra
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    assert_input_error(*run(capsys, "import", str(path), "--from", "torchtitan", "--gpu", "h100-sxm"), *words)
