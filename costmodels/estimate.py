@@ -21,7 +21,7 @@ from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
 from costmodels.realism import RealismCheck
 from costmodels.realism import check as realism_check
 from costmodels.calibrate import interpolate
-from costmodels.kernels import (attention_keys_factor, copy_engine_exposed, QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
+from costmodels.kernels import (attention_keys_factor, copy_engine_exposed, quant_bytes_per_element, TE_GEMM_STREAMS, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
                                 ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks,
                                 FA2_BACKWARD_OVER_FORWARD, SDPA_FLASH_OVER_FA2, TP_OVERLAPPED_GEMMS)
 from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
@@ -64,6 +64,7 @@ class Efficiency:
     gemm_k_half: float = 0.0
     fp8_gemm_max: float = 0.0  # 0: 0.88 x gemm_max
     fp8_block_factor: float = 0.81
+    fp8_any_layout: bool = False  # FP8 GEMMs in any operand layout (Blackwell): no transposed copies of casts
     grouped_gemm_max: float = 0.0  # 0: 0.5 x gemm_max
     fp8_grouped_gemm_max: float = 0.0  # 0: 0.5 x the FP8 ceiling
     attention_bwd_max: float = 0.0  # 0: 0.86 x attention_max
@@ -94,7 +95,8 @@ class Efficiency:
         e = gpu.efficiency
         return cls(e.gemm_max, e.gemm_half_flops, e.attention_max, e.memory_bandwidth, e.kernel_overhead_us * 1e-6,
                    gemm_k_half=e.gemm_k_half, fp8_gemm_max=e.fp8_gemm_max or 0.0,
-                   fp8_block_factor=e.fp8_block_factor, grouped_gemm_max=e.grouped_gemm_max or 0.0,
+                   fp8_block_factor=e.fp8_block_factor, fp8_any_layout=e.fp8_any_layout,
+                   grouped_gemm_max=e.grouped_gemm_max or 0.0,
                    fp8_grouped_gemm_max=e.fp8_grouped_gemm_max or 0.0,
                    attention_bwd_max=e.attention_bwd_max or 0.0, attention_fa2_max=e.attention_fa2_max or 0.0,
                    attention_fa2_bwd_max=e.attention_fa2_bwd_max or 0.0,
@@ -349,7 +351,8 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
                 e *= eff.attention_max
         else:
             if fp8 and ph.fp8:
-                ceiling = fp8_kernel_ceiling(eff.gemm_max, eff.fp8_gemm_max, fp8, eff.fp8_block_factor)
+                ceiling = fp8_kernel_ceiling(eff.gemm_max, eff.fp8_gemm_max, fp8, eff.fp8_block_factor,
+                                             eff.fp8_any_layout)
                 if grouped:
                     ceiling *= eff.fp8_grouped_gemm_max / eff.fp8_gemm_max
                 # an FP8 kernel keeps no larger a share of its peak than the BF16 one of its kind (TE's measured
@@ -511,11 +514,11 @@ class PassCache:
     def layer(self, i: int, lay, links) -> tuple[PassTimes, float]:
         """A decoder layer's passes without recomputation and its selective part: the attention half plus the MLP
         (or MoE) half (ops.decoder_layer)."""
-        model, wl, rt = self.model, self.wl, self.rt
+        model, wl, rt, any_layout = self.model, self.wl, self.rt, self.eff.fp8_any_layout
         kind = model.is_moe_layer(i)
-        attn_key, attn_build = self._key("attention", lay, links), lambda: attention_half(model, lay, wl, rt)
+        attn_key, attn_build = self._key("attention", lay, links), lambda: attention_half(model, lay, wl, rt, any_layout)
         mlp_name = "moe" if kind else "mlp"
-        mlp_key, mlp_build = self._key(mlp_name, lay, links), lambda: mlp_half(model, i, lay, wl, rt)
+        mlp_key, mlp_build = self._key(mlp_name, lay, links), lambda: mlp_half(model, i, lay, wl, rt, any_layout)
         key = ("layer", attn_key, mlp_key)
         found = self.store.get(key)
         if found is None:
@@ -596,10 +599,11 @@ class PassCache:
             base, selective = self.layer(i, lay, links)
             again = base.forward if mode == "full" else selective if mode == "selective" else 0.0
             return base.forward, base.backward_input + base.bwd_weight_compute + again
-        attn = self._totals(self._key("attention", lay, links), lambda: attention_half(model, lay, self.wl, self.rt),
-                            lay, links)
+        any_layout = self.eff.fp8_any_layout
+        attn = self._totals(self._key("attention", lay, links),
+                            lambda: attention_half(model, lay, self.wl, self.rt, any_layout), lay, links)
         mlp = self._totals(self._key("moe" if model.is_moe_layer(i) else "mlp", lay, links),
-                           lambda: mlp_half(model, i, lay, self.wl, self.rt), lay, links)
+                           lambda: mlp_half(model, i, lay, self.wl, self.rt, any_layout), lay, links)
         forward = attn[0] + mlp[0]
         selective = self._selective_s(attn[2], lay) + self._selective_s(mlp[2], lay) if mode == "selective" else 0.0
         again = forward if mode == "full" else selective  # as _with_recompute
@@ -1163,7 +1167,8 @@ def fp8_weight_cast_s(ctx: CostContext, params: StageParams, first: bool, last: 
         return 0.0
     edge = stage_params(ctx.model, ctx.lay, range(0), first, last)
     weights = max(0.0, params.dense - edge.dense) + params.expert
-    return weights * QUANT_BYTES_PER_ELEMENT[ctx.wl.fp8_recipe] / (ctx.hbm * ctx.eff.memory_bandwidth)
+    per_element = quant_bytes_per_element(ctx.wl.fp8_recipe, ctx.eff.fp8_any_layout)
+    return weights * per_element / (ctx.hbm * ctx.eff.memory_bandwidth)
 
 
 def _layer_mix(model: ModelSpec, layers: range, modes: tuple[str, ...]) -> dict[tuple[int, str], int]:

@@ -57,25 +57,54 @@ CONTENTION_COPY_ENGINE = 0.13
 # use_transformer_engine_op_fuser, which turns it on (megatron/core/transformer/transformer_config.py).
 TE_GEMM_STREAMS = 4
 
-# FP8 quantisation traffic per element of a GEMM operand (TransformerEngine docs, low_precision_training
-# performance_considerations.rst, "Handling transposes"): read the 16-bit tensor (2 B) and write its FP8 copy
-# (1 B) plus the transposed (Hopper) or column-wise (Blackwell MXFP8) copy the backward GEMMs read (1 B); current
+# FP8 quantisation traffic per element of a GEMM operand on GPUs whose FP8 GEMMs take only the TN layout (Hopper)
+# (TransformerEngine docs, low_precision_training performance_considerations.rst, "Handling transposes"): read the
+# 16-bit tensor (2 B) and write its FP8 copy (1 B) plus the transposed copy the backward GEMMs read (1 B); current
 # scaling (tensorwise) first reads the tensor once more for its amax (2 B); delayed scaling takes the amax from
-# history (fused); block / MX scales are computed in the cast pass. torchao's row-wise recipe casts each operand
-# twice, once scaled along each dim (torchao/float8/float8_linear.py: the forward saves the 16-bit input, the
-# backward casts it and the output gradient again along dim 1; config.py: "vanilla rowwise" scales "across" two
-# dims): a row-scaled copy (read 2 B, write 1 B, the row's amax in the same pass) and a column-scaled one, whose
-# amax is a separate reduction pass over the tensor (read 2 B, read 2 B, write 1 B): 8 B.
+# history (fused); block scales are computed in the cast pass. Checked against TE's own autocast-minus-kernel GEMM
+# times (docs/examples/gemm_profiling, 5B layer, H200 NVL: 3.8 B delayed, 6.1 B current at the memory roof used
+# here; tests/test_kernels.py). torchao's row-wise recipe casts each operand twice, once scaled along each dim
+# (torchao/float8/float8_linear.py: the forward saves the 16-bit input, the backward casts it and the output
+# gradient again along dim 1; config.py: "vanilla rowwise" scales "across" two dims): a row-scaled copy (read 2 B,
+# write 1 B, the row's amax in the same pass) and a column-scaled one, whose amax is a separate reduction pass over
+# the tensor (read 2 B, read 2 B, write 1 B): 8 B.
 QUANT_BYTES_PER_ELEMENT: dict[str, float] = {"delayed": 4.0, "tensorwise": 6.0, "rowwise": 8.0, "blockwise": 4.0,
-                                             "mxfp8": 4.0}
+                                             "mxfp8": 4.75}
+# The same on GPUs whose FP8 GEMMs take any operand layout (Blackwell: TE nvte_is_non_tn_fp8_gemm_supported, sm
+# 10.x and >= 13.0; pytorch/csrc/quantizer.cpp writes a per-tensor transpose only where it is false): delayed
+# scaling reads 2 B and writes 1 B (3 B; TE measures 2.6 on B300). Measured by TE's gemm_profiling tutorial on B300
+# (autocast minus pre-quantised per-layer GEMM times of a 5B layer, over its 2.48e9 cast elements, at this GPU's
+# memory roof): current scaling 6.1 B although it writes no transpose (its amax and cast passes run below the
+# streaming roof: kept at 6), MXFP8 4.75 B (rowwise and columnwise copies each with 1x32 E8M0 scales, 4.06 B
+# moved, below the roof); blockwise is emulated through MXFP8 there (TE gemm_profiling note).
+QUANT_BYTES_ANY_LAYOUT: dict[str, float] = {"delayed": 3.0, "tensorwise": 6.0, "rowwise": 8.0, "blockwise": 4.75,
+                                            "mxfp8": 4.75}
+# MXFP8 GEMM kernels against per-tensor FP8 kernels on Blackwell: TE gemm_profiling, B300, pre-quantised 5B layer,
+# 6.812 ms (FP8 current scaling) against 7.161 ms (MXFP8) of GEMM kernels per layer (1.92x and 1.83x BF16)
+MXFP8_OVER_PER_TENSOR = 6.812 / 7.161
+
+
+def quant_bytes_per_element(recipe: str, any_layout: bool) -> float:
+    """HBM traffic of casting one element of a GEMM operand to FP8 under `recipe` (TN-only GPUs keep a transpose)."""
+    return (QUANT_BYTES_ANY_LAYOUT if any_layout else QUANT_BYTES_PER_ELEMENT)[recipe]
+
+
+# Inner dimension beyond which a GEMM gains nothing more: OpenXLA's table reaches K = 4096, and TransformerEngine's
+# own per-pass times of a 5B layer (docs/examples/gemm_profiling, 15,872 tokens) show the backward GEMMs, whose inner
+# dimension is 12,288-16,384 (dgrad) or 15,872 (wgrad), no faster than the forward's at K = 4096 (BF16, B300 4.20 /
+# 4.29 / 4.27 ms, H200 NVL 10.65 / 10.81 / 10.55 ms for forward / dgrad / wgrad)
+K_DEPTH_PLATEAU = 4096.0
 
 
 def k_depth_factor(k: float, k_half: float) -> float:
     """A GEMM's efficiency over its inner (reduction) dimension: the tile pipeline's prologue and epilogue are paid
     per output tile whatever k is, so efficiency ramps as k / (k + k_half) (fitted form of OpenXLA's measured H100
     table, xla/service/gpu/model/matmul_interpolator_data.h: (4096, 4096, K) at K = 256 / 512 / 4096 runs at 40 /
-    55 / 79 % of peak, i.e. k_half ~ 230)."""
-    return k / (k + k_half) if k_half > 0 and k > 0 else 1.0
+    55 / 79 % of peak, i.e. k_half ~ 230), up to K_DEPTH_PLATEAU and flat beyond it."""
+    if k_half <= 0 or k <= 0:
+        return 1.0
+    k = min(k, K_DEPTH_PLATEAU)
+    return k / (k + k_half)
 
 
 def causal_tile_factor(s_k: float, s0: float) -> float:
@@ -124,10 +153,13 @@ def attention_keys_factor(keys: float, kernel: str, backward: bool) -> float:
     return min(1.0, attention_keys_ramp(keys, kernel, True) / attention_keys_ramp(keys, kernel, False))
 
 
-def fp8_kernel_ceiling(gemm_max: float, fp8_gemm_max: float, recipe: str, block_factor: float) -> float:
-    """Fraction of the FP8 peak an FP8 GEMM kernel reaches: the GPU's tensorwise/delayed ceiling; block-, row- or
-    MX-scaled kernels on Hopper run at `block_factor` of it (scales applied inside the main loop), MXFP8 is the
-    Blackwell-native format whose ceiling the GPU file gives directly."""
+def fp8_kernel_ceiling(gemm_max: float, fp8_gemm_max: float, recipe: str, block_factor: float,
+                       any_layout: bool = False) -> float:
+    """Fraction of the FP8 peak an FP8 GEMM kernel reaches: the GPU's per-tensor (tensorwise / delayed) ceiling;
+    block- or row-scaled kernels on Hopper run at `block_factor` of it (scales applied inside the main loop);
+    MXFP8 (Blackwell's block format, which also carries blockwise there) at MXFP8_OVER_PER_TENSOR of it."""
+    if recipe == "mxfp8" or (recipe == "blockwise" and any_layout):
+        return fp8_gemm_max * MXFP8_OVER_PER_TENSOR
     if recipe in ("blockwise", "rowwise"):
         return fp8_gemm_max * block_factor
     return fp8_gemm_max

@@ -131,14 +131,15 @@ def gemm(name: str, m: float, n: float, k: float, dtype_scale: float = 1.0, weig
 SHARED_INPUT_GEMMS = ("wk", "wv", "w3")  # unfused linears whose input an earlier one of the block also reads
 
 
-def fp8_quantize_ops(ops: list[Op], recipe: str) -> list[Op]:
+def fp8_quantize_ops(ops: list[Op], recipe: str, any_layout: bool = False) -> list[Op]:
     """The casts an FP8 recipe adds around each FP8 GEMM (TransformerEngine's Linear, docs/features/
     low_precision_training: performance_considerations.rst): its activation input to FP8 in the forward and the
     output gradient in the backward, each with the transposed / column-wise copy the other backward GEMM reads
-    (kernels.QUANT_BYTES_PER_ELEMENT per element). Weights are cast once per step (estimate.fp8_weight_cast_s)."""
-    from costmodels.kernels import QUANT_BYTES_PER_ELEMENT
+    (kernels.quant_bytes_per_element: none on GPUs whose FP8 GEMMs take `any_layout`). Weights are cast once per
+    step (estimate.fp8_weight_cast_s)."""
+    from costmodels.kernels import quant_bytes_per_element
 
-    per = QUANT_BYTES_PER_ELEMENT[recipe]
+    per = quant_bytes_per_element(recipe, any_layout)
     out = []
     for op in ops:
         if op.kind != "gemm" or op.gemm_dtype_scale <= 1 or op.shape is None:
@@ -254,9 +255,10 @@ def _mlp_ops(prefix: str, model: ModelSpec, tokens: float, ffn_local: float, fp8
     ]
 
 
-def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> Block:
+def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8_any_layout: bool = False) -> Block:
     """A decoder layer's norms, attention and residual adds, with the attention's TP pair and the CP exchange: the
-    part every decoder layer shares, dense or MoE (the cost model caches it apart from the MLP half)."""
+    part every decoder layer shares, dense or MoE (the cost model caches it apart from the MLP half).
+    `fp8_any_layout`: the GPU's FP8 GEMMs take any operand layout (its casts write no transposes)."""
     fp8 = 2.0 if wl.dtype == "fp8" else 1.0
     h = model.hidden
     tokens = lay.mbs * wl.seq_len / lay.cp
@@ -266,7 +268,7 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> 
     ops += _attention_ops(model, lay, wl, rt, fp8)
     ops += [residual, elementwise("norm2", norm_tokens * h, norm_tokens * h), residual]
     if wl.dtype == "fp8":
-        ops += fp8_quantize_ops(ops, wl.fp8_recipe)
+        ops += fp8_quantize_ops(ops, wl.fp8_recipe, fp8_any_layout)
     comms = _tp_pair(model, lay, wl, rt)
     if lay.cp > 1:
         kv_dim = (model.kv_heads * model.head_size) if model.mla is None else model.num_heads * (
@@ -317,7 +319,8 @@ def _tp_pair(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> list[C
     return [Collective("tp_all_reduce", "all_reduce", "tp", act_bytes, 1, 1, overlappable="tp")]
 
 
-def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtime) -> Block:
+def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtime,
+             fp8_any_layout: bool = False) -> Block:
     """A decoder layer's MLP: dense (with its TP pair), or MoE (router, experts, EP/ETP communication)."""
     fp8 = 2.0 if wl.dtype == "fp8" else 1.0
     h = model.hidden
@@ -325,7 +328,7 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
     if not model.is_moe_layer(index):
         dense = _mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8, rt.fused_projections)
         if wl.dtype == "fp8":
-            dense += fp8_quantize_ops(dense, wl.fp8_recipe)
+            dense += fp8_quantize_ops(dense, wl.fp8_recipe, fp8_any_layout)
         return Block("mlp", tuple(dense), tuple(_tp_pair(model, lay, wl, rt)))
     moe = model.moe
     assert moe is not None
@@ -347,7 +350,7 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
         ops += _mlp_ops("shared_", model, tokens, moe.num_shared_experts * moe.shared_hidden / lay.tp, fp8,
                         rt.fused_projections)
     if wl.dtype == "fp8":
-        ops += fp8_quantize_ops(ops, wl.fp8_recipe)
+        ops += fp8_quantize_ops(ops, wl.fp8_recipe, fp8_any_layout)
     if lay.ep > 1:
         # Dispatch and combine: each rank sends its token copies to the experts' owners (GShard, Lepikhin 2020).
         # each pass: one all-to-all at the dispatch's element bytes, one (a combine) in BF16, counted as 2 of the mean

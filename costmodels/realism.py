@@ -15,7 +15,7 @@ from dataclasses import dataclass
 FAMILIES: dict[str, str] = {
     "a100-40gb": "A100", "a100-80gb": "A100",
     "h100-sxm": "H100/H200", "h100-pcie": "H100/H200", "h100-nvl": "H100/H200", "h100-hbm2e-96gb": "H100/H200",
-    "h200": "H100/H200", "h800": "H100/H200",
+    "h200": "H100/H200", "h200-nvl": "H100/H200", "h800": "H100/H200",
     "b200": "B200/B300", "b300": "B200/B300",
     "gb200": "GB200/GB300", "gb300": "GB200/GB300",
 }

@@ -33,10 +33,13 @@ class EfficiencyDefaults(BaseModel):
     gemm_max: float = Field(default=0.75, gt=0, le=1)  # best GEMM efficiency at large training shapes (BF16)
     gemm_half_flops: float = Field(default=2.0e9, gt=0)  # GEMM FLOPs at which efficiency is half of gemm_max
     gemm_k_half: float = Field(default=0.0, ge=0)  # inner dimension at which the k-depth ramp halves it (0: none)
-    # FP8 GEMM kernel ceiling as a fraction of the FP8 peak (tensorwise / delayed; MXFP8 on Blackwell); default:
+    # FP8 GEMM kernel ceiling as a fraction of the FP8 peak (per-tensor scaling: tensorwise / delayed); default:
     # 0.88 x gemm_max, the H100 best-shape FP8/BF16 ratio (70.9 % / 80.3 %, stas00/ml-engineering MAMF tables)
     fp8_gemm_max: float | None = Field(default=None, gt=0, le=1)
     fp8_block_factor: float = Field(default=0.81, gt=0, le=1)  # block / row-scaled FP8 kernels vs tensorwise
+    # FP8 GEMMs in any operand layout (Blackwell; TransformerEngine nvte_is_non_tn_fp8_gemm_supported: sm 10.x and
+    # >= 13.0): per-tensor FP8 casts write no transposed copy (costmodels.kernels.QUANT_BYTES_ANY_LAYOUT)
+    fp8_any_layout: bool = False
     # grouped expert GEMMs (BF16); default 0.5 x gemm_max, the conservative end of measured MoE kernels (torch
     # _grouped_mm / Triton fused MoE at 24-50 % of H100 peak: ByteDance-Seed/VeOmni PR #460)
     grouped_gemm_max: float | None = Field(default=None, gt=0, le=1)
