@@ -657,6 +657,8 @@ class PassCache:
             fp8 = op.kind == "gemm" and op.gemm_dtype_scale > 1
             if op.name.startswith("fp8_cast") and not eff.physics.fp8:
                 continue
+            if op.name == "cp_merge" and not eff.physics.cp_steps:  # the ring's per-step merges go with its steps
+                continue
             peak = self.peak_fp8 if fp8 else self.peak16
             measured = eff.memory_op_time(op.name, op.fwd_bytes) if op.kind == "memory" else None
             if measured is not None:  # calibrated: this operator class's measured rate (forward, backward)
@@ -1145,6 +1147,8 @@ def op_sac_recomputed(op: Op, model: ModelSpec) -> float:
     every memory-bound operator; of the matmuls every second one in forward order: the k projection (wk, or its
     share of a fused qkv), the output projection, the SwiGLU up half (w3) or the GeLU down projection; the
     attention kernel's output is saved."""
+    if op.name == "cp_merge":  # inside the saved SDPA op (torch context_parallel dispatches it whole)
+        return 0.0
     if op.kind == "memory":
         return 1.0
     if op.kind == "attention":

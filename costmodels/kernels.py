@@ -27,7 +27,7 @@ class Physics:
     memory_kernels: bool = True  # elementwise kernels at the framework's achieved bandwidth, cross-entropy passes
     contention: bool = True  # communication overlapped with compute slows the compute (SMs, HBM)
     overlap_limits: bool = True  # what overlap cannot hide: the last DP bucket, the first/last ring step, splits
-    cp_steps: bool = True  # ring CP exposure per step instead of in aggregate
+    cp_steps: bool = True  # ring CP exposure per step instead of in aggregate, and the steps' output merges
     attention_keys: bool = True  # flash attention's rate ramps with the keys per launch (short sequences, CP chunks)
 
     @classmethod

@@ -266,6 +266,8 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
     residual = elementwise("dropout_add" if wl.uses_dropout(rt) else "residual_add", 2 * norm_tokens * h, norm_tokens * h)
     ops: list[Op] = [elementwise("norm1", norm_tokens * h, norm_tokens * h)]
     ops += _attention_ops(model, lay, wl, rt, fp8)
+    if lay.cp > 1 and lay.cp_comm == "ring":
+        ops.append(cp_merge(model, lay, wl, rt))
     ops += [residual, elementwise("norm2", norm_tokens * h, norm_tokens * h), residual]
     if wl.dtype == "fp8":
         ops += fp8_quantize_ops(ops, wl.fp8_recipe, fp8_any_layout)
@@ -295,6 +297,25 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
             comms.append(Collective("cp_a2a_qkv", "all_to_all", "cp", qkv_bytes, 1, 1))
             comms.append(Collective("cp_a2a_out", "all_to_all", "cp", out_bytes, 1, 1))
     return Block("attention", tuple(ops), tuple(comms))
+
+
+def cp_merge(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> Op:
+    """Ring CP computes each step's partial output and log-sum-exp and merges them; the backward accumulates each
+    step's query and key/value gradients. Megatron-Core (TransformerEngine context_parallel.py,
+    flash_attn_fwd_out_correction, dq.add_ / dkv.add_): in the 16-bit dtype, the first step copies (read 2 B, write
+    2 B an element), each later one adds (read the step's 2 B, read and write the sum's 4 B), on the last CP rank,
+    whose every step covers its whole chunk. torch context_parallel (_templated_ring_attention, convert_to_f32):
+    the sum in fp32 (10 B an element a step). Per-token log-sum-exp traffic (1/head_dim of it) left out. Part of the
+    attention core: selective recompute (core_attn) re-runs it; op-level SAC saves the SDPA op's merged output."""
+    tokens = lay.mbs * wl.seq_len / lay.cp
+    heads = model.num_heads / lay.tp
+    d_qk = model.head_size if model.mla is None else model.mla.qk_head_dim
+    d_v = model.head_size if model.mla is None else model.mla.v_head_dim
+    kv_heads = (model.kv_heads if model.mla is None else model.num_heads) / lay.tp
+    out, q, kv = tokens * heads * d_v, tokens * heads * d_qk, tokens * kv_heads * (d_qk + d_v)
+    steps = lay.cp - 1
+    per = (4.0 + 10.0 * steps) if rt.cp_rotate == "allgather" else (2 * ACT_BYTES + 3 * ACT_BYTES * steps)
+    return Op("cp_merge", "memory", 0.0, per * out, 0.0, per * (q + kv), selective=True)
 
 
 def _tp_pair(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> list[Collective]:

@@ -454,6 +454,32 @@ def test_fp8_activations_are_saved_in_fp8():
     assert math.isclose(fp8.stages[0].memory.weights, bf16.stages[0].memory.weights)
 
 
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_ring_cp_merges_partial_outputs_by_hand(cp):
+    """Each ring step's partial output is merged into the running one and each step's gradients added up:
+    TransformerEngine in 16 bits (the first step 4 B an element, each later one 6 B), torch context_parallel in
+    fp32 (4 B, then 10 B); forward over the output, backward over the query and key/value gradients; none for
+    all-to-all CP, and one step per CP rank, so more ranks merge more."""
+    from costmodels.config import resolve
+    from costmodels.model_io import load_model
+    from costmodels.ops import attention_half
+
+    model = load_model("llama3.1-8b")
+    wl = Workload(global_batch=8, seq_len=32768)
+    tp = 2
+    lay = resolve(model, cp * tp, wl, ParallelConfig(tp=tp, cp=cp, pp=1, mbs=1, zero=1, recompute="none"))
+    tokens, heads, kv_heads, d = 32768 / cp, 32 / tp, 8 / tp, 128
+    out, grads = tokens * heads * d, tokens * heads * d + tokens * kv_heads * 2 * d
+    for runtime, first, later in (("megatron-core", 4.0, 6.0), ("torchtitan", 4.0, 10.0)):
+        (merge,) = [op for op in attention_half(model, lay, wl, get_runtime(runtime)).ops if op.name == "cp_merge"]
+        per = first + later * (cp - 1)
+        assert merge.kind == "memory" and merge.selective
+        assert merge.fwd_bytes == pytest.approx(per * out) and merge.bwd_input_bytes == pytest.approx(per * grads)
+    a2a = resolve(model, cp * tp, wl, ParallelConfig(tp=tp, cp=cp, cp_comm="a2a", pp=1, mbs=1, zero=1,
+                                                     recompute="none"))
+    assert not [op for op in attention_half(model, a2a, wl, get_runtime("megatron-core")).ops if op.name == "cp_merge"]
+
+
 def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients():
     """torch context_parallel's default rotate method (torchtitan): one K,V all-gather per pass, hidden behind the
     first of cp attention steps; the backward gathers again and passes the K,V gradients round in fp32, one hop per
