@@ -156,7 +156,7 @@ ScheduleOpt = Annotated[Optional[Literal["1f1b", "interleaved", "gpipe", "zb"]],
     help="Pipeline schedule (zb = zero-bubble ZB-H1; interleaved needs --vpp > 1).")]
 OrderOpt = Annotated[Optional[RankOrder], typer.Option("--order", rich_help_panel=P_PAR, help=(
     "rank order of the dimensions, innermost first: tp-cp-dp-pp (Megatron default) or tp-cp-pp-dp "
-    "(--use-tp-pp-dp-mapping; needs cp=1, ep=1); plan: pins it"))]
+    "(--use-tp-pp-dp-mapping; needs ep=1); plan: pins it"))]
 RecomputeModulesOpt = Annotated[Optional[str], typer.Option(
     "--recompute-modules", metavar="MODULE[,MODULE...]", rich_help_panel=P_PAR, help=(
         "What selective recomputation re-runs (Megatron-Core --recompute-modules): core_attn (default), layernorm, "

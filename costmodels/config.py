@@ -26,7 +26,7 @@ DEFAULT_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn",)
 RankOrder = Literal["tp-cp-dp-pp", "tp-cp-pp-dp"]
 RANK_ORDERS: tuple[str, ...] = get_args(RankOrder)
 DEFAULT_RANK_ORDER = "tp-cp-dp-pp"  # Megatron-LM's default "tp-cp-ep-dp-pp"
-PP_INSIDE_DP = "tp-cp-pp-dp"  # Megatron-LM --use-tp-pp-dp-mapping ("tp-pp-dp"): no CP, no EP
+PP_INSIDE_DP = "tp-cp-pp-dp"  # Megatron-LM --use-tp-pp-dp-mapping (order "tp-cp-ep-pp-dp", training/initialize.py); ep = 1
 
 
 class Workload(BaseModel):
@@ -414,10 +414,9 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     tp, pp, cp, vpp = cfg.tp, cfg.pp, cfg.cp, cfg.vpp
     if num_gpus % (tp * pp * cp):
         raise InputError(f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide {num_gpus} GPUs")
-    if cfg.rank_order == PP_INSIDE_DP and (cp > 1 or cfg.ep > 1):
-        got = ", ".join(f"{k}={v}" for k, v in (("cp", cp), ("ep", cfg.ep)) if v > 1)
-        raise InputError(f"rank order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs cp = 1 and ep = 1; "
-                         f"got {got}")
+    if cfg.rank_order == PP_INSIDE_DP and cfg.ep > 1:
+        raise InputError(f"rank order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs ep = 1; got ep={cfg.ep}; "
+                         f"use --order tp-cp-dp-pp for expert parallelism")
     dp = cfg.dp if cfg.dp is not None else num_gpus // (tp * pp * cp)
     if tp * pp * cp * dp != num_gpus:
         raise InputError(

@@ -128,9 +128,8 @@ class Mesh(_Frozen):
         order = "-".join(self.rank_order)
         if order not in RANK_ORDERS:
             raise ValueError(f"rank_order must be {' or '.join(RANK_ORDERS)} (innermost first), got {order}")
-        if order == PP_INSIDE_DP and (self.cp > 1 or self.ep > 1):
-            raise ValueError(f"rank_order {order} (Megatron --use-tp-pp-dp-mapping) needs cp = 1 and ep = 1; "
-                             f"got cp={self.cp}, ep={self.ep}")
+        if order == PP_INSIDE_DP and self.ep > 1:
+            raise ValueError(f"rank_order {order} (Megatron --use-tp-pp-dp-mapping) needs ep = 1; got ep={self.ep}")
         if self.tp * self.cp * self.pp * self.dp != self.world_size:
             product = self.tp * self.cp * self.pp * self.dp
             raise ValueError(f"tp*cp*pp*dp = {product} but world_size is {self.world_size}")

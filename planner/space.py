@@ -238,8 +238,8 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                     if moe is not None and (tp * cp * dp) % (ep * etp):
                         reject("etp*ep does not divide tp*cp*dp (MoE parallel folding)", len(mbs_domain) * per_mbs)
                         continue
-                    if order == PP_INSIDE_DP and (cp > 1 or ep > 1):
-                        reject(f"rank order {PP_INSIDE_DP} needs cp = 1 and ep = 1", len(mbs_domain) * per_mbs)
+                    if order == PP_INSIDE_DP and ep > 1:
+                        reject(f"rank order {PP_INSIDE_DP} needs ep = 1", len(mbs_domain) * per_mbs)
                         continue
                     mesh = Mesh(tp, cp, pp, dp, ep, etp, order)
                     for mbs in mbs_domain:
@@ -265,7 +265,7 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
         "mbs": f"divisors of the global batch up to {pins.max_mbs}" if pins.mbs is None else f"pinned {pins.mbs}",
         "ep/etp": ("ep divides the experts, etp divides tp" if moe is not None else "no experts"),
         "order": (f"{DEFAULT_RANK_ORDER}; also {PP_INSIDE_DP} (pp inside dp) where it moves a group onto other "
-                  f"links: tp*cp < GPUs per node < GPUs, pp > 1, dp > 1, cp = 1, ep = 1")
+                  f"links: tp*cp < GPUs per node < GPUs, pp > 1, dp > 1, ep = 1")
                  if pins.order is None else f"pinned {pins.order}",
         "zero": ",".join(map(str, zeros)) + (f" ({runtime.name} has these)" if runtime is not None and len(
             runtime.zero_stages) < len(ZEROS) and pins.zero is None else ""),
@@ -285,10 +285,11 @@ def rank_orders(num_gpus: int, gpus_per_node: int, tp: int, cp: int, pp: int, dp
     """Rank orders searched for one mesh: the pinned one, else the default and, where it moves some group onto
     other links, pp inside dp. It does only when tp*cp ranks leave room in a node for pp and dp neighbours, the
     job spans nodes and both pp and dp exist; elsewhere every group crosses the same link levels in both orders
-    (a duplicate candidate). Megatron allows it only without CP and EP."""
+    (a duplicate candidate). Taken only without EP: Megatron then folds
+    the expert ranks etp-ep-pp-edp (initialize.py order tp-cp-ep-pp-dp), a folding the cost model does not have."""
     if pinned is not None:
         return [pinned]
-    moves = tp * cp < gpus_per_node < num_gpus and pp > 1 and dp > 1 and cp == 1 and ep == 1
+    moves = tp * cp < gpus_per_node < num_gpus and pp > 1 and dp > 1 and ep == 1
     return [DEFAULT_RANK_ORDER, PP_INSIDE_DP] if moves else [DEFAULT_RANK_ORDER]
 
 
@@ -378,10 +379,9 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins, runtim
         raise InputError(f"--vpp {pins.vpp} needs --schedule interleaved (got {pins.schedule})")
     if pins.schedule == "interleaved" and pins.vpp == 1:
         raise InputError("--schedule interleaved needs --vpp > 1")
-    if pins.order == PP_INSIDE_DP and ((pins.cp or 1) > 1 or (pins.ep or 1) > 1):
-        got = ", ".join(f"{k}={v}" for k, v in (("cp", pins.cp), ("ep", pins.ep)) if (v or 1) > 1)
-        raise InputError(f"--order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs cp = 1 and ep = 1; "
-                         f"got {got}")
+    if pins.order == PP_INSIDE_DP and (pins.ep or 1) > 1:
+        raise InputError(f"--order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs ep = 1; got ep={pins.ep}; "
+                         f"drop --order or --ep")
     if runtime is not None:
         default_comm = runtime.cp_comms[0] if runtime.cp_comms else "ring"
         why = runtime.lacks(schedule=pins.schedule, cp=pins.cp or 1, cp_comm=pins.cp_comm or default_comm,

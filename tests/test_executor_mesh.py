@@ -18,7 +18,7 @@ from executor.mesh import DENSE_DIMS, EXPERT_DIMS, ExecLayout, build_meshes, gro
 def _layouts():
     moe = load_model("mixtral-8x7b")
     for tp, cp, pp, ep, etp, order in itertools.product((1, 2), (1, 2), (1, 2), (1, 2, 4), (1, 2), ("tp-cp-dp-pp", "tp-cp-pp-dp")):
-        if order == "tp-cp-pp-dp" and (cp > 1 or ep > 1):
+        if order == "tp-cp-pp-dp" and ep > 1:
             continue
         gpus = 16
         dp = gpus // (tp * cp * pp)
@@ -56,7 +56,8 @@ def _mesh_groups(rank, world, ex):
     ExecLayout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2),
     ExecLayout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2, rank_order="tp-cp-pp-dp"),
     ExecLayout(tp=2, cp=2, dp=2, ep=2, etp=2, stage_layers=(1,)),
-], ids=["tp2dp2pp2", "tp2pp2dp2-order", "tp2cp2dp2-ep2etp2"])
+    ExecLayout(cp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2, rank_order="tp-cp-pp-dp"),
+], ids=["tp2dp2pp2", "tp2pp2dp2-order", "tp2cp2dp2-ep2etp2", "cp2pp2dp2-order"])
 def test_device_meshes_hold_those_groups(ex):
     got = run_world(ex.world, _mesh_groups, ex, timeout_s=120)
     for rank, groups in enumerate(got):

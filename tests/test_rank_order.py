@@ -1,5 +1,5 @@
 """The rank order of the dimensions: Megatron-LM's default tp-cp-dp-pp and --use-tp-pp-dp-mapping (tp-cp-pp-dp,
-pp inside dp). Group placement, the launcher rule (no CP, no EP), a prediction the order changes, the plan file,
+pp inside dp). Group placement, the launcher rule (no EP), a prediction the order changes, the plan file,
 the search space (where the second order is searched, and pins) and the CLI.
 """
 
@@ -70,6 +70,16 @@ def test_expert_groups_fold_over_the_non_pp_ranks():
     assert group_ranks("edp", layout(2, 2, 2, DEFAULT_RANK_ORDER, etp=1)) == (0, 1, 2, 3)
 
 
+def test_pp_inside_dp_with_cp_follows_megatrons_order():
+    """Megatron numbers ranks tp-cp-ep-pp-dp under --use-tp-pp-dp-mapping: with tp=cp=pp=dp=2 on 16 GPUs the
+    pipeline peer is tp*cp = 4 away, the DP peer tp*cp*pp = 8, and the optimizer's dp x cp group is not contiguous."""
+    lay = resolve(load_zoo("llama3.1-8b"), 16, WL, ParallelConfig(tp=2, cp=2, pp=2, rank_order=PP_INSIDE_DP))
+    assert (lay.cp, lay.dp) == (2, 2)
+    assert group_ranks("cp", lay) == (0, 2) and group_ranks("pp", lay) == (0, 4) and group_ranks("dp", lay) == (0, 8)
+    assert group_ranks("dp_cp", lay) == (0, 2, 8, 10)
+    assert group_ranks("edp", lay) == (0, 2, 8, 10)  # ep = 1, etp = tp: the experts' DP is the optimizer's group
+
+
 @pytest.mark.parametrize("tp,cp,pp,dp,ep,etp", [(2, 2, 2, 2, 1, 2), (2, 1, 2, 4, 2, 1), (4, 2, 1, 2, 4, 2),
                                                 (1, 4, 2, 2, 2, 1), (8, 1, 2, 1, 1, 4)])
 def test_default_order_places_groups_as_before(tp, cp, pp, dp, ep, etp):
@@ -83,13 +93,10 @@ def test_default_order_places_groups_as_before(tp, cp, pp, dp, ep, etp):
 
 # ---- the launcher rule ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model,cfg,words", [
-    ("llama3.1-8b", ParallelConfig(cp=2, rank_order=PP_INSIDE_DP), ["tp-cp-pp-dp", "cp = 1", "cp=2"]),
-    ("mixtral-8x7b", ParallelConfig(ep=2, rank_order=PP_INSIDE_DP), ["tp-cp-pp-dp", "ep = 1", "ep=2"]),
-])
-def test_resolve_refuses_pp_inside_dp_with_cp_or_ep(model, cfg, words):
+def test_resolve_refuses_pp_inside_dp_with_ep():
+    words = ["tp-cp-pp-dp", "ep = 1", "ep=2"]
     with pytest.raises(InputError) as err:
-        resolve(load_zoo(model), 8, WL, cfg)
+        resolve(load_zoo("mixtral-8x7b"), 8, WL, ParallelConfig(ep=2, rank_order=PP_INSIDE_DP))
     msg = str(err.value)
     assert "\n" not in msg and "--use-tp-pp-dp-mapping" in msg, msg
     for w in words:
@@ -174,11 +181,22 @@ def test_read_plan_refuses_a_bad_order(tmp_path, mesh, words):
         assert w in msg, (w, msg)
 
 
-def test_plan_refuses_pp_inside_dp_with_cp():
+def test_plan_refuses_pp_inside_dp_with_ep():
     plan, _ = swapped_plan()
-    data = _edited(plan, cp=2, dp=2)
-    with pytest.raises(ValueError, match="needs cp = 1 and ep = 1"):
+    data = _edited(plan, ep=2, etp=2, edp=2)
+    with pytest.raises(ValueError, match="needs ep = 1; got ep=2"):
         Plan.model_validate(data)
+
+
+def test_plan_with_pp_inside_dp_and_cp_round_trips(tmp_path):
+    model, c = load_zoo("llama3.1-8b"), cluster(16)
+    cfg = ParallelConfig(tp=2, cp=2, pp=2, rank_order=PP_INSIDE_DP)
+    sim = simulate_config(model, c, WL, cfg, "megatron-core")
+    plan = build_plan(model, c, WL, cfg, sim, "megatron-core")
+    write_plan(plan, tmp_path / "p.json")
+    back = read_plan(tmp_path / "p.json")
+    assert back == plan and (back.mesh.cp, back.mesh.dp) == (2, 2)
+    assert back.mesh.rank_order == ["tp", "cp", "pp", "dp"]
 
 
 def test_plan_without_a_predicted_order_reads_as_the_default(tmp_path):
@@ -200,7 +218,7 @@ def _meshes(model: str, n: int, pins: Pins = Pins(max_mbs=1)) -> set:
 
 
 def _moves(n: int, per_node: int, m) -> bool:
-    return m.tp * m.cp < per_node < n and m.pp > 1 and m.dp > 1 and m.cp == 1 and m.ep == 1
+    return m.tp * m.cp < per_node < n and m.pp > 1 and m.dp > 1 and m.ep == 1
 
 
 @pytest.mark.parametrize("model,n", [("llama3.1-8b", 8), ("llama3.1-8b", 16), ("llama3.1-8b", 32),
@@ -215,37 +233,41 @@ def test_space_searches_pp_inside_dp_only_where_it_moves_a_group(model, n):
              if m.order == DEFAULT_RANK_ORDER and _moves(n, per_node, m)}
     assert twins == swapped
     assert bool(swapped) == (n > per_node)
+    if n >= 32:  # CP meshes too (Megatron's tp-cp-ep-pp-dp)
+        assert any(m.cp > 1 for m in swapped)
 
 
 @pytest.mark.parametrize("per_node", [4, 8])
 def test_the_rule_is_where_some_group_changes_links(per_node):
-    """Without CP and EP, pp inside dp puts some group on other links exactly where `rank_orders` searches it."""
+    """Without EP, pp inside dp puts some group on other links exactly where `rank_orders` searches it."""
     for n in (per_node, 2 * per_node, 4 * per_node):
         c = cluster(n, per_node)
         for tp in [t for t in divisors(n) if t <= c.gpus_per_node]:
-            for pp in divisors(n // tp):
-                dp = n // (tp * pp)
-                for etp in divisors(tp):
-                    links = [tuple(c.group_link(group_ranks(d, layout(tp, pp, dp, o, etp=etp))) for d in DIMS)
-                             for o in (DEFAULT_RANK_ORDER, PP_INSIDE_DP)]
-                    searched = rank_orders(n, c.gpus_per_node, tp, 1, pp, dp, 1, None)
-                    assert (links[0] != links[1]) == (PP_INSIDE_DP in searched), (n, tp, pp, dp, etp)
+            for cp in divisors(n // tp):
+                for pp in divisors(n // (tp * cp)):
+                    dp = n // (tp * cp * pp)
+                    for etp in divisors(tp):
+                        links = [tuple(c.group_link(group_ranks(d, layout(tp, pp, dp, o, cp=cp, etp=etp)))
+                                       for d in DIMS) for o in (DEFAULT_RANK_ORDER, PP_INSIDE_DP)]
+                        searched = rank_orders(n, c.gpus_per_node, tp, cp, pp, dp, 1, None)
+                        assert (links[0] != links[1]) == (PP_INSIDE_DP in searched), (n, tp, cp, pp, dp, etp)
 
 
 def test_pinned_order_is_the_only_one_and_is_searched_everywhere():
     swapped = _meshes("llama3.1-8b", 8, Pins(max_mbs=1, order=PP_INSIDE_DP))
-    assert swapped and all(m.order == PP_INSIDE_DP and m.cp == 1 for m in swapped)
+    assert swapped and all(m.order == PP_INSIDE_DP for m in swapped)
+    assert any(m.cp > 1 for m in swapped)
     assert any(m.pp == 1 or m.dp == 1 for m in swapped)  # even where it moves nothing
     default = _meshes("llama3.1-8b", 16, Pins(max_mbs=1, order=DEFAULT_RANK_ORDER))
     assert default and all(m.order == DEFAULT_RANK_ORDER for m in default)
 
 
 def test_pinned_order_account_adds_up():
-    """CP meshes are rejected by the launcher rule under a pinned tp-cp-pp-dp; every candidate lands once."""
-    model, c = load_zoo("llama3.1-8b"), cluster(16)
+    """EP meshes are rejected by the launcher rule under a pinned tp-cp-pp-dp; every candidate lands once."""
+    model, c = load_zoo("mixtral-8x7b"), cluster(16)
     pins = Pins(max_mbs=1, tp=2, order=PP_INSIDE_DP)
     enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, WL, pins)
-    assert enum.infeasible.get(f"rank order {PP_INSIDE_DP} needs cp = 1 and ep = 1", 0) > 0
+    assert enum.infeasible.get(f"rank order {PP_INSIDE_DP} needs ep = 1", 0) > 0
     assert enum.space_size == sum(g.size() for g in enum.groups) + sum(enum.infeasible.values())
     assert enum.domains["order"] == f"pinned {PP_INSIDE_DP}"
     result = search(model, c, WL, pins, top_k=3)
@@ -257,10 +279,9 @@ def test_pinned_order_account_adds_up():
 
 
 @pytest.mark.parametrize("pins,words", [
-    (Pins(order=PP_INSIDE_DP, cp=2), ["--order tp-cp-pp-dp", "cp=2"]),
     (Pins(order=PP_INSIDE_DP, ep=2), ["--order tp-cp-pp-dp", "ep=2"]),
 ])
-def test_check_pins_refuses_pp_inside_dp_with_cp_or_ep(pins, words):
+def test_check_pins_refuses_pp_inside_dp_with_ep(pins, words):
     with pytest.raises(InputError) as err:
         check_pins(load_zoo("mixtral-8x7b"), 16, WL, pins)
     for w in words:
@@ -298,10 +319,18 @@ def test_cli_estimate_takes_the_order(capsys):
 
 
 @pytest.mark.parametrize("command", [PLAN, ESTIMATE])
-def test_cli_refuses_pp_inside_dp_with_cp(capsys, command):
-    code, out, err = run(capsys, *command, "--order", PP_INSIDE_DP, "--cp", "2")
+def test_cli_refuses_pp_inside_dp_with_ep(capsys, command):
+    command = [("mixtral-8x7b" if a == "llama3.1-8b" else a) for a in command]
+    code, out, err = run(capsys, *command, "--order", PP_INSIDE_DP, "--ep", "2")
     assert code != 0
-    assert_input_error(code, out, err, "tp-cp-pp-dp", "cp = 1", "cp=2")
+    assert_input_error(code, out, err, "tp-cp-pp-dp", "ep = 1", "ep=2")
+
+
+def test_cli_estimate_takes_pp_inside_dp_with_cp(capsys):
+    code, out, err = run(capsys, *ESTIMATE, "--order", PP_INSIDE_DP, "--cp", "2", "--json")
+    assert code == 0, err
+    lay = json.loads(out)["layout"]
+    assert (lay["rank_order"], lay["cp"]) == (PP_INSIDE_DP, 2)
 
 
 def test_cli_refuses_an_unknown_order(capsys):

@@ -117,6 +117,8 @@ CASES = {
     "tp2-sp-cp2-ring": ("llama3.1-8b", 2, 2, dict(tp=2, sp=True, cp=2, num_microbatches=2)),
     "cp2-a2a-pp2-zb": ("gpt3-175b", 4, 4, dict(cp=2, cp_comm="a2a", pp=2, num_microbatches=4, stage_layers=(1, 3),
                                                schedule="zb")),
+    "cp2-pp2-dp2-pp-inside-dp": ("llama3.1-8b", 2, 4, dict(cp=2, pp=2, dp=2, num_microbatches=2, stage_layers=(1, 1),
+                                                          rank_order="tp-cp-pp-dp")),  # dp x cp not contiguous
     "ep4": ("mixtral-8x7b", 2, 4, dict(dp=4, ep=4, num_microbatches=1)),
     "tp2-ep2-etp2": ("mixtral-8x7b", 2, 4, dict(tp=2, dp=2, ep=2, etp=2, num_microbatches=2)),
     "zero3-dp4": ("llama3.1-8b", 2, 4, dict(dp=4, zero=3, num_microbatches=1)),
