@@ -26,7 +26,7 @@ DEFAULT_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn",)
 RankOrder = Literal["tp-cp-dp-pp", "tp-cp-pp-dp"]
 RANK_ORDERS: tuple[str, ...] = get_args(RankOrder)
 DEFAULT_RANK_ORDER = "tp-cp-dp-pp"  # Megatron-LM's default "tp-cp-ep-dp-pp"
-PP_INSIDE_DP = "tp-cp-pp-dp"  # Megatron-LM --use-tp-pp-dp-mapping (order "tp-cp-ep-pp-dp", training/initialize.py); ep = 1
+PP_INSIDE_DP = "tp-cp-pp-dp"  # Megatron --use-tp-pp-dp-mapping ("tp-cp-ep-pp-dp", training/initialize.py); ep = 1
 
 
 class Workload(BaseModel):

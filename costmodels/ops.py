@@ -384,10 +384,12 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
     return Block("moe", tuple(ops), tuple(comms))
 
 
-def decoder_layer(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtime) -> Block:
+def decoder_layer(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtime,
+                  fp8_any_layout: bool = False) -> Block:
     """One pre-norm decoder layer on one rank (Megatron-LM ParallelTransformerLayer / TransformerLayer): the
     attention half and the MLP half."""
-    attn, mlp = attention_half(model, lay, wl, rt), mlp_half(model, index, lay, wl, rt)
+    attn = attention_half(model, lay, wl, rt, fp8_any_layout)
+    mlp = mlp_half(model, index, lay, wl, rt, fp8_any_layout)
     return Block(f"layer{index}", attn.ops + mlp.ops, attn.comms + mlp.comms)
 
 

@@ -277,6 +277,22 @@ def test_blackwell_fp8_casts_and_kernels_by_hand():
     assert b200.fp8_any_layout and not EFF.fp8_any_layout
 
 
+def test_decoder_layer_takes_the_gpus_cast_layout():
+    """The whole-layer builder passes the layout flag on to both halves: a Blackwell FP8 layer's casts move 3/4 of a
+    Hopper layer's bytes under delayed scaling."""
+    from costmodels.config import resolve
+    from costmodels.model_io import load_model
+    from costmodels.ops import decoder_layer
+
+    model = load_model("llama3.1-8b")
+    wl = Workload(global_batch=8, seq_len=4096, dtype="fp8", fp8_recipe="delayed")
+    lay = resolve(model, 8, wl, ParallelConfig(tp=2))
+    rt = get_runtime("megatron-core")
+    casts = [sum(op.fwd_bytes for op in decoder_layer(model, 0, lay, wl, rt, any_layout).ops
+                 if op.name.startswith("fp8_cast")) for any_layout in (False, True)]
+    assert casts[0] > 0 and casts[1] == pytest.approx(0.75 * casts[0])
+
+
 def _attention_tflops(kernel: str, seq: int, backward: bool = False) -> float:
     """Useful TFLOP/s of a causal hdim-128 attention pass at the FA3 paper's shapes (16k tokens, hidden 2048)."""
     heads, d, batch = 16, 128, 16384 // seq
