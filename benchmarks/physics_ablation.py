@@ -46,10 +46,11 @@ def main() -> int:
     variants += [(f"without {f.name}", Physics().without(f.name)) for f in dataclasses.fields(Physics)]
     variants.append(("all terms off", Physics.none()))
     # framework terms, switched off through runtime options (config.RUNTIME_OPTIONS): torch's separate projection
-    # GEMMs, FSDP2's copies, torchao's FP8 TP all-gathers
+    # GEMMs, FSDP2's copies, torchao's FP8 TP all-gathers, the repeated GQA heads
     options = [("fused projections (+fused-projections)", ("fused-projections",)),
                ("no FSDP2 copies (+no-fsdp-copies)", ("no-fsdp-copies",)),
-               ("16-bit TP all-gathers (+bf16-tp-gather)", ("bf16-tp-gather",))]
+               ("16-bit TP all-gathers (+bf16-tp-gather)", ("bf16-tp-gather",)),
+               ("grouped K,V heads read in place (+native-gqa)", ("native-gqa",))]
     heads = ["all"] + [f"{k} {v}" for k, v in GROUPS]
     if args.markdown:
         print("| physics | " + " | ".join(f"{h} MAPE (mean)" for h in heads) + " |")

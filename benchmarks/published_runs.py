@@ -42,6 +42,7 @@ Feature = Literal[
     "power-limited",
     "sharded-grad-accumulation",  # ZeRO-2/3 gradients reduce-scattered in every micro-batch's backward under PP too
     "sp-regather",  # SP linears save their input shard and gather it again in the backward (Megatron's SP)
+    "native-gqa",  # the attention kernel reads grouped K,V heads in place (no repeat_kv copy to the query heads)
 ]
 Metric = Literal["tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "step_time_s", "samples_per_s"]
 # How the source counts model FLOPs when its metric is TFLOP/s or MFU (the scorer implements each):

@@ -279,6 +279,8 @@ def run_runtime(run: Run) -> str:
         options.append("reduce-each-microbatch")
     if "sp-regather" in f:
         options.append("sp-regather")
+    if "native-gqa" in f:
+        options.append("native-gqa")
     options += [opt for feature, opt in kernels.items() if feature in f]
     return "+".join([run.runtime, *options])
 

@@ -162,6 +162,11 @@ class Runtime(BaseModel):
     # ZeRO-3 / FSDP sharding copies each gathered layer out of the all-gather buffer and each gradient into the
     # reduce-scatter buffer on the compute stream (PyTorch FSDP2; estimate.FSDP_COPY_OUT_BYTES / _IN_BYTES)
     fsdp_copies: bool = False
+    # GQA K,V heads copied up to the query heads before the attention kernel (torchtitan's repeat_kv ahead of
+    # F.scaled_dot_product_attention, models/llama/model.py until #2259 "GQA without kv repeats", 2026-01-27): the
+    # copy costs a pass over the repeated tensors, and the kernel, torch CP's K,V exchange and the saved K,V carry
+    # query-head width. False: the kernel reads the grouped heads in place (TE / flash-attn GQA, SDPA enable_gqa)
+    gqa_repeats_kv: bool = False
     # what the framework can run at all: the search picks only these, a pinned knob outside them is refused
     schedules: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved", "zb")
     cp_comms: tuple[Literal["ring", "a2a"], ...] = ("ring", "a2a")  # () = no context parallelism
@@ -255,7 +260,8 @@ RUNTIMES: dict[str, Runtime] = {
     # 21.3 ms for 8192 x 131,072 (0.40) (Liger-Kernel all_benchmark_data.csv @ ead96b6); eager RoPE in fp32 complex
     # (models/llama3/model.py apply_rotary_emb: .float() 2+4 B, the complex multiply 4+4 B, .type_as 4+2 B an
     # element against a fused kernel's 2+2 B: 0.2). `+compile` fuses them.
-    # Its models keep wq, wk, wv and w1, w3 as separate linears (models/llama3/model.py): fused_projections off.
+    # Its models keep wq, wk, wv and w1, w3 as separate linears (models/llama3/model.py): fused_projections off;
+    # they repeat GQA K,V heads before SDPA until 2026-01 (gqa_repeats_kv; `+native-gqa` for later versions).
     "torchtitan": Runtime(name="torchtitan", flash_attention=True, dropout=False, overlap_grad_reduce=True,
                           overlap_param_gather=True, tp_overlap="none", p2p_overlap=True,
                           schedules=("gpipe", "1f1b", "interleaved"), cp_comms=("ring",), zero_stages=(0, 2, 3),
@@ -263,7 +269,7 @@ RUNTIMES: dict[str, Runtime] = {
                           sp_saves_gathered_input=True,
                           sharded_grad_reduce="pipeline-defers",
                           attention_kernel="sdpa-fa2", selective="op-sac", fused_projections=False,
-                          tp_fp8_all_gather=("tensorwise",), fsdp_copies=True,
+                          tp_fp8_all_gather=("tensorwise",), fsdp_copies=True, gqa_repeats_kv=True,
                           memory_kernels=(("norm", 0.6), ("swiglu", 0.36), ("activation", 0.36), ("rope", 0.2),
                                           ("cross_entropy", 0.40))),
     # meshplan's reference executor (executor/plan_run.py): SDPA attention, no dropout, gradients synchronised after
@@ -321,6 +327,8 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     "sp-regather": RuntimeOption("sequence parallelism saving each linear's input shard and gathering it again in "
                                  "the backward (Megatron's; Korthikanti et al. 2022 sec. 4.2.3)",
                                  (("sp_saves_gathered_input", False),)),
+    "native-gqa": RuntimeOption("GQA K,V heads read in place by the attention kernel, not repeated to the query heads "
+                                "(torchtitan since #2259, 2026-01; SDPA enable_gqa)", (("gqa_repeats_kv", False),)),
     "cp-alltoall": RuntimeOption("ring CP rotating K,V one chunk per attention step (torch context_parallel "
                                  "set_rotate_method('alltoall'); torchtitan context_parallel_rotate_method)",
                                  (("cp_rotate", "p2p"),)),

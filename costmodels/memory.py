@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from costmodels.config import Layout, Runtime, Workload
 from costmodels.model import ModelSpec
-from costmodels.ops import ACT_BYTES
+from costmodels.ops import ACT_BYTES, attended_kv_heads
 
 GIB = 2**30
 FRAGMENTATION = 0.05  # allocator fragmentation allowance, fraction of the rest (stated assumption)
@@ -121,7 +121,7 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
         outside = (2 * ACT_BYTES + norm_out + 2 * mask) * sbh / sp
     if model.mla is None:
         q = model.num_heads * model.head_size
-        kv = model.kv_heads * model.head_size
+        kv = attended_kv_heads(model, rt) * model.head_size  # the kernel's K,V inputs, repeated or grouped
         v_dim = q
         latents = 0.0
     else:

@@ -176,6 +176,14 @@ def mla_query_and_latent(model: ModelSpec, tokens: float, heads: float, dtype_sc
     return ops + [gemm("kv_down_proj", tokens, a.kv_lora_rank + a.qk_rope_head_dim, h, dtype_scale)]
 
 
+def attended_kv_heads(model: ModelSpec, rt: Runtime) -> int:
+    """The K,V heads the attention kernel reads: the model's GQA heads, or the query heads where the runtime copies
+    them up first (Runtime.gqa_repeats_kv); MLA up-projects a K,V per query head."""
+    if model.mla is not None or rt.gqa_repeats_kv:
+        return model.num_heads
+    return model.kv_heads
+
+
 def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8: float) -> list[Op]:
     """Projections and attention core of one layer (GQA/MHA, or MLA as in DeepSeek-V2 sec. 2.1)."""
     b, s, h = lay.mbs, wl.seq_len, model.hidden
@@ -192,6 +200,10 @@ def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
             ops += [gemm("wq", tokens, heads * d, h, fp8), gemm("wk", tokens, kv * d, h, fp8),
                     gemm("wv", tokens, kv * d, h, fp8)]
         ops.append(elementwise("rope", tokens * (heads + kv) * d, tokens * (heads + kv) * d))
+        if rt.gqa_repeats_kv and kv < heads:
+            # K and V copied up to the query heads (torchtitan repeat_kv: expand + reshape); the backward sums the
+            # copies' gradients back, reading and writing as much
+            ops.append(elementwise("repeat_kv", 2 * tokens * kv * d, 2 * tokens * heads * d, bwd_factor=1.0))
         d_qk = d_v = d
     else:
         a = model.mla
@@ -207,7 +219,7 @@ def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
         # FlashAttention-2 (Dao 2023, sec. 3.1) skips the masked half of causal blocks; backward = 2.5x forward
         # (5 GEMMs vs 2); IO: read Q,K,V,O once, no s^2 tensor in HBM.
         f = 0.5 * core_flops
-        kv_heads = (model.kv_heads / lay.tp) if model.mla is None else heads
+        kv_heads = attended_kv_heads(model, rt) / lay.tp
         io = ACT_BYTES * tokens * (2 * heads * max(d_qk, d_v) + 2 * kv_heads * max(d_qk, d_v))
         # keys per query for the causal tile factor: a CP rank's load-balanced chunks see tiles of s / cp keys
         ops.append(Op("attention_core", "attention", f, io, 2.5 * f, 2.5 * io, selective=True, keys=s / lay.cp,
@@ -273,7 +285,7 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
         ops += fp8_quantize_ops(ops, wl.fp8_recipe, fp8_any_layout)
     comms = _tp_pair(model, lay, wl, rt)
     if lay.cp > 1:
-        kv_dim = (model.kv_heads * model.head_size) if model.mla is None else model.num_heads * (
+        kv_dim = (attended_kv_heads(model, rt) * model.head_size) if model.mla is None else model.num_heads * (
             model.mla.qk_head_dim + model.mla.v_head_dim) / 2
         kv_bytes = 2 * ACT_BYTES * tokens * kv_dim / lay.tp
         if lay.cp_comm == "ring" and rt.cp_rotate == "allgather":
@@ -311,7 +323,7 @@ def cp_merge(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> Op:
     heads = model.num_heads / lay.tp
     d_qk = model.head_size if model.mla is None else model.mla.qk_head_dim
     d_v = model.head_size if model.mla is None else model.mla.v_head_dim
-    kv_heads = (model.kv_heads if model.mla is None else model.num_heads) / lay.tp
+    kv_heads = attended_kv_heads(model, rt) / lay.tp
     out, q, kv = tokens * heads * d_v, tokens * heads * d_qk, tokens * kv_heads * (d_qk + d_v)
     steps = lay.cp - 1
     per = (4.0 + 10.0 * steps) if rt.cp_rotate == "allgather" else (2 * ACT_BYTES + 3 * ACT_BYTES * steps)

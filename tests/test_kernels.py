@@ -486,7 +486,7 @@ def test_ring_cp_merges_partial_outputs_by_hand(cp):
     lay = resolve(model, cp * tp, wl, ParallelConfig(tp=tp, cp=cp, pp=1, mbs=1, zero=1, recompute="none"))
     tokens, heads, kv_heads, d = 32768 / cp, 32 / tp, 8 / tp, 128
     out, grads = tokens * heads * d, tokens * heads * d + tokens * kv_heads * 2 * d
-    for runtime, first, later in (("megatron-core", 4.0, 6.0), ("torchtitan", 4.0, 10.0)):
+    for runtime, first, later in (("megatron-core", 4.0, 6.0), ("torchtitan+native-gqa", 4.0, 10.0)):
         (merge,) = [op for op in attention_half(model, lay, wl, get_runtime(runtime)).ops if op.name == "cp_merge"]
         per = first + later * (cp - 1)
         assert merge.kind == "memory" and merge.selective
@@ -494,6 +494,49 @@ def test_ring_cp_merges_partial_outputs_by_hand(cp):
     a2a = resolve(model, cp * tp, wl, ParallelConfig(tp=tp, cp=cp, cp_comm="a2a", pp=1, mbs=1, zero=1,
                                                      recompute="none"))
     assert not [op for op in attention_half(model, a2a, wl, get_runtime("megatron-core")).ops if op.name == "cp_merge"]
+
+
+def test_repeated_gqa_heads_widen_the_kernel_the_cp_exchange_and_the_saved_kv():
+    """torchtitan copies GQA's K,V heads up to the query heads before SDPA (Runtime.gqa_repeats_kv): by hand on
+    Llama 3.1 8B (32 query, 8 K,V heads of 128) at TP 2, CP 4, 32K: a repeat_kv copy reading 2 x 4 heads and
+    writing 2 x 16 a token (its backward the same bytes), a kernel reading 16 K,V heads, a K,V all-gather, fp32
+    gradient ring and merge 4x the grouped ones, and 4x the saved K,V; FLOPs unchanged. `+native-gqa` and
+    Megatron-Core take the grouped heads as they are; MLA has no grouped heads to repeat."""
+    from costmodels.config import resolve
+    from costmodels.memory import layer_activation_bytes
+    from costmodels.model_io import load_model
+    from costmodels.ops import attention_half
+
+    model = load_model("llama3.1-8b")
+    wl = Workload(global_batch=8, seq_len=32768)
+    lay = resolve(model, 8, wl, ParallelConfig(tp=2, cp=4, pp=1, mbs=1, zero=1, recompute="none"))
+    tokens, d = 32768 / 4, 128
+    repeated, grouped = get_runtime("torchtitan"), get_runtime("torchtitan+native-gqa")
+    assert repeated.gqa_repeats_kv and not grouped.gqa_repeats_kv and not get_runtime("megatron-core").gqa_repeats_kv
+    rep = {op.name: op for op in attention_half(model, lay, wl, repeated).ops}
+    grp = {op.name: op for op in attention_half(model, lay, wl, grouped).ops}
+    copy = rep["repeat_kv"]
+    assert copy.kind == "memory" and "repeat_kv" not in grp
+    assert copy.fwd_bytes == pytest.approx(2 * (2 * tokens * 4 * d + 2 * tokens * 16 * d))
+    assert copy.bwd_input_bytes == pytest.approx(copy.fwd_bytes)
+    core_r, core_g = rep["attention_core"], grp["attention_core"]
+    assert core_r.fwd_flops == core_g.fwd_flops
+    # the kernel reads Q, O (16 heads each) and K, V: 16 heads each repeated, 4 grouped
+    assert core_r.fwd_bytes - core_g.fwd_bytes == pytest.approx(2 * tokens * 2 * (16 - 4) * d)
+    merge_r, merge_g = rep["cp_merge"], grp["cp_merge"]
+    q_grads = 4.0 + 10.0 * 3  # torch's fp32 merge, 4 B then 10 B an element over 3 later steps
+    assert merge_r.bwd_input_bytes - merge_g.bwd_input_bytes == pytest.approx(q_grads * tokens * (16 - 4) * 2 * d)
+    comms_r = {c.name: c for c in attention_half(model, lay, wl, repeated).comms}
+    comms_g = {c.name: c for c in attention_half(model, lay, wl, grouped).comms}
+    for name in ("cp_allgather_kv", "cp_ring_dkv"):
+        assert comms_r[name].bytes_ == pytest.approx(4 * comms_g[name].bytes_)
+    # saved for the backward without recompute: K and V at 16 heads, not 4 (2 B an element)
+    saved = layer_activation_bytes(model, 0, lay, wl, repeated, "none") - layer_activation_bytes(
+        model, 0, lay, wl, grouped, "none")
+    assert saved == pytest.approx(2 * tokens * 2 * (16 - 4) * d)
+    mla = load_model("deepseek-v3")
+    mla_lay = resolve(mla, 64, wl, ParallelConfig(tp=2, cp=4, ep=8, pp=1, mbs=1, zero=1, recompute="none"))
+    assert not [op for op in attention_half(mla, mla_lay, wl, repeated).ops if op.name == "repeat_kv"]
 
 
 def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients():
@@ -514,13 +557,13 @@ def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients(
     links = GroupLinks(cluster, lay)
     kv_bytes = 2 * 2 * (131072 / 8) * (model.kv_heads * model.head_size) / 8
     results = {}
-    for name in ("torchtitan", "torchtitan+cp-alltoall"):
+    for name in ("torchtitan+native-gqa", "torchtitan+native-gqa+cp-alltoall"):
         rt = get_runtime(name)
         block = attention_half(model, lay, wl, rt)
         comms = {c.name: c for c in block.comms if c.dim == "cp"}
         passes = PassCache(model, cluster, wl, rt, EFF).layer(0, lay, links)[0]
         results[name] = (comms, passes)
-    comms, passes = results["torchtitan"]
+    comms, passes = results["torchtitan+native-gqa"]
     assert set(comms) == {"cp_allgather_kv", "cp_ring_dkv"}
     gather, dkv = comms["cp_allgather_kv"], comms["cp_ring_dkv"]
     assert gather.kind == "all_gather" and gather.bytes_ == pytest.approx(8 * kv_bytes)
@@ -528,7 +571,8 @@ def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients(
     t_gather = collective_time(gather, 8, links["cp"], EFF)
     t_dkv = collective_time(dkv, 8, links["cp"], EFF)
     core = passes.fwd_comm  # the exposures the layer's forward carries
-    attn_f = [op for op in attention_half(model, lay, wl, get_runtime("torchtitan")).ops if op.kind == "attention"]
+    attn_f = [op for op in attention_half(model, lay, wl, get_runtime("torchtitan+native-gqa")).ops
+              if op.kind == "attention"]
     assert attn_f, "the attention block has its core"
     # forward: what the first step (1/cp of the attention compute) cannot hide, and the contention on the rest
     fwd_attention = sum(op_time(op.fwd_flops, op.fwd_bytes, op.kind, PEAK16, HBM, EFF, False, keys=op.keys,
@@ -538,7 +582,7 @@ def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients(
     # the backward carries the second gather and the fp32 gradient ring (its last hop exposed in full)
     assert passes.bwd_comm["cp"] >= t_dkv / 8
     # the per-step rotation (alltoall) moves K,V chunk by chunk: its forward hides behind every step
-    ring, ring_passes = results["torchtitan+cp-alltoall"]
+    ring, ring_passes = results["torchtitan+native-gqa+cp-alltoall"]
     assert set(ring) == {"cp_ring_kv"}
     assert ring_passes.fwd_comm["cp"] < core["cp"]
 
