@@ -687,45 +687,35 @@ def test_fsdp2_copies_its_gathers_out_and_its_gradients_in_on_the_compute_stream
     assert "dp" not in z1.fwd_comm and "dp" not in z1.bwd_comm
 
 
-@pytest.mark.parametrize("recipe,measured", [("tensorwise", 7689.5 / 6150), ("rowwise", 6768 / 6150)])
-def test_torchao_fp8_speedups_match_its_readme(recipe, measured):
-    """torchao's float8 README (2025-08, 'Training benchmarks', NVIDIA H100): Llama3-8B on 8 H100, batch 1, 8192
-    tokens, torch.compile, FSDP2, per-op SAC: BF16 6150, tensorwise with float8 all-gather 7689.5 (1.25x), rowwise
-    6768 (1.10x) tokens/s. A check outside the development sets: the predicted speed-up over BF16 (the same layout,
-    torchtitan+compile) within 0.05 of each (tensorwise: the tensorwise kernel and casts; rowwise: the row-scaled
-    kernel and its two casts per operand). The README's FP8 parameter all-gather is not modelled (FSDP's gathers
-    hide behind the compute here)."""
+TORCHAO_8B_RUNS = [  # (GPU, runtime, recipe, measured FP8 / BF16 tokens/s), from torchao's own pages
+    ("h100-sxm", "torchtitan+compile", "tensorwise", 7689.5 / 6150),
+    ("h100-sxm", "torchtitan+compile", "rowwise", 6768 / 6150),
+    ("b200", "torchtitan+compile+compiled-loss", "tensorwise", 10417.0 / 8307.5),
+    ("b200", "torchtitan+compile+compiled-loss", "mxfp8", 9969.0 / 8307.5),
+]
+
+
+@pytest.mark.parametrize("gpu,runtime,recipe,measured", TORCHAO_8B_RUNS)
+def test_torchao_fp8_speedups_match_its_readme(gpu, runtime, recipe, measured):
+    """Checks outside the development sets: torchtitan Llama3-8B on 8 GPUs, batch 1, 8192 tokens, torch.compile,
+    FSDP2, per-op SAC, the predicted speed-up over BF16 of the same layout within 0.05 of the measured one.
+    H100 (torchao float8 README, 2025-08, 'Training benchmarks'): BF16 6150, tensorwise with float8 all-gather
+    7689.5 (1.25x), rowwise 6768 (1.10x) tokens/s (the row-scaled kernel and its two casts per operand).
+    B200 (torchao docs/source/workflows/training.md, 'Training e2e benchmarks on NVIDIA B200', power-limited GPUs,
+    torchtitan 6fc499f, 2025-08, so the loss compiled too): BF16 8307.5, tensorwise 10417 (1.25x), mxfp8_cublas
+    9969 (1.20x) (Blackwell's FP8 kernels take any layout; MXFP8 at 0.951 of per-tensor with 4.75 B casts). Only
+    ratios: the B200 page's absolute rates are about half the model's at an unstated power limit. Not checked:
+    its row-wise run (1.04x; torchao's row-wise CUTLASS kernel on Blackwell is slower than the model's row-scaled
+    one). The FP8 parameter all-gathers are not modelled (FSDP's gathers hide behind the compute here)."""
     from costmodels.model_io import load_model
 
     model = load_model("llama3.1-8b")
-    cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8))
+    cluster = Cluster(ClusterSpec(gpu=gpu, num_gpus=8))
     cfg = ParallelConfig(tp=1, pp=1, cp=1, mbs=1, zero=3, recompute="selective")
 
     def step(dtype: str) -> float:
         wl = Workload(global_batch=8, seq_len=8192, dtype=dtype, fp8_recipe=recipe)
-        return estimate(model, cluster, wl, cfg, runtime="torchtitan+compile").step_time_s
-
-    assert step("bf16") / step("fp8") == pytest.approx(measured, abs=0.05)
-
-
-@pytest.mark.parametrize("recipe,measured", [("tensorwise", 10417.0 / 8307.5), ("mxfp8", 9969.0 / 8307.5)])
-def test_torchao_blackwell_fp8_speedups_match_its_training_doc(recipe, measured):
-    """torchao's training doc (docs/source/workflows/training.md, 'Training e2e benchmarks on NVIDIA B200'):
-    Llama3-8B on 8 power-limited B200, batch 1, 8192 tokens, torch.compile, FSDP2, per-op SAC, torchtitan 6fc499f
-    (2025-08): BF16 8307.5, float8 tensorwise 10417 (1.25x), mxfp8_cublas 9969 (1.20x) tokens/s. A check outside
-    the development sets, as the H100 one above: the predicted speed-up over BF16 within 0.05 (Blackwell's FP8
-    kernels take any layout, MXFP8 at 0.951 of per-tensor with its 4.75 B casts). Only ratios are checked: the
-    page's absolute rates are about half the model's at an unstated power limit. Its row-wise run (1.04x) is not
-    checked: torchao's row-wise CUTLASS kernel on Blackwell is slower than the model's row-scaled kernel."""
-    from costmodels.model_io import load_model
-
-    model = load_model("llama3.1-8b")
-    cluster = Cluster(ClusterSpec(gpu="b200", num_gpus=8))
-    cfg = ParallelConfig(tp=1, pp=1, cp=1, mbs=1, zero=3, recompute="selective")
-
-    def step(dtype: str) -> float:
-        wl = Workload(global_batch=8, seq_len=8192, dtype=dtype, fp8_recipe=recipe)
-        return estimate(model, cluster, wl, cfg, runtime="torchtitan+compile+compiled-loss").step_time_s
+        return estimate(model, cluster, wl, cfg, runtime=runtime).step_time_s
 
     assert step("bf16") / step("fp8") == pytest.approx(measured, abs=0.05)
 
