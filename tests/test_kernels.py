@@ -410,6 +410,21 @@ def test_a_step_is_never_faster_than_its_compute_alone(tp, pp, cp, dtype, runtim
     assert e.step_time_s >= e.breakdown_s["compute"] + e.breakdown_s["recompute"] - 1e-12
 
 
+@settings(max_examples=15, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4, 8]), cp=st.sampled_from([1, 2]), seq=st.sampled_from([4096, 16384]),
+       recompute=st.sampled_from(["none", "selective", "full"]), options=st.sampled_from(["", "+compile+cp-alltoall"]))
+def test_repeating_the_gqa_heads_never_makes_a_step_faster_or_smaller(tp, cp, seq, recompute, options):
+    """torchtitan's repeat_kv only adds bytes (the copy, wider kernel I/O, CP exchange, saved K,V): the step is never
+    faster and the peak memory never lower than with the grouped heads read in place (+native-gqa)."""
+    cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=16))
+    wl = Workload(global_batch=16 // (tp * cp) * 2, seq_len=seq)
+    cfg = ParallelConfig(tp=tp, cp=cp, pp=1, mbs=1, zero=2, recompute=recompute)
+    repeated = estimate(MODEL, cluster, wl, cfg, "torchtitan" + options)
+    grouped = estimate(MODEL, cluster, wl, cfg, "torchtitan+native-gqa" + options)
+    assert repeated.step_time_s >= grouped.step_time_s
+    assert repeated.peak_memory_gib >= grouped.peak_memory_gib
+
+
 def test_the_whole_model_is_never_more_than_twice_as_fast_in_fp8():
     cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=16))
     for seq in (2048, 8192):
