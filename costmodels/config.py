@@ -274,7 +274,9 @@ RUNTIMES: dict[str, Runtime] = {
                                           ("cross_entropy", 0.40))),
     # meshplan's reference executor (executor/plan_run.py): SDPA attention, no dropout, gradients synchronised after
     # the backward, ZeRO-1 parameters broadcast after the step, blocking TP collectives and pipeline send/recv.
-    # `verify --calibration` predicts its runs with this preset.
+    # `verify --calibration` predicts its runs with this preset. Its attention core repeats GQA heads inside the
+    # core, after the CP exchange (executor/model.py causal_attention, context_parallel.py _block_attention): the
+    # exchange moves grouped heads, so gqa_repeats_kv stays False and the in-core copy is left out.
     "meshplan-executor": Runtime(name="meshplan-executor", flash_attention=True, dropout=False,
                                  overlap_grad_reduce=False, overlap_param_gather=False, tp_overlap="none",
                                  p2p_overlap=False, fused_projections=False, fsdp_copies=True,
