@@ -17,7 +17,7 @@ from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdo
 from costmodels.model import ModelSpec
 from costmodels.ops import (ACT_BYTES, Block, Collective, Op, attention_half, embedding_block, head_block, memory_class,
                            ep_dispatch_bytes, mlp_half, mtp_projection, recompute_modules_of)
-from costmodels.pipeline import StageTimes, Timeline, build_schedule, simulate
+from costmodels.pipeline import StageTimes, Timeline, build_schedule, compile_order, simulate
 from costmodels.realism import RealismCheck
 from costmodels.realism import check as realism_check
 from costmodels.calibrate import interpolate
@@ -1061,14 +1061,14 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
         sched = timelines.get(order_key) if timelines is not None else None
         if sched is None:
             sched = build_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+            if lay.schedule != "zb":  # a fixed order: compiled once, simulated under every stage time
+                sched = compile_order(sched)
             if timelines is not None:
                 timelines[order_key] = sched
         timeline = simulate(sched, times, p2p_s, split_weight=lay.schedule == "zb")
         if timelines is not None:
             timelines[key] = timeline
-    rank_end = [0.0] * lay.pp
-    for r, _, _, end in timeline.events:
-        rank_end[r] = max(rank_end[r], end)
+    rank_end = timeline.rank_end
 
     # Data-parallel gradient reduction, parameter gather and optimizer step, per pipeline rank.
     m = lay.num_microbatches

@@ -39,12 +39,23 @@ class StageTimes:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Simulation result: makespan, per-rank busy time and the passes' (rank, pass, start, end)."""
+    """Simulation result: makespan, per-rank busy time and end, and every pass's (rank, pass) with its start and
+    end. `events` lists them as (rank, pass, start, end) by start time; it is built only when read (the search
+    reads the per-rank figures of thousands of passes and never the list)."""
 
     makespan: float
     busy: tuple[float, ...]
-    events: tuple[tuple[int, Pass, float, float], ...]
+    rank_end: tuple[float, ...]  # per rank: when its last pass ends
     peak_in_flight: tuple[tuple[int, ...], ...]  # per rank, per chunk: micro-batches whose activations are held at the peak
+    passes: tuple[tuple[int, Pass], ...]  # (rank, pass) in the order simulated
+    starts: tuple[float, ...] | list[float]
+    ends: tuple[float, ...] | list[float]
+
+    @property
+    def events(self) -> tuple[tuple[int, Pass, float, float], ...]:
+        rows = [(r, p, s, e) for (r, p), s, e in zip(self.passes, self.starts, self.ends)]
+        rows.sort(key=itemgetter(2, 0))  # by start, then rank
+        return tuple(rows)
 
     def bubble_fraction(self) -> float:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
@@ -91,17 +102,20 @@ def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Pass]]
     return ranks
 
 
-def simulate(schedule: list[list[Pass]], times: list[list[StageTimes]], p2p_s: float = 0.0,
+def simulate(schedule: list[list[Pass]] | PassOrder, times: list[list[StageTimes]], p2p_s: float = 0.0,
              split_weight: bool = False) -> Timeline:
     """Discrete-event simulation in time order. times[rank][chunk]; p2p_s: activation transfer between stages.
 
     A forward of model stage k needs the forward of stage k-1 (same micro-batch); a backward of stage k needs the
     backward of stage k+1, and the last stage's backward its own forward. With split_weight, each backward is
     input-gradient only and its weight pass is queued: a rank runs a queued W whenever its next F/B would wait,
-    or before a forward that would hold more micro-batches than 1F1B does.
+    or before a forward that would hold more micro-batches than 1F1B does. `schedule` may be a PassOrder already
+    compiled from a fixed order (callers that simulate one order many times keep it).
     """
+    if isinstance(schedule, PassOrder):
+        return simulate_order(schedule, times, p2p_s)
     if not split_weight:
-        return _simulate_fixed_order(schedule, times, p2p_s)
+        return simulate_order(compile_order(schedule), times, p2p_s)
     return simulate_events(schedule, times, p2p_s, split_weight)
 
 
@@ -194,64 +208,75 @@ def simulate_events(schedule: list[list[Pass]], times: list[list[StageTimes]], p
             push(q)
     if any(cursor[r] < len(schedule[r]) or pending_w[r] for r in range(pp)):
         raise RuntimeError("pipeline schedule deadlocked (a pass waits on one that never runs)")
-    return Timeline(max(free_at), tuple(busy), tuple(events), tuple(tuple(x) for x in peak))
+    return Timeline(max(free_at), tuple(busy), tuple(free_at), tuple(tuple(x) for x in peak),
+                    tuple((r, p) for r, p, _, _ in events), tuple(e[2] for e in events), tuple(e[3] for e in events))
 
 
-def _simulate_fixed_order(schedule: list[list[Pass]], times: list[list[StageTimes]], p2p_s: float) -> Timeline:
-    """The same simulation when every rank's order is fixed (no weight passes to place): each pass starts at
-    max(its rank is free, its input arrived), so sweeping the ranks in turn and running every pass whose input is
-    ready gives the event simulation's times exactly, without a priority queue. Each pass's dependency key and
-    cost are resolved once before the sweep (the search simulates thousands of passes per candidate)."""
+@dataclass(frozen=True)
+class PassOrder:
+    """A fixed per-rank order (no weight passes to place) compiled once: every pass in an order where its inputs
+    come first, with the index of its rank's previous pass and of the pass whose output it needs. Which passes
+    wait on which, and so how many micro-batches each rank holds at its peak, do not depend on the times; only the
+    times do, so the search simulates one order under many stage times with one pass over flat lists."""
+
+    pp: int
+    vpp: int
+    passes: tuple[tuple[int, Pass], ...]
+    previous: tuple[int, ...]  # the same rank's previous pass; len(passes) (a 0.0 sentinel) for a rank's first
+    needs: tuple[int, ...]  # the pass whose output this one needs; the sentinel where none
+    remote: tuple[float, ...]  # 1.0 where that output comes from another stage (it pays the P2P hop), else 0.0
+    slot: tuple[int, ...]  # (rank * vpp + chunk) * 2 + (0 forward, 1 backward): where its time is in a flat table
+    rank_slots: tuple[tuple[int, ...], ...]  # per rank, its passes' slots in its own order (busy time sums)
+    last: tuple[int, ...]  # per rank, its last pass
+    peak_in_flight: tuple[tuple[int, ...], ...]
+
+
+def compile_order(schedule: list[list[Pass]]) -> PassOrder:
+    """Sweep the ranks in turn, taking every pass whose input has been taken (the order the sweep takes them in
+    is one where inputs come first); raises on a deadlocked order."""
     pp = len(schedule)
-    vpp = len(times[0])
+    vpp = 1 + max((p.chunk for row in schedule for p in row), default=0)
     stages = pp * vpp
     last_stage = stages - 1
-    done: dict[int, float] = {}  # end of (micro-batch, model stage, pass kind), keyed as one int
-    rows = []
-    for r in range(pp):
-        row = []
-        for p in schedule[r]:
-            stage = p.chunk * pp + r
-            key = 2 * (p.microbatch * stages + stage)
-            if p.kind == "F":
-                dep = -1 if stage == 0 else key - 2  # the previous stage's forward
-                row.append((p, True, key, dep, times[r][p.chunk].forward, 0.0 if stage == 0 else p2p_s))
-            elif stage == last_stage:  # its own forward, already run in this rank's order
-                row.append((p, False, key + 1, key, times[r][p.chunk].backward, 0.0))
-            else:  # the next stage's backward
-                row.append((p, False, key + 1, key + 3, times[r][p.chunk].backward, p2p_s))
-        rows.append(row)
+    sentinel = sum(len(row) for row in schedule)
+    index: dict[int, int] = {}  # (micro-batch, model stage, pass kind) keyed as one int -> position in the order
+    passes: list[tuple[int, Pass]] = []
+    previous: list[int] = []
+    needs: list[int] = []
+    remote: list[float] = []
+    slot: list[int] = []
     cursor = [0] * pp
-    free_at = [0.0] * pp
-    busy = [0.0] * pp
-    events: list[tuple[int, Pass, float, float]] = []
+    last = [sentinel] * pp
     in_flight = [[0] * vpp for _ in range(pp)]
     total = [0] * pp
     peak = [[0] * vpp for _ in range(pp)]
     peak_total = [0] * pp
-    remaining = sum(len(s) for s in rows)
-    while remaining:
+    while len(passes) < sentinel:
         progressed = False
         for r in range(pp):
-            row = rows[r]
-            i, n = cursor[r], len(row)
-            free = free_at[r]
-            while i < n:
-                p, forward, key, dep, cost, hop = row[i]
-                if dep < 0:
-                    ready = 0.0
-                else:
-                    arrived = done.get(dep)
-                    if arrived is None:
-                        break
-                    ready = arrived + hop
-                start = free if free > ready else ready
-                free = start + cost
-                busy[r] += cost
-                events.append((r, p, start, free))
-                done[key] = free
-                i += 1
-                if forward:
+            row = schedule[r]
+            while cursor[r] < len(row):
+                p = row[cursor[r]]
+                stage = p.chunk * pp + r
+                key = 2 * (p.microbatch * stages + stage)
+                if p.kind == "F":
+                    dep, own = (-1 if stage == 0 else key - 2), key
+                elif stage == last_stage:  # its own forward, already taken in this rank's order
+                    dep, own = key, key + 1
+                else:  # the next stage's backward
+                    dep, own = key + 3, key + 1
+                if dep >= 0 and dep not in index:
+                    break
+                index[own] = len(passes)
+                previous.append(last[r])
+                needs.append(index[dep] if dep >= 0 else sentinel)
+                remote.append(1.0 if dep >= 0 and dep != key else 0.0)
+                slot.append((r * vpp + p.chunk) * 2 + (0 if p.kind == "F" else 1))
+                last[r] = len(passes)
+                passes.append((r, p))
+                cursor[r] += 1
+                progressed = True
+                if p.kind == "F":
                     in_flight[r][p.chunk] += 1
                     total[r] += 1
                     if total[r] > peak_total[r]:
@@ -260,15 +285,33 @@ def _simulate_fixed_order(schedule: list[list[Pass]], times: list[list[StageTime
                 else:
                     in_flight[r][p.chunk] -= 1
                     total[r] -= 1
-            if i != cursor[r]:
-                remaining -= i - cursor[r]
-                cursor[r] = i
-                free_at[r] = free
-                progressed = True
         if not progressed:
             raise RuntimeError("pipeline schedule deadlocked (a pass waits on one that never runs)")
-    events.sort(key=itemgetter(2, 0))  # by start, then rank
-    return Timeline(max(free_at), tuple(busy), tuple(events), tuple(tuple(x) for x in peak))
+    rank_slots = tuple(tuple((r * vpp + p.chunk) * 2 + (0 if p.kind == "F" else 1) for p in schedule[r])
+                       for r in range(pp))
+    return PassOrder(pp, vpp, tuple(passes), tuple(previous), tuple(needs), tuple(remote), tuple(slot),
+                     rank_slots, tuple(last), tuple(tuple(x) for x in peak))
+
+
+def simulate_order(order: PassOrder, times: list[list[StageTimes]], p2p_s: float = 0.0) -> Timeline:
+    """Each pass starts at max(its rank's previous pass ended, its input arrived): the event simulation's times
+    exactly (same operations in the same order), in one pass over the compiled order."""
+    table = [x for row in times for t in row for x in (t.forward, t.backward)]
+    ends = [0.0] * (len(order.passes) + 1)  # the last entry is the sentinel: "ended" at time 0
+    starts = [0.0] * len(order.passes)
+    i = 0
+    for prev, need, rem, at in zip(order.previous, order.needs, order.remote, order.slot):
+        start = ends[prev]
+        ready = ends[need] + rem * p2p_s
+        if ready > start:
+            start = ready
+        starts[i] = start
+        ends[i] = start + table[at]
+        i += 1
+    ends.pop()
+    rank_end = tuple(ends[k] if k < len(ends) else 0.0 for k in order.last)
+    busy = tuple(float(sum(table[at] for at in slots)) for slots in order.rank_slots)
+    return Timeline(max(rank_end), busy, rank_end, order.peak_in_flight, order.passes, starts, ends)
 
 
 def bubble_closed_form(pp: int, m: int, vpp: int = 1) -> float:

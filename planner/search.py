@@ -677,8 +677,12 @@ class _Search:
         bounds = self.work_bounds_of(cands)
         # ZeRO-2/3 candidates whose layer times hold per-layer DP collectives: the work bound over those layer times
         # (most end here: a gather or reduce-scatter per layer and micro-batch can outweigh the layer)
-        # (CostContext.dp_in_layer_times, read off the candidate without building its context)
-        sharded = [n for n, c in enumerate(cands) if c.zero == 3 or self.rt.reduces_each_microbatch(c.zero, c.mesh.pp)]
+        # (CostContext.dp_in_layer_times, read off the candidate without building its context). That bound is at
+        # least the work bound, so where the work bound already reaches the best plan it is not computed.
+        cutoff = self.best.cutoff() * (1 - REL_TOL)
+        has_dp = [c.zero == 3 or self.rt.reduces_each_microbatch(c.zero, c.mesh.pp) for c in cands]
+        sharded = [n for n, (dp_in_layers, bound) in enumerate(zip(has_dp, bounds.tolist()))
+                   if dp_in_layers and bound < cutoff]
         if sharded:
             gbs, rep = self.wl.global_batch, {}
             for n in sharded:  # one context per (sp, cp_comm, zero): the layer times read nothing else of these
@@ -687,14 +691,11 @@ class _Search:
             rows = [(self._sharded_key_costs(c, ctxs[(c.sp, c.cp_comm, c.zero)]), c.num_microbatches(gbs),
                      c.mesh.pp, c.schedule, self._hop(c.mesh, c.mbs)) for c in (cands[n] for n in sharded)]
             bounds[sharded] = np.maximum(bounds[sharded], self._work_bounds(rows))
-        cutoff = self.best.cutoff() * (1 - REL_TOL)
-        flags = np.zeros(len(cands), dtype=bool)
-        flags[sharded] = True
-        for c, bound, has_dp in zip(cands, bounds.tolist(), flags.tolist()):
-            if has_dp and bound >= cutoff:
+        for c, bound, dp_in_layers in zip(cands, bounds.tolist(), has_dp):
+            if dp_in_layers and bound >= cutoff:
                 self._count(self.pruned, self.PRUNED_BY["cand-dp"])
             else:
-                self._push(bound, "cand-dp" if has_dp else "cand", c)
+                self._push(bound, "cand-dp" if dp_in_layers else "cand", c)
 
     def _step_candidate(self, key: float, c: Candidate, sharded_bound: bool = False) -> None:
         """The candidate's next bound: the interleaved bound with virtual stages, else (after the memory floor) the

@@ -140,8 +140,16 @@ class Group:
         return len(self.zeros) * sum(flat if v[3] == 1 else virtual for v in self.variants)
 
     def recomputes_for(self, vpp: int) -> tuple[RecomputeChoice, ...]:
+        return self._recomputes_flat if vpp == 1 else self._recomputes_virtual
+
+    @cached_property
+    def _recomputes_flat(self) -> tuple[RecomputeChoice, ...]:  # read per candidate: cached
         # per-stage recomputation is a partitioner choice: it needs stages (pp > 1) and no virtual stages
-        return tuple(r for r in self.recomputes if r != "per-stage" or (self.mesh.pp > 1 and vpp == 1))
+        return tuple(r for r in self.recomputes if r != "per-stage" or self.mesh.pp > 1)
+
+    @cached_property
+    def _recomputes_virtual(self) -> tuple[RecomputeChoice, ...]:
+        return tuple(r for r in self.recomputes if r != "per-stage")
 
 
 @dataclass

@@ -264,6 +264,7 @@ def test_fixed_order_sweep_equals_event_simulation(pp, vpp, groups, schedule, da
     a, b = simulate(sched, times, p2p), simulate_events(sched, times, p2p)
     assert a.makespan == b.makespan and a.busy == b.busy and a.peak_in_flight == b.peak_in_flight
     assert sorted(a.events, key=lambda e: (e[0], e[2])) == sorted(b.events, key=lambda e: (e[0], e[2]))
+    assert a.rank_end == b.rank_end == tuple(max(e[3] for e in b.events if e[0] == r) for r in range(pp))
 
 
 def test_mtp_modules_sit_on_the_last_stage():
