@@ -594,20 +594,22 @@ class PassCache:
         """(forward, backward) seconds of decoder layer i under a recompute mode (backward: input and weight
         gradients and the recomputation) from the halves' totals alone: what the planner's work bounds read, for
         thousands of layer keys, without composing PassTimes."""
+        return with_recompute_fb(self.layer_parts(i, lay, links), mode)
+
+    def layer_parts(self, i: int, lay, links) -> tuple[float, float, float]:
+        """(forward, backward without recomputation, selective recomputation's forward seconds) of decoder layer i:
+        layer_fb of every mode from one lookup (with_recompute_fb)."""
         model = self.model
         if self.rt.ep_overlap and model.is_moe_layer(i):  # the overlap pairs the halves' passes (_ep_overlapped)
             base, selective = self.layer(i, lay, links)
-            again = base.forward if mode == "full" else selective if mode == "selective" else 0.0
-            return base.forward, base.backward_input + base.bwd_weight_compute + again
+            return base.forward, base.backward_input + base.bwd_weight_compute, selective
         any_layout = self.eff.fp8_any_layout
         attn = self._totals(self._key("attention", lay, links),
                             lambda: attention_half(model, lay, self.wl, self.rt, any_layout), lay, links)
         mlp = self._totals(self._key("moe" if model.is_moe_layer(i) else "mlp", lay, links),
                            lambda: mlp_half(model, i, lay, self.wl, self.rt, any_layout), lay, links)
-        forward = attn[0] + mlp[0]
-        selective = self._selective_s(attn[2], lay) + self._selective_s(mlp[2], lay) if mode == "selective" else 0.0
-        again = forward if mode == "full" else selective  # as _with_recompute
-        return forward, attn[1] + mlp[1] + again
+        return (attn[0] + mlp[0], attn[1] + mlp[1],
+                self._selective_s(attn[2], lay) + self._selective_s(mlp[2], lay))
 
     def edges_fb(self, lay, links) -> tuple[tuple[float, float], tuple[float, float]]:
         """((forward, backward) of the embedding, of the head with the MTP modules): as layer_fb."""
@@ -977,6 +979,14 @@ def _offload_passes(ctx: CostContext, modes: tuple[str, ...]) -> PassTimes:
         out += copy_engine_exposed(t, nxt.fwd_compute, ph)
         inn += copy_engine_exposed(t, nxt.bwd_input_compute + nxt.bwd_weight_compute, ph)
     return PassTimes(fwd_comm={"offload": out}, bwd_comm={"offload": inn})
+
+
+def with_recompute_fb(parts: tuple[float, float, float], mode: str) -> tuple[float, float]:
+    """(forward, backward) of a layer's (forward, backward, selective forward) under a recompute mode: full re-runs
+    the forward in the backward, selective its modules' share (as _with_recompute)."""
+    forward, backward, selective = parts
+    again = forward if mode == "full" else selective if mode == "selective" else 0.0
+    return forward, backward + again
 
 
 def _with_recompute(base: PassTimes, recompute: str, selective_s: float) -> PassTimes:

@@ -26,7 +26,7 @@ import numpy as np
 from costmodels.config import (DEFAULT_RECOMPUTE_MODULES, DEFAULT_RUNTIME, ParallelConfig, StagePolicy, Workload,
                                get_runtime, resolve)
 from costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, Estimate, buffer_bytes,
-                                 fp8_weight_cast_s, simulate_config, stage_p2p_s, stage_ranges)
+                                 fp8_weight_cast_s, simulate_config, stage_p2p_s, stage_ranges, with_recompute_fb)
 from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, layer_activation_bytes,
                                logits_bytes, model_state_bytes, mtp_activation_bytes, stage_params)
 from costmodels.model import ModelSpec
@@ -177,6 +177,7 @@ class _Search:
         self.hops: dict[tuple[Mesh, int], float] = {}
         self.rank_contents: dict[tuple, tuple] = {}
         self.work_bounds: dict[tuple, tuple[float, float]] = {}
+        self.layer_parts: dict[tuple, tuple] = {}  # per layer key: each layer kind's (forward, backward, selective)
         self.family_bounds: dict[tuple, float] = {}
         self.interleaved_bounds: dict[tuple, list] = {}  # per mesh/mbs/...: each split's per-rank paths
         self.chunk_kinds: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
@@ -358,10 +359,14 @@ class _Search:
         key = (m.tp, m.cp, cp_comm, sp, mbs, m.ep, m.etp, rec)  # the layer key's fields, as a tuple
         found = self.work_bounds.get(key)
         if found is None:
-            lay = LayerKey(m.tp, m.cp, cp_comm, sp, mbs, m.ep, m.etp)  # it has every field the blocks read
-            links = self._links(m)
-            passes = [self.passes.layer_fb(i, rec, lay, links) for i in self.layer_kinds.values()]
-            found = self.work_bounds[key] = self._costs_of(passes, self.passes.edges_fb(lay, links))
+            parts = self.layer_parts.get(key[:-1])  # every recompute mode's layer times from one lookup
+            if parts is None:
+                lay = LayerKey(m.tp, m.cp, cp_comm, sp, mbs, m.ep, m.etp)  # it has every field the blocks read
+                links = self._links(m)
+                parts = self.layer_parts[key[:-1]] = (
+                    [self.passes.layer_parts(i, lay, links) for i in self.layer_kinds.values()],
+                    self.passes.edges_fb(lay, links))
+            found = self.work_bounds[key] = self._costs_of([with_recompute_fb(x, rec) for x in parts[0]], parts[1])
         return found
 
     def _sharded_key_costs(self, c: Candidate, ctx: CostContext) -> list:
