@@ -167,6 +167,9 @@ class Runtime(BaseModel):
     # copy costs a pass over the repeated tensors, and the kernel, torch CP's K,V exchange and the saved K,V carry
     # query-head width. False: the kernel reads the grouped heads in place (TE / flash-attn GQA, SDPA enable_gqa)
     gqa_repeats_kv: bool = False
+    # MXFP8 casts: both block directions in one fused pass (TransformerEngine's MXFP8 quantizer), or one kernel per
+    # direction, each reading the 16-bit operand again (torchao's MXLinear; kernels.TORCHAO_MX_CAST_BYTES)
+    mx_cast_per_dim: bool = False
     # what the framework can run at all: the search picks only these, a pinned knob outside them is refused
     schedules: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved", "zb")
     cp_comms: tuple[Literal["ring", "a2a"], ...] = ("ring", "a2a")  # () = no context parallelism
@@ -270,6 +273,7 @@ RUNTIMES: dict[str, Runtime] = {
                           sharded_grad_reduce="pipeline-defers",
                           attention_kernel="sdpa-fa2", selective="op-sac", fused_projections=False,
                           tp_fp8_all_gather=("tensorwise",), fsdp_copies=True, gqa_repeats_kv=True,
+                          mx_cast_per_dim=True,
                           memory_kernels=(("norm", 0.6), ("swiglu", 0.36), ("activation", 0.36), ("rope", 0.2),
                                           ("cross_entropy", 0.40))),
     # meshplan's reference executor (executor/plan_run.py): SDPA attention, no dropout, gradients synchronised after

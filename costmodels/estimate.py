@@ -1181,7 +1181,7 @@ def fp8_weight_cast_s(ctx: CostContext, params: StageParams, first: bool, last: 
         return 0.0
     edge = stage_params(ctx.model, ctx.lay, range(0), first, last)
     weights = max(0.0, params.dense - edge.dense) + params.expert
-    per_element = quant_bytes_per_element(ctx.wl.fp8_recipe, ctx.eff.fp8_any_layout)
+    per_element = quant_bytes_per_element(ctx.wl.fp8_recipe, ctx.eff.fp8_any_layout, ctx.rt.mx_cast_per_dim)
     return weights * per_element / (ctx.hbm * ctx.eff.memory_bandwidth)
 
 

@@ -84,8 +84,19 @@ QUANT_BYTES_ANY_LAYOUT: dict[str, float] = {"delayed": 3.0, "tensorwise": 6.0, "
 MXFP8_OVER_PER_TENSOR = 6.812 / 7.161
 
 
-def quant_bytes_per_element(recipe: str, any_layout: bool) -> float:
-    """HBM traffic of casting one element of a GEMM operand to FP8 under `recipe` (TN-only GPUs keep a transpose)."""
+# torchao's MX training (prototype/mx_formats/mx_linear.py, torchao 0.13) casts each GEMM operand twice, in two
+# kernels: the row-blocked copy (MXTensor.to_mx under torch.compile) and the column-blocked one (its dim1 CUDA
+# kernel), each reading the 16-bit tensor (2 B) and writing 1 B plus a 1/32 B E8M0 scale; torchao's B200 cast
+# microbenchmarks (docs/source/workflows/training.md, 16384 x 16384, 1000 W) run them at 6462 and 5404 GB/s, so
+# the dim1 pass costs 6462 / 5404 of its bytes at the dim0 kernel's rate, which is the GPU's memory roof here.
+TORCHAO_MX_CAST_BYTES = (2 + 1 + 1 / 32) * (1 + 6462.0 / 5404.46)
+
+
+def quant_bytes_per_element(recipe: str, any_layout: bool, mx_per_dim: bool = False) -> float:
+    """HBM traffic of casting one element of a GEMM operand to FP8 under `recipe` (TN-only GPUs keep a transpose);
+    `mx_per_dim`: MXFP8 cast one block direction at a time (Runtime.mx_cast_per_dim)."""
+    if mx_per_dim and recipe == "mxfp8":
+        return TORCHAO_MX_CAST_BYTES
     return (QUANT_BYTES_ANY_LAYOUT if any_layout else QUANT_BYTES_PER_ELEMENT)[recipe]
 
 

@@ -131,7 +131,7 @@ def gemm(name: str, m: float, n: float, k: float, dtype_scale: float = 1.0, weig
 SHARED_INPUT_GEMMS = ("wk", "wv", "w3")  # unfused linears whose input an earlier one of the block also reads
 
 
-def fp8_quantize_ops(ops: list[Op], recipe: str, any_layout: bool = False) -> list[Op]:
+def fp8_quantize_ops(ops: list[Op], recipe: str, any_layout: bool = False, mx_per_dim: bool = False) -> list[Op]:
     """The casts an FP8 recipe adds around each FP8 GEMM (TransformerEngine's Linear, docs/features/
     low_precision_training: performance_considerations.rst): its activation input to FP8 in the forward and the
     output gradient in the backward, each with the transposed / column-wise copy the other backward GEMM reads
@@ -139,7 +139,7 @@ def fp8_quantize_ops(ops: list[Op], recipe: str, any_layout: bool = False) -> li
     step (estimate.fp8_weight_cast_s)."""
     from costmodels.kernels import quant_bytes_per_element
 
-    per = quant_bytes_per_element(recipe, any_layout)
+    per = quant_bytes_per_element(recipe, any_layout, mx_per_dim)
     out = []
     for op in ops:
         if op.kind != "gemm" or op.gemm_dtype_scale <= 1 or op.shape is None:
@@ -282,7 +282,7 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
         ops.append(cp_merge(model, lay, wl, rt))
     ops += [residual, elementwise("norm2", norm_tokens * h, norm_tokens * h), residual]
     if wl.dtype == "fp8":
-        ops += fp8_quantize_ops(ops, wl.fp8_recipe, fp8_any_layout)
+        ops += fp8_quantize_ops(ops, wl.fp8_recipe, fp8_any_layout, rt.mx_cast_per_dim)
     comms = _tp_pair(model, lay, wl, rt)
     if lay.cp > 1:
         kv_dim = (attended_kv_heads(model, rt) * model.head_size) if model.mla is None else model.num_heads * (
@@ -361,7 +361,7 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
     if not model.is_moe_layer(index):
         dense = _mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8, rt.fused_projections)
         if wl.dtype == "fp8":
-            dense += fp8_quantize_ops(dense, wl.fp8_recipe, fp8_any_layout)
+            dense += fp8_quantize_ops(dense, wl.fp8_recipe, fp8_any_layout, rt.mx_cast_per_dim)
         return Block("mlp", tuple(dense), tuple(_tp_pair(model, lay, wl, rt)))
     moe = model.moe
     assert moe is not None
@@ -383,7 +383,7 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
         ops += _mlp_ops("shared_", model, tokens, moe.num_shared_experts * moe.shared_hidden / lay.tp, fp8,
                         rt.fused_projections)
     if wl.dtype == "fp8":
-        ops += fp8_quantize_ops(ops, wl.fp8_recipe, fp8_any_layout)
+        ops += fp8_quantize_ops(ops, wl.fp8_recipe, fp8_any_layout, rt.mx_cast_per_dim)
     if lay.ep > 1:
         # Dispatch and combine: each rank sends its token copies to the experts' owners (GShard, Lepikhin 2020).
         # each pass: one all-to-all at the dispatch's element bytes, one (a combine) in BF16, counted as 2 of the mean

@@ -213,6 +213,51 @@ def test_te_default_grouped_gemm_matches_its_h100_measurement(groups, m, tflops)
 
 
 
+# Sustained (power-saturated) matmul rates, stas00/ml-engineering mamf-finder "MSMF" (compute/accelerator/README.md
+# and benchmarks/README.md at commit 082816f, 2026-08): (gpu, dtype, (m, n, k), TFLOP/s with the node's other GPUs
+# busy). BF16: the mean of 40 all-8-busy runs; FP8: the GPU alone x the BF16 busy/alone ratio of the same node.
+SUSTAINED_MATMULS = [
+    ("h200", "bf16", (8192, 8448, 20480), 698.6),
+    ("h200", "fp8", (8448, 8192, 16384), 1288.7 * 698.6 / 702.9),
+    ("b200", "bf16", (9472, 8192, 20480), 1426.4),
+    ("b200", "fp8", (9472, 8192, 16384), 2795.7 * 1426.4 / 1455.7),
+]
+
+
+@pytest.mark.parametrize("gpu_name,dtype,shape,tflops", SUSTAINED_MATMULS)
+def test_large_gemms_run_at_the_measured_sustained_rate(gpu_name, dtype, shape, tflops):
+    """A training step keeps the GPU at its power limit, where the SM clock settles ~15-20 % below the boost clock
+    that short benchmarks see (B200: 1965 -> ~1340 MHz at 1000 W); the GPU files' ceilings are these sustained rates,
+    within 1 %. The H100 SXM and H800 (same die and 700 W) carry the H200's."""
+    gpu = load_gpu(gpu_name)
+    eff = Efficiency.from_gpu(gpu)
+    m, n, k = shape
+    fp8 = "tensorwise" if dtype == "fp8" else None
+    flops = 2.0 * m * n * k
+    t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff, depth=k, fp8=fp8)
+    assert flops / t / 1e12 == pytest.approx(tflops, rel=0.01)
+    for same in ("h100-sxm", "h800"):
+        if gpu_name == "h200":
+            assert dataclasses.replace(Efficiency.from_gpu(load_gpu(same)), physics=eff.physics) == eff
+
+
+def test_torchao_casts_each_mx_block_direction_in_its_own_pass():
+    """torchao's MXLinear (prototype/mx_formats/mx_linear.py) casts every operand twice, row-blocked and
+    column-blocked, each pass reading the 16-bit tensor: 2 x (2 + 1 + 1/32) B an element, the column pass at its
+    kernel's 5404 against the row pass's 6462 GB/s (torchao's B200 cast microbenchmarks); TransformerEngine's
+    quantizer writes both copies in one pass (4.75 B measured). The other recipes do not depend on it."""
+    assert get_runtime("torchtitan").mx_cast_per_dim and not get_runtime("megatron-core").mx_cast_per_dim
+    per_dim = quant_bytes_per_element("mxfp8", True, mx_per_dim=True)
+    assert per_dim == pytest.approx(3.03125 + 3.03125 * 6462 / 5404.46)
+    assert quant_bytes_per_element("mxfp8", True) == 4.75
+    assert quant_bytes_per_element("tensorwise", True, mx_per_dim=True) == quant_bytes_per_element("tensorwise", True)
+    op = gemm("wq", 8192, 4096, 4096, 2.0)
+    (fused,), (two,) = fp8_quantize_ops([op], "mxfp8", True), fp8_quantize_ops([op], "mxfp8", True, mx_per_dim=True)
+    assert two.fwd_bytes == pytest.approx(fused.fwd_bytes * per_dim / 4.75)
+    assert two.bwd_input_bytes == pytest.approx(per_dim * 8192 * 4096)
+
+
+
 # TransformerEngine's GEMM profile of a 5B layer (hidden 4096, ffn 16384, 15,872 tokens; docs/examples/gemm_profiling/
 # gemm_profiling.rst): per-layer milliseconds of its 12 GEMMs (4 fprop, 4 dgrad, 4 wgrad), each run as a te.Linear
 # under autocast (the input and the weight quantised every call) and pre-quantised (kernels only)
@@ -718,8 +763,9 @@ def test_torchao_fp8_speedups_match_its_readme(gpu, runtime, recipe, measured):
     7689.5 (1.25x), rowwise 6768 (1.10x) tokens/s (the row-scaled kernel and its two casts per operand).
     B200 (torchao docs/source/workflows/training.md, 'Training e2e benchmarks on NVIDIA B200', power-limited GPUs,
     torchtitan 6fc499f, 2025-08, so the loss compiled too): BF16 8307.5, tensorwise 10417 (1.25x), mxfp8_cublas
-    9969 (1.20x) (Blackwell's FP8 kernels take any layout; MXFP8 at 0.951 of per-tensor with 4.75 B casts). Only
-    ratios: the B200 page's absolute rates are about half the model's at an unstated power limit. Not checked:
+    9969 (1.20x) (Blackwell's FP8 kernels take any layout; MXFP8 at 0.951 of per-tensor). Only
+    ratios: the B200 page's absolute rates are about half the model's at an unstated power limit; torchao casts each
+    MX block direction in its own pass (Runtime.mx_cast_per_dim). Not checked:
     its row-wise run (1.04x; torchao's row-wise CUTLASS kernel on Blackwell is slower than the model's row-scaled
     one). The FP8 parameter all-gathers are not modelled (FSDP's gathers hide behind the compute here)."""
     from costmodels.model_io import load_model
