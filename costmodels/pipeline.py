@@ -113,6 +113,8 @@ def simulate(schedule: list[list[Pass]] | PassOrder, times: list[list[StageTimes
     compiled from a fixed order (callers that simulate one order many times keep it).
     """
     if isinstance(schedule, PassOrder):
+        if split_weight:
+            raise ValueError("a compiled PassOrder is a fixed order; weight passes to place need the event simulation")
         return simulate_order(schedule, times, p2p_s)
     if not split_weight:
         return simulate_order(compile_order(schedule), times, p2p_s)
@@ -245,6 +247,7 @@ def compile_order(schedule: list[list[Pass]]) -> PassOrder:
     needs: list[int] = []
     remote: list[float] = []
     slot: list[int] = []
+    rank_slots: list[list[int]] = [[] for _ in range(pp)]
     cursor = [0] * pp
     last = [sentinel] * pp
     in_flight = [[0] * vpp for _ in range(pp)]
@@ -272,6 +275,7 @@ def compile_order(schedule: list[list[Pass]]) -> PassOrder:
                 needs.append(index[dep] if dep >= 0 else sentinel)
                 remote.append(1.0 if dep >= 0 and dep != key else 0.0)
                 slot.append((r * vpp + p.chunk) * 2 + (0 if p.kind == "F" else 1))
+                rank_slots[r].append(slot[-1])  # a rank's passes are taken in its own order
                 last[r] = len(passes)
                 passes.append((r, p))
                 cursor[r] += 1
@@ -287,15 +291,16 @@ def compile_order(schedule: list[list[Pass]]) -> PassOrder:
                     total[r] -= 1
         if not progressed:
             raise RuntimeError("pipeline schedule deadlocked (a pass waits on one that never runs)")
-    rank_slots = tuple(tuple((r * vpp + p.chunk) * 2 + (0 if p.kind == "F" else 1) for p in schedule[r])
-                       for r in range(pp))
     return PassOrder(pp, vpp, tuple(passes), tuple(previous), tuple(needs), tuple(remote), tuple(slot),
-                     rank_slots, tuple(last), tuple(tuple(x) for x in peak))
+                     tuple(tuple(x) for x in rank_slots), tuple(last), tuple(tuple(x) for x in peak))
 
 
 def simulate_order(order: PassOrder, times: list[list[StageTimes]], p2p_s: float = 0.0) -> Timeline:
     """Each pass starts at max(its rank's previous pass ended, its input arrived): the event simulation's times
     exactly (same operations in the same order), in one pass over the compiled order."""
+    if len(times) != order.pp or any(len(row) != order.vpp for row in times):
+        raise ValueError(f"stage times for {len(times)} ranks x {len(times[0]) if times else 0} chunks; the order "
+                         f"has {order.pp} x {order.vpp}")
     table = [x for row in times for t in row for x in (t.forward, t.backward)]
     ends = [0.0] * (len(order.passes) + 1)  # the last entry is the sentinel: "ended" at time 0
     starts = [0.0] * len(order.passes)

@@ -250,6 +250,7 @@ def test_hopper_large_gemms_sit_between_the_measured_sustained_rates():
         rate = flops / op_time(flops, 0.0, "gemm", gpu.peak_flops("bf16"), gpu.hbm_bytes_per_s, eff, depth=k) / 1e12
         assert 698.6 <= rate <= 745.0, (name, rate)
 
+
 def test_torchao_casts_each_mx_block_direction_in_its_own_pass():
     """torchao's MXLinear (prototype/mx_formats/mx_linear.py) casts every operand twice, row-blocked and
     column-blocked, each pass reading the 16-bit tensor: 2 x (2 + 1 + 1/32) B an element, the column pass at its
@@ -264,7 +265,6 @@ def test_torchao_casts_each_mx_block_direction_in_its_own_pass():
     (fused,), (two,) = fp8_quantize_ops([op], "mxfp8", True), fp8_quantize_ops([op], "mxfp8", True, mx_per_dim=True)
     assert two.fwd_bytes == pytest.approx(fused.fwd_bytes * per_dim / 4.75)
     assert two.bwd_input_bytes == pytest.approx(per_dim * 8192 * 4096)
-
 
 
 # TransformerEngine's GEMM profile of a 5B layer (hidden 4096, ffn 16384, 15,872 tokens; docs/examples/gemm_profiling/
