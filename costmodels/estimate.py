@@ -661,6 +661,8 @@ class PassCache:
                 continue
             if op.name == "cp_merge" and not eff.physics.cp_steps:  # the ring's per-step merges go with its steps
                 continue
+            if op.name.startswith("async_tp_") and not eff.physics.overlap_limits:  # what the overlap costs
+                continue
             peak = self.peak_fp8 if fp8 else self.peak16
             measured = eff.memory_op_time(op.name, op.fwd_bytes) if op.kind == "memory" else None
             if measured is not None:  # calibrated: this operator class's measured rate (forward, backward)
@@ -1158,6 +1160,8 @@ def op_sac_recomputed(op: Op, model: ModelSpec) -> float:
     share of a fused qkv), the output projection, the SwiGLU up half (w3) or the GeLU down projection; the
     attention kernel's output is saved."""
     if op.name == "cp_merge":  # inside the saved SDPA op (torch context_parallel dispatches it whole)
+        return 0.0
+    if op.name == "async_tp_partials_sum":  # part of the fused reduce-scatter, whose output the SAC list saves
         return 0.0
     if op.kind == "memory":
         return 1.0

@@ -284,6 +284,7 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
     if wl.dtype == "fp8":
         ops += fp8_quantize_ops(ops, wl.fp8_recipe, fp8_any_layout, rt.mx_cast_per_dim)
     comms = _tp_pair(model, lay, wl, rt)
+    ops += async_tp_copies(lay, rt, ops, comms)
     if lay.cp > 1:
         kv_dim = (attended_kv_heads(model, rt) * model.head_size) if model.mla is None else model.num_heads * (
             model.mla.qk_head_dim + model.mla.v_head_dim) / 2
@@ -352,6 +353,37 @@ def _tp_pair(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime) -> list[C
     return [Collective("tp_all_reduce", "all_reduce", "tp", act_bytes, 1, 1, overlappable="tp")]
 
 
+def async_tp_copies(lay: Layout, rt: Runtime, ops: list[Op], comms: list[Collective]) -> list[Op]:
+    """The memory passes PyTorch async TP adds on the compute stream where it fuses a TP collective with its GEMM
+    (torch/distributed/_symmetric_memory/__init__.py). A fused all-gather matmul first copies the local shard into
+    its symmetric buffer (read and written) before any peer may pull it, unoverlapped by design
+    (_pipelined_multi_all_gather_and_consume: "giving up the chance to overlap mv"). A fused matmul reduce-scatter
+    lands the tp partial outputs in a stacked buffer and sums them in a kernel of its own
+    (_fused_matmul_reduce_scatter_impl: reduce_fn over the stacked partials): it reads the whole unscattered output
+    and writes its shard, the reduction NCCL's reduce-scatter does inside the collective. The backward mirrors
+    them where it is fused too (kernels.async_tp_fused): the output gradient's all-gather, the input gradient's
+    reduce-scatter."""
+    from costmodels.kernels import TP_OVERLAPPED_GEMMS, async_tp_fused
+
+    pair = {c.name: c for c in comms if c.name in ("tp_all_gather", "tp_reduce_scatter")}
+    if rt.tp_overlap != "async-tp" or lay.tp <= 1 or len(pair) < 2:
+        return []
+    columns = sum(TP_OVERLAPPED_GEMMS.get(op.name) == "all_gather" for op in ops)
+    gather, scatter = pair["tp_all_gather"], pair["tp_reduce_scatter"]
+    # the stacked partials read and the shard written, 16-bit as the forward reduce-scatter's buffer
+    reduce_pass = (1 + 1 / lay.tp) * scatter.bytes_
+
+    def fused(backward: bool, name: str) -> bool:
+        return async_tp_fused(lay.sp, backward, name, columns)
+
+    copy_f = 2 * gather.bytes_ / lay.tp if fused(False, "tp_all_gather") else 0.0
+    copy_b = 2 * scatter.pass_bytes(True) / lay.tp if fused(True, "tp_reduce_scatter") else 0.0
+    reduce_f = reduce_pass if fused(False, "tp_reduce_scatter") else 0.0
+    reduce_b = reduce_pass if fused(True, "tp_all_gather") else 0.0
+    return [Op("async_tp_shard_copy", "memory", 0.0, copy_f, 0.0, copy_b),
+            Op("async_tp_partials_sum", "memory", 0.0, reduce_f, 0.0, reduce_b)]
+
+
 def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtime,
              fp8_any_layout: bool = False) -> Block:
     """A decoder layer's MLP: dense (with its TP pair), or MoE (router, experts, EP/ETP communication)."""
@@ -362,7 +394,8 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
         dense = _mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8, rt.fused_projections)
         if wl.dtype == "fp8":
             dense += fp8_quantize_ops(dense, wl.fp8_recipe, fp8_any_layout, rt.mx_cast_per_dim)
-        return Block("mlp", tuple(dense), tuple(_tp_pair(model, lay, wl, rt)))
+        comms = _tp_pair(model, lay, wl, rt)
+        return Block("mlp", tuple(dense + async_tp_copies(lay, rt, dense, comms)), tuple(comms))
     moe = model.moe
     assert moe is not None
     ops: list[Op] = []

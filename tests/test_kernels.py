@@ -94,6 +94,35 @@ def test_async_tp_still_helps_but_less_than_everything_hidden():
     assert unlimited < async_tp < vanilla
 
 
+def test_async_tp_symmetric_memory_copies_by_hand():
+    """torch/distributed/_symmetric_memory: a fused all-gather matmul copies the local shard into its buffer (read +
+    write), a fused matmul reduce-scatter sums the tp stacked partials in a kernel of its own (reads the whole
+    output, writes the shard); the backward where it is fused too (torchtitan's separate wq/wk/wv and w1/w3 leave
+    the input gradient's reduce-scatter to NCCL)."""
+    from costmodels.config import resolve
+    from costmodels.ops import attention_half, mlp_half
+
+    wl = Workload(global_batch=8, seq_len=8192)
+    lay = resolve(MODEL, 8, wl, ParallelConfig(tp=8, sp=True))
+    elements = 8192 * 4096  # one micro-batch's [s, h] activations
+    copy = 2 * (2 * elements) / 8  # the 16-bit shard read and written
+    partials = (2 * elements) + (2 * elements) / 8  # the stacked partials read, the shard written
+    for runtime, fused_qkv in (("torchtitan+compile+async-tp", False), ("megatron-core+async-tp", True)):
+        rt = get_runtime(runtime)
+        for block in (attention_half(MODEL, lay, wl, rt), mlp_half(MODEL, 0, lay, wl, rt)):
+            ops = {op.name: op for op in block.ops}
+            assert ops["async_tp_shard_copy"].fwd_bytes == pytest.approx(copy)
+            assert ops["async_tp_shard_copy"].bwd_input_bytes == pytest.approx(copy)  # the output gradient's gather
+            assert ops["async_tp_partials_sum"].fwd_bytes == pytest.approx(partials)
+            one_linear = fused_qkv  # Megatron's fused qkv / fc1: one linear makes the input gradient
+            assert ops["async_tp_partials_sum"].bwd_input_bytes == pytest.approx(partials if one_linear else 0.0)
+    for runtime, config in (("torchtitan+compile", ParallelConfig(tp=8, sp=True)),  # NCCL's own reduction
+                            ("torchtitan+compile+async-tp", ParallelConfig(tp=8, sp=False))):  # nothing fused
+        lay = resolve(MODEL, 8, wl, config)
+        block = attention_half(MODEL, lay, wl, get_runtime(runtime))
+        assert not [op for op in block.ops if op.name.startswith("async_tp_")]
+
+
 def test_attention_keys_ramp_by_hand():
     fwd, bwd = ATTENTION_KEYS_HALF["fused"]
     assert attention_keys_ramp(16384, "fused", False) == pytest.approx(1.0)
