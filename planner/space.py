@@ -13,7 +13,7 @@ import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,8 +58,10 @@ class Pins(BaseModel):
     max_mbs: int = Field(default=16, gt=0)  # micro-batch sizes searched: divisors of gbs/dp up to this
 
 
-@dataclass(frozen=True)
-class Mesh:
+class Mesh(NamedTuple):
+    """A mesh: the degrees and the rank order. A NamedTuple (immutable, hashed in C): the search keys its caches by
+    meshes, layer keys and candidates millions of times, where a frozen dataclass hashes in Python."""
+
     tp: int
     cp: int
     pp: int
@@ -73,8 +75,7 @@ class Mesh:
         return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
 
-@dataclass(frozen=True)
-class LayerKey:
+class LayerKey(NamedTuple):
     """What per-layer costs depend on (not pp, dp, ZeRO, schedule): cached across candidates. Not the rank order
     either: tp and cp are innermost in both orders, and the other order has ep = 1 (etp = tp), so the layer's
     groups sit on the same ranks."""
@@ -89,8 +90,9 @@ class LayerKey:
     recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" re-runs
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
+    """One point of the space below its stage partition (a NamedTuple, as Mesh)."""
+
     mesh: Mesh
     mbs: int
     sp: bool
