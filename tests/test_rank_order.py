@@ -5,7 +5,6 @@ the search space (where the second order is searched, and pins) and the CLI.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 
@@ -229,7 +228,7 @@ def test_space_searches_pp_inside_dp_only_where_it_moves_a_group(model, n):
     swapped = {m for m in meshes if m.order == PP_INSIDE_DP}
     assert all(_moves(n, per_node, m) for m in swapped)
     # every default mesh under the rule has its twin in the other order
-    twins = {dataclasses.replace(m, order=PP_INSIDE_DP) for m in meshes
+    twins = {m._replace(order=PP_INSIDE_DP) for m in meshes
              if m.order == DEFAULT_RANK_ORDER and _moves(n, per_node, m)}
     assert twins == swapped
     assert bool(swapped) == (n > per_node)
