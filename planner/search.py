@@ -657,7 +657,8 @@ class _Search:
             self._push(bound, step, *payload)
 
     def _expand_group(self, g: Group) -> None:
-        dominated_sp = {cc for sp, cc, _, _ in g.variants if sp and g.mesh.tp > 1 and self._sp_dominates(g, cc)}
+        with_sp = {cc for sp, cc, _, _ in g.variants if sp} if g.mesh.tp > 1 else set()
+        dominated_sp = {cc for cc in with_sp if self._sp_dominates(g, cc)}
         cands = []
         for sp, cc, sched, vpp in g.variants:
             if not sp and cc in dominated_sp:
@@ -1049,10 +1050,12 @@ class _Search:
         """Sequence parallelism is never slower and never uses more memory than plain TP for this mesh: every
         block's pass times (each recompute mode) and activations are no larger with it (checked, not assumed;
         once per layer key, from the PassCache)."""
-        on, off = (Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), "1f1b", 1, "none", self.modules)
-                   for sp in (True, False))
-        key = on.layer_key
-        if key not in self.sp_dominance:
+        m = g.mesh
+        key = (m.tp, m.cp, cc, g.mbs, m.ep, m.etp)  # the layer key's fields but sp (the modules are the search's)
+        found = self.sp_dominance.get(key)
+        if found is None:
+            on, off = (Candidate(g.mesh, g.mbs, sp, cc, min(g.zeros), "1f1b", 1, "none", self.modules)
+                       for sp in (True, False))
             links = self._links(g.mesh)
             pairs = [(self.passes.embedding(on.layer_key, links), self.passes.embedding(off.layer_key, links)),
                      (self.passes.head(on.layer_key, links), self.passes.head(off.layer_key, links))]
@@ -1062,10 +1065,10 @@ class _Search:
                     pairs.append((self.passes.layer_times(i, mode, on.layer_key, links),
                                   self.passes.layer_times(i, mode, off.layer_key, links)))
                     smaller &= self._layer_memory(on, kind, i, mode)[2] <= self._layer_memory(off, kind, i, mode)[2]
-            self.sp_dominance[key] = smaller and all(
+            found = self.sp_dominance[key] = smaller and all(
                 a.forward <= b.forward and a.backward_input <= b.backward_input
                 and a.bwd_weight_compute <= b.bwd_weight_compute for a, b in pairs)
-        return self.sp_dominance[key]
+        return found
 
     def _simulate(self, c: Candidate, stage_layers, policies, bound: float, ctx: CostContext,
                   another_partition: bool = False, chunks: tuple[int, ...] | None = None) -> None:
