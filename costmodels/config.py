@@ -135,6 +135,8 @@ class Runtime(BaseModel):
     # memory-bound kernels by ops.memory_class: their achieved fraction of the GPU's fused-kernel bandwidth
     # (GPUSpec efficiency.memory_bandwidth); a class not listed runs fused (1.0)
     memory_kernels: tuple[tuple[str, float], ...] = ()
+    # the same for a class's backward kernel where it differs from its forward one (a class not listed: as above)
+    memory_kernels_backward: tuple[tuple[str, float], ...] = ()
     ep_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute (DualPipe / 1F1B A2A)
     # the EP token dispatcher: NCCL all-to-all, or DeepEP / HybridEP (one copy per destination node over the NIC,
     # forwarded over NVLink: DeepSeek-V3 report sec. 3.2.2; Megatron-Core flex dispatcher)
@@ -209,8 +211,13 @@ class Runtime(BaseModel):
         """Whether ZeRO-2/3 gradients sit unsharded (fp32) between micro-batches: pipelining's deferred reduce."""
         return zero >= 2 and not self.reduces_each_microbatch(zero, pp)
 
-    def memory_kernel(self, cls: str | None) -> float:
-        """The achieved fraction of the GPU's fused-kernel bandwidth of this framework's kernel of a class."""
+    def memory_kernel(self, cls: str | None, backward: bool = False) -> float:
+        """The achieved fraction of the GPU's fused-kernel bandwidth of this framework's kernel of a class (of its
+        backward kernel, `backward`)."""
+        if backward:
+            found = next((f for c, f in self.memory_kernels_backward if c == cls), None)
+            if found is not None:
+                return found
         return next((f for c, f in self.memory_kernels if c == cls), 1.0)
 
     def lacks(self, schedule: str | None = None, cp: int = 1, cp_comm: str = "ring",
@@ -300,9 +307,13 @@ class RuntimeOption:
 RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     # torch.compile (Inductor) fuses the elementwise chains into Triton kernels near the HBM roof (QuACK's
     # comparison puts its RMSNorm at 0.5-1.25x QuACK's ~90 %); its cross-entropy reads the logits once more than
-    # a fused one (QuACK blog, 2025-07-10: 1.89 vs 3.01 TB/s softmax): 0.63 of fused
+    # a fused one (QuACK blog, 2025-07-10: 1.89 vs 3.01 TB/s softmax): 0.63 of fused. Its RMSNorm backward runs at
+    # about half its forward's rate: 2,276 against 4,176 GB/s on the H200 (0.545; GB200 3,177 / 6,425 and GB300
+    # 3,227 / 6,460: 0.49-0.50), the fastest of each in cuDNN frontend's norm benchmark (benchmark/norms/results,
+    # torch_compile backend, cuDNN 9.19.1, 2026-02), whose forward is the GPU's memory_bandwidth itself
     "compile": RuntimeOption("elementwise kernels fused (torch.compile)",
-                             (("memory_kernels", (("cross_entropy", 0.63),)),)),
+                             (("memory_kernels", (("cross_entropy", 0.63),)),
+                              ("memory_kernels_backward", (("norm", 0.545),)))),
     # torchtitan compiles the loss with the model since PR #1033 (2025-04-01, components/loss.py
     # build_cross_entropy_loss; reverted once in Dec 2024, PR #755): Inductor fuses the fp32 cast, the log-softmax
     # and its backward, so the loss holds the 16-bit logits it saved and their 16-bit gradient

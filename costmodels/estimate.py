@@ -681,6 +681,8 @@ class PassCache:
                                          column_gemms=columns) if op.kind == "gemm" else 1
                 f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff, depth=k, chunks=split, **kw)
                 fwd += f
+                if op.kind == "memory":  # a class's backward kernel may run at its own rate (Runtime.memory_kernel)
+                    kw["bandwidth_factor"] = self.rt.memory_kernel(memory_class(op.name), backward=True)
                 b = op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, eff, True, depth=n,
                             chunks=split_b, **kw)
                 bwd_i += b
