@@ -310,7 +310,7 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     # a fused one (QuACK blog, 2025-07-10: 1.89 vs 3.01 TB/s softmax): 0.63 of fused. Its RMSNorm backward runs at
     # about half its forward's rate: 2,276 against 4,176 GB/s on the H200 (0.545; GB200 3,177 / 6,425 and GB300
     # 3,227 / 6,460: 0.49-0.50), the fastest of each in cuDNN frontend's norm benchmark (benchmark/norms/results,
-    # torch_compile backend, cuDNN 9.19.1, 2026-02), whose forward is the GPU's memory_bandwidth itself
+    # torch_compile backend, cuDNN 9.19.1, 2026-02; on the H200 that forward is memory_bandwidth itself)
     "compile": RuntimeOption("elementwise kernels fused (torch.compile)",
                              (("memory_kernels", (("cross_entropy", 0.63),)),
                               ("memory_kernels_backward", (("norm", 0.545),)))),

@@ -23,7 +23,7 @@ from costmodels.realism import check as realism_check
 from costmodels.calibrate import interpolate
 from costmodels.kernels import (attention_keys_factor, copy_engine_exposed, quant_bytes_per_element, TE_GEMM_STREAMS, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
                                 ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks,
-                                FA2_BACKWARD_OVER_FORWARD, SDPA_FLASH_OVER_FA2, TP_OVERLAPPED_GEMMS)
+                                FA2_BACKWARD_OVER_FORWARD, SDPA_FLASH_OVER_FA2, column_gemm_count)
 from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
                                      cpu_device_spec, digest)
 from hardware_db.cluster import Cluster, ClusterSpec
@@ -654,7 +654,7 @@ class PassCache:
         parts: dict[str, float] = {}
         attn_core = attn_core_bwd = 0.0
         eff = self.eff
-        columns = sum(TP_OVERLAPPED_GEMMS.get(op.name) == "all_gather" for op in block.ops)
+        columns = column_gemm_count(op.name for op in block.ops)
         for op in block.ops:
             fp8 = op.kind == "gemm" and op.gemm_dtype_scale > 1
             if op.name.startswith("fp8_cast") and not eff.physics.fp8:

@@ -257,6 +257,11 @@ TP_OVERLAPPED_GEMMS = {"qkv_proj": "all_gather", "up_gate_proj": "all_gather", "
                        "w3": "all_gather", "out_proj": "reduce_scatter", "down_proj": "reduce_scatter"}
 
 
+def column_gemm_count(names) -> int:
+    """A block's column-parallel GEMMs (those beside its TP all-gather), by operator name: async_tp_fused reads it."""
+    return sum(TP_OVERLAPPED_GEMMS.get(name) == "all_gather" for name in names)
+
+
 def async_tp_fused(sp: bool, backward: bool, collective: str, column_gemms: int) -> bool:
     """Whether PyTorch's micro-pipeline TP pass fuses a TP collective with its GEMM. It matches only all-gather
     -> matmul and matmul -> reduce-scatter where the reduce-scatter's input is one matmul's sole output

@@ -363,12 +363,12 @@ def async_tp_copies(lay: Layout, rt: Runtime, ops: list[Op], comms: list[Collect
     and writes its shard, the reduction NCCL's reduce-scatter does inside the collective. The backward mirrors
     them where it is fused too (kernels.async_tp_fused): the output gradient's all-gather, the input gradient's
     reduce-scatter."""
-    from costmodels.kernels import TP_OVERLAPPED_GEMMS, async_tp_fused
+    from costmodels.kernels import async_tp_fused, column_gemm_count
 
     pair = {c.name: c for c in comms if c.name in ("tp_all_gather", "tp_reduce_scatter")}
-    if rt.tp_overlap != "async-tp" or lay.tp <= 1 or len(pair) < 2:
+    if rt.tp_overlap != "async-tp" or len(pair) < 2:  # no TP, or TP without SP (an all-reduce): nothing fused
         return []
-    columns = sum(TP_OVERLAPPED_GEMMS.get(op.name) == "all_gather" for op in ops)
+    columns = column_gemm_count(op.name for op in ops)
     gather, scatter = pair["tp_all_gather"], pair["tp_reduce_scatter"]
     # the stacked partials read and the shard written, 16-bit as the forward reduce-scatter's buffer
     reduce_pass = (1 + 1 / lay.tp) * scatter.bytes_

@@ -267,7 +267,6 @@ def test_fixed_order_sweep_equals_event_simulation(pp, vpp, groups, schedule, da
     assert a.rank_end == b.rank_end == tuple(max(e[3] for e in b.events if e[0] == r) for r in range(pp))
 
 
-
 def test_a_compiled_pass_order_refuses_weight_passes_and_mismatched_stage_times():
     """A PassOrder is a fixed order for the pp x vpp stages it was compiled from: ZB's weight passes need the event
     simulation, and stage times of another shape would be read at the wrong slots."""
@@ -279,6 +278,7 @@ def test_a_compiled_pass_order_refuses_weight_passes_and_mismatched_stage_times(
         simulate(order, times, split_weight=True)
     with pytest.raises(ValueError, match="has 2 x 2"):
         simulate(order, [[StageTimes(1.0, 1.0, 1.0)]] * 2)
+
 
 def test_mtp_modules_sit_on_the_last_stage():
     """DeepSeek-V3's MTP module (one projection, one MoE layer, the shared head again) is the last stage's: its
