@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import statistics
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -267,17 +269,46 @@ def test_large_gemms_run_at_the_measured_sustained_rate(gpu_name, dtype, shape, 
     assert flops / t / 1e12 == pytest.approx(tflops, rel=0.01)
 
 
-def test_hopper_large_gemms_sit_between_the_measured_sustained_rates():
-    """The H200 SXM's (and H100 SXM's, same die and 700 W) BF16 ceiling is TransformerEngine's training-shape table;
-    the measured sustained rates bracket it: fat GEMMs with the node busy 698.6 TFLOP/s (mamf-finder MSMF, commit
-    082816f), the best sustainable shape 745-755 (its later revision); its short bursts (842) lie above both."""
-    for name in ("h200", "h100-sxm", "h800"):
-        gpu = load_gpu(name)
-        eff = Efficiency.from_gpu(gpu)
-        m, n, k = 8192, 8448, 20480
+# Sustained rates measured in this project on a lent H200 at its 700 W limit, after a soak of dense GEMMs
+# (benchmarks/device_kernel_clocks.py --suite gemm, torch 2.11 cuBLAS, 2026-12-04; benchmarks/RESULTS.md "Kernel rates
+# at the power-saturated clock"): ((m, n, k), BF16 TFLOP/s, FP8 TFLOP/s) for the forward, input-gradient and
+# weight-gradient GEMMs of Llama-3 8B (16K tokens) and 70B (TP 8, 8K tokens) layers. FP8: e4m3 with per-tensor scales
+# through torch._scaled_mm, in TransformerEngine's accumulation (fast in the forward, split in the backward's).
+H200_SUSTAINED_GEMMS = [
+    ((16384, 6144, 4096), 666.3, 1267.2), ((16384, 4096, 6144), 668.2, 1267.5), ((6144, 4096, 16384), 696.1, 1234.8),
+    ((16384, 4096, 4096), 677.1, 1274.8), ((16384, 4096, 4096), 677.8, 1219.6), ((4096, 4096, 16384), 714.3, 1230.1),
+    ((16384, 28672, 4096), 669.8, 1268.6), ((16384, 4096, 28672), 677.0, 1321.6),
+    ((28672, 4096, 16384), 671.4, 1298.7), ((16384, 4096, 14336), 672.2, 1278.5),
+    ((16384, 14336, 4096), 684.8, 1232.4), ((4096, 14336, 16384), 688.6, 1247.3), ((8192, 1280, 8192), 678.0, 1302.0),
+    ((8192, 8192, 1280), 658.1, 1005.4), ((1280, 8192, 8192), 701.6, 1227.3), ((8192, 8192, 1024), 628.1, 1076.4),
+    ((8192, 1024, 8192), 706.5, 1175.1), ((8192, 1024, 8192), 721.3, 1168.4), ((8192, 7168, 8192), 689.6, 1284.7),
+    ((8192, 8192, 7168), 670.8, 1240.1), ((7168, 8192, 8192), 682.4, 1257.7), ((8192, 8192, 3584), 652.7, 1238.6),
+    ((8192, 3584, 8192), 679.1, 1207.2), ((8192, 3584, 8192), 678.6, 1230.5),
+]
+
+
+@pytest.mark.parametrize("name", ["h200", "h100-sxm", "h800"])
+def test_hopper_gemms_run_at_the_rates_measured_at_the_power_limit(name):
+    """A training step keeps the GPU at its power limit (H200: SM ~1.5 GHz at 700 W, against 1.98 GHz boost); the
+    Hopper ceilings come from training-shape GEMMs measured there (H100 SXM and H800: the same die and 700 W). Over
+    those shapes the model sits at the measured rates (median within 2 %, each within 12 %), less the 0.6 % a node's
+    busy GPUs cost (mamf-finder MSMF on H200), and below the best sustainable shape mamf-finder found alone (708.5
+    TFLOP/s at 8192 x 8448 x 20480)."""
+    gpu = load_gpu(name)
+    eff = Efficiency.from_gpu(gpu)
+
+    def rate(shape, dtype):
+        m, n, k = shape
         flops = 2.0 * m * n * k
-        rate = flops / op_time(flops, 0.0, "gemm", gpu.peak_flops("bf16"), gpu.hbm_bytes_per_s, eff, depth=k) / 1e12
-        assert 698.6 <= rate <= 745.0, (name, rate)
+        t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff, depth=k,
+                    fp8="tensorwise" if dtype == "fp8" else None)
+        return flops / t / 1e12
+
+    for column, dtype in ((1, "bf16"), (2, "fp8")):
+        ratios = [rate(row[0], dtype) / (row[column] * 0.994) for row in H200_SUSTAINED_GEMMS]
+        assert statistics.median(ratios) == pytest.approx(1.0, abs=0.02), (dtype, statistics.median(ratios))
+        assert all(0.88 <= r <= 1.15 for r in ratios), (dtype, ratios)
+    assert rate((8192, 8448, 20480), "bf16") < 708.5
 
 
 def test_torchao_casts_each_mx_block_direction_in_its_own_pass():
@@ -332,15 +363,27 @@ def _te_5b_layer_ms(gpu_name: str, recipe: str | None, autocast: bool, passes: s
 @pytest.mark.parametrize("gpu_name,recipe", [(g, r) for g, table in TE_5B_LAYER.items() for r in table])
 def test_a_5b_layer_matches_transformer_engines_gemm_profile(gpu_name, recipe):
     """BF16 and every FP8 recipe, with and without the quantisation, on Blackwell (no FP8 transposes; MXFP8 kernels
-    at 0.95 of per-tensor ones) and Hopper, within 4 % of TE's own per-layer times; dgrad and wgrad (inner dimension
-    12,288-16,384) as fast as the forward (kernels.K_DEPTH_PLATEAU)."""
+    at 0.95 of per-tensor ones) and Hopper; dgrad and wgrad (inner dimension 12,288-16,384) as fast as the forward
+    (kernels.K_DEPTH_PLATEAU). On Blackwell, whose ceilings are TE's table, within 4 % of TE's times. Hopper's
+    ceilings are the rates measured at the power limit (test_hopper_gemms_run_at_the_rates_measured_at_the_power_limit),
+    which TE's short benchmark beats: the model is slower than it, by less than the 12-15 % a GEMM loses from its
+    back-to-back rate from idle to the power limit (the same measurement), and each recipe's time relative to BF16's
+    (what the casts and the FP8 kernels cost) is within 4 % of TE's."""
     autocast, kernels_only = TE_5B_LAYER[gpu_name][recipe]
-    assert _te_5b_layer_ms(gpu_name, recipe, True) == pytest.approx(autocast, rel=0.04)
-    if kernels_only is not None:
-        assert _te_5b_layer_ms(gpu_name, recipe, False) == pytest.approx(kernels_only, rel=0.04)
+    model = _te_5b_layer_ms(gpu_name, recipe, True)
+    if gpu_name == "b300":
+        assert model == pytest.approx(autocast, rel=0.04)
+        if kernels_only is not None:
+            assert _te_5b_layer_ms(gpu_name, recipe, False) == pytest.approx(kernels_only, rel=0.04)
+    else:
+        assert 1.0 <= model / autocast <= 1.12
+        relative = model / _te_5b_layer_ms(gpu_name, None, True)
+        assert relative == pytest.approx(autocast / TE_5B_LAYER[gpu_name][None][0], rel=0.04)
+        if kernels_only is not None:
+            assert 1.0 <= _te_5b_layer_ms(gpu_name, recipe, False) / kernels_only <= 1.12
     if recipe is None:  # the weight gradients' long inner dimension buys nothing over the forward's 4096
-        wgrad = _te_5b_layer_ms(gpu_name, None, False, slice(8, 12))
-        assert wgrad == pytest.approx(TE_5B_BF16_WGRAD_MS[gpu_name], rel=0.03)
+        share = _te_5b_layer_ms(gpu_name, None, False, slice(8, 12)) / _te_5b_layer_ms(gpu_name, None, False)
+        assert share == pytest.approx(TE_5B_BF16_WGRAD_MS[gpu_name] / kernels_only, rel=0.03)
 
 
 def test_blackwell_fp8_casts_and_kernels_by_hand():
