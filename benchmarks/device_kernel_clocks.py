@@ -1,9 +1,10 @@
 """Tensor-core kernel rates at the clock a microbenchmark sees and at the clock a training step runs at.
 
 A training step keeps the GPU at its power limit, where the SM clock settles well below boost; a kernel timed
-alone after an idle gap runs near boost. The cost model's GEMM ceilings are sustained rates (mamf-finder's MSMF),
-its attention ceilings come from microbenchmarks (FlashAttention-3 paper, cuDNN frontend). This times the same
-kernels three ways on one GPU so the two can be put on one footing:
+alone after an idle gap runs near boost. The cost model's ceilings must be the rates at the power limit, while most
+published kernel tables (GEMM profiles, the FlashAttention papers, cuDNN frontend's benchmarks) are timed from idle.
+This times the same kernels three ways on one GPU, so both can be read off one run (benchmarks/device_vs_model.py
+sets the results beside the model's rates):
 
 - burst: one call after an idle gap (the clock recovers between calls), the best of five;
 - bench: after an idle gap, back-to-back calls as do_bench-style microbenchmarks run them (median);
@@ -11,11 +12,14 @@ kernels three ways on one GPU so the two can be put on one footing:
 
 Kernels: a bf16 8192^3 GEMM, an FP8 (e4m3, per-tensor scales) 8192^3 GEMM through torch._scaled_mm, and causal
 attention (32 heads, head dim 128, 16,384 tokens as 2 x 8K and 1 x 16K) forward and backward through PyTorch SDPA's
-flash (FlashAttention-2) and cuDNN backends. SM clock, power and temperature are sampled through NVML.
+flash (FlashAttention-2) and cuDNN backends (`--seqs` for other lengths). SM clock, power and temperature are
+sampled through NVML (its power reading averages over about a second, so a short bench window reads low).
 
 `--suite gemm` times the GEMMs of Llama-3 8B and 70B layers instead (forward, input-gradient and weight-gradient
 shapes, bf16 and FP8), `--suite grouped` MoE expert GEMMs launched per expert on 4 streams (TransformerEngine's
-default grouped GEMM), both in the bench and sustained modes only.
+default grouped GEMM), `--suite sweep` GEMMs over the inner dimension and over size, `--suite mixed` the shallow
+ones each right after a dense GEMM (the clock a training step gives them); these in the bench and sustained modes
+only.
 
 Needs a CUDA GPU: `python benchmarks/device_kernel_clocks.py [--suite gemm] --out results.json` (about 2 minutes).
 Results of the runs so far are in benchmarks/RESULTS.md ("Kernel rates at the power-saturated clock").
@@ -188,6 +192,58 @@ def grouped_kernels(torch, streams: int = 4):
     return out
 
 
+# GEMM shapes that isolate the model's two shape terms: the inner dimension K at M = N = 8192 (kernels.k_depth_factor)
+# and the size of the GEMM (the FLOP saturation, gemm_half_flops)
+SWEEP = tuple(("k", 8192, 8192, k) for k in (256, 512, 1024, 2048, 4096, 8192)) + tuple(
+    ("size", m, n, k) for m, n, k in ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (512, 8192, 8192),
+                                      (1024, 8192, 8192), (2048, 8192, 8192)))
+
+
+def sweep_kernels(torch):
+    """(name, FLOPs, callable) for SWEEP in bf16 and FP8 (per-tensor scales, split accumulation)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    one = torch.ones((), device=dev, dtype=torch.float32)
+    out: list = []
+    for what, m, n, k in SWEEP:
+        a, b = torch.randn(m, k, device=dev, dtype=bf16), torch.randn(k, n, device=dev, dtype=bf16)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+        out.append((f"{what}_{m}x{n}x{k}_bf16", 2.0 * m * n * k, lambda a=a, b=b: a @ b))
+        out.append((f"{what}_{m}x{n}x{k}_fp8", 2.0 * m * n * k,
+                    lambda a8=a8, b8=b8: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=bf16)))
+    return out
+
+
+def mixed_kernels(torch):
+    """(name, FLOPs, callable) for the K sweep's shallow GEMMs, each call preceded by a dense 8192^3 BF16 GEMM that it
+    does not time: the clock a shallow GEMM gets inside a step whose power the dense GEMMs set (alone, a shallow GEMM
+    draws less power and the clock rises for it)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    one = torch.ones((), device=dev, dtype=torch.float32)
+    big_a, big_b = (torch.randn(8192, 8192, device=dev, dtype=bf16) for _ in range(2))
+    out: list = []
+    for _, m, n, k in SWEEP[:4]:
+        a, b = torch.randn(m, k, device=dev, dtype=bf16), torch.randn(k, n, device=dev, dtype=bf16)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+        out.append((f"mixed_k_{m}x{n}x{k}_bf16", 2.0 * m * n * k, (lambda: big_a @ big_b, lambda a=a, b=b: a @ b)))
+        out.append((f"mixed_k_{m}x{n}x{k}_fp8", 2.0 * m * n * k,
+                    (lambda: big_a @ big_b,
+                     lambda a8=a8, b8=b8: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=bf16))))
+    return out
+
+
+def timed_after(torch, pair, calls: int) -> list[float]:
+    """Milliseconds of the second kernel of `pair`, each call right after an untimed run of the first."""
+    before, fn = pair
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for start, end in events:
+        before()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
 def timed(torch, fn, calls: int) -> list[float]:
     """Milliseconds of each of `calls` back-to-back calls (events around each, one sync at the end)."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
@@ -203,7 +259,8 @@ def run_for(torch, fn, seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         for _ in range(4):
-            fn()
+            for f in (fn if isinstance(fn, tuple) else (fn,)):
+                f()
         torch.cuda.synchronize()
 
 
@@ -225,7 +282,7 @@ def measure(torch, sampler: Sampler, mode: str, name: str, flops: float, fn, idl
         else:  # sustained: already soaked; run on so the clock settles for this kernel
             run_for(torch, fn, settle)
         t0 = time.perf_counter()
-        ms = statistics.median(timed(torch, fn, 20))
+        ms = statistics.median(timed_after(torch, fn, 20) if isinstance(fn, tuple) else timed(torch, fn, 20))
         state = sampler.window(t0, time.perf_counter())
     return Reading(name, mode, flops / (ms * 1e-3) / 1e12, ms, *state)
 
@@ -234,9 +291,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the readings here as JSON")
     parser.add_argument("--soak", type=float, default=20.0, help="seconds of dense GEMMs before the sustained pass")
-    parser.add_argument("--suite", choices=("clocks", "gemm", "grouped"), default="clocks",
+    parser.add_argument("--suite", choices=("clocks", "gemm", "grouped", "sweep", "mixed"), default="clocks",
                         help="clocks: a GEMM and attention three ways; gemm: the training GEMM shapes; grouped: MoE "
-                        "expert GEMMs on 4 streams")
+                        "expert GEMMs on 4 streams; sweep: GEMMs over K and over size; mixed: shallow GEMMs each "
+                        "after a dense one")
     parser.add_argument("--fast-accum", action="store_true",
                         help="gemm suite: FP8 only, with fast accumulation (TransformerEngine's forward GEMMs)")
     parser.add_argument("--seqs", default="8192,16384", help="clocks suite: attention sequence lengths (16K tokens "
@@ -253,10 +311,12 @@ def main() -> int:
         return 2
     sampler = Sampler()
     seqs = tuple(int(x) for x in args.seqs.split(","))
-    cases = (kernels(torch, seqs) if args.suite == "clocks" else gemm_kernels(torch, args.fast_accum)
-             if args.suite == "gemm" else grouped_kernels(torch))
+    builders = {"clocks": lambda: kernels(torch, seqs), "gemm": lambda: gemm_kernels(torch, args.fast_accum),
+                "grouped": lambda: grouped_kernels(torch), "sweep": lambda: sweep_kernels(torch),
+                "mixed": lambda: mixed_kernels(torch)}
+    cases = builders[args.suite]()
     for _, _, fn in cases:  # compile, autotune and allocate outside every timing
-        timed(torch, fn, 2)
+        timed_after(torch, fn, 2) if isinstance(fn, tuple) else timed(torch, fn, 2)
     modes = ("burst", "bench", "sustained") if args.suite == "clocks" else ("bench", "sustained")
     if args.modes:
         modes = tuple(m for m in modes if m in args.modes.split(","))

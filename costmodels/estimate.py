@@ -62,6 +62,7 @@ class Efficiency:
     calibration: str | None = None  # "file name sha256:..." of the calibration, for the plan's record
     # kernel ceilings beyond the BF16 GEMM (hardware_db.gpu.EfficiencyDefaults; kernels.py states the physics)
     gemm_k_half: float = 0.0
+    fp8_gemm_k_half: float = 0.0  # 0: gemm_k_half
     fp8_gemm_max: float = 0.0  # 0: 0.88 x gemm_max
     fp8_block_factor: float = 0.81
     fp8_any_layout: bool = False  # FP8 GEMMs in any operand layout (Blackwell): no transposed copies of casts
@@ -94,7 +95,8 @@ class Efficiency:
     def from_gpu(cls, gpu: GPUSpec, physics: Physics | None = None) -> "Efficiency":
         e = gpu.efficiency
         return cls(e.gemm_max, e.gemm_half_flops, e.attention_max, e.memory_bandwidth, e.kernel_overhead_us * 1e-6,
-                   gemm_k_half=e.gemm_k_half, fp8_gemm_max=e.fp8_gemm_max or 0.0,
+                   gemm_k_half=e.gemm_k_half, fp8_gemm_k_half=e.fp8_gemm_k_half or 0.0,
+                   fp8_gemm_max=e.fp8_gemm_max or 0.0,
                    fp8_block_factor=e.fp8_block_factor, fp8_any_layout=e.fp8_any_layout,
                    grouped_gemm_max=e.grouped_gemm_max or 0.0,
                    fp8_grouped_gemm_max=e.fp8_grouped_gemm_max or 0.0,
@@ -350,17 +352,19 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
             else:
                 e *= eff.attention_max
         else:
+            bf16 = (eff.grouped_gemm_max if grouped else eff.gemm_max) * (
+                k_depth_factor(depth, eff.gemm_k_half) if ph.gemm_shape else 1.0)
             if fp8 and ph.fp8:
                 ceiling = fp8_kernel_ceiling(eff.gemm_max, eff.fp8_gemm_max, fp8, eff.fp8_block_factor,
                                              eff.fp8_any_layout)
                 if grouped:
                     ceiling *= eff.fp8_grouped_gemm_max / eff.fp8_gemm_max
-                # an FP8 kernel keeps no larger a share of its peak than the BF16 one of its kind (TE's measured
+                ceiling *= k_depth_factor(depth, eff.fp8_gemm_k_half or eff.gemm_k_half) if ph.gemm_shape else 1.0
+                # an FP8 kernel keeps no larger a share of its peak than the BF16 one of its shape (TE's measured
                 # GEMMs: 0.69 vs 0.72, docs/examples/gemm_profiling): FP8 at most halves a GEMM
-                ceiling = min(ceiling, eff.grouped_gemm_max if grouped else eff.gemm_max)
+                e *= min(ceiling, bf16)
             else:  # BF16, or (fp8 physics off) an FP8 GEMM at BF16's efficiency of the FP8 peak
-                ceiling = eff.grouped_gemm_max if grouped else eff.gemm_max
-            e *= ceiling * (k_depth_factor(depth, eff.gemm_k_half) if ph.gemm_shape else 1.0)
+                e *= bf16
         return max(flops / (peak * e), t_mem, launches) + eff.kernel_overhead_s
     return t_mem + eff.kernel_overhead_s
 

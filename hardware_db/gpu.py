@@ -33,6 +33,9 @@ class EfficiencyDefaults(BaseModel):
     gemm_max: float = Field(default=0.75, gt=0, le=1)  # best GEMM efficiency at large training shapes (BF16)
     gemm_half_flops: float = Field(default=2.0e9, gt=0)  # GEMM FLOPs at which efficiency is half of gemm_max
     gemm_k_half: float = Field(default=0.0, ge=0)  # inner dimension at which the k-depth ramp halves it (0: none)
+    # the same for FP8 GEMMs, whose main loop covers K twice as fast against the same per-tile prologue and epilogue;
+    # default gemm_k_half
+    fp8_gemm_k_half: float | None = Field(default=None, ge=0)
     # FP8 GEMM kernel ceiling as a fraction of the FP8 peak (per-tensor scaling: tensorwise / delayed); default:
     # 0.88 x gemm_max, the H100 best-shape FP8/BF16 ratio (70.9 % / 80.3 %, stas00/ml-engineering MAMF tables)
     fp8_gemm_max: float | None = Field(default=None, gt=0, le=1)
