@@ -56,6 +56,14 @@ def modelled(name: str, gpu_name: str) -> tuple[str, float] | None:
         t = op_time(flops, 0.0, "attention", gpu.peak_flops("bf16"), hbm, eff, pass_ == "bwd", keys=s, kernel=kernel)
         return f"attention {backend} {pass_}", flops / t / 1e12
     dtype = name.rsplit("_", 1)[1]
+    head, _, shape_text = name.rsplit("_", 1)[0].rpartition("_")
+    if head in ("k", "size", "mixed_k"):  # the shape sweeps: alone (the clock rises for shallow GEMMs) or after a
+        m, n, k = (int(x) for x in shape_text.split("x"))  # dense GEMM (a training step's clock)
+        flops = 2.0 * m * n * k
+        t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), hbm, eff, depth=k,
+                    fp8="tensorwise" if dtype == "fp8" else None)
+        family = {"k": "k sweep alone", "size": "size sweep alone", "mixed_k": "k sweep after a dense GEMM"}[head]
+        return f"{family} {dtype}", flops / t / 1e12
     for label, tokens, out, inp in LINEARS:
         for pass_, shape in PASSES.items():
             if name == f"{label}_{pass_}_{dtype}":
@@ -84,7 +92,7 @@ def main() -> int:
     by_family: dict[str, list[float]] = {}
     print(f"{'kernel':30s} {'measured':>9s} {'model':>8s} {'measured/model':>15s}")
     for name, measured in rates.items():
-        if name.endswith("_fast") or name.startswith("gemm_"):
+        if name.endswith("_fast") or name.startswith("gemm_"):  # the clocks suite's 8192^3 pair: in the sweep
             continue
         if name.endswith("_fp8") and "_fwd_" in name and f"{name}_fast" in rates:
             measured = rates[f"{name}_fast"]  # TransformerEngine's forward FP8 GEMMs accumulate fast

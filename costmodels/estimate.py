@@ -359,6 +359,7 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
                                              eff.fp8_any_layout)
                 if grouped:
                     ceiling *= eff.fp8_grouped_gemm_max / eff.fp8_gemm_max
+                # FP8's own ramp over k: its main loop covers k twice as fast against the same per-tile costs
                 ceiling *= k_depth_factor(depth, eff.fp8_gemm_k_half or eff.gemm_k_half) if ph.gemm_shape else 1.0
                 # an FP8 kernel keeps no larger a share of its peak than the BF16 one of its shape (TE's measured
                 # GEMMs: 0.69 vs 0.72, docs/examples/gemm_profiling): FP8 at most halves a GEMM

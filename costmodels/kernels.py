@@ -111,7 +111,9 @@ def k_depth_factor(k: float, k_half: float) -> float:
     """A GEMM's efficiency over its inner (reduction) dimension: the tile pipeline's prologue and epilogue are paid
     per output tile whatever k is, so efficiency ramps as k / (k + k_half) (fitted form of OpenXLA's measured H100
     table, xla/service/gpu/model/matmul_interpolator_data.h: (4096, 4096, K) at K = 256 / 512 / 4096 runs at 40 /
-    55 / 79 % of peak, i.e. k_half ~ 230), up to K_DEPTH_PLATEAU and flat beyond it."""
+    55 / 79 % of peak, i.e. k_half ~ 230; the Hopper files carry the ramps measured on an H200 at a training step's
+    clock, 140 BF16 and 510 FP8: benchmarks/device_kernel_clocks.py --suite mixed), up to K_DEPTH_PLATEAU and flat
+    beyond it."""
     if k_half <= 0 or k <= 0:
         return 1.0
     k = min(k, K_DEPTH_PLATEAU)
