@@ -20,8 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchmarks.device_kernel_clocks import EXPERTS, LINEARS  # noqa: E402
+from device_kernel_clocks import EXPERTS, LINEARS  # noqa: E402
 from costmodels.estimate import Efficiency, op_time  # noqa: E402
 from costmodels.kernels import TE_GEMM_STREAMS  # noqa: E402
 from hardware_db.gpu import load_gpu  # noqa: E402
