@@ -77,6 +77,11 @@ class Sampler:
         return self.nvml.nvmlDeviceGetEnforcedPowerLimit(self.handle) / 1000.0
 
 
+def fp8_operands(torch, a, b):
+    """a and b in e4m3 for torch._scaled_mm, which takes its second operand column-major."""
+    return a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+
+
 def kernels(torch, seqs: tuple[int, ...] = (8192, 16384)):
     """(name, FLOPs, callable) for each kernel; inputs random (zeros run faster than real data)."""
     import torch.nn.functional as F
@@ -88,8 +93,7 @@ def kernels(torch, seqs: tuple[int, ...] = (8192, 16384)):
     a, b = torch.randn(n, n, device=dev, dtype=bf16), torch.randn(n, n, device=dev, dtype=bf16)
     out.append(("gemm_bf16_8192", 2.0 * n ** 3, lambda: a @ b))
     try:
-        a8 = a.to(torch.float8_e4m3fn)
-        b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand, as _scaled_mm wants
+        a8, b8 = fp8_operands(torch, a, b)
         one = torch.ones((), device=dev, dtype=torch.float32)
         torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=bf16)
         out.append(("gemm_fp8_8192", 2.0 * n ** 3, lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
@@ -140,8 +144,7 @@ def gemm_kernels(torch, fast_accum: bool = False):
             if not fast_accum:
                 out.append((f"{label}_{pass_}_bf16", 2.0 * m * n * k, lambda a=a, b=b: a @ b))
             try:
-                a8 = a.to(torch.float8_e4m3fn)
-                b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()
+                a8, b8 = fp8_operands(torch, a, b)
                 torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=bf16, use_fast_accum=fast_accum)
                 out.append((f"{label}_{pass_}_fp8{'_fast' if fast_accum else ''}", 2.0 * m * n * k,
                             lambda a8=a8, b8=b8: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=bf16,
@@ -170,8 +173,8 @@ def grouped_kernels(torch, streams: int = 4):
                                  ("fc1_wgrad", (2 * ffn, hidden, tokens))):
             a = [torch.randn(m, k, device=dev, dtype=bf16) for _ in range(experts)]
             b = [torch.randn(k, n, device=dev, dtype=bf16) for _ in range(experts)]
-            a8 = [x.to(torch.float8_e4m3fn) for x in a]
-            b8 = [x.t().contiguous().to(torch.float8_e4m3fn).t() for x in b]
+            pairs = [fp8_operands(torch, x, y) for x, y in zip(a, b)]
+            a8, b8 = [x for x, _ in pairs], [y for _, y in pairs]
 
             def run(fp8: bool, a=a, b=b, a8=a8, b8=b8):
                 main = torch.cuda.current_stream()
@@ -206,7 +209,7 @@ def sweep_kernels(torch):
     out: list = []
     for what, m, n, k in SWEEP:
         a, b = torch.randn(m, k, device=dev, dtype=bf16), torch.randn(k, n, device=dev, dtype=bf16)
-        a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+        a8, b8 = fp8_operands(torch, a, b)
         out.append((f"{what}_{m}x{n}x{k}_bf16", 2.0 * m * n * k, lambda a=a, b=b: a @ b))
         out.append((f"{what}_{m}x{n}x{k}_fp8", 2.0 * m * n * k,
                     lambda a8=a8, b8=b8: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=bf16)))
@@ -223,7 +226,7 @@ def mixed_kernels(torch):
     out: list = []
     for _, m, n, k in SWEEP[:4]:
         a, b = torch.randn(m, k, device=dev, dtype=bf16), torch.randn(k, n, device=dev, dtype=bf16)
-        a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+        a8, b8 = fp8_operands(torch, a, b)
         out.append((f"mixed_k_{m}x{n}x{k}_bf16", 2.0 * m * n * k, (lambda: big_a @ big_b, lambda a=a, b=b: a @ b)))
         out.append((f"mixed_k_{m}x{n}x{k}_fp8", 2.0 * m * n * k,
                     (lambda: big_a @ big_b,

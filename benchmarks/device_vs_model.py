@@ -48,39 +48,35 @@ def modelled(name: str, gpu_name: str) -> tuple[str, float] | None:
     """(family, the model's TFLOP/s) for one measured kernel name, None for kernels it has no counterpart for."""
     gpu = load_gpu(gpu_name)
     eff = Efficiency.from_gpu(gpu)
-    hbm = gpu.hbm_bytes_per_s
+
+    def gemm_rate(m: int, n: int, k: int, dtype: str, groups: int = 1) -> float:
+        flops = 2.0 * m * n * k * groups
+        t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff, depth=k, groups=groups,
+                    streams=TE_GEMM_STREAMS if groups > 1 else 0, fp8="tensorwise" if dtype == "fp8" else None)
+        return flops / t / 1e12
+
     if name.startswith("attn_"):
         _, backend, pass_, seq = name.split("_")
         s, batch, heads, dim = int(seq), 16384 // int(seq), 32, 128
         flops = 4.0 * batch * heads * s * s * dim / 2 * (2.5 if pass_ == "bwd" else 1.0)
         kernel = "cudnn" if backend == "cudnn" else "sdpa-fa2"
-        t = op_time(flops, 0.0, "attention", gpu.peak_flops("bf16"), hbm, eff, pass_ == "bwd", keys=s, kernel=kernel)
+        t = op_time(flops, 0.0, "attention", gpu.peak_flops("bf16"), gpu.hbm_bytes_per_s, eff, pass_ == "bwd", keys=s,
+                    kernel=kernel)
         return f"attention {backend} {pass_}", flops / t / 1e12
     dtype = name.rsplit("_", 1)[1]
     head, _, shape_text = name.rsplit("_", 1)[0].rpartition("_")
     if head in ("k", "size", "mixed_k"):  # the shape sweeps: alone (the clock rises for shallow GEMMs) or after a
         m, n, k = (int(x) for x in shape_text.split("x"))  # dense GEMM (a training step's clock)
-        flops = 2.0 * m * n * k
-        t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), hbm, eff, depth=k,
-                    fp8="tensorwise" if dtype == "fp8" else None)
         family = {"k": "k sweep alone", "size": "size sweep alone", "mixed_k": "k sweep after a dense GEMM"}[head]
-        return f"{family} {dtype}", flops / t / 1e12
+        return f"{family} {dtype}", gemm_rate(m, n, k, dtype)
     for label, tokens, out, inp in LINEARS:
         for pass_, shape in PASSES.items():
             if name == f"{label}_{pass_}_{dtype}":
-                m, n, k = shape(tokens, out, inp)
-                flops = 2.0 * m * n * k
-                t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), hbm, eff, depth=k,
-                            fp8="tensorwise" if dtype == "fp8" else None)
-                return f"gemm {dtype}", flops / t / 1e12
+                return f"gemm {dtype}", gemm_rate(*shape(tokens, out, inp), dtype)
     for label, experts, tokens, hidden, ffn in EXPERTS:
         for pass_, shape in EXPERT_PASSES.items():
             if name == f"{label}_{pass_}_{dtype}":
-                m, n, k = shape(tokens, hidden, ffn)
-                flops = 2.0 * m * n * k * experts
-                t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), hbm, eff, depth=k, groups=experts,
-                            streams=TE_GEMM_STREAMS, fp8="tensorwise" if dtype == "fp8" else None)
-                return f"grouped {label} {dtype}", flops / t / 1e12
+                return f"grouped {label} {dtype}", gemm_rate(*shape(tokens, hidden, ffn), dtype, groups=experts)
     return None
 
 
