@@ -47,3 +47,18 @@ def test_every_run_of_the_second_set_validates_and_gets_a_prediction():
         row = bench.evaluate_run(run)
         assert row.step_time_s > 0 and 0 < row.mfu < 1, row
         assert 1 / 3 < row.predicted / row.published < 3, row
+
+
+def test_the_device_benchmark_refuses_a_machine_without_a_gpu_in_one_line():
+    """benchmarks/device_kernel_clocks.py needs a CUDA GPU; without one (CI, this project's machines) it says so in
+    one stderr line and exits 2, before touching anything else."""
+    import subprocess
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: the benchmark would run")
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device_kernel_clocks.py"), "--suite", "gemm"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("error: no CUDA GPU visible") and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == ""
