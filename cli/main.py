@@ -363,7 +363,8 @@ def plan(
     top: Annotated[int, typer.Option("--top", min=1, rich_help_panel=P_OUT,
                                      help="How many of the best plans to rank in the table.")] = 5,
     time_limit: Annotated[Optional[float], typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
-        "Stop after this many seconds and return the best plan found with its proven optimality gap."))] = None,
+        "Stop after about this many seconds and return the best plan found with its proven optimality gap; a "
+        "quick first plan comes before the exact search, and the limit waits for it."))] = None,
     out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Write the best plan as Plan JSON (schema v1, planner/plan.schema.json) to this file."))] = None,
     trace: Annotated[Optional[Path], typer.Option("--trace", rich_help_panel=P_OUT, help=(

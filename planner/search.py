@@ -26,7 +26,8 @@ import numpy as np
 from costmodels.config import (DEFAULT_RECOMPUTE_MODULES, DEFAULT_RUNTIME, ParallelConfig, StagePolicy, Workload,
                                get_runtime, resolve)
 from costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, Estimate, buffer_bytes,
-                                 fp8_weight_cast_s, simulate_config, stage_p2p_s, stage_ranges, with_recompute_fb)
+                                 fp8_weight_cast_s, model_flops_per_step, simulate_config, stage_p2p_s, stage_ranges,
+                                 with_recompute_fb)
 from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, layer_activation_bytes,
                                logits_bytes, model_state_bytes, mtp_activation_bytes, stage_params)
 from costmodels.model import ModelSpec
@@ -44,6 +45,8 @@ from planner.space import (Candidate, Enumeration, Group, LayerKey, Mesh, Pins, 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
 LOOKAHEAD = 0.1  # a DP solves exactly only below (1 + this) x its step's queue key; above, it is queued again there
 UNBOUNDED_BYTES = 1e30  # a memory cap no stage reaches (bounds that ignore memory)
+QUICK_SAMPLE_GROUPS = 256  # under a time limit: about this many groups, a stride through them all, searched first
+SCORE_CHUNK_GROUPS = 512  # under a time limit: the other groups scored this many at a time between checks
 CPSAT_TIME_LIMIT_S = 10.0  # per CP-SAT call; an unproven answer leaves its candidate's bound open (a gap)
 PAIR_DP_MAX_CELLS = 2e7  # the O(p L^3) pair and stage-0 sync bounds are tried only below this size
 ENUMERATE_PARTITIONS = 32  # closing a gap: simulate every partition below the best when there are at most this many
@@ -580,6 +583,10 @@ class _Search:
         heapq.heappush(self.queue, (bound, self.seq, step, payload))
 
     def run(self, deadline: float | None, progress: ProgressFn | None) -> bool:
+        """The search; True when the time limit stopped it. Under a limit it is anytime: a stride sample of the
+        groups is scored and searched first, until it yields a plan (the quick first plan), then the other groups
+        are scored a chunk at a time; the limit stops the search only once a plan is kept, so a search under any
+        limit returns a plan when one fits, with the gap to the smallest bound it did not reach."""
         groups = self.enum.groups
         self.eager = deadline is not None
         # Level 0: model states alone (no activations) must fit.
@@ -591,33 +598,23 @@ class _Search:
                 self._note_memory(floor, f"tp={g.mesh.tp} pp={g.mesh.pp} ep={g.mesh.ep}")
                 continue
             fitting.append(g)
-        for g, score in zip(fitting, self._group_scores(fitting)):
-            self._push(score, "group", g)
-        live = len(fitting)
-        expanded = 0
-        while self.queue:
-            bound, _, step, payload = self.queue[0]
-            if bound >= self.best.cutoff() * (1 - REL_TOL):
-                break
-            if deadline is not None and time.perf_counter() > deadline:
-                self.unexplored_bound = min(self.unexplored_bound, bound)
-                for _, _, rest, load in self.queue:
-                    self._count(self.pruned, "not reached before the time limit",
-                                load[0].size() if rest == "group" else 1)
-                self.queue.clear()
-                for later, _, _, _ in self.deferred:
-                    self.unexplored_bound = min(self.unexplored_bound, later)
-                self._count(self.pruned, "not reached before the time limit", len(self.deferred))
-                self.deferred.clear()
-                if progress:
-                    progress(live, live)
+        live, self.expanded = len(fitting), 0
+        if deadline is None:
+            self._push_groups(fitting)
+        else:
+            stride = max(1, len(fitting) // QUICK_SAMPLE_GROUPS)
+            sample = set(range(0, len(fitting), stride))
+            self._push_groups([fitting[n] for n in sorted(sample)])
+            if self._loop(deadline, progress, live, until_a_plan=True):
                 return True
-            heapq.heappop(self.queue)
-            if step == "group":
-                expanded += 1
-                if progress:
-                    progress(expanded, live)
-            self._run_step(bound, step, payload)
+            rest = [g for n, g in enumerate(fitting) if n not in sample]
+            for at in range(0, len(rest), SCORE_CHUNK_GROUPS):
+                if self._past(deadline):
+                    self._stop_for_time(progress, live, rest[at:])
+                    return True
+                self._push_groups(rest[at:at + SCORE_CHUNK_GROUPS])
+        if self._loop(deadline, progress, live):
+            return True
         for _, _, step, payload in self.queue:  # every bound left is at or above the K-th best time
             self._count(self.pruned, self.PRUNED_BY[step], payload[0].size() if step == "group" else 1)
         self.queue.clear()
@@ -630,6 +627,58 @@ class _Search:
         if progress:
             progress(live, live)
         return False
+
+    def _push_groups(self, groups: list[Group]) -> None:
+        for g, score in zip(groups, self._group_scores(groups)):
+            self._push(score, "group", g)
+
+    def _past(self, deadline: float | None) -> bool:
+        """The time limit has passed and a plan is kept (before the first plan the limit waits: see run)."""
+        return deadline is not None and bool(self.best.heap) and time.perf_counter() > deadline
+
+    def _loop(self, deadline: float | None, progress: ProgressFn | None, live: int,
+              until_a_plan: bool = False) -> bool:
+        """Take the queue's smallest bound until it reaches the K-th best time (until_a_plan: until a plan is kept,
+        leaving the rest queued); True when the time limit stopped it."""
+        while self.queue:
+            if until_a_plan and self.best.heap:
+                return False
+            bound, _, step, payload = self.queue[0]
+            if bound >= self.best.cutoff() * (1 - REL_TOL):
+                break
+            if self._past(deadline):
+                self._stop_for_time(progress, live, [])
+                return True
+            heapq.heappop(self.queue)
+            if step == "group":
+                self.expanded += 1
+                if progress:
+                    progress(self.expanded, live)
+            self._run_step(bound, step, payload)
+        return False
+
+    def _stop_for_time(self, progress: ProgressFn | None, live: int, unscored: list[Group]) -> None:
+        """The limit stopped the search: what is left counts as not reached, and the smallest bound left (the queue's,
+        the deferred CP-SAT solves', and for groups never scored the space's compute floor) bounds the gap."""
+        for bound, _, rest, load in self.queue:
+            self.unexplored_bound = min(self.unexplored_bound, bound)
+            self._count(self.pruned, "not reached before the time limit", load[0].size() if rest == "group" else 1)
+        self.queue.clear()
+        for later, _, _, _ in self.deferred:
+            self.unexplored_bound = min(self.unexplored_bound, later)
+        self._count(self.pruned, "not reached before the time limit", len(self.deferred))
+        self.deferred.clear()
+        if unscored:
+            self.unexplored_bound = min(self.unexplored_bound, self._compute_floor())
+            self._count(self.pruned, "not reached before the time limit", sum(g.size() for g in unscored))
+        if progress:
+            progress(live, live)
+
+    def _compute_floor(self) -> float:
+        """No plan is faster than the model's FLOPs on every GPU at the chip's highest dense peak: the bound of
+        the groups a time limit left unscored (loose, but it needs no per-group cost)."""
+        peak = max(p.value for p in self.cluster.gpu.peak_tflops.values()) * 1e12
+        return model_flops_per_step(self.model, self.wl) / (self.cluster.num_gpus * peak)
 
     def _run_step(self, bound: float, step: str, payload: tuple) -> None:
         if step == "group":
