@@ -28,6 +28,7 @@ from hardware_db.calibration import load_calibration
 from hardware_db.cluster import Cluster, ClusterSpec, load_cluster_file
 from hardware_db.errors import InputError
 from hardware_db.gpu import GPUSpec, Sourced, list_gpus, load_gpu
+from planner.outputs import OutputFile, check_distinct, check_target, write_all
 
 EXIT_INPUT = 2  # bad input, the same code click uses for usage errors
 
@@ -75,6 +76,15 @@ def _root(
                                           callback=_show_version)] = False,
 ) -> None:
     """Parallelism planner for LLM training: estimate step time, throughput, MFU and memory of a configuration."""
+
+
+def _targets(**flags: Path | None) -> tuple[Path | None, ...]:
+    """The command's output paths, each checked before any work (planner/outputs.py: --export-out and --out of
+    `export` may be directories), and no two the same file."""
+    names = {k: "--" + k.replace("_", "-") for k in flags}
+    checked = {names[k]: check_target(v, names[k], directory_ok=k in ("export_out", "out_dir")) for k, v in flags.items()}
+    check_distinct(checked)
+    return tuple(checked.values())
 
 
 def _console() -> Console:
@@ -387,8 +397,8 @@ def plan(
     space was, what was pruned by which bound, what was infeasible and why, and whether optimality is proven.
     """
     from planner.explain import explain
-    from planner.launchers import export_plan, write_export
-    from planner.plan import build_plan, write_plan
+    from planner.launchers import export_files, export_plan
+    from planner.plan import build_plan, plan_text
     from planner.search import search
 
     if export_out is not None and export_to is None:
@@ -396,7 +406,9 @@ def plan(
     if as_json and export_to is not None and export_out is None:
         raise InputError("--json prints only the plan; give --export-out for the --export files")
     from planner.space import Pins
-    from planner.trace import chrome_trace, write_trace
+    from planner.trace import chrome_trace, trace_text
+
+    out, trace, export_out = _targets(out=out, trace=trace, export_out=export_out)
 
     spec = load_model(model)
     cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration, runtime)
@@ -415,12 +427,13 @@ def plan(
                      bound_s=best.bound_s, partition_status=best.partition_status,
                      calibration=eff.calibration if eff else None)
     exported = export_plan(doc, export_to) if export_to is not None else None  # refuses before anything is written
-    if out is not None:
-        write_plan(doc, out)
-    if exported is not None and export_out is not None:
-        written = write_export(exported, export_out)
+    files = [OutputFile(out, plan_text(doc))] if out is not None else []
+    written = export_files(exported, export_out) if exported is not None and export_out is not None else []
+    files += written
     if trace is not None:
-        write_trace(chrome_trace(sim), trace)
+        files.append(OutputFile(trace, trace_text(chrome_trace(sim))))
+    write_all(files)  # all or none, after every one of them is made
+    written = [f.path for f in written]
     if as_json:
         typer.echo(doc.model_dump_json(indent=2))
         return
@@ -579,10 +592,12 @@ def serve(
     --request-rate), the Pareto front of tokens/s/GPU vs tokens/s/user, and why the runners-up lose; when
     nothing meets the targets, the nearest miss and what it misses.
     """
-    from planner.launchers import export_plan, write_export
-    from planner.plan import build_serving_plan, write_plan
+    from planner.launchers import export_files, export_plan
+    from planner.plan import build_serving_plan, plan_text
     from planner.serve import (ServeTargets, explain_serving, load_lengths, parse_engine_layout, parse_gpu_range,
                                pinned_deployment, search_serving, workload_from)
+
+    out, export_out = _targets(out=out, export_out=export_out)
 
     if export_out is not None and export_to is None:
         raise InputError("--export-out needs --export vllm|sglang")
@@ -611,10 +626,9 @@ def serve(
         best, alternatives = result.best, explain_serving(result, targets, wl)
     doc = build_serving_plan(spec, cluster, wl, targets, best, result, objective, alternatives)
     exported = export_plan(doc, export_to) if export_to is not None else None
-    if out is not None:
-        write_plan(doc, out)
-    if exported is not None and export_out is not None:
-        written = write_export(exported, export_out)
+    written = export_files(exported, export_out) if exported is not None and export_out is not None else []
+    write_all(([OutputFile(out, plan_text(doc))] if out is not None else []) + written)
+    written = [f.path for f in written]
     if as_json:
         typer.echo(doc.model_dump_json(indent=2))
         return
@@ -699,6 +713,7 @@ def profile(
     from planner.plan import write_text_atomic
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    (out,) = _targets(out=out)  # before the minutes of measuring
     quick_opts = dict(repeats=3, warmup=1, seq=(128, 256), tokens=(128, 512, 2048)) if quick else {}
     opts = ProfileOptions(device=device, quick=quick, model=load_model(model) if model else None, target=gpu,
                           dtype=dtype or ("float64" if device == "cpu" else "bfloat16"),
@@ -767,6 +782,7 @@ def export_(
     from planner.launchers import export_plan, write_export
     from planner.plan import read_any_plan
 
+    (out,) = _targets(out_dir=out)
     exported = export_plan(read_any_plan(plan_file), to)
     if out is None:
         _echo_export(exported)
@@ -819,6 +835,8 @@ def import_(
     from planner.launchers import launch_model, launch_world, pinned_plan, read_launch
     from planner.plan import write_plan
 
+    (out,) = _targets(out=out)
+
     text, origin = source_text, "the arguments"
     path = Path(source_text)
     if source == "torchtitan" or _names_a_file(path):
@@ -862,6 +880,7 @@ def show(
     from planner.plan import ServingPlan, plan_config, read_any_plan
     from planner.trace import chrome_trace, write_trace
 
+    (trace,) = _targets(trace=trace)
     doc = read_any_plan(plan_file)
     if isinstance(doc, ServingPlan):
         if trace is not None:
@@ -933,8 +952,10 @@ def verify(
     steps match a single-process run; measured memory and time are shown beside the cost model's prediction.
     Exit code 0: the numerics match; 1: they do not (the report says where); 2: bad input."""
     from executor.verify import VerifyOptions, run_verify
-    from planner.plan import ServingPlan, read_any_plan, write_text_atomic
+    from planner.plan import ServingPlan, read_any_plan
+    from planner.trace import trace_text
 
+    out, trace = _targets(out=out, trace=trace)
     doc = read_any_plan(plan_file)
     if isinstance(doc, ServingPlan):
         _verify_serving(doc, scale, steps, seq, max_ranks, timeout, calibration, inject, out)
@@ -957,12 +978,8 @@ def verify(
     if report is None:  # a torchrun rank other than 0: rank 0 prints and writes; exit as it does
         raise typer.Exit(0 if outcome.ok else 1)
     _print_verify(con, report)
-    if out is not None:
-        write_text_atomic(out, report.to_json())
-    if trace is not None:
-        from planner.trace import write_trace
-
-        write_trace(dict(outcome.trace), trace)
+    write_all(([OutputFile(out, report.to_json())] if out is not None else [])
+              + ([OutputFile(trace, trace_text(dict(outcome.trace)))] if trace is not None else []))
     if not report.ok:
         raise typer.Exit(1)
 
@@ -973,7 +990,6 @@ def _verify_serving(doc: Any, scale: str, steps: int, seq: Optional[int], max_ra
     import dataclasses
 
     from executor.serving import run_serve_check
-    from planner.plan import write_text_atomic
 
     report = run_serve_check(doc, scale=scale, prompt=seq, steps=steps, max_ranks=max_ranks, timeout_s=timeout,
                              calibration=load_calibration(calibration) if calibration else None,
@@ -996,7 +1012,7 @@ def _verify_serving(doc: Any, scale: str, steps: int, seq: Optional[int], max_ra
     con.print(("OK" if report.ok else "FAILED") + f": every logit of the prefill and each decode step "
               f"{'matches' if report.ok else 'does not match'} the reference (tolerance {report.tolerance:g})")
     if out is not None:
-        write_text_atomic(out, json.dumps({"ok": report.ok, **dataclasses.asdict(report)}, indent=2) + "\n")
+        write_all([OutputFile(out, json.dumps({"ok": report.ok, **dataclasses.asdict(report)}, indent=2) + "\n")])
     if not report.ok:
         raise typer.Exit(1)
 

@@ -49,6 +49,7 @@ __all__ = [
     "plan_json_schema",
     "write_schema_file",
     "write_text_atomic",
+    "plan_text",
 ]
 
 SCHEMA_VERSION = 1
@@ -636,6 +637,16 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 def write_plan(plan: "Plan | ServingPlan", path: str | Path) -> None:
     """Validate (pydantic and the JSON Schema) and write `plan` as indented JSON, atomically."""
     path = Path(path)
+    text = plan_text(plan)
+    try:
+        write_text_atomic(path, text)
+    except OSError as exc:
+        raise InputError(f"cannot write the plan to {path} ({exc.strerror or exc}); check the directory exists "
+                         f"and is writable") from None
+
+
+def plan_text(plan: "Plan | ServingPlan") -> str:
+    """The plan as the indented JSON write_plan writes, validated (pydantic and the JSON Schema) first."""
     data = plan.model_dump(mode="json")
     try:
         type(plan).model_validate(data)
@@ -644,12 +655,7 @@ def write_plan(plan: "Plan | ServingPlan", path: str | Path) -> None:
     problem = _jsonschema_error(data)
     if problem is not None:
         raise ValueError(f"refusing to write a plan that breaks plan.schema.json: {problem}")
-    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
-    try:
-        write_text_atomic(path, text)
-    except OSError as exc:
-        raise InputError(f"cannot write the plan to {path} ({exc.strerror or exc}); check the directory exists "
-                         f"and is writable") from None
+    return json.dumps(data, indent=2, allow_nan=False) + "\n"
 
 
 def _read_document(path: Path) -> dict[str, Any]:

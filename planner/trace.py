@@ -112,4 +112,8 @@ def chrome_trace(simulated: Simulated, names: Sequence[str] | None = None) -> di
 
 def write_trace(trace: dict[str, Any], path: str | Path) -> None:
     """Write a trace as JSON, atomically (open it at ui.perfetto.dev or chrome://tracing)."""
-    write_text_atomic(path, json.dumps(trace, allow_nan=False) + "\n")
+    write_text_atomic(path, trace_text(trace))
+
+
+def trace_text(trace: dict[str, Any]) -> str:
+    return json.dumps(trace, allow_nan=False) + "\n"

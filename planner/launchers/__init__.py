@@ -19,7 +19,8 @@ from hardware_db.errors import InputError
 from planner.launchers import deepspeed, megatron, nemo, sglang, torchrun, torchtitan, vllm
 from planner.launchers.common import Exported, ExportedFile, ExportError
 from planner.launchers.megatron import LaunchSpec
-from planner.plan import Plan, ServingPlan, build_plan, write_text_atomic
+from planner.outputs import OutputFile, write_all
+from planner.plan import Plan, ServingPlan, build_plan
 
 __all__ = ["TARGETS", "SERVING_TARGETS", "Exported", "ExportedFile", "ExportError", "LaunchSpec", "export_plan",
            "write_export",
@@ -67,23 +68,20 @@ def export_plan(plan: Plan | ServingPlan, target: str) -> Exported:
 
 
 def write_export(exported: Exported, out: str | Path) -> list[Path]:
-    """Write the exported files atomically: `out` is the file when there is one, a directory (made if missing)
-    when there are several. Returns the paths written."""
+    """Write the exported files all or none (planner/outputs.py): `out` is the file when there is one, a directory
+    (made if missing) when there are several. Returns the paths written."""
+    return write_all(export_files(exported, out))
+
+
+def export_files(exported: Exported, out: str | Path) -> list[OutputFile]:
+    """The exported files with their targets under `out` (see write_export), for a command's write_all."""
     out = Path(out)
     if len(exported.files) == 1 and not out.is_dir():
-        targets = [out]
-    else:
-        if out.exists() and not out.is_dir():
-            raise InputError(f"{out} is a file, but the {exported.target} export has {len(exported.files)} files "
-                             f"({', '.join(f.name for f in exported.files)}); pass a directory to --out")
-        out.mkdir(parents=True, exist_ok=True)
-        targets = [out / f.name for f in exported.files]
-    for path, f in zip(targets, exported.files):
-        try:
-            write_text_atomic(path, f.text)
-        except OSError as exc:
-            raise InputError(f"cannot write {path} ({exc.strerror or exc}); check the directory is writable") from None
-    return targets
+        return [OutputFile(out, exported.files[0].text)]
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out} is a file, but the {exported.target} export has {len(exported.files)} files "
+                         f"({', '.join(f.name for f in exported.files)}); pass a directory to --out")
+    return [OutputFile(out / f.name, f.text) for f in exported.files]
 
 
 SOURCES = ("megatron", "torchtitan")
