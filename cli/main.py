@@ -6,6 +6,7 @@ usage errors into ONE line `error: <message>` on stderr with exit code 2: no tra
 """
 
 import json
+import math
 import os
 import sys
 import tomllib
@@ -105,6 +106,9 @@ def _cluster(cluster_file: Optional[str], gpu: Optional[str], gpus: Optional[int
     else:
         if gpu is None or gpus is None:
             raise InputError("say which cluster: --gpu NAME --gpus N, or --cluster FILE (see `meshplan hardware list`)")
+        for flag, value in (("--nic-gbps", nic_gbps), ("--nvlink-gbs", nvlink_gbs)):
+            if value is not None and not math.isfinite(value):
+                raise InputError(f"{flag} {value}: give a finite bandwidth")
         spec = ClusterSpec(gpu=gpu, num_gpus=gpus, gpus_per_node=gpus_per_node, nic_gbps=nic_gbps,
                            nvlink_gb_s=nvlink_gbs)
     if calibration is None:
@@ -370,8 +374,8 @@ def plan(
     calibration: CalibrationOpt = None,
     max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, rich_help_panel=P_PAR,
                                          help="Largest micro-batch size searched.")] = 16,
-    top: Annotated[int, typer.Option("--top", min=1, rich_help_panel=P_OUT,
-                                     help="How many of the best plans to rank in the table.")] = 5,
+    top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
+                                     help="How many of the best plans to rank in the table (at most 100).")] = 5,
     time_limit: Annotated[Optional[float], typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
         "Stop after about this many seconds and return the best plan found with its proven optimality gap; a "
         "quick first plan comes before the exact search, and the limit waits for it."))] = None,
@@ -575,7 +579,8 @@ def serve(
         "With --prefill-layout: prefill engines (default: as many as the decode pool needs)."))] = None,
     batch: Annotated[Optional[int], typer.Option("--batch", min=1, rich_help_panel=P_PAR, help=(
         "With --layout: running sequences per engine (default: the best that meets the targets)."))] = None,
-    top: Annotated[int, typer.Option("--top", min=1, rich_help_panel=P_OUT, help="Deployments to rank.")] = 5,
+    top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
+                                     help="Deployments to rank (at most 100).")] = 5,
     out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Write the best deployment as a serving plan (Plan JSON, kind serving)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
@@ -962,6 +967,10 @@ def verify(
         return
     if launcher is None:
         launcher = "torchrun" if "RANK" in os.environ else "spawn"
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if launcher == "torchrun" and missing:
+        raise InputError(f"--launcher torchrun runs under torchrun, but {', '.join(missing)} are not set; start "
+                         f"it as `torchrun --nproc-per-node N $(which meshplan) verify ...`, or use --launcher spawn")
     opts = VerifyOptions(scale=scale, steps=steps, seq=seq, microbatches=microbatches, dtype=dtype, backend=backend,
                          launcher=launcher, timeout_s=timeout, max_ranks=max_ranks, inject=inject,
                          calibration=load_calibration(calibration) if calibration else None,
@@ -1183,9 +1192,18 @@ def _one_line(text: object) -> str:
     return " ".join(str(text).split()).replace("Value error, ", "")
 
 
+# the option a value of these types comes from, to name it in the error line
+_FLAGS = {"ClusterSpec": {"num_gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "nic_gbps": "--nic-gbps",
+                          "nvlink_gb_s": "--nvlink-gbs"},
+          "Workload": {"global_batch": "--gbs", "seq_len": "--seq"}}
+
+
 def _validation_message(exc: ValidationError) -> str:
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
+    flag = _FLAGS.get(exc.title, {}).get(where)
+    if flag is not None:
+        return f"{flag} {first.get('input')!s:.24}: {first['msg']}"
     return f"{exc.title}: field '{where}': {first['msg']}" if where else f"{exc.title}: {first['msg']}"
 
 

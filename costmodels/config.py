@@ -29,12 +29,19 @@ DEFAULT_RANK_ORDER = "tp-cp-dp-pp"  # Megatron-LM's default "tp-cp-ep-dp-pp"
 PP_INSIDE_DP = "tp-cp-pp-dp"  # Megatron --use-tp-pp-dp-mapping ("tp-cp-ep-pp-dp", training/initialize.py); ep = 1
 
 
+# Bounds far above any published run, so a typo is refused up front instead of simulating 10**12 micro-batches: the
+# largest published global batches are a few thousand sequences (Llama 3 405B: 16M tokens = 2,048 x 8K; DeepSeek-V3:
+# 15,360), the longest training sequences about 1M tokens.
+MAX_GLOBAL_BATCH = 2**17
+MAX_SEQ_LEN = 2**24
+
+
 class Workload(BaseModel):
     """What one training step processes: `global_batch` sequences of `seq_len` tokens."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    global_batch: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
+    global_batch: int = Field(gt=0, le=MAX_GLOBAL_BATCH)
+    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
     dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
     # FP8 scaling recipe (dtype fp8 only): delayed (TE DelayedScaling), tensorwise (current scaling, TE
     # Float8CurrentScaling / torchao tensorwise), rowwise (torchao), blockwise (1x128 / 128x128, DeepSeek-V3 /
@@ -465,7 +472,9 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     if vpp > 1 and pp == 1:
         raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline ranks)")
     schedule = cfg.schedule or ("interleaved" if vpp > 1 else "1f1b")
-    if schedule == "interleaved" and vpp == 1 and pp > 1:
+    if schedule == "interleaved" and pp == 1:
+        raise InputError("--schedule interleaved needs --pp > 1 (virtual stages interleave pipeline ranks)")
+    if schedule == "interleaved" and vpp == 1:
         raise InputError("--schedule interleaved needs --vpp > 1")
     if schedule != "interleaved" and vpp > 1:
         raise InputError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")

@@ -9,19 +9,27 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MLPKind = Literal["gelu", "relu2", "swiglu"]
 
+# Bounds far above any published model (a typo of 1e12 must be refused, not run): per-layer work is O(layers), and
+# widths, vocabularies and expert counts enter float arithmetic and memory that must stay finite.
+MAX_LAYERS = 10_000
+MAX_WIDTH = 2**20  # hidden, FFN, head and latent widths, head counts (the largest published hidden is 25,600)
+MAX_VOCAB = 2**24  # the largest published vocabularies are about 256K
+MAX_EXPERTS = 2**16  # the largest published MoE has 384 routed experts
+MAX_SEQ = 2**30  # context lengths (the longest published is 10M)
+
 
 class MoESpec(BaseModel):
     """Mixture-of-experts block. Layer i is MoE iff i >= first_k_dense and i % layer_freq == 0
     (the rule of Hugging Face's deepseek_v3 modelling code; Mixtral/Qwen-MoE are first_k_dense=0, layer_freq=1)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    num_experts: int = Field(gt=0)
-    top_k: int = Field(gt=0)
-    expert_ffn_hidden: int = Field(gt=0)  # intermediate size of one routed expert
-    num_shared_experts: int = Field(default=0, ge=0)
-    shared_ffn_hidden: int | None = Field(default=None, gt=0)  # per shared expert; default expert_ffn_hidden
-    first_k_dense: int = Field(default=0, ge=0)
-    layer_freq: int = Field(default=1, gt=0)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no true-as-1 or "4096"
+    num_experts: int = Field(gt=0, le=MAX_EXPERTS)
+    top_k: int = Field(gt=0, le=MAX_EXPERTS)
+    expert_ffn_hidden: int = Field(gt=0, le=MAX_WIDTH)  # intermediate size of one routed expert
+    num_shared_experts: int = Field(default=0, ge=0, le=MAX_EXPERTS)
+    shared_ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_WIDTH)  # per shared expert; default expert_ffn_hidden
+    first_k_dense: int = Field(default=0, ge=0, le=MAX_LAYERS)
+    layer_freq: int = Field(default=1, gt=0, le=MAX_LAYERS)
 
     @model_validator(mode="after")
     def _check(self) -> "MoESpec":
@@ -37,43 +45,42 @@ class MoESpec(BaseModel):
 class MLASpec(BaseModel):
     """Multi-head latent attention (DeepSeek-V2 paper, section 2.1)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    q_lora_rank: int | None = Field(default=None, gt=0)  # None: queries are not compressed (V2-Lite)
-    kv_lora_rank: int = Field(gt=0)
-    qk_nope_head_dim: int = Field(gt=0)
-    qk_rope_head_dim: int = Field(gt=0)
-    v_head_dim: int = Field(gt=0)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no true-as-1 or "4096"
+    q_lora_rank: int | None = Field(default=None, gt=0, le=MAX_WIDTH)  # None: queries are not compressed (V2-Lite)
+    kv_lora_rank: int = Field(gt=0, le=MAX_WIDTH)
+    qk_nope_head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    qk_rope_head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    v_head_dim: int = Field(gt=0, le=MAX_WIDTH)
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
-MAX_LAYERS = 10_000  # far above any published model; per-layer work is O(layers), so a typo of 1e12 must not run
 
 
 class ModelSpec(BaseModel):
     """A decoder-only transformer. `ffn_hidden` is the dense MLP's intermediate size (dense layers only for MoE)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no true-as-1 or "4096"
     name: str
     num_layers: int = Field(gt=0, le=MAX_LAYERS)
-    hidden: int = Field(gt=0)
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int | None = Field(default=None, gt=0)  # default: num_heads (MHA)
-    head_dim: int | None = Field(default=None, gt=0)  # default: hidden // num_heads
-    ffn_hidden: int = Field(gt=0)
+    hidden: int = Field(gt=0, le=MAX_WIDTH)
+    num_heads: int = Field(gt=0, le=MAX_WIDTH)
+    num_kv_heads: int | None = Field(default=None, gt=0, le=MAX_WIDTH)  # default: num_heads (MHA)
+    head_dim: int | None = Field(default=None, gt=0, le=MAX_WIDTH)  # default: hidden // num_heads
+    ffn_hidden: int = Field(gt=0, le=MAX_WIDTH)
     mlp: MLPKind = "swiglu"
-    vocab: int = Field(gt=0)
+    vocab: int = Field(gt=0, le=MAX_VOCAB)
     tied_embeddings: bool = False
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     qkv_bias: bool = False
     linear_bias: bool = False  # bias on out-proj and MLP linears (GPT-2, Megatron GPT)
     learned_positions: bool = False  # absolute position embeddings (GPT-2) instead of RoPE
-    max_seq_len: int | None = Field(default=None, gt=0)
+    max_seq_len: int | None = Field(default=None, gt=0, le=MAX_SEQ)
     moe: MoESpec | None = None
     mla: MLASpec | None = None
-    num_mtp_layers: int = Field(default=0, ge=0)  # DeepSeek-V3 multi-token-prediction modules
+    num_mtp_layers: int = Field(default=0, ge=0, le=MAX_LAYERS)  # DeepSeek-V3 multi-token-prediction modules
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from costmodels.model import MAX_LAYERS, ModelSpec
+from hardware_db.documents import read_document
 from hardware_db.errors import InputError
 
 __all__ = [
@@ -100,6 +100,10 @@ def _validate(fields: dict[str, Any], origin: str, loc_names: dict[str, str]) ->
                 msg = re.sub(rf"(?<![\w.]){re.escape(field)}(?![\w.])", loc_names[field], msg)
         elif loc:
             msg = f"'{loc_names.get(loc, loc)}': {msg}"
+            got = err.get("input")
+            if isinstance(got, (bool, int, float, str)):  # the value, where a type was wrong (true, "4096")
+                shown = repr(got)
+                msg += f", got {shown if len(shown) <= 40 else shown[:36] + '...'}"
         raise _fail(origin, msg) from None
 
 
@@ -445,23 +449,7 @@ def to_model_file(spec: ModelSpec, source: str | None = None) -> dict[str, Any]:
 
 def _read_document(path: Path) -> tuple[Any, str]:
     """Parse a .json or .toml file; returns (document, origin)."""
-    origin = str(path)
-    suffix = path.suffix.lower()
-    if suffix not in (".json", ".toml"):
-        raise _fail(origin, "a model file must end in .json or .toml")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _fail(origin, "no such file; check the path") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise _fail(origin, f"cannot read the file ({exc})") from None
-    try:
-        doc = json.loads(text) if suffix == ".json" else tomllib.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _fail(origin, f"not valid JSON ({exc}); fix the syntax at that position") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise _fail(origin, f"not valid TOML ({exc}); fix the syntax at that position") from None
-    return doc, origin
+    return read_document(path, "a model file")
 
 
 def _name_from_path(path: Path) -> str:

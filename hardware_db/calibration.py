@@ -10,13 +10,13 @@ with one line that says what to do.
 from __future__ import annotations
 
 import hashlib
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hardware_db.documents import parse_document
 from hardware_db.errors import InputError, field_error
 from hardware_db.gpu import EfficiencyDefaults, GPUSpec, Sourced
 
@@ -173,8 +173,10 @@ class Overhead(_Frozen):
     the cost model does not list), per micro-batch: the median over the profiled sequence lengths. (A line in
     the tokens was tried: on a shared 2-core VM its slope was noise, of either sign from run to run.)"""
 
-    forward_s: float
-    backward_s: float
+    # a residual may be slightly negative (the fitted operators overshoot); past a second either way it is no
+    # measurement of a layer or a step (a corrupt or hand-edited file)
+    forward_s: float = Field(ge=-1.0, le=3600.0)
+    backward_s: float = Field(ge=-1.0, le=3600.0)
 
 
 class LayerOverhead(Overhead):
@@ -236,11 +238,7 @@ def digest(cal: Calibration) -> str:
 
 def parse_calibration(text: str, origin: str) -> Calibration:
     """Validate a calibration document; every failure is one InputError line naming `origin` and the fix."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{origin}: not a calibration file: invalid JSON ({exc.msg} at line {exc.lineno}); "
-                         f"re-run meshplan profile --out {origin}") from None
+    data = parse_document(text, "json", origin)
     if not isinstance(data, dict) or "schema_version" not in data:
         raise InputError(f"{origin}: not a calibration file (no schema_version); make one with meshplan profile")
     version = data["schema_version"]
@@ -253,7 +251,8 @@ def parse_calibration(text: str, origin: str) -> Calibration:
         raise InputError(f"{origin}: calibration schema v{version} is older than this meshplan reads "
                          f"(v{CALIBRATION_SCHEMA_VERSION}); re-run meshplan profile")
     try:
-        return Calibration.model_validate(data)
+        # a file: no coercion (hardware_db/documents.STRICT); JSON mode, where arrays are tuples
+        return Calibration.model_validate_json(text, strict=True)
     except ValidationError as exc:
         raise InputError(f"{origin}: {field_error(exc)}; re-run meshplan profile") from None
 

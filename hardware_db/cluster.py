@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import tomllib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -11,17 +9,21 @@ from pathlib import Path
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hardware_db.documents import STRICT, read_document
 from hardware_db.errors import InputError, field_error
 from hardware_db.gpu import GPUSpec, load_gpu
+
+
+MAX_GPUS = 2**18  # 262,144: above the largest clusters built (about 200,000 GPUs); the search's work grows with it
 
 
 class ClusterSpec(BaseModel):
     """GPU type and count, GPUs per node, and optional link overrides (NIC in Gb/s, scale-up in GB/s per direction)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = STRICT
     gpu: str
-    num_gpus: int = Field(gt=0)
-    gpus_per_node: int | None = Field(default=None, gt=0)  # default: 8, or the scale-up domain where it is larger
+    num_gpus: int = Field(gt=0, le=MAX_GPUS)
+    gpus_per_node: int | None = Field(default=None, gt=0, le=MAX_GPUS)  # default: 8, or the scale-up domain where it is larger
     nic_gbps: float | None = Field(default=None, gt=0)
     nvlink_gb_s: float | None = Field(default=None, gt=0)
 
@@ -141,12 +143,7 @@ class Cluster:
 def load_cluster_file(path: str | Path) -> ClusterSpec:
     """A cluster file (TOML or JSON) with the ClusterSpec fields."""
     p = Path(path)
-    if not p.is_file():
-        raise InputError(f"cluster file '{p}' not found")
-    try:
-        data = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{p}: cannot parse ({exc})") from None
+    data, _ = read_document(p, "a cluster file")
     try:
         return ClusterSpec.model_validate(data)
     except ValidationError as exc:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from hardware_db.documents import STRICT, parse_document
 from hardware_db.errors import InputError, field_error
 
 DType = Literal["bf16", "fp16", "fp8", "fp32"]
@@ -17,8 +17,8 @@ DType = Literal["bf16", "fp16", "fp8", "fp32"]
 class Sourced(BaseModel):
     """A number and where it was read."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    value: float = Field(gt=0)
+    model_config = STRICT
+    value: float = Field(gt=0, le=1e9)  # no figure in these units (TFLOP/s, GiB, GB/s, Gb/s, $) comes near 1e9
     source: str = Field(min_length=3)
 
 
@@ -29,7 +29,7 @@ class EfficiencyDefaults(BaseModel):
     meshplan's stated assumptions (docs/cost_model.md, "Kernel efficiency") until `meshplan profile` measures them.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = STRICT
     gemm_max: float = Field(default=0.75, gt=0, le=1)  # best GEMM efficiency at large training shapes (BF16)
     gemm_half_flops: float = Field(default=2.0e9, gt=0)  # GEMM FLOPs at which efficiency is half of gemm_max
     gemm_k_half: float = Field(default=0.0, ge=0)  # inner dimension at which the k-depth ramp halves it (0: none)
@@ -70,7 +70,7 @@ class EfficiencyDefaults(BaseModel):
 class GPUSpec(BaseModel):
     """One accelerator. Bandwidths: HBM in TB/s, scale-up in GB/s per GPU per direction, NIC in Gb/s per GPU."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = STRICT
     name: str
     display_name: str
     vendor: Literal["nvidia", "amd", "cpu"]
@@ -83,6 +83,13 @@ class GPUSpec(BaseModel):
     price_usd_per_hour: Sourced
     host_link_gb_s: Sourced | None = None  # GPU <-> host memory, GB/s per GPU per direction (activation offload)
     efficiency: EfficiencyDefaults
+
+    @field_validator("scaleup_domain")
+    @classmethod
+    def _a_count(cls, v: Sourced) -> Sourced:
+        if not float(v.value).is_integer():
+            raise ValueError(f"scaleup_domain is a number of GPUs: a whole number, got {v.value:g}")
+        return v
 
     @field_validator("peak_tflops")
     @classmethod
@@ -134,10 +141,7 @@ def list_gpus() -> list[str]:
 
 def parse_gpu(text: str, origin: str) -> GPUSpec:
     """Validate one GPU TOML document; `origin` names it in errors."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise InputError(f"{origin}: not valid TOML ({exc})") from None
+    data = parse_document(text, "toml", origin)
     try:
         return GPUSpec.model_validate(data)
     except ValidationError as exc:

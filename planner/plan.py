@@ -27,6 +27,7 @@ from costmodels.memory import FRAGMENTATION
 from costmodels.model import ModelSpec
 from costmodels.model_io import parse_model_file, to_model_file
 from hardware_db.cluster import Cluster, ClusterSpec
+from hardware_db.documents import read_document
 from hardware_db.errors import InputError, field_error
 from hardware_db.gpu import GPUSpec
 
@@ -660,18 +661,7 @@ def plan_text(plan: "Plan | ServingPlan") -> str:
 
 def _read_document(path: Path) -> dict[str, Any]:
     """The JSON object of a plan file of this schema version; InputError for anything else."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file; check the path") from None
-    except IsADirectoryError:
-        raise InputError(f"{path} is a directory; pass the plan's .json file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read the file ({_one_line(exc)})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc}); is this a meshplan plan?") from None
+    data, _ = read_document(path, "a plan", formats=("json",))
     if not isinstance(data, dict) or "schema_version" not in data:
         raise InputError(f"{path} is not a meshplan plan (no schema_version)")
     version = data["schema_version"]

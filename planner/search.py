@@ -1180,6 +1180,8 @@ class _Search:
         hbm = self.cluster.gpu.hbm_gib.value
         if not self.enum.groups:
             rules = ", ".join(f"{k} ({v})" for k, v in sorted(self.infeasible.items(), key=lambda x: -x[1])[:3])
+            if not rules:
+                return f"no configuration of {n} GPUs passes the divisibility rules with these pins; unpin some"
             return f"no configuration of {n} GPUs passes the divisibility rules: {rules}"
         need = _gpus_needed(model, hbm, self.cluster.gpus_per_node)
         closest = ""

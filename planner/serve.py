@@ -13,6 +13,7 @@ that the request rates balance. Queueing delay is not modelled: a target is met 
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -415,7 +416,7 @@ def parse_engine_layout(text: str) -> EngineLayout:
     degrees = {"tp": 1, "dp": 1, "pp": 1, "ep": 1}
     for part in text.replace(" ", "").lower().split(","):
         name, value = part[:2], part[2:]
-        if name not in degrees or not value.isdigit() or int(value) < 1:
+        if name not in degrees or not re.fullmatch(r"[0-9]{1,7}", value) or int(value) < 1:  # ASCII digits only
             raise InputError(f"engine layout {text!r}: write degrees like tp4,dp8,ep32 (tp, dp, pp, ep; each >= 1)")
         degrees[name] = int(value)
     return EngineLayout(**degrees)

@@ -389,6 +389,9 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins, runtim
         raise InputError(f"--vpp {pins.vpp} needs --schedule interleaved (got {pins.schedule})")
     if pins.schedule == "interleaved" and pins.vpp == 1:
         raise InputError("--schedule interleaved needs --vpp > 1")
+    if pins.pp == 1 and (pins.schedule == "interleaved" or (pins.vpp or 1) > 1):
+        raise InputError("--schedule interleaved / --vpp > 1 need --pp > 1 (virtual stages interleave pipeline "
+                         "ranks); drop them or raise --pp")
     if pins.order == PP_INSIDE_DP and (pins.ep or 1) > 1:
         raise InputError(f"--order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs ep = 1; got ep={pins.ep}; "
                          f"drop --order or --ep")

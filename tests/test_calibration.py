@@ -184,13 +184,19 @@ def test_without_a_calibration_nothing_changes():
 def test_corrupt_newer_older_and_malformed_files_are_refused_in_one_line():
     good = json.loads(EXAMPLE.read_text())
     cases = {
-        "{not json": "invalid JSON",
+        "{not json": "not valid JSON",
         json.dumps({"hello": 1}): "no schema_version",
         json.dumps({**good, "schema_version": CALIBRATION_SCHEMA_VERSION + 1}): "newer",
         json.dumps({**good, "schema_version": 0}): "older",
         json.dumps({**good, "fitted": {**good["fitted"], "gemm": {"flops": [2.0, 1.0], "seconds": [1.0, 2.0]}}}):
             "flops must increase",
         json.dumps({**good, "device": {**good["device"], "kind": "tpu"}}): "device.kind",
+        # a file is read strictly: no true-as-1, no numbers as strings, no inf (hardware_db/documents.py)
+        json.dumps({**good, "fitted": {**good["fitted"], "step_overhead": {"forward_s": -4e9, "backward_s": 0.01}}}):
+            "step_overhead.forward_s",
+        json.dumps({**good, "fitted": {**good["fitted"], "peak_flops": True}}): "peak_flops",
+        json.dumps({**good, "fitted": {**good["fitted"], "peak_flops": "7e10"}}): "peak_flops",
+        json.dumps(good).replace('"schema_version": 1', '"schema_version": 1e999'): "not a finite number",
     }
     for text, words in cases.items():
         with pytest.raises(InputError) as exc:
@@ -214,7 +220,7 @@ def test_cli_refuses_bad_calibrations_in_one_line(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     assert_input_error(*run(capsys, *args, "--gpu", "cpu", "--gpus", "1", "--calibration", str(bad)), "bad.json",
-                       "invalid JSON")
+                       "not valid JSON")
     assert_input_error(*run(capsys, *args, "--gpu", "h100-sxm", "--gpus", "8", "--calibration", str(EXAMPLE)),
                        "not on h100-sxm", "--gpu cpu")
     assert_input_error(*run(capsys, *args, "--gpu", "cpu", "--gpus", "1", "--calibration", "nope.json"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ def shell_lines(argv: list[str], head: int = 1) -> str:
     on its own line."""
     groups: list[list[str]] = [argv[:head]]
     for arg in argv[head:]:
-        flag = arg.startswith("-") and not arg.lstrip("-").isdigit()
+        flag = arg.startswith("-") and not re.fullmatch(r"-[0-9.]+", arg)  # a negative number is a value
         after_value = len(groups[-1]) > 1 and groups[-1][0].startswith("-")  # a program after "--flag value"
         if flag or after_value:
             groups.append([arg])

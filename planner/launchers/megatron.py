@@ -72,7 +72,7 @@ def parse_moe_layer_freq(text: str, num_layers: int) -> list[int]:
     """The 0/1 pattern of an int or a list expression of --moe-layer-freq (the sums of `[..]*n` and `[..]` terms
     Megatron's recipes write; evaluated here without eval)."""
     text = text.strip()
-    if re.fullmatch(r"\d+", text):
+    if re.fullmatch(r"[0-9]+", text):
         n = int(text)
         if n < 1:
             raise InputError(f"--moe-layer-freq {text}: must be >= 1")
@@ -80,14 +80,17 @@ def parse_moe_layer_freq(text: str, num_layers: int) -> list[int]:
     body = text[1:-1] if text.startswith("(") and text.endswith(")") else text
     pattern: list[int] = []
     for term in body.split("+"):
-        m = re.fullmatch(r"\s*\[([\d,\s]*)\]\s*(?:\*\s*(\d+))?\s*", term)
+        m = re.fullmatch(r"\s*\[([0-9,\s]*)\]\s*(?:\*\s*([0-9]+))?\s*", term)
         if not m:
             raise InputError(f"--moe-layer-freq {text!r}: cannot read {term.strip()!r}; write an int or a list "
                              f"expression like ([0]*3+[1]*58)")
         items = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
         if any(x not in (0, 1) for x in items):
             raise InputError(f"--moe-layer-freq {text!r}: list entries must be 0 or 1")
-        pattern += items * int(m.group(2) or 1)
+        times = int(m.group(2) or 1)
+        if len(pattern) + len(items) * times > num_layers:  # checked before it is built: '[1]*10**12' is no list
+            raise InputError(f"--moe-layer-freq {text!r} describes more layers than the model's {num_layers}")
+        pattern += items * times
     if len(pattern) != num_layers:
         raise InputError(f"--moe-layer-freq {text!r} describes {len(pattern)} layers; the model has {num_layers}")
     return pattern
@@ -153,12 +156,33 @@ def pipeline_layout(chunk_layers: list[int], pp: int, mtp_layers: int) -> str:
     return re.sub(r"t{4,}", lambda m: f"t*{len(m.group(0))}", "".join(parts))
 
 
+LAYOUT_MAX_CHARS = 100_000  # a layout expanded past this names far more layers than any model has
+
+
+def _repeat(count: str, text: str) -> int:
+    """A layout's `*n`, refused when it would expand the layout past LAYOUT_MAX_CHARS."""
+    if len(count) > 6 or int(count) > LAYOUT_MAX_CHARS:
+        raise InputError(f"--pipeline-model-parallel-layout {text[:60]!r}: a repeat of {count[:12]} is more "
+                         f"layers than any model has")
+    return int(count)
+
+
 def parse_layout(text: str, pp: int) -> tuple[list[int], int, bool, bool]:
     """(decoder layers per virtual stage in model order, MTP layers, embedding first?, loss last?) of a layout
     string, read by the grammar of megatron-core's PipelineParallelLayerLayout.parse_str_to_list."""
     flat = text.replace(",", "")
-    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
-        flat = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), flat)
+    for pattern in (r"\(([^)]+)\)\*([0-9]+)", r"(.)\*([0-9]+)"):
+        grown = [len(flat)]  # the expansion so far, checked before each piece is built
+
+        def expand(m: re.Match) -> str:
+            times = _repeat(m.group(2), text)
+            grown[0] += len(m.group(1)) * times
+            if grown[0] > LAYOUT_MAX_CHARS:
+                raise InputError(f"--pipeline-model-parallel-layout {text[:60]!r} expands to more layers than any "
+                                 f"model has")
+            return m.group(1) * times
+
+        flat = re.sub(pattern, expand, flat)
     stages = flat.split("|")
     bad = set(flat) - set("EtmL|")
     if bad:
@@ -280,8 +304,35 @@ class LaunchSpec:
     runtime: str | None = None  # the runtime preset and options the configuration itself implies (torchtitan's)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one InputError line, not its usage text and a SystemExit."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise InputError(f"megatron arguments: {message}")
+
+
+MAX_ARGUMENT = 10**9  # no layer count, width, degree or batch in a launch is larger
+
+
+def _count(text: str) -> int:
+    """A whole number as Megatron's arguments take it: ASCII digits, at most MAX_ARGUMENT (int() would also take
+    '٣', '1_000' and 4,000-digit numbers)."""
+    if not re.fullmatch(r"[0-9]{1,10}", text) or int(text) > MAX_ARGUMENT:
+        shown = text if len(text) <= 24 else text[:20] + "..."
+        raise argparse.ArgumentTypeError(f"{shown!r} is not a whole number from 0 to {MAX_ARGUMENT:,}")
+    return int(text)
+
+
+# degrees and sizes that must be at least 1 when given (Megatron's own defaults apply only when left out)
+AT_LEAST_ONE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                "expert_model_parallel_size", "expert_tensor_parallel_size", "micro_batch_size", "global_batch_size",
+                "seq_length", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "kv_channels", "vocab_size", "num_virtual_stages_per_pipeline_rank",
+                "num_layers_per_virtual_pipeline_stage", "recompute_num_layers", "moe_router_topk")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p = _Parser(add_help=False, allow_abbrev=False)
     ints = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
             "seq_length", "max_position_embeddings", "vocab_size", "num_experts", "moe_router_topk",
             "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank",
@@ -300,7 +351,7 @@ def _parser() -> argparse.ArgumentParser:
                 "fp16", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                 "moe_grouped_gemm"]
     for name in ints:
-        p.add_argument(_flag(name), dest=name, type=int)
+        p.add_argument(_flag(name), dest=name, type=_count)
     for name in strs:
         p.add_argument(_flag(name), dest=name)
     for name in switches:
@@ -317,12 +368,12 @@ def _torchrun_geometry(tokens: list[str]) -> tuple[list[str], int | None, int | 
     if script is None:
         raise InputError("the torchrun line names no .py script; pass `torchrun ... pretrain_gpt.py ARGS` or the "
                          "script's arguments alone")
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p = _Parser(add_help=False, allow_abbrev=False)
     p.add_argument("--nnodes")
     p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc")
     launch, _ = p.parse_known_args(tokens[1:script])
     for flag, value in (("--nnodes", launch.nnodes), ("--nproc-per-node", launch.nproc)):
-        if value is not None and not re.fullmatch(r"\d+", value):
+        if value is not None and not re.fullmatch(r"[0-9]+", value):
             raise InputError(f"torchrun {flag} {value!r}: give a number (an elastic range such as 1:4 does not fix "
                              f"the world size; pass --gpus)")
     nodes = int(launch.nnodes) if launch.nnodes else None
@@ -457,6 +508,9 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
     tokens = tokens[start:] if tokens[start:start + 1] and tokens[start].endswith("torchrun") else tokens
     tokens, nodes, per_node = _torchrun_geometry(tokens)
     a, _unknown = _parser().parse_known_args(tokens)
+    for name in AT_LEAST_ONE:
+        if getattr(a, name) == 0:
+            raise InputError(f"{_flag(name)} 0: give at least 1 (or leave it out for Megatron's default)")
     _check_supported(a)
     if a.seq_length is None or a.global_batch_size is None:
         raise InputError("the arguments need --seq-length and --global-batch-size (the workload)")

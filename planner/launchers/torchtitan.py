@@ -12,12 +12,12 @@ for every block.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 
 from costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload, get_runtime
 from costmodels.model import ModelSpec
 from costmodels.model_io import load_zoo, to_model_file
+from hardware_db.documents import parse_document
 from hardware_db.errors import InputError
 from planner.launchers.common import Exported, ExportedFile, header_lines, refuse, uniform_recompute
 from planner.launchers.megatron import LaunchSpec
@@ -245,10 +245,7 @@ def _stages_from_fqns(parts: list[list[str]], pp: int, num_layers: int) -> tuple
 
 def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple[LaunchSpec, str]:
     """A torchtitan (<= 0.2) TOML job config as a LaunchSpec and the zoo name of its model."""
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise InputError(f"{origin}: not valid TOML ({exc})") from None
+    doc = parse_document(text, "toml", origin)
     model_t, train, par = doc.get("model", {}), doc.get("training", {}), doc.get("parallelism", {})
     ac = doc.get("activation_checkpoint", {})
     key = (model_t.get("name", "llama3"), model_t.get("flavor", "debugmodel"))
