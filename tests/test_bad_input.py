@@ -1,0 +1,184 @@
+"""Bad input never crashes, hangs or lies (issue 17): the reproducers of the fuzz campaign as a corpus, each run
+in-process through cli.main.main, and property tests over the readers. Every case must end in exit 2 with one
+`error:` line on stderr, no traceback, and no file left behind."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from costmodels.model_io import load_model
+from hardware_db.documents import MAX_DEPTH, parse_document
+from hardware_db.errors import InputError
+from cli_helpers import assert_input_error, run
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_HF = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+            "max_position_embeddings": 8192}
+GPU_TOML = (ROOT / "hardware_db" / "gpus" / "h100-sxm.toml").read_text()
+EST = ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8"]
+PLAN = ["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048"]
+MEGATRON = ["import", "--from", "megatron", "--model", "llama3.1-8b", "--gpus", "8", "--gpu", "h100-sxm", "--"]
+WORKLOAD = " --seq-length 2048 --global-batch-size 16"
+
+
+def hf(**changes) -> str:
+    return json.dumps({**LLAMA_HF, **changes})
+
+
+# (name, {file name: text}, argv with {dir} for the folder the files are in, words the error line must hold)
+CASES = [
+    ("nested JSON", {"d.json": "[" * 100_000 + "]" * 100_000}, ["models", "show", "{dir}/d.json"], ["nested"]),
+    ("5,000-digit integer", {"big.json": '{"x": ' + "9" * 5000 + "}"}, ["models", "show", "{dir}/big.json"],
+     ["digits"]),
+    ("not UTF-8", {"bad.json": b"\xff\xfe{}"}, ["models", "show", "{dir}/bad.json"], ["UTF-8"]),
+    ("NaN in JSON", {"n.json": hf(vocab_size="NaN").replace('"NaN"', "NaN")}, ["models", "show", "{dir}/n.json"],
+     ["NaN"]),
+    ("vocab 10**300", {"v.json": hf().replace("128256", "1" + "0" * 300)}, ["models", "show", "{dir}/v.json"],
+     ["digits"]),
+    ("bool as a width", {"t.json": hf(intermediate_size=True)}, ["models", "show", "{dir}/t.json"],
+     ["intermediate_size", "True"]),
+    ("string as a width", {"s.json": hf(intermediate_size="14336")}, ["models", "show", "{dir}/s.json"],
+     ["intermediate_size"]),
+    ("fractional width", {"f.json": hf(intermediate_size=14336.5)}, ["models", "show", "{dir}/f.json"],
+     ["intermediate_size"]),
+    ("width past the bound", {"w.json": hf(hidden_size=2**40)}, ["models", "show", "{dir}/w.json"],
+     ["hidden_size"]),
+    ("scaleup_domain = inf", {"g.toml": GPU_TOML.replace("[scaleup_domain]\nvalue = 8", "[scaleup_domain]\nvalue = inf")},
+     [*EST[:4], "{dir}/g.toml", *EST[5:]], ["finite"]),
+    ("scaleup_domain = 0.5", {"g.toml": GPU_TOML.replace("[scaleup_domain]\nvalue = 8", "[scaleup_domain]\nvalue = 0.5")},
+     [*EST[:4], "{dir}/g.toml", *EST[5:]], ["scaleup_domain", "whole"]),
+    ("hbm_gib = inf", {"g.toml": GPU_TOML.replace("[hbm_gib]\nvalue = 80", "[hbm_gib]\nvalue = inf")},
+     [*EST[:4], "{dir}/g.toml", *EST[5:]], ["finite"]),
+    ("gemm_half_flops = nan", {"g.toml": GPU_TOML.replace("[efficiency]\n", "[efficiency]\ngemm_half_flops = nan\n")},
+     [*EST[:4], "{dir}/g.toml", *EST[5:]], ["finite"]),
+    ("cluster num_gpus 8.0", {"c.toml": 'gpu = "h100-sxm"\nnum_gpus = 8.0\n'},
+     ["estimate", "--model", "llama3.1-8b", "--cluster", "{dir}/c.toml"], ["num_gpus"]),
+    ("--nic-gbps inf", {}, [*EST, "--nic-gbps", "inf"], ["--nic-gbps", "finite"]),
+    ("--gpus 2**63", {}, ["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", str(2**63)], ["--gpus"]),
+    ("--gbs 1e12 as an integer", {}, [*EST, "--gbs", str(10**12)], ["--gbs"]),
+    ("--top 1e9", {}, [*PLAN, "--top", str(10**9)], ["--top"]),
+    ("--out ''", {}, [*PLAN, "--out", ""], ["--out", "empty"]),
+    ("--trace ''", {}, [*PLAN, "--trace", ""], ["--trace", "empty"]),
+    ("--trace to a missing folder", {}, [*PLAN, "--out", "{dir}/p.json", "--trace", "{dir}/no/t.json"],
+     ["--trace", "does not exist"]),
+    ("serve --layout with a superscript", {},
+     ["serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "1000", "--osl", "100",
+      "--layout", "tp\u00b2"], ["engine layout"]),
+    ("--schedule interleaved with --pp 1", {}, [*EST, "--pp", "1", "--schedule", "interleaved"], ["--pp > 1"]),
+    ("plan --schedule interleaved with --pp 1", {}, [*PLAN, "--pp", "1", "--schedule", "interleaved"], ["--pp > 1"]),
+    ("import tp 0", {}, [*MEGATRON, "--tensor-model-parallel-size 0 --num-layers 32" + WORKLOAD],
+     ["--tensor-model-parallel-size 0"]),
+    ("import a word for a number", {}, [*MEGATRON, "--num-layers x" + WORKLOAD], ["--num-layers", "whole number"]),
+    ("import Arabic-Indic digits", {}, [*MEGATRON, "--num-layers \u0663\u0662" + WORKLOAD], ["whole number"]),
+    ("import a 400-digit number", {}, [*MEGATRON, "--num-layers " + "1" * 400 + WORKLOAD], ["whole number"]),
+    ("import a flag without its value", {}, [*MEGATRON, "--num-layers"], ["expected one argument"]),
+    ("import a layout that expands to 10**10", {},
+     [*MEGATRON, "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout (t*99999)*99999" + WORKLOAD],
+     ["expands"]),
+    ("import a MoE frequency of 10**12 layers", {},
+     ["import", "--from", "megatron", "--model", "mixtral-8x7b", "--gpus", "8", "--gpu", "h100-sxm", "--",
+      "--num-experts 8 --moe-layer-freq [1]*1000000000000" + WORKLOAD], ["more layers"]),
+    ("torchrun with a non-ASCII process count", {},
+     [*MEGATRON, "torchrun --nproc-per-node \u0668 pretrain_gpt.py --num-layers 32" + WORKLOAD],
+     ["--nproc-per-node"]),
+]
+
+
+@pytest.mark.parametrize("name,files,argv,words", CASES, ids=[c[0] for c in CASES])
+def test_the_corpus_ends_in_one_error_line(capsys, tmp_path, name, files, argv, words):
+    for fname, text in files.items():
+        (tmp_path / fname).write_bytes(text if isinstance(text, bytes) else text.encode())
+    before = sorted(p.name for p in tmp_path.iterdir())
+    args = [a.replace("{dir}", str(tmp_path)) for a in argv]
+    assert_input_error(*run(capsys, *args), *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no temporary file left
+
+
+def test_verify_under_the_torchrun_launcher_outside_torchrun_is_one_line(capsys, tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    plan = tmp_path / "p.json"
+    assert run(capsys, *PLAN, "--out", str(plan))[0] == 0
+    assert_input_error(*run(capsys, "verify", str(plan), "--launcher", "torchrun"), "torchrun", "--launcher spawn")
+
+
+# ---- properties of the one reader ----------------------------------------------------------------------------------
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30),
+                         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from(sorted(LLAMA_HF)), value=JSON_SCALARS)
+def test_any_value_in_any_field_loads_exactly_or_is_one_input_error(tmp_path_factory, key, value):
+    """Every field of a Hugging Face config given any JSON scalar: the model loads, and then the field was an
+    integer in range (or the string model_type it must be), or one InputError line; never another exception and
+    never a coerced value (true as 1, 4096.0 or "4096" as 4096)."""
+    path = tmp_path_factory.mktemp("hf") / "config.json"
+    text = json.dumps({**LLAMA_HF, key: value}, allow_nan=True)
+    path.write_text(text)
+    try:
+        spec = load_model(str(path))
+    except InputError as exc:
+        assert "\n" not in str(exc) and str(path) in str(exc)
+        return
+    if key == "model_type":
+        assert value == "llama"
+    elif value is None:  # JSON null in an optional field reads as absent, as Hugging Face reads it
+        assert key in ("num_key_value_heads", "max_position_embeddings"), key
+    else:
+        assert type(value) is int and value > 0 and spec is not None
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.recursive(JSON_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                         st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+                    max_leaves=20), st.sampled_from(["json", "toml"]))
+def test_parse_document_keeps_its_limits(doc, fmt):
+    """Whatever JSON it is given, parse_document returns a document with only finite floats and integers under
+    10**18, or one InputError; TOML text is tried where the document is a table."""
+    text = json.dumps(doc, allow_nan=True) if fmt == "json" else _toml(doc)
+    if text is None:
+        return
+    try:
+        parsed = parse_document(text, fmt, "x")  # type: ignore[arg-type]
+    except InputError as exc:
+        assert str(exc).startswith("x: ") and "\n" not in str(exc)
+        return
+    stack = [parsed]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack += v.values()
+        elif isinstance(v, list):
+            stack += v
+        elif isinstance(v, float):
+            assert math.isfinite(v)
+        elif isinstance(v, int):
+            assert abs(v) < 10**18
+
+
+def _toml(doc) -> str | None:
+    """A flat table of scalars as TOML (enough to reach inf, nan and big integers), else None."""
+    if not isinstance(doc, dict) or not all(isinstance(v, (bool, int, float)) for v in doc.values()):
+        return None
+    lines = []
+    for k, v in doc.items():
+        value = ("true" if v else "false") if isinstance(v, bool) else (
+            "nan" if isinstance(v, float) and math.isnan(v) else
+            ("inf" if v > 0 else "-inf") if isinstance(v, float) and math.isinf(v) else repr(v))
+        lines.append(f"{json.dumps(k)} = {value}")
+    return "\n".join(lines)
+
+
+def test_nesting_past_the_limit_is_refused_and_within_it_is_not():
+    assert parse_document("[" * MAX_DEPTH + "]" * MAX_DEPTH, "json", "x") is not None
+    with pytest.raises(InputError, match="nested too deeply"):
+        parse_document("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "json", "x")
