@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RANK_ORDERS, ParallelConfig,
-                               RankOrder, RecomputeModule, Schedule, StagePolicy, Workload, get_runtime, resolve)
-from costmodels.estimate import Simulated
+                               Layout, RankOrder, RecomputeModule, Schedule, StagePolicy, Workload, get_runtime, resolve)
+from costmodels.estimate import Simulated, layout_dict
 from costmodels.memory import FRAGMENTATION
 from costmodels.model import ModelSpec
 from costmodels.model_io import parse_model_file, to_model_file
@@ -386,14 +386,7 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
         raise ValueError("simulated was not made from this model, cluster, workload and config")
     if est.runtime != runtime:
         raise ValueError(f"simulated was made with runtime '{est.runtime}', not '{runtime}'")
-    chunks = lay.chunk_layers()
-    stages = []
-    for r in range(lay.pp):
-        mine = [chunks[c * lay.pp + r] for c in range(lay.vpp)]
-        stages.append(PipelineStage(
-            rank=r, first_layer=mine[0][0], num_layers=lay.stage_layers[r],
-            chunks=[Chunk(first_layer=f, num_layers=n) for f, n in mine], recompute=lay.stage_recompute[r],
-            embedding=r == 0, head=r == lay.pp - 1))
+    mesh, pipeline = _layout_sections(lay, workload)
     predicted = est.to_dict()
     memory_stages = [MemoryStage(rank=s["rank"], peak_gib=s["peak_memory_gib"],
                                  in_flight_microbatches=s["in_flight_microbatches"], breakdown_gib=s["memory_gib"])
@@ -403,15 +396,64 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
         meshplan_version=meshplan_version(),
         inputs=Inputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
                       workload=workload, runtime=runtime, calibration=calibration),
-        mesh=Mesh(tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.dp, ep=lay.ep, etp=lay.etp, edp=lay.edp, sp=lay.sp,
-                  cp_comm=lay.cp_comm, rank_order=lay.rank_order.split("-"), world_size=lay.world),
-        pipeline=Pipeline(schedule=lay.schedule, vpp=lay.vpp, micro_batch_size=lay.mbs,
-                          num_microbatches=lay.num_microbatches, global_batch=workload.global_batch, stages=stages),
+        mesh=mesh,
+        pipeline=pipeline,
         memory=Memory(zero=lay.zero, recompute=lay.recompute, recompute_modules=list(lay.recompute_modules),
                       offload_layers=lay.offload_layers, fragmentation=FRAGMENTATION, stages=memory_stages),
         prediction=Prediction(**predicted, stage_time_s=_stage_times(simulated)),
         search=None if account is None else _search_info(account, rank, bound_s, partition_status),
     )
+
+
+def _layout_sections(lay: Layout, workload: Workload) -> tuple[Mesh, Pipeline]:
+    """The plan's mesh and pipeline sections of a resolved layout (written by build_plan, checked on read)."""
+    chunks = lay.chunk_layers()
+    stages = []
+    for r in range(lay.pp):
+        mine = [chunks[c * lay.pp + r] for c in range(lay.vpp)]
+        stages.append(PipelineStage(
+            rank=r, first_layer=mine[0][0], num_layers=lay.stage_layers[r],
+            chunks=[Chunk(first_layer=f, num_layers=n) for f, n in mine], recompute=lay.stage_recompute[r],
+            embedding=r == 0, head=r == lay.pp - 1))
+    mesh = Mesh(tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.dp, ep=lay.ep, etp=lay.etp, edp=lay.edp, sp=lay.sp,
+                cp_comm=lay.cp_comm, rank_order=lay.rank_order.split("-"), world_size=lay.world)
+    pipeline = Pipeline(schedule=lay.schedule, vpp=lay.vpp, micro_batch_size=lay.mbs,
+                        num_microbatches=lay.num_microbatches, global_batch=workload.global_batch, stages=stages)
+    return mesh, pipeline
+
+
+def layout_problem(plan: Plan) -> str | None:
+    """What in a training plan its own inputs contradict, or None: the layout must pass the cost model's rules for
+    its model, cluster and workload (experts, heads, world, divisibility: costmodels.config.resolve), its mesh
+    and pipeline sections must be what that layout writes (every degree, layer position, embedding and head flag),
+    and the stored prediction must be of that layout. A hand-edited plan is refused, not exported."""
+    model, cluster, workload, config, _ = plan_config(plan)
+    try:
+        lay = resolve(model, cluster.num_gpus, workload, config)
+    except InputError as exc:
+        return _one_line(exc)
+    mesh, pipeline = _layout_sections(lay, workload)
+    for name, ours, theirs in (("mesh", mesh, plan.mesh), ("pipeline", pipeline, plan.pipeline)):
+        if ours != theirs:
+            return f"'{name}' does not match its layout: {_first_difference(ours.model_dump(), theirs.model_dump())}"
+    stored = plan.prediction.layout.model_dump(mode="json")
+    derived = PredictedLayout.model_validate(layout_dict(lay)).model_dump(mode="json")
+    if stored != derived:
+        return f"'prediction.layout' is not the plan's layout: {_first_difference(derived, stored)}"
+    return None
+
+
+def _first_difference(expected: Any, got: Any, where: str = "") -> str:
+    if isinstance(expected, dict) and isinstance(got, dict):
+        for k in expected:
+            if expected[k] != got.get(k):
+                return _first_difference(expected[k], got.get(k), f"{where}.{k}" if where else str(k))
+    if isinstance(expected, list) and isinstance(got, list) and len(expected) == len(got):
+        for i, (a, b) in enumerate(zip(expected, got)):
+            if a != b:
+                return _first_difference(a, b, f"{where}[{i}]")
+    shown = _one_line(json.dumps(got), 40)
+    return f"{where or 'value'} is {shown}, the layout has {_one_line(json.dumps(expected), 40)}"
 
 
 def plan_config(plan: Plan) -> tuple[ModelSpec, Cluster, Workload, ParallelConfig, str]:
@@ -694,6 +736,8 @@ def read_any_plan(path: str | Path, kinds: tuple[str, ...] = ("training", "servi
     except ValidationError as exc:
         raise InputError(f"{path}: invalid plan: {_pydantic_error(exc)}") from None
     problem = _jsonschema_error(data)
+    if problem is None and isinstance(plan, Plan):
+        problem = layout_problem(plan)
     if problem is not None:
         raise InputError(f"{path}: invalid plan: {problem}")
     return plan

@@ -182,3 +182,45 @@ def test_nesting_past_the_limit_is_refused_and_within_it_is_not():
     assert parse_document("[" * MAX_DEPTH + "]" * MAX_DEPTH, "json", "x") is not None
     with pytest.raises(InputError, match="nested too deeply"):
         parse_document("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "json", "x")
+
+
+# ---- plan files are validated against their own inputs ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mixtral_plan(tmp_path_factory) -> dict:
+    from cli.main import main
+
+    path = tmp_path_factory.mktemp("plan") / "mixtral.json"
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "16", "--gbs", "64", "--seq",
+                 "4096", "--pp", "2", "--tp", "2", "--ep", "8", "--out", str(path), "--json"]) == 0
+    return json.loads(path.read_text())
+
+
+EDITS = [  # (what, edit, words)
+    ("ep 16 for 8 experts", lambda d: (d["mesh"].update(ep=16), d["prediction"]["layout"].update(ep=16)),
+     ["ep 16", "8 experts"]),
+    ("tp 3 against 32 heads", lambda d: (d["mesh"].update(tp=3, dp=d["mesh"]["dp"])), ["tp"]),
+    ("edp edited", lambda d: d["mesh"].update(edp=2), ["edp is 2"]),
+    ("a stage's first layer moved", lambda d: d["pipeline"]["stages"][1].update(first_layer=3),
+     ["stages[1].first_layer"]),
+    ("embedding flag moved", lambda d: d["pipeline"]["stages"][0].update(embedding=False),
+     ["stages[0].embedding"]),
+    ("prediction of another layout", lambda d: d["prediction"]["layout"].update(ep=4), ["prediction.layout", "ep"]),
+]
+
+
+@pytest.mark.parametrize("what,edit,words", EDITS, ids=[e[0] for e in EDITS])
+@pytest.mark.parametrize("command", [["export", "--to", "megatron"], ["show"]])
+def test_an_edited_plan_is_refused_by_every_reader(capsys, tmp_path, mixtral_plan, what, edit, words, command):
+    doc = json.loads(json.dumps(mixtral_plan))
+    edit(doc)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(doc))
+    assert_input_error(*run(capsys, command[0], str(path), *command[1:]), "invalid plan", *words)
+
+
+def test_the_unedited_plan_reads(capsys, tmp_path, mixtral_plan):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(mixtral_plan))
+    code, out, err = run(capsys, "export", str(path), "--to", "megatron")
+    assert code == 0 and "--expert-model-parallel-size 8" in out, err
