@@ -387,6 +387,9 @@ def plan(
         "Say why the best plan beats the runner-up and which constraint binds."))] = False,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
         "Print the best plan as Plan JSON and nothing else."))] = False,
+    timing: Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
+        "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
+        "writes a byte-identical plan; the table shows the time either way."))] = False,
     export_to: Annotated[Optional[ExportTarget], typer.Option("--export", rich_help_panel=P_OUT, help=(
         "Also export the best plan for a launcher (as `meshplan export`): printed after the table, or written "
         "to --export-out."))] = None,
@@ -402,7 +405,7 @@ def plan(
     """
     from planner.explain import explain
     from planner.launchers import export_files, export_plan
-    from planner.plan import build_plan, plan_text
+    from planner.plan import build_plan, plan_text, without_timing
     from planner.search import search
 
     if export_out is not None and export_to is None:
@@ -430,6 +433,7 @@ def plan(
     doc = build_plan(spec, cluster, workload, best.config, sim, runtime, account=result.account, rank=1,
                      bound_s=best.bound_s, partition_status=best.partition_status,
                      calibration=eff.calibration if eff else None)
+    doc = doc if timing else without_timing(doc)
     exported = export_plan(doc, export_to) if export_to is not None else None  # refuses before anything is written
     files = [OutputFile(out, plan_text(doc))] if out is not None else []
     written = export_files(exported, export_out) if exported is not None and export_out is not None else []
@@ -585,6 +589,9 @@ def serve(
         "Write the best deployment as a serving plan (Plan JSON, kind serving)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
         "Print the serving plan as JSON and nothing else."))] = False,
+    timing: Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
+        "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
+        "writes a byte-identical plan; the table shows the time either way."))] = False,
     export_to: Annotated[Optional[Literal["vllm", "sglang"]], typer.Option("--export", rich_help_panel=P_OUT, help=(
         "Also export the best deployment's command lines (printed, or written to --export-out)."))] = None,
     export_out: Annotated[Optional[Path], typer.Option("--export-out", rich_help_panel=P_OUT, help=(
@@ -598,7 +605,7 @@ def serve(
     nothing meets the targets, the nearest miss and what it misses.
     """
     from planner.launchers import export_files, export_plan
-    from planner.plan import build_serving_plan, plan_text
+    from planner.plan import build_serving_plan, plan_text, without_timing
     from planner.serve import (ServeTargets, explain_serving, load_lengths, parse_engine_layout, parse_gpu_range,
                                pinned_deployment, search_serving, workload_from)
 
@@ -630,6 +637,7 @@ def serve(
             raise InputError(result.why_nothing or "no deployment fits")
         best, alternatives = result.best, explain_serving(result, targets, wl)
     doc = build_serving_plan(spec, cluster, wl, targets, best, result, objective, alternatives)
+    doc = doc if timing else without_timing(doc)
     exported = export_plan(doc, export_to) if export_to is not None else None
     written = export_files(exported, export_out) if exported is not None and export_out is not None else []
     write_all(([OutputFile(out, plan_text(doc))] if out is not None else []) + written)
@@ -673,7 +681,9 @@ def _print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, tar
                           f"{d.tokens_per_s_per_user:.1f}", f"{d.ttft_ms:.0f}", f"{d.tpot_ms:.1f}",
                           "yes" if d.meets_targets else "no")
         con.print(front)
-        con.print(f"search: {doc.search.evaluated:,} engine configurations in {doc.search.seconds:.2f} s")
+        seconds = result.seconds if result is not None else doc.search.seconds  # a plan shown: only with --timing
+        con.print(f"search: {doc.search.evaluated:,} engine configurations"
+                  + ("" if seconds is None else f" in {seconds:.2f} s"))
     p = doc.prediction
     con.print(f"best: {doc.mode}, {p.gpus} GPUs: {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
               f"{p.tokens_per_s_per_user:.1f} tokens/s/user, TTFT {p.ttft_ms:.0f} ms, TPOT {p.tpot_ms:.1f} ms, "
@@ -912,7 +922,7 @@ def show(
         if doc.search is not None:
             s = doc.search
             con.print(f"search: rank {s.rank}, {s.status} (gap {100 * s.gap:.2f} %), {s.space_size:,} candidates, "
-                      f"{s.evaluated:,} simulated, {s.seconds:.2f} s")
+                      f"{s.evaluated:,} simulated" + ("" if s.seconds is None else f", {s.seconds:.2f} s"))
     if trace is not None:
         spec, cluster, wl, cfg, runtime = plan_config(doc)
         write_trace(chrome_trace(simulate_config(spec, cluster, wl, cfg, runtime)), trace)

@@ -293,7 +293,8 @@ class SearchInfo(_Frozen):
     bounded: int = Field(ge=0)
     pruned: dict[str, int]
     infeasible: dict[str, int]
-    seconds: float = Field(ge=0)
+    seconds: float | None = Field(default=None, ge=0, description=(
+        "the search's wall time; written only with --timing, so a plan is byte-identical for the same input"))
     status: str = Field(description="optimal | gap | time-limit | infeasible")
     gap: float = Field(ge=0, description="proven relative gap of the best plan (0: optimal)")
     lower_bound_s: float
@@ -456,6 +457,13 @@ def _first_difference(expected: Any, got: Any, where: str = "") -> str:
     return f"{where or 'value'} is {shown}, the layout has {_one_line(json.dumps(expected), 40)}"
 
 
+def without_timing(plan: "Plan | ServingPlan") -> "Plan | ServingPlan":
+    """The plan without its search's wall time: the one field that differs between two runs on the same input."""
+    if plan.search is None:
+        return plan
+    return plan.model_copy(update={"search": plan.search.model_copy(update={"seconds": None})})
+
+
 def plan_config(plan: Plan) -> tuple[ModelSpec, Cluster, Workload, ParallelConfig, str]:
     """(model, cluster, workload, config, runtime) to re-run simulate_config from the plan alone; the stage
     partition and per-stage recomputation are pinned, so the simulation reproduces plan.prediction."""
@@ -546,7 +554,7 @@ class ParetoPoint(_Frozen):
 class ServingSearch(_Frozen):
     objective: Literal["throughput", "min-gpus"]
     evaluated: int = Field(ge=0)
-    seconds: float = Field(ge=0)
+    seconds: float | None = Field(default=None, ge=0, description="wall time; only with --timing (see SearchInfo)")
     pareto: list[ParetoPoint] = Field(description="tokens/s/GPU vs tokens/s/user, by tokens/s/user")
     alternatives: list[str] = Field(description="why the runners-up lose, one line each")
 

@@ -94,3 +94,19 @@ def test_check_target_rules(tmp_path):
         check_target(tmp_path / "missing" / "x.json", "--out")
     with pytest.raises(InputError, match="both name"):
         check_distinct({"--out": tmp_path / "a", "--trace": tmp_path / "." / "a"})
+
+
+@pytest.mark.parametrize("argv", [PLAN, ["serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8",
+                                         "--isl", "1000", "--osl", "100"]], ids=["plan", "serve"])
+def test_the_same_input_writes_a_byte_identical_plan(capsys, tmp_path, argv):
+    """The search's wall time is the one field two runs differ in: it is left out unless --timing asks for it
+    (the table prints it either way)."""
+    import json
+
+    first, second, timed = tmp_path / "1.json", tmp_path / "2.json", tmp_path / "t.json"
+    for path, extra in ((first, []), (second, []), (timed, ["--timing"])):
+        code, out, err = run(capsys, *argv, "--out", str(path), *extra)
+        assert code == 0, err
+    assert first.read_bytes() == second.read_bytes()
+    assert json.loads(first.read_text())["search"]["seconds"] is None
+    assert json.loads(timed.read_text())["search"]["seconds"] >= 0
