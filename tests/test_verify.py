@@ -89,7 +89,7 @@ def test_a_rank_that_hangs_ends_verify_within_its_timeout(tmp_path, capsys):
     t0 = time.perf_counter()
     code, out, err = run(capsys, "verify", plan, "--inject", "hang", "--timeout", "20")
     assert code == 1
-    assert time.perf_counter() - t0 < 60
+    assert time.perf_counter() - t0 < 200  # a hang never ends; the margin is for a busy machine
     assert "error: rank" in err and "no result after 20 s" in err, err
 
 
