@@ -585,6 +585,9 @@ def serve(
         "With --layout: running sequences per engine (default: the best that meets the targets)."))] = None,
     top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
                                      help="Deployments to rank (at most 100).")] = 5,
+    time_limit: Annotated[Optional[float], typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
+        "Stop taking engine layouts (smallest engines first) after about this many seconds, once a deployment "
+        "can be formed; the report says how many were left."))] = None,
     out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Write the best deployment as a serving plan (Plan JSON, kind serving)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
@@ -632,7 +635,7 @@ def serve(
         if prefill_layout or engines or prefill_engines or batch:
             raise InputError("--prefill-layout, --engines, --prefill-engines and --batch go with --layout")
         result = search_serving(spec, cluster, wl, targets, low, objective, disaggregation, top=top,
-                                mem_fraction=mem_fraction)
+                                mem_fraction=mem_fraction, time_limit_s=time_limit)
         if result.best is None:
             raise InputError(result.why_nothing or "no deployment fits")
         best, alternatives = result.best, explain_serving(result, targets, wl)
@@ -684,6 +687,9 @@ def _print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, tar
         seconds = result.seconds if result is not None else doc.search.seconds  # a plan shown: only with --timing
         con.print(f"search: {doc.search.evaluated:,} engine configurations"
                   + ("" if seconds is None else f" in {seconds:.2f} s"))
+        if doc.search.layouts_skipped:
+            con.print(f"time-limit: {doc.search.layouts_skipped:,} engine layouts (the largest) not evaluated; "
+                      f"raise --time-limit to search them")
     p = doc.prediction
     con.print(f"best: {doc.mode}, {p.gpus} GPUs: {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
               f"{p.tokens_per_s_per_user:.1f} tokens/s/user, TTFT {p.ttft_ms:.0f} ms, TPOT {p.tpot_ms:.1f} ms, "

@@ -555,6 +555,7 @@ class ServingSearch(_Frozen):
     objective: Literal["throughput", "min-gpus"]
     evaluated: int = Field(ge=0)
     seconds: float | None = Field(default=None, ge=0, description="wall time; only with --timing (see SearchInfo)")
+    layouts_skipped: int = Field(default=0, ge=0, description="engine layouts --time-limit left unevaluated")
     pareto: list[ParetoPoint] = Field(description="tokens/s/GPU vs tokens/s/user, by tokens/s/user")
     alternatives: list[str] = Field(description="why the runners-up lose, one line each")
 
@@ -610,6 +611,7 @@ def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: "ServeWorkl
                               tpot_ms=p.tpot_s * 1e3, meets_targets=meets(p, targets, workload))
                   for p in result.pareto]
         search = ServingSearch(objective=objective, evaluated=result.evaluated, seconds=result.seconds,
+                               layouts_skipped=result.layouts_skipped,
                                pareto=pareto, alternatives=alternatives or [])
     spec_fields = cluster.spec.model_dump() | {"gpus_per_node": cluster.gpus_per_node}
     return ServingPlan(

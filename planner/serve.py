@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 import re
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from costmodels.estimate import Efficiency
@@ -113,6 +114,7 @@ class ServeResult:
     why_nothing: str | None
     evaluated: int
     seconds: float
+    layouts_skipped: int = 0  # engine layouts a time limit left unevaluated (the largest engines: sizes ascend)
 
 
 # ---- engine layouts ------------------------------------------------------------------------------------------------
@@ -149,11 +151,20 @@ def engine_layouts(model: ModelSpec, max_gpus: int, per_node: int) -> list[Engin
     return out
 
 
+# One engine (one model replica) spans at most this many nodes: the widest published deployments are DeepSeek-V3's
+# decode engine of 18 nodes (144 H800, EP 144; DeepSeek, "Day 6: One More Thing, DeepSeek-V3/R1 Inference System
+# Overview", 2025) and GB200 NVL72 wide-EP engines of one 72-GPU rack; 128 nodes is seven times the former.
+MAX_ENGINE_NODES = 128
+
+
 def _engine_sizes(max_gpus: int, per_node: int) -> list[int]:
-    """GPUs per engine: the divisors of a node, every node count up to 16 nodes, then every 8th node count (a
-    deployment of 38 or 40 nodes per engine differs little; the search stays linear in the GPUs / 8 nodes)."""
+    """GPUs per engine: the divisors of a node, every node count up to 16 nodes, every 8th to 64, then the powers
+    of two and their halfway points (96, 128) up to MAX_ENGINE_NODES nodes (a deployment of 38 or 40 nodes per
+    engine differs little). The sizes no longer grow with the cluster: 65,536 GPUs search as fast as 1,024."""
     small = [g for g in range(1, min(per_node, max_gpus) + 1) if per_node % g == 0]
-    nodes = [k for k in range(1, max_gpus // per_node + 1) if k <= 16 or k % 8 == 0]
+    most = min(max_gpus // per_node, MAX_ENGINE_NODES)
+    nodes = [k for k in range(1, most + 1)
+             if k <= 16 or (k <= 64 and k % 8 == 0) or k in (96, 128)]
     return sorted(set(small + [k * per_node for k in nodes]))
 
 
@@ -276,31 +287,42 @@ def pareto_front(deployments: list[Deployment]) -> tuple[Deployment, ...]:
     return tuple(front)
 
 
+RATIO_ENGINES = 1024  # x or y engines at most in the smaller pool of an x:y ratio searched (see _ratio)
+
+
 def _ratio(pre: PoolPoint, dec: PoolPoint, gpus: int) -> tuple[int, int] | None:
-    """The x prefill : y decode engines within `gpus` with the most requests/s per GPU (rates balanced)."""
-    best: tuple[float, int, int] | None = None
-    for y in range(1, gpus // dec.layout.gpus + 1):
-        need = y * dec.requests_per_s / pre.requests_per_s
-        low = max(1, math.floor(need))
-        if low * pre.layout.gpus + y * dec.layout.gpus > gpus:
-            break  # more decode engines only need more prefill engines
-        for x in (low, max(1, math.ceil(need))):
-            used = x * pre.layout.gpus + y * dec.layout.gpus
-            if used > gpus:
-                continue
-            per_gpu = min(x * pre.requests_per_s, y * dec.requests_per_s) / used
-            if best is None or per_gpu > best[0] * (1 + 1e-12):
-                best = (per_gpu, x, y)
-    return None if best is None else (best[1], best[2])
+    """The x prefill : y decode engines within `gpus` with the most requests/s per GPU (rates balanced; ties to
+    the fewest engines).
+
+    For each count of one pool the other is its balanced count rounded down or up, and only these pairs can be
+    best. Either pool's count is walked up to RATIO_ENGINES (not up to the budget, which made 65,536 GPUs take
+    minutes): the rounding then costs at most 1/(2 x 1,024) of the per-GPU rate, and a larger deployment of the
+    same ratio has the same per-GPU rate. One vectorised pass over all the pairs."""
+    p_gpus, d_gpus, a, b = pre.layout.gpus, dec.layout.gpus, pre.requests_per_s, dec.requests_per_s
+    ys = np.arange(1, min(gpus // d_gpus, RATIO_ENGINES) + 1, dtype=np.int64)
+    xs = np.arange(1, min(gpus // p_gpus, RATIO_ENGINES) + 1, dtype=np.int64)
+    need_x, need_y = ys * (b / a), xs * (a / b)
+    x = np.concatenate([np.floor(need_x), np.ceil(need_x), xs, xs]).clip(min=1)
+    y = np.concatenate([ys, ys, np.floor(need_y), np.ceil(need_y)]).clip(min=1)
+    used = x * p_gpus + y * d_gpus
+    ok = (used <= gpus) & (x <= gpus) & (y <= gpus)
+    if not ok.any():
+        return None
+    x, y, used = x[ok], y[ok], used[ok]
+    per_gpu = np.minimum(x * a, y * b) / used
+    top = per_gpu >= per_gpu.max() * (1 - 1e-12)
+    k = np.lexsort((y[top], x[top]))[0]  # the fewest prefill, then decode engines among the best
+    return int(x[top][k]), int(y[top][k])
 
 
 def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
                    min_gpus: int = 1, objective: Literal["throughput", "min-gpus"] = "throughput",
                    disaggregation: bool = True, eff: Efficiency | None = None, top: int = 5,
-                   mem_fraction: float = MEM_FRACTION) -> ServeResult:
+                   mem_fraction: float = MEM_FRACTION, time_limit_s: float | None = None) -> ServeResult:
     """Every engine layout, batch and chunk within `cluster.num_gpus` GPUs (deployments using at least
     `min_gpus`), aggregated and disaggregated; the best under the targets by tokens/s/GPU (objective
-    throughput) or by fewest GPUs for targets.request_rate (objective min-gpus)."""
+    throughput) or by fewest GPUs for targets.request_rate (objective min-gpus). time_limit_s: stop taking engine
+    layouts (smallest first) once it has passed and a deployment can be formed; layouts_skipped says how many."""
     start = time.perf_counter()
     if objective == "min-gpus" and targets.request_rate is None:
         raise InputError("objective min-gpus needs a request rate (--request-rate)")
@@ -313,7 +335,12 @@ def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, target
     pre_points: list[PoolPoint] = []
     dec_points: list[PoolPoint] = []
     clusters: dict[int, Cluster] = {}
-    for lay in layouts:
+    skipped = 0
+    for n, lay in enumerate(layouts):
+        if (time_limit_s is not None and time.perf_counter() - start > time_limit_s
+                and (agg_points or (pre_points and dec_points))):
+            skipped = len(layouts) - n
+            break
         if lay.gpus not in clusters:  # one cluster (and its link cache) per engine size
             clusters[lay.gpus] = engine_cluster(cluster, lay.gpus)
         c = clusters[lay.gpus]
@@ -362,7 +389,7 @@ def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, target
     elif not ok:
         why = f"no deployment meets the targets; the nearest, {nearest.label()}, misses {misses(nearest, targets, wl)}"
     return ServeResult(ok[0] if ok else None, pareto_front(deployments), tuple(ok[:top]), nearest, why, evaluated,
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, skipped)
 
 
 def _disaggregated_deployments(pre: list[PoolPoint], dec: list[PoolPoint], wl: ServeWorkload,

@@ -357,3 +357,50 @@ def test_cli_show_serving_plan(capsys, tmp_path):
                        "serving plan")
     assert_input_error(*run(capsys, "import", "--from", "torchtitan", str(tmp_path / "s.json"), "--gpu", "h100-sxm"),
                        "TOML")
+
+
+# ---- scale: 65,536 GPUs within a time limit (issue 17) ------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(pre_gpus=st.sampled_from([1, 2, 4, 8]), dec_gpus=st.sampled_from([1, 2, 4, 8, 16]),
+       a=st.floats(0.01, 100.0), b=st.floats(0.01, 100.0), budget=st.integers(2, 160))
+def test_the_ratio_is_the_brute_force_best(pre_gpus, dec_gpus, a, b, budget):
+    """_ratio walks each pool's count with the other rounded to balance it (to RATIO_ENGINES each, far above these
+    budgets): the same per-GPU rate as trying every x:y that fits, and the fewest engines among the best."""
+    from planner.serve import PoolPoint, _ratio
+
+    pre = PoolPoint("prefill", EngineLayout(tp=pre_gpus), 1, 1, 0.1, 0.0, a, None)  # type: ignore[arg-type]
+    dec = PoolPoint("decode", EngineLayout(tp=dec_gpus), 1, 1, 0.0, 0.1, b, None)  # type: ignore[arg-type]
+    best = None
+    for x in range(1, budget // pre_gpus + 1):
+        for y in range(1, budget // dec_gpus + 1):
+            used = x * pre_gpus + y * dec_gpus
+            if used <= budget:
+                rate = min(x * a, y * b) / used
+                if best is None or rate > best[0] * (1 + 1e-12):
+                    best = (rate, x, y)
+    got = _ratio(pre, dec, budget)
+    if best is None:
+        assert got is None
+        return
+    x, y = got
+    assert x * pre_gpus + y * dec_gpus <= budget
+    assert min(x * a, y * b) / (x * pre_gpus + y * dec_gpus) == pytest.approx(best[0], rel=1e-9)
+
+
+def test_engine_sizes_stop_growing_with_the_cluster():
+    """Engines span at most MAX_ENGINE_NODES nodes, so a 65,536-GPU search takes the layouts of a 1,024-GPU one."""
+    from planner.serve import MAX_ENGINE_NODES, _engine_sizes
+
+    assert _engine_sizes(65536, 8) == _engine_sizes(1024, 8)
+    assert max(_engine_sizes(65536, 8)) == MAX_ENGINE_NODES * 8
+    assert _engine_sizes(64, 8) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_serve_under_a_time_limit_returns_a_deployment_and_says_what_it_left():
+    model = load_zoo("deepseek-v3")
+    cluster = Cluster(ClusterSpec(gpu="h200", num_gpus=65536))
+    wl = ServeWorkload(isl=4000, osl=1000)
+    result = search_serving(model, cluster, wl, ServeTargets(), time_limit_s=1e-6)
+    assert result.best is not None and result.layouts_skipped > 0
+    assert result.best.gpus <= 65536
