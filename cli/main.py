@@ -999,6 +999,9 @@ def verify(
             raise
         _error(_one_line(exc))
         raise typer.Exit(1) from None
+    except TimeoutError as exc:  # --timeout on the single-process reference run (executor/verify.py)
+        _error(_one_line(exc))
+        raise typer.Exit(1) from None
     report = outcome.report
     if report is None:  # a torchrun rank other than 0: rank 0 prints and writes; exit as it does
         raise typer.Exit(0 if outcome.ok else 1)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import faulthandler
 import shutil
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -55,10 +58,29 @@ def _one_line(exc: BaseException, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this rank when its parent dies (prctl PR_SET_PDEATHSIG), so a verify killed by
+    SIGKILL (which runs no cleanup) leaves no rank behind; a parent already gone by now (it died while this rank
+    was still importing) ends the rank here. Elsewhere a no-op: the parent's own cleanup stops the ranks."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # linux/prctl.h
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _child(rank: int, world: int, backend: str, init_method: str, timeout_s: float,
-           fn: Callable[..., Any], args: tuple, conn: Connection) -> None:
+           fn: Callable[..., Any], args: tuple, conn: Connection, parent: int, stack_dir: str) -> None:
     """One rank: process group, fn, and exactly one message on `conn`: ("ok", pickled result) or
-    ("error", one-line message, traceback, time of the error)."""
+    ("error", one-line message, traceback, time of the error). SIGUSR1 writes its Python stack to
+    stack_dir/<rank>.stack (faulthandler: even while blocked inside a C++ collective), which names a hung rank."""
+    _die_with_parent(parent)
+    stack_file = open(os.path.join(stack_dir, f"{rank}.stack"), "w")  # noqa: SIM115 - open for the rank's life
+    if hasattr(faulthandler, "register"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     torch.set_num_threads(1)  # n ranks on a few cores: intra-op threads only oversubscribe (10x slower seen)
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
@@ -121,12 +143,13 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str 
         for rank in range(world_size):
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"meshplan-rank-{rank}", daemon=True,
-                            args=(rank, world_size, backend, init_method, timeout_s, fn, args, send))
+                            args=(rank, world_size, backend, init_method, timeout_s, fn, args, send, os.getpid(),
+                                  tmp))
             p.start()
             send.close()  # the child holds the only write end, so its death reads as EOF here
             procs.append(p)
             conns.append(recv)
-        results = _collect(procs, conns, timeout_s)
+        results = _collect(procs, conns, timeout_s, tmp)
         settle_s = _KILL_WAIT_S  # every rank reported: let them tear down their process groups themselves
         return [results[r] for r in range(world_size)]
     finally:
@@ -136,7 +159,7 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _collect(procs: list[Any], conns: list[Connection], timeout_s: float) -> dict[int, Any]:
+def _collect(procs: list[Any], conns: list[Connection], timeout_s: float, stack_dir: str) -> dict[int, Any]:
     """Every rank's result, or RankFailure for the earliest failure (by the time the rank saw it)."""
     results: dict[int, Any] = {}
     failures: list[tuple[float, int, str, str]] = []  # (when, rank, message, traceback)
@@ -149,8 +172,8 @@ def _collect(procs: list[Any], conns: list[Connection], timeout_s: float) -> dic
             break
         if now >= deadline:
             if not failures:
-                rank = min(pending)
-                raise RankFailure(rank, f"no result after {timeout_s:g} s (still running)")
+                rank, where = _hung_rank(procs, sorted(pending), stack_dir)
+                raise RankFailure(rank, f"no result after {timeout_s:g} s (still running{where})")
             break
         until = deadline if first_failure_at is None else min(deadline, first_failure_at + _GRACE_S)
         by_handle: dict[Any, int] = {}
@@ -184,6 +207,37 @@ def _collect(procs: list[Any], conns: list[Connection], timeout_s: float) -> dic
         _when, rank, text, tb = min(failures)
         raise RankFailure(rank, text, tb)
     return results
+
+
+def _hung_rank(procs: list[Any], pending: list[int], stack_dir: str) -> tuple[int, str]:
+    """Which of the ranks still running hangs: each dumps its Python stack (SIGUSR1, see _child); a rank waiting
+    inside torch.distributed waits for another, so the first rank that is not is named, with where it is. When
+    every rank waits in a collective (a mismatched collective), or no stack could be read, the lowest rank."""
+    for r in pending:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(0.5)  # the handlers write at once; this is the slack for a loaded machine
+    stacks = {}
+    for r in pending:
+        try:
+            with open(os.path.join(stack_dir, f"{r}.stack"), encoding="utf-8", errors="replace") as f:
+                frames = [line.strip() for line in f if line.strip().startswith("File ")]
+        except OSError:
+            frames = []
+        if frames:
+            stacks[r] = frames
+    waiting = [r for r, frames in stacks.items() if any("torch/distributed" in fr for fr in frames)]
+    culprits = [r for r in pending if r in stacks and r not in waiting]
+    if culprits:
+        innermost = stacks[culprits[0]][0].removeprefix("File ")
+        others = ", ".join(str(r) for r in waiting)
+        tail = f"; ranks {others} wait for it in a collective" if waiting else ""
+        return culprits[0], f", at {innermost}{tail}"
+    if waiting and len(waiting) == len(pending):
+        return pending[0], "; every running rank waits in a collective (a mismatched collective?)"
+    return pending[0], ""
 
 
 # ---- under torchrun ---------------------------------------------------------------------------------

@@ -151,6 +151,18 @@ def mean_loss_over(n_micro: int) -> Callable[[torch.Tensor, torch.Tensor], torch
     return loss_fn
 
 
+def schedule_problem(lay: ExecLayout, n_micro: int) -> str | None:
+    """Why this layout's schedule cannot run `n_micro` micro-batches, or None: checked by build_pipeline on every
+    rank and by verify before any rank starts."""
+    if lay.schedule not in SCHEDULES:
+        return f"unknown schedule {lay.schedule!r}; one of {', '.join(SCHEDULES)}"
+    if lay.schedule in _SINGLE_STAGE and lay.vpp > 1:
+        return f"schedule {lay.schedule!r} runs one chunk per pipeline rank; vpp={lay.vpp} needs 'interleaved' or 'zb'"
+    if lay.schedule == "1f1b" and n_micro < lay.pp:
+        return f"1F1B needs at least pp={lay.pp} micro-batches, got {n_micro}"
+    return None
+
+
 def build_pipeline(chunks: Sequence[ModelChunk], lay: ExecLayout, pp_group: dist.ProcessGroup, n_micro: int,
                    io: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -159,13 +171,9 @@ def build_pipeline(chunks: Sequence[ModelChunk], lay: ExecLayout, pp_group: dist
 
     io: per chunk (input, output) meta tensors (`stage_io`), or None for torch's shape inference.
     loss_fn: default mean token cross-entropy / n_micro (see the module docstring)."""
-    if lay.schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {lay.schedule!r}; one of {', '.join(SCHEDULES)}")
-    if lay.schedule in _SINGLE_STAGE and lay.vpp > 1:
-        raise ValueError(f"schedule {lay.schedule!r} runs one chunk per pipeline rank; vpp={lay.vpp} needs "
-                         f"'interleaved' or 'zb'")
-    if lay.schedule == "1f1b" and n_micro < lay.pp:
-        raise ValueError(f"1F1B needs at least pp={lay.pp} micro-batches, got {n_micro}")
+    problem = schedule_problem(lay, n_micro)
+    if problem:
+        raise ValueError(problem)
     device = device or torch.device("cpu")
     pp_rank, num_stages = dist.get_rank(pp_group), lay.pp * lay.vpp
     stages = []

@@ -23,9 +23,12 @@ in the planner's `--trace` format so the two can be opened side by side.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
 import statistics
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -315,6 +318,75 @@ def _steady_step_s(step_s: Sequence[float]) -> float:
     return statistics.median(step_s[1:]) if len(step_s) > 1 else step_s[0]
 
 
+@contextlib.contextmanager
+def _time_limit(seconds: float, what: str):
+    """--timeout for work this process does itself (the ranks have run_world's): SIGALRM raises TimeoutError naming
+    `what`, between two torch operations. Main thread only (a signal handler runs there); elsewhere no limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TimeoutError(f"{what} took more than --timeout {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# Bytes per parameter a run holds at its peak: weights, gradients and AdamW's two moments in the run's dtype.
+STATE_COPIES = 4
+
+
+def verify_memory_bytes(spec: ModelSpec, ranks: int, itemsize: int) -> float:
+    """A floor on the host memory verify needs: the single-process reference holds the whole reduced model's
+    weights, gradients and moments, and each rank builds the whole model once before keeping its stage (the
+    executor's build, executor/plan_run.py); activations and buffers come on top."""
+    return spec.total_params(include_mtp=True) * itemsize * (STATE_COPIES + ranks)
+
+
+def _available_bytes() -> float | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (no guard)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_memory(spec: ModelSpec, ranks: int, opts: "VerifyOptions") -> None:
+    """Refuse, with the estimate, a reduced model this machine cannot hold (`--scale none` on an 8B model would
+    build 64 GB and swap or be killed)."""
+    available = _available_bytes()
+    itemsize = 8 if opts.dtype == "float64" else 4
+    need = verify_memory_bytes(spec, ranks, itemsize)
+    if available is not None and need > available:
+        gib = 2**30
+        raise InputError(f"verify would need at least {need / gib:.1f} GiB for {spec.name} "
+                         f"({spec.total_params(include_mtp=True) / 1e6:,.0f} M parameters in {opts.dtype}, the "
+                         f"reference and {ranks} ranks); this machine has {available / gib:.1f} GiB available: "
+                         f"use a smaller --scale, fewer ranks, or --dtype float32")
+
+
+def _check_runnable(lay: Any, n_micro: int, inject: str | None) -> None:
+    """What every rank would refuse, refused here first: the schedule's own rules (executor/pipeline.py) and the
+    injections' preconditions (executor/plan_run.py)."""
+    from executor.pipeline import schedule_problem
+
+    problem = schedule_problem(lay, n_micro)
+    if problem:
+        raise InputError(f"{problem}; give --microbatches at least {lay.pp}, or leave it out")
+    if inject == "shift-stage" and (lay.pp == 1 or sum(lay.stage_layers[:-1]) < 2):
+        raise InputError("--inject shift-stage needs a pipeline (pp > 1) whose last stage starts at layer 2 or later")
+
+
 def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyOutcome:
     """Verify a plan (see the module docstring).
 
@@ -340,6 +412,8 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
     case = verify_case(plan, opts)
     lay = resolve(case.spec, case.num_gpus, case.workload, case.config)
     exec_layout = ExecLayout.from_layout(lay)
+    _check_runnable(exec_layout, lay.num_microbatches, opts.inject)  # before any rank starts (a rank takes seconds)
+    _check_memory(case.spec, exec_layout.world if opts.launcher == "spawn" else 1, opts)
     run = RunSpec(model=case.spec, gbs=case.gbs, seq=case.seq, steps=opts.steps, seed=opts.seed, dtype=opts.dtype)
     if opts.launcher == "torchrun":
         from executor.launch import run_torchrun
@@ -348,10 +422,12 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
                                   timeout_s=opts.timeout_s)
         if result is None:  # not rank 0: rank 0 reports
             return VerifyOutcome(report=None, trace={}, ok=ok)
-        reference_losses = reference_run(run).losses
+        with _time_limit(opts.timeout_s, "the single-process reference run"):
+            reference_losses = reference_run(run).losses
     else:
         say(f"reference: {case.spec.name}, {case.gbs} x {case.seq} tokens, {opts.steps} steps, one process")
-        reference = reference_run(run)
+        with _time_limit(opts.timeout_s, "the single-process reference run"):
+            reference = reference_run(run)
         say(f"running the plan's layout on {exec_layout.world} ranks ({opts.backend})")
         result = run_layout(run, exec_layout, inject=opts.inject, reference=reference, backend=opts.backend,
                             timeout_s=opts.timeout_s)

@@ -4,7 +4,11 @@ layout fails, a failing or hanging rank ends the run with its message (issue 4's
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +24,8 @@ from executor.scale import scale_model  # noqa: E402
 from executor.verify import run_layout  # noqa: E402
 from hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
 from planner.plan import build_plan, write_plan  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _write_plan(path, model: str, layers: int, gpus: int, gbs: int, **knobs) -> str:
@@ -197,3 +203,84 @@ def test_verify_under_torchrun_refuses_a_world_of_the_wrong_size(tmp_path):
                                       "--nproc-per-node ... so that nodes x processes = 4"}, proc.stderr[-2000:]
     assert "failed (exitcode: 2)" in proc.stderr  # the ranks' exit code, as torchrun reports it
     assert "Traceback" not in proc.stdout
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the ranks die with their parent on Linux (prctl)")
+def test_killing_verify_leaves_no_rank_running(tmp_path):
+    """verify killed with SIGKILL (no cleanup runs) mid-run: every rank it spawned is gone within 5 s."""
+    plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "verify", plan, "--inject", "hang", "--timeout", "600"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ranks: list[int] = []
+        deadline = time.monotonic() + 240  # imports and spawning the 2 ranks on a busy machine
+        while time.monotonic() < deadline and len(ranks) < 2:
+            time.sleep(0.5)
+            ranks = [p for p in _children(proc.pid) if "meshplan-rank" in _cmdline(p) or "spawn_main" in _cmdline(p)]
+        assert len(ranks) >= 2, f"the ranks did not start: children {_children(proc.pid)}"
+        time.sleep(2)  # past _die_with_parent in every rank
+        proc.kill()
+        proc.wait()
+        time.sleep(5)
+        assert [r for r in ranks if _alive(r)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_a_schedule_the_ranks_would_refuse_is_refused_before_they_start(tmp_path, capsys):
+    """1F1B with fewer micro-batches than stages failed on every rank after they had started (~50 s): now one
+    input error before any rank."""
+    plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 4, 2, 4, pp=2, mbs=1, schedule="1f1b")
+    assert_input_error(*run(capsys, "verify", plan, "--microbatches", "1"), "1F1B", "--microbatches")
+
+
+def test_a_model_this_machine_cannot_hold_is_refused_with_the_estimate(tmp_path, capsys, monkeypatch):
+    import executor.verify as verify
+
+    monkeypatch.setattr(verify, "_available_bytes", lambda: 2.0**30)  # a 1 GiB machine
+    plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
+    line = assert_input_error(*run(capsys, "verify", plan, "--scale", "none"), "would need at least", "--scale")
+    assert "1.0 GiB available" in line
+
+
+def test_the_reference_run_is_under_the_timeout_too():
+    """verify's own work (the single-process reference) ends at --timeout with a TimeoutError naming it."""
+    from executor.verify import _time_limit
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="the reference run took more than --timeout 0.2 s"):
+        with _time_limit(0.2, "the reference run"):
+            time.sleep(30)
+    assert time.monotonic() - t0 < 20  # not the 30 s sleep
