@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import tomllib
+import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
@@ -1234,7 +1235,20 @@ def _error(message: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run the CLI; return the exit code. Bad input prints one line `error: ...` on stderr and returns 2."""
+    """Run the CLI; return the exit code. Bad input prints one line `error: ...` on stderr and returns 2.
+
+    Warnings raised on the way (numpy's overflow or invalid-value notes on an input that is then refused) are
+    held back: a failing command prints its one line only; a command that succeeds shows them after its output."""
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("default")
+        code = _main(argv)
+    if code == 0:
+        for w in held:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return code
+
+
+def _main(argv: Optional[list[str]]) -> int:
     try:
         rv = app(args=argv, prog_name="meshplan", standalone_mode=False)
     except ClickException as exc:  # usage errors: unknown option, bad value, missing option

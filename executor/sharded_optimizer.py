@@ -80,7 +80,8 @@ class ShardedAdamW:
         padded = torch.zeros(self.shard * world, dtype=self.slice.dtype, device=self.slice.device)
         mine = torch.zeros(self.shard, dtype=self.slice.dtype, device=self.slice.device)
         mine[: self.hi - self.lo] = self.slice.detach()
-        dist.all_gather_into_tensor(padded, mine, group=self.group)
+        # all_gather_single where torch has it (all_gather_into_tensor warns deprecated from 2.13, once per rank)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(padded, mine, group=self.group)
         offset = 0
         for p, n in zip(self.params, self.numels, strict=True):
             local = _local(p)

@@ -224,3 +224,27 @@ def test_the_unedited_plan_reads(capsys, tmp_path, mixtral_plan):
     path.write_text(json.dumps(mixtral_plan))
     code, out, err = run(capsys, "export", str(path), "--to", "megatron")
     assert code == 0 and "--expert-model-parallel-size 8" in out, err
+
+
+def test_warnings_on_the_way_to_an_error_are_held_back(capsys, monkeypatch):
+    """A numpy overflow warning raised before an input is refused used to print above the error line: a failing
+    command prints its one line only, a successful one still shows its warnings."""
+    import warnings
+
+    import cli.main as cli_main
+
+    real = cli_main.load_model
+
+    def warns_then(fail: bool):
+        def load(name):
+            warnings.warn("overflow encountered in multiply", RuntimeWarning)
+            if fail:
+                raise InputError("the model is refused")
+            return real(name)
+        return load
+
+    monkeypatch.setattr(cli_main, "load_model", warns_then(True))
+    assert_input_error(*run(capsys, *EST), "the model is refused")
+    monkeypatch.setattr(cli_main, "load_model", warns_then(False))
+    code, out, err = run(capsys, *EST)
+    assert code == 0 and "overflow encountered" in err
