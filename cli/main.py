@@ -373,7 +373,7 @@ def plan(
     order: OrderOpt = None,
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     calibration: CalibrationOpt = None,
-    max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, rich_help_panel=P_PAR,
+    max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, max=2**17, rich_help_panel=P_PAR,
                                          help="Largest micro-batch size searched.")] = 16,
     top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
                                      help="How many of the best plans to rank in the table (at most 100).")] = 5,
@@ -554,9 +554,9 @@ def serve(
     lengths: Annotated[Optional[Path], typer.Option("--lengths", rich_help_panel=P_MODEL, help=(
         "CSV of request lengths (columns input_tokens,output_tokens, or isl,osl): their means are the workload."))
     ] = None,
-    ttft_ms: Annotated[Optional[float], typer.Option("--ttft-ms", min=0.001, rich_help_panel=P_PAR, help=(
+    ttft_ms: Annotated[Optional[float], typer.Option("--ttft-ms", min=0.001, max=1e9, rich_help_panel=P_PAR, help=(
         "Time-to-first-token target, ms."))] = None,
-    tpot_ms: Annotated[Optional[float], typer.Option("--tpot-ms", min=0.001, rich_help_panel=P_PAR, help=(
+    tpot_ms: Annotated[Optional[float], typer.Option("--tpot-ms", min=0.001, max=1e9, rich_help_panel=P_PAR, help=(
         "Time-per-output-token target, ms."))] = None,
     e2e_ms: Annotated[Optional[float], typer.Option("--e2e-ms", min=0.001, rich_help_panel=P_PAR, help=(
         "End-to-end latency target (TTFT + OSL x TPOT), ms."))] = None,

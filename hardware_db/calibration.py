@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -206,7 +206,7 @@ class FittedModel(_Frozen):
     collectives: tuple[CollectiveFit, ...] = ()
     ring: LinearFit | None = Field(default=None, description="per-step latency and bus bandwidth over all collectives")
     activation_ratio: float | None = Field(default=None, gt=0, description="measured / predicted layer activations")
-    activation_ratios: dict[Literal["none", "selective", "full"], float] = Field(
+    activation_ratios: dict[Literal["none", "selective", "full"], Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict, description="the same per recompute mode")
 
     def activation_ratio_for(self, mode: str) -> float:

@@ -24,8 +24,8 @@ class ClusterSpec(BaseModel):
     gpu: str
     num_gpus: int = Field(gt=0, le=MAX_GPUS)
     gpus_per_node: int | None = Field(default=None, gt=0, le=MAX_GPUS)  # default: 8, or the scale-up domain where it is larger
-    nic_gbps: float | None = Field(default=None, gt=0)
-    nvlink_gb_s: float | None = Field(default=None, gt=0)
+    nic_gbps: float | None = Field(default=None, gt=0, le=1e6)  # Gb/s; the fastest NICs are 800
+    nvlink_gb_s: float | None = Field(default=None, gt=0, le=1e6)  # GB/s per direction; NVLink 5 is 900
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":

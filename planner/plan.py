@@ -72,6 +72,7 @@ class ClusterInput(ClusterSpec):
     gpus_per_node is the resolved node size the plan was made for (never left to a default)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    gpus_per_node: int = Field(gt=0, description="the node size the plan was made for (build_plan writes it)")
     gpu_spec: GPUSpec = Field(description="the GPU's data with its sources (hardware_db/gpus/*.toml)")
 
     def cluster(self) -> Cluster:

@@ -250,3 +250,23 @@ def test_warnings_on_the_way_to_an_error_are_held_back(capsys, monkeypatch, recw
     code, out, err = run(capsys, *EST)
     # shown through warnings.showwarning (stderr in a shell; pytest's recorder here)
     assert code == 0 and [w for w in recwarn if "overflow" in str(w.message)]
+
+
+def test_a_sample_of_the_fuzz_campaign_keeps_the_promise():
+    """300 cases of benchmarks/fuzz.py (files and flags, every family): each one error line and exit 2. The whole
+    campaign (about 3,400 cases, 40 s) is a benchmark, recorded in benchmarks/RESULTS.md."""
+    import random
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fuzz
+
+    rng = random.Random(0)
+    cases = fuzz.document_cases(rng, fuzz.valid_plan()) + fuzz.flag_cases()
+    assert len(cases) >= 2000
+    bad = []
+    for case in rng.sample(cases, 300):
+        outcome, detail = fuzz.run_case(case, timeout=120)
+        if outcome != "one error line, exit 2":
+            bad.append(f"[{case.family}] {case.what}: {outcome} {detail}")
+    assert bad == []
