@@ -980,7 +980,13 @@ def verify(
     out, trace = _targets(out=out, trace=trace)
     doc = read_any_plan(plan_file)
     if isinstance(doc, ServingPlan):
-        _verify_serving(doc, scale, steps, seq, max_ranks, timeout, calibration, inject, out)
+        try:
+            _verify_serving(doc, scale, steps, seq, max_ranks, timeout, calibration, inject, out)
+        except RuntimeError as exc:  # a rank that raised or hung (executor.launch.RankFailure): one line, exit 1
+            if type(exc).__name__ != "RankFailure":
+                raise
+            _error(_one_line(exc))
+            raise typer.Exit(1) from None
         return
     if launcher is None:
         launcher = "torchrun" if "RANK" in os.environ else "spawn"

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 __all__ = ["KVCacheCore", "ServeRankReport", "serve_tokens", "serve_rank", "serve_reference", "max_relative_error",
            "INJECTIONS", "ServeEngineCheck", "ServeCheckReport", "run_serve_check"]
 
-INJECTIONS = ("position-offset",)  # a deliberate fault: decode at the wrong position (the check must fail)
+# deliberate faults: decode at the wrong position (the check must fail); the last rank raises before its prefill,
+# or sleeps there (verify's --timeout must end the run naming it), as executor/plan_run.py's for training plans
+INJECTIONS = ("position-offset", "raise", "hang")
 
 
 class KVCacheCore:
@@ -110,6 +112,10 @@ def serve_rank(rank: int, world: int, spec_json: str, tp: int, dp: int, ep: int,
     for layer in model.layers:
         layer.attention.core = core = KVCacheCore()
         caches.append(core)
+    if inject in ("raise", "hang") and rank == world - 1:
+        if inject == "raise":
+            raise RuntimeError("injected failure (--inject raise)")
+        time.sleep(24 * 3600)
     group = rank_coords(rank, lay)["dp"]
     tokens = serve_tokens(spec, dp * batch, prompt + steps, seed)[group * batch:(group + 1) * batch]
     outs, decode_s = [], []

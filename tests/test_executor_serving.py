@@ -89,6 +89,20 @@ def test_cli_verify_serving_plan(capsys, tmp_path):
     assert code == 1 and "FAILED" in out
 
 
+@pytest.mark.parametrize("inject, extra, words", [
+    ("raise", [], "rank 1: RuntimeError: injected failure (--inject raise)"),
+    ("hang", ["--timeout", "20"], "rank 1: no result after 20 s"),
+])
+def test_a_serving_rank_that_raises_or_hangs_ends_verify_in_one_line(capsys, tmp_path, inject, extra, words):
+    """Fault injection for serving plans too: the last rank raises, or sleeps past --timeout; verify exits 1 with
+    one line naming it (a RankFailure out of the serving check was a traceback before)."""
+    path = _serving_plan(tmp_path, "llama3.1-8b", "tp2")
+    code, out, err = run(capsys, "verify", str(path), "--inject", inject, *extra)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"error: {words}"), err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("layout, extra, words", [
     ("tp1,pp2", [], ["pp 2", "pipeline"]),
     ("tp2", ["--max-ranks", "1"], ["2 ranks", "at most 1"]),
