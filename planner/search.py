@@ -195,6 +195,7 @@ class _Search:
         self.queue: list[tuple[float, int, str, tuple]] = []  # the search's steps by lower bound (see run)
         self.seq = 0
         self.eager = False  # see _next
+        self.expanded = 0  # candidate groups expanded (the progress bar's count)
         self.deferred: list[tuple[float, int, Candidate, PartitionProblem]] = []  # per-stage candidates for CP-SAT
         self.gaps_tried: set[tuple] = set()  # open bounds _close_gaps has worked on
 
