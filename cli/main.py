@@ -6,7 +6,6 @@ usage errors into ONE line `error: <message>` on stderr with exit code 2: no tra
 """
 
 import json
-import math
 import os
 import sys
 import tomllib
@@ -80,11 +79,11 @@ def _root(
     """Parallelism planner for LLM training: estimate step time, throughput, MFU and memory of a configuration."""
 
 
-def _targets(**flags: Path | None) -> tuple[Path | None, ...]:
-    """The command's output paths, each checked before any work (planner/outputs.py: --export-out and --out of
-    `export` may be directories), and no two the same file."""
-    names = {k: "--" + k.replace("_", "-") for k in flags}
-    checked = {names[k]: check_target(v, names[k], directory_ok=k in ("export_out", "out_dir")) for k, v in flags.items()}
+def _targets(directories: tuple[str, ...] = ("export_out",), **flags: Path | None) -> tuple[Path | None, ...]:
+    """The command's output paths (keyword = option name), each checked before any work (planner/outputs.py; those
+    named in `directories` may be a folder), and no two the same file."""
+    checked = {"--" + k.replace("_", "-"): check_target(v, "--" + k.replace("_", "-"), directory_ok=k in directories)
+               for k, v in flags.items()}
     check_distinct(checked)
     return tuple(checked.values())
 
@@ -107,9 +106,6 @@ def _cluster(cluster_file: Optional[str], gpu: Optional[str], gpus: Optional[int
     else:
         if gpu is None or gpus is None:
             raise InputError("say which cluster: --gpu NAME --gpus N, or --cluster FILE (see `meshplan hardware list`)")
-        for flag, value in (("--nic-gbps", nic_gbps), ("--nvlink-gbs", nvlink_gbs)):
-            if value is not None and not math.isfinite(value):
-                raise InputError(f"{flag} {value}: give a finite bandwidth")
         spec = ClusterSpec(gpu=gpu, num_gpus=gpus, gpus_per_node=gpus_per_node, nic_gbps=nic_gbps,
                            nvlink_gb_s=nvlink_gbs)
     if calibration is None:
@@ -804,7 +800,7 @@ def export_(
     from planner.launchers import export_plan, write_export
     from planner.plan import read_any_plan
 
-    (out,) = _targets(out_dir=out)
+    (out,) = _targets(directories=("out",), out=out)  # export's --out is a folder when it has several files
     exported = export_plan(read_any_plan(plan_file), to)
     if out is None:
         _echo_export(exported)

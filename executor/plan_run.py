@@ -48,6 +48,7 @@ from executor.pipeline import (
     build_chunks,
     build_pipeline,
     embedding_group,
+    local_ranges,
     mean_loss_over,
     named_parameters,
     pp_train_step,
@@ -94,17 +95,26 @@ class RankReport(RankResult):
     notes: tuple[str, ...]
 
 
+def shift_stage_problem(lay: ExecLayout) -> str | None:
+    """Why --inject shift-stage (the last pipeline rank's first chunk starts one layer early) cannot run on this
+    layout, or None: checked by every rank and by verify before any rank starts."""
+    if lay.pp == 1:
+        return "--inject shift-stage needs a pipeline (pp > 1)"
+    if local_ranges(lay, lay.pp - 1)[0][0] < 2:
+        return "--inject shift-stage needs the last stage to start at layer 2 or later"
+    return None
+
+
 # ---- building this rank's model --------------------------------------------------------------------------------
 def _chunks(run: RunSpec, lay: ExecLayout, pp_rank: int, positions: torch.Tensor,
             inject: str | None) -> list[ModelChunk]:
     model = run.build()
     chunks = build_chunks(model, lay, pp_rank, positions)
     if inject == "shift-stage":
-        if lay.pp == 1:
-            raise ValueError("--inject shift-stage needs a pipeline (pp > 1)")
+        problem = shift_stage_problem(lay)
+        if problem:
+            raise ValueError(problem)
         if pp_rank == lay.pp - 1:
-            if chunks[0].start < 2:
-                raise ValueError("--inject shift-stage needs the last stage to start at layer 2 or later")
             chunks[0] = ModelChunk(model, chunks[0].start - 1, chunks[0].stop, positions)
     return chunks  # the full model goes out of scope here: the chunks keep only this stage's modules
 

@@ -379,12 +379,14 @@ def _check_runnable(lay: Any, n_micro: int, inject: str | None) -> None:
     """What every rank would refuse, refused here first: the schedule's own rules (executor/pipeline.py) and the
     injections' preconditions (executor/plan_run.py)."""
     from executor.pipeline import schedule_problem
+    from executor.plan_run import shift_stage_problem
 
     problem = schedule_problem(lay, n_micro)
     if problem:
         raise InputError(f"{problem}; give --microbatches at least {lay.pp}, or leave it out")
-    if inject == "shift-stage" and (lay.pp == 1 or sum(lay.stage_layers[:-1]) < 2):
-        raise InputError("--inject shift-stage needs a pipeline (pp > 1) whose last stage starts at layer 2 or later")
+    problem = shift_stage_problem(lay) if inject == "shift-stage" else None
+    if problem:
+        raise InputError(problem)
 
 
 def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyOutcome:

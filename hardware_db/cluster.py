@@ -7,7 +7,7 @@ from functools import cached_property
 from pathlib import Path
 
 import networkx as nx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from hardware_db.documents import STRICT, read_document
 from hardware_db.errors import InputError, field_error

@@ -6,7 +6,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from hardware_db.documents import STRICT, parse_document
 from hardware_db.errors import InputError, field_error

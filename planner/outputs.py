@@ -65,7 +65,7 @@ def write_all(files: list[OutputFile]) -> list[Path]:
         for f in files:
             current = f.path
             made += _make_parents(f.path.parent)
-            staged.append((_stage(f), f.path))
+            staged.append((stage_text(f.path, f.text), f.path))
         for tmp, path in staged:
             current = path
             os.replace(tmp, path)
@@ -81,12 +81,14 @@ def write_all(files: list[OutputFile]) -> list[Path]:
     return [f.path for f in files]
 
 
-def _stage(f: OutputFile) -> Path:
-    tmp = f.path.with_name(f".{f.path.name}.{secrets.token_hex(4)}.tmp")
+def stage_text(path: Path, text: str) -> Path:
+    """`text` in a new hidden temporary file beside `path`, flushed to disk; its path (to os.replace onto `path`).
+    On failure nothing is left. planner.plan.write_text_atomic is this and the rename."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides the mode, as open() would
         with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(f.text)
+            out.write(text)
             out.flush()
             os.fsync(out.fileno())
     except BaseException:

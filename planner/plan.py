@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import secrets
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -28,6 +27,7 @@ from costmodels.model import ModelSpec
 from costmodels.model_io import parse_model_file, to_model_file
 from hardware_db.cluster import Cluster, ClusterSpec
 from hardware_db.documents import read_document
+from planner.outputs import stage_text
 from hardware_db.errors import InputError, field_error
 from hardware_db.gpu import GPUSpec
 
@@ -674,14 +674,8 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     """Write via a temporary file in the same directory and os.replace: readers see the old file or the new one,
     never half of one, and a failure leaves no temporary file behind."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp = stage_text(path, text)
     try:
-        # os.open with 0o666 lets the umask decide the mode, as a plain open() would
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -110,3 +110,12 @@ def test_the_same_input_writes_a_byte_identical_plan(capsys, tmp_path, argv):
     assert first.read_bytes() == second.read_bytes()
     assert json.loads(first.read_text())["search"]["seconds"] is None
     assert json.loads(timed.read_text())["search"]["seconds"] >= 0
+
+
+def test_export_names_its_own_flag(capsys, tmp_path):
+    """export's target is --out (a folder when the export has several files): the error names that flag."""
+    plan = tmp_path / "p.json"
+    assert run(capsys, *PLAN, "--out", str(plan))[0] == 0
+    assert_input_error(*run(capsys, "export", str(plan), "--to", "megatron", "--out", ""), "--out ", "empty")
+    assert_input_error(*run(capsys, "export", str(plan), "--to", "megatron", "--out",
+                            str(tmp_path / "p.json" / "x")), "--out ", "is a file")
