@@ -12,6 +12,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from costmodels.model import ModelSpec
+from costmodels.pipeline import MAX_PIPELINE_PASSES, pipeline_passes
 from hardware_db.errors import InputError
 
 Recompute = Literal["none", "selective", "full"]
@@ -480,6 +481,10 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
         raise InputError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
     if schedule == "interleaved" and m % pp:
         raise InputError(f"interleaved schedule needs micro-batches ({m}) divisible by pp ({pp}) (Megatron rule)")
+    passes = pipeline_passes(schedule, pp, m, vpp)
+    if passes > MAX_PIPELINE_PASSES:
+        raise InputError(f"{m} micro-batches on pp*vpp = {pp * vpp} model stages make {passes:,} pipeline passes per "
+                         f"step; meshplan simulates at most {MAX_PIPELINE_PASSES:,}: raise --mbs or --dp, or lower --gbs")
     if cfg.chunk_layers is not None:
         chunks = tuple(cfg.chunk_layers)
         if len(chunks) != pp * vpp or sum(chunks) != model.num_layers or min(chunks) < 0:

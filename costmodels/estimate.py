@@ -17,6 +17,7 @@ from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdo
 from costmodels.model import ModelSpec
 from costmodels.ops import (ACT_BYTES, Block, Collective, Op, attention_half, embedding_block, head_block, memory_class,
                            ep_dispatch_bytes, mlp_half, mtp_projection, recompute_modules_of)
+from costmodels.deadline import Deadline, check
 from costmodels.pipeline import StageTimes, Timeline, build_schedule, compile_order, simulate
 from costmodels.realism import RealismCheck
 from costmodels.realism import check as realism_check
@@ -1040,10 +1041,13 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
 
 def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
                     runtime: str = DEFAULT_RUNTIME, efficiency: Efficiency | None = None,
-                    context: CostContext | None = None, timelines: dict | None = None) -> Simulated:
+                    context: CostContext | None = None, timelines: dict | None = None,
+                    deadline: Deadline | None = None) -> Simulated:
     """estimate() that also returns the timeline; `context` reuses cached layer costs of the same mesh, and
     `timelines` (a dict the caller keeps) reuses the simulation of identical stage times (a planner's ZeRO
-    variants share their pipeline and differ only after it) and each schedule's pass order."""
+    variants share their pipeline and differ only after it) and each schedule's pass order. deadline: checked
+    per pipeline rank and inside the pipeline simulation (TimeLimitReached)."""
+    check(deadline)
     lay = resolve(model, cluster.num_gpus, workload, cfg)
     rt = get_runtime(runtime)
     why = rt.lacks(recompute_modules=lay.recompute_modules)
@@ -1057,6 +1061,7 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
 
     chunk_pass: list[list[PassTimes]] = []
     for r in range(lay.pp):
+        check(deadline)
         row = []
         for c, (first, count) in enumerate(ranges[r]):
             mix = _layer_mix(model, range(first, first + count), modes)
@@ -1081,10 +1086,10 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
         if sched is None:
             sched = build_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
             if lay.schedule != "zb":  # a fixed order: compiled once, simulated under every stage time
-                sched = compile_order(sched)
+                sched = compile_order(sched, deadline)
             if timelines is not None:
                 timelines[order_key] = sched
-        timeline = simulate(sched, times, p2p_s, split_weight=lay.schedule == "zb")
+        timeline = simulate(sched, times, p2p_s, split_weight=lay.schedule == "zb", deadline=deadline)
         if timelines is not None:
             timelines[key] = timeline
     rank_end = timeline.rank_end

@@ -11,7 +11,7 @@ MLPKind = Literal["gelu", "relu2", "swiglu"]
 
 # Bounds far above any published model (a typo of 1e12 must be refused, not run): per-layer work is O(layers), and
 # widths, vocabularies and expert counts enter float arithmetic and memory that must stay finite.
-MAX_LAYERS = 10_000
+MAX_LAYERS = 1024  # the deepest published Transformer has 1,000 (DeepNet, Wang et al. 2022, arXiv:2203.00555)
 MAX_WIDTH = 2**20  # hidden, FFN, head and latent widths, head counts (the largest published hidden is 25,600)
 MAX_VOCAB = 2**24  # the largest published vocabularies are about 256K
 MAX_EXPERTS = 2**16  # the largest published MoE has 384 routed experts

@@ -14,7 +14,16 @@ from operator import itemgetter
 from dataclasses import dataclass
 from typing import Literal
 
+from costmodels.deadline import Deadline, check
+
 PassKind = Literal["F", "B", "W"]
+CHECK_EVERY_PASSES = 2**14  # a caller's deadline is checked this often (about 10-40 ms of simulation)
+MAX_PIPELINE_PASSES = 2**18  # the most passes one step simulates (about a second at the limit; practice: < 70,000)
+
+
+def pipeline_passes(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> int:
+    """How many passes one step simulates: F and B (and W with zero-bubble) per micro-batch and model stage."""
+    return (3 if schedule == "zb" else 2) * num_microbatches * pp * vpp
 
 
 @dataclass(frozen=True)
@@ -103,26 +112,27 @@ def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Pass]]
 
 
 def simulate(schedule: list[list[Pass]] | PassOrder, times: list[list[StageTimes]], p2p_s: float = 0.0,
-             split_weight: bool = False) -> Timeline:
+             split_weight: bool = False, deadline: Deadline | None = None) -> Timeline:
     """Discrete-event simulation in time order. times[rank][chunk]; p2p_s: activation transfer between stages.
 
     A forward of model stage k needs the forward of stage k-1 (same micro-batch); a backward of stage k needs the
     backward of stage k+1, and the last stage's backward its own forward. With split_weight, each backward is
     input-gradient only and its weight pass is queued: a rank runs a queued W whenever its next F/B would wait,
     or before a forward that would hold more micro-batches than 1F1B does. `schedule` may be a PassOrder already
-    compiled from a fixed order (callers that simulate one order many times keep it).
+    compiled from a fixed order (callers that simulate one order many times keep it). deadline: checked every
+    CHECK_EVERY_PASSES passes (raises TimeLimitReached).
     """
     if isinstance(schedule, PassOrder):
         if split_weight:
             raise ValueError("a compiled PassOrder is a fixed order; weight passes to place need the event simulation")
-        return simulate_order(schedule, times, p2p_s)
+        return simulate_order(schedule, times, p2p_s, deadline)
     if not split_weight:
-        return simulate_order(compile_order(schedule), times, p2p_s)
-    return simulate_events(schedule, times, p2p_s, split_weight)
+        return simulate_order(compile_order(schedule, deadline), times, p2p_s, deadline)
+    return simulate_events(schedule, times, p2p_s, split_weight, deadline)
 
 
 def simulate_events(schedule: list[list[Pass]], times: list[list[StageTimes]], p2p_s: float = 0.0,
-                    split_weight: bool = False) -> Timeline:
+                    split_weight: bool = False, deadline: Deadline | None = None) -> Timeline:
     """The discrete-event simulation proper (a priority queue of ranks by their next start time); simulate()
     uses it where weight passes must be placed, and the fixed-order sweep elsewhere (tests check they agree)."""
     pp = len(schedule)
@@ -192,6 +202,8 @@ def simulate_events(schedule: list[list[Pass]], times: list[list[StageTimes]], p
         busy[r] += cost
         done[(p.kind, p.microbatch, stage)] = end
         events.append((r, p, start, end))
+        if not len(events) % CHECK_EVERY_PASSES:
+            check(deadline)
         if p.kind == "W":
             pending_w[r].pop(0)
             in_flight[r][p.chunk] -= 1
@@ -233,9 +245,9 @@ class PassOrder:
     peak_in_flight: tuple[tuple[int, ...], ...]
 
 
-def compile_order(schedule: list[list[Pass]]) -> PassOrder:
+def compile_order(schedule: list[list[Pass]], deadline: Deadline | None = None) -> PassOrder:
     """Sweep the ranks in turn, taking every pass whose input has been taken (the order the sweep takes them in
-    is one where inputs come first); raises on a deadlocked order."""
+    is one where inputs come first); raises on a deadlocked order (and TimeLimitReached past the deadline)."""
     pp = len(schedule)
     vpp = 1 + max((p.chunk for row in schedule for p in row), default=0)
     stages = pp * vpp
@@ -254,7 +266,11 @@ def compile_order(schedule: list[list[Pass]]) -> PassOrder:
     total = [0] * pp
     peak = [[0] * vpp for _ in range(pp)]
     peak_total = [0] * pp
+    next_check = CHECK_EVERY_PASSES
     while len(passes) < sentinel:
+        if len(passes) >= next_check:
+            check(deadline)
+            next_check = len(passes) + CHECK_EVERY_PASSES
         progressed = False
         for r in range(pp):
             row = schedule[r]
@@ -295,7 +311,8 @@ def compile_order(schedule: list[list[Pass]]) -> PassOrder:
                      tuple(tuple(x) for x in rank_slots), tuple(last), tuple(tuple(x) for x in peak))
 
 
-def simulate_order(order: PassOrder, times: list[list[StageTimes]], p2p_s: float = 0.0) -> Timeline:
+def simulate_order(order: PassOrder, times: list[list[StageTimes]], p2p_s: float = 0.0,
+                   deadline: Deadline | None = None) -> Timeline:
     """Each pass starts at max(its rank's previous pass ended, its input arrived): the event simulation's times
     exactly (same operations in the same order), in one pass over the compiled order."""
     if len(times) != order.pp or any(len(row) != order.vpp for row in times):
@@ -306,6 +323,8 @@ def simulate_order(order: PassOrder, times: list[list[StageTimes]], p2p_s: float
     starts = [0.0] * len(order.passes)
     i = 0
     for prev, need, rem, at in zip(order.previous, order.needs, order.remote, order.slot):
+        if not i % CHECK_EVERY_PASSES:
+            check(deadline)
         start = ends[prev]
         ready = ends[need] + rem * p2p_s
         if ready > start:

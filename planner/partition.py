@@ -18,6 +18,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from costmodels.config import StagePolicy
+from costmodels.deadline import Deadline, check
 
 Schedule = Literal["1f1b", "gpipe", "zb"]
 Granularity = Literal["none", "selective", "full"]
@@ -28,6 +29,8 @@ GRANULARITIES = ("none", "selective", "full")
 CP_POLICIES = ("uniform-none", "uniform-selective", "uniform-full", "per-stage")
 TIE_RTOL = 1e-12  # objectives this close (relative) count as equal; the smallest boundaries win
 NS_PER_S = 1e9  # CP-SAT times are integer nanoseconds
+FULL_CUT_SCAN_MAX_CELLS = 2**22  # _first_full_cut tries every cut at once up to this many cells (32 MB a float array)
+BLOCK_MAX_CELLS = 2**20  # the DPs build their (stage, first layer, end) grids this many cells at a time (8 MB an array)
 
 
 def _check_number(name: str, value: float) -> float:
@@ -236,6 +239,7 @@ class _Tables:
     expert: np.ndarray
     peak_sel: np.ndarray
     peak_full: np.ndarray
+    full_shrinks: bool  # every layer holds no more under full recompute than without: memory falls as it spreads
 
 
 def _prefix(values) -> np.ndarray:
@@ -265,6 +269,7 @@ def _build_tables(pr: PartitionProblem) -> _Tables:
         # The first layer is recomputed during its own backward and briefly holds all it regenerates
         # (Korthikanti et al. 2022, sec. 5).
         peak_sel=np.append(act_none - act_sel, 0.0), peak_full=np.append(act_none - act_full, 0.0),
+        full_shrinks=bool(np.all(act_full <= act_none)),
     )
 
 
@@ -501,7 +506,7 @@ def evaluate(problem: PartitionProblem, boundaries, policies) -> PartitionResult
 # ---- exact DP for a uniform policy -----------------------------------------------------------------------------------
 
 def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = False,
-             below: float = math.inf) -> PartitionResult | None:
+             below: float = math.inf, deadline: Deadline | None = None) -> PartitionResult | None:
     """Best contiguous partition with `policy` on every stage ("full": all of a stage's layers), or None.
 
     With one policy everywhere, every J_r depends only on (r, first layer i, end j), so min max_r J_r is a bottleneck
@@ -515,6 +520,7 @@ def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = Fal
     policies read "none" and its stage_memory_bytes are those lower bounds.
 
     below: a search's cutoff; when no partition's J is below it, None (as when none fits) at a fraction of the cost.
+    deadline: checked as the DP goes (raises TimeLimitReached).
     """
     if policy not in GRANULARITIES:
         raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
@@ -522,7 +528,7 @@ def solve_dp(problem: PartitionProblem, policy: Granularity, relaxed: bool = Fal
     t = _tables(problem)
     ext = _uniform_extra(t, "none" if relaxed else policy)
     bounds = _bottleneck_path(problem, t, lambda R, I, J: _uniform_cuts(t, "none" if relaxed else policy, I, J)[0],
-                              ext, relaxed, below=below)
+                              ext, relaxed, below=below, deadline=deadline)
     if bounds is None:
         return None
     pols = tuple(StagePolicy(granularity="full", full_layers=bounds[r + 1] - bounds[r])
@@ -566,7 +572,8 @@ def may_fit(problem: PartitionProblem, policy: Granularity, relaxed: bool = Fals
     return start >= L
 
 
-def dp_bound(problem: PartitionProblem, policy: Granularity, below: float = math.inf) -> float:
+def dp_bound(problem: PartitionProblem, policy: Granularity, below: float = math.inf,
+             deadline: Deadline | None = None) -> float:
     """solve_dp's optimal objective alone (inf when nothing fits): what a search needs to prune, without building
     the plan. Equal to solve_dp(problem, policy).objective up to float rounding of the same sums when that is below
     `below` (a search's cutoff), inf otherwise (the optimum is then >= below)."""
@@ -574,7 +581,7 @@ def dp_bound(problem: PartitionProblem, policy: Granularity, below: float = math
         raise ValueError(f"policy must be one of {GRANULARITIES}, got {policy!r}")
     t = _tables(problem)
     return _bottleneck_path(problem, t, lambda R, I, J: _uniform_cuts(t, policy, I, J)[0], _uniform_extra(t, policy),
-                            False, value_only=True, below=below)
+                            False, value_only=True, below=below, deadline=deadline)
 
 
 def _uniform_cuts(t: _Tables, policy: Granularity, i, j):
@@ -634,15 +641,53 @@ def _longest_stage(pr: PartitionProblem, t: _Tables, below: float) -> int:
 
 
 def _bottleneck_path(pr: PartitionProblem, t: _Tables, cuts, ext: np.ndarray, relaxed: bool,
-                     value_only: bool = False, with_value: bool = False, below: float = math.inf):
+                     value_only: bool = False, with_value: bool = False, below: float = math.inf,
+                     deadline: Deadline | None = None):
     """min over partitions of max_r J_r(i, j) when J_r depends on (r, i, j) only: cuts(R, I, J) gives every stage's
     (c, d, peak) on the grids of _stage_grid; ext the prefix of recompute extras assumed for the other stages'
-    layers. Every stage's terms are evaluated at once (arrays over r, i, j), then the min-max recursion runs over r:
-    W[r][i] = min_j max(J_r(i, j), W[r+1][j]). Stages too long to fit or to finish below `below` are left out
-    (_longest_stage): the answer is exact when it is below `below`, else inf (None): the optimum is >= below."""
+    layers. The stages' terms are evaluated as arrays over (r, i, j), a block of stages at a time (at most
+    BLOCK_MAX_CELLS cells, so a thousand layers stay within memory; the deadline is checked between blocks), and
+    the min-max recursion runs over r: W[r][i] = min_j max(J_r(i, j), W[r+1][j]). Stages too long to fit or to
+    finish below `below` are left out (_longest_stage): the answer is exact when it is below `below`, else inf
+    (None): the optimum is >= below."""
     p, L = pr.num_stages, pr.num_layers
     width = L - p + 1
     R, I, J = _stage_grid(p, L, _longest_stage(pr, t, below))
+    per_stage = J.shape[1] * J.shape[2]
+    step = max(1, BLOCK_MAX_CELLS // per_stage)
+    w = np.full((p + 1, L + 1), np.inf)  # w[r][i]: best max_{s >= r} J_s with stage r starting at layer i
+    w[p, L] = 0.0
+    rows = {}  # jm of each stage when all fit in one block (else recomputed for the boundaries below)
+    for top in range(p, 0, -step):
+        check(deadline)
+        block = slice(max(0, top - step), top)
+        jm = _stage_objectives(pr, t, cuts, ext, relaxed, R[block], I[block], J[block])
+        if step >= p:
+            rows = dict(enumerate(jm))
+        for r in reversed(range(block.start, block.stop)):
+            w[r, r:r + width] = np.min(np.maximum(jm[r - block.start], w[r + 1][J[r]]), axis=1)
+    best = w[0, 0] if w[0, 0] < below else np.inf  # at or above `below` the restricted grid's answer is not exact
+    if value_only:
+        return float(best)
+    if not np.isfinite(best):
+        return None
+    bounds, start = [0], 0
+    for r in range(p):  # the smallest next boundary that still completes within the optimum
+        a = start - r
+        jm_row = rows[r][a] if r in rows else _stage_objectives(
+            pr, t, cuts, ext, relaxed, R[r:r + 1], I[r:r + 1, a:a + 1], J[r:r + 1, a:a + 1])[0, 0]
+        row = np.maximum(jm_row, w[r + 1][J[r, a]])
+        end = start + 1 + int(np.flatnonzero(row <= best + TIE_RTOL * abs(best))[0])
+        bounds.append(end)
+        start = end
+    return (float(best), tuple(bounds)) if with_value else tuple(bounds)
+
+
+def _stage_objectives(pr: PartitionProblem, t: _Tables, cuts, ext: np.ndarray, relaxed: bool, R, I, J) -> np.ndarray:
+    """J_r(i, j) on grids of _stage_grid (any block of its stages and first layers), inf where the stage does not
+    fit in memory or its end is out of the band (_bottleneck_path)."""
+    p, L = pr.num_stages, pr.num_layers
+    width = L - p + 1
     c, d, peak = cuts(R, I, J)
     with np.errstate(invalid="ignore"):
         band = _layer_sums(t, I, J, c, d, relaxed)
@@ -657,23 +702,7 @@ def _bottleneck_path(pr: PartitionProblem, t: _Tables, cuts, ext: np.ndarray, re
             + _when(R < p - 1, pr.last_forward + pr.last_backward))
         jr = _stage_objective(pr, R, f, b, e, f_before, b_before, t_after)
         ends_in_band = (J > I) & (J <= R + width) & (J - I == 1 + np.arange(J.shape[2]))  # clipped ends are out
-        jm = np.where(ends_in_band & (mem <= pr.memory_cap_bytes), jr, np.inf)  # jm[r][i - r, j - i - 1]
-    w = np.full((p + 1, L + 1), np.inf)  # w[r][i]: best max_{s >= r} J_s with stage r starting at layer i
-    w[p, L] = 0.0
-    for r in reversed(range(p)):
-        w[r, r:r + width] = np.min(np.maximum(jm[r], w[r + 1][J[r]]), axis=1)
-    best = w[0, 0] if w[0, 0] < below else np.inf  # at or above `below` the restricted grid's answer is not exact
-    if value_only:
-        return float(best)
-    if not np.isfinite(best):
-        return None
-    bounds, start = [0], 0
-    for r in range(p):  # the smallest next boundary that still completes within the optimum
-        row = np.maximum(jm[r, start - r], w[r + 1][J[r, start - r]])
-        end = start + 1 + int(np.flatnonzero(row <= best + TIE_RTOL * abs(best))[0])
-        bounds.append(end)
-        start = end
-    return (float(best), tuple(bounds)) if with_value else tuple(bounds)
+        return np.where(ends_in_band & (mem <= pr.memory_cap_bytes), jr, np.inf)  # [r][i - r, j - i - 1]
 
 
 def _cheapest_fitting(pr: PartitionProblem, t: _Tables, R, I, J) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -688,13 +717,7 @@ def _cheapest_fitting(pr: PartitionProblem, t: _Tables, R, I, J) -> tuple[np.nda
     none_fits = _stage_memory(pr, R, _layer_sums(t, I, J, I, I, False), zero) <= cap
     peak_sel, peak_full = t.peak_sel[I] + zero, t.peak_full[I] + zero
     sel_fits = _stage_memory(pr, R, _layer_sums(t, I, J, I, J, False), peak_sel) <= cap
-    # full recompute on [i, c), c = i + 1 .. j: the first c whose stage fits (one more axis for c)
-    C = np.minimum(I[..., None] + 1 + np.arange(J.shape[2]), L)
-    I4, J4 = I[..., None], J[..., None]
-    fits4 = (C <= J4) & (_stage_memory(pr, R[..., None], _layer_sums(t, I4, J4, C, I4, False),
-                                       t.peak_full[I4]) <= cap)
-    full_fits = fits4.any(axis=-1)
-    cut = np.minimum(I + 1 + np.argmax(fits4, axis=-1), L)
+    full_fits, cut = _first_full_cut(pr, t, R, I, J, peak_full)
     sel_extra = np.where(sel_fits, t.sel[J] - t.sel[I], np.inf)
     full_extra = np.where(full_fits, t.full[cut] - t.full[I], np.inf)
     use_sel = ~none_fits & sel_fits & (sel_extra <= full_extra)
@@ -703,36 +726,61 @@ def _cheapest_fitting(pr: PartitionProblem, t: _Tables, R, I, J) -> tuple[np.nda
             np.where(use_sel, peak_sel, np.where(use_full, peak_full, 0.0)))
 
 
-def per_stage_bound(problem: PartitionProblem, below: float = math.inf) -> tuple[float, PartitionResult | None]:
+def _first_full_cut(pr: PartitionProblem, t: _Tables, R, I, J, peak_full) -> tuple[np.ndarray, np.ndarray]:
+    """(fits, c): whether full recompute on some [i, c), i < c <= j, fits each stage (r, [i, j)) of the grids, and
+    the first such c. Small grids try every c at once (one more axis); above FULL_CUT_SCAN_MAX_CELLS that axis would
+    take O(p L^3) memory, so where memory only falls as c grows (_Tables.full_shrinks) a binary search per cell
+    finds it in O(log L) passes over the grid instead."""
+    L, cap = pr.num_layers, pr.memory_cap_bytes
+    longest = max(1, int(np.max(J - I)))
+    if J.size * longest <= FULL_CUT_SCAN_MAX_CELLS or not t.full_shrinks:
+        C = np.minimum(I[..., None] + 1 + np.arange(longest), L)
+        I4, J4 = I[..., None], J[..., None]
+        fits4 = (C <= J4) & (_stage_memory(pr, R[..., None], _layer_sums(t, I4, J4, C, I4, False),
+                                           t.peak_full[I4]) <= cap)
+        return fits4.any(axis=-1), np.minimum(I + 1 + np.argmax(fits4, axis=-1), L)
+
+    def fits(c):
+        return _stage_memory(pr, R, _layer_sums(t, I, J, c, I, False), peak_full) <= cap
+
+    lo, hi = np.minimum(I + 1, J), J  # the first fitting c lies in [lo, hi] where c = j itself fits
+    found = (J > I) & fits(hi)
+    while True:
+        open_ = found & (lo < hi)
+        if not open_.any():
+            break
+        mid = (lo + hi) // 2
+        ok = fits(mid)
+        hi, lo = np.where(open_ & ok, mid, hi), np.where(open_ & ~ok, mid + 1, lo)
+    return found, np.where(found, hi, np.minimum(I + 1, L))
+
+
+def per_stage_bound(problem: PartitionProblem, below: float = math.inf,
+                    deadline: Deadline | None = None) -> tuple[float, PartitionResult | None]:
     """(lower, plan) for per-stage recomputation without CP-SAT. lower: the DP optimum when each stage takes its
     cheapest fitting policy and the other stages' recompute extras are left out of B_<r and T_>r; every J_r only
     grows with any stage's backward, so no per-stage plan beats it (a sound bound, inf when nothing fits). plan:
     that DP's partition re-evaluated with the other stages' extras in (a feasible plan, an upper bound). When the
     two meet, the plan is optimal and CP-SAT is not needed. below: as solve_dp's (inf, None when nothing is below)."""
-    found = _cheapest_policies_partition(problem, below)
+    found = _cheapest_policies_partition(problem, below, deadline)
     return (math.inf, None) if found is None else found
 
 
-def _cheapest_policies_partition(problem: PartitionProblem,
-                                 below: float = math.inf) -> tuple[float, PartitionResult] | None:
+def _cheapest_policies_partition(problem: PartitionProblem, below: float = math.inf,
+                                 deadline: Deadline | None = None) -> tuple[float, PartitionResult] | None:
     """(the DP's optimum, its plan) with each stage on its cheapest fitting policy and the other stages' recompute
     extras left out of B_<r and T_>r; the plan re-evaluated in full. A heuristic plan (a start for CP-SAT) and a
     lower bound (see per_stage_bound); None when nothing fits (or nothing is below `below`)."""
     t = _tables(problem)
-    chosen: list[tuple] = []
-
-    def cuts(R, I, J):
-        chosen.append(_cheapest_fitting(problem, t, R, I, J))
-        return chosen[-1]
-
-    found = _bottleneck_path(problem, t, cuts, t.zero, relaxed=False, with_value=True, below=below)
+    found = _bottleneck_path(problem, t, lambda R, I, J: _cheapest_fitting(problem, t, R, I, J), t.zero,
+                             relaxed=False, with_value=True, below=below, deadline=deadline)
     if found is None:
         return None
     lower, bounds = found
-    c_grid, d_grid, _ = chosen[0]
     pols = []
-    for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        c, d = int(c_grid[r, a - r, b - a - 1]), int(d_grid[r, a - r, b - a - 1])
+    for r, (a, b) in enumerate(zip(bounds, bounds[1:])):  # each stage's policy: its own cell of the same rule
+        c, d, _ = (int(x[0, 0, 0]) if x.dtype.kind == "i" else x for x in _cheapest_fitting(
+            problem, t, np.full((1, 1, 1), r), np.full((1, 1, 1), a), np.full((1, 1, 1), b)))
         pols.append(StagePolicy(granularity="full", full_layers=c - a) if c > a
                     else StagePolicy(granularity="selective") if d > a else StagePolicy(granularity="none"))
     return lower, _evaluate(problem, t, bounds, tuple(pols), relaxed=False)

@@ -24,12 +24,13 @@ from typing import Callable
 import numpy as np
 
 from costmodels.config import (DEFAULT_RECOMPUTE_MODULES, DEFAULT_RUNTIME, ParallelConfig, StagePolicy, Workload,
-                               get_runtime, resolve)
+                               get_runtime, resolve, split_evenly)
 from costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, Estimate, buffer_bytes,
                                  fp8_weight_cast_s, model_flops_per_step, simulate_config, stage_p2p_s, stage_ranges,
                                  with_recompute_fb)
 from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, layer_activation_bytes,
                                logits_bytes, model_state_bytes, mtp_activation_bytes, stage_params)
+from costmodels.deadline import Deadline, TimeLimitReached
 from costmodels.model import ModelSpec
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
@@ -49,6 +50,7 @@ QUICK_SAMPLE_GROUPS = 256  # under a time limit: about this many groups, a strid
 SCORE_CHUNK_GROUPS = 512  # under a time limit: the other groups scored this many at a time between checks
 CPSAT_TIME_LIMIT_S = 10.0  # per CP-SAT call; an unproven answer leaves its candidate's bound open (a gap)
 PAIR_DP_MAX_CELLS = 2e7  # the O(p L^3) pair and stage-0 sync bounds are tried only below this size
+LIST_MAX_CELLS = 2**22  # partitions are listed (and per-stage plans solved exactly) only where p (L+1)^2 is below this
 ENUMERATE_PARTITIONS = 32  # closing a gap: simulate every partition below the best when there are at most this many
 # a deferred per-stage candidate: simulate every (partition, policy) pair below the cutoff instead of CP-SAT when
 # there are at most this many (each simulation is far cheaper than a CP-SAT solve)
@@ -198,6 +200,7 @@ class _Search:
         self.expanded = 0  # candidate groups expanded (the progress bar's count)
         self.deferred: list[tuple[float, int, Candidate, PartitionProblem]] = []  # per-stage candidates for CP-SAT
         self.gaps_tried: set[tuple] = set()  # open bounds _close_gaps has worked on
+        self.deadline: float | None = None  # the time limit's perf_counter() end (see run and _limit)
 
     # ---- bookkeeping
     def _count(self, table: dict[str, int], reason: str, n: int = 1) -> None:
@@ -301,7 +304,7 @@ class _Search:
         key = (id(prob), policy, relaxed)  # problems live in self.problems, so their ids stay theirs
         res, solved_below = self.dp_results.get(key, (None, -math.inf))
         if res is None and solved_below < below:  # None: nothing below solved_below (res is exact otherwise)
-            res = solve_dp(prob, policy, relaxed=relaxed, below=below)
+            res = solve_dp(prob, policy, relaxed=relaxed, below=below, deadline=self._limit())
             self.dp_results[key] = (res, below)
         return res if res is not None and res.objective < below else None
 
@@ -434,7 +437,7 @@ class _Search:
         value, solved_below = self.family_bounds.get(key, (math.inf, -math.inf))
         if value >= solved_below and solved_below < below:
             free = dataclasses.replace(prob, memory_cap_bytes=UNBOUNDED_BYTES, sync=SyncModel.zero())
-            value, solved_below = dp_bound(free, rec, below=below), below
+            value, solved_below = dp_bound(free, rec, below=below, deadline=self._limit()), below
             self.family_bounds[key] = (value, solved_below)
         return value if value < solved_below else solved_below
 
@@ -589,7 +592,7 @@ class _Search:
         are scored a chunk at a time; the limit stops the search only once a plan is kept, so a search under any
         limit returns a plan when one fits, with the gap to the smallest bound it did not reach."""
         groups = self.enum.groups
-        self.eager = deadline is not None
+        self.eager, self.deadline = deadline is not None, deadline
         # Level 0: model states alone (no activations) must fit.
         fitting = []
         for g in groups:
@@ -619,19 +622,20 @@ class _Search:
         for _, _, step, payload in self.queue:  # every bound left is at or above the K-th best time
             self._count(self.pruned, self.PRUNED_BY[step], payload[0].size() if step == "group" else 1)
         self.queue.clear()
-        self._close_gaps(deadline)  # first: the partitions it simulates tighten the cutoff CP-SAT then meets
-        if self._run_cpsat(deadline):
-            if progress:
-                progress(live, live)
-            return True
-        self._close_gaps(deadline)  # the bounds CP-SAT left open
+        # first: the partitions it simulates tighten the cutoff CP-SAT then meets; then the bounds CP-SAT left open
+        timed_out = self._close_gaps(deadline) or self._run_cpsat(deadline) or self._close_gaps(deadline)
         if progress:
             progress(live, live)
-        return False
+        return timed_out
 
     def _push_groups(self, groups: list[Group]) -> None:
         for g, score in zip(groups, self._group_scores(groups)):
             self._push(score, "group", g)
+
+    def _limit(self) -> Deadline | None:
+        """The deadline that long steps (a partition DP, a pipeline simulation) check as they run: none before the
+        first plan is kept, as the search's own checks (_past)."""
+        return Deadline(self.deadline) if self.deadline is not None and self.best.heap else None
 
     def _past(self, deadline: float | None) -> bool:
         """The time limit has passed and a plan is kept (before the first plan the limit waits: see run)."""
@@ -655,7 +659,14 @@ class _Search:
                 self.expanded += 1
                 if progress:
                     progress(self.expanded, live)
-            self._run_step(bound, step, payload)
+            try:
+                self._run_step(bound, step, payload)
+            except TimeLimitReached:  # the limit stopped the step midway: its bound is not reached either
+                self.unexplored_bound = min(self.unexplored_bound, bound)
+                self._count(self.pruned, "not reached before the time limit",
+                            payload[0].size() if step == "group" else 1)
+                self._stop_for_time(progress, live, [])
+                return True
         return False
 
     def _stop_for_time(self, progress: ProgressFn | None, live: int, unscored: list[Group]) -> None:
@@ -759,6 +770,8 @@ class _Search:
         their work bound over layer times with the per-layer DP collectives: _expand_group)."""
         ctx = self._context(c)
         assert sharded_bound or not ctx.dp_in_layer_times, "ZeRO-2/3 candidates are queued with their sharded bound"
+        if self.eager and not self.best.heap and c.vpp == 1:
+            self._quick_plan(c, ctx, key)
         if c.vpp > 1:
             self._next(min(b for b, _ in self._chunk_options(c, ctx)), "ileave", c, ctx)
             return
@@ -769,6 +782,16 @@ class _Search:
             self._count(self.pruned, self.PRUNED_BY["family"])
             return
         self._next(bound, "family", c, prob)
+
+    def _quick_plan(self, c: Candidate, ctx: CostContext, key: float) -> None:
+        """Under a time limit, before any plan is kept: the candidate's even split simulated at once (one estimate,
+        where the exact partition DPs over hundreds of layers take seconds), so that a first plan comes quickly and
+        the limit can start to count. The candidate's own steps follow as usual; this is one more partition of it,
+        not another account entry."""
+        even = tuple(split_evenly(self.model.num_layers, c.mesh.pp))
+        policies = tuple(StagePolicy(granularity="full", full_layers=n) for n in even) \
+            if c.recompute == "per-stage" else None  # per-stage: its plan with the least memory
+        self._simulate(c, even, policies, key, ctx, another_partition=True)
 
     def _memory_floors(self, cands: list[Candidate]) -> np.ndarray:
         """memory_floors of candidates of one group (per-stage: with full recompute's activations), from per-kind
@@ -910,7 +933,7 @@ class _Search:
             else:
                 self._simulate(c, uniform.stage_layers, _policies(uniform), uniform.objective, self._context(c))
             return
-        lower, plan = per_stage_bound(prob, below=below)
+        lower, plan = per_stage_bound(prob, below=below, deadline=self._limit())
         if plan is None and below < self.best.cutoff():
             self._push(below, "per-stage", c, prob, relaxed)  # nothing below `below`: solved again if reached
             return
@@ -954,6 +977,10 @@ class _Search:
         they are few (per_stage_partitions_below, which also leaves no gap), else CP-SAT's J-optimal plan."""
         ctx = self._context(c)
         cutoff = self.best.cutoff()
+        if not self._listable(c):  # too many layers to list pairs or solve CP-SAT in a search: the bound stays open
+            self.open_bounds.append((bound, c, None, None))
+            self._count(self.pruned, "per-stage plans of too many layers to solve exactly (bound left open)")
+            return
         if not math.isinf(cutoff):
             found = per_stage_partitions_below(prob, cutoff * (1 - REL_TOL), limit=DEFERRED_ENUMERATE_PAIRS)
             if found is not None:
@@ -968,8 +995,7 @@ class _Search:
                 if not simulated:  # the candidate's one account column
                     self._count(self.pruned, "partition bound (per-stage plans listed: none below the cutoff)")
                 return
-            if (c.mesh.pp * (self.model.num_layers + 1) ** 3 <= PAIR_DP_MAX_CELLS
-                    and per_stage_tight_bound(prob) >= cutoff * (1 - REL_TOL)):
+            if self._pair_dp_fits(c) and per_stage_tight_bound(prob) >= cutoff * (1 - REL_TOL):
                 self.bounded += 1
                 self._count(self.pruned, "partition bound (per-stage pair and sync paths)")
                 return
@@ -1008,6 +1034,8 @@ class _Search:
                              best: float) -> bool:
         """Simulate every (partition, per-stage policy) of a per-stage candidate whose J is below the best plan
         (planner/partition.py per_stage_partitions_below), which closes its gap; False when they are too many."""
+        if not self._listable(c):
+            return False
         found = per_stage_partitions_below(prob, best * (1 - REL_TOL), limit=ENUMERATE_PARTITIONS)
         if found is None:
             return False
@@ -1020,69 +1048,85 @@ class _Search:
                 self._simulate(c, layers, pols, lower, ctx, another_partition=True)
         return True
 
-    def _close_gaps(self, deadline: float | None) -> None:
+    def _close_gaps(self, deadline: float | None) -> bool:
         """Where a candidate's simulated time exceeds its J bound and the bound is below the best plan: simulate
         every partition whose bound is below the best when there are few (partitions_below), which closes the gap;
         else try its even split, and replace J by the larger of two tighter bounds (planner/partition.py): the 1F1B
         pair chain (solve_dp_pairs, whose own best partition is simulated when it differs) and rank 0's sync after
-        the whole backward flow (solve_stage0_sync, likewise)."""
+        the whole backward flow (solve_stage0_sync, likewise). True when the time limit stopped it."""
         still_open = []
-        for bound, c, stage_layers, policies in sorted(self.open_bounds, key=lambda x: x[0]):
+        pending = sorted(self.open_bounds, key=lambda x: x[0])
+        for n, (bound, c, stage_layers, policies) in enumerate(pending):
             best = self.best.ranked()[0].step_time_s if self.best.heap else math.inf
             late = deadline is not None and time.perf_counter() > deadline
             tried = (c, stage_layers, policies) in self.gaps_tried  # a second call takes only the new bounds
             if bound >= best * (1 - REL_TOL) or late or c.vpp > 1 or tried:
                 still_open.append((bound, c, stage_layers, policies))
                 continue
-            self.gaps_tried.add((c, stage_layers, policies))
-            ctx = self._context(c)
-            prob = self.problem(c, ctx)
-            if c.recompute == "per-stage" or policies is not None:
-                if not self._close_per_stage_gap(c, prob, ctx, stage_layers, policies, best):
-                    # too many partitions to list: the pair / sync path bounds, each stage on its cheapest
-                    # fitting policy
+            try:
+                self.gaps_tried.add((c, stage_layers, policies))
+                ctx = self._context(c)
+                prob = self.problem(c, ctx)
+                if c.recompute == "per-stage" or policies is not None:
+                    if not self._close_per_stage_gap(c, prob, ctx, stage_layers, policies, best):
+                        # too many partitions to list: the pair / sync path bounds, each stage on its cheapest
+                        # fitting policy
+                        tighter = bound
+                        if self._pair_dp_fits(c):
+                            self.bounded += 1
+                            tighter = max(bound, per_stage_tight_bound(prob))
+                        if tighter < best * (1 - REL_TOL):
+                            still_open.append((tighter, c, stage_layers, policies))
+                    continue
+                parts = partitions_below(prob, c.recompute, best * (1 - REL_TOL), limit=ENUMERATE_PARTITIONS) \
+                    if self._listable(c) else None
+                if parts is not None:  # every partition that could beat the best: simulate them, and the gap is closed
                     self.bounded += 1
-                    tighter = max(bound, per_stage_tight_bound(prob))
-                    if tighter < best * (1 - REL_TOL):
-                        still_open.append((tighter, c, stage_layers, policies))
-                continue
-            parts = partitions_below(prob, c.recompute, best * (1 - REL_TOL), limit=ENUMERATE_PARTITIONS)
-            if parts is not None:  # every partition that could beat the best: simulate them, and the gap is closed
+                    for lower, bounds in parts:
+                        layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+                        if lower >= self.best.ranked()[0].step_time_s * (1 - REL_TOL):
+                            break
+                        if layers != stage_layers:
+                            self._simulate(c, layers, None, lower, ctx, another_partition=True)
+                    continue
+                balanced = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c)).stage_layers
+                if balanced != stage_layers:  # the even split is a partition too: it may simulate faster
+                    self._simulate(c, balanced, None, bound, ctx, another_partition=True)
+                if c.schedule == "zb" or not self._pair_dp_fits(c):
+                    still_open.append((bound, c, stage_layers, policies))
+                    continue
+                res = solve_dp_pairs(prob, c.recompute)
                 self.bounded += 1
-                for lower, bounds in parts:
-                    layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-                    if lower >= self.best.ranked()[0].step_time_s * (1 - REL_TOL):
-                        break
-                    if layers != stage_layers:
-                        self._simulate(c, layers, None, lower, ctx, another_partition=True)
-                continue
-            balanced = resolve(self.model, self.cluster.num_gpus, self.wl, self._config(c)).stage_layers
-            if balanced != stage_layers:  # the even split is a partition too: it may simulate faster
-                self._simulate(c, balanced, None, bound, ctx, another_partition=True)
-            size = c.mesh.pp * (self.model.num_layers + 1) ** 3  # the pair DP's grid: keep it to about a second
-            if c.schedule == "zb" or size > PAIR_DP_MAX_CELLS:
-                still_open.append((bound, c, stage_layers, policies))
-                continue
-            res = solve_dp_pairs(prob, c.recompute)
-            self.bounded += 1
-            if res is None:
-                continue
-            if res.stage_layers != stage_layers and res.objective < self.best.cutoff() * (1 - REL_TOL):
-                self._simulate(c, res.stage_layers, None, res.objective, ctx, another_partition=True)
-            # both are lower bounds over every partition, so the larger one is too
-            sync = solve_stage0_sync(prob, c.recompute)
-            if (sync is not None and sync.stage_layers not in (stage_layers, res.stage_layers)
-                    and sync.objective < self.best.cutoff() * (1 - REL_TOL)):
-                self._simulate(c, sync.stage_layers, None, sync.objective, ctx, another_partition=True)
-            # rank 0's path to every rank's sync (1F1B), likewise: its own partition simulated when it differs
-            path = solve_rank0_path_sync(prob, c.recompute) if c.schedule == "1f1b" else None
-            if (path is not None and path.stage_layers not in (stage_layers, res.stage_layers)
-                    and path.objective < self.best.cutoff() * (1 - REL_TOL)):
-                self._simulate(c, path.stage_layers, None, path.objective, ctx, another_partition=True)
-            tighter = max(res.objective, sync.objective if sync is not None else math.inf,
-                          path.objective if path is not None else -math.inf)
-            still_open.append((tighter, c, res.stage_layers, None))
+                if res is None:
+                    continue
+                if res.stage_layers != stage_layers and res.objective < self.best.cutoff() * (1 - REL_TOL):
+                    self._simulate(c, res.stage_layers, None, res.objective, ctx, another_partition=True)
+                # both are lower bounds over every partition, so the larger one is too
+                sync = solve_stage0_sync(prob, c.recompute)
+                if (sync is not None and sync.stage_layers not in (stage_layers, res.stage_layers)
+                        and sync.objective < self.best.cutoff() * (1 - REL_TOL)):
+                    self._simulate(c, sync.stage_layers, None, sync.objective, ctx, another_partition=True)
+                # rank 0's path to every rank's sync (1F1B), likewise: its own partition simulated when it differs
+                path = solve_rank0_path_sync(prob, c.recompute) if c.schedule == "1f1b" else None
+                if (path is not None and path.stage_layers not in (stage_layers, res.stage_layers)
+                        and path.objective < self.best.cutoff() * (1 - REL_TOL)):
+                    self._simulate(c, path.stage_layers, None, path.objective, ctx, another_partition=True)
+                tighter = max(res.objective, sync.objective if sync is not None else math.inf,
+                              path.objective if path is not None else -math.inf)
+                still_open.append((tighter, c, res.stage_layers, None))
+            except TimeLimitReached:  # the limit stopped this one midway: it and the rest stay open
+                self.open_bounds = still_open + pending[n:]
+                return True
         self.open_bounds = still_open
+        return False
+
+    def _listable(self, c: Candidate) -> bool:
+        """Whether the partition lists' p (L+1)^2-cell grids are small enough to build (about 200 MB at most)."""
+        return c.mesh.pp * (self.model.num_layers + 1) ** 2 <= LIST_MAX_CELLS
+
+    def _pair_dp_fits(self, c: Candidate) -> bool:
+        """Whether the O(p L^3) pair and sync DPs stay within about a second."""
+        return c.mesh.pp * (self.model.num_layers + 1) ** 3 <= PAIR_DP_MAX_CELLS
 
     def _group_scores(self, groups: list[Group]) -> list[float]:
         """A lower bound for every candidate in each group: the work bound with no recomputation (the fastest), the
@@ -1136,7 +1180,7 @@ class _Search:
         another_partition: a further partition of a candidate already counted (closing a gap): no new count."""
         cfg = self._config(c, stage_layers, policies, chunks)
         sim = simulate_config(self.model, self.cluster, self.wl, cfg, self.runtime, self.eff, context=ctx,
-                              timelines=self.timelines)
+                              timelines=self.timelines, deadline=self._limit())
         est = sim.estimate
         if not est.fits:
             if not another_partition:

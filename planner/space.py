@@ -18,6 +18,7 @@ from typing import Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from costmodels.model import ModelSpec
+from costmodels.pipeline import MAX_PIPELINE_PASSES, pipeline_passes
 from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RankOrder, RecomputeModule,
                                Runtime, Workload, check_recompute_modules, even_chunks, split_evenly)
 from hardware_db.errors import InputError
@@ -332,6 +333,8 @@ def _knob_rule(model: ModelSpec, tp: int, cp: int, pp: int, m: int, cp_comm: str
             return "uneven virtual stages only where pp does not divide the layers (or with --vpp pinned)"
         if m % pp:
             return "interleaving needs micro-batches divisible by pp"
+    if pipeline_passes(sched, pp, m, vpp) > MAX_PIPELINE_PASSES:
+        return f"more than {MAX_PIPELINE_PASSES:,} pipeline passes per step to simulate (micro-batches x stages)"
     return None
 
 

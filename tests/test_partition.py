@@ -728,3 +728,53 @@ def test_per_stage_tight_bound_is_below_every_simulated_per_stage_plan(data, sch
         assert bound == math.inf
         return
     assert per_stage_bound(problem)[0] * (1 - 1e-12) <= bound <= min(steps) * (1 + 1e-9)
+
+
+# ---- bounded memory and the time limit ---------------------------------------------------------------------------------
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(problems())
+def test_the_dps_built_a_block_at_a_time_with_the_binary_search_give_the_same_answers(problem):
+    """Above BLOCK_MAX_CELLS the DPs build their grids a few stages at a time, and above FULL_CUT_SCAN_MAX_CELLS the
+    cheapest-fitting policy finds its full-recompute cut by binary search (a thousand layers would otherwise need
+    tens of GB); forced on small problems, both must give exactly the one-shot answers."""
+    from planner import partition
+    from planner.partition import dp_bound, per_stage_bound
+
+    def answers():
+        return ([solve_dp(problem, g) for g in GRANULARITIES] + [dp_bound(problem, g) for g in GRANULARITIES]
+                + [per_stage_bound(problem), solve_dp(problem, "none", relaxed=True)])
+
+    expected = answers()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(partition, "BLOCK_MAX_CELLS", 1)
+        mp.setattr(partition, "FULL_CUT_SCAN_MAX_CELLS", 0)
+        assert answers() == expected
+
+
+def test_an_expired_deadline_stops_the_dps_and_a_later_one_changes_nothing():
+    from costmodels.deadline import Deadline, TimeLimitReached
+    from planner.partition import dp_bound, per_stage_bound
+    problem = uniform_problem(64, 8, 16, "1f1b", act=1.0, cap=40.0)
+    gone, later = Deadline(time.perf_counter() - 1), Deadline(time.perf_counter() + 3600)
+    for solve in (lambda d: solve_dp(problem, "none", deadline=d), lambda d: dp_bound(problem, "full", deadline=d),
+                  lambda d: per_stage_bound(problem, deadline=d)):
+        with pytest.raises(TimeLimitReached):
+            solve(gone)
+        assert solve(later) == solve(None)
+
+
+@pytest.mark.parametrize("schedule,vpp", [("1f1b", 1), ("interleaved", 2), ("zb", 1)])
+def test_an_expired_deadline_stops_a_long_simulation(schedule, vpp):
+    """The pipeline simulation checks its caller's deadline every CHECK_EVERY_PASSES passes (a time-limited search
+    stops inside one), and a deadline not yet reached leaves the timeline as it was."""
+    from costmodels.deadline import Deadline, TimeLimitReached
+    from costmodels.pipeline import CHECK_EVERY_PASSES, pipeline_passes
+    pp, m = 4, 4 * CHECK_EVERY_PASSES // 8
+    assert pipeline_passes(schedule, pp, m, vpp) > CHECK_EVERY_PASSES
+    times = [[StageTimes(1.0, 1.5, 0.5) for _ in range(vpp)] for _ in range(pp)]
+    order = build_schedule(schedule, pp, m, vpp)
+    with pytest.raises(TimeLimitReached):
+        simulate(order, times, 0.01, split_weight=schedule == "zb", deadline=Deadline(time.perf_counter() - 1))
+    later = simulate(order, times, 0.01, split_weight=schedule == "zb", deadline=Deadline(time.perf_counter() + 3600))
+    assert later == simulate(order, times, 0.01, split_weight=schedule == "zb")

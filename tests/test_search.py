@@ -419,6 +419,37 @@ def test_time_limit_returns_a_plan_with_a_proven_gap():
         assert close(estimate(model, c, wl, p.config).step_time_s, p.step_time_s)
 
 
+def test_a_thousand_layers_under_a_time_limit_give_a_plan_and_stop_inside_long_steps():
+    """1,024 layers (the most a model may have) on 256 GPUs: each exact partition DP takes about a second and the
+    cheapest-fitting ones once needed tens of GB (the search ran out of memory). Under --time-limit 0.5 the quick
+    first plan (an even split, simulated at once) comes first, the DPs and simulations stop midway once the limit
+    has passed, and what they left counts toward the stated gap. The wall-clock check is loose (the search took
+    160 s before); the counts are the point."""
+    model = shrunk("llama3.1-8b", 1024)
+    result = search(model, cluster(256), Workload(global_batch=1024, seq_len=4096), top_k=3, time_limit_s=0.5)
+    acc = result.account
+    assert result.plans and acc.status == "time-limit", describe(result)
+    assert math.isfinite(acc.gap) and 0 < acc.gap < 1
+    assert acc.lower_bound_s <= result.plans[0].step_time_s * (1 + REL)
+    assert acc.pruned.get("not reached before the time limit", 0) > 0
+    assert acc.seconds < 60, describe(result)
+
+
+def test_a_pipeline_too_long_to_simulate_is_refused_with_its_maximum():
+    """131,072 micro-batches on 64 stages are 16.8M passes (minutes and GBs to simulate): estimate refuses them
+    naming the maximum and the fix; the search counts them under that rule and keeps the rest of the space."""
+    from costmodels.pipeline import MAX_PIPELINE_PASSES
+    model, c = zoo("llama3.1-70b"), cluster(64)
+    wl = Workload(global_batch=131072, seq_len=256)
+    with pytest.raises(InputError, match=f"at most {MAX_PIPELINE_PASSES:,}.*raise --mbs"):
+        estimate(model, c, wl, ParallelConfig(tp=1, pp=64, mbs=1))
+    pinned = search(model, c, wl, Pins(pp=64, mbs=1), top_k=1)
+    assert not pinned.plans and "pipeline passes per step" in pinned.why_nothing_fits
+    enum = enumerate_space(model, 64, 8, wl, Pins(mbs=1))
+    assert any("pipeline passes per step" in rule for rule in enum.infeasible)
+    assert enum.groups
+
+
 @pytest.mark.parametrize("name,gpus,gpu,dtype", [("llama3.1-8b", 8, "h100-sxm", "bf16"),
                                                  ("mixtral-8x7b", 16, "h100-sxm", "fp8"),
                                                  ("gpt3-175b", 64, "a100-80gb", "bf16")])
