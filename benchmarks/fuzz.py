@@ -4,8 +4,8 @@ Usage:  python benchmarks/fuzz.py [--cases N] [--seed S] [--timeout SECONDS] [--
 
 Every case is garbage by construction: a value of the wrong type, out of range, not finite, non-ASCII, far too
 large or nested too deep, put into one field of a valid document (a Hugging Face config, a meshplan model file, a
-GPU TOML, a cluster file, a plan JSON, a calibration) or into one flag of a valid command (plan, estimate, serve,
-import --from megatron). The promise checked for each: exit 2 with exactly one `error:` line on stderr, no
+GPU TOML, a cluster file, a plan JSON, a calibration, a torchtitan job config) or into one flag of a valid command
+(plan, estimate, serve, verify, import --from megatron). The promise checked for each: exit 2 with exactly one `error:` line on stderr, no
 traceback, no hang (SIGALRM after --timeout seconds), no file left in the case's output folder. Counts per outcome
 and per family go to stdout (benchmarks/RESULTS.md records the last run); --show K prints K cases of each failing
 outcome with their reproducer.
@@ -107,7 +107,7 @@ def _numeric(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def document_cases(rng: random.Random, plan_doc: dict) -> list[Case]:
+def document_cases(rng: random.Random, plan_doc: dict, titan_toml: str) -> list[Case]:
     cases = []
     for family, doc, name, argv in (
             ("hf-config", HF_LLAMA, "config.json", ["models", "show", "{d}/config.json"]),
@@ -162,7 +162,35 @@ def document_cases(rng: random.Random, plan_doc: dict) -> list[Case]:
             cases.append(Case("gpu-toml", f"line {i + 1}: {key} = {g[:20]}",
                               ["estimate", "--model", "llama3.1-8b", "--gpu", "{d}/g.toml", "--gpus", "8"],
                               {"g.toml": "\n".join(mutated) + "\n"}))
+    cases += torchtitan_cases(titan_toml)
     rng.shuffle(cases)
+    return cases
+
+
+# TOML garbage for one `key = value` line of a torchtitan job config
+TITAN_GARBAGE = ["inf", "nan", "-inf", "0", "-1", "-2", "true", '"8"', "1.5", "1" * 400, "[1, 2]", "{}", '"x"', '""',
+                 "[]", '"\u0663"', "[[1]]", '[["layers.x"]]']
+
+
+def torchtitan_cases(text: str) -> list[Case]:
+    """Every `key = value` line of a valid torchtitan TOML (meshplan's own export) set to each garbage value, and the
+    whole file replaced by garbage, read by `import --from torchtitan`."""
+    argv = ["import", "--from", "torchtitan", "{d}/t.toml", "--gpu", "h100-sxm", "--out", "{d}/o.json"]
+    lines, cases = text.splitlines(), []
+    for i, line in enumerate(lines):
+        found = re.match(r"^([a-z_0-9]+) = (.*)$", line)
+        if not found:
+            continue
+        key, value = found.groups()
+        for g in TITAN_GARBAGE:
+            if g == value or (key == "global_batch_size" and g == "-1"):  # -1: local x DP (valid)
+                continue
+            mutated = lines[:i] + [f"{key} = {g}"] + lines[i + 1:]
+            cases.append(Case("torchtitan-toml", f"{key} = {g[:20]}", argv, {"t.toml": "\n".join(mutated) + "\n"}))
+    for what, blob in {"nested": "a = " + "[" * 100_000 + "]" * 100_000, "not utf-8": b"\xff\xfe[model]",
+                       "empty": "", "not toml": "{}", "section as value": 'model = 3\n',
+                       "parallelism as array": "[[parallelism]]\ntensor_parallel_degree = 2\n"}.items():
+        cases.append(Case("torchtitan-toml", f"whole file: {what}", argv, {"t.toml": blob}))
     return cases
 
 
@@ -217,6 +245,17 @@ def flag_cases() -> list[Case]:
     return cases
 
 
+def verify_flag_cases(plan_text: str) -> list[Case]:
+    """verify's flags set to garbage: each is refused before any rank starts (a valid value would run the plan)."""
+    cases = []
+    for flag in ("--steps", "--seq", "--microbatches", "--timeout", "--max-ranks", "--scale", "--dtype", "--backend",
+                 "--launcher", "--calibration"):
+        for g in FLAG_GARBAGE:
+            cases.append(Case("flags-verify", f"{flag} {g[:20]!r}", ["verify", "{d}/p.json", flag, g,
+                                                                      "--out", "{d}/r.json"], {"p.json": plan_text}))
+    return cases
+
+
 class _Hang(Exception):
     pass
 
@@ -264,6 +303,20 @@ def run_case(case: Case, timeout: float) -> tuple[str, str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def valid_documents() -> tuple[dict, str, str]:
+    """(a Mixtral plan, a small Llama plan for verify, its torchtitan TOML export), written by meshplan itself."""
+    d = Path(tempfile.mkdtemp(prefix="fuzz-valid-"))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "4", "--gbs", "8", "--seq",
+                         "2048", "--tp", "2", "--pp", "2", "--order", "tp-cp-dp-pp", "--zero", "3",
+                         "--out", str(d / "v.json")]) == 0
+            assert main(["export", str(d / "v.json"), "--to", "torchtitan", "--out", str(d / "titan")]) == 0
+        return valid_plan(), (d / "v.json").read_text(), (d / "titan" / "torchtitan.toml").read_text()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def valid_plan() -> dict:
     d = Path(tempfile.mkdtemp(prefix="fuzz-plan-"))
     try:
@@ -283,7 +336,8 @@ def main_() -> int:
     ap.add_argument("--show", type=int, default=3, help="cases to print per failing outcome")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    cases = document_cases(rng, valid_plan()) + flag_cases()
+    plan_doc, verify_plan, titan_toml = valid_documents()
+    cases = document_cases(rng, plan_doc, titan_toml) + flag_cases() + verify_flag_cases(verify_plan)
     if args.cases:
         cases = rng.sample(cases, min(args.cases, len(cases)))
     outcomes: Counter = Counter()

@@ -19,8 +19,8 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, RECOMPUTE_MODULES, RUNTIME_OPTIONS, RUNTIMES, ParallelConfig, RankOrder,
-                               Workload)
+from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, RECOMPUTE_MODULES,
+                               RUNTIME_OPTIONS, RUNTIMES, ParallelConfig, RankOrder, Workload)
 from costmodels.estimate import (Efficiency, Estimate, calibrated_cluster, estimate as estimate_cost, simulate_config,
                                  stage_ranges)
 from costmodels.model import ModelSpec
@@ -32,6 +32,9 @@ from hardware_db.gpu import GPUSpec, Sourced, list_gpus, load_gpu
 from planner.outputs import OutputFile, check_distinct, check_target, write_all
 
 EXIT_INPUT = 2  # bad input, the same code click uses for usage errors
+MAX_VERIFY_STEPS = 1000  # verify compares parameters after a few steps; the reference draws every step's batch up front
+MAX_VERIFY_TIMEOUT_S = 86_400.0  # a day
+MAX_VERIFY_RANKS = 4096  # one process each, on this host
 
 # typer >= 0.2x vendors click; find its exception classes through the public typer.BadParameter (a UsageError).
 ClickException: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -939,10 +942,11 @@ def verify(
     scale: Annotated[Literal["tiny", "small", "none"], typer.Option("--scale", help=(
         "Model size to run: the plan's model with its layer count, structure and divisibility kept, widths "
         "shrunk (docs/executor.md); none runs the plan's model as it is (a small model only)."))] = "tiny",
-    steps: Annotated[int, typer.Option("--steps", min=1, help="AdamW steps; parameters are compared after the last.")] = 2,
-    seq: Annotated[Optional[int], typer.Option("--seq", min=1, help=(
+    steps: Annotated[int, typer.Option("--steps", min=1, max=MAX_VERIFY_STEPS, help=(
+        "AdamW steps; parameters are compared after the last."))] = 2,
+    seq: Annotated[Optional[int], typer.Option("--seq", min=1, max=MAX_SEQ_LEN, help=(
         "Tokens per sequence (default 16, raised to a multiple of 2 x cp x tp)."))] = None,
-    microbatches: Annotated[Optional[int], typer.Option("--microbatches", min=1, help=(
+    microbatches: Annotated[Optional[int], typer.Option("--microbatches", min=1, max=MAX_GLOBAL_BATCH, help=(
         "Micro-batches per step (default: the plan's); fewer keeps a big plan's run short."))] = None,
     dtype: Annotated[Literal["float64", "float32"], typer.Option("--dtype", help=(
         "float64 checks to 1e-6 (relative), float32 to 1e-4."))] = "float64",
@@ -951,9 +955,9 @@ def verify(
     launcher: Annotated[Optional[Literal["spawn", "torchrun"]], typer.Option("--launcher", help=(
         "spawn: start the plan's ranks here, one process each. torchrun: this process is one rank of a torchrun "
         "world of the plan's size (rank 0 prints the report). Default: torchrun when RANK is set, else spawn."))] = None,
-    timeout: Annotated[float, typer.Option("--timeout", min=1, help=(
+    timeout: Annotated[float, typer.Option("--timeout", min=1, max=MAX_VERIFY_TIMEOUT_S, help=(
         "Seconds before a rank that has not finished ends the run (with that rank's name)."))] = 300.0,
-    max_ranks: Annotated[int, typer.Option("--max-ranks", min=1, help=(
+    max_ranks: Annotated[int, typer.Option("--max-ranks", min=1, max=MAX_VERIFY_RANKS, help=(
         "Refuse plans with more ranks than this on gloo (each rank is a process holding a model copy)."))] = 16,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the report as JSON (atomically).")] = None,
     trace: Annotated[Optional[Path], typer.Option("--trace", help=(
@@ -992,7 +996,7 @@ def verify(
                          f"it as `torchrun --nproc-per-node N $(which meshplan) verify ...`, or use --launcher spawn")
     opts = VerifyOptions(scale=scale, steps=steps, seq=seq, microbatches=microbatches, dtype=dtype, backend=backend,
                          launcher=launcher, timeout_s=timeout, max_ranks=max_ranks, inject=inject,
-                         calibration=load_calibration(calibration) if calibration else None,
+                         calibration=load_calibration(calibration) if calibration is not None else None,
                          calibration_origin=calibration or "the calibration")
     con = _console()
     try:
@@ -1023,7 +1027,7 @@ def _verify_serving(doc: Any, scale: str, steps: int, seq: Optional[int], max_ra
     from executor.serving import run_serve_check
 
     report = run_serve_check(doc, scale=scale, prompt=seq, steps=steps, max_ranks=max_ranks, timeout_s=timeout,
-                             calibration=load_calibration(calibration) if calibration else None,
+                             calibration=load_calibration(calibration) if calibration is not None else None,
                              calibration_origin=calibration or "the calibration", inject=inject)
     con = _console()
     table = Table(title=f"serving check: {report.scaled} (of {report.model}), float64, KV cache vs one forward")

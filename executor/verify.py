@@ -342,11 +342,14 @@ def _time_limit(seconds: float, what: str):
 STATE_COPIES = 4
 
 
-def verify_memory_bytes(spec: ModelSpec, ranks: int, itemsize: int) -> float:
+def verify_memory_bytes(spec: ModelSpec, ranks: int, itemsize: int, tokens: int = 0, steps: int = 0) -> float:
     """A floor on the host memory verify needs: the single-process reference holds the whole reduced model's
     weights, gradients and moments, and each rank builds the whole model once before keeping its stage (the
-    executor's build, executor/plan_run.py); activations and buffers come on top."""
-    return spec.total_params(include_mtp=True) * itemsize * (STATE_COPIES + ranks)
+    executor's build, executor/plan_run.py); the reference also runs the whole batch (`tokens` = batch x seq) at
+    once, keeping at least every layer's input for the backward, and draws every step's token ids and labels
+    (int64) up front (executor/reference.py reference_run). Other activations and buffers come on top."""
+    states = spec.total_params(include_mtp=True) * itemsize * (STATE_COPIES + ranks)
+    return states + tokens * spec.hidden * spec.num_layers * itemsize + steps * tokens * 2 * 8
 
 
 def _available_bytes() -> float | None:
@@ -361,18 +364,19 @@ def _available_bytes() -> float | None:
     return None
 
 
-def _check_memory(spec: ModelSpec, ranks: int, opts: "VerifyOptions") -> None:
+def _check_memory(spec: ModelSpec, ranks: int, tokens: int, opts: "VerifyOptions") -> None:
     """Refuse, with the estimate, a reduced model this machine cannot hold (`--scale none` on an 8B model would
     build 64 GB and swap or be killed)."""
     available = _available_bytes()
     itemsize = 8 if opts.dtype == "float64" else 4
-    need = verify_memory_bytes(spec, ranks, itemsize)
+    need = verify_memory_bytes(spec, ranks, itemsize, tokens, opts.steps)
     if available is not None and need > available:
         gib = 2**30
         raise InputError(f"verify would need at least {need / gib:.1f} GiB for {spec.name} "
                          f"({spec.total_params(include_mtp=True) / 1e6:,.0f} M parameters in {opts.dtype}, the "
-                         f"reference and {ranks} ranks); this machine has {available / gib:.1f} GiB available: "
-                         f"use a smaller --scale, fewer ranks, or --dtype float32")
+                         f"reference and {ranks} ranks, {tokens:,} tokens a step); this machine has "
+                         f"{available / gib:.1f} GiB available: use a smaller --scale, --seq or --microbatches, "
+                         f"fewer ranks, or --dtype float32")
 
 
 def _check_runnable(lay: Any, n_micro: int, inject: str | None) -> None:
@@ -415,7 +419,7 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
     lay = resolve(case.spec, case.num_gpus, case.workload, case.config)
     exec_layout = ExecLayout.from_layout(lay)
     _check_runnable(exec_layout, lay.num_microbatches, opts.inject)  # before any rank starts (a rank takes seconds)
-    _check_memory(case.spec, exec_layout.world if opts.launcher == "spawn" else 1, opts)
+    _check_memory(case.spec, exec_layout.world if opts.launcher == "spawn" else 1, case.gbs * case.seq, opts)
     run = RunSpec(model=case.spec, gbs=case.gbs, seq=case.seq, steps=opts.steps, seed=opts.seed, dtype=opts.dtype)
     if opts.launcher == "torchrun":
         from executor.launch import run_torchrun

@@ -26,6 +26,7 @@ EST = ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8"]
 PLAN = ["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048"]
 MEGATRON = ["import", "--from", "megatron", "--model", "llama3.1-8b", "--gpus", "8", "--gpu", "h100-sxm", "--"]
 WORKLOAD = " --seq-length 2048 --global-batch-size 16"
+TITAN = '[model]\nname = "llama3"\nflavor = "8B"\n'  # a torchtitan job config's model section
 
 
 def hf(**changes) -> str:
@@ -85,6 +86,31 @@ CASES = [
     ("import a MoE frequency of 10**12 layers", {},
      ["import", "--from", "megatron", "--model", "mixtral-8x7b", "--gpus", "8", "--gpu", "h100-sxm", "--",
       "--num-experts 8 --moe-layer-freq [1]*1000000000000" + WORKLOAD], ["more layers"]),
+    ("a pipeline of 16.8M passes to simulate", {},
+     ["estimate", "--model", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "64", "--gbs", "131072", "--seq", "256",
+      "--pp", "64", "--mbs", "1"], ["16,777,216 pipeline passes", "at most 262,144", "--mbs"]),
+    ("plan pinned to 16.8M pipeline passes", {},
+     ["plan", "--model", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "64", "--gbs", "131072", "--seq", "256",
+      "--pp", "64", "--mbs", "1"], ["pipeline passes per step"]),
+    ("a model of 2,000 layers", {"m.json": hf(num_hidden_layers=2000)}, ["models", "show", "{dir}/m.json"],
+     ["1024"]),
+    ("torchtitan: a degree of true", {"t.toml": '[parallelism]\ndata_parallel_shard_degree = 8\n'
+                                                'tensor_parallel_degree = true\n'},
+     ["import", "--from", "torchtitan", "{dir}/t.toml", "--gpu", "h100-sxm"], ["tensor_parallel_degree"]),
+    ("torchtitan: a degree of 1.5", {"t.toml": TITAN + '[parallelism]\ndata_parallel_shard_degree = 1.5\n'},
+     ["import", "--from", "torchtitan", "{dir}/t.toml", "--gpu", "h100-sxm"], ["data_parallel_shard_degree"]),
+    ("torchtitan: a batch as a string", {"t.toml": TITAN + '[training]\nlocal_batch_size = "8"\n[parallelism]\n'
+                                                   'data_parallel_shard_degree = 8\n'},
+     ["import", "--from", "torchtitan", "{dir}/t.toml", "--gpu", "h100-sxm"], ["local_batch_size"]),
+    ("torchtitan: a stage of a non-layer", {"t.toml": '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\n'
+                                                      'data_parallel_shard_degree = 4\npipeline_parallel_degree = 2\n'
+                                                      'module_fqns_per_model_part = [["layers.x"], ["layers.y"]]\n'},
+     ["import", "--from", "torchtitan", "{dir}/t.toml", "--gpu", "h100-sxm"], ["layers.0"]),
+    ("torchtitan: float32 parameters", {"t.toml": TITAN + '[training]\nmixed_precision_param = "float32"\n[parallelism]\n'
+                                                  'data_parallel_shard_degree = 8\n'},
+     ["import", "--from", "torchtitan", "{dir}/t.toml", "--gpu", "h100-sxm"], ["float32", "bfloat16"]),
+    ("torchtitan: a section as a number", {"t.toml": 'parallelism = 3\n'},
+     ["import", "--from", "torchtitan", "{dir}/t.toml", "--gpu", "h100-sxm"], ["parallelism"]),
     ("torchrun with a non-ASCII process count", {},
      [*MEGATRON, "torchrun --nproc-per-node \u0668 pretrain_gpt.py --num-layers 32" + WORKLOAD],
      ["--nproc-per-node"]),
@@ -107,6 +133,30 @@ def test_verify_under_the_torchrun_launcher_outside_torchrun_is_one_line(capsys,
     plan = tmp_path / "p.json"
     assert run(capsys, *PLAN, "--out", str(plan))[0] == 0
     assert_input_error(*run(capsys, "verify", str(plan), "--launcher", "torchrun"), "torchrun", "--launcher spawn")
+
+
+@pytest.mark.parametrize("flag,value,words", [("--steps", str(10**9), ["--steps", "1000"]),
+                                              ("--seq", str(2**63), ["--seq", "16777216"]),
+                                              ("--microbatches", str(2**63), ["--microbatches"]),
+                                              ("--timeout", "inf", ["--timeout"]),
+                                              ("--calibration", "", ["calibration"])])
+def test_verify_flags_past_their_bounds_are_refused_before_any_run(capsys, tmp_path, flag, value, words):
+    """verify's numbers are bounded (a billion steps drew a billion batches up front, --seq 2**63 crashed in torch)
+    and an empty --calibration is a missing file, not "no calibration" (the run then started)."""
+    plan = tmp_path / "p.json"
+    assert run(capsys, *PLAN, "--out", str(plan))[0] == 0
+    assert_input_error(*run(capsys, "verify", str(plan), flag, value, "--out", str(tmp_path / "r.json")), *words)
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_the_verify_memory_floor_counts_the_batch_a_step_runs():
+    """--seq 16,777,216 on a tiny model: its weights fit anywhere, its activations (each layer's input for the whole
+    batch) do not: the floor grows with the tokens a step runs and with the steps whose batches are drawn."""
+    from executor.verify import verify_memory_bytes
+    spec = load_model("llama3.1-8b")
+    base = verify_memory_bytes(spec, 4, 8)
+    assert verify_memory_bytes(spec, 4, 8, tokens=8 * 2**24) >= base + 8 * 2**24 * spec.hidden * spec.num_layers * 8
+    assert verify_memory_bytes(spec, 4, 8, tokens=1000, steps=10) > verify_memory_bytes(spec, 4, 8, tokens=1000)
 
 
 # ---- properties of the one reader ----------------------------------------------------------------------------------
@@ -253,20 +303,28 @@ def test_warnings_on_the_way_to_an_error_are_held_back(capsys, monkeypatch, recw
 
 
 def test_a_sample_of_the_fuzz_campaign_keeps_the_promise():
-    """300 cases of benchmarks/fuzz.py (files and flags, every family): each one error line and exit 2. The whole
-    campaign (about 3,400 cases, 40 s) is a benchmark, recorded in benchmarks/RESULTS.md."""
+    """25 cases of each family of benchmarks/fuzz.py (files, flags, torchtitan TOML, verify flags): each one error
+    line and exit 2. The whole campaign (about 4,000 cases, 50 s) is a benchmark, recorded in
+    benchmarks/RESULTS.md."""
     import random
     import sys
+    from collections import defaultdict
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import fuzz
 
     rng = random.Random(0)
-    cases = fuzz.document_cases(rng, fuzz.valid_plan()) + fuzz.flag_cases()
+    plan_doc, verify_plan, titan_toml = fuzz.valid_documents()
+    cases = fuzz.document_cases(rng, plan_doc, titan_toml) + fuzz.flag_cases() + fuzz.verify_flag_cases(verify_plan)
     assert len(cases) >= 2000
+    families = defaultdict(list)
+    for case in cases:
+        families[case.family].append(case)
+    assert {"torchtitan-toml", "flags-verify", "plan-file", "hf-config", "gpu-toml"} <= set(families)
     bad = []
-    for case in rng.sample(cases, 300):
-        outcome, detail = fuzz.run_case(case, timeout=120)
-        if outcome != "one error line, exit 2":
-            bad.append(f"[{case.family}] {case.what}: {outcome} {detail}")
+    for family in sorted(families):
+        for case in rng.sample(families[family], min(25, len(families[family]))):
+            outcome, detail = fuzz.run_case(case, timeout=120)
+            if outcome != "one error line, exit 2":
+                bad.append(f"[{case.family}] {case.what}: {outcome} {detail}")
     assert bad == []

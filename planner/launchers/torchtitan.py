@@ -13,12 +13,17 @@ for every block.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload, get_runtime
-from costmodels.model import ModelSpec
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from costmodels.config import (DEFAULT_RANK_ORDER, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, ParallelConfig, Workload,
+                               get_runtime)
+from costmodels.model import MAX_LAYERS, ModelSpec
 from costmodels.model_io import load_zoo, to_model_file
 from hardware_db.documents import parse_document
-from hardware_db.errors import InputError
+from hardware_db.cluster import MAX_GPUS
+from hardware_db.errors import InputError, field_error
 from planner.launchers.common import Exported, ExportedFile, header_lines, refuse, uniform_recompute
 from planner.launchers.megatron import LaunchSpec
 from planner.plan import Plan
@@ -232,8 +237,8 @@ def _stages_from_fqns(parts: list[list[str]], pp: int, num_layers: int) -> tuple
         raise InputError(f"module_fqns_per_model_part has {len(parts)} parts, not a multiple of "
                          f"pipeline_parallel_degree {pp}")
     counts = [sum(name.startswith("layers.") for name in part) for part in parts]
-    order = [int(name.split(".")[1]) for part in parts for name in part if name.startswith("layers.")]
-    if order != list(range(num_layers)):
+    order = [name for part in parts for name in part if name.startswith("layers.")]
+    if order != [f"layers.{i}" for i in range(num_layers)]:
         raise InputError("module_fqns_per_model_part must list layers.0 ... layers.N-1 once each, in order")
     vpp = len(parts) // pp
     per_stage = [sum(counts[r::pp]) for r in range(pp)]
@@ -243,87 +248,172 @@ def _stages_from_fqns(parts: list[list[str]], pp: int, num_layers: int) -> tuple
     return tuple(per_stage), vpp, tuple(counts)
 
 
+# The fields meshplan reads from a torchtitan (<= 0.2) job config, typed as torchtitan's config_manager.py declares
+# them; strict (no coercion: true is not 1, "8" is not 8, 1.5 is not a degree) and bounded. A job config holds many
+# more sections and fields (job, optimizer, lr_scheduler, checkpoint, metrics, comm, ...): meshplan leaves those out.
+_TITAN = ConfigDict(frozen=True, extra="ignore", strict=True, allow_inf_nan=False)
+_Degree = Annotated[int, Field(ge=1, le=MAX_GPUS)]
+
+
+class _TitanModel(BaseModel):
+    model_config = _TITAN
+    name: str = "llama3"
+    flavor: str = "debugmodel"
+    converters: list[str] = []
+
+
+class _TitanTraining(BaseModel):
+    model_config = _TITAN
+    local_batch_size: int = Field(default=8, ge=1, le=MAX_GLOBAL_BATCH)
+    global_batch_size: int = Field(default=-1, ge=-1, le=MAX_GLOBAL_BATCH)  # -1: local x data-parallel degree
+    seq_len: int = Field(default=2048, ge=1, le=MAX_SEQ_LEN)
+    compile: bool = False
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+
+    @model_validator(mode="after")
+    def _batch(self) -> "_TitanTraining":
+        if self.global_batch_size == 0:
+            raise ValueError("global_batch_size 0: give the batch, or -1 for local_batch_size x the DP degree")
+        return self
+
+
+class _TitanParallelism(BaseModel):
+    model_config = _TITAN
+    data_parallel_replicate_degree: _Degree = 1
+    data_parallel_shard_degree: int = Field(default=-1, ge=-1, le=MAX_GPUS)  # -1: fill the world
+    tensor_parallel_degree: _Degree = 1
+    pipeline_parallel_degree: _Degree = 1
+    context_parallel_degree: _Degree = 1
+    expert_parallel_degree: _Degree = 1
+    expert_tensor_parallel_degree: _Degree = 1
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    module_fqns_per_model_part: list[list[str]] | None = Field(default=None, max_length=MAX_LAYERS + 2)
+    pipeline_parallel_schedule: str = "1F1B"
+    pipeline_parallel_microbatch_size: int = Field(default=1, ge=1, le=MAX_GLOBAL_BATCH)
+    enable_async_tensor_parallel: bool = False
+    context_parallel_rotate_method: str | None = None
+
+    @model_validator(mode="after")
+    def _shard(self) -> "_TitanParallelism":
+        if self.data_parallel_shard_degree == 0:
+            raise ValueError("data_parallel_shard_degree 0: give the degree (1 for none)")
+        return self
+
+
+class _TitanActivationCheckpoint(BaseModel):
+    model_config = _TITAN
+    mode: str = "selective"
+
+
+class _TitanFloat8(BaseModel):
+    model_config = _TITAN
+    enable_float8_linear: bool = False  # torchtitan of 2024; model.converters = ["float8"] since
+    recipe_name: str | None = None
+
+
+class _TitanExperimental(BaseModel):
+    model_config = _TITAN
+    context_parallel_rotate_method: str | None = None  # before 2025; under parallelism since
+
+
+class TorchtitanJob(BaseModel):
+    """What meshplan reads of a torchtitan job config."""
+
+    model_config = _TITAN
+    model: _TitanModel = _TitanModel()
+    training: _TitanTraining = _TitanTraining()
+    parallelism: _TitanParallelism = _TitanParallelism()
+    activation_checkpoint: _TitanActivationCheckpoint = _TitanActivationCheckpoint()
+    float8: _TitanFloat8 = _TitanFloat8()
+    experimental: _TitanExperimental = _TitanExperimental()
+
+
 def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple[LaunchSpec, str]:
     """A torchtitan (<= 0.2) TOML job config as a LaunchSpec and the zoo name of its model."""
-    doc = parse_document(text, "toml", origin)
-    model_t, train, par = doc.get("model", {}), doc.get("training", {}), doc.get("parallelism", {})
-    ac = doc.get("activation_checkpoint", {})
-    key = (model_t.get("name", "llama3"), model_t.get("flavor", "debugmodel"))
+    try:
+        job = TorchtitanJob.model_validate(parse_document(text, "toml", origin))
+    except ValidationError as exc:
+        raise InputError(f"{origin}: {field_error(exc)}") from None
+    model_t, train, par, ac = job.model, job.training, job.parallelism, job.activation_checkpoint
+    key = (model_t.name, model_t.flavor)
     zoo = next((name for name, m in FLAVORS.items() if (m.module, m.flavor) == key), None)
     if zoo is None:
         raise InputError(f"{origin}: meshplan knows no zoo model for torchtitan {key[0]} {key[1]}; known: "
                          + ", ".join(f"{m.module} {m.flavor}" for m in FLAVORS.values()))
     model = load_zoo(zoo)
-    rep = int(par.get("data_parallel_replicate_degree", 1))
-    shard = int(par.get("data_parallel_shard_degree", -1))
-    tp, pp, cp = (int(par.get(k, 1)) for k in ("tensor_parallel_degree", "pipeline_parallel_degree",
-                                               "context_parallel_degree"))
+    rep, shard = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
+    tp, pp, cp = par.tensor_parallel_degree, par.pipeline_parallel_degree, par.context_parallel_degree
     if shard == -1:
         raise InputError(f"{origin}: data_parallel_shard_degree -1 (fill the world) needs the world size; write "
                          f"the degree")
     if rep > 1 and shard > 1:
         raise InputError(f"{origin}: HSDP (replicate {rep} x shard {shard}) is not modelled; meshplan has one DP "
                          f"dimension")
+    if train.mixed_precision_param != "bfloat16":
+        raise InputError(f"{origin}: mixed_precision_param {train.mixed_precision_param!r}: meshplan models "
+                         f"bfloat16 compute (FSDP2 MixedPrecisionPolicy param_dtype)")
     dp = rep * shard
-    reshard = par.get("fsdp_reshard_after_forward", "default")
+    if dp * tp * pp * cp > MAX_GPUS:
+        raise InputError(f"{origin}: the degrees multiply to {dp * tp * pp * cp:,} GPUs; meshplan plans at most "
+                         f"{MAX_GPUS:,}")
+    reshard = par.fsdp_reshard_after_forward
     # the "default" policy reshards after forward only without PP (torchtitan parallelize.py apply_fsdp:
     # reshard_after_forward = not pp_enabled), so under PP the weights stay whole, as ZeRO-2
     zero = 0 if shard * cp == 1 else 2 if reshard == "never" or (reshard == "default" and pp > 1) else 3
-    if "module_fqns_per_model_part" in par and pp > 1:
-        stage_layers, vpp, chunk_layers = _stages_from_fqns(par["module_fqns_per_model_part"], pp,
-                                                            model.num_layers)
+    if par.module_fqns_per_model_part is not None and pp > 1:
+        stage_layers, vpp, chunk_layers = _stages_from_fqns(par.module_fqns_per_model_part, pp, model.num_layers)
     elif pp > 1:
         raise InputError(f"{origin}: give module_fqns_per_model_part (meshplan reads explicit stages)")
     else:
         stage_layers, vpp, chunk_layers = None, 1, None
-    schedule = {v: k for k, v in SCHEDULES.items()}.get(par.get("pipeline_parallel_schedule", "1F1B"))
+    schedule = {v: k for k, v in SCHEDULES.items()}.get(par.pipeline_parallel_schedule)
     if pp > 1 and schedule is None:
-        raise InputError(f"{origin}: pipeline_parallel_schedule {par.get('pipeline_parallel_schedule')!r}: meshplan "
+        raise InputError(f"{origin}: pipeline_parallel_schedule {par.pipeline_parallel_schedule!r:.40}: meshplan "
                          f"models {', '.join(SCHEDULES.values())}")
-    local = int(train.get("local_batch_size", 8))
-    mbs = int(par.get("pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
-    gbs = int(train.get("global_batch_size", -1))
-    gbs = local * dp if gbs == -1 else gbs
-    mode = ac.get("mode", "selective")
-    if mode not in ("none", "selective", "full"):
-        raise InputError(f"{origin}: activation_checkpoint mode {mode!r}: meshplan models none, selective, full")
+    mbs = par.pipeline_parallel_microbatch_size if pp > 1 else train.local_batch_size
+    gbs = train.local_batch_size * dp if train.global_batch_size == -1 else train.global_batch_size
+    if ac.mode not in ("none", "selective", "full"):
+        raise InputError(f"{origin}: activation_checkpoint mode {ac.mode!r:.40}: meshplan models none, selective, "
+                         f"full")
     config = ParallelConfig(
-        tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=int(par.get("expert_parallel_degree", 1)),
-        etp=int(par.get("expert_tensor_parallel_degree", 1)) if model.moe is not None else None, mbs=mbs, zero=zero,
-        recompute=mode, sp=tp > 1, schedule=(schedule if pp > 1 else None), stage_layers=stage_layers,
+        tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=par.expert_parallel_degree,
+        etp=par.expert_tensor_parallel_degree if model.moe is not None else None, mbs=mbs, zero=zero,
+        recompute=ac.mode, sp=tp > 1, schedule=(schedule if pp > 1 else None), stage_layers=stage_layers,
         chunk_layers=chunk_layers)
-    dtype, recipe = _float8(doc, origin)
-    workload = Workload(global_batch=gbs, seq_len=int(train.get("seq_len", 2048)), dtype=dtype, fp8_recipe=recipe)
+    dtype, recipe = _float8(job, origin)
+    try:
+        workload = Workload(global_batch=gbs, seq_len=train.seq_len, dtype=dtype, fp8_recipe=recipe)
+    except ValidationError as exc:
+        raise InputError(f"{origin}: the global batch ({gbs:,}): {field_error(exc)}") from None
     return LaunchSpec(config=config, workload=workload, num_gpus=dp * tp * pp * cp, gpus_per_node=None, model=model,
-                      model_fields=(), runtime=_runtime(doc, origin)), zoo
+                      model_fields=(), runtime=_runtime(job, origin)), zoo
 
 
-def _runtime(doc: dict, origin: str) -> str:
+def _runtime(job: TorchtitanJob, origin: str) -> str:
     """The torchtitan runtime with the options the config turns on (torchtitan config_manager.py of 0.1-0.2:
     training.compile, parallelism.enable_async_tensor_parallel, the CP rotate method under parallelism or, before
     2025, experimental)."""
-    train, par, exp = doc.get("training", {}), doc.get("parallelism", {}), doc.get("experimental", {})
+    par = job.parallelism
     options = []
-    if train.get("compile", False) is True:
+    if job.training.compile:
         options.append("compile")
-    if par.get("enable_async_tensor_parallel", False) is True:
+    if par.enable_async_tensor_parallel:
         options.append("async-tp")
-    rotate = par.get("context_parallel_rotate_method", exp.get("context_parallel_rotate_method", "allgather"))
+    rotate = par.context_parallel_rotate_method or job.experimental.context_parallel_rotate_method or "allgather"
     if rotate not in ("allgather", "alltoall"):
-        raise InputError(f"{origin}: context_parallel_rotate_method {rotate!r}: torchtitan has allgather and alltoall")
+        raise InputError(f"{origin}: context_parallel_rotate_method {rotate!r:.40}: torchtitan has allgather and "
+                         f"alltoall")
     if rotate == "alltoall":
         options.append("cp-alltoall")
     return "+".join(["torchtitan", *options])
 
 
-def _float8(doc: dict, origin: str) -> tuple[str, str]:
+def _float8(job: TorchtitanJob, origin: str) -> tuple[str, str]:
     """(dtype, FP8 recipe): float8 training when model.converters holds "float8" (or, before 2025, the float8
     section's enable_float8_linear), with float8.recipe_name (unset: torchao's tensorwise default)."""
-    converters = doc.get("model", {}).get("converters", [])
-    f8 = doc.get("float8", {})
-    if not ("float8" in converters or f8.get("enable_float8_linear", False) is True):
+    if not ("float8" in job.model.converters or job.float8.enable_float8_linear):
         return "bf16", "tensorwise"
-    recipe = f8.get("recipe_name") or "tensorwise"
+    recipe = job.float8.recipe_name or "tensorwise"
     if recipe not in ("tensorwise", "rowwise"):
-        raise InputError(f"{origin}: float8 recipe_name {recipe!r}: meshplan models tensorwise and rowwise")
+        raise InputError(f"{origin}: float8 recipe_name {recipe!r:.40}: meshplan models tensorwise and rowwise")
     return "fp8", recipe
