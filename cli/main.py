@@ -405,7 +405,8 @@ def plan(
     """
     from planner.explain import explain
     from planner.launchers import export_files, export_plan
-    from planner.plan import build_plan, plan_text, without_timing
+    from planner.builders import build_plan
+    from planner.plan import plan_text, without_timing
     from planner.search import search
 
     if export_out is not None and export_to is None:
@@ -608,7 +609,8 @@ def serve(
     nothing meets the targets, the nearest miss and what it misses.
     """
     from planner.launchers import export_files, export_plan
-    from planner.plan import build_serving_plan, plan_text, without_timing
+    from planner.builders import build_serving_plan
+    from planner.plan import plan_text, without_timing
     from planner.serve import (ServeTargets, explain_serving, load_lengths, parse_engine_layout, parse_gpu_range,
                                pinned_deployment, search_serving, workload_from)
 
@@ -729,7 +731,7 @@ def profile(
 ) -> None:
     """Measure this device (GEMMs, attention, memory-bound operators, collectives, a layer's activation memory) and
     write a calibration that `estimate`, `plan` and `verify --calibration` use instead of the efficiency defaults."""
-    from costmodels.profiler import ProfileOptions, profile as run_profile
+    from executor.profiler import ProfileOptions, profile as run_profile
     from hardware_db.calibration import calibration_dir
     from planner.plan import write_text_atomic
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

@@ -82,7 +82,7 @@ MEMORY_CLASSES = ("norm", "swiglu", "activation", "residual_add", "rope", "softm
 
 
 def memory_class(name: str) -> str | None:
-    """The class a calibration times a memory-bound operator by (costmodels/profiler.py), from its name here;
+    """The class a calibration times a memory-bound operator by (executor/profiler.py), from its name here;
     None for operators the profile has no class for (they take the fit over all classes)."""
     base = name.removeprefix("expert_").removeprefix("shared_")
     if base.startswith("fp8_cast"):

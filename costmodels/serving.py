@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from costmodels import comm
 from costmodels.comm import Link
@@ -23,8 +26,31 @@ from costmodels.ops import ACT_BYTES, Op, elementwise, gemm, mla_query_and_laten
 from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
 
-__all__ = ["WEIGHT_BYTES", "EngineLayout", "kv_bytes_per_token_layer", "kv_bytes_per_token", "weight_bytes_per_gpu",
-           "Capacity", "capacity", "IterationTime", "iteration_time", "kv_transfer_s", "stage_layer_counts"]
+__all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "kv_bytes_per_token_layer",
+           "kv_bytes_per_token", "weight_bytes_per_gpu", "Capacity", "capacity", "IterationTime", "iteration_time", "kv_transfer_s", "stage_layer_counts"]
+
+
+class ServeWorkload(BaseModel):
+    """Request lengths (mean input and output tokens) and precisions."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    isl: int = Field(gt=0, description="input (prompt) tokens per request")
+    osl: int = Field(gt=0, description="output tokens per request")
+    weight_dtype: Literal["bf16", "fp8"] = "bf16"
+    kv_dtype: Literal["bf16", "fp8"] = "bf16"
+    moe_imbalance: float = Field(default=1.0, ge=1.0, description="busiest expert rank's load / mean")
+    source: str | None = Field(default=None, description="where the lengths came from (a CSV's mean), if not given")
+
+
+class ServeTargets(BaseModel):
+    """Latency targets; None: no target."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+    e2e_ms: float | None = Field(default=None, gt=0, description="TTFT + OSL x TPOT")
+    request_rate: float | None = Field(default=None, gt=0, description="requests/s to serve (objective min-gpus)")
+
 
 # bytes per weight / KV element: the serving dtypes, and the reference executor's run dtypes (its checks)
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "float32": 4, "float64": 8}

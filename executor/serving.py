@@ -197,7 +197,7 @@ def run_serve_check(plan: "ServingPlan", scale: str = "tiny", prompt: int | None
     from executor.scale import SCALES, scale_model
     from hardware_db.cluster import ClusterSpec
     from hardware_db.errors import InputError
-    from planner.serve import engine_cluster
+    from hardware_db.cluster import engine_cluster
 
     if scale not in SCALES and scale != "none":
         raise InputError(f"--scale {scale!r}: choose one of {', '.join(SCALES)} or none")

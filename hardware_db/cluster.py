@@ -140,6 +140,12 @@ class Cluster:
         return [self.graph.edges[u, v]["level"] for u, v in zip(path, path[1:])]
 
 
+def engine_cluster(gpu_cluster: Cluster, gpus: int) -> Cluster:
+    """`gpus` of the cluster's GPUs on its node size: the GPUs one serving engine runs on."""
+    spec = gpu_cluster.spec.model_copy(update={"num_gpus": gpus, "gpus_per_node": gpu_cluster.gpus_per_node})
+    return Cluster(ClusterSpec(**spec.model_dump()), gpu=gpu_cluster.gpu)
+
+
 def load_cluster_file(path: str | Path) -> ClusterSpec:
     """A cluster file (TOML or JSON) with the ClusterSpec fields."""
     p = Path(path)

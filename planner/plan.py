@@ -9,44 +9,39 @@ search's account. `write_plan` and `read_plan` validate against the pydantic mod
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RANK_ORDERS, ParallelConfig,
                                Layout, RankOrder, RecomputeModule, Schedule, StagePolicy, Workload, get_runtime, resolve)
-from costmodels.estimate import Simulated, layout_dict
-from costmodels.memory import FRAGMENTATION
+from costmodels.estimate import layout_dict
 from costmodels.model import ModelSpec
-from costmodels.model_io import parse_model_file, to_model_file
+from costmodels.model_io import parse_model_file
+from costmodels.serving import ServeTargets, ServeWorkload
 from hardware_db.cluster import Cluster, ClusterSpec
 from hardware_db.documents import read_document
 from planner.outputs import stage_text
 from hardware_db.errors import InputError, field_error
 from hardware_db.gpu import GPUSpec
 
-if TYPE_CHECKING:  # planner.search imports planner.partition, which may not exist yet
-    from planner.search import SearchAccount
 
 __all__ = [
     "SCHEMA_VERSION",
     "SCHEMA_ID",
     "SCHEMA_PATH",
     "Plan",
-    "build_plan",
+    "layout_sections",
     "plan_config",
     "write_plan",
     "read_plan",
     "read_any_plan",
     "read_serving_plan",
     "ServingPlan",
-    "build_serving_plan",
     "plan_json_schema",
     "write_schema_file",
     "write_text_atomic",
@@ -352,62 +347,7 @@ def meshplan_version() -> str:
         return "0+unknown"
 
 
-def _stage_times(sim: Simulated) -> list[StageTime]:
-    lay = sim.estimate.layout
-    fwd = [0.0] * lay.pp
-    bwd = [0.0] * lay.pp
-    for rank, p, start, end in sim.timeline.events:
-        if p.kind == "F":
-            fwd[rank] += end - start
-        else:
-            bwd[rank] += end - start
-    m = lay.num_microbatches
-    return [StageTime(rank=r, forward_s=fwd[r] / m, backward_s=bwd[r] / m, busy_s=sim.timeline.busy[r])
-            for r in range(lay.pp)]
-
-
-def _search_info(account: Any, rank: int | None, bound_s: float | None, partition_status: str | None) -> SearchInfo:
-    if dataclasses.is_dataclass(account) and not isinstance(account, type):
-        fields = dataclasses.asdict(account)
-    elif isinstance(account, Mapping):
-        fields = dict(account)
-    else:
-        raise TypeError(f"account must be a SearchAccount or a mapping, got {type(account).__name__}")
-    return SearchInfo(**fields, rank=1 if rank is None else rank, bound_s=bound_s, partition_status=partition_status)
-
-
-def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: ParallelConfig, simulated: Simulated,
-               runtime: str, account: "SearchAccount | Mapping[str, Any] | None" = None, rank: int | None = None,
-               bound_s: float | None = None, partition_status: str | None = None,
-               calibration: str | None = None) -> Plan:
-    """The plan for one simulated configuration; `account` (and this plan's rank, bound and partition status)
-    when a search produced it. Raises ValueError when `simulated` was not made from these inputs."""
-    est = simulated.estimate
-    lay = est.layout
-    if resolve(model, cluster.num_gpus, workload, config) != lay:
-        raise ValueError("simulated was not made from this model, cluster, workload and config")
-    if est.runtime != runtime:
-        raise ValueError(f"simulated was made with runtime '{est.runtime}', not '{runtime}'")
-    mesh, pipeline = _layout_sections(lay, workload)
-    predicted = est.to_dict()
-    memory_stages = [MemoryStage(rank=s["rank"], peak_gib=s["peak_memory_gib"],
-                                 in_flight_microbatches=s["in_flight_microbatches"], breakdown_gib=s["memory_gib"])
-                     for s in predicted["stages"]]
-    spec_fields = cluster.spec.model_dump() | {"gpus_per_node": cluster.gpus_per_node}
-    return Plan(
-        meshplan_version=meshplan_version(),
-        inputs=Inputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
-                      workload=workload, runtime=runtime, calibration=calibration),
-        mesh=mesh,
-        pipeline=pipeline,
-        memory=Memory(zero=lay.zero, recompute=lay.recompute, recompute_modules=list(lay.recompute_modules),
-                      offload_layers=lay.offload_layers, fragmentation=FRAGMENTATION, stages=memory_stages),
-        prediction=Prediction(**predicted, stage_time_s=_stage_times(simulated)),
-        search=None if account is None else _search_info(account, rank, bound_s, partition_status),
-    )
-
-
-def _layout_sections(lay: Layout, workload: Workload) -> tuple[Mesh, Pipeline]:
+def layout_sections(lay: Layout, workload: Workload) -> tuple[Mesh, Pipeline]:
     """The plan's mesh and pipeline sections of a resolved layout (written by build_plan, checked on read)."""
     chunks = lay.chunk_layers()
     stages = []
@@ -434,7 +374,7 @@ def layout_problem(plan: Plan) -> str | None:
         lay = resolve(model, cluster.num_gpus, workload, config)
     except InputError as exc:
         return _one_line(exc)
-    mesh, pipeline = _layout_sections(lay, workload)
+    mesh, pipeline = layout_sections(lay, workload)
     for name, ours, theirs in (("mesh", mesh, plan.mesh), ("pipeline", pipeline, plan.pipeline)):
         if ours != theirs:
             return f"'{name}' does not match its layout: {_first_difference(ours.model_dump(), theirs.model_dump())}"
@@ -488,8 +428,8 @@ class ServingInputs(_Frozen):
 
     model: dict[str, Any] = Field(description="meshplan model file (docs/models.md), complete: no zoo needed")
     cluster: ClusterInput
-    workload: "ServeWorkload"
-    targets: "ServeTargets"
+    workload: ServeWorkload
+    targets: ServeTargets
 
     @field_validator("model")
     @classmethod
@@ -585,41 +525,6 @@ class ServingPlan(_Frozen):
         if used > self.inputs.cluster.num_gpus:
             raise ValueError(f"the engines use {used} GPUs; the cluster has {self.inputs.cluster.num_gpus}")
         return self
-
-
-def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: "ServeWorkload", targets: "ServeTargets",
-                       deployment: Any, result: Any = None, objective: str = "throughput",
-                       alternatives: list[str] | None = None) -> ServingPlan:
-    """The plan of one deployment (planner.serve.Deployment); `result` (a ServeResult) when a search made it."""
-    from planner.serve import meets, misses
-
-    engines = [ServingEngine(
-        role=p.role, engines=n, tp=p.layout.tp, dp=p.layout.dp, pp=p.layout.pp, ep=p.layout.ep,
-        gpus_per_engine=p.layout.gpus, max_num_seqs=p.batch, max_num_batched_tokens=p.chunk,
-        gpu_memory_utilization=p.mem_fraction, ttft_ms=p.ttft_s * 1e3, tpot_ms=p.tpot_s * 1e3,
-        requests_per_s=p.requests_per_s, weights_gib=p.memory.weights_gib, kv_cache_gib=p.memory.kv_gib,
-        kv_tokens=p.memory.tokens) for p, n in deployment.pools]
-    d = deployment
-    prediction = ServingPrediction(
-        ttft_ms=d.ttft_s * 1e3, tpot_ms=d.tpot_s * 1e3, e2e_ms=d.e2e_s(workload.osl) * 1e3,
-        requests_per_s=d.requests_per_s, output_tokens_per_s=d.output_tokens_per_s,
-        tokens_per_s_per_gpu=d.tokens_per_s_per_gpu, tokens_per_s_per_user=d.tokens_per_s_per_user, gpus=d.gpus,
-        meets_targets=meets(d, targets, workload), misses=misses(d, targets, workload))
-    search = None
-    if result is not None:
-        pareto = [ParetoPoint(deployment=p.label(), gpus=p.gpus, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu,
-                              tokens_per_s_per_user=p.tokens_per_s_per_user, ttft_ms=p.ttft_s * 1e3,
-                              tpot_ms=p.tpot_s * 1e3, meets_targets=meets(p, targets, workload))
-                  for p in result.pareto]
-        search = ServingSearch(objective=objective, evaluated=result.evaluated, seconds=result.seconds,
-                               layouts_skipped=result.layouts_skipped,
-                               pareto=pareto, alternatives=alternatives or [])
-    spec_fields = cluster.spec.model_dump() | {"gpus_per_node": cluster.gpus_per_node}
-    return ServingPlan(
-        meshplan_version=meshplan_version(),
-        inputs=ServingInputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
-                             workload=workload, targets=targets),
-        mode=d.mode, engines=engines, prediction=prediction, search=search)
 
 
 # ---- JSON Schema ---------------------------------------------------------------------------------------------------
@@ -761,10 +666,6 @@ def read_serving_plan(path: str | Path) -> ServingPlan:
     return plan
 
 
-from planner.serve import ServeTargets, ServeWorkload  # noqa: E402  (the serving inputs; serve imports no plan)
-
-ServingInputs.model_rebuild()
-ServingPlan.model_rebuild()
 
 if __name__ == "__main__":
     print(f"wrote {write_schema_file()}")

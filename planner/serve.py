@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from costmodels.estimate import Efficiency
 from costmodels.model import ModelSpec
-from costmodels.serving import EngineLayout, Capacity, capacity, iteration_time, kv_transfer_s
-from hardware_db.cluster import Cluster, ClusterSpec
+from costmodels.serving import (Capacity, EngineLayout, ServeTargets, ServeWorkload, capacity, iteration_time,
+                                kv_transfer_s)
+from hardware_db.cluster import Cluster, engine_cluster
 from hardware_db.errors import InputError
 
 __all__ = ["ServeWorkload", "ServeTargets", "PoolPoint", "Deployment", "ServeResult", "engine_layouts",
@@ -34,28 +34,6 @@ __all__ = ["ServeWorkload", "ServeTargets", "PoolPoint", "Deployment", "ServeRes
 CHUNKS = (2048, 4096, 8192, 16384, 32768)  # max_num_batched_tokens tried (vLLM's default is 8192 for online serving)
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 MEM_FRACTION = 0.9  # vLLM --gpu-memory-utilization default
-
-
-class ServeWorkload(BaseModel):
-    """Request lengths (mean input and output tokens) and precisions."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    isl: int = Field(gt=0, description="input (prompt) tokens per request")
-    osl: int = Field(gt=0, description="output tokens per request")
-    weight_dtype: Literal["bf16", "fp8"] = "bf16"
-    kv_dtype: Literal["bf16", "fp8"] = "bf16"
-    moe_imbalance: float = Field(default=1.0, ge=1.0, description="busiest expert rank's load / mean")
-    source: str | None = Field(default=None, description="where the lengths came from (a CSV's mean), if not given")
-
-
-class ServeTargets(BaseModel):
-    """Latency targets; None: no target."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    ttft_ms: float | None = Field(default=None, gt=0)
-    tpot_ms: float | None = Field(default=None, gt=0)
-    e2e_ms: float | None = Field(default=None, gt=0, description="TTFT + OSL x TPOT")
-    request_rate: float | None = Field(default=None, gt=0, description="requests/s to serve (objective min-gpus)")
 
 
 @dataclass(frozen=True)
@@ -174,12 +152,6 @@ def _ep_ok(model: ModelSpec, lay: EngineLayout) -> bool:
     if lay.ep == 1:
         return True
     return moe.num_experts % lay.ep == 0 or lay.ep >= moe.num_experts  # beyond E: redundant experts
-
-
-def engine_cluster(gpu_cluster: Cluster, gpus: int) -> Cluster:
-    """The engine's own GPUs on the deployment's node size."""
-    spec = gpu_cluster.spec.model_copy(update={"num_gpus": gpus, "gpus_per_node": gpu_cluster.gpus_per_node})
-    return Cluster(ClusterSpec(**spec.model_dump()), gpu=gpu_cluster.gpu)
 
 
 # ---- one engine ----------------------------------------------------------------------------------------------------

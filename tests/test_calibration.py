@@ -271,7 +271,8 @@ def test_profile_quick_writes_a_calibration_of_this_cpu(quick_profile):
 
 def test_verify_reports_the_prediction_for_this_host(quick_profile, tmp_path, capsys):
     from cli.main import main
-    from planner.plan import build_plan, write_plan
+    from planner.builders import build_plan
+    from planner.plan import write_plan
 
     spec = load_model("llama3.1-8b").model_copy(update={"num_layers": 2})
     cluster, eff = calibrated_cluster(ClusterSpec(gpu="cpu", num_gpus=2, gpus_per_node=2),

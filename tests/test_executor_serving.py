@@ -17,7 +17,8 @@ from executor.scale import scale_model  # noqa: E402
 from executor.serving import (KVCacheCore, max_relative_error, serve_rank, serve_reference,  # noqa: E402
                               serve_tokens)
 from hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
-from planner.plan import build_serving_plan, write_plan  # noqa: E402
+from planner.builders import build_serving_plan  # noqa: E402
+from planner.plan import write_plan  # noqa: E402
 from planner.serve import ServeTargets, ServeWorkload, parse_engine_layout, pinned_deployment  # noqa: E402
 
 

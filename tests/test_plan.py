@@ -20,16 +20,18 @@ from costmodels.pipeline import StageTimes, build_schedule, simulate
 from hardware_db.cluster import Cluster, ClusterSpec
 from hardware_db.errors import InputError
 from hardware_db.gpu import load_gpu
-from planner.plan import (SCHEMA_PATH, Plan, build_plan, plan_config, plan_json_schema, read_plan, write_plan,
+from planner.builders import build_plan
+from planner.search import SearchAccount
+from planner.plan import (SCHEMA_PATH, Plan, plan_config, plan_json_schema, read_plan, write_plan,
                           write_schema_file)
 from planner.trace import PROCESS_NAME, chrome_trace, write_trace
 
 WL = Workload(global_batch=32, seq_len=4096)
 LLAMA_CFG = ParallelConfig(tp=2, pp=2, stage_layers=(15, 17),
                            stage_recompute=(StagePolicy(granularity="full", full_layers=3), StagePolicy()))
-ACCOUNT = {"space_size": 1200, "evaluated": 40, "bounded": 300, "pruned": {"work bound": 800},
-           "infeasible": {"memory: no stage partition fits": 60}, "seconds": 1.5, "status": "optimal", "gap": 0.0,
-           "lower_bound_s": 0.8, "domains": {"tp": "1, 2, 4, 8"}, "cpsat_calls": 2}
+ACCOUNT = SearchAccount(space_size=1200, evaluated=40, bounded=300, pruned={"work bound": 800},
+                        infeasible={"memory: no stage partition fits": 60}, seconds=1.5, status="optimal", gap=0.0,
+                        lower_bound_s=0.8, domains={"tp": "1, 2, 4, 8"}, cpsat_calls=2)
 
 
 def cluster(n: int = 16) -> Cluster:

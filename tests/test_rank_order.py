@@ -17,7 +17,8 @@ from costmodels.estimate import (RANK_ORDER, CostContext, Efficiency, estimate, 
 from costmodels.model_io import load_zoo
 from hardware_db.cluster import Cluster, ClusterSpec
 from hardware_db.errors import InputError
-from planner.plan import Plan, build_plan, plan_config, read_plan, write_plan
+from planner.builders import build_plan
+from planner.plan import Plan, plan_config, read_plan, write_plan
 from planner.search import search
 from planner.space import Pins, check_pins, divisors, enumerate_space, rank_orders
 from cli_helpers import assert_input_error, run

@@ -208,8 +208,8 @@ from planner.launchers import export_plan  # noqa: E402
 from planner.launchers.common import ExportError  # noqa: E402
 from planner.launchers.sglang import parse_sglang_command  # noqa: E402
 from planner.launchers.vllm import parse_vllm_command  # noqa: E402
-from planner.plan import (ServingPlan, build_serving_plan, read_any_plan, read_plan, read_serving_plan,  # noqa: E402
-                          write_plan)
+from planner.builders import build_serving_plan  # noqa: E402
+from planner.plan import ServingPlan, read_any_plan, read_plan, read_serving_plan, write_plan  # noqa: E402
 from planner.serve import parse_engine_layout, pinned_deployment  # noqa: E402
 
 TARGETS = ServeTargets(ttft_ms=300, tpot_ms=50)

@@ -23,7 +23,8 @@ from executor.reference import RunSpec  # noqa: E402
 from executor.scale import scale_model  # noqa: E402
 from executor.verify import run_layout  # noqa: E402
 from hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
-from planner.plan import build_plan, write_plan  # noqa: E402
+from planner.builders import build_plan  # noqa: E402
+from planner.plan import write_plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

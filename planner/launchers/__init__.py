@@ -20,7 +20,7 @@ from planner.launchers import deepspeed, megatron, nemo, sglang, torchrun, torch
 from planner.launchers.common import Exported, ExportedFile, ExportError
 from planner.launchers.megatron import LaunchSpec
 from planner.outputs import OutputFile, write_all
-from planner.plan import Plan, ServingPlan, build_plan
+from planner.plan import Plan, ServingPlan
 
 __all__ = ["TARGETS", "SERVING_TARGETS", "Exported", "ExportedFile", "ExportError", "LaunchSpec", "export_plan",
            "write_export",
@@ -129,6 +129,8 @@ def pinned_plan(launch: LaunchSpec, model: ModelSpec, cluster: Cluster, runtime:
                 efficiency: Efficiency | None = None, calibration: str | None = None) -> tuple[Plan, Simulated]:
     """The plan of exactly the imported configuration on `cluster`, and its simulation (the cost model's
     prediction)."""
+    from planner.builders import build_plan  # the builders import the search; the exporters need only the schema
+
     workload = Workload(**launch.workload.model_dump())
     sim = simulate_config(model, cluster, workload, launch.config, runtime, efficiency)
     return build_plan(model, cluster, workload, launch.config, sim, runtime, calibration=calibration), sim

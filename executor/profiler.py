@@ -10,7 +10,7 @@ CPU, where every rank runs one thread as the executor's ranks do):
 - collectives (all-reduce, all-gather, reduce-scatter, all_to_all_single, send/recv) over message sizes and
   group sizes, on spawned gloo ranks (CPU) or NCCL (one process per GPU);
 - autograd's saved bytes for one decoder layer forward against the cost model's activation formula.
-torch is imported inside the functions: `import costmodels.profiler` works without it.
+torch is imported inside the functions: `import executor.profiler` works without it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,106 @@
+"""Plans built from what the planner computed: a simulated training configuration (and the search's account), or a
+serving deployment (and the serving search's result). Apart from planner/plan.py, which holds the schema and its
+reading and writing only, so that what reads plans (the exporters, the executor) does not import the searches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from costmodels.config import ParallelConfig, Workload, resolve
+from costmodels.estimate import Simulated
+from costmodels.memory import FRAGMENTATION
+from costmodels.model import ModelSpec
+from costmodels.model_io import to_model_file
+from costmodels.serving import ServeTargets, ServeWorkload
+from hardware_db.cluster import Cluster
+from planner.plan import (ClusterInput, Inputs, Memory, MemoryStage, ParetoPoint, Plan, Prediction, SearchInfo,
+                          ServingEngine, ServingInputs, ServingPlan, ServingPrediction, ServingSearch, StageTime,
+                          layout_sections, meshplan_version)
+from planner.search import SearchAccount
+from planner.serve import Deployment, ServeResult, meets, misses
+
+__all__ = ["build_plan", "build_serving_plan"]
+
+
+def _stage_times(sim: Simulated) -> list[StageTime]:
+    lay = sim.estimate.layout
+    fwd = [0.0] * lay.pp
+    bwd = [0.0] * lay.pp
+    for rank, p, start, end in sim.timeline.events:
+        if p.kind == "F":
+            fwd[rank] += end - start
+        else:
+            bwd[rank] += end - start
+    m = lay.num_microbatches
+    return [StageTime(rank=r, forward_s=fwd[r] / m, backward_s=bwd[r] / m, busy_s=sim.timeline.busy[r])
+            for r in range(lay.pp)]
+
+
+def _search_info(account: SearchAccount, rank: int | None, bound_s: float | None,
+                 partition_status: str | None) -> SearchInfo:
+    return SearchInfo(**dataclasses.asdict(account), rank=1 if rank is None else rank, bound_s=bound_s,
+                      partition_status=partition_status)
+
+
+def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: ParallelConfig, simulated: Simulated,
+               runtime: str, account: SearchAccount | None = None, rank: int | None = None,
+               bound_s: float | None = None, partition_status: str | None = None,
+               calibration: str | None = None) -> Plan:
+    """The plan for one simulated configuration; `account` (and this plan's rank, bound and partition status)
+    when a search produced it. Raises ValueError when `simulated` was not made from these inputs."""
+    est = simulated.estimate
+    lay = est.layout
+    if resolve(model, cluster.num_gpus, workload, config) != lay:
+        raise ValueError("simulated was not made from this model, cluster, workload and config")
+    if est.runtime != runtime:
+        raise ValueError(f"simulated was made with runtime '{est.runtime}', not '{runtime}'")
+    mesh, pipeline = layout_sections(lay, workload)
+    predicted = est.to_dict()
+    memory_stages = [MemoryStage(rank=s["rank"], peak_gib=s["peak_memory_gib"],
+                                 in_flight_microbatches=s["in_flight_microbatches"], breakdown_gib=s["memory_gib"])
+                     for s in predicted["stages"]]
+    spec_fields = cluster.spec.model_dump() | {"gpus_per_node": cluster.gpus_per_node}
+    return Plan(
+        meshplan_version=meshplan_version(),
+        inputs=Inputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
+                      workload=workload, runtime=runtime, calibration=calibration),
+        mesh=mesh,
+        pipeline=pipeline,
+        memory=Memory(zero=lay.zero, recompute=lay.recompute, recompute_modules=list(lay.recompute_modules),
+                      offload_layers=lay.offload_layers, fragmentation=FRAGMENTATION, stages=memory_stages),
+        prediction=Prediction(**predicted, stage_time_s=_stage_times(simulated)),
+        search=None if account is None else _search_info(account, rank, bound_s, partition_status),
+    )
+
+
+def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: ServeWorkload, targets: ServeTargets,
+                       deployment: Deployment, result: ServeResult | None = None, objective: str = "throughput",
+                       alternatives: list[str] | None = None) -> ServingPlan:
+    """The plan of one deployment; `result` when a search made it."""
+    engines = [ServingEngine(
+        role=p.role, engines=n, tp=p.layout.tp, dp=p.layout.dp, pp=p.layout.pp, ep=p.layout.ep,
+        gpus_per_engine=p.layout.gpus, max_num_seqs=p.batch, max_num_batched_tokens=p.chunk,
+        gpu_memory_utilization=p.mem_fraction, ttft_ms=p.ttft_s * 1e3, tpot_ms=p.tpot_s * 1e3,
+        requests_per_s=p.requests_per_s, weights_gib=p.memory.weights_gib, kv_cache_gib=p.memory.kv_gib,
+        kv_tokens=p.memory.tokens) for p, n in deployment.pools]
+    d = deployment
+    prediction = ServingPrediction(
+        ttft_ms=d.ttft_s * 1e3, tpot_ms=d.tpot_s * 1e3, e2e_ms=d.e2e_s(workload.osl) * 1e3,
+        requests_per_s=d.requests_per_s, output_tokens_per_s=d.output_tokens_per_s,
+        tokens_per_s_per_gpu=d.tokens_per_s_per_gpu, tokens_per_s_per_user=d.tokens_per_s_per_user, gpus=d.gpus,
+        meets_targets=meets(d, targets, workload), misses=misses(d, targets, workload))
+    search = None
+    if result is not None:
+        pareto = [ParetoPoint(deployment=p.label(), gpus=p.gpus, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu,
+                              tokens_per_s_per_user=p.tokens_per_s_per_user, ttft_ms=p.ttft_s * 1e3,
+                              tpot_ms=p.tpot_s * 1e3, meets_targets=meets(p, targets, workload))
+                  for p in result.pareto]
+        search = ServingSearch(objective=objective, evaluated=result.evaluated, seconds=result.seconds,
+                               layouts_skipped=result.layouts_skipped,
+                               pareto=pareto, alternatives=alternatives or [])
+    spec_fields = cluster.spec.model_dump() | {"gpus_per_node": cluster.gpus_per_node}
+    return ServingPlan(
+        meshplan_version=meshplan_version(),
+        inputs=ServingInputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
+                             workload=workload, targets=targets),
+        mode=d.mode, engines=engines, prediction=prediction, search=search)
