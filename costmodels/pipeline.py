@@ -10,6 +10,7 @@ Schedules: GPipe (Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 20
 from __future__ import annotations
 
 import heapq
+from itertools import islice
 from operator import itemgetter
 from dataclasses import dataclass
 from typing import Literal
@@ -322,16 +323,17 @@ def simulate_order(order: PassOrder, times: list[list[StageTimes]], p2p_s: float
     ends = [0.0] * (len(order.passes) + 1)  # the last entry is the sentinel: "ended" at time 0
     starts = [0.0] * len(order.passes)
     i = 0
-    for prev, need, rem, at in zip(order.previous, order.needs, order.remote, order.slot):
-        if not i % CHECK_EVERY_PASSES:
-            check(deadline)
-        start = ends[prev]
-        ready = ends[need] + rem * p2p_s
-        if ready > start:
-            start = ready
-        starts[i] = start
-        ends[i] = start + table[at]
-        i += 1
+    rows = zip(order.previous, order.needs, order.remote, order.slot)
+    for _ in range(0, len(order.passes), CHECK_EVERY_PASSES):  # the deadline between chunks, not in the hot loop
+        check(deadline)
+        for prev, need, rem, at in islice(rows, CHECK_EVERY_PASSES):
+            start = ends[prev]
+            ready = ends[need] + rem * p2p_s
+            if ready > start:
+                start = ready
+            starts[i] = start
+            ends[i] = start + table[at]
+            i += 1
     ends.pop()
     rank_end = tuple(ends[k] if k < len(ends) else 0.0 for k in order.last)
     busy = tuple(float(sum(table[at] for at in slots)) for slots in order.rank_slots)

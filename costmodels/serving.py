@@ -27,7 +27,8 @@ from hardware_db.cluster import Cluster
 from hardware_db.errors import InputError
 
 __all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "kv_bytes_per_token_layer",
-           "kv_bytes_per_token", "weight_bytes_per_gpu", "Capacity", "capacity", "IterationTime", "iteration_time", "kv_transfer_s", "stage_layer_counts"]
+           "kv_bytes_per_token", "weight_bytes_per_gpu", "Capacity", "capacity", "IterationTime", "iteration_time",
+           "kv_transfer_s", "stage_layer_counts"]
 
 
 class ServeWorkload(BaseModel):

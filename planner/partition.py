@@ -732,9 +732,8 @@ def _first_full_cut(pr: PartitionProblem, t: _Tables, R, I, J, peak_full) -> tup
     take O(p L^3) memory, so where memory only falls as c grows (_Tables.full_shrinks) a binary search per cell
     finds it in O(log L) passes over the grid instead."""
     L, cap = pr.num_layers, pr.memory_cap_bytes
-    longest = max(1, int(np.max(J - I)))
-    if J.size * longest <= FULL_CUT_SCAN_MAX_CELLS or not t.full_shrinks:
-        C = np.minimum(I[..., None] + 1 + np.arange(longest), L)
+    if J.size * J.shape[2] <= FULL_CUT_SCAN_MAX_CELLS or not t.full_shrinks:
+        C = np.minimum(I[..., None] + 1 + np.arange(J.shape[2]), L)
         I4, J4 = I[..., None], J[..., None]
         fits4 = (C <= J4) & (_stage_memory(pr, R[..., None], _layer_sums(t, I4, J4, C, I4, False),
                                            t.peak_full[I4]) <= cap)
@@ -778,9 +777,10 @@ def _cheapest_policies_partition(problem: PartitionProblem, below: float = math.
         return None
     lower, bounds = found
     pols = []
-    for r, (a, b) in enumerate(zip(bounds, bounds[1:])):  # each stage's policy: its own cell of the same rule
-        c, d, _ = (int(x[0, 0, 0]) if x.dtype.kind == "i" else x for x in _cheapest_fitting(
-            problem, t, np.full((1, 1, 1), r), np.full((1, 1, 1), a), np.full((1, 1, 1), b)))
+    for r, (a, b) in enumerate(zip(bounds, bounds[1:])):  # each stage's policy: the same rule on its row, end b
+        ends = np.arange(a + 1, b + 1)[None, None, :]
+        c_row, d_row, _ = _cheapest_fitting(problem, t, np.full((1, 1, 1), r), np.full((1, 1, 1), a), ends)
+        c, d = int(c_row[0, 0, -1]), int(d_row[0, 0, -1])
         pols.append(StagePolicy(granularity="full", full_layers=c - a) if c > a
                     else StagePolicy(granularity="selective") if d > a else StagePolicy(granularity="none"))
     return lower, _evaluate(problem, t, bounds, tuple(pols), relaxed=False)

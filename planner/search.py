@@ -771,8 +771,7 @@ class _Search:
         their work bound over layer times with the per-layer DP collectives: _expand_group)."""
         ctx = self._context(c)
         assert sharded_bound or not ctx.dp_in_layer_times, "ZeRO-2/3 candidates are queued with their sharded bound"
-        if self.eager and not self.best.heap and c.vpp == 1 and c.mesh.pp * (self.model.num_layers + 1) ** 2 > \
-                QUICK_PLAN_MIN_CELLS:
+        if self.eager and not self.best.heap and c.vpp == 1 and self._partition_cells(c) > QUICK_PLAN_MIN_CELLS:
             self._quick_plan(c, ctx, key)
         if c.vpp > 1:
             self._next(min(b for b, _ in self._chunk_options(c, ctx)), "ileave", c, ctx)
@@ -1123,13 +1122,17 @@ class _Search:
         self.open_bounds = still_open
         return False
 
+    def _partition_cells(self, c: Candidate) -> int:
+        """p (L+1)^2: the size of the candidate's (stage, first layer, end) grids, what its partition DPs cost."""
+        return c.mesh.pp * (self.model.num_layers + 1) ** 2
+
     def _listable(self, c: Candidate) -> bool:
         """Whether the partition lists' p (L+1)^2-cell grids are small enough to build (about 200 MB at most)."""
-        return c.mesh.pp * (self.model.num_layers + 1) ** 2 <= LIST_MAX_CELLS
+        return self._partition_cells(c) <= LIST_MAX_CELLS
 
     def _pair_dp_fits(self, c: Candidate) -> bool:
         """Whether the O(p L^3) pair and sync DPs stay within about a second."""
-        return c.mesh.pp * (self.model.num_layers + 1) ** 3 <= PAIR_DP_MAX_CELLS
+        return self._partition_cells(c) * (self.model.num_layers + 1) <= PAIR_DP_MAX_CELLS
 
     def _group_scores(self, groups: list[Group]) -> list[float]:
         """A lower bound for every candidate in each group: the work bound with no recomputation (the fastest), the
