@@ -24,12 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from costmodels.config import ParallelConfig, Workload  # noqa: E402
-from costmodels.estimate import calibrated_cluster, simulate_config  # noqa: E402
-from executor.profiler import ProfileOptions, default_profile_model, profile  # noqa: E402
-from hardware_db.calibration import Calibration, load_calibration  # noqa: E402
-from hardware_db.cluster import ClusterSpec  # noqa: E402
-from planner.builders import build_plan  # noqa: E402
+from meshplan.costmodels.config import ParallelConfig, Workload  # noqa: E402
+from meshplan.costmodels.estimate import calibrated_cluster, simulate_config  # noqa: E402
+from meshplan.executor.profiler import ProfileOptions, default_profile_model, profile  # noqa: E402
+from meshplan.hardware_db.calibration import Calibration, load_calibration  # noqa: E402
+from meshplan.hardware_db.cluster import ClusterSpec  # noqa: E402
+from meshplan.planner.builders import build_plan  # noqa: E402
 
 SEQ = 256
 RUNTIME = "meshplan-executor"  # the executor's runtime preset: SDPA attention, no dropout, no overlap
@@ -90,7 +90,7 @@ def host_speed_probe() -> float:
     host is than when it was profiled (a 2-core VM drifts by tens of percent over minutes)."""
     import torch
 
-    from executor.profiler import _chunk_times
+    from meshplan.executor.profiler import _chunk_times
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -102,7 +102,7 @@ def host_speed_probe() -> float:
 
 
 def run_case(case: Case, cal: Calibration, origin: str, steps: int) -> dict:
-    from executor.verify import VerifyOptions, run_verify
+    from meshplan.executor.verify import VerifyOptions, run_verify
 
     model = loop_model()
     wl = Workload(global_batch=case.gbs, seq_len=SEQ)

@@ -23,9 +23,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from device_kernel_clocks import EXPERTS, LINEARS  # noqa: E402
-from costmodels.estimate import Efficiency, op_time  # noqa: E402
-from costmodels.kernels import TE_GEMM_STREAMS  # noqa: E402
-from hardware_db.gpu import load_gpu  # noqa: E402
+
+from meshplan.costmodels.estimate import Efficiency, op_time  # noqa: E402
+from meshplan.costmodels.kernels import TE_GEMM_STREAMS  # noqa: E402
+from meshplan.hardware_db.gpu import load_gpu  # noqa: E402
 
 DEFAULT_DIR = ROOT / "benchmarks" / "device_results" / "h200-2026-12-04"
 PASSES = {"fwd": lambda t, o, i: (t, o, i), "dgrad": lambda t, o, i: (t, i, o), "wgrad": lambda t, o, i: (o, i, t)}

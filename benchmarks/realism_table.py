@@ -20,11 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from costmodels.estimate import model_flops_per_step  # noqa: E402
-from costmodels.realism import gpu_family  # noqa: E402
-from reference_runs import (DEFAULT_YAML, accounted_flops, configure, megatron_flops, megatron_gpt,  # noqa: E402
-                            run_cluster, run_model, run_workload)
 from published_runs import load_runs  # noqa: E402
+from reference_runs import (  # noqa: E402
+    DEFAULT_YAML,
+    accounted_flops,
+    configure,
+    megatron_flops,
+    megatron_gpt,
+    run_cluster,
+    run_model,
+    run_workload,
+)
+
+from meshplan.costmodels.estimate import model_flops_per_step  # noqa: E402
+from meshplan.costmodels.realism import gpu_family  # noqa: E402
 
 
 def first_set() -> list[tuple[str, str, str, str, float]]:

@@ -24,14 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from costmodels.config import ParallelConfig, StagePolicy, Workload, split_evenly  # noqa: E402
-from costmodels.estimate import Efficiency, Estimate, estimate, model_flops_per_step  # noqa: E402
-from costmodels.kernels import Physics  # noqa: E402
-from costmodels.model import ModelSpec  # noqa: E402
-from costmodels.model_io import load_model  # noqa: E402
-from hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
-from planner.launchers.megatron import parse_layout  # noqa: E402
 from published_runs import DEFAULT_FILE, Run, load_runs  # noqa: E402
+
+from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload, split_evenly  # noqa: E402
+from meshplan.costmodels.estimate import Efficiency, Estimate, estimate, model_flops_per_step  # noqa: E402
+from meshplan.costmodels.kernels import Physics  # noqa: E402
+from meshplan.costmodels.model import ModelSpec  # noqa: E402
+from meshplan.costmodels.model_io import load_model  # noqa: E402
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
+from meshplan.planner.launchers.megatron import parse_layout  # noqa: E402
 
 DEFAULT_YAML = ROOT.parent / "shared" / "reference_runs" / "training_dev.yaml"
 

@@ -25,12 +25,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from costmodels.estimate import estimate  # noqa: E402
-from planner.search import search  # noqa: E402
-from planner.space import Pins  # noqa: E402
 from published_runs import DEFAULT_FILE, load_runs  # noqa: E402
-from reference_runs import (DEFAULT_YAML, configure, evaluate_run, megatron_gpt, run_cluster, run_config,  # noqa: E402
-                            run_model, run_runtime, run_workload)
+from reference_runs import (  # noqa: E402
+    DEFAULT_YAML,
+    configure,
+    evaluate_run,
+    megatron_gpt,
+    run_cluster,
+    run_config,
+    run_model,
+    run_runtime,
+    run_workload,
+)
+
+from meshplan.costmodels.estimate import estimate  # noqa: E402
+from meshplan.planner.search import search  # noqa: E402
+from meshplan.planner.space import Pins  # noqa: E402
 
 
 def describe(lay) -> str:

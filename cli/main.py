@@ -19,17 +19,19 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, RECOMPUTE_MODULES,
-                               RUNTIME_OPTIONS, RUNTIMES, ParallelConfig, RankOrder, Workload)
-from costmodels.estimate import (Efficiency, Estimate, calibrated_cluster, estimate as estimate_cost, simulate_config,
-                                 stage_ranges)
-from costmodels.model import ModelSpec
-from costmodels.model_io import list_zoo, load_model, load_zoo, zoo_source
-from hardware_db.calibration import load_calibration
-from hardware_db.cluster import Cluster, ClusterSpec, load_cluster_file
-from hardware_db.errors import InputError
-from hardware_db.gpu import GPUSpec, Sourced, list_gpus, load_gpu
-from planner.outputs import OutputFile, check_distinct, check_target, write_all
+from meshplan import api
+from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, MAX_GLOBAL_BATCH, MAX_SEQ_LEN,
+                                        RECOMPUTE_MODULES, RUNTIME_OPTIONS, RUNTIMES, ParallelConfig, RankOrder,
+                                        Workload)
+from meshplan.costmodels.estimate import Estimate, simulate_config, stage_ranges
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import list_zoo, load_model, load_zoo, zoo_source
+from meshplan.costmodels.serving import ServeTargets
+from meshplan.hardware_db.calibration import load_calibration
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec, load_cluster_file
+from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.gpu import GPUSpec, Sourced, list_gpus, load_gpu
+from meshplan.planner.outputs import OutputFile, check_distinct, check_target, write_all
 
 EXIT_INPUT = 2  # bad input, the same code click uses for usage errors
 MAX_VERIFY_STEPS = 1000  # verify compares parameters after a few steps; the reference draws every step's batch up front
@@ -99,21 +101,15 @@ def _console() -> Console:
 # ---- estimate ------------------------------------------------------------------------------------------------------
 
 def _cluster(cluster_file: Optional[str], gpu: Optional[str], gpus: Optional[int], gpus_per_node: Optional[int],
-             nic_gbps: Optional[float], nvlink_gbs: Optional[float],
-             calibration: Optional[str] = None, runtime: Optional[str] = None) -> tuple[Cluster, Optional[Efficiency]]:
-    """The cluster, and with --calibration its device as measured and the efficiency model fitted to it."""
+             nic_gbps: Optional[float], nvlink_gbs: Optional[float]) -> ClusterSpec:
+    """The cluster of --cluster FILE, or of --gpu/--gpus and the link flags."""
     if cluster_file is not None:
         if any(v is not None for v in (gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)):
             raise InputError("give either --cluster FILE or --gpu/--gpus (and link flags), not both")
-        spec = load_cluster_file(cluster_file)
-    else:
-        if gpu is None or gpus is None:
-            raise InputError("say which cluster: --gpu NAME --gpus N, or --cluster FILE (see `meshplan hardware list`)")
-        spec = ClusterSpec(gpu=gpu, num_gpus=gpus, gpus_per_node=gpus_per_node, nic_gbps=nic_gbps,
-                           nvlink_gb_s=nvlink_gbs)
-    if calibration is None:
-        return Cluster(spec), None
-    return calibrated_cluster(spec, load_calibration(calibration), calibration, runtime)
+        return load_cluster_file(cluster_file)
+    if gpu is None or gpus is None:
+        raise InputError("say which cluster: --gpu NAME --gpus N, or --cluster FILE (see `meshplan hardware list`)")
+    return ClusterSpec(gpu=gpu, num_gpus=gpus, gpus_per_node=gpus_per_node, nic_gbps=nic_gbps, nvlink_gb_s=nvlink_gbs)
 
 
 # Options shared by `estimate` and `plan` (type aliases: one definition, the same help in both commands).
@@ -231,17 +227,17 @@ def estimate(
     sequence parallelism on with TP; schedule interleaved when vpp > 1, else 1f1b.
     """
     spec = load_model(model)
-    cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration, runtime)
+    cluster_spec = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
     workload = _workload(gbs, seq, dtype, fp8_recipe)
     knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
                  sp=sp, schedule=schedule, rank_order=order, recompute_modules=_modules(recompute_modules),
                  offload_layers=offload_layers)
     cfg = ParallelConfig(**{k: v for k, v in knobs.items() if v is not None})
-    est = estimate_cost(spec, cluster, workload, cfg, runtime, eff)
+    est = api.estimate(spec, cluster_spec, workload, cfg, runtime, calibration)
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
     else:
-        _print_estimate(_console(), spec, cluster, workload, est)
+        _print_estimate(_console(), spec, api.calibrated(cluster_spec, calibration, runtime)[0], workload, est)
 
 
 def _modules(text: str | None) -> tuple[str, ...] | None:
@@ -403,38 +399,29 @@ def plan(
     parallelism and the schedule. The table ranks the best --top plans; the account below it says how large the
     space was, what was pruned by which bound, what was infeasible and why, and whether optimality is proven.
     """
-    from planner.explain import explain
-    from planner.launchers import export_files, export_plan
-    from planner.builders import build_plan
-    from planner.plan import plan_text, without_timing
-    from planner.search import search
+    from meshplan.planner.explain import explain
+    from meshplan.planner.launchers import export_files, export_plan
+    from meshplan.planner.plan import plan_text
+    from meshplan.planner.space import Pins
+    from meshplan.planner.trace import chrome_trace, trace_text
 
     if export_out is not None and export_to is None:
         raise InputError("--export-out needs --export TARGET")
     if as_json and export_to is not None and export_out is None:
         raise InputError("--json prints only the plan; give --export-out for the --export files")
-    from planner.space import Pins
-    from planner.trace import chrome_trace, trace_text
-
     out, trace, export_out = _targets(out=out, trace=trace, export_out=export_out)
 
     spec = load_model(model)
-    cluster, eff = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs, calibration, runtime)
+    cluster_spec = _cluster(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
     workload = _workload(gbs, seq, dtype, fp8_recipe)
     pins = Pins(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
                 recompute=recompute, sp=sp, schedule=schedule, order=order, max_mbs=max_mbs,
                 **({} if recompute_modules is None else {"recompute_modules": _modules(recompute_modules)}))
     with _progress(not as_json) as bar:
-        result = search(spec, cluster, workload, pins, runtime, efficiency=eff, top_k=top, time_limit_s=time_limit,
-                        progress=bar)
-    if not result.plans:
-        raise InputError(result.why_nothing_fits or "no plan fits")
-    best = result.plans[0]
-    sim = simulate_config(spec, cluster, workload, best.config, runtime, eff)
-    doc = build_plan(spec, cluster, workload, best.config, sim, runtime, account=result.account, rank=1,
-                     bound_s=best.bound_s, partition_status=best.partition_status,
-                     calibration=eff.calibration if eff else None)
-    doc = doc if timing else without_timing(doc)
+        found = api.search_plans(spec, cluster_spec, workload, pins, runtime, calibration, top, time_limit, timing,
+                                 progress=bar)
+    doc, result, sim = found.plan, found.result, found.simulated
+    cluster = api.calibrated(cluster_spec, calibration, runtime)[0]
     exported = export_plan(doc, export_to) if export_to is not None else None  # refuses before anything is written
     files = [OutputFile(out, plan_text(doc))] if out is not None else []
     written = export_files(exported, export_out) if exported is not None and export_out is not None else []
@@ -608,41 +595,29 @@ def serve(
     --request-rate), the Pareto front of tokens/s/GPU vs tokens/s/user, and why the runners-up lose; when
     nothing meets the targets, the nearest miss and what it misses.
     """
-    from planner.launchers import export_files, export_plan
-    from planner.builders import build_serving_plan
-    from planner.plan import plan_text, without_timing
-    from planner.serve import (ServeTargets, explain_serving, load_lengths, parse_engine_layout, parse_gpu_range,
-                               pinned_deployment, search_serving, workload_from)
+    from meshplan.planner.launchers import export_files, export_plan
+    from meshplan.planner.plan import plan_text
+    from meshplan.planner.serve import load_lengths, parse_engine_layout, parse_gpu_range, workload_from
 
     out, export_out = _targets(out=out, export_out=export_out)
-
     if export_out is not None and export_to is None:
         raise InputError("--export-out needs --export vllm|sglang")
     if as_json and export_to is not None and export_out is None:
         raise InputError("--json prints only the plan; give --export-out for the --export files")
+    if layout is None and (prefill_layout or engines or prefill_engines or batch):
+        raise InputError("--prefill-layout, --engines, --prefill-engines and --batch go with --layout")
     spec = load_model(model)
     low, high = parse_gpu_range(gpus)
-    cluster, eff = _cluster(None, gpu, high, gpus_per_node, nic_gbps, nvlink_gbs)
+    cluster_spec = _cluster(None, gpu, high, gpus_per_node, nic_gbps, nvlink_gbs)
     wl = workload_from(isl, osl, load_lengths(lengths) if lengths else None, weight_dtype, kv_dtype)
     targets = ServeTargets(ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms, request_rate=request_rate)
-    result = None
-    if layout is not None:
-        best = pinned_deployment(spec, cluster, wl, targets, parse_engine_layout(layout), engines, batch,
-                                 parse_engine_layout(prefill_layout) if prefill_layout else None, prefill_engines,
-                                 mem_fraction=mem_fraction)
-        if best.gpus > cluster.num_gpus:
-            raise InputError(f"the deployment needs {best.gpus} GPUs; --gpus gives {cluster.num_gpus}")
-        alternatives: list[str] = []
-    else:
-        if prefill_layout or engines or prefill_engines or batch:
-            raise InputError("--prefill-layout, --engines, --prefill-engines and --batch go with --layout")
-        result = search_serving(spec, cluster, wl, targets, low, objective, disaggregation, top=top,
-                                mem_fraction=mem_fraction, time_limit_s=time_limit)
-        if result.best is None:
-            raise InputError(result.why_nothing or "no deployment fits")
-        best, alternatives = result.best, explain_serving(result, targets, wl)
-    doc = build_serving_plan(spec, cluster, wl, targets, best, result, objective, alternatives)
-    doc = doc if timing else without_timing(doc)
+    pinned = None if layout is None else api.PinnedDeployment(
+        parse_engine_layout(layout), engines, batch, parse_engine_layout(prefill_layout) if prefill_layout else None,
+        prefill_engines)
+    found = api.search_deployments(spec, cluster_spec, wl, targets, low, objective, disaggregation, top,
+                                   mem_fraction, time_limit, pinned, timing)
+    doc, result, alternatives = found.plan, found.result, list(found.alternatives)
+    cluster = Cluster(cluster_spec)
     exported = export_plan(doc, export_to) if export_to is not None else None
     written = export_files(exported, export_out) if exported is not None and export_out is not None else []
     write_all(([OutputFile(out, plan_text(doc))] if out is not None else []) + written)
@@ -731,10 +706,12 @@ def profile(
 ) -> None:
     """Measure this device (GEMMs, attention, memory-bound operators, collectives, a layer's activation memory) and
     write a calibration that `estimate`, `plan` and `verify --calibration` use instead of the efficiency defaults."""
-    from executor.profiler import ProfileOptions, profile as run_profile
-    from hardware_db.calibration import calibration_dir
-    from planner.plan import write_text_atomic
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from meshplan.executor.profiler import ProfileOptions
+    from meshplan.executor.profiler import profile as run_profile
+    from meshplan.hardware_db.calibration import calibration_dir
+    from meshplan.planner.plan import write_text_atomic
 
     (out,) = _targets(out=out)  # before the minutes of measuring
     quick_opts = dict(repeats=3, warmup=1, seq=(128, 256), tokens=(128, 512, 2048)) if quick else {}
@@ -802,8 +779,8 @@ def export_(
     A plan the launcher cannot express (a schedule it lacks, a ZeRO stage it has not, uneven stages it cannot
     place) is refused with the reason and what to re-plan with; it is never silently changed.
     """
-    from planner.launchers import export_plan, write_export
-    from planner.plan import read_any_plan
+    from meshplan.planner.launchers import export_plan, write_export
+    from meshplan.planner.plan import read_any_plan
 
     (out,) = _targets(directories=("out",), out=out)  # export's --out is a folder when it has several files
     exported = export_plan(read_any_plan(plan_file), to)
@@ -855,8 +832,8 @@ def import_(
     model (data, optimizer, logging) are ignored; ones it cannot represent are refused with the reason. A torchrun
     line's --nproc-per-node is the node size unless --gpus-per-node says otherwise.
     """
-    from planner.launchers import launch_model, launch_world, pinned_plan, read_launch
-    from planner.plan import write_plan
+    from meshplan.planner.launchers import launch_model, launch_world, pinned_plan, read_launch
+    from meshplan.planner.plan import write_plan
 
     (out,) = _targets(out=out)
 
@@ -874,8 +851,8 @@ def import_(
     runtime = runtime or launch.runtime or DEFAULT_RUNTIME
     world = launch_world(launch, gpus if cluster_file is None else None)
     per_node = gpus_per_node if gpus_per_node is not None or cluster_file else launch.gpus_per_node
-    cluster, eff = _cluster(cluster_file, gpu, None if cluster_file else world, per_node, nic_gbps, nvlink_gbs,
-                            calibration, runtime)
+    cluster, eff = api.calibrated(_cluster(cluster_file, gpu, None if cluster_file else world, per_node, nic_gbps,
+                                           nvlink_gbs), calibration, runtime)
     if cluster.num_gpus != world:
         raise InputError(f"the cluster has {cluster.num_gpus} GPUs but the launch configuration runs {world}")
     spec = launch_model(launch, named)
@@ -900,8 +877,8 @@ def show(
 ) -> None:
     """Print a plan file readably (and re-simulate a training plan for --trace); refuses plans of another schema
     version."""
-    from planner.plan import ServingPlan, plan_config, read_any_plan
-    from planner.trace import chrome_trace, write_trace
+    from meshplan.planner.plan import ServingPlan, plan_config, read_any_plan
+    from meshplan.planner.trace import chrome_trace, write_trace
 
     (trace,) = _targets(trace=trace)
     doc = read_any_plan(plan_file)
@@ -975,9 +952,9 @@ def verify(
     torch.distributed at a reduced model size, and check that loss, every gradient and the parameters after N
     steps match a single-process run; measured memory and time are shown beside the cost model's prediction.
     Exit code 0: the numerics match; 1: they do not (the report says where); 2: bad input."""
-    from executor.verify import VerifyOptions, run_verify
-    from planner.plan import ServingPlan, read_any_plan
-    from planner.trace import trace_text
+    from meshplan.executor.verify import VerifyOptions, run_verify
+    from meshplan.planner.plan import ServingPlan, read_any_plan
+    from meshplan.planner.trace import trace_text
 
     out, trace = _targets(out=out, trace=trace)
     doc = read_any_plan(plan_file)
@@ -1026,7 +1003,7 @@ def _verify_serving(doc: Any, scale: str, steps: int, seq: Optional[int], max_ra
     """verify for a serving plan: each engine's prefill and decode steps with a KV cache against the reference."""
     import dataclasses
 
-    from executor.serving import run_serve_check
+    from meshplan.executor.serving import run_serve_check
 
     report = run_serve_check(doc, scale=scale, prompt=seq, steps=steps, max_ranks=max_ranks, timeout_s=timeout,
                              calibration=load_calibration(calibration) if calibration is not None else None,

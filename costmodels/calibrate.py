@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from costmodels.comm import ring_shape
-from hardware_db.calibration import (CollectiveFit, CollectivePoint, Curve, FittedModel, LinearFit, Measurements,
-                                     MemoryClassFit, OptimizerFit)
+from meshplan.costmodels.comm import ring_shape
+from meshplan.hardware_db.calibration import (CollectiveFit, CollectivePoint, Curve, FittedModel, LinearFit,
+                                              Measurements, MemoryClassFit, OptimizerFit)
 
 __all__ = ["fit_curve", "fit_linear", "fit_model", "fit_ring", "interpolate", "isotonic"]
 

@@ -11,9 +11,9 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from costmodels.model import ModelSpec
-from costmodels.pipeline import MAX_PIPELINE_PASSES, pipeline_passes
-from hardware_db.errors import InputError
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.pipeline import MAX_PIPELINE_PASSES, pipeline_passes
+from meshplan.hardware_db.errors import InputError
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]

@@ -8,28 +8,30 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from operator import attrgetter
 
-from costmodels import comm
-from costmodels.config import (DEFAULT_RANK_ORDER, Layout, ParallelConfig, Runtime, Workload, get_runtime,
-                               DEFAULT_RUNTIME, resolve)
-from costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdown, embedding_activation_bytes,
-                               layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
-                               stage_params, StageParams)
-from costmodels.model import ModelSpec
-from costmodels.ops import (ACT_BYTES, Block, Collective, Op, attention_half, embedding_block, head_block, memory_class,
-                           ep_dispatch_bytes, mlp_half, mtp_projection, recompute_modules_of)
-from costmodels.deadline import Deadline, check
-from costmodels.pipeline import StageTimes, Timeline, build_schedule, compile_order, simulate
-from costmodels.realism import RealismCheck
-from costmodels.realism import check as realism_check
-from costmodels.calibrate import interpolate
-from costmodels.kernels import (attention_keys_factor, copy_engine_exposed, quant_bytes_per_element, TE_GEMM_STREAMS, Physics, causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
-                                ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks,
-                                FA2_BACKWARD_OVER_FORWARD, SDPA_FLASH_OVER_FA2, column_gemm_count)
-from hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
-                                     cpu_device_spec, digest)
-from hardware_db.cluster import Cluster, ClusterSpec
-from hardware_db.errors import InputError
-from hardware_db.gpu import GPUSpec, load_gpu
+from meshplan.costmodels import comm
+from meshplan.costmodels.calibrate import interpolate
+from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, Layout, ParallelConfig, Runtime, Workload,
+                                        get_runtime, resolve)
+from meshplan.costmodels.deadline import Deadline, check
+from meshplan.costmodels.kernels import (FA2_BACKWARD_OVER_FORWARD, SDPA_FLASH_OVER_FA2, TE_GEMM_STREAMS, Physics,
+                                         attention_keys_factor, causal_tile_factor, column_gemm_count,
+                                         copy_engine_exposed, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
+                                         quant_bytes_per_element, ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks)
+from meshplan.costmodels.memory import (FRAGMENTATION, GIB, RESERVED_BYTES, MemoryBreakdown, StageParams,
+                                        embedding_activation_bytes, layer_activation_bytes, logits_bytes,
+                                        model_state_bytes, mtp_activation_bytes, stage_params)
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.ops import (ACT_BYTES, Block, Collective, Op, attention_half, embedding_block,
+                                     ep_dispatch_bytes, head_block, memory_class, mlp_half, mtp_projection,
+                                     recompute_modules_of)
+from meshplan.costmodels.pipeline import StageTimes, Timeline, build_schedule, compile_order, simulate
+from meshplan.costmodels.realism import RealismCheck
+from meshplan.costmodels.realism import check as realism_check
+from meshplan.hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
+                                              cpu_device_spec, digest)
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.gpu import GPUSpec, load_gpu
 
 EXECUTOR_RUNTIME = "meshplan-executor"  # the reference executor's preset (config.RUNTIMES): what profiles measure
 ADAM_BYTES_PER_PARAM = 34  # read grad, master, m, v (16) + write master, m, v (12) + bf16 weight (2) + grad-norm read (4)

@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from costmodels.model import MAX_LAYERS, ModelSpec
-from hardware_db.documents import read_document
-from hardware_db.errors import InputError
+from meshplan.costmodels.model import MAX_LAYERS, ModelSpec
+from meshplan.hardware_db.documents import read_document
+from meshplan.hardware_db.errors import InputError
 
 __all__ = [
     "HF_MODEL_TYPES",
@@ -471,7 +471,7 @@ def load_model_file(path: str | Path) -> ModelSpec:
 
 # ---- zoo ---------------------------------------------------------------------------------------
 def _zoo_dir():
-    return resources.files("costmodels.zoo")
+    return resources.files("meshplan.costmodels.zoo")
 
 
 def list_zoo() -> list[str]:

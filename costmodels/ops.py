@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from costmodels.config import Layout, Runtime, Workload
-from costmodels.model import ModelSpec
+from meshplan.costmodels.config import Layout, Runtime, Workload
+from meshplan.costmodels.model import ModelSpec
 
 OpKind = Literal["gemm", "attention", "memory"]
 Dim = Literal["tp", "cp", "ep", "etp", "dp", "pp"]
@@ -137,7 +137,7 @@ def fp8_quantize_ops(ops: list[Op], recipe: str, any_layout: bool = False, mx_pe
     output gradient in the backward, each with the transposed / column-wise copy the other backward GEMM reads
     (kernels.quant_bytes_per_element: none on GPUs whose FP8 GEMMs take `any_layout`). Weights are cast once per
     step (estimate.fp8_weight_cast_s)."""
-    from costmodels.kernels import quant_bytes_per_element
+    from meshplan.costmodels.kernels import quant_bytes_per_element
 
     per = quant_bytes_per_element(recipe, any_layout, mx_per_dim)
     out = []
@@ -363,7 +363,7 @@ def async_tp_copies(lay: Layout, rt: Runtime, ops: list[Op], comms: list[Collect
     and writes its shard, the reduction NCCL's reduce-scatter does inside the collective. The backward mirrors
     them where it is fused too (kernels.async_tp_fused): the output gradient's all-gather, the input gradient's
     reduce-scatter."""
-    from costmodels.kernels import async_tp_fused, column_gemm_count
+    from meshplan.costmodels.kernels import async_tp_fused, column_gemm_count
 
     pair = {c.name: c for c in comms if c.name in ("tp_all_gather", "tp_reduce_scatter")}
     if rt.tp_overlap != "async-tp" or len(pair) < 2:  # no TP, or TP without SP (an all-reduce): nothing fused

@@ -10,12 +10,12 @@ Schedules: GPipe (Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 20
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from itertools import islice
 from operator import itemgetter
-from dataclasses import dataclass
 from typing import Literal
 
-from costmodels.deadline import Deadline, check
+from meshplan.costmodels.deadline import Deadline, check
 
 PassKind = Literal["F", "B", "W"]
 CHECK_EVERY_PASSES = 2**14  # a caller's deadline is checked this often (about 10-40 ms of simulation)

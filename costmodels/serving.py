@@ -18,13 +18,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from costmodels import comm
-from costmodels.comm import Link
-from costmodels.estimate import Efficiency, group_link, op_time, timed_collective
-from costmodels.model import ModelSpec
-from costmodels.ops import ACT_BYTES, Op, elementwise, gemm, mla_query_and_latent
-from hardware_db.cluster import Cluster
-from hardware_db.errors import InputError
+from meshplan.costmodels import comm
+from meshplan.costmodels.comm import Link
+from meshplan.costmodels.estimate import Efficiency, group_link, op_time, timed_collective
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.ops import ACT_BYTES, Op, elementwise, gemm, mla_query_and_latent
+from meshplan.hardware_db.cluster import Cluster
+from meshplan.hardware_db.errors import InputError
 
 __all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "kv_bytes_per_token_layer",
            "kv_bytes_per_token", "weight_bytes_per_gpu", "Capacity", "capacity", "IterationTime", "iteration_time",

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from executor.reference import FrozenRecord, RunResult, RunSpec, reference_run
+from meshplan.executor.reference import FrozenRecord, RunResult, RunSpec, reference_run
 
 __all__ = ["FLOOR", "REPLICA_TOLERANCE", "TINY", "TOLERANCE", "Comparison", "compare_to_reference", "merge_reports",
            "relative_error"]

@@ -43,11 +43,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from executor.compare import merge_reports
-from executor.data_parallel import micro_batches
-from executor.mesh import ExecLayout, build_meshes
-from executor.model import ModelChunk, Transformer, causal_attention, token_loss
-from executor.reference import ADAMW, RankResult, RunResult, RunSpec
+from meshplan.executor.compare import merge_reports
+from meshplan.executor.data_parallel import micro_batches
+from meshplan.executor.mesh import ExecLayout, build_meshes
+from meshplan.executor.model import ModelChunk, Transformer, causal_attention, token_loss
+from meshplan.executor.reference import ADAMW, RankResult, RunResult, RunSpec
 
 __all__ = ["CP_KINDS", "INJECTIONS", "CPResult", "RingAttention", "UlyssesAttention", "apply_context_parallel",
            "cp_positions", "cp_run", "cp_shard", "cp_unshard", "make_core", "merge_rank_results"]

@@ -38,8 +38,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from costmodels.model import ModelSpec
-from executor.reference import ADAMW, RankResult, RunSpec
+from meshplan.costmodels.model import ModelSpec
+from meshplan.executor.reference import ADAMW, RankResult, RunSpec
 
 with warnings.catch_warnings():  # torch.distributed.optim scripts its functional optimizers, and 2.13 deprecates jit
     warnings.simplefilter("ignore", DeprecationWarning)

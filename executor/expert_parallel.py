@@ -46,10 +46,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from executor.data_parallel import micro_batches
-from executor.mesh import ExecLayout, Meshes, build_meshes, rank_coords
-from executor.model import MLP, MoE, ModelChunk, Transformer
-from executor.reference import ADAMW, RankResult, RunSpec
+from meshplan.executor.data_parallel import micro_batches
+from meshplan.executor.mesh import ExecLayout, Meshes, build_meshes, rank_coords
+from meshplan.executor.model import MLP, ModelChunk, MoE, Transformer
+from meshplan.executor.reference import ADAMW, RankResult, RunSpec
 
 __all__ = [
     "INJECTIONS", "EPResult", "ExpertParallelMoE", "ExpertPlacement", "all_to_all", "apply_expert_parallel",

@@ -15,9 +15,9 @@ this process. See docs/executor.md, "Launching".
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
-import faulthandler
 import shutil
 import signal
 import sys

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from costmodels.config import Layout, even_chunks
+from meshplan.costmodels.config import Layout, even_chunks
 
 __all__ = ["DENSE_DIMS", "EXPERT_DIMS", "ExecLayout", "Meshes", "build_meshes", "group_of", "rank_coords"]
 

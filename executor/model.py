@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from costmodels.model import ModelSpec
+from meshplan.costmodels.model import ModelSpec
 
 __all__ = [
     "INIT_STD", "NORM_EPS", "ROPE_THETA", "AttentionCore", "ModelChunk", "Transformer", "TransformerBlock",

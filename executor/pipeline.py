@@ -49,21 +49,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
 from torch.distributed.tensor import DTensor
 
-from costmodels.model import ModelSpec
-from executor.data_parallel import micro_batches
-from executor.mesh import ExecLayout, Meshes, build_meshes, group_of, rank_coords
-from executor.model import ModelChunk, Transformer, token_loss
-from executor.recompute import apply_recompute
-from executor.reference import ADAMW, RankResult, RunSpec
+from meshplan.costmodels.model import ModelSpec
+from meshplan.executor.data_parallel import micro_batches
+from meshplan.executor.mesh import ExecLayout, Meshes, build_meshes, group_of, rank_coords
+from meshplan.executor.model import ModelChunk, Transformer, token_loss
+from meshplan.executor.recompute import apply_recompute
+from meshplan.executor.reference import ADAMW, RankResult, RunSpec
 
 __all__ = [
     "INJECTIONS", "SCHEDULES", "PPResult", "Pipeline", "average_replicated_grads", "build_chunks", "build_pipeline",

@@ -39,25 +39,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from executor.context_parallel import apply_context_parallel, cp_shard
-from executor.data_parallel import fsdp_reduction_factor, micro_batches
-from executor.expert_parallel import apply_expert_parallel, expert_parameters, full_tensors, reduce_expert_grads
-from executor.mesh import ExecLayout, Meshes, build_meshes, rank_coords
-from executor.model import ModelChunk, token_loss
-from executor.pipeline import (
-    build_chunks,
-    build_pipeline,
-    embedding_group,
-    local_ranges,
-    mean_loss_over,
-    named_parameters,
-    pp_train_step,
-    sync_tied_embedding,
-)
-from executor.recompute import apply_recompute
-from executor.reference import ADAMW, RankResult, RunSpec
-from executor.sharded_optimizer import ShardedAdamW
-from executor.tensor_parallel import apply_tensor_parallel, reduce_partial_grads, vocab_parallel_loss
+from meshplan.executor.context_parallel import apply_context_parallel, cp_shard
+from meshplan.executor.data_parallel import fsdp_reduction_factor, micro_batches
+from meshplan.executor.expert_parallel import (apply_expert_parallel, expert_parameters, full_tensors,
+                                               reduce_expert_grads)
+from meshplan.executor.mesh import ExecLayout, Meshes, build_meshes, rank_coords
+from meshplan.executor.model import ModelChunk, token_loss
+from meshplan.executor.pipeline import (build_chunks, build_pipeline, embedding_group, local_ranges, mean_loss_over,
+                                        named_parameters, pp_train_step, sync_tied_embedding)
+from meshplan.executor.recompute import apply_recompute
+from meshplan.executor.reference import ADAMW, RankResult, RunSpec
+from meshplan.executor.sharded_optimizer import ShardedAdamW
+from meshplan.executor.tensor_parallel import apply_tensor_parallel, reduce_partial_grads, vocab_parallel_loss
 
 with warnings.catch_warnings():  # torch.distributed.optim scripts its functional optimizers; 2.13 deprecates jit
     warnings.simplefilter("ignore", DeprecationWarning)

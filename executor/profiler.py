@@ -15,27 +15,27 @@ torch is imported inside the functions: `import executor.profiler` works without
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import platform
 import statistics
 import time
-from functools import partial
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from costmodels.calibrate import fit_model
-from costmodels.config import ParallelConfig, Workload, get_runtime, resolve
-from costmodels.estimate import EXECUTOR_RUNTIME
-from costmodels.memory import layer_activation_bytes
-from costmodels.model import ModelSpec
-from costmodels.ops import ACT_BYTES
-from hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, ActivationPoint, AttentionPoint, Calibration,
-                                     CollectivePoint, DeviceInfo, GemmPoint, Measurements, MemoryOpPoint,
-                                     LayerOverhead, OptimizerPoint, Software, StepOverhead)
-from hardware_db.errors import InputError
+from meshplan.costmodels.calibrate import fit_model
+from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime, resolve
+from meshplan.costmodels.estimate import EXECUTOR_RUNTIME
+from meshplan.costmodels.memory import layer_activation_bytes
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.ops import ACT_BYTES
+from meshplan.hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, ActivationPoint, AttentionPoint, Calibration,
+                                              CollectivePoint, DeviceInfo, GemmPoint, LayerOverhead, Measurements,
+                                              MemoryOpPoint, OptimizerPoint, Software, StepOverhead)
+from meshplan.hardware_db.errors import InputError
 
 __all__ = ["ProfileOptions", "Progress", "gemm_shapes", "profile"]
 
@@ -208,7 +208,7 @@ def _time_memory_ops(model: ModelSpec, opts: ProfileOptions, timer: _Timer,
     import torch
     import torch.nn.functional as F
 
-    from executor.model import RMSNorm, apply_rope
+    from meshplan.executor.model import RMSNorm, apply_rope
 
     dtype, dev, points = _torch_dtype(opts.dtype), opts.device, []
     h, d, vocab = model.hidden, model.head_size, model.vocab
@@ -267,8 +267,8 @@ def _time_optimizer(model: ModelSpec, opts: ProfileOptions, timer: _Timer,
     with the executor's settings (executor/reference.py ADAMW: per-tensor loop), on a GPU fused."""
     import torch
 
-    from executor.model import build_model
-    from executor.reference import ADAMW
+    from meshplan.executor.model import build_model
+    from meshplan.executor.reference import ADAMW
 
     dtype, points = _torch_dtype(opts.dtype), []
     settings = dict(ADAMW) if opts.device == "cpu" else {**ADAMW, "foreach": False, "fused": True}
@@ -290,8 +290,8 @@ def _activation_points(model: ModelSpec, opts: ProfileOptions, tick: Callable[[s
     executor/recompute.py installs it, vs layer_activation_bytes for that mode."""
     import torch
 
-    from executor.model import TransformerBlock
-    from executor.recompute import _recomputed_block, _recomputed_core, saved_activation_bytes
+    from meshplan.executor.model import TransformerBlock
+    from meshplan.executor.recompute import _recomputed_block, _recomputed_core, saved_activation_bytes
 
     dtype = _torch_dtype(opts.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -342,7 +342,7 @@ def _chunk_times(model: ModelSpec, dtype_name: str, device: str, seqs: Sequence[
     """(seq, forward s, backward s) of one micro-batch through the executor's model: layers=0, the middle layer of
     a 3-layer model (TP-sharded over tp_mesh when given, with sequence parallelism if sp: its input and output
     are then this rank's seq/tp tokens); layers=L, a whole L-layer model with its loss."""
-    from executor.model import build_model
+    from meshplan.executor.model import build_model
 
     dtype = _torch_dtype(dtype_name)
     timer = _Timer(device, repeats, warmup, statistic)
@@ -357,12 +357,12 @@ def _chunk_seq_times(full: Any, model: ModelSpec, dtype: Any, device: str, seq: 
                      tp_mesh: Any, sp: bool) -> list[tuple[int, float, float]]:
     import torch
 
-    from executor.model import ModelChunk
+    from meshplan.executor.model import ModelChunk
 
     tp = tp_mesh.size() if tp_mesh is not None else 1
     chunk = (ModelChunk(full, 1, 2, positions=torch.arange(seq, device=device)) if layers == 0 else full).to(device)
     if tp_mesh is not None:
-        from executor.tensor_parallel import apply_tensor_parallel
+        from meshplan.executor.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(chunk, tp_mesh, sp)
     sync = (lambda: torch.distributed.barrier()) if tp_mesh is not None else None
@@ -389,8 +389,8 @@ def _predicted(model: ModelSpec, cal: Calibration, seq: int, tp: int, layers: in
                sp: bool = False) -> tuple[float, float]:
     """The calibrated cost model's (forward, backward) of what _chunk_times ran, communication included, without
     an overhead term (the calibration being fitted has none yet)."""
-    from costmodels.estimate import GroupLinks, PassCache, calibrated_cluster
-    from hardware_db.cluster import ClusterSpec
+    from meshplan.costmodels.estimate import GroupLinks, PassCache, calibrated_cluster
+    from meshplan.hardware_db.cluster import ClusterSpec
 
     spec = ClusterSpec(gpu=cal.device.target, num_gpus=tp, gpus_per_node=tp)
     cluster, eff = calibrated_cluster(spec, cal, "the profile")
@@ -412,7 +412,7 @@ def _overheads(model: ModelSpec, cal: Calibration, opts: ProfileOptions, tp_degr
     whole models of 1 and DEEP layers (outside the layers: the 1-layer model's residual beyond its layer alone;
     per layer: the deep model's residual without that, over DEEP); tp > 1: that per-layer overhead plus what a layer
     alone on that many ranks (with and without SP) leaves beyond a layer alone at tp 1."""
-    from executor.launch import run_world
+    from meshplan.executor.launch import run_world
 
     seqs, reps = opts.overhead_seq, max(opts.repeats, 5)
     tick(f"one layer, and whole models of 1 and {DEEP} layers")
@@ -497,7 +497,7 @@ def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int
 
 
 def _time_collectives(opts: ProfileOptions, tick: Callable[[str], None]) -> list[CollectivePoint]:
-    from executor.launch import run_world
+    from meshplan.executor.launch import run_world
 
     sizes = (4096, 65536, 1 << 20, 4 << 20) if opts.quick else (4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20)
     points = []
@@ -533,7 +533,7 @@ def _device_info(opts: ProfileOptions) -> DeviceInfo:
 
 def _gpu_target(device_name: str) -> str:
     """hardware_db GPU name from torch's device name ("NVIDIA H100 80GB HBM3" -> "h100-sxm")."""
-    from hardware_db.gpu import list_gpus
+    from meshplan.hardware_db.gpu import list_gpus
 
     n = device_name.lower()
     rules = [("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
@@ -546,9 +546,9 @@ def _gpu_target(device_name: str) -> str:
 
 
 def _software(opts: ProfileOptions) -> Software:
-    import torch
-
     from importlib.metadata import PackageNotFoundError, version
+
+    import torch
 
     try:
         mine = version("meshplan")
@@ -627,7 +627,7 @@ def profile(opts: ProfileOptions, progress: Progress | None = None) -> Calibrati
 def default_profile_model(device: str) -> ModelSpec:
     """The shapes profiled when no --model is given: Llama-3.1-8B on a GPU; on a CPU a narrow model of the same
     structure (SwiGLU, GQA), whose GEMMs take milliseconds on one thread."""
-    from costmodels.model_io import load_model
+    from meshplan.costmodels.model_io import load_model
 
     spec = load_model("llama3.1-8b")
     if device == "cuda":

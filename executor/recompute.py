@@ -35,8 +35,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from executor.mesh import ExecLayout
-from executor.model import AttentionCore, ModelChunk
+from meshplan.executor.mesh import ExecLayout
+from meshplan.executor.model import AttentionCore, ModelChunk
 
 __all__ = ["GRANULARITIES", "apply_recompute", "layer_modes", "saved_activation_bytes"]
 

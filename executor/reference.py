@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from costmodels.model import ModelSpec
-from executor.model import build_model
+from meshplan.costmodels.model import ModelSpec
+from meshplan.executor.model import build_model
 
 __all__ = ["ADAMW", "DTYPES", "RankResult", "RunResult", "RunSpec", "StepResult", "as_spec", "make_batch", "reference_run",
            "reference_step", "train"]

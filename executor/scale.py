@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from costmodels.model import MLASpec, MoESpec, ModelSpec
+from meshplan.costmodels.model import MLASpec, ModelSpec, MoESpec
 
 __all__ = ["SCALES", "Scale", "scale_model"]
 

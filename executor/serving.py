@@ -27,15 +27,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from costmodels.model import ModelSpec
-from executor.expert_parallel import apply_expert_parallel
-from executor.mesh import ExecLayout, build_meshes, rank_coords
-from executor.model import build_model
-from executor.tensor_parallel import apply_tensor_parallel
+from meshplan.costmodels.model import ModelSpec
+from meshplan.executor.expert_parallel import apply_expert_parallel
+from meshplan.executor.mesh import ExecLayout, build_meshes, rank_coords
+from meshplan.executor.model import build_model
+from meshplan.executor.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
-    from hardware_db.calibration import Calibration
-    from planner.plan import ServingPlan
+    from meshplan.hardware_db.calibration import Calibration
+    from meshplan.planner.plan import ServingPlan
 
 __all__ = ["KVCacheCore", "ServeRankReport", "serve_tokens", "serve_rank", "serve_reference", "max_relative_error",
            "INJECTIONS", "ServeEngineCheck", "ServeCheckReport", "run_serve_check"]
@@ -191,13 +191,12 @@ def run_serve_check(plan: "ServingPlan", scale: str = "tiny", prompt: int | None
                     calibration: "Calibration | None" = None, calibration_origin: str = "the calibration",
                     inject: str | None = None) -> ServeCheckReport:
     """Every engine of `plan` (pp 1) at a reduced size: its ranks against the reference forward."""
-    from costmodels.estimate import EXECUTOR_RUNTIME, Efficiency, calibrated_cluster
-    from costmodels.serving import EngineLayout, iteration_time, kv_bytes_per_token
-    from executor.launch import run_world
-    from executor.scale import SCALES, scale_model
-    from hardware_db.cluster import ClusterSpec
-    from hardware_db.errors import InputError
-    from hardware_db.cluster import engine_cluster
+    from meshplan.costmodels.estimate import EXECUTOR_RUNTIME, Efficiency, calibrated_cluster
+    from meshplan.costmodels.serving import EngineLayout, iteration_time, kv_bytes_per_token
+    from meshplan.executor.launch import run_world
+    from meshplan.executor.scale import SCALES, scale_model
+    from meshplan.hardware_db.cluster import ClusterSpec, engine_cluster
+    from meshplan.hardware_db.errors import InputError
 
     if scale not in SCALES and scale != "none":
         raise InputError(f"--scale {scale!r}: choose one of {', '.join(SCALES)} or none")

@@ -58,22 +58,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
 
-from executor.data_parallel import fsdp_reduction_factor, micro_batches
-from executor.mesh import ExecLayout, build_meshes
-from executor.model import MLAttention, ModelChunk, TransformerBlock, token_loss
-from executor.reference import ADAMW, RankResult, RunSpec
+from meshplan.executor.data_parallel import fsdp_reduction_factor, micro_batches
+from meshplan.executor.mesh import ExecLayout, build_meshes
+from meshplan.executor.model import MLAttention, ModelChunk, TransformerBlock, token_loss
+from meshplan.executor.reference import ADAMW, RankResult, RunSpec
 
 __all__ = [
     "INJECTIONS", "TPResult", "apply_tensor_parallel", "check_tp_degree", "full_grads", "full_params", "full_state",

@@ -33,14 +33,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from costmodels.config import InputError, ParallelConfig, Workload, resolve
-from costmodels.estimate import EXECUTOR_RUNTIME, Simulated, calibrated_cluster, simulate_config
-from costmodels.model import ModelSpec
-from costmodels.ops import ACT_BYTES
-from executor.scale import SCALES, scale_model
-from hardware_db.calibration import Calibration
-from hardware_db.cluster import ClusterSpec
-from planner.plan import Plan, plan_config
+from meshplan.costmodels.config import InputError, ParallelConfig, Workload, resolve
+from meshplan.costmodels.estimate import EXECUTOR_RUNTIME, Simulated, calibrated_cluster, simulate_config
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.ops import ACT_BYTES
+from meshplan.executor.scale import SCALES, scale_model
+from meshplan.hardware_db.calibration import Calibration
+from meshplan.hardware_db.cluster import ClusterSpec
+from meshplan.planner.plan import Plan, plan_config
 
 __all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyOutcome", "VerifyReport", "measured_trace",
            "run_layout", "run_verify", "side_by_side", "verify_case"]
@@ -234,10 +234,10 @@ def run_layout(run: Any, lay: Any, *, inject: str | None = None, reference: Any 
                timeout_s: float = 300.0) -> LayoutRun:
     """`plan_rank` on lay.world spawned ranks, merged and compared with the single-process run (computed here
     unless `reference` is given). Raises RankFailure if a rank raises or does not finish in time."""
-    from executor.compare import compare_to_reference, merge_reports
-    from executor.launch import run_world
-    from executor.plan_run import plan_rank
-    from executor.reference import reference_run
+    from meshplan.executor.compare import compare_to_reference, merge_reports
+    from meshplan.executor.launch import run_world
+    from meshplan.executor.plan_run import plan_rank
+    from meshplan.executor.reference import reference_run
 
     reports = tuple(run_world(lay.world, plan_rank, run, lay, inject, backend=backend, timeout_s=timeout_s))
     merged, disagreements = merge_reports(reports)
@@ -250,9 +250,9 @@ def _torchrun_layout(rank: int, world: int, run: Any, lay: Any, inject: str | No
     returns the verdict (rank 0 also the LayoutRun)."""
     import torch.distributed as dist
 
-    from executor.compare import compare_to_reference, merge_reports
-    from executor.plan_run import plan_rank
-    from executor.reference import reference_run
+    from meshplan.executor.compare import compare_to_reference, merge_reports
+    from meshplan.executor.plan_run import plan_rank
+    from meshplan.executor.reference import reference_run
 
     if world != lay.world:
         raise InputError(f"the plan runs {lay.world} ranks but torchrun started {world}; "
@@ -305,7 +305,7 @@ def side_by_side(sim: Simulated, reports: Sequence[Any]) -> dict[str, Any]:
     """One Chrome trace with two processes: the cost model's simulated step of this scaled run on the plan's GPUs
     (the planner's --trace, process "meshplan pipeline") and the ranks' measured step (process "meshplan verify
     (measured)"), so Perfetto shows them one above the other (their time scales differ: GPU vs CPU)."""
-    from planner.trace import chrome_trace
+    from meshplan.planner.trace import chrome_trace
 
     predicted = chrome_trace(sim)
     measured = measured_trace(reports)
@@ -382,8 +382,8 @@ def _check_memory(spec: ModelSpec, ranks: int, tokens: int, opts: "VerifyOptions
 def _check_runnable(lay: Any, n_micro: int, inject: str | None) -> None:
     """What every rank would refuse, refused here first: the schedule's own rules (executor/pipeline.py) and the
     injections' preconditions (executor/plan_run.py)."""
-    from executor.pipeline import schedule_problem
-    from executor.plan_run import shift_stage_problem
+    from meshplan.executor.pipeline import schedule_problem
+    from meshplan.executor.plan_run import shift_stage_problem
 
     problem = schedule_problem(lay, n_micro)
     if problem:
@@ -409,9 +409,9 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
         import torch  # noqa: F401 - only to say what is missing in one line
     except ImportError:
         raise InputError("meshplan verify needs PyTorch: pip install 'meshplan[torch]' (CPU: torch==2.13.0)") from None
-    from executor.mesh import ExecLayout
-    from executor.plan_run import INJECTIONS
-    from executor.reference import RunSpec, reference_run
+    from meshplan.executor.mesh import ExecLayout
+    from meshplan.executor.plan_run import INJECTIONS
+    from meshplan.executor.reference import RunSpec, reference_run
 
     if opts.inject is not None and opts.inject not in INJECTIONS:
         raise InputError(f"--inject {opts.inject!r}: one of {', '.join(INJECTIONS)}")
@@ -422,7 +422,7 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
     _check_memory(case.spec, exec_layout.world if opts.launcher == "spawn" else 1, case.gbs * case.seq, opts)
     run = RunSpec(model=case.spec, gbs=case.gbs, seq=case.seq, steps=opts.steps, seed=opts.seed, dtype=opts.dtype)
     if opts.launcher == "torchrun":
-        from executor.launch import run_torchrun
+        from meshplan.executor.launch import run_torchrun
 
         result, ok = run_torchrun(_torchrun_layout, run, exec_layout, opts.inject, backend=opts.backend,
                                   timeout_s=opts.timeout_s)

@@ -16,9 +16,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hardware_db.documents import parse_document
-from hardware_db.errors import InputError, field_error
-from hardware_db.gpu import EfficiencyDefaults, GPUSpec, Sourced
+from meshplan.hardware_db.documents import parse_document
+from meshplan.hardware_db.errors import InputError, field_error
+from meshplan.hardware_db.gpu import EfficiencyDefaults, GPUSpec, Sourced
 
 CALIBRATION_SCHEMA_VERSION = 1
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
@@ -228,7 +228,7 @@ class Calibration(_Frozen):
 
 
 def calibration_dir() -> Path:
-    return Path(str(resources.files("hardware_db.calibrations")))
+    return Path(str(resources.files("meshplan.hardware_db.calibrations")))
 
 
 def digest(cal: Calibration) -> str:

@@ -9,10 +9,9 @@ from pathlib import Path
 import networkx as nx
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from hardware_db.documents import STRICT, read_document
-from hardware_db.errors import InputError, field_error
-from hardware_db.gpu import GPUSpec, load_gpu
-
+from meshplan.hardware_db.documents import STRICT, read_document
+from meshplan.hardware_db.errors import InputError, field_error
+from meshplan.hardware_db.gpu import GPUSpec, load_gpu
 
 MAX_GPUS = 2**18  # 262,144: above the largest clusters built (about 200,000 GPUs); the search's work grows with it
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict
 
-from hardware_db.errors import InputError
+from meshplan.hardware_db.errors import InputError
 
 # every schema a file is read into: frozen, no unknown keys, no coercion (true is not 1, "4096" is not 4096, 0.5
 # is not a count), no inf or nan

@@ -8,8 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from hardware_db.documents import STRICT, parse_document
-from hardware_db.errors import InputError, field_error
+from meshplan.hardware_db.documents import STRICT, parse_document
+from meshplan.hardware_db.errors import InputError, field_error
 
 DType = Literal["bf16", "fp16", "fp8", "fp32"]
 
@@ -131,7 +131,7 @@ class GPUSpec(BaseModel):
 
 
 def _gpu_dir():
-    return resources.files("hardware_db.gpus")
+    return resources.files("meshplan.hardware_db.gpus")
 
 
 def list_gpus() -> list[str]:

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from costmodels.config import ParallelConfig, Workload, resolve
-from costmodels.estimate import Simulated
-from costmodels.memory import FRAGMENTATION
-from costmodels.model import ModelSpec
-from costmodels.model_io import to_model_file
-from costmodels.serving import ServeTargets, ServeWorkload
-from hardware_db.cluster import Cluster
-from planner.plan import (ClusterInput, Inputs, Memory, MemoryStage, ParetoPoint, Plan, Prediction, SearchInfo,
-                          ServingEngine, ServingInputs, ServingPlan, ServingPrediction, ServingSearch, StageTime,
-                          layout_sections, meshplan_version)
-from planner.search import SearchAccount
-from planner.serve import Deployment, ServeResult, meets, misses
+from meshplan.costmodels.config import ParallelConfig, Workload, resolve
+from meshplan.costmodels.estimate import Simulated
+from meshplan.costmodels.memory import FRAGMENTATION
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import to_model_file
+from meshplan.costmodels.serving import ServeTargets, ServeWorkload
+from meshplan.hardware_db.cluster import Cluster
+from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryStage, ParetoPoint, Plan, Prediction, SearchInfo,
+                                   ServingEngine, ServingInputs, ServingPlan, ServingPrediction, ServingSearch,
+                                   StageTime, layout_sections, meshplan_version)
+from meshplan.planner.search import SearchAccount
+from meshplan.planner.serve import Deployment, ServeResult, meets, misses
 
 __all__ = ["build_plan", "build_serving_plan"]
 

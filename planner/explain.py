@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.search import RankedPlan, SearchResult
+from meshplan.planner.search import RankedPlan, SearchResult
 
 BINDING_MEMORY_FRACTION = 0.95  # a stage above this share of HBM is "memory-bound" for the explanation
 

@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from hardware_db.errors import InputError
+from meshplan.hardware_db.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Branch-and-bound search over the space (planner/space.py), exact under the cost model.
 
 For every candidate (all knobs but the stage partition) the partitioner's objective is a lower bound on the
-event-simulated step time over *all* stage partitions (planner/partition.py); the exact DP minimises it. Each
+event-simulated step time over *all* stage partitions (planner/partition/); the exact DP minimises it. Each
 candidate is then either pruned (a bound is no better than the K-th best simulated plan so far), infeasible
 (no partition fits in memory), or simulated with the DP's partition. The search is best-first (A*) over one queue
 of steps ordered by their lower bounds, from the cheapest (a group's work bound) to the dearest (a simulation):
@@ -23,25 +23,25 @@ from typing import Callable
 
 import numpy as np
 
-from costmodels.config import (DEFAULT_RECOMPUTE_MODULES, DEFAULT_RUNTIME, ParallelConfig, StagePolicy, Workload,
-                               get_runtime, resolve, split_evenly)
-from costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, Estimate, buffer_bytes,
-                                 fp8_weight_cast_s, model_flops_per_step, simulate_config, stage_p2p_s, stage_ranges,
-                                 with_recompute_fb)
-from costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes, layer_activation_bytes,
-                               logits_bytes, model_state_bytes, mtp_activation_bytes, stage_params)
-from costmodels.deadline import Deadline, TimeLimitReached
-from costmodels.model import ModelSpec
-from hardware_db.cluster import Cluster
-from hardware_db.errors import InputError
-from costmodels.kernels import CONTENTION_SM, overlapped_exposed
-from planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, partitions_below,
-                               per_stage_tight_bound,
-                               per_stage_partitions_below,
-                               per_stage_bound, solve_cpsat, solve_rank0_path_sync,
-                               solve_dp, solve_dp_pairs, solve_stage0_sync)
-from planner.space import (Candidate, Enumeration, Group, LayerKey, Mesh, Pins, check_pins, enumerate_space,
-                           interleaved_chunks)
+from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, DEFAULT_RUNTIME, ParallelConfig, StagePolicy,
+                                        Workload, get_runtime, resolve, split_evenly)
+from meshplan.costmodels.deadline import Deadline, TimeLimitReached
+from meshplan.costmodels.estimate import (CostContext, Efficiency, Estimate, GroupLinks, PassCache, buffer_bytes,
+                                          fp8_weight_cast_s, model_flops_per_step, simulate_config, stage_p2p_s,
+                                          stage_ranges, with_recompute_fb)
+from meshplan.costmodels.kernels import CONTENTION_SM, overlapped_exposed
+from meshplan.costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes,
+                                        layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
+                                        stage_params)
+from meshplan.costmodels.model import ModelSpec
+from meshplan.hardware_db.cluster import Cluster
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.partition import (PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit,
+                                        partitions_below, per_stage_bound, per_stage_partitions_below,
+                                        per_stage_tight_bound, solve_cpsat, solve_dp, solve_dp_pairs,
+                                        solve_rank0_path_sync, solve_stage0_sync)
+from meshplan.planner.space import (Candidate, Enumeration, Group, LayerKey, Mesh, Pins, check_pins, enumerate_space,
+                                    interleaved_chunks)
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
 LOOKAHEAD = 0.1  # a DP solves exactly only below (1 + this) x its step's queue key; above, it is queued again there
@@ -1035,7 +1035,7 @@ class _Search:
     def _close_per_stage_gap(self, c: Candidate, prob: PartitionProblem, ctx: CostContext, stage_layers, policies,
                              best: float) -> bool:
         """Simulate every (partition, per-stage policy) of a per-stage candidate whose J is below the best plan
-        (planner/partition.py per_stage_partitions_below), which closes its gap; False when they are too many."""
+        (planner/partition/bounds.py per_stage_partitions_below), which closes its gap; False when they are too many."""
         if not self._listable(c):
             return False
         found = per_stage_partitions_below(prob, best * (1 - REL_TOL), limit=ENUMERATE_PARTITIONS)
@@ -1053,7 +1053,7 @@ class _Search:
     def _close_gaps(self, deadline: float | None) -> bool:
         """Where a candidate's simulated time exceeds its J bound and the bound is below the best plan: simulate
         every partition whose bound is below the best when there are few (partitions_below), which closes the gap;
-        else try its even split, and replace J by the larger of two tighter bounds (planner/partition.py): the 1F1B
+        else try its even split, and replace J by the larger of two tighter bounds (planner/partition/bounds.py): the 1F1B
         pair chain (solve_dp_pairs, whose own best partition is simulated when it differs) and rank 0's sync after
         the whole backward flow (solve_stage0_sync, likewise). True when the time limit stopped it."""
         still_open = []
@@ -1321,7 +1321,7 @@ def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, la
     summing to `total` (one micro-batch through every stage): a sound lower bound that needs no partition.
 
     Rank r cannot finish before micro-batch 0 reaches it and it ran all its m micro-batches; under 1F1B and GPipe
-    the gradient must then flow back through ranks r-1..0 (planner/partition.py), so the step is at least
+    the gradient must then flow back through ranks r-1..0 (planner/partition/bounds.py), so the step is at least
     max_r (sum_{s<r} t_s + m t_r). Equalising the terms (the LP optimum) gives X = total / (1 - (1 - 1/m)^p).
     Under ZB only the forward prefix is certain: f_s >= alpha t_s gives X = alpha total / (1 - (1 - alpha/m)^p).
     With virtual stages only the work bound m total / p is used. GPipe: J_r >= total + (m - 1) t_r, so the step is
@@ -1332,7 +1332,7 @@ def pipeline_floor(total: float, alpha: float, m: int, p: int, schedule: str, la
     / p, the textbook
     1F1B bubble (Narayanan et al. 2021) as a bound for any partition. Both also pay 2 (p-1) hops (hop: P2P latency
     between stages) on the way there and back. 1F1B, rank 0 alone: micro-batch 0's and m-1's round trips and the
-    (m-1)//p - 1 steady ones between them (planner/partition.py, _end_pieces) sum to ((m-1)//p + 1) (total +
+    (m-1)//p - 1 steady ones between them (planner/partition/terms.py, _end_pieces) sum to ((m-1)//p + 1) (total +
     2 (p-1) hop) + ((m-1) mod p) t_0, which is the floor that sees P2P latency paid every p micro-batches.
     stage_min bounds the heaviest stage's time t_r (heaviest_stage_floor: stages hold whole layers); that rank's own
     paths give J_r >= total + (m-1) t_r (GPipe) and, 1F1B, B_r = T_<r + (m - w_r) t_r + 2 T_>r >= total + (m - p)

@@ -21,12 +21,12 @@ from typing import Literal
 
 import numpy as np
 
-from costmodels.estimate import Efficiency
-from costmodels.model import ModelSpec
-from costmodels.serving import (Capacity, EngineLayout, ServeTargets, ServeWorkload, capacity, iteration_time,
-                                kv_transfer_s)
-from hardware_db.cluster import Cluster, engine_cluster
-from hardware_db.errors import InputError
+from meshplan.costmodels.estimate import Efficiency
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.serving import (Capacity, EngineLayout, ServeTargets, ServeWorkload, capacity, iteration_time,
+                                         kv_transfer_s)
+from meshplan.hardware_db.cluster import Cluster, engine_cluster
+from meshplan.hardware_db.errors import InputError
 
 __all__ = ["ServeWorkload", "ServeTargets", "PoolPoint", "Deployment", "ServeResult", "engine_layouts",
            "aggregated_point", "prefill_point", "decode_point", "search_serving", "pareto_front", "CHUNKS"]

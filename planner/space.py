@@ -17,11 +17,12 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from costmodels.model import ModelSpec
-from costmodels.pipeline import MAX_PIPELINE_PASSES, pipeline_passes
-from costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RankOrder, RecomputeModule,
-                               Runtime, Workload, check_recompute_modules, even_chunks, split_evenly)
-from hardware_db.errors import InputError
+from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RankOrder,
+                                        RecomputeModule, Runtime, Workload, check_recompute_modules, even_chunks,
+                                        split_evenly)
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.pipeline import MAX_PIPELINE_PASSES, pipeline_passes
+from meshplan.hardware_db.errors import InputError
 
 RecomputeChoice = Literal["none", "selective", "full", "per-stage"]
 # vpp = 1; "interleaved" comes with each vpp > 1. Zero-bubble (ZB-H1) is searched only when pinned (--schedule zb):

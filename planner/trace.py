@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from costmodels.estimate import Simulated
-from planner.plan import write_text_atomic
+from meshplan.costmodels.estimate import Simulated
+from meshplan.planner.plan import write_text_atomic
 
 __all__ = ["PROCESS_NAME", "chrome_trace", "write_trace"]
 

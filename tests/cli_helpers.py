@@ -1,6 +1,6 @@
 """Helpers shared by the CLI tests: run `meshplan` in-process, and the one-line bad-input contract."""
 
-from cli.main import main
+from meshplan.cli.main import main
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:

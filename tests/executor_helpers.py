@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from executor.reference import RunResult, RunSpec, reference_run
+from meshplan.executor.reference import RunResult, RunSpec, reference_run
 
 
 @functools.lru_cache(maxsize=None)

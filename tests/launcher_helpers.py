@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from costmodels.config import ParallelConfig, Workload
-from costmodels.estimate import simulate_config
-from costmodels.model import ModelSpec
-from costmodels.model_io import load_zoo
-from hardware_db.cluster import Cluster, ClusterSpec
-from planner.builders import build_plan
-from planner.plan import Plan
+from meshplan.costmodels.config import ParallelConfig, Workload
+from meshplan.costmodels.estimate import simulate_config
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import load_zoo
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.planner.builders import build_plan
+from meshplan.planner.plan import Plan
 
 # Llama 3 paper (Dubey et al. 2024, table 4 and section 3.3.2): 16,384 H100, TP8 CP1 PP16 DP128, sequence 8,192,
 # 16M tokens per batch (2,048 sequences); one layer fewer on the first and the last stage (126 = 7 + 14*8 + 7).

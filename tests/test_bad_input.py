@@ -9,13 +9,13 @@ import math
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_input_error, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costmodels.model_io import load_model
-from hardware_db.documents import MAX_DEPTH, parse_document
-from hardware_db.errors import InputError
-from cli_helpers import assert_input_error, run
+from meshplan.costmodels.model_io import load_model
+from meshplan.hardware_db.documents import MAX_DEPTH, parse_document
+from meshplan.hardware_db.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_HF = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -152,7 +152,7 @@ def test_verify_flags_past_their_bounds_are_refused_before_any_run(capsys, tmp_p
 def test_the_verify_memory_floor_counts_the_batch_a_step_runs():
     """--seq 16,777,216 on a tiny model: its weights fit anywhere, its activations (each layer's input for the whole
     batch) do not: the floor grows with the tokens a step runs and with the steps whose batches are drawn."""
-    from executor.verify import verify_memory_bytes
+    from meshplan.executor.verify import verify_memory_bytes
     spec = load_model("llama3.1-8b")
     base = verify_memory_bytes(spec, 4, 8)
     assert verify_memory_bytes(spec, 4, 8, tokens=8 * 2**24) >= base + 8 * 2**24 * spec.hidden * spec.num_layers * 8
@@ -238,7 +238,7 @@ def test_nesting_past_the_limit_is_refused_and_within_it_is_not():
 
 @pytest.fixture(scope="module")
 def mixtral_plan(tmp_path_factory) -> dict:
-    from cli.main import main
+    from meshplan.cli.main import main
 
     path = tmp_path_factory.mktemp("plan") / "mixtral.json"
     assert main(["plan", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "16", "--gbs", "64", "--seq",
@@ -281,7 +281,7 @@ def test_warnings_on_the_way_to_an_error_are_held_back(capsys, monkeypatch, recw
     command prints its one line only, a successful one still shows its warnings."""
     import warnings
 
-    import cli.main as cli_main
+    import meshplan.cli.main as cli_main
 
     real = cli_main.load_model
 

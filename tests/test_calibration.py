@@ -7,21 +7,22 @@ import json
 import math
 
 import pytest
-from hypothesis import given, strategies as st
-
 from cli_helpers import assert_input_error, run
-from costmodels import comm
-from costmodels.calibrate import fit_curve, fit_linear, fit_model, fit_ring, interpolate, isotonic
-from costmodels.comm import ring_shape
-from costmodels.config import ParallelConfig, Workload
-from costmodels.estimate import Efficiency, calibrated_cluster, op_time, simulate_config, timed_collective
-from costmodels.model_io import load_model
-from hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, ActivationPoint, AttentionPoint, Calibration,
-                                     CollectivePoint, DeviceInfo, GemmPoint, LayerOverhead, Measurements,
-                                     MemoryOpPoint, OptimizerPoint, Software, StepOverhead, calibration_dir,
-                                     load_calibration, parse_calibration)
-from hardware_db.cluster import ClusterSpec
-from hardware_db.errors import InputError
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshplan.costmodels import comm
+from meshplan.costmodels.calibrate import fit_curve, fit_linear, fit_model, fit_ring, interpolate, isotonic
+from meshplan.costmodels.comm import ring_shape
+from meshplan.costmodels.config import ParallelConfig, Workload
+from meshplan.costmodels.estimate import Efficiency, calibrated_cluster, op_time, simulate_config, timed_collective
+from meshplan.costmodels.model_io import load_model
+from meshplan.hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, ActivationPoint, AttentionPoint, Calibration,
+                                              CollectivePoint, DeviceInfo, GemmPoint, LayerOverhead, Measurements,
+                                              MemoryOpPoint, OptimizerPoint, Software, StepOverhead, calibration_dir,
+                                              load_calibration, parse_calibration)
+from meshplan.hardware_db.cluster import ClusterSpec
+from meshplan.hardware_db.errors import InputError
 
 EXAMPLE = calibration_dir() / "example-cpu.json"
 
@@ -250,7 +251,7 @@ def test_cli_estimates_and_plans_on_a_calibrated_cpu_and_the_plan_records_it(cap
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
     pytest.importorskip("torch")
-    from cli.main import main
+    from meshplan.cli.main import main
 
     out = tmp_path_factory.mktemp("profile") / "cpu.json"
     assert main(["profile", "--quick", "--out", str(out)]) == 0
@@ -270,9 +271,9 @@ def test_profile_quick_writes_a_calibration_of_this_cpu(quick_profile):
 
 
 def test_verify_reports_the_prediction_for_this_host(quick_profile, tmp_path, capsys):
-    from cli.main import main
-    from planner.builders import build_plan
-    from planner.plan import write_plan
+    from meshplan.cli.main import main
+    from meshplan.planner.builders import build_plan
+    from meshplan.planner.plan import write_plan
 
     spec = load_model("llama3.1-8b").model_copy(update={"num_layers": 2})
     cluster, eff = calibrated_cluster(ClusterSpec(gpu="cpu", num_gpus=2, gpus_per_node=2),
@@ -298,9 +299,9 @@ def test_profile_refuses_a_device_this_machine_does_not_have(capsys, tmp_path):
 
 
 def test_the_measured_activation_ratio_applies_to_plans_of_the_profiled_framework_only():
-    from costmodels.config import get_runtime, resolve
-    from costmodels.estimate import CostContext
-    from costmodels.memory import layer_activation_bytes
+    from meshplan.costmodels.config import get_runtime, resolve
+    from meshplan.costmodels.estimate import CostContext
+    from meshplan.costmodels.memory import layer_activation_bytes
 
     model = load_model("llama3.1-8b").model_copy(update={"num_layers": 2, "hidden": 256, "num_heads": 8,
                                                          "num_kv_heads": 4, "head_dim": 32, "ffn_hidden": 704,

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import assert_input_error, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,7 +203,7 @@ def test_fp8_recipe_and_runtime_options_bad_input(capsys):
 
 
 def test_real_process_one_line_error_and_version():
-    cmd = [sys.executable, "-m", "cli.main"]
+    cmd = [sys.executable, "-m", "meshplan.cli.main"]
     p = subprocess.run([*cmd, "estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "0"],
                        capture_output=True, text=True, cwd=ROOT)
     assert_input_error(p.returncode, p.stdout, p.stderr, "--gpus")

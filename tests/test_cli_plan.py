@@ -12,16 +12,16 @@ import re
 from pathlib import Path
 
 import pytest
-
-from cli.main import main
-from costmodels.config import Workload
-from costmodels.model_io import load_zoo
-from hardware_db.cluster import Cluster, ClusterSpec
-from planner.explain import explain
-from planner.plan import SCHEMA_VERSION, Plan, read_plan
-from planner.search import search
-from planner.space import Pins
 from cli_helpers import assert_input_error, run
+
+from meshplan.cli.main import main
+from meshplan.costmodels.config import Workload
+from meshplan.costmodels.model_io import load_zoo
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.planner.explain import explain
+from meshplan.planner.plan import SCHEMA_VERSION, Plan, read_plan
+from meshplan.planner.search import search
+from meshplan.planner.space import Pins
 
 PLAN = ["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048",
         "--max-mbs", "2"]

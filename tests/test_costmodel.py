@@ -9,15 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels import comm
-from costmodels.config import ParallelConfig, Workload, get_runtime, resolve
-from costmodels.estimate import estimate, model_flops_per_step
-from costmodels.memory import layer_activation_bytes, model_state_bytes, StageParams
-from costmodels.model import ModelSpec
-from costmodels.ops import decoder_layer, head_block
-from costmodels.pipeline import StageTimes, bubble_closed_form, build_schedule, simulate
-from hardware_db.cluster import Cluster, ClusterSpec
-from hardware_db.errors import InputError
+from meshplan.costmodels import comm
+from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime, resolve
+from meshplan.costmodels.estimate import estimate, model_flops_per_step
+from meshplan.costmodels.memory import StageParams, layer_activation_bytes, model_state_bytes
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.ops import decoder_layer, head_block
+from meshplan.costmodels.pipeline import StageTimes, bubble_closed_form, build_schedule, simulate
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
 
 GPT22B = ModelSpec(name="gpt-22b", num_layers=48, hidden=6144, num_heads=64, ffn_hidden=24576, vocab=51200,
                    mlp="gelu", norm="layernorm", qkv_bias=True, linear_bias=True, tied_embeddings=True)
@@ -251,7 +251,7 @@ def test_context_parallel_variants():
        schedule=st.sampled_from(["1f1b", "gpipe", "interleaved"]), data=st.data())
 def test_fixed_order_sweep_equals_event_simulation(pp, vpp, groups, schedule, data):
     """simulate() sweeps fixed per-rank orders; the priority-queue simulation must give the same timeline."""
-    from costmodels.pipeline import StageTimes, build_schedule, simulate, simulate_events
+    from meshplan.costmodels.pipeline import StageTimes, build_schedule, simulate, simulate_events
     if schedule != "interleaved":
         vpp = 1
     elif pp == 1:
@@ -270,7 +270,7 @@ def test_fixed_order_sweep_equals_event_simulation(pp, vpp, groups, schedule, da
 def test_a_compiled_pass_order_refuses_weight_passes_and_mismatched_stage_times():
     """A PassOrder is a fixed order for the pp x vpp stages it was compiled from: ZB's weight passes need the event
     simulation, and stage times of another shape would be read at the wrong slots."""
-    from costmodels.pipeline import StageTimes, build_schedule, compile_order, simulate
+    from meshplan.costmodels.pipeline import StageTimes, build_schedule, compile_order, simulate
     order = compile_order(build_schedule("interleaved", 2, 4, 2))
     times = [[StageTimes(1.0, 1.0, 1.0)] * 2] * 2
     assert simulate(order, times).makespan == simulate(build_schedule("interleaved", 2, 4, 2), times).makespan
@@ -284,9 +284,9 @@ def test_mtp_modules_sit_on_the_last_stage():
     """DeepSeek-V3's MTP module (one projection, one MoE layer, the shared head again) is the last stage's: its
     parameters are counted there (the stages' parameters add up to total_params(include_mtp=True)), the last stage's
     block is slower by about one MoE layer and a head, and its memory grows by the module's activations."""
-    from costmodels.estimate import CostContext, Efficiency, simulate_config
-    from costmodels.memory import mtp_activation_bytes, stage_params
-    from costmodels.model_io import load_zoo
+    from meshplan.costmodels.estimate import CostContext, Efficiency, simulate_config
+    from meshplan.costmodels.memory import mtp_activation_bytes, stage_params
+    from meshplan.costmodels.model_io import load_zoo
 
     with_mtp = load_zoo("deepseek-v3")
     assert with_mtp.num_mtp_layers == 1
@@ -321,9 +321,9 @@ def test_interleaved_rank_parameters_are_its_chunks():
     """With virtual stages a rank holds non-contiguous chunks; its parameters (and so its weights, gradients and DP
     sync) are those chunks' layers, not a contiguous range of the same length. DeepSeek-style dense layers spilling
     past the first chunk make the two differ."""
-    from costmodels.memory import stage_params
-    from costmodels.model_io import load_zoo
-    from costmodels.estimate import stage_ranges
+    from meshplan.costmodels.estimate import stage_ranges
+    from meshplan.costmodels.memory import stage_params
+    from meshplan.costmodels.model_io import load_zoo
 
     base = load_zoo("deepseek-v3")
     model = base.model_copy(update={"num_layers": 24, "num_mtp_layers": 0,
@@ -347,10 +347,10 @@ def test_interleaved_rank_parameters_are_its_chunks():
 def test_pass_cache_totals_match_the_composed_passes(name, tp, cp, cp_comm, sp, mbs, ep, etp):
     """The planner's work bounds read PassCache.layer_fb / edges_fb (sums of the halves' totals); contexts read the
     composed PassTimes: the same seconds for every kind of layer, recompute mode, the embedding and the head (MTP)."""
-    from costmodels.estimate import CostContext, Efficiency, PassCache
-    from costmodels.model_io import load_model
-    from hardware_db.cluster import Cluster, ClusterSpec
-    from planner.space import LayerKey
+    from meshplan.costmodels.estimate import CostContext, Efficiency, PassCache
+    from meshplan.costmodels.model_io import load_model
+    from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+    from meshplan.planner.space import LayerKey
     model = load_model(name)
     gpus = 1024
     cluster, wl = Cluster(ClusterSpec(gpu="h800", num_gpus=gpus)), Workload(global_batch=1024, seq_len=4096)
@@ -383,7 +383,7 @@ def test_the_loss_holds_its_runtimes_bytes_per_logit(runtime, tp, per_logit):
     (Megatron's 16-bit logits + fp32 copy; torchtitan's eager fp32 cross-entropy backward: the saved log_softmax
     output, its incoming and outgoing gradient; under TP torch's loss_parallel: its saved fp32 output, a zeros_like
     gradient, exp(x) and their sum; compiled: 16-bit logits and gradient)."""
-    from costmodels.model_io import load_model
+    from meshplan.costmodels.model_io import load_model
     model = load_model("llama3.1-8b")
     cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8))
     wl = Workload(global_batch=16, seq_len=8192)
@@ -397,9 +397,9 @@ def test_torch_sequence_parallel_saves_the_gathered_linear_inputs():
     saves the shard and gathers it again (Korthikanti et al. 2022 sec. 4.2.3; +sp-regather). By hand on one
     Llama 3.1 8B layer at TP 8 without recomputation: two gathered 16-bit [b, s, h] inputs less their shards; the
     same under op-level SAC, which recomputes the gathers and saves neither."""
-    from costmodels.config import resolve
-    from costmodels.memory import layer_activation_bytes
-    from costmodels.model_io import load_model
+    from meshplan.costmodels.config import resolve
+    from meshplan.costmodels.memory import layer_activation_bytes
+    from meshplan.costmodels.model_io import load_model
 
     model = load_model("llama3.1-8b")
     wl = Workload(global_batch=16, seq_len=8192)

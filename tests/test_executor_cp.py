@@ -11,13 +11,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from costmodels.model_io import load_model  # noqa: E402
-from executor.compare import compare_to_reference, relative_error  # noqa: E402
-from executor.launch import run_world  # noqa: E402
-from executor.model import causal_attention  # noqa: E402
-from executor.reference import RunResult, RunSpec  # noqa: E402
-from executor.scale import scale_model  # noqa: E402
 from executor_helpers import reference  # noqa: E402
+
+from meshplan.costmodels.model_io import load_model  # noqa: E402
+from meshplan.executor.compare import compare_to_reference, relative_error  # noqa: E402
+from meshplan.executor.launch import run_world  # noqa: E402
+from meshplan.executor.model import causal_attention  # noqa: E402
+from meshplan.executor.reference import RunResult, RunSpec  # noqa: E402
+from meshplan.executor.scale import scale_model  # noqa: E402
 
 DENSE, MLA, LEARNED = "llama3.1-8b", "deepseek-v3", "gpt3-175b"  # GQA 8/2 heads; MLA + MoE; learned pos + biases
 F64 = torch.float64
@@ -57,7 +58,7 @@ def run_of(name: str) -> RunSpec:
 # ---- rank functions: top level, so spawn can pickle them by name ---------------------------------
 def _core_case(shape: tuple[int, ...], kind: str, group, cp: int, cp_rank: int) -> dict[str, torch.Tensor]:
     """One shape through one core: this rank's output and q, k, v gradients for a fixed upstream gradient."""
-    from executor.context_parallel import cp_shard, make_core
+    from meshplan.executor.context_parallel import cp_shard, make_core
 
     b, s, h, kv, d, dv = shape
     gen = torch.Generator().manual_seed(sum(shape))
@@ -70,7 +71,7 @@ def _core_case(shape: tuple[int, ...], kind: str, group, cp: int, cp_rank: int) 
 
 def _core_errors(group, cp: int, cp_rank: int) -> dict:
     """Both cores on every CORE_SHAPES entry, and the a2a core's refusal of heads that cp does not divide."""
-    from executor.context_parallel import UlyssesAttention
+    from meshplan.executor.context_parallel import UlyssesAttention
 
     out: dict = {kind: {name: _core_case(shape, kind, group, cp, cp_rank) for name, shape in CORE_SHAPES.items()}
                  for kind in ("ring", "a2a")}
@@ -87,7 +88,7 @@ def rank_world(rank: int, world: int, cases: dict) -> dict:
     """Everything a shared world runs: the cores over all ranks as one cp group, then every CP case."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from executor.context_parallel import cp_run
+    from meshplan.executor.context_parallel import cp_run
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     out: dict = {"cores": _core_errors(mesh.get_group(), world, rank), "cp": {}}
@@ -112,7 +113,7 @@ def world4() -> list[dict]:
 
 # ---- sharding, without a world --------------------------------------------------------------------
 def test_cp_positions_are_load_balanced_chunks() -> None:
-    from executor.context_parallel import cp_positions
+    from meshplan.executor.context_parallel import cp_positions
 
     assert cp_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert cp_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
@@ -130,7 +131,7 @@ def test_cp_positions_are_load_balanced_chunks() -> None:
 
 
 def test_cp_shard_and_unshard_are_inverse() -> None:
-    from executor.context_parallel import cp_positions, cp_shard, cp_unshard
+    from meshplan.executor.context_parallel import cp_positions, cp_shard, cp_unshard
 
     x = torch.arange(3 * 16 * 2).view(3, 16, 2)
     for cp in (1, 2, 4):
@@ -142,7 +143,7 @@ def test_cp_shard_and_unshard_are_inverse() -> None:
 
 
 def test_merge_rank_results_needs_the_ranks_to_agree() -> None:
-    from executor.context_parallel import merge_rank_results
+    from meshplan.executor.context_parallel import merge_rank_results
 
     run = run_of(DENSE)
     w = torch.ones(3, dtype=F64)
@@ -156,7 +157,7 @@ def test_merge_rank_results_needs_the_ranks_to_agree() -> None:
 
 
 def test_unknown_kind_and_injection_are_refused() -> None:
-    from executor.context_parallel import cp_run, make_core
+    from meshplan.executor.context_parallel import cp_run, make_core
 
     with pytest.raises(ValueError, match="unknown cp_comm"):
         make_core("allgather", None)
@@ -173,7 +174,7 @@ def test_unknown_kind_and_injection_are_refused() -> None:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("shape", list(CORE_SHAPES))
 def test_core_matches_causal_attention(kind: str, world: int, shape: str, world2, world4) -> None:
-    from executor.context_parallel import cp_unshard
+    from meshplan.executor.context_parallel import cp_unshard
 
     ranks = world2 if world == 2 else world4
     parts = [out["cores"][kind][shape] for out in ranks]
@@ -199,7 +200,7 @@ def test_a2a_refuses_heads_that_cp_does_not_divide(world: int, world2, world4) -
 # ---- whole runs against the reference -----------------------------------------------------------------
 @pytest.mark.parametrize("world,case", [(2, c) for c in CP2_CASES if c not in BROKEN] + [(4, c) for c in CP4_CASES])
 def test_cp_matches_the_reference(world: int, case: str, world2, world4) -> None:
-    from executor.context_parallel import merge_rank_results
+    from meshplan.executor.context_parallel import merge_rank_results
 
     results = [out["cp"][case] for out in (world2 if world == 2 else world4)]
     model, cp, kind, dp, *_ = (CP2_CASES if world == 2 else CP4_CASES)[case]
@@ -215,7 +216,7 @@ def test_cp_matches_the_reference(world: int, case: str, world2, world4) -> None
 
 def test_contiguous_chunks_under_load_balanced_masks_are_caught(world2) -> None:
     results = [out["cp"]["broken-contiguous-shard"] for out in world2]
-    from executor.context_parallel import merge_rank_results
+    from meshplan.executor.context_parallel import merge_rank_results
 
     merged = merge_rank_results(results)  # gradients are synchronised: the ranks agree, on the wrong values
     cmp = compare_to_reference(merged, reference(merged.run))
@@ -225,7 +226,7 @@ def test_contiguous_chunks_under_load_balanced_masks_are_caught(world2) -> None:
 
 
 def test_a_missing_cp_gradient_average_is_caught(world2) -> None:
-    from executor.context_parallel import merge_rank_results
+    from meshplan.executor.context_parallel import merge_rank_results
 
     results = [out["cp"]["broken-no-cp-grad-sync"] for out in world2]
     with pytest.raises(ValueError, match="ranks disagree"):

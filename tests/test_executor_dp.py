@@ -19,13 +19,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-
-from costmodels.model_io import load_model  # noqa: E402
-from executor.compare import TOLERANCE, compare_to_reference, relative_error  # noqa: E402
-from executor.launch import RankFailure, run_world, world_env  # noqa: E402
-from executor.reference import RunSpec  # noqa: E402
-from executor.scale import scale_model  # noqa: E402
 from executor_helpers import reference  # noqa: E402
+
+from meshplan.costmodels.model_io import load_model  # noqa: E402
+from meshplan.executor.compare import TOLERANCE, compare_to_reference, relative_error  # noqa: E402
+from meshplan.executor.launch import RankFailure, run_world, world_env  # noqa: E402
+from meshplan.executor.reference import RunSpec  # noqa: E402
+from meshplan.executor.scale import scale_model  # noqa: E402
 
 DENSE, MOE, TIED, MLA = "llama3.1-8b", "mixtral-8x7b", "gpt3-175b", "deepseek-v3"
 F64 = torch.float64
@@ -140,7 +140,7 @@ def rank_world(rank: int, world: int, cases: dict[str, tuple[RunSpec, int, int, 
     """Everything a shared world runs: building blocks, FSDP2's averaging, then every DP case."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from executor.data_parallel import dp_run, fsdp_reduction_factor
+    from meshplan.executor.data_parallel import dp_run, fsdp_reduction_factor
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     out: dict = {"blocks": gloo_blocks(world), "threads": torch.get_num_threads()}
@@ -274,7 +274,7 @@ def test_a_broken_dp_is_caught(case: str, world2) -> None:
 
 # ---- pieces without a world -----------------------------------------------------------------------
 def test_micro_batches_split_the_global_batch() -> None:
-    from executor.data_parallel import micro_batches
+    from meshplan.executor.data_parallel import micro_batches
 
     tokens = torch.arange(8 * 3).view(8, 3)
     parts = [micro_batches(tokens, tokens, r, 2, 2) for r in range(2)]
@@ -285,7 +285,7 @@ def test_micro_batches_split_the_global_batch() -> None:
 
 
 def test_dp_arguments_are_checked() -> None:
-    from executor.data_parallel import dp_step
+    from meshplan.executor.data_parallel import dp_step
 
     spec = scale_model(load_model(DENSE), "tiny")
     with pytest.raises(ValueError, match="ZeRO stage"):

@@ -16,15 +16,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-
-from costmodels.model import ModelSpec  # noqa: E402
-from costmodels.model_io import load_model  # noqa: E402
-from executor.compare import compare_to_reference, relative_error  # noqa: E402
-from executor.launch import run_world  # noqa: E402
-from executor.mesh import ExecLayout  # noqa: E402
-from executor.reference import RunSpec  # noqa: E402
-from executor.scale import scale_model  # noqa: E402
 from executor_helpers import reference  # noqa: E402
+
+from meshplan.costmodels.model import ModelSpec  # noqa: E402
+from meshplan.costmodels.model_io import load_model  # noqa: E402
+from meshplan.executor.compare import compare_to_reference, relative_error  # noqa: E402
+from meshplan.executor.launch import run_world  # noqa: E402
+from meshplan.executor.mesh import ExecLayout  # noqa: E402
+from meshplan.executor.reference import RunSpec  # noqa: E402
+from meshplan.executor.scale import scale_model  # noqa: E402
 
 MOE, MLA, BIAS = "mixtral-8x7b", "deepseek-v3", "mixtral-8x7b+bias"
 F64 = torch.float64
@@ -64,7 +64,7 @@ def jobs(cases: dict) -> dict:
 def a2a_block(rank: int, world: int) -> dict[str, bool]:
     """The differentiable ragged all_to_all: rank r sends (r + p) % 3 rows (zero for some pairs) to peer p, with
     value 100 r + 10 p + row; peer q's loss is (q + 1) * sum(received), so every sent row's gradient is p + 1."""
-    from executor.expert_parallel import all_to_all
+    from meshplan.executor.expert_parallel import all_to_all
 
     sizes = [[(r + p) % 3 for p in range(world)] for r in range(world)]
     rows = [torch.full((sizes[rank][p], 2), 100.0 * rank + 10 * p, dtype=F64) + torch.arange(sizes[rank][p],
@@ -81,9 +81,9 @@ def a2a_block(rank: int, world: int) -> dict[str, bool]:
 def chunk_block(rank: int, world: int) -> dict:
     """apply_expert_parallel on a ModelChunk (layers 1-2 + head) of an EP2 layout: the forward of the same hidden
     states on both ranks equals the reference chunk's, and the names are the reference's."""
-    from executor.expert_parallel import apply_expert_parallel
-    from executor.mesh import build_meshes
-    from executor.model import ModelChunk
+    from meshplan.executor.expert_parallel import apply_expert_parallel
+    from meshplan.executor.mesh import build_meshes
+    from meshplan.executor.model import ModelChunk
 
     lay = ExecLayout(dp=2, ep=2)
     run = RunSpec(tiny(MOE), gbs=2, seq=8)
@@ -97,7 +97,7 @@ def chunk_block(rank: int, world: int) -> dict:
 
 
 def rank_world(rank: int, world: int, cases: dict, chunk: bool) -> dict:
-    from executor.expert_parallel import ep_run
+    from meshplan.executor.expert_parallel import ep_run
 
     out: dict = {"a2a": a2a_block(rank, world)}
     if chunk:
@@ -141,7 +141,7 @@ def test_expert_parallel_on_a_model_chunk(world2) -> None:
 # ---- numerics -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", [c for c in (*CASES2, *CASES4) if c not in BROKEN])
 def test_ep_matches_the_reference(case: str, world2, world4) -> None:
-    from executor.compare import merge_reports
+    from meshplan.executor.compare import merge_reports
 
     results = results_of(case, world2, world4)
     merged, problems = merge_reports(results)
@@ -164,7 +164,7 @@ def test_each_expert_is_reported_by_the_ranks_that_hold_it(world4) -> None:
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_a_broken_ep_is_caught(case: str, world2, world4) -> None:
-    from executor.compare import merge_reports
+    from meshplan.executor.compare import merge_reports
 
     merged, _ = merge_reports(results_of(case, world2, world4))
     cmp = compare_to_reference(merged, reference(merged.run))
@@ -175,7 +175,7 @@ def test_a_broken_ep_is_caught(case: str, world2, world4) -> None:
 
 # ---- pieces without a world -----------------------------------------------------------------------
 def test_expert_placement() -> None:
-    from executor.expert_parallel import ExpertPlacement
+    from meshplan.executor.expert_parallel import ExpertPlacement
 
     p = ExpertPlacement(8, ep=4, etp=2, ep_rank=2, etp_rank=1)
     assert (p.per_rank, p.group_size, p.position, p.local_experts) == (2, 8, 5, range(4, 6))
@@ -191,8 +191,8 @@ def test_etp_shards_sum_to_the_expert() -> None:
     whole expert's output, and the sliced parameters are the whole one's rows / columns."""
     import copy
 
-    from executor.expert_parallel import _shard_expert
-    from executor.model import build_model
+    from meshplan.executor.expert_parallel import _shard_expert
+    from meshplan.executor.model import build_model
 
     model = build_model(tiny(BIAS))
     whole = model.layers[0].feed_forward.experts[1]
@@ -212,7 +212,7 @@ def test_etp_shards_sum_to_the_expert() -> None:
 
 
 def test_chunk_rows_are_torch_chunk() -> None:
-    from executor.expert_parallel import _chunk_rows
+    from meshplan.executor.expert_parallel import _chunk_rows
 
     for n in (0, 1, 6, 7, 8):
         for parts in (1, 2, 4):
@@ -222,7 +222,7 @@ def test_chunk_rows_are_torch_chunk() -> None:
 
 
 def test_ep_arguments_are_checked() -> None:
-    from executor.expert_parallel import apply_expert_parallel, ep_run
+    from meshplan.executor.expert_parallel import apply_expert_parallel, ep_run
 
     run = RunSpec(tiny(MOE), gbs=2, seq=8)
     with pytest.raises(ValueError, match="ranks"):

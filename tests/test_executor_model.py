@@ -11,11 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from costmodels.model import ModelSpec  # noqa: E402
-from costmodels.model_io import list_zoo, load_model  # noqa: E402
-from executor.model import apply_rope, build_model, num_params  # noqa: E402
-from executor.reference import StepResult, make_batch, reference_step, train  # noqa: E402
-from executor.scale import scale_model  # noqa: E402
+from meshplan.costmodels.model import ModelSpec  # noqa: E402
+from meshplan.costmodels.model_io import list_zoo, load_model  # noqa: E402
+from meshplan.executor.model import apply_rope, build_model, num_params  # noqa: E402
+from meshplan.executor.reference import StepResult, make_batch, reference_step, train  # noqa: E402
+from meshplan.executor.scale import scale_model  # noqa: E402
 
 ZOO = list_zoo()
 DENSE, MOE, MLA = "llama3.1-8b", "mixtral-8x7b", "deepseek-v3"
@@ -281,9 +281,9 @@ def test_rope_models_are_shift_invariant(name: str) -> None:
 # ---- packaging ---------------------------------------------------------------------------------
 def test_planner_and_costmodels_import_neither_torch_nor_executor() -> None:
     code = (
-        "import sys, planner, planner.search, planner.plan, costmodels.estimate, costmodels.model_io, cli.main\n"
-        "import executor.scale\n"  # scaling is torch-free too: the cost model predicts the scaled run
-        "bad = [m for m in ('torch', 'executor.model', 'executor.reference') if m in sys.modules]\n"
+        "import sys, meshplan.planner.search, meshplan.planner.plan, meshplan.costmodels.estimate, meshplan.cli.main\n"
+        "import meshplan.costmodels.model_io, meshplan.executor.scale\n"  # scaling is torch-free too: the cost model predicts the scaled run
+        "bad = [m for m in ('torch', 'meshplan.executor.model', 'meshplan.executor.reference') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -291,7 +291,7 @@ def test_planner_and_costmodels_import_neither_torch_nor_executor() -> None:
 
 @pytest.mark.parametrize("name", ["llama3.1-8b", "deepseek-v3", "gpt3-175b"])
 def test_chunks_in_a_row_are_the_model(name):
-    from executor.model import ModelChunk
+    from meshplan.executor.model import ModelChunk
 
     spec = scale_model(load_model(name), "tiny", num_layers=4)
     model = build_model(spec, torch.float64, seed=1)

@@ -17,13 +17,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from costmodels.model_io import load_model  # noqa: E402
-from executor.compare import compare_to_reference  # noqa: E402
-from executor.launch import run_world  # noqa: E402
-from executor.mesh import ExecLayout  # noqa: E402
-from executor.reference import RunSpec  # noqa: E402
-from executor.scale import scale_model  # noqa: E402
 from executor_helpers import reference  # noqa: E402
+
+from meshplan.costmodels.model_io import load_model  # noqa: E402
+from meshplan.executor.compare import compare_to_reference  # noqa: E402
+from meshplan.executor.launch import run_world  # noqa: E402
+from meshplan.executor.mesh import ExecLayout  # noqa: E402
+from meshplan.executor.reference import RunSpec  # noqa: E402
+from meshplan.executor.scale import scale_model  # noqa: E402
 
 DENSE, TIED, MLA_MOE = "llama3.1-8b", "gpt3-175b", "deepseek-v3"
 NONE = ("none", 0)
@@ -70,8 +71,8 @@ BROKEN = {c for c in PP2_CASES if c.startswith("broken")}
 # ---- rank functions: top level, so spawn can pickle them by name ---------------------------------
 def rank_world(rank: int, world: int, cases: dict) -> dict:
     """Every case of a shared world in turn, with its time on this rank; meshes shared between equal degrees."""
-    from executor.mesh import build_meshes
-    from executor.pipeline import pp_run
+    from meshplan.executor.mesh import build_meshes
+    from meshplan.executor.pipeline import pp_run
 
     meshes: dict = {}
     out: dict = {}
@@ -99,7 +100,7 @@ def results_of(ranks: list[dict], name: str) -> list:
 
 
 def merged(ranks: list[dict], name: str):
-    from executor.compare import merge_reports
+    from meshplan.executor.compare import merge_reports
 
     return merge_reports(results_of(ranks, name))
 
@@ -111,7 +112,7 @@ def layer_indices(names) -> set[int]:
 # ---- numerics against the reference ---------------------------------------------------------------
 @pytest.mark.parametrize("world,name", [(2, c) for c in PP2_CASES if c not in BROKEN] + [(4, c) for c in PP4_CASES])
 def test_pipeline_matches_the_reference(world: int, name: str, world2, world4) -> None:
-    from executor.pipeline import local_ranges
+    from meshplan.executor.pipeline import local_ranges
 
     ranks = world2 if world == 2 else world4
     result, problems = merged(ranks, name)
@@ -164,9 +165,9 @@ def test_world_times(world2, world4) -> None:
 
 # ---- recomputation without a world --------------------------------------------------------------
 def _recomputed_step(spec, policy: tuple[str, int]) -> tuple[int, dict[str, torch.Tensor], tuple[str, ...]]:
-    from executor.model import ModelChunk, build_model, token_loss
-    from executor.recompute import apply_recompute, saved_activation_bytes
-    from executor.reference import make_batch
+    from meshplan.executor.model import ModelChunk, build_model, token_loss
+    from meshplan.executor.recompute import apply_recompute, saved_activation_bytes
+    from meshplan.executor.reference import make_batch
 
     tokens, labels = make_batch(spec, 2, 16, 0)
     chunk = ModelChunk(build_model(spec), 0, spec.num_layers)
@@ -195,9 +196,9 @@ def test_recompute_saves_activations_and_changes_no_gradient() -> None:
 
 def test_recompute_counts_a_stage_layers_across_its_chunks() -> None:
     """pp2 x vpp2 over (3, 3) layers: rank 1 holds layers 2, 3 (chunk 1) and 5 (chunk 3); full:2 recomputes 2 and 3."""
-    from executor.model import ModelChunk, build_model
-    from executor.pipeline import local_ranges
-    from executor.recompute import apply_recompute
+    from meshplan.executor.model import ModelChunk, build_model
+    from meshplan.executor.pipeline import local_ranges
+    from meshplan.executor.recompute import apply_recompute
 
     spec = scale_model(load_model(DENSE), "tiny", num_layers=6)
     lay = ExecLayout(pp=2, vpp=2, stage_layers=(3, 3), stage_recompute=(("selective", 0), ("full", 2)),
@@ -232,7 +233,7 @@ def test_zb_is_zb_h1_for_one_stage_per_rank(pp: int, m: int) -> None:
     (W) passes, and pipeline rank r runs r + 1 input passes before its first weight pass (it defers r of them
     into its cool-down bubble: ZB-H1, Qi et al. 2024 sec. 3.1), never holding more than pp - r forwards whose
     input pass has not run (1F1B's activation memory)."""
-    from executor.pipeline import SCHEDULES
+    from meshplan.executor.pipeline import SCHEDULES
 
     for r in range(pp):
         schedule = SCHEDULES["zb"]([_StubStage(r, pp)], m)
@@ -245,7 +246,7 @@ def test_zb_is_zb_h1_for_one_stage_per_rank(pp: int, m: int) -> None:
 
 
 def test_pipeline_arguments_are_checked() -> None:
-    from executor.pipeline import build_pipeline, local_ranges, pp_run
+    from meshplan.executor.pipeline import build_pipeline, local_ranges, pp_run
 
     with pytest.raises(ValueError, match="cannot fill vpp=2"):
         local_ranges(ExecLayout(pp=2, vpp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE)), 0)

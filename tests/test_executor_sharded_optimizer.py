@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor.launch import run_world  # noqa: E402
+from meshplan.executor.launch import run_world  # noqa: E402
 
 
 def _sharded_vs_adamw(rank: int, world: int) -> tuple[float, int, int]:
@@ -15,8 +15,8 @@ def _sharded_vs_adamw(rank: int, world: int) -> tuple[float, int, int]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from executor.reference import ADAMW
-    from executor.sharded_optimizer import ShardedAdamW
+    from meshplan.executor.reference import ADAMW
+    from meshplan.executor.sharded_optimizer import ShardedAdamW
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp = mesh["tp"]

@@ -11,12 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from costmodels.model_io import load_model  # noqa: E402
-from executor.compare import compare_to_reference, relative_error  # noqa: E402
-from executor.launch import run_world  # noqa: E402
-from executor.reference import RunSpec, reference_step  # noqa: E402
-from executor.scale import scale_model  # noqa: E402
 from executor_helpers import reference  # noqa: E402
+
+from meshplan.costmodels.model_io import load_model  # noqa: E402
+from meshplan.executor.compare import compare_to_reference, relative_error  # noqa: E402
+from meshplan.executor.launch import run_world  # noqa: E402
+from meshplan.executor.reference import RunSpec, reference_step  # noqa: E402
+from meshplan.executor.scale import scale_model  # noqa: E402
 
 # GQA (8 heads, 2 kv heads); MHA with biases, learned positions, LayerNorm and a tied head; MLA + dense + MoE
 DENSE, TIED, MLA = "llama3.1-8b", "gpt3-175b", "deepseek-v3"
@@ -63,9 +64,9 @@ def chunked_step(rank: int, world: int, run: RunSpec) -> dict:
     apply_tensor_parallel with SP, run back to back; loss by tp_loss. Also: a later chunk without positions."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from executor.model import ModelChunk
-    from executor.tensor_parallel import apply_tensor_parallel, full_grads, reduce_partial_grads, tp_loss, \
-        vocab_parallel_loss
+    from meshplan.executor.model import ModelChunk
+    from meshplan.executor.tensor_parallel import (apply_tensor_parallel, full_grads, reduce_partial_grads, tp_loss,
+                                                   vocab_parallel_loss)
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     model = run.build()
@@ -93,7 +94,7 @@ def chunked_step(rank: int, world: int, run: RunSpec) -> dict:
 
 
 def rank_world(rank: int, world: int, cases: dict[str, tuple], chunked: RunSpec | None) -> dict:
-    from executor.tensor_parallel import tp_run
+    from meshplan.executor.tensor_parallel import tp_run
 
     out: dict = {"tp": {}}
     for case, (run, tp, sp, dp, mbs, zero, kw) in cases.items():
@@ -125,7 +126,7 @@ def results_of(case: str, world2, world4) -> list:
 # ---- numerics ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", [c for c in {**TP2_CASES, **WORLD4_CASES} if c not in BROKEN])
 def test_tp_matches_the_reference(case: str, world2, world4) -> None:
-    from executor.compare import merge_reports
+    from meshplan.executor.compare import merge_reports
 
     results = results_of(case, world2, world4)
     merged, problems = merge_reports(results)
@@ -138,7 +139,7 @@ def test_tp_matches_the_reference(case: str, world2, world4) -> None:
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_a_broken_tp_is_caught(case: str, world2, world4) -> None:
-    from executor.compare import merge_reports
+    from meshplan.executor.compare import merge_reports
 
     results = results_of(case, world2, world4)
     merged, problems = merge_reports(results)
@@ -163,8 +164,8 @@ def test_model_chunks_shard_and_chain(world2) -> None:
 
 # ---- without a world -----------------------------------------------------------------------------------
 def test_tp_degree_must_divide_the_sharded_dims() -> None:
-    from executor.model import build_model
-    from executor.tensor_parallel import check_tp_degree
+    from meshplan.executor.model import build_model
+    from meshplan.executor.tensor_parallel import check_tp_degree
 
     model = build_model(scale_model(load_model(DENSE), "tiny", num_layers=1))
     check_tp_degree(model, 2)
@@ -173,7 +174,7 @@ def test_tp_degree_must_divide_the_sharded_dims() -> None:
 
 
 def test_tp_run_checks_its_arguments() -> None:
-    from executor.tensor_parallel import tp_run
+    from meshplan.executor.tensor_parallel import tp_run
 
     run = run_of(DENSE)
     with pytest.raises(ValueError, match="ZeRO stage"):
@@ -187,8 +188,8 @@ def test_tp_run_checks_its_arguments() -> None:
 
 
 def test_merge_reports_lists_disagreeing_replicas() -> None:
-    from executor.compare import merge_reports
-    from executor.tensor_parallel import TPResult
+    from meshplan.executor.compare import merge_reports
+    from meshplan.executor.tensor_parallel import TPResult
 
     run = run_of(DENSE)
     a = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}

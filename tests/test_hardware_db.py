@@ -7,8 +7,8 @@ import tomllib
 import pytest
 from pydantic import ValidationError
 
-from hardware_db.errors import InputError
-from hardware_db.gpu import GPUSpec, _gpu_dir, list_gpus, load_gpu, parse_gpu
+from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.gpu import GPUSpec, _gpu_dir, list_gpus, load_gpu, parse_gpu
 
 REQUIRED = {
     "a100-40gb",

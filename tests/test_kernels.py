@@ -11,20 +11,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels import comm
-from costmodels.config import ParallelConfig, Workload, get_runtime
-from costmodels.estimate import Efficiency, estimate, op_time
-from costmodels.kernels import (ATTENTION_KEYS_HALF, CONTENTION_COPY_ENGINE, CONTENTION_SM, QUANT_BYTES_PER_ELEMENT,
-                                TE_GEMM_STREAMS, Physics, async_tp_fused, attention_keys_factor, attention_keys_ramp,
-                                causal_tile_factor, fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
-                                quant_bytes_per_element, ring_cp_exposed,
-                                tp_exposed_fraction, tp_gemm_chunks)
-from costmodels.model import ModelSpec
-from costmodels.ops import fp8_quantize_ops, gemm
-from hardware_db.cluster import Cluster, ClusterSpec
-from hardware_db.errors import InputError
-from hardware_db.gpu import load_gpu
-from planner.space import interleaved_chunks
+from meshplan.costmodels import comm
+from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime
+from meshplan.costmodels.estimate import Efficiency, estimate, op_time
+from meshplan.costmodels.kernels import (ATTENTION_KEYS_HALF, CONTENTION_COPY_ENGINE, CONTENTION_SM,
+                                         QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics, async_tp_fused,
+                                         attention_keys_factor, attention_keys_ramp, causal_tile_factor,
+                                         fp8_kernel_ceiling, k_depth_factor, overlapped_exposed,
+                                         quant_bytes_per_element, ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks)
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.ops import fp8_quantize_ops, gemm
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.gpu import load_gpu
+from meshplan.planner.space import interleaved_chunks
 
 H100 = load_gpu("h100-sxm")
 EFF = Efficiency.from_gpu(H100)
@@ -100,8 +100,8 @@ def test_async_tp_symmetric_memory_copies_by_hand():
     write), a fused matmul reduce-scatter sums the tp stacked partials in a kernel of its own (reads the whole
     output, writes the shard); the backward where it is fused too (torchtitan's separate wq/wk/wv and w1/w3 leave
     the input gradient's reduce-scatter to NCCL)."""
-    from costmodels.config import resolve
-    from costmodels.ops import attention_half, mlp_half
+    from meshplan.costmodels.config import resolve
+    from meshplan.costmodels.ops import attention_half, mlp_half
 
     wl = Workload(global_batch=8, seq_len=8192)
     lay = resolve(MODEL, 8, wl, ParallelConfig(tp=8, sp=True))
@@ -452,9 +452,9 @@ def test_blackwell_fp8_casts_and_kernels_by_hand():
 def test_decoder_layer_takes_the_gpus_cast_layout():
     """The whole-layer builder passes the layout flag on to both halves: a Blackwell FP8 layer's casts move 3/4 of a
     Hopper layer's bytes under delayed scaling."""
-    from costmodels.config import resolve
-    from costmodels.model_io import load_model
-    from costmodels.ops import decoder_layer
+    from meshplan.costmodels.config import resolve
+    from meshplan.costmodels.model_io import load_model
+    from meshplan.costmodels.ops import decoder_layer
 
     model = load_model("llama3.1-8b")
     wl = Workload(global_batch=8, seq_len=4096, dtype="fp8", fp8_recipe="delayed")
@@ -515,7 +515,7 @@ def test_flash_attention_2_by_hand(kernel, forward, backward):
     """FlashAttention-2 on H100 at 16K keys, hdim 128, non-causal (FA3 paper Figs. 5-6): 370 forward, 322 backward
     TFLOP/s; PyTorch SDPA's copy at 329.5 / 368 of it (pytorch/pytorch#142132 against FA2's 4K bar). By hand: the
     ceiling x the GPU's peak x the FLOP saturation of a 16K x 16K launch of 16 heads (non-causal: keys = 0)."""
-    from costmodels.kernels import FA2_BACKWARD_OVER_FORWARD, SDPA_FLASH_OVER_FA2
+    from meshplan.costmodels.kernels import FA2_BACKWARD_OVER_FORWARD, SDPA_FLASH_OVER_FA2
 
     assert FA2_BACKWARD_OVER_FORWARD == pytest.approx(322 / 370)
     assert SDPA_FLASH_OVER_FA2 == pytest.approx(329.5 / 368)
@@ -614,7 +614,7 @@ def test_each_physics_term_can_be_switched_off_and_changes_a_prediction(term):
     cases = {"grouped_gemm": ("qwen3-30b-a3b", ParallelConfig(ep=8)), "cp_steps": (None, ParallelConfig(cp=4)),
              "gemm_shape": (None, ParallelConfig(tp=8)), "fp8": (None, ParallelConfig(tp=2)),
              "overlap_limits": (None, ParallelConfig(tp=4, pp=2)), "contention": (None, ParallelConfig(tp=4, pp=2))}
-    from costmodels.model_io import load_zoo
+    from meshplan.costmodels.model_io import load_zoo
 
     name, cfg = cases.get(term, (None, ParallelConfig(tp=2)))
     model = load_zoo(name) if name else MODEL
@@ -668,9 +668,9 @@ def test_ring_cp_merges_partial_outputs_by_hand(cp):
     TransformerEngine in 16 bits (the first step 4 B an element, each later one 6 B), torch context_parallel in
     fp32 (4 B, then 10 B); forward over the output, backward over the query and key/value gradients; none for
     all-to-all CP, and one step per CP rank, so more ranks merge more."""
-    from costmodels.config import resolve
-    from costmodels.model_io import load_model
-    from costmodels.ops import attention_half
+    from meshplan.costmodels.config import resolve
+    from meshplan.costmodels.model_io import load_model
+    from meshplan.costmodels.ops import attention_half
 
     model = load_model("llama3.1-8b")
     wl = Workload(global_batch=8, seq_len=32768)
@@ -694,10 +694,10 @@ def test_repeated_gqa_heads_widen_the_kernel_the_cp_exchange_and_the_saved_kv():
     writing 2 x 16 a token (its backward the same bytes), a kernel reading 16 K,V heads, a K,V all-gather, fp32
     gradient ring and merge 4x the grouped ones, and 4x the saved K,V; FLOPs unchanged. `+native-gqa` and
     Megatron-Core take the grouped heads as they are; MLA has no grouped heads to repeat."""
-    from costmodels.config import resolve
-    from costmodels.memory import layer_activation_bytes
-    from costmodels.model_io import load_model
-    from costmodels.ops import attention_half
+    from meshplan.costmodels.config import resolve
+    from meshplan.costmodels.memory import layer_activation_bytes
+    from meshplan.costmodels.model_io import load_model
+    from meshplan.costmodels.ops import attention_half
 
     model = load_model("llama3.1-8b")
     wl = Workload(global_batch=8, seq_len=32768)
@@ -735,11 +735,10 @@ def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients(
     """torch context_parallel's default rotate method (torchtitan): one K,V all-gather per pass, hidden behind the
     first of cp attention steps; the backward gathers again and passes the K,V gradients round in fp32, one hop per
     step plus the last. By hand from the attention block's collectives, on CP 8 across 8 nodes (TP 8 inside)."""
-    from costmodels.estimate import PassCache, collective_time
-    from costmodels.config import resolve
-    from costmodels.model_io import load_model
-    from costmodels.ops import attention_half
-    from costmodels.estimate import GroupLinks
+    from meshplan.costmodels.config import resolve
+    from meshplan.costmodels.estimate import GroupLinks, PassCache, collective_time
+    from meshplan.costmodels.model_io import load_model
+    from meshplan.costmodels.ops import attention_half
 
     model = load_model("llama3.1-8b")
     cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=64))
@@ -785,9 +784,9 @@ def test_unfused_projections_read_their_input_once_each():
     By hand: the unfused block holds wq, wk, wv and w1, w3 with the fused GEMMs' FLOPs split by width, and its
     forward GEMM time is the sum of the roofline times of its pieces (wk at TP 8 is memory-bound: 98,304 tokens x
     4096 in, 128 out)."""
-    from costmodels.config import resolve
-    from costmodels.model_io import load_model
-    from costmodels.ops import attention_half, mlp_half
+    from meshplan.costmodels.config import resolve
+    from meshplan.costmodels.model_io import load_model
+    from meshplan.costmodels.ops import attention_half, mlp_half
 
     model = load_model("llama3.1-8b")
     wl = Workload(global_batch=96, seq_len=8192)
@@ -824,10 +823,10 @@ def test_op_sac_all_gathers_the_tp_inputs_again():
     _save_list), and the matmuls it re-runs need the gathered input: each TP block's recompute holds its forward
     all-gather once more (vanilla TP: its whole time), and nothing for the reduce-scatter. By hand from one block
     priced with and without its collectives."""
-    from costmodels.config import resolve
-    from costmodels.estimate import GroupLinks, PassCache, collective_time
-    from costmodels.model_io import load_model
-    from costmodels.ops import attention_half, mlp_half
+    from meshplan.costmodels.config import resolve
+    from meshplan.costmodels.estimate import GroupLinks, PassCache, collective_time
+    from meshplan.costmodels.model_io import load_model
+    from meshplan.costmodels.ops import attention_half, mlp_half
 
     model = load_model("llama3.1-8b")
     cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=64))
@@ -855,9 +854,9 @@ def test_fsdp2_copies_its_gathers_out_and_its_gradients_in_on_the_compute_stream
     (_fsdp_collectives.py foreach_all_gather_copy_out, foreach_reduce_scatter_copy_in): a ZeRO-3 layer's forward
     holds one copy-out, its backward a copy-out and a copy-in, in full, on top of the collectives' exposure. By
     hand against the same runtime without the copies; ZeRO-1 (no per-layer collectives) holds none."""
-    from costmodels.config import resolve
-    from costmodels.estimate import FSDP_COPY_IN_BYTES, FSDP_COPY_OUT_BYTES, CostContext
-    from costmodels.model_io import load_model
+    from meshplan.costmodels.config import resolve
+    from meshplan.costmodels.estimate import FSDP_COPY_IN_BYTES, FSDP_COPY_OUT_BYTES, CostContext
+    from meshplan.costmodels.model_io import load_model
 
     model = load_model("llama3.1-8b")
     cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8))
@@ -900,7 +899,7 @@ def test_torchao_fp8_speedups_match_its_readme(gpu, runtime, recipe, measured):
     MX block direction in its own pass (Runtime.mx_cast_per_dim). Not checked:
     its row-wise run (1.04x; torchao's row-wise CUTLASS kernel on Blackwell is slower than the model's row-scaled
     one). The FP8 parameter all-gathers are not modelled (FSDP's gathers hide behind the compute here)."""
-    from costmodels.model_io import load_model
+    from meshplan.costmodels.model_io import load_model
 
     model = load_model("llama3.1-8b")
     cluster = Cluster(ClusterSpec(gpu=gpu, num_gpus=8))

@@ -12,15 +12,15 @@ import os
 import tomllib
 
 import pytest
-
-from costmodels.config import ParallelConfig, StagePolicy, Workload
-from costmodels.model import ModelSpec, MoESpec
 from launcher_helpers import deepseek_v3, flags, llama_405b, make_plan
-from planner.launchers import export_plan
-from planner.launchers.deepspeed import ds_config
-from planner.launchers.megatron import megatron_args, parse_moe_layer_freq
-from planner.launchers.nemo import ddp_fields, model_parallel_fields
-from planner.launchers.torchtitan import stage_module_names, toml_text
+
+from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload
+from meshplan.costmodels.model import ModelSpec, MoESpec
+from meshplan.planner.launchers import export_plan
+from meshplan.planner.launchers.deepspeed import ds_config
+from meshplan.planner.launchers.megatron import megatron_args, parse_moe_layer_freq
+from meshplan.planner.launchers.nemo import ddp_fields, model_parallel_fields
+from meshplan.planner.launchers.torchtitan import stage_module_names, toml_text
 
 PACKAGES = ("megatron.core", "deepspeed", "torchtitan")
 

@@ -10,23 +10,23 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_input_error, run
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
-from cli_helpers import assert_input_error, run
-from costmodels.config import ParallelConfig, StagePolicy, Workload, resolve
-from costmodels.model import ModelSpec, MoESpec
-from hardware_db.errors import InputError
 from launcher_helpers import deepseek_v3, flags, llama_405b, make_plan
-from planner.launchers import (TARGETS, ExportError, export_plan, launch_model, launch_world, pinned_plan,
-                               read_launch, write_export)
-from planner.launchers.deepspeed import ds_config, megatron_deepspeed_args
-from planner.launchers.megatron import (megatron_args, parse_layout, parse_megatron_args, parse_moe_layer_freq,
-                                        pipeline_layout)
-from planner.launchers.nemo import ddp_fields, model_parallel_fields
-from planner.launchers.torchrun import torchrun_command
-from planner.launchers.torchtitan import parse_torchtitan_toml, python_text, toml_text
-from planner.plan import plan_config, write_plan
+
+from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload, resolve
+from meshplan.costmodels.model import ModelSpec, MoESpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.launchers import (TARGETS, ExportError, export_plan, launch_model, launch_world, pinned_plan,
+                                        read_launch, write_export)
+from meshplan.planner.launchers.deepspeed import ds_config, megatron_deepspeed_args
+from meshplan.planner.launchers.megatron import (megatron_args, parse_layout, parse_megatron_args, parse_moe_layer_freq,
+                                                 pipeline_layout)
+from meshplan.planner.launchers.nemo import ddp_fields, model_parallel_fields
+from meshplan.planner.launchers.torchrun import torchrun_command
+from meshplan.planner.launchers.torchtitan import parse_torchtitan_toml, python_text, toml_text
+from meshplan.planner.plan import plan_config, write_plan
 
 LLAMA_405B_MODEL_FLAGS = [
     "--num-layers", "126", "--hidden-size", "16384", "--ffn-hidden-size", "53248", "--num-attention-heads", "128",
@@ -164,7 +164,7 @@ def test_batch_rule_holds_in_every_export():
 
 
 def _titan_small() -> ModelSpec:
-    from costmodels.model_io import load_zoo
+    from meshplan.costmodels.model_io import load_zoo
     return load_zoo("llama3.1-8b")
 
 
@@ -372,7 +372,7 @@ def test_import_reads_a_hand_written_command():
         "--seq-length 4096 --bf16 --lr 3e-4 --data-path /data/x --recompute-granularity selective"), "args",
         num_layers=32)
     assert launch.num_gpus == 32 and launch.gpus_per_node == 8
-    from costmodels.model_io import load_zoo
+    from meshplan.costmodels.model_io import load_zoo
     lay = resolve(load_zoo("llama3.1-8b"), 32, launch.workload, launch.config)
     assert (lay.tp, lay.pp, lay.vpp, lay.dp, lay.mbs, lay.zero, lay.recompute, lay.sp, lay.schedule) == \
         (4, 2, 4, 4, 2, 1, "selective", True, "interleaved")
@@ -398,7 +398,7 @@ def test_import_refusals(args, words):
 
 def test_named_model_must_agree():
     launch = read_launch("megatron", "--seq-length 8 --global-batch-size 8 --num-layers 31", "args")
-    from costmodels.model_io import load_zoo
+    from meshplan.costmodels.model_io import load_zoo
     with pytest.raises(InputError, match="--num-layers 31 but llama3.1-8b has 32"):
         launch_model(launch, load_zoo("llama3.1-8b"))
     with pytest.raises(InputError, match="give --gpus"):
@@ -566,9 +566,9 @@ def test_torchrun_export_runs_the_executor(tmp_path):
 def test_deepseek_v3_published_layout_round_trips():
     """61 layers on pp 16 x vpp 2 as DeepSeek-V3's Megatron recipes place them: one layer with the embedding, two
     per virtual stage after it, the last virtual stage holding only the MTP module and the loss."""
-    from costmodels.config import ParallelConfig
-    from planner.launchers.megatron import parse_layout, pipeline_layout
-    from planner.space import interleaved_chunks
+    from meshplan.costmodels.config import ParallelConfig
+    from meshplan.planner.launchers.megatron import parse_layout, pipeline_layout
+    from meshplan.planner.space import interleaved_chunks
 
     options = interleaved_chunks(61, 16, 2)
     assert options[0] == (1,) + (2,) * 30 + (0,)

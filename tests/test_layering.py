@@ -20,7 +20,7 @@ def planning_modules() -> list[tuple[str, Path]]:
     for package in PLANNING:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            found.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), path))
+            found.append((".".join(("meshplan",) + (parts[:-1] if parts[-1] == "__init__" else parts)), path))
     return found
 
 
@@ -38,21 +38,21 @@ def imported_names(path: Path) -> list[tuple[int, str]]:
 
 def test_no_planning_module_imports_torch_or_the_executor():
     modules = planning_modules()
-    assert len(modules) > 20 and any(name == "planner.search" for name, _ in modules)
+    assert len(modules) > 20 and any(name == "meshplan.planner.search" for name, _ in modules)
     bad = [f"{path.relative_to(ROOT)}:{line} imports {name}" for _, path in modules
-           for line, name in imported_names(path) if name.split(".")[0] in FORBIDDEN]
+           for line, name in imported_names(path) if name.split(".")[0] in FORBIDDEN or name.startswith("meshplan.executor")]
     assert bad == []
 
 
 def test_the_walker_sees_imports_inside_functions():
     """The check above can fail: the profiler (executor/profiler.py) imports torch only inside its functions."""
     names = {name for _, name in imported_names(ROOT / "executor" / "profiler.py")}
-    assert "torch" in names and "executor.model" in names
+    assert "torch" in names and "meshplan.executor.model" in names
 
 
 def test_every_planning_module_and_the_cli_import_without_torch():
     """sys.modules["torch"] = None makes `import torch` raise ImportError, as on a machine without it."""
-    names = [name for name, _ in planning_modules()] + ["cli.main"]
+    names = [name for name, _ in planning_modules()] + ["meshplan", "meshplan.api", "meshplan.cli.main"]
     code = ("import importlib, sys\nsys.modules['torch'] = None\n"
             f"for name in {names!r}:\n    importlib.import_module(name)\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\nprint('ok')")
@@ -64,5 +64,5 @@ def test_the_plan_schema_imports_no_search():
     """planner/plan.py is the contract the exporters and the executor read: its schema and reading and writing
     only. The builders (planner/builders.py) import the searches; the plan does not."""
     names = {name for _, name in imported_names(ROOT / "planner" / "plan.py")}
-    assert not names & {"planner.search", "planner.serve", "planner.partition", "planner.builders", "planner.space"}
-    assert "planner.search" in {name for _, name in imported_names(ROOT / "planner" / "builders.py")}
+    assert not names & {f"meshplan.planner.{name}" for name in ("search", "serve", "partition", "builders", "space")}
+    assert "meshplan.planner.search" in {name for _, name in imported_names(ROOT / "planner" / "builders.py")}

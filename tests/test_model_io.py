@@ -9,19 +9,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from costmodels.model import ModelSpec
-from costmodels.model_io import (
-    HF_MODEL_TYPES,
-    from_hf_config,
-    list_zoo,
-    load_model,
-    load_model_file,
-    load_zoo,
-    parse_model_file,
-    to_model_file,
-    zoo_source,
-)
-from hardware_db.errors import InputError
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import (HF_MODEL_TYPES, from_hf_config, list_zoo, load_model, load_model_file,
+                                          load_zoo, parse_model_file, to_model_file, zoo_source)
+from meshplan.hardware_db.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "models"
@@ -453,7 +444,7 @@ def test_moe_active_below_total(doc, data) -> None:
 
 
 def test_moe_layout_matches_modelspec_rule_exhaustively() -> None:
-    from costmodels.model_io import _moe_layout
+    from meshplan.costmodels.model_io import _moe_layout
 
     for layers in range(1, 9):
         for mask in range(1 << layers):

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from costmodels.config import ParallelConfig, Workload, get_runtime
-from costmodels.estimate import estimate
-from costmodels.kernels import CONTENTION_COPY_ENGINE, Physics, copy_engine_exposed
-from costmodels.memory import layer_activation_bytes
-from costmodels.model_io import load_model
-from hardware_db.cluster import Cluster, ClusterSpec
-from hardware_db.errors import InputError
-from planner.launchers import export_plan
-from planner.launchers.megatron import megatron_args, parse_megatron_args
+from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime
+from meshplan.costmodels.estimate import estimate
+from meshplan.costmodels.kernels import CONTENTION_COPY_ENGINE, Physics, copy_engine_exposed
+from meshplan.costmodels.memory import layer_activation_bytes
+from meshplan.costmodels.model_io import load_model
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.launchers import export_plan
+from meshplan.planner.launchers.megatron import megatron_args, parse_megatron_args
 from tests.cli_helpers import assert_input_error, run
 from tests.launcher_helpers import make_plan
 

@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
-
-from hardware_db.errors import InputError
-from planner.outputs import OutputFile, check_distinct, check_target, write_all
 from cli_helpers import assert_input_error, run
+
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.outputs import OutputFile, check_distinct, check_target, write_all
 
 PLAN = ["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048",
         "--max-mbs", "2"]

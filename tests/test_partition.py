@@ -11,10 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels.pipeline import StageTimes, build_schedule, simulate
-from planner.search import heaviest_stage_floor, pipeline_floor
-from planner.partition import (GRANULARITIES, PartitionProblem, PartitionResult, StagePolicy, SyncModel,
-                               brute_force, cpsat_tolerance_s, evaluate, solve_cpsat, solve_dp)
+from meshplan.costmodels.pipeline import StageTimes, build_schedule, simulate
+from partition_oracle import brute_force
+
+from meshplan.costmodels.config import StagePolicy
+from meshplan.planner.partition import (GRANULARITIES, PartitionProblem, PartitionResult, SyncModel, cpsat_tolerance_s,
+                                        evaluate, solve_cpsat, solve_dp)
+from meshplan.planner.search import heaviest_stage_floor, pipeline_floor
 
 NONE = StagePolicy(granularity="none")
 GB = 1e9
@@ -322,8 +325,8 @@ def test_problem_validation(change):
 def test_objective_is_a_lower_bound_of_the_event_simulation(data, schedule):
     """The soundness the search rests on: for any partition, J (and the 1F1B pair bound) never exceed the step
     time the event simulation gives for the same stage times (backward split at random for ZB's weight pass)."""
-    from costmodels.pipeline import StageTimes, build_schedule, simulate
-    from planner.partition import pair_terms
+    from meshplan.costmodels.pipeline import StageTimes, build_schedule, simulate
+    from meshplan.planner.partition import pair_terms
     L = data.draw(st.integers(2, 7))
     p = data.draw(st.integers(1, min(4, L)))
     m = data.draw(st.integers(1, 10))
@@ -366,13 +369,13 @@ def test_stage0_sync_bound_is_below_every_simulated_partition(pp, schedule, reco
     real (shortened) model, and is at least the plain DP bound."""
     import itertools
 
-    from costmodels.config import ParallelConfig, Workload
-    from costmodels.estimate import estimate
-    from costmodels.model_io import load_model
-    from hardware_db.cluster import Cluster, ClusterSpec
-    from planner import search as S
-    from planner.partition import dp_bound, solve_stage0_sync, stage0_sync_bound
-    from planner.space import Candidate, Pins
+    from meshplan.costmodels.config import ParallelConfig, Workload
+    from meshplan.costmodels.estimate import estimate
+    from meshplan.costmodels.model_io import load_model
+    from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+    from meshplan.planner import search as S
+    from meshplan.planner.partition import dp_bound, solve_stage0_sync, stage0_sync_bound
+    from meshplan.planner.space import Candidate, Pins
 
     L, gpus = 8, 16
     model = load_model("llama3.1-8b").model_copy(update={"num_layers": L, "name": "llama-8-layers"})
@@ -485,8 +488,8 @@ def test_cpsat_proves_the_true_optimum_where_presolve_did_not():
 def test_rank0_path_sync_bound_is_below_every_simulated_1f1b_partition(data):
     """Rank r's DP sync cannot start before rank 0's path through micro-batch m-1's round trip has passed rank r's
     last backward: min over partitions of that bound never exceeds the best simulated step (1F1B, with sync)."""
-    from costmodels.pipeline import StageTimes, build_schedule, simulate
-    from planner.partition import dp_bound, rank0_path_sync_bound, solve_rank0_path_sync
+    from meshplan.costmodels.pipeline import StageTimes, build_schedule, simulate
+    from meshplan.planner.partition import dp_bound, rank0_path_sync_bound, solve_rank0_path_sync
     L = data.draw(st.integers(2, 7))
     p = data.draw(st.integers(2, min(4, L)))
     m = data.draw(st.integers(1, 10))
@@ -534,7 +537,7 @@ def test_rank0_path_sync_bound_is_below_every_simulated_1f1b_partition(data):
 def test_a_cutoff_gives_the_optimum_below_it_and_nothing_above(problem, fraction):
     """solve_dp / dp_bound / per_stage_bound with `below` (the search's cutoff, which shrinks the DP to stages that
     can finish below it) return the unrestricted optimum when it is below, and None / inf when it is not."""
-    from planner.partition import dp_bound, per_stage_bound
+    from meshplan.planner.partition import dp_bound, per_stage_bound
     for policy in GRANULARITIES:
         full = solve_dp(problem, policy)
         if full is None:
@@ -560,7 +563,7 @@ def test_a_cutoff_gives_the_optimum_below_it_and_nothing_above(problem, fraction
 def test_may_fit_never_rejects_a_partition_that_fits():
     """The greedy memory test is a relaxation: whenever brute force finds a fitting partition it says so (checked on
     many random instances, where it also rejects most of those with none)."""
-    from planner.partition import may_fit
+    from meshplan.planner.partition import may_fit
     caught = missed = 0
 
     @settings(max_examples=200, deadline=None, derandomize=True)
@@ -584,7 +587,7 @@ def test_may_fit_never_rejects_a_partition_that_fits():
 def test_partitions_below_lists_every_partition_under_the_threshold(problem, fraction):
     """partitions_below returns exactly the partitions whose J is below the threshold (1F1B: those whose J and rank 0's
     path to each sync are), each with its bound; over `limit` of them, None."""
-    from planner.partition import partitions_below, rank0_path_sync_bound
+    from meshplan.planner.partition import partitions_below, rank0_path_sync_bound
     L, p = problem.num_layers, problem.num_stages
     for policy in GRANULARITIES:
         best = solve_dp(problem, policy)
@@ -620,14 +623,14 @@ def test_per_stage_optimum_without_cpsat_is_the_brute_force_optimum(problem):
     """The search's CP-SAT-free proof (planner/search.py _per_stage_optimum: the cheapest-policy heuristic plan,
     or the smallest pair listed under it) returns the brute-force J-optimum, with a partition and policies whose J
     is that value; None only when the pairs under the heuristic are too many to list or nothing fits."""
-    from planner.search import _per_stage_optimum
+    from meshplan.planner.search import _per_stage_optimum
     bf = brute_force(problem, per_stage=True)
     found = _per_stage_optimum(problem)
     if bf is None:
         assert found is None
         return
     if found is None:  # allowed only when the listing overflows
-        from planner.partition import per_stage_bound, per_stage_partitions_below
+        from meshplan.planner.partition import per_stage_bound, per_stage_partitions_below
         _, plan = per_stage_bound(problem)
         assert per_stage_partitions_below(problem, plan.objective * (1 - 1e-9), limit=128) is None
         return
@@ -642,7 +645,7 @@ def test_per_stage_optimum_without_cpsat_is_the_brute_force_optimum(problem):
 def test_per_stage_partitions_below_lists_every_pair_under_the_threshold(problem, fraction):
     """per_stage_partitions_below returns exactly the (partition, per-stage policy) pairs whose J is below the
     threshold, each with that J, smallest first; over `limit` of them, None (brute force over every pair)."""
-    from planner.partition import _policy_options, per_stage_partitions_below
+    from meshplan.planner.partition import per_stage_partitions_below, policy_options
     L, p = problem.num_layers, problem.num_stages
     best = brute_force(problem, per_stage=True)
     if best is None:
@@ -652,7 +655,7 @@ def test_per_stage_partitions_below_lists_every_pair_under_the_threshold(problem
     under, near = set(), {}
     for cuts in itertools.combinations(range(1, L), p - 1):
         b = (0, *cuts, L)
-        for pols in itertools.product(*[_policy_options(b[r + 1] - b[r], True, "none") for r in range(p)]):
+        for pols in itertools.product(*[policy_options(b[r + 1] - b[r], True, "none") for r in range(p)]):
             res = evaluate(problem, b, pols)
             if res is not None and res.objective < threshold * (1 + 1e-9):
                 near[(b, pols)] = res.objective
@@ -673,8 +676,8 @@ def test_per_stage_tight_bound_is_below_every_simulated_per_stage_plan(data, sch
     """The gap-closing bound of per-stage candidates (pair, rank-0 sync and rank-0 path DPs with each stage on its
     cheapest fitting policy, sync with the one-layer unhidden share) never exceeds the event-simulated step of any
     (partition, per-stage policy) that fits, with the estimate's sync after each rank's last pass."""
-    from planner.partition import _policy_options, _stage_backward, _stage_forward, _cuts, _layer_sums, _tables
-    from planner.partition import per_stage_bound, per_stage_tight_bound
+    from meshplan.planner.partition import per_stage_bound, per_stage_tight_bound, policy_options
+    from meshplan.planner.partition.terms import _cuts, _layer_sums, _stage_backward, _stage_forward, _tables
     L = data.draw(st.integers(2, 6))
     p = data.draw(st.integers(2, min(3, L)))
     m = data.draw(st.integers(1, 8))
@@ -704,7 +707,7 @@ def test_per_stage_tight_bound_is_below_every_simulated_per_stage_plan(data, sch
     steps = []
     for cuts in itertools.combinations(range(1, L), p - 1):
         bounds = (0, *cuts, L)
-        for pols in itertools.product(*[_policy_options(bounds[r + 1] - bounds[r], True, "none") for r in range(p)]):
+        for pols in itertools.product(*[policy_options(bounds[r + 1] - bounds[r], True, "none") for r in range(p)]):
             if evaluate(problem, bounds, pols) is None:
                 continue  # over the memory cap
             times, syncs = [], []
@@ -738,8 +741,7 @@ def test_the_dps_built_a_block_at_a_time_with_the_binary_search_give_the_same_an
     """Above BLOCK_MAX_CELLS the DPs build their grids a few stages at a time, and above FULL_CUT_SCAN_MAX_CELLS the
     cheapest-fitting policy finds its full-recompute cut by binary search (a thousand layers would otherwise need
     tens of GB); forced on small problems, both must give exactly the one-shot answers."""
-    from planner import partition
-    from planner.partition import dp_bound, per_stage_bound
+    from meshplan.planner.partition import dp_bound, dynamic, per_stage_bound
 
     def answers():
         return ([solve_dp(problem, g) for g in GRANULARITIES] + [dp_bound(problem, g) for g in GRANULARITIES]
@@ -747,14 +749,14 @@ def test_the_dps_built_a_block_at_a_time_with_the_binary_search_give_the_same_an
 
     expected = answers()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(partition, "BLOCK_MAX_CELLS", 1)
-        mp.setattr(partition, "FULL_CUT_SCAN_MAX_CELLS", 0)
+        mp.setattr(dynamic, "BLOCK_MAX_CELLS", 1)
+        mp.setattr(dynamic, "FULL_CUT_SCAN_MAX_CELLS", 0)
         assert answers() == expected
 
 
 def test_an_expired_deadline_stops_the_dps_and_a_later_one_changes_nothing():
-    from costmodels.deadline import Deadline, TimeLimitReached
-    from planner.partition import dp_bound, per_stage_bound
+    from meshplan.costmodels.deadline import Deadline, TimeLimitReached
+    from meshplan.planner.partition import dp_bound, per_stage_bound
     problem = uniform_problem(64, 8, 16, "1f1b", act=1.0, cap=40.0)
     gone, later = Deadline(time.perf_counter() - 1), Deadline(time.perf_counter() + 3600)
     for solve in (lambda d: solve_dp(problem, "none", deadline=d), lambda d: dp_bound(problem, "full", deadline=d),
@@ -768,8 +770,8 @@ def test_an_expired_deadline_stops_the_dps_and_a_later_one_changes_nothing():
 def test_an_expired_deadline_stops_a_long_simulation(schedule, vpp):
     """The pipeline simulation checks its caller's deadline every CHECK_EVERY_PASSES passes (a time-limited search
     stops inside one), and a deadline not yet reached leaves the timeline as it was."""
-    from costmodels.deadline import Deadline, TimeLimitReached
-    from costmodels.pipeline import CHECK_EVERY_PASSES, pipeline_passes
+    from meshplan.costmodels.deadline import Deadline, TimeLimitReached
+    from meshplan.costmodels.pipeline import CHECK_EVERY_PASSES, pipeline_passes
     pp, m = 4, 4 * CHECK_EVERY_PASSES // 8
     assert pipeline_passes(schedule, pp, m, vpp) > CHECK_EVERY_PASSES
     times = [[StageTimes(1.0, 1.5, 0.5) for _ in range(vpp)] for _ in range(pp)]

@@ -12,19 +12,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costmodels.config import ParallelConfig, StagePolicy, Workload
-from costmodels.estimate import RANK_ORDER, simulate_config
-from costmodels.model import ModelSpec
-from costmodels.model_io import load_zoo
-from costmodels.pipeline import StageTimes, build_schedule, simulate
-from hardware_db.cluster import Cluster, ClusterSpec
-from hardware_db.errors import InputError
-from hardware_db.gpu import load_gpu
-from planner.builders import build_plan
-from planner.search import SearchAccount
-from planner.plan import (SCHEMA_PATH, Plan, plan_config, plan_json_schema, read_plan, write_plan,
-                          write_schema_file)
-from planner.trace import PROCESS_NAME, chrome_trace, write_trace
+from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload
+from meshplan.costmodels.estimate import RANK_ORDER, simulate_config
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import load_zoo
+from meshplan.costmodels.pipeline import StageTimes, build_schedule, simulate
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.gpu import load_gpu
+from meshplan.planner.builders import build_plan
+from meshplan.planner.plan import (SCHEMA_PATH, Plan, plan_config, plan_json_schema, read_plan, write_plan,
+                                   write_schema_file)
+from meshplan.planner.search import SearchAccount
+from meshplan.planner.trace import PROCESS_NAME, chrome_trace, write_trace
 
 WL = Workload(global_batch=32, seq_len=4096)
 LLAMA_CFG = ParallelConfig(tp=2, pp=2, stage_layers=(15, 17),
@@ -140,8 +140,8 @@ def test_plan_needs_no_zoo_or_hardware_db(tmp_path, monkeypatch):
     def no_lookup(*_a, **_k):
         raise AssertionError("a plan must not need a lookup")
 
-    monkeypatch.setattr("hardware_db.cluster.load_gpu", no_lookup)
-    monkeypatch.setattr("costmodels.model_io.load_zoo", no_lookup)
+    monkeypatch.setattr("meshplan.hardware_db.cluster.load_gpu", no_lookup)
+    monkeypatch.setattr("meshplan.costmodels.model_io.load_zoo", no_lookup)
     plan = read_plan(tmp_path / "p.json")
     assert plan.search is None and plan.inputs.calibration is None
     assert_close(resimulate(plan).estimate.to_dict(), plan.prediction.model_dump(exclude={"stage_time_s"}))
@@ -248,7 +248,7 @@ def test_write_plan_is_atomic(tmp_path, monkeypatch, target):
         raise OSError("disk full")
 
     module, name = target.split(".")
-    monkeypatch.setattr(f"planner.plan.{module}.{name}", boom)
+    monkeypatch.setattr(f"meshplan.planner.plan.{module}.{name}", boom)
     with pytest.raises((OSError, InputError)):
         write_plan(new, path)
     monkeypatch.undo()

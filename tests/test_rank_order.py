@@ -9,19 +9,19 @@ import functools
 import json
 
 import pytest
-
-from costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, Layout, ParallelConfig, StagePolicy, Workload,
-                               get_runtime, resolve)
-from costmodels.estimate import (RANK_ORDER, CostContext, Efficiency, estimate, group_ranks, layout_dict,
-                                 simulate_config)
-from costmodels.model_io import load_zoo
-from hardware_db.cluster import Cluster, ClusterSpec
-from hardware_db.errors import InputError
-from planner.builders import build_plan
-from planner.plan import Plan, plan_config, read_plan, write_plan
-from planner.search import search
-from planner.space import Pins, check_pins, divisors, enumerate_space, rank_orders
 from cli_helpers import assert_input_error, run
+
+from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, Layout, ParallelConfig, StagePolicy, Workload,
+                                        get_runtime, resolve)
+from meshplan.costmodels.estimate import (RANK_ORDER, CostContext, Efficiency, estimate, group_ranks, layout_dict,
+                                          simulate_config)
+from meshplan.costmodels.model_io import load_zoo
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.builders import build_plan
+from meshplan.planner.plan import Plan, plan_config, read_plan, write_plan
+from meshplan.planner.search import search
+from meshplan.planner.space import Pins, check_pins, divisors, enumerate_space, rank_orders
 
 DIMS = ("tp", "cp", "dp", "pp", "dp_cp", "etp", "ep", "edp")
 WL = Workload(global_batch=32, seq_len=2048)

@@ -10,16 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels import comm
-from costmodels.config import RECOMPUTE_MODULES, ParallelConfig, Workload, get_runtime, resolve
-from costmodels.estimate import estimate
-from costmodels.memory import layer_activation_bytes
-from costmodels.ops import ACT_BYTES, EP_FP8_DISPATCH_BYTES, mlp_half
-from costmodels.model_io import load_model
-from hardware_db.cluster import Cluster, ClusterSpec
-from hardware_db.errors import InputError
-from planner.launchers import export_plan
-from planner.launchers.megatron import megatron_args, parse_megatron_args
+from meshplan.costmodels import comm
+from meshplan.costmodels.config import RECOMPUTE_MODULES, ParallelConfig, Workload, get_runtime, resolve
+from meshplan.costmodels.estimate import estimate
+from meshplan.costmodels.memory import layer_activation_bytes
+from meshplan.costmodels.model_io import load_model
+from meshplan.costmodels.ops import ACT_BYTES, EP_FP8_DISPATCH_BYTES, mlp_half
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.launchers import export_plan
+from meshplan.planner.launchers.megatron import megatron_args, parse_megatron_args
 from tests.cli_helpers import assert_input_error, run
 from tests.launcher_helpers import DEEPSEEK_V3_STAGES, deepseek_v3, make_plan
 

@@ -15,15 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cli.main import main
-from costmodels.config import DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, StagePolicy, Workload, get_runtime, resolve
-from costmodels.estimate import estimate
-from costmodels.model import ModelSpec
-from costmodels.model_io import load_model, load_zoo
-from hardware_db.cluster import Cluster, ClusterSpec
-from hardware_db.errors import InputError
-from planner.search import SearchResult, search
-from planner.space import Pins, enumerate_space, interleaved_chunks
+from meshplan.cli.main import main
+from meshplan.costmodels.config import (DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, StagePolicy, Workload, get_runtime,
+                                        resolve)
+from meshplan.costmodels.estimate import estimate
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import load_model, load_zoo
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.search import SearchResult, search
+from meshplan.planner.space import Pins, enumerate_space, interleaved_chunks
 
 REL = 1e-9
 UNIFORM = ("none", "selective", "full")
@@ -438,7 +439,7 @@ def test_a_thousand_layers_under_a_time_limit_give_a_plan_and_stop_inside_long_s
 def test_a_pipeline_too_long_to_simulate_is_refused_with_its_maximum():
     """131,072 micro-batches on 64 stages are 16.8M passes (minutes and GBs to simulate): estimate refuses them
     naming the maximum and the fix; the search counts them under that rule and keeps the rest of the space."""
-    from costmodels.pipeline import MAX_PIPELINE_PASSES
+    from meshplan.costmodels.pipeline import MAX_PIPELINE_PASSES
     model, c = zoo("llama3.1-70b"), cluster(64)
     wl = Workload(global_batch=131072, seq_len=256)
     with pytest.raises(InputError, match=f"at most {MAX_PIPELINE_PASSES:,}.*raise --mbs"):
@@ -456,7 +457,7 @@ def test_a_pipeline_too_long_to_simulate_is_refused_with_its_maximum():
 def test_the_compute_floor_is_below_every_searched_plan(name, gpus, gpu, dtype):
     """The bound a time limit gives groups it never scored (_Search._compute_floor: the model's FLOPs over every
     GPU at the chip's highest peak) is below the plans the full search finds: it is a bound, not a guess."""
-    from planner.search import Efficiency, _Search
+    from meshplan.planner.search import Efficiency, _Search
     model, c = zoo(name), cluster(gpus, gpu)
     wl = Workload(global_batch=64, seq_len=2048, dtype=dtype)
     result = search(model, c, wl, top_k=3)
@@ -533,10 +534,10 @@ def test_sharded_work_bound_is_below_every_partition_and_above_the_plain_one(zer
     collectives cost something)."""
     import itertools
 
-    from costmodels.config import ParallelConfig
-    from costmodels.estimate import estimate
-    from planner import search as S
-    from planner.space import Candidate
+    from meshplan.costmodels.config import ParallelConfig
+    from meshplan.costmodels.estimate import estimate
+    from meshplan.planner import search as S
+    from meshplan.planner.space import Candidate
 
     L, gpus = 8, 16
     model = load_model("llama3.1-8b").model_copy(update={"num_layers": L, "name": "llama-8-layers"})

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels.model_io import load_zoo
-from costmodels.serving import (EngineLayout, capacity, iteration_time, kv_bytes_per_token,
-                                kv_bytes_per_token_layer, weight_bytes_per_gpu)
-from hardware_db.cluster import Cluster, ClusterSpec
-from hardware_db.errors import InputError
-from planner.serve import (ServeTargets, ServeWorkload, aggregated_point, decode_point, engine_layouts,
-                           pareto_front, prefill_point, search_serving)
+from meshplan.costmodels.model_io import load_zoo
+from meshplan.costmodels.serving import (EngineLayout, capacity, iteration_time, kv_bytes_per_token,
+                                         kv_bytes_per_token_layer, weight_bytes_per_gpu)
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.serve import (ServeTargets, ServeWorkload, aggregated_point, decode_point, engine_layouts,
+                                    pareto_front, prefill_point, search_serving)
 
 LLAMA70 = load_zoo("llama3.1-70b")
 LLAMA8 = load_zoo("llama3.1-8b")
@@ -204,13 +204,14 @@ def test_bad_workloads():
 import json  # noqa: E402
 
 from cli_helpers import assert_input_error, run  # noqa: E402
-from planner.launchers import export_plan  # noqa: E402
-from planner.launchers.common import ExportError  # noqa: E402
-from planner.launchers.sglang import parse_sglang_command  # noqa: E402
-from planner.launchers.vllm import parse_vllm_command  # noqa: E402
-from planner.builders import build_serving_plan  # noqa: E402
-from planner.plan import ServingPlan, read_any_plan, read_plan, read_serving_plan, write_plan  # noqa: E402
-from planner.serve import parse_engine_layout, pinned_deployment  # noqa: E402
+
+from meshplan.planner.builders import build_serving_plan  # noqa: E402
+from meshplan.planner.launchers import export_plan  # noqa: E402
+from meshplan.planner.launchers.common import ExportError  # noqa: E402
+from meshplan.planner.launchers.sglang import parse_sglang_command  # noqa: E402
+from meshplan.planner.launchers.vllm import parse_vllm_command  # noqa: E402
+from meshplan.planner.plan import ServingPlan, read_any_plan, read_plan, read_serving_plan, write_plan  # noqa: E402
+from meshplan.planner.serve import parse_engine_layout, pinned_deployment  # noqa: E402
 
 TARGETS = ServeTargets(ttft_ms=300, tpot_ms=50)
 DS_WL = ServeWorkload(isl=4000, osl=500, weight_dtype="fp8")
@@ -248,7 +249,7 @@ def test_serving_plan_round_trip(tmp_path):
     with pytest.raises(InputError, match='is a serving plan .kind "serving".; this command takes training plans'):
         read_plan(tmp_path / "s.json")
     jsonschema = pytest.importorskip("jsonschema")
-    from planner.plan import plan_json_schema
+    from meshplan.planner.plan import plan_json_schema
     jsonschema.validate(json.loads((tmp_path / "s.json").read_text()), plan_json_schema())
 
 
@@ -367,7 +368,7 @@ def test_cli_show_serving_plan(capsys, tmp_path):
 def test_the_ratio_is_the_brute_force_best(pre_gpus, dec_gpus, a, b, budget):
     """_ratio walks each pool's count with the other rounded to balance it (to RATIO_ENGINES each, far above these
     budgets): the same per-GPU rate as trying every x:y that fits, and the fewest engines among the best."""
-    from planner.serve import PoolPoint, _ratio
+    from meshplan.planner.serve import PoolPoint, _ratio
 
     pre = PoolPoint("prefill", EngineLayout(tp=pre_gpus), 1, 1, 0.1, 0.0, a, None)  # type: ignore[arg-type]
     dec = PoolPoint("decode", EngineLayout(tp=dec_gpus), 1, 1, 0.0, 0.1, b, None)  # type: ignore[arg-type]
@@ -390,7 +391,7 @@ def test_the_ratio_is_the_brute_force_best(pre_gpus, dec_gpus, a, b, budget):
 
 def test_engine_sizes_stop_growing_with_the_cluster():
     """Engines span at most MAX_ENGINE_NODES nodes, so a 65,536-GPU search takes the layouts of a 1,024-GPU one."""
-    from planner.serve import MAX_ENGINE_NODES, _engine_sizes
+    from meshplan.planner.serve import MAX_ENGINE_NODES, _engine_sizes
 
     assert _engine_sizes(65536, 8) == _engine_sizes(1024, 8)
     assert max(_engine_sizes(65536, 8)) == MAX_ENGINE_NODES * 8

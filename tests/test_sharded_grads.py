@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels import comm
-from costmodels.config import ParallelConfig, Workload, get_runtime, resolve
-from costmodels.estimate import CostContext, Efficiency, estimate
-from costmodels.kernels import CONTENTION_SM, overlapped_exposed
-from costmodels.memory import StageParams, model_state_bytes
-from costmodels.model import ModelSpec
-from hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.costmodels import comm
+from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime, resolve
+from meshplan.costmodels.estimate import CostContext, Efficiency, estimate
+from meshplan.costmodels.kernels import CONTENTION_SM, overlapped_exposed
+from meshplan.costmodels.memory import StageParams, model_state_bytes
+from meshplan.costmodels.model import ModelSpec
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 
 MODEL = ModelSpec(name="m", num_layers=8, hidden=4096, num_heads=32, num_kv_heads=8, ffn_hidden=14336, vocab=128256)
 CLUSTER = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=32))  # 4 nodes: DP crosses the NIC

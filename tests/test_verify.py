@@ -15,16 +15,17 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cli_helpers import assert_input_error, run  # noqa: E402
-from costmodels.config import ParallelConfig, StagePolicy, Workload  # noqa: E402
-from costmodels.estimate import simulate_config  # noqa: E402
-from costmodels.model_io import load_model  # noqa: E402
-from executor.mesh import ExecLayout  # noqa: E402
-from executor.reference import RunSpec  # noqa: E402
-from executor.scale import scale_model  # noqa: E402
-from executor.verify import run_layout  # noqa: E402
-from hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
-from planner.builders import build_plan  # noqa: E402
-from planner.plan import write_plan  # noqa: E402
+
+from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload  # noqa: E402
+from meshplan.costmodels.estimate import simulate_config  # noqa: E402
+from meshplan.costmodels.model_io import load_model  # noqa: E402
+from meshplan.executor.mesh import ExecLayout  # noqa: E402
+from meshplan.executor.reference import RunSpec  # noqa: E402
+from meshplan.executor.scale import scale_model  # noqa: E402
+from meshplan.executor.verify import run_layout  # noqa: E402
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
+from meshplan.planner.builders import build_plan  # noqa: E402
+from meshplan.planner.plan import write_plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,9 +156,9 @@ def test_a_composed_layout_matches_the_reference(case):
 
 
 def test_a_plan_file_round_trips_into_the_executor_layout(tmp_path):
-    from costmodels.config import resolve
-    from executor.verify import VerifyOptions, verify_case
-    from planner.plan import read_plan
+    from meshplan.costmodels.config import resolve
+    from meshplan.executor.verify import VerifyOptions, verify_case
+    from meshplan.planner.plan import read_plan
 
     plan = read_plan(_write_plan(tmp_path / "p.json", "llama3.1-8b", 6, 8, 16, tp=2, pp=2, dp=2, mbs=2,
                                  schedule="1f1b", stage_layers=(2, 4),
@@ -178,7 +179,7 @@ def test_verify_under_torchrun_is_the_same_code(tmp_path, inject, code):
     import sys
 
     plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cli.main",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "meshplan.cli.main",
            "verify", plan, "--out", str(tmp_path / "r.json"), "--steps", "1"] + (["--inject", inject] if inject else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert (proc.returncode == 0) == (code == 0), proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -194,7 +195,7 @@ def test_verify_under_torchrun_refuses_a_world_of_the_wrong_size(tmp_path):
     import sys
 
     plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 4, 8, dp=4, mbs=1)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cli.main",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "meshplan.cli.main",
            "verify", plan]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
@@ -233,7 +234,7 @@ def _alive(pid: int) -> bool:
 def test_killing_verify_leaves_no_rank_running(tmp_path):
     """verify killed with SIGKILL (no cleanup runs) mid-run: every rank it spawned is gone within 5 s."""
     plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "verify", plan, "--inject", "hang", "--timeout", "600"],
+    proc = subprocess.Popen([sys.executable, "-m", "meshplan.cli.main", "verify", plan, "--inject", "hang", "--timeout", "600"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         ranks: list[int] = []
@@ -268,7 +269,7 @@ def test_a_schedule_the_ranks_would_refuse_is_refused_before_they_start(tmp_path
 
 
 def test_a_model_this_machine_cannot_hold_is_refused_with_the_estimate(tmp_path, capsys, monkeypatch):
-    import executor.verify as verify
+    import meshplan.executor.verify as verify
 
     monkeypatch.setattr(verify, "_available_bytes", lambda: 2.0**30)  # a 1 GiB machine
     plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
@@ -278,7 +279,7 @@ def test_a_model_this_machine_cannot_hold_is_refused_with_the_estimate(tmp_path,
 
 def test_the_reference_run_is_under_the_timeout_too():
     """verify's own work (the single-process reference) ends at --timeout with a TimeoutError naming it."""
-    from executor.verify import _time_limit
+    from meshplan.executor.verify import _time_limit
 
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="the reference run took more than --timeout 0.2 s"):

@@ -11,16 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from costmodels.config import DEFAULT_RECOMPUTE_MODULES, Workload
-from costmodels.estimate import Efficiency, Simulated, simulate_config
-from costmodels.model import ModelSpec
-from hardware_db.cluster import Cluster
-from hardware_db.errors import InputError
-from planner.launchers import deepspeed, megatron, nemo, sglang, torchrun, torchtitan, vllm
-from planner.launchers.common import Exported, ExportedFile, ExportError
-from planner.launchers.megatron import LaunchSpec
-from planner.outputs import OutputFile, write_all
-from planner.plan import Plan, ServingPlan
+from meshplan.costmodels.config import DEFAULT_RECOMPUTE_MODULES, Workload
+from meshplan.costmodels.estimate import Efficiency, Simulated, simulate_config
+from meshplan.costmodels.model import ModelSpec
+from meshplan.hardware_db.cluster import Cluster
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.launchers import deepspeed, megatron, nemo, sglang, torchrun, torchtitan, vllm
+from meshplan.planner.launchers.common import Exported, ExportedFile, ExportError
+from meshplan.planner.launchers.megatron import LaunchSpec
+from meshplan.planner.outputs import OutputFile, write_all
+from meshplan.planner.plan import Plan, ServingPlan
 
 __all__ = ["TARGETS", "SERVING_TARGETS", "Exported", "ExportedFile", "ExportError", "LaunchSpec", "export_plan",
            "write_export",
@@ -129,7 +129,8 @@ def pinned_plan(launch: LaunchSpec, model: ModelSpec, cluster: Cluster, runtime:
                 efficiency: Efficiency | None = None, calibration: str | None = None) -> tuple[Plan, Simulated]:
     """The plan of exactly the imported configuration on `cluster`, and its simulation (the cost model's
     prediction)."""
-    from planner.builders import build_plan  # the builders import the search; the exporters need only the schema
+    # the builders import the search; the exporters need only the schema
+    from meshplan.planner.builders import build_plan
 
     workload = Workload(**launch.workload.model_dump())
     sim = simulate_config(model, cluster, workload, launch.config, runtime, efficiency)

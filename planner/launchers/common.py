@@ -7,8 +7,8 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hardware_db.errors import InputError
-from planner.plan import Plan, ServingEngine, ServingPlan
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.plan import Plan, ServingEngine, ServingPlan
 
 __all__ = ["ExportError", "ExportedFile", "Exported", "refuse", "header_lines", "node_geometry", "torchrun_args",
            "shell_lines", "uniform_recompute", "serving_header_lines", "engine_nodes", "full_ep_only",

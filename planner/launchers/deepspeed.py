@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 
-from planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
-                                      uniform_recompute)
-from planner.plan import Plan
+from meshplan.planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
+                                               uniform_recompute)
+from meshplan.planner.plan import Plan
 
 __all__ = ["TARGET", "ds_config", "megatron_deepspeed_args", "export_deepspeed"]
 

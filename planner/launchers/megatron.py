@@ -15,13 +15,13 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RECOMPUTE_MODULES, ParallelConfig, StagePolicy,
-                               Workload, get_runtime, split_evenly)
-from costmodels.model import ModelSpec
-from hardware_db.errors import InputError
-from planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
-                                      uniform_recompute)
-from planner.plan import Plan
+from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RECOMPUTE_MODULES, ParallelConfig,
+                                        StagePolicy, Workload, get_runtime, split_evenly)
+from meshplan.costmodels.model import ModelSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
+                                               uniform_recompute)
+from meshplan.planner.plan import Plan
 
 __all__ = ["TARGET", "Setting", "model_settings", "parallel_settings", "megatron_args", "export_megatron",
            "pipeline_layout", "parse_layout", "moe_layer_freq", "parse_moe_layer_freq", "LaunchSpec",
@@ -449,7 +449,10 @@ def _model_from(a: argparse.Namespace, name: str) -> ModelSpec | None:
     arguments.py sets ffn_hidden_size 4h, or int(8h/3/64)*64 with --swiglu, and kv_channels h / heads)."""
     if a.num_layers is None or a.hidden_size is None or a.num_attention_heads is None or a.vocab_size is None:
         return None
-    from costmodels.model import MLASpec, MoESpec  # the model types, only when the arguments name a whole model
+    from meshplan.costmodels.model import (  # the model types, only when the arguments name a whole model
+        MLASpec,
+        MoESpec,
+    )
 
     h = a.hidden_size
     ffn = a.ffn_hidden_size or (int(4 * h * 2 / 3 / 64) * 64 if a.swiglu else 4 * h)

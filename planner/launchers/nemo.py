@@ -9,9 +9,9 @@ renamed, so both exporters refuse the same plans for the same reasons.
 
 from __future__ import annotations
 
-from planner.launchers.common import Exported, ExportedFile, ExportError, header_lines, node_geometry, refuse
-from planner.launchers.megatron import parallel_settings
-from planner.plan import Plan
+from meshplan.planner.launchers.common import Exported, ExportedFile, ExportError, header_lines, node_geometry, refuse
+from meshplan.planner.launchers.megatron import parallel_settings
+from meshplan.planner.plan import Plan
 
 __all__ = ["TARGET", "model_parallel_fields", "ddp_fields", "export_nemo"]
 

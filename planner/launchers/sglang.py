@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from planner.launchers.common import Exported, ExportedFile, engine_nodes, full_ep_only, serving_script, shell_lines
-from planner.plan import ServingEngine, ServingPlan
+from meshplan.planner.launchers.common import (Exported, ExportedFile, engine_nodes, full_ep_only, serving_script,
+                                               shell_lines)
+from meshplan.planner.plan import ServingEngine, ServingPlan
 
 __all__ = ["TARGET", "sglang_args", "export_sglang", "parse_sglang_command"]
 

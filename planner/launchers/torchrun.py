@@ -8,8 +8,9 @@ nodes, --standalone on one).
 
 from __future__ import annotations
 
-from planner.launchers.common import Exported, ExportedFile, header_lines, node_geometry, shell_lines, torchrun_args
-from planner.plan import Plan
+from meshplan.planner.launchers.common import (Exported, ExportedFile, header_lines, node_geometry, shell_lines,
+                                               torchrun_args)
+from meshplan.planner.plan import Plan
 
 __all__ = ["TARGET", "executor_env", "torchrun_command", "export_torchrun"]
 
@@ -29,7 +30,7 @@ def executor_env(plan: Plan) -> list[tuple[str, str, str]]:
 
 
 def torchrun_command(plan: Plan, plan_path: str = "${PLAN}") -> list[str]:
-    return torchrun_args(plan) + ["-m", "cli.main", "verify", plan_path, "--launcher", "torchrun"]
+    return torchrun_args(plan) + ["-m", "meshplan.cli.main", "verify", plan_path, "--launcher", "torchrun"]
 
 
 def export_torchrun(plan: Plan) -> Exported:

@@ -17,16 +17,16 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from costmodels.config import (DEFAULT_RANK_ORDER, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, ParallelConfig, Workload,
-                               get_runtime)
-from costmodels.model import MAX_LAYERS, ModelSpec
-from costmodels.model_io import load_zoo, to_model_file
-from hardware_db.documents import parse_document
-from hardware_db.cluster import MAX_GPUS
-from hardware_db.errors import InputError, field_error
-from planner.launchers.common import Exported, ExportedFile, header_lines, refuse, uniform_recompute
-from planner.launchers.megatron import LaunchSpec
-from planner.plan import Plan
+from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, ParallelConfig, Workload,
+                                        get_runtime)
+from meshplan.costmodels.model import MAX_LAYERS, ModelSpec
+from meshplan.costmodels.model_io import load_zoo, to_model_file
+from meshplan.hardware_db.cluster import MAX_GPUS
+from meshplan.hardware_db.documents import parse_document
+from meshplan.hardware_db.errors import InputError, field_error
+from meshplan.planner.launchers.common import Exported, ExportedFile, header_lines, refuse, uniform_recompute
+from meshplan.planner.launchers.megatron import LaunchSpec
+from meshplan.planner.plan import Plan
 
 __all__ = ["TARGET", "FLAVORS", "TitanModel", "parallelism_fields", "training_fields", "activation_mode",
            "toml_text", "python_text", "export_torchtitan", "parse_torchtitan_toml", "stage_module_names"]

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from planner.launchers.common import (Exported, ExportedFile, engine_nodes, full_ep_only, refuse, serving_script,
-                                      shell_lines)
-from planner.plan import ServingEngine, ServingPlan
+from meshplan.planner.launchers.common import (Exported, ExportedFile, engine_nodes, full_ep_only, refuse,
+                                               serving_script, shell_lines)
+from meshplan.planner.plan import ServingEngine, ServingPlan
 
 __all__ = ["TARGET", "vllm_args", "export_vllm", "parse_vllm_command"]
 

@@ -1,0 +1,147 @@
+"""meshplan's Python API: the library calls the command line is a thin layer over (docs/api.md).
+
+`plan`, `estimate`, `serve` and `load_plan` return the typed results the CLI prints: a `Plan` (the Plan JSON
+document, planner/plan.py), an `Estimate` (costmodels/estimate.py) or a `ServingPlan`. `search_plans` and
+`search_deployments` also return what the tables show beside the plan (the ranking, the search's account, the
+simulated timeline). Bad input raises `InputError` with the one line the CLI prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshplan.costmodels.config import DEFAULT_RUNTIME, ParallelConfig, Workload
+from meshplan.costmodels.estimate import Efficiency, Estimate, Simulated, calibrated_cluster, simulate_config
+from meshplan.costmodels.estimate import estimate as estimate_cost
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import load_model
+from meshplan.costmodels.serving import EngineLayout, ServeTargets, ServeWorkload
+from meshplan.hardware_db.calibration import load_calibration
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.builders import build_plan, build_serving_plan
+from meshplan.planner.plan import Plan, ServingPlan, read_any_plan, without_timing
+from meshplan.planner.search import ProgressFn, SearchResult, search
+from meshplan.planner.serve import ServeResult, explain_serving, pinned_deployment, search_serving
+from meshplan.planner.space import Pins
+
+__all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "estimate", "load_plan", "plan",
+           "search_deployments", "search_plans", "serve"]
+
+ModelInput = str | ModelSpec  # a zoo name, a config file (Hugging Face config.json or meshplan model file), or a spec
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """A training search's outcome: the best plan as a document, the ranking and account it came from, and the best
+    plan's simulated timeline (for a trace)."""
+
+    plan: Plan
+    result: SearchResult
+    simulated: Simulated
+
+
+@dataclass(frozen=True)
+class PinnedDeployment:
+    """A serving deployment given instead of searched: the decode (or aggregated) engine, optionally a prefill engine
+    (disaggregated); counts and batches left None are chosen to meet the targets."""
+
+    layout: EngineLayout
+    engines: int | None = None
+    batch: int | None = None
+    prefill_layout: EngineLayout | None = None
+    prefill_engines: int | None = None
+
+
+@dataclass(frozen=True)
+class ServingSearch:
+    """A serving search's outcome: the best deployment as a document, the search (None for a pinned deployment) and
+    one line per runner-up saying why it loses."""
+
+    plan: ServingPlan
+    result: ServeResult | None
+    alternatives: tuple[str, ...]
+
+
+def _model(model: ModelInput) -> ModelSpec:
+    return model if isinstance(model, ModelSpec) else load_model(model)
+
+
+def calibrated(cluster: ClusterSpec, calibration: str | None = None,
+               runtime: str = DEFAULT_RUNTIME) -> tuple[Cluster, Efficiency | None]:
+    """The cluster, and with a calibration (a file from `meshplan profile` or a name under hardware_db/calibrations)
+    its device as measured and the efficiency model fitted to it (None: the GPU's defaults)."""
+    if calibration is None:
+        return Cluster(cluster), None
+    return calibrated_cluster(cluster, load_calibration(calibration), calibration, runtime)
+
+
+def estimate(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),
+             runtime: str = DEFAULT_RUNTIME, calibration: str | None = None) -> Estimate:
+    """The predicted step time, its breakdown, throughput, MFU and memory of one configuration (unset knobs take
+    their defaults, costmodels/config.py)."""
+    hardware, eff = calibrated(cluster, calibration, runtime)
+    return estimate_cost(_model(model), hardware, workload, config, runtime, eff)
+
+
+def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, pins: Pins = Pins(),
+                 runtime: str = DEFAULT_RUNTIME, calibration: str | None = None, top: int = 5,
+                 time_limit_s: float | None = None, timing: bool = False,
+                 progress: ProgressFn | None = None) -> PlanSearch:
+    """Search every configuration the pins leave open; the best plan (its search time recorded only with
+    `timing`, so the same input makes the same document). InputError when nothing fits, saying why."""
+    spec = _model(model)
+    hardware, eff = calibrated(cluster, calibration, runtime)
+    result = search(spec, hardware, workload, pins, runtime, efficiency=eff, top_k=top, time_limit_s=time_limit_s,
+                    progress=progress)
+    if not result.plans:
+        raise InputError(result.why_nothing_fits or "no plan fits")
+    best = result.plans[0]
+    sim = simulate_config(spec, hardware, workload, best.config, runtime, eff)
+    doc = build_plan(spec, hardware, workload, best.config, sim, runtime, account=result.account, rank=1,
+                     bound_s=best.bound_s, partition_status=best.partition_status,
+                     calibration=eff.calibration if eff else None)
+    return PlanSearch(plan=doc if timing else without_timing(doc), result=result, simulated=sim)
+
+
+def plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, pins: Pins = Pins(),
+         runtime: str = DEFAULT_RUNTIME, calibration: str | None = None, time_limit_s: float | None = None) -> Plan:
+    """The fastest configuration that fits, as the Plan document `meshplan plan --out` writes."""
+    return search_plans(model, cluster, workload, pins, runtime, calibration, time_limit_s=time_limit_s).plan
+
+
+def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targets: ServeTargets,
+                       min_gpus: int = 1, objective: str = "throughput", disaggregation: bool = True, top: int = 5,
+                       mem_fraction: float = 0.9, time_limit_s: float | None = None,
+                       pinned: PinnedDeployment | None = None, timing: bool = False) -> ServingSearch:
+    """The best serving deployment on at most `cluster.num_gpus` GPUs (and at least `min_gpus`) under the targets,
+    or the `pinned` one priced. InputError when nothing fits."""
+    spec = _model(model)
+    hardware = Cluster(cluster)
+    result, alternatives = None, ()
+    if pinned is not None:
+        best = pinned_deployment(spec, hardware, workload, targets, pinned.layout, pinned.engines, pinned.batch,
+                                 pinned.prefill_layout, pinned.prefill_engines, mem_fraction=mem_fraction)
+        if best.gpus > hardware.num_gpus:
+            raise InputError(f"the deployment needs {best.gpus} GPUs; --gpus gives {hardware.num_gpus}")
+    else:
+        result = search_serving(spec, hardware, workload, targets, min_gpus, objective, disaggregation, top=top,
+                                mem_fraction=mem_fraction, time_limit_s=time_limit_s)
+        if result.best is None:
+            raise InputError(result.why_nothing or "no deployment fits")
+        best, alternatives = result.best, tuple(explain_serving(result, targets, workload))
+    doc = build_serving_plan(spec, hardware, workload, targets, best, result, objective, list(alternatives))
+    return ServingSearch(plan=doc if timing else without_timing(doc), result=result, alternatives=alternatives)
+
+
+def serve(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targets: ServeTargets = ServeTargets(),
+          objective: str = "throughput", disaggregation: bool = True) -> ServingPlan:
+    """The best serving deployment, as the document `meshplan serve --out` writes."""
+    return search_deployments(model, cluster, workload, targets, objective=objective,
+                              disaggregation=disaggregation).plan
+
+
+def load_plan(path: str | Path) -> Plan | ServingPlan:
+    """A plan file (training or serving), validated against this version's schema; InputError says what is wrong."""
+    return read_any_plan(path, ("training", "serving"))
