@@ -17,7 +17,7 @@ from partition_oracle import brute_force
 from meshplan.costmodels.config import StagePolicy
 from meshplan.planner.partition import (GRANULARITIES, PartitionProblem, PartitionResult, SyncModel, cpsat_tolerance_s,
                                         evaluate, solve_cpsat, solve_dp)
-from meshplan.planner.search import heaviest_stage_floor, pipeline_floor
+from meshplan.planner.search_bounds import heaviest_stage_floor, pipeline_floor
 
 NONE = StagePolicy(granularity="none")
 GB = 1e9
@@ -407,7 +407,7 @@ def test_stage0_sync_bound_is_below_every_simulated_partition(pp, schedule, reco
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(problems())
 def test_pipeline_floor_bounds_every_partition(problem):
-    """The search's partition-free floor (planner.search.pipeline_floor, fed as work_bound feeds it) never exceeds
+    """The search's partition-free floor (planner.search_bounds.pipeline_floor, fed as work_bound feeds it) never exceeds
     the best J over all partitions, for each schedule and uniform policy: it may prune before any DP runs."""
     free = dataclasses.replace(problem, memory_cap_bytes=1e30)
     extras = {"none": (0.0,) * problem.num_layers, "selective": problem.layer_selective_extra,
