@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from device_kernel_clocks import EXPERTS, LINEARS  # noqa: E402
 
-from meshplan.costmodels.estimate import Efficiency, op_time  # noqa: E402
+from meshplan.costmodels.efficiency import (Efficiency)  # noqa: E402
+from meshplan.costmodels.timing import (op_time)  # noqa: E402
 from meshplan.costmodels.kernels import TE_GEMM_STREAMS  # noqa: E402
 from meshplan.hardware_db.gpu import load_gpu  # noqa: E402
 

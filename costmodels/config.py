@@ -400,7 +400,7 @@ class Layout:
     schedule: Schedule
     stage_layers: tuple[int, ...]  # decoder layers per pipeline stage (pp entries)
     stage_recompute: tuple[StagePolicy, ...]  # recomputation per pipeline stage (pp entries)
-    rank_order: RankOrder = DEFAULT_RANK_ORDER  # dense dims innermost first (group placement, estimate.group_ranks)
+    rank_order: RankOrder = DEFAULT_RANK_ORDER  # dense dims innermost first (group placement, timing.group_ranks)
     chunks: tuple[int, ...] = ()  # decoder layers per model chunk, model order (resolve fills it: pp * vpp entries)
     recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" re-runs (RecomputeModule)
     offload_layers: int = 0  # decoder layers whose activations wait in host memory (ParallelConfig.offload_layers)

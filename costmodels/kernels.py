@@ -1,7 +1,7 @@
 """How fast the kernels of a training step run: achieved fractions of peak by operator shape, precision recipe and
 framework, from published measurements (the sources name each number; docs/cost_model.md, "Kernel efficiency").
 
-Small pure functions that estimate.op_time and ops.py read. Nothing here is fitted to a training run: the
+Small pure functions that timing.op_time and ops.py read. Nothing here is fitted to a training run: the
 numbers are microbenchmark measurements (GEMM and attention tables, bandwidth tests) and the algorithms the
 libraries document (TransformerEngine's FP8 casts and transposes, userbuffers' overlap splits).
 """

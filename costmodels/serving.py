@@ -6,7 +6,7 @@ group of `tp` GPUs (Megatron sharding, as vLLM and SGLang do); `dp` attention gr
 sequences and keep their own KV cache (SGLang --enable-dp-attention, vLLM --data-parallel-size with expert
 parallelism); the routed experts of an MoE layer are spread over all tp x dp ranks of a stage, `ep` ways by expert
 and tp*dp/ep ways inside each expert (expert TP). Every operator is timed by the training cost model's roofline
-(estimate.op_time, with the GPU's efficiency or a calibration) and every collective by its ring formula on the
+(timing.op_time, with the GPU's efficiency or a calibration) and every collective by its ring formula on the
 links the ranks cross (estimate.timed_collective).
 """
 
@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshplan.costmodels import comm
 from meshplan.costmodels.comm import Link
-from meshplan.costmodels.estimate import Efficiency, group_link, op_time, timed_collective
+from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.timing import group_link, op_time, timed_collective
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.ops import ACT_BYTES, Op, elementwise, gemm, mla_query_and_latent
 from meshplan.hardware_db.cluster import Cluster
@@ -372,7 +373,7 @@ def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec
                      elementwise("embedding", t, t * model.hidden)])
     head_comm = _all_to_all(4.0 * sampled * model.vocab, layout.tp, tp_link, eff)  # gather the logits' shards
     # a calibration's measured framework cost: per decoder layer forward at this TP degree, per forward outside
-    # the layers (estimate.Efficiency.overhead; zero uncalibrated, where a GPU engine's CUDA graphs hide it)
+    # the layers (efficiency.Efficiency.overhead; zero uncalibrated, where a GPU engine's CUDA graphs hide it)
     over_layer, _ = eff.overhead(layout.tp, False)
     compute += (dense_layers + moe_layers) * over_layer
     head += eff.head_overhead.forward_s if eff.head_overhead is not None else 0.0

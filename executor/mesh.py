@@ -1,5 +1,5 @@
 """Which ranks work together: a plan's degrees and rank order as torch DeviceMeshes, the same groups the
-cost model prices (`costmodels.estimate.group_ranks`).
+cost model prices (`costmodels.timing.group_ranks`).
 
 Dense dims (tp, cp, dp, pp) are laid out by the plan's rank order, innermost (fastest-varying) first:
 "tp-cp-dp-pp" (Megatron-LM's default) or "tp-cp-pp-dp" (`--use-tp-pp-dp-mapping`). Experts fold onto the

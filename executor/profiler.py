@@ -28,7 +28,7 @@ from typing import Any
 
 from meshplan.costmodels.calibrate import fit_model
 from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime, resolve
-from meshplan.costmodels.estimate import EXECUTOR_RUNTIME
+from meshplan.costmodels.efficiency import EXECUTOR_RUNTIME
 from meshplan.costmodels.memory import layer_activation_bytes
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.ops import ACT_BYTES
@@ -389,7 +389,8 @@ def _predicted(model: ModelSpec, cal: Calibration, seq: int, tp: int, layers: in
                sp: bool = False) -> tuple[float, float]:
     """The calibrated cost model's (forward, backward) of what _chunk_times ran, communication included, without
     an overhead term (the calibration being fitted has none yet)."""
-    from meshplan.costmodels.estimate import GroupLinks, PassCache, calibrated_cluster
+    from meshplan.costmodels.efficiency import calibrated_cluster
+    from meshplan.costmodels.passes import GroupLinks, PassCache
     from meshplan.hardware_db.cluster import ClusterSpec
 
     spec = ClusterSpec(gpu=cal.device.target, num_gpus=tp, gpus_per_node=tp)

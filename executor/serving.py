@@ -191,7 +191,7 @@ def run_serve_check(plan: "ServingPlan", scale: str = "tiny", prompt: int | None
                     calibration: "Calibration | None" = None, calibration_origin: str = "the calibration",
                     inject: str | None = None) -> ServeCheckReport:
     """Every engine of `plan` (pp 1) at a reduced size: its ranks against the reference forward."""
-    from meshplan.costmodels.estimate import EXECUTOR_RUNTIME, Efficiency, calibrated_cluster
+    from meshplan.costmodels.efficiency import EXECUTOR_RUNTIME, Efficiency, calibrated_cluster
     from meshplan.costmodels.serving import EngineLayout, iteration_time, kv_bytes_per_token
     from meshplan.executor.launch import run_world
     from meshplan.executor.scale import SCALES, scale_model

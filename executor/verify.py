@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from meshplan.costmodels.config import InputError, ParallelConfig, Workload, resolve
-from meshplan.costmodels.estimate import EXECUTOR_RUNTIME, Simulated, calibrated_cluster, simulate_config
+from meshplan.costmodels.efficiency import EXECUTOR_RUNTIME, calibrated_cluster
+from meshplan.costmodels.estimate import Simulated, simulate_config
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.ops import ACT_BYTES
 from meshplan.executor.scale import SCALES, scale_model

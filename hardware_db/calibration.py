@@ -191,7 +191,7 @@ class StepOverhead(Overhead):
 
 
 class FittedModel(_Frozen):
-    """What the cost model reads (costmodels/estimate.py: Efficiency.from_calibration)."""
+    """What the cost model reads (costmodels/efficiency.py: Efficiency.from_calibration)."""
 
     gemm: Curve
     attention: Curve
@@ -311,7 +311,7 @@ def cpu_device_spec(cal: Calibration) -> GPUSpec:
 def calibrated_gpu(gpu: GPUSpec, cal: Calibration, origin: str = "the calibration") -> GPUSpec:
     """The GPU spec with the efficiency defaults replaced by what the calibration measured (memory roof and launch
     cost; the collectives' ring fit where ranks were profiled). The GEMM and attention curves replace gemm_max and
-    attention_max in the cost model itself (costmodels/estimate.py, Efficiency.from_calibration)."""
+    attention_max in the cost model itself (costmodels/efficiency.py, Efficiency.from_calibration)."""
     check_target(cal, gpu.name, origin)  # a CPU calibration is its own device: cpu_device_spec
     fit = cal.fitted
     src = f"meshplan profile on {cal.device.name}, {cal.created}"

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshplan.costmodels.config import DEFAULT_RUNTIME, ParallelConfig, Workload
-from meshplan.costmodels.estimate import Efficiency, Estimate, Simulated, calibrated_cluster, simulate_config
+from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster
+from meshplan.costmodels.estimate import Estimate, Simulated, simulate_config
 from meshplan.costmodels.estimate import estimate as estimate_cost
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model

@@ -26,7 +26,9 @@ import numpy as np
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, DEFAULT_RUNTIME, ParallelConfig, StagePolicy,
                                         Workload, get_runtime, resolve, split_evenly)
 from meshplan.costmodels.deadline import Deadline, TimeLimitReached
-from meshplan.costmodels.estimate import CostContext, Efficiency, Estimate, model_flops_per_step, simulate_config
+from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.context import CostContext
+from meshplan.costmodels.estimate import Estimate, model_flops_per_step, simulate_config
 from meshplan.costmodels.memory import FRAGMENTATION, GIB
 from meshplan.costmodels.model import ModelSpec
 from meshplan.hardware_db.cluster import Cluster

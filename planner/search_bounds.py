@@ -13,8 +13,10 @@ import numpy as np
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, ParallelConfig, StagePolicy, Workload, get_runtime,
                                         resolve)
 from meshplan.costmodels.deadline import Deadline
-from meshplan.costmodels.estimate import (CostContext, Efficiency, GroupLinks, PassCache, buffer_bytes,
-                                          fp8_weight_cast_s, stage_p2p_s, stage_ranges, with_recompute_fb)
+from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.timing import stage_p2p_s
+from meshplan.costmodels.passes import GroupLinks, PassCache, with_recompute_fb
+from meshplan.costmodels.context import CostContext, buffer_bytes, fp8_weight_cast_s, stage_ranges
 from meshplan.costmodels.kernels import CONTENTION_SM, overlapped_exposed
 from meshplan.costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes,
                                         layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,

@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from meshplan.costmodels.estimate import Efficiency
+from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.serving import (Capacity, EngineLayout, ServeTargets, ServeWorkload, capacity, iteration_time,
                                          kv_transfer_s)

@@ -70,7 +70,7 @@ class Mesh(NamedTuple):
     dp: int
     ep: int
     etp: int
-    order: RankOrder = DEFAULT_RANK_ORDER  # rank order: where each group's ranks sit (estimate.group_ranks)
+    order: RankOrder = DEFAULT_RANK_ORDER  # rank order: where each group's ranks sit (timing.group_ranks)
 
     @property
     def edp(self) -> int:

@@ -281,9 +281,9 @@ def test_warnings_on_the_way_to_an_error_are_held_back(capsys, monkeypatch, recw
     command prints its one line only, a successful one still shows its warnings."""
     import warnings
 
-    import meshplan.cli.main as cli_main
+    import meshplan.cli.train as cli_train  # where `estimate` loads its model
 
-    real = cli_main.load_model
+    real = cli_train.load_model
 
     def warns_then(fail: bool):
         def load(name):
@@ -293,10 +293,10 @@ def test_warnings_on_the_way_to_an_error_are_held_back(capsys, monkeypatch, recw
             return real(name)
         return load
 
-    monkeypatch.setattr(cli_main, "load_model", warns_then(True))
+    monkeypatch.setattr(cli_train, "load_model", warns_then(True))
     assert_input_error(*run(capsys, *EST), "the model is refused")
     assert not [w for w in recwarn if "overflow" in str(w.message)]
-    monkeypatch.setattr(cli_main, "load_model", warns_then(False))
+    monkeypatch.setattr(cli_train, "load_model", warns_then(False))
     code, out, err = run(capsys, *EST)
     # shown through warnings.showwarning (stderr in a shell; pytest's recorder here)
     assert code == 0 and [w for w in recwarn if "overflow" in str(w.message)]

@@ -15,7 +15,9 @@ from meshplan.costmodels import comm
 from meshplan.costmodels.calibrate import fit_curve, fit_linear, fit_model, fit_ring, interpolate, isotonic
 from meshplan.costmodels.comm import ring_shape
 from meshplan.costmodels.config import ParallelConfig, Workload
-from meshplan.costmodels.estimate import Efficiency, calibrated_cluster, op_time, simulate_config, timed_collective
+from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster
+from meshplan.costmodels.timing import op_time, timed_collective
+from meshplan.costmodels.estimate import simulate_config
 from meshplan.costmodels.model_io import load_model
 from meshplan.hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, ActivationPoint, AttentionPoint, Calibration,
                                               CollectivePoint, DeviceInfo, GemmPoint, LayerOverhead, Measurements,
@@ -300,7 +302,7 @@ def test_profile_refuses_a_device_this_machine_does_not_have(capsys, tmp_path):
 
 def test_the_measured_activation_ratio_applies_to_plans_of_the_profiled_framework_only():
     from meshplan.costmodels.config import get_runtime, resolve
-    from meshplan.costmodels.estimate import CostContext
+    from meshplan.costmodels.context import CostContext
     from meshplan.costmodels.memory import layer_activation_bytes
 
     model = load_model("llama3.1-8b").model_copy(update={"num_layers": 2, "hidden": 256, "num_heads": 8,

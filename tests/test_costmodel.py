@@ -284,7 +284,9 @@ def test_mtp_modules_sit_on_the_last_stage():
     """DeepSeek-V3's MTP module (one projection, one MoE layer, the shared head again) is the last stage's: its
     parameters are counted there (the stages' parameters add up to total_params(include_mtp=True)), the last stage's
     block is slower by about one MoE layer and a head, and its memory grows by the module's activations."""
-    from meshplan.costmodels.estimate import CostContext, Efficiency, simulate_config
+    from meshplan.costmodels.efficiency import Efficiency
+    from meshplan.costmodels.context import CostContext
+    from meshplan.costmodels.estimate import simulate_config
     from meshplan.costmodels.memory import mtp_activation_bytes, stage_params
     from meshplan.costmodels.model_io import load_zoo
 
@@ -321,7 +323,7 @@ def test_interleaved_rank_parameters_are_its_chunks():
     """With virtual stages a rank holds non-contiguous chunks; its parameters (and so its weights, gradients and DP
     sync) are those chunks' layers, not a contiguous range of the same length. DeepSeek-style dense layers spilling
     past the first chunk make the two differ."""
-    from meshplan.costmodels.estimate import stage_ranges
+    from meshplan.costmodels.context import stage_ranges
     from meshplan.costmodels.memory import stage_params
     from meshplan.costmodels.model_io import load_zoo
 
@@ -347,7 +349,9 @@ def test_interleaved_rank_parameters_are_its_chunks():
 def test_pass_cache_totals_match_the_composed_passes(name, tp, cp, cp_comm, sp, mbs, ep, etp):
     """The planner's work bounds read PassCache.layer_fb / edges_fb (sums of the halves' totals); contexts read the
     composed PassTimes: the same seconds for every kind of layer, recompute mode, the embedding and the head (MTP)."""
-    from meshplan.costmodels.estimate import CostContext, Efficiency, PassCache
+    from meshplan.costmodels.efficiency import Efficiency
+    from meshplan.costmodels.passes import PassCache
+    from meshplan.costmodels.context import CostContext
     from meshplan.costmodels.model_io import load_model
     from meshplan.hardware_db.cluster import Cluster, ClusterSpec
     from meshplan.planner.space import LayerKey

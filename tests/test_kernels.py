@@ -1,4 +1,4 @@
-"""The kernel-efficiency physics (costmodels/kernels.py and its use in estimate.op_time): each term against
+"""The kernel-efficiency physics (costmodels/kernels.py and its use in timing.op_time): each term against
 hand-derived numbers and the published measurement it comes from, and the invariants they must keep."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from meshplan.costmodels import comm
 from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime
-from meshplan.costmodels.estimate import Efficiency, estimate, op_time
+from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.timing import op_time
+from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.kernels import (ATTENTION_KEYS_HALF, CONTENTION_COPY_ENGINE, CONTENTION_SM,
                                          QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics, async_tp_fused,
                                          attention_keys_factor, attention_keys_ramp, causal_tile_factor,
@@ -736,7 +738,8 @@ def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients(
     first of cp attention steps; the backward gathers again and passes the K,V gradients round in fp32, one hop per
     step plus the last. By hand from the attention block's collectives, on CP 8 across 8 nodes (TP 8 inside)."""
     from meshplan.costmodels.config import resolve
-    from meshplan.costmodels.estimate import GroupLinks, PassCache, collective_time
+    from meshplan.costmodels.timing import collective_time
+    from meshplan.costmodels.passes import GroupLinks, PassCache
     from meshplan.costmodels.model_io import load_model
     from meshplan.costmodels.ops import attention_half
 
@@ -824,7 +827,8 @@ def test_op_sac_all_gathers_the_tp_inputs_again():
     all-gather once more (vanilla TP: its whole time), and nothing for the reduce-scatter. By hand from one block
     priced with and without its collectives."""
     from meshplan.costmodels.config import resolve
-    from meshplan.costmodels.estimate import GroupLinks, PassCache, collective_time
+    from meshplan.costmodels.timing import collective_time
+    from meshplan.costmodels.passes import GroupLinks, PassCache
     from meshplan.costmodels.model_io import load_model
     from meshplan.costmodels.ops import attention_half, mlp_half
 
@@ -855,7 +859,7 @@ def test_fsdp2_copies_its_gathers_out_and_its_gradients_in_on_the_compute_stream
     holds one copy-out, its backward a copy-out and a copy-in, in full, on top of the collectives' exposure. By
     hand against the same runtime without the copies; ZeRO-1 (no per-layer collectives) holds none."""
     from meshplan.costmodels.config import resolve
-    from meshplan.costmodels.estimate import FSDP_COPY_IN_BYTES, FSDP_COPY_OUT_BYTES, CostContext
+    from meshplan.costmodels.context import FSDP_COPY_IN_BYTES, FSDP_COPY_OUT_BYTES, CostContext
     from meshplan.costmodels.model_io import load_model
 
     model = load_model("llama3.1-8b")

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload
-from meshplan.costmodels.estimate import RANK_ORDER, simulate_config
+from meshplan.costmodels.timing import RANK_ORDER
+from meshplan.costmodels.estimate import simulate_config
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_zoo
 from meshplan.costmodels.pipeline import StageTimes, build_schedule, simulate

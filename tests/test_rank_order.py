@@ -13,8 +13,10 @@ from cli_helpers import assert_input_error, run
 
 from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, Layout, ParallelConfig, StagePolicy, Workload,
                                         get_runtime, resolve)
-from meshplan.costmodels.estimate import (RANK_ORDER, CostContext, Efficiency, estimate, group_ranks, layout_dict,
-                                          simulate_config)
+from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.timing import RANK_ORDER, group_ranks
+from meshplan.costmodels.context import CostContext
+from meshplan.costmodels.estimate import estimate, layout_dict, simulate_config
 from meshplan.costmodels.model_io import load_zoo
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from meshplan.costmodels import comm
 from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime, resolve
-from meshplan.costmodels.estimate import CostContext, Efficiency, estimate
+from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.context import CostContext
+from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.kernels import CONTENTION_SM, overlapped_exposed
 from meshplan.costmodels.memory import StageParams, model_state_bytes
 from meshplan.costmodels.model import ModelSpec

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshplan.costmodels.config import DEFAULT_RECOMPUTE_MODULES, Workload
-from meshplan.costmodels.estimate import Efficiency, Simulated, simulate_config
+from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.estimate import Simulated, simulate_config
 from meshplan.costmodels.model import ModelSpec
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError

@@ -1,0 +1,352 @@
+"""`meshplan estimate` and `meshplan plan`: a library call each (meshplan/api.py) and their tables."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from meshplan import api
+from meshplan.cli.options import (CalibrationOpt, ClusterOpt, CpCommOpt, CpOpt, DpOpt, DtypeOpt, EpOpt, EtpOpt,
+                                  ExportTarget, Fp8RecipeOpt, GbsOpt, GpuOpt, GpusOpt, MbsOpt, ModelOpt, NicOpt,
+                                  NvlinkOpt, OrderOpt, P_OUT, P_PAR, PerNodeOpt, PpOpt, RecomputeModulesOpt, RuntimeOpt,
+                                  ScheduleOpt, SeqOpt, SpOpt, TpOpt, VppOpt, ZeroOpt, cluster_of_flags, console,
+                                  echo_export, output_targets, recompute_modules_arg, workload_arg)
+from meshplan.costmodels.config import DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, ParallelConfig, Workload
+from meshplan.costmodels.context import stage_ranges
+from meshplan.costmodels.estimate import Estimate
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import load_model
+from meshplan.hardware_db.cluster import Cluster
+from meshplan.hardware_db.errors import InputError
+from meshplan.planner.outputs import OutputFile, write_all
+
+
+def estimate(
+    model: ModelOpt,
+    gbs: GbsOpt = 256,
+    seq: SeqOpt = 4096,
+    dtype: DtypeOpt = "bf16",
+    fp8_recipe: Fp8RecipeOpt = "tensorwise",
+    gpu: GpuOpt = None,
+    gpus: GpusOpt = None,
+    gpus_per_node: PerNodeOpt = None,
+    nic_gbps: NicOpt = None,
+    nvlink_gbs: NvlinkOpt = None,
+    cluster_file: ClusterOpt = None,
+    tp: TpOpt = None,
+    pp: PpOpt = None,
+    vpp: VppOpt = None,
+    dp: DpOpt = None,
+    cp: CpOpt = None,
+    cp_comm: CpCommOpt = None,
+    ep: EpOpt = None,
+    etp: EtpOpt = None,
+    mbs: MbsOpt = None,
+    zero: ZeroOpt = None,
+    recompute: Annotated[Optional[Literal["none", "selective", "full"]], typer.Option(
+        "--recompute", rich_help_panel=P_PAR,
+        help="Activation recomputation: none, selective (attention core) or full (whole layer) (default none).")] = None,
+    recompute_modules: RecomputeModulesOpt = None,
+    offload_layers: Annotated[Optional[int], typer.Option(
+        "--offload-layers", min=0, rich_help_panel=P_PAR, help=(
+            "Keep this many decoder layers' activations in host memory between forward and backward (Megatron "
+            "--cpu-offloading-num-layers): needs --pp 1, no recomputation and the GPU's host_link_gb_s."))] = None,
+    sp: SpOpt = None,
+    schedule: ScheduleOpt = None,
+    order: OrderOpt = None,
+    runtime: RuntimeOpt = DEFAULT_RUNTIME,
+    calibration: CalibrationOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
+        "Print the estimate as JSON (step_time_s, tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu, hfu, "
+        "peak_memory_gib, fits, breakdown_s, stages, ...) and nothing else."))] = False,
+) -> None:
+    """Estimate one configuration: step time and its breakdown, throughput, MFU/HFU and memory per GPU.
+
+    Unset knobs take defaults: tp, pp, vpp, cp, ep, mbs 1; dp fills the GPUs; ZeRO 1; recompute none;
+    sequence parallelism on with TP; schedule interleaved when vpp > 1, else 1f1b.
+    """
+    spec = load_model(model)
+    cluster_spec = cluster_of_flags(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
+    workload = workload_arg(gbs, seq, dtype, fp8_recipe)
+    knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
+                 sp=sp, schedule=schedule, rank_order=order, recompute_modules=recompute_modules_arg(recompute_modules),
+                 offload_layers=offload_layers)
+    cfg = ParallelConfig(**{k: v for k, v in knobs.items() if v is not None})
+    est = api.estimate(spec, cluster_spec, workload, cfg, runtime, calibration)
+    if as_json:
+        typer.echo(json.dumps(est.to_dict(), indent=2))
+    else:
+        print_estimate(console(), spec, api.calibrated(cluster_spec, calibration, runtime)[0], workload, est)
+
+
+BREAKDOWN_LABELS = {
+    "compute": "compute (forward + backward)",
+    "recompute": "recompute (activation recomputation)",
+    "pp_comm": "PP send/recv (exposed)",
+    "pipeline_bubble": "pipeline bubble",
+    "dp_comm": "DP gradient reduce / param gather (exposed)",
+    "optimizer": "optimizer step",
+    "offload_comm": "activation offload to host (exposed)",
+}
+
+
+def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload, est: Estimate) -> None:
+    lay = est.layout
+    con.print(f"[bold]{spec.name}[/] ({spec.total_params() / 1e9:.1f} B params, {spec.active_params() / 1e9:.1f} B "
+              f"active) on {cluster.num_gpus} x {cluster.gpu.display_name} ({cluster.num_nodes} node(s) of "
+              f"{cluster.gpus_per_node}), runtime {est.runtime}")
+    con.print(f"workload: {wl.global_batch} sequences x {wl.seq_len} tokens = {wl.tokens / 1e6:.2f} M tokens/step, "
+              f"{wl.dtype}")
+    con.print(f"layout: tp {lay.tp}, pp {lay.pp}, vpp {lay.vpp}, dp {lay.dp}, cp {lay.cp}, ep {lay.ep}, "
+              f"etp {lay.etp}, mbs {lay.mbs}, {lay.num_microbatches} micro-batches, zero {lay.zero}, "
+              f"recompute {lay.recompute}, sp {'on' if lay.sp else 'off'}, schedule {lay.schedule}, "
+              f"order {lay.rank_order}")
+
+    step = est.step_time_s
+    t = Table(title="Step time breakdown (critical pipeline rank)", title_justify="left")
+    t.add_column("component")
+    t.add_column("seconds", justify="right")
+    t.add_column("% of step", justify="right")
+    for key, sec in est.breakdown_s.items():
+        label = BREAKDOWN_LABELS.get(key) or f"{key.removesuffix('_comm').upper()} comm (exposed)"
+        t.add_row(label, f"{sec:.3f}", f"{100 * sec / step:.1f}")
+    t.add_row("[bold]step time[/]", f"[bold]{step:.3f}[/]", "100.0")
+    con.print(t)
+
+    t = Table(title="Throughput", title_justify="left")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("step time", f"{step:.3f} s")
+    t.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
+    t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.1f}")
+    t.add_row("TFLOP/s/GPU (model FLOPs)", f"{est.tflops_per_gpu:.1f}")
+    t.add_row(f"MFU (vs {wl.dtype} dense peak)", f"{100 * est.mfu:.1f} %"
+              + (" [bold yellow](above every published run of its class)[/]" if est.realism and est.realism.exceeds
+                 else ""))
+    t.add_row("HFU (with recompute FLOPs)", f"{100 * est.hfu:.1f} %")
+    t.add_row("pipeline bubble fraction", f"{100 * est.bubble_fraction:.1f} %")
+    con.print(t)
+
+    stages = est.to_dict()["stages"]
+    peak = max(stages, key=lambda s: s["peak_memory_gib"])
+    shown = {"only": stages[0]} if len(stages) == 1 else {"first": stages[0], "last": stages[-1]}
+    if peak["rank"] not in (stages[0]["rank"], stages[-1]["rank"]):
+        shown["peak"] = peak  # a middle stage holds the most
+    t = Table(title="Memory per GPU (GiB)", title_justify="left")
+    t.add_column("component")
+    ranges = stage_ranges(lay)  # with virtual stages a rank holds several separate layer ranges
+    for which, s in shown.items():
+        spans = ", ".join(f"{a}-{a + n - 1}" for a, n in ranges[s["rank"]] if n)
+        t.add_column(f"{which} stage (rank {s['rank']}, layers {spans})", justify="right")
+    shown = list(shown.values())
+    for key in shown[0]["memory_gib"]:
+        t.add_row(key, *(f"{s['memory_gib'][key]:.2f}" for s in shown))
+    t.add_row("[bold]total[/]", *(f"[bold]{s['peak_memory_gib']:.2f}[/]" for s in shown))
+    t.add_row("HBM", *(f"{est.hbm_gib:.0f}" for _ in shown))
+    t.add_row("fits", *("[green]yes[/]" if s["peak_memory_gib"] <= est.hbm_gib else "[bold red]NO[/]"
+                        for s in shown))
+    con.print(t)
+    if est.realism is not None:
+        con.print(("[bold yellow]realism:[/] " if est.realism.exceeds else "realism: ") + est.realism.line())
+    if est.fits:
+        con.print(f"[green]memory: fits[/] (peak {est.peak_memory_gib:.1f} GiB of {est.hbm_gib:.0f} GiB HBM)")
+    else:
+        con.print(f"[bold red]memory: does NOT fit[/] (peak {est.peak_memory_gib:.1f} GiB > {est.hbm_gib:.0f} GiB "
+                  f"HBM); try more --pp/--tp, --recompute selective|full, a higher --zero or a smaller --mbs")
+
+
+# ---- plan ----------------------------------------------------------------------------------------------------------
+
+def plan(
+    model: ModelOpt,
+    gbs: GbsOpt = 256,
+    seq: SeqOpt = 4096,
+    dtype: DtypeOpt = "bf16",
+    fp8_recipe: Fp8RecipeOpt = "tensorwise",
+    gpu: GpuOpt = None,
+    gpus: GpusOpt = None,
+    gpus_per_node: PerNodeOpt = None,
+    nic_gbps: NicOpt = None,
+    nvlink_gbs: NvlinkOpt = None,
+    cluster_file: ClusterOpt = None,
+    tp: TpOpt = None,
+    pp: PpOpt = None,
+    vpp: VppOpt = None,
+    dp: DpOpt = None,
+    cp: CpOpt = None,
+    cp_comm: CpCommOpt = None,
+    ep: EpOpt = None,
+    etp: EtpOpt = None,
+    mbs: MbsOpt = None,
+    zero: ZeroOpt = None,
+    recompute: Annotated[Optional[Literal["none", "selective", "full", "per-stage"]], typer.Option(
+        "--recompute", rich_help_panel=P_PAR, help=(
+            "Pin recomputation: none, selective, full, or per-stage (each stage none, selective or full on its "
+            "first k layers, chosen by the CP-SAT partitioner)."))] = None,
+    recompute_modules: RecomputeModulesOpt = None,
+    sp: SpOpt = None,
+    schedule: ScheduleOpt = None,
+    order: OrderOpt = None,
+    runtime: RuntimeOpt = DEFAULT_RUNTIME,
+    calibration: CalibrationOpt = None,
+    max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, max=2**17, rich_help_panel=P_PAR,
+                                         help="Largest micro-batch size searched.")] = 16,
+    top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
+                                     help="How many of the best plans to rank in the table (at most 100).")] = 5,
+    time_limit: Annotated[Optional[float], typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
+        "Stop after about this many seconds and return the best plan found with its proven optimality gap; a "
+        "quick first plan comes before the exact search, and the limit waits for it."))] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
+        "Write the best plan as Plan JSON (schema v1, planner/plan.schema.json) to this file."))] = None,
+    trace: Annotated[Optional[Path], typer.Option("--trace", rich_help_panel=P_OUT, help=(
+        "Write the best plan's simulated pipeline timeline as a Chrome trace (open in ui.perfetto.dev)."))] = None,
+    explain_: Annotated[bool, typer.Option("--explain", rich_help_panel=P_OUT, help=(
+        "Say why the best plan beats the runner-up and which constraint binds."))] = False,
+    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
+        "Print the best plan as Plan JSON and nothing else."))] = False,
+    timing: Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
+        "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
+        "writes a byte-identical plan; the table shows the time either way."))] = False,
+    export_to: Annotated[Optional[ExportTarget], typer.Option("--export", rich_help_panel=P_OUT, help=(
+        "Also export the best plan for a launcher (as `meshplan export`): printed after the table, or written "
+        "to --export-out."))] = None,
+    export_out: Annotated[Optional[Path], typer.Option("--export-out", rich_help_panel=P_OUT, help=(
+        "Where --export writes: the file, or a directory when the export has several files."))] = None,
+) -> None:
+    """Search every parallel configuration and return the fastest that fits, proven optimal under the cost model.
+
+    Every knob flag pins that knob; the others are searched: tp (within a node), cp, pp with uneven stages or
+    virtual stages, dp, ep/etp (MoE), micro-batch size, ZeRO 0-3, recomputation (also per stage), sequence
+    parallelism and the schedule. The table ranks the best --top plans; the account below it says how large the
+    space was, what was pruned by which bound, what was infeasible and why, and whether optimality is proven.
+    """
+    from meshplan.planner.explain import explain
+    from meshplan.planner.launchers import export_files, export_plan
+    from meshplan.planner.plan import plan_text
+    from meshplan.planner.space import Pins
+    from meshplan.planner.trace import chrome_trace, trace_text
+
+    if export_out is not None and export_to is None:
+        raise InputError("--export-out needs --export TARGET")
+    if as_json and export_to is not None and export_out is None:
+        raise InputError("--json prints only the plan; give --export-out for the --export files")
+    out, trace, export_out = output_targets(out=out, trace=trace, export_out=export_out)
+
+    spec = load_model(model)
+    cluster_spec = cluster_of_flags(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
+    workload = workload_arg(gbs, seq, dtype, fp8_recipe)
+    pins = Pins(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
+                recompute=recompute, sp=sp, schedule=schedule, order=order, max_mbs=max_mbs,
+                **({} if recompute_modules is None else {"recompute_modules": recompute_modules_arg(recompute_modules)}))
+    with _progress(not as_json) as bar:
+        found = api.search_plans(spec, cluster_spec, workload, pins, runtime, calibration, top, time_limit, timing,
+                                 progress=bar)
+    doc, result, sim = found.plan, found.result, found.simulated
+    cluster = api.calibrated(cluster_spec, calibration, runtime)[0]
+    exported = export_plan(doc, export_to) if export_to is not None else None  # refuses before anything is written
+    files = [OutputFile(out, plan_text(doc))] if out is not None else []
+    written = export_files(exported, export_out) if exported is not None and export_out is not None else []
+    files += written
+    if trace is not None:
+        files.append(OutputFile(trace, trace_text(chrome_trace(sim))))
+    write_all(files)  # all or none, after every one of them is made
+    written = [f.path for f in written]
+    if as_json:
+        typer.echo(doc.model_dump_json(indent=2))
+        return
+    con = console()
+    _print_ranking(con, spec, cluster, workload, result)
+    if explain_:
+        for line in explain(result):
+            con.print(line)
+    if out is not None:
+        con.print(f"plan written to {out}")
+    if trace is not None:
+        con.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
+    if exported is not None:
+        if export_out is not None:
+            con.print(f"{export_to} export written to {', '.join(map(str, written))}")
+        else:
+            echo_export(exported)
+
+
+class _progress:
+    """A transient rich progress bar on stderr over the search's candidate groups (only on a terminal)."""
+
+    def __init__(self, enabled: bool):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        self.enabled = enabled and sys.stderr.isatty()
+        self.bar = Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.completed}/{task.total} groups"),
+                            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                            disable=not self.enabled)
+        self.task = None
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.task is None:
+            self.task = self.bar.add_task("search", total=total)
+        self.bar.update(self.task, completed=done, total=total)
+
+
+def _stages_text(lay) -> str:
+    if lay.pp == 1:
+        return str(sum(lay.stage_layers))
+    text = "-".join(map(str, lay.stage_layers)) if len(set(lay.stage_layers)) > 1 else f"{lay.pp}x{lay.stage_layers[0]}"
+    return text if lay.vpp == 1 else f"{text} /{lay.vpp}v"
+
+
+def _recompute_text(lay) -> str:
+    if lay.recompute != "per-stage":
+        return lay.recompute
+    return ",".join(p.label(n) for p, n in zip(lay.stage_recompute, lay.stage_layers))
+
+
+def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload, result) -> None:
+    acc = result.account
+    moe = spec.moe is not None
+    con.print(f"[bold]{spec.name}[/] on {cluster.num_gpus} x {cluster.gpu.display_name} ({cluster.num_nodes} node(s) "
+              f"of {cluster.gpus_per_node}); {wl.global_batch} x {wl.seq_len} tokens per step, {wl.dtype}")
+    t = Table(title=f"Best {len(result.plans)} plans (predicted)", title_justify="left")
+    orders = any(p.estimate.layout.rank_order != DEFAULT_RANK_ORDER for p in result.plans)  # column only if used
+    cols = ["#", "tp", "cp", "pp", "dp"] + (["ep", "etp"] if moe else []) + (["order"] if orders else []) + [
+        "mbs", "zero", "sp", "recompute", "schedule", "layers/stage", "step s", "tok/s/GPU", "MFU %", "peak GiB"]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("order", "recompute", "schedule", "layers/stage") else "right")
+    for n, p in enumerate(result.plans, 1):
+        e, lay = p.estimate, p.estimate.layout
+        row = [str(n), str(lay.tp), str(lay.cp) + ("" if lay.cp == 1 else f" {lay.cp_comm}"), str(lay.pp), str(lay.dp)]
+        if moe:
+            row += [str(lay.ep), str(lay.etp)]
+        if orders:
+            row.append(lay.rank_order)
+        row += [str(lay.mbs), str(lay.zero), "on" if lay.sp else "off", _recompute_text(lay), lay.schedule,
+                _stages_text(lay), f"{e.step_time_s:.3f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{100 * e.mfu:.1f}",
+                f"{e.peak_memory_gib:.1f}"]
+        t.add_row(*row)
+    con.print(t)
+    pruned = ", ".join(f"{v:,} by {k}" for k, v in sorted(acc.pruned.items(), key=lambda x: -x[1])) or "none"
+    infeasible = ", ".join(f"{v:,} {k}" for k, v in sorted(acc.infeasible.items(), key=lambda x: -x[1])) or "none"
+    con.print(f"search: {acc.space_size:,} candidates in the space; {acc.evaluated:,} simulated, {acc.bounded:,} "
+              f"partition bounds solved ({acc.cpsat_calls} with CP-SAT); {acc.seconds:.2f} s")
+    con.print(f"  pruned: {pruned}")
+    con.print(f"  infeasible: {infeasible}")
+    best = result.plans[0].estimate.realism
+    if best is not None:
+        con.print(("[bold yellow]realism of plan #1:[/] " if best.exceeds else "realism of plan #1: ") + best.line())
+    if acc.status == "optimal":
+        con.print("[green]optimal[/]: no candidate in the space is predicted faster (proven by the bounds above)")
+    else:
+        con.print(f"[yellow]{acc.status}[/]: the best plan is within {100 * acc.gap:.2f} % of optimal "
+                  f"(no candidate can beat {acc.lower_bound_s:.3f} s)")

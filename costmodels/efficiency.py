@@ -1,0 +1,166 @@
+"""How close to its peaks the GPU runs each kind of work (Efficiency: defaults from hardware_db, or fitted to a
+calibration), and the calibrated cluster a calibration file stands for."""
+
+from __future__ import annotations
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshplan.costmodels import comm
+from meshplan.costmodels.kernels import FA2_BACKWARD_OVER_FORWARD, Physics
+from meshplan.costmodels.ops import memory_class
+from meshplan.hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
+                                              cpu_device_spec, digest)
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.gpu import GPUSpec, load_gpu
+
+EXECUTOR_RUNTIME = "meshplan-executor"  # the reference executor's preset (config.RUNTIMES): what profiles measure
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions that turn peak numbers into time (from the GPU's defaults or a calibration).
+
+    A calibration adds measured curves (FLOPs, seconds), which replace the saturating efficiency for GEMMs and
+    attention, and measured (alpha, bytes/s) per collective kind and group size, which replace the ring formula
+    inside one node for the group sizes that were profiled."""
+
+    gemm_max: float
+    gemm_half_flops: float
+    attention_max: float
+    memory_bandwidth: float
+    kernel_overhead_s: float
+    gemm_curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    attention_curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    gemm_bwd_curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # backward passes (else gemm_curve)
+    attention_bwd_curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    layer_overhead: tuple[LayerOverhead, ...] = ()  # per decoder layer, by TP degree and SP
+    head_overhead: StepOverhead | None = None  # per micro-batch, outside the layers
+    collectives: tuple[tuple[str, int, float, float], ...] = ()  # (kind, ranks, alpha_s, bytes_per_s)
+    memory_classes: tuple[tuple[str, float, float], ...] = ()  # (ops.memory_class, alpha_s, bytes_per_s)
+    optimizer_s_per_param: float | None = None  # measured optimizer step per local parameter
+    curve_peak: float = 0.0  # the 16-bit peak the curves were measured against (fp8 GEMMs: half the time)
+    activation_ratios: tuple[tuple[str, float], ...] = ()  # (recompute mode, measured / formula activations)
+    calibration: str | None = None  # "file name sha256:..." of the calibration, for the plan's record
+    # kernel ceilings beyond the BF16 GEMM (hardware_db.gpu.EfficiencyDefaults; kernels.py states the physics)
+    gemm_k_half: float = 0.0
+    fp8_gemm_k_half: float = 0.0  # 0: gemm_k_half
+    fp8_gemm_max: float = 0.0  # 0: 0.88 x gemm_max
+    fp8_block_factor: float = 0.81
+    fp8_any_layout: bool = False  # FP8 GEMMs in any operand layout (Blackwell): no transposed copies of casts
+    grouped_gemm_max: float = 0.0  # 0: 0.5 x gemm_max
+    fp8_grouped_gemm_max: float = 0.0  # 0: 0.5 x the FP8 ceiling
+    attention_bwd_max: float = 0.0  # 0: 0.86 x attention_max
+    attention_fa2_max: float = 0.0  # 0: attention_max
+    attention_fa2_bwd_max: float = 0.0  # 0: FA2_BACKWARD_OVER_FORWARD x attention_fa2_max
+    attention_cudnn_max: float = 0.0  # 0: attention_max
+    attention_cudnn_bwd_max: float = 0.0  # 0: attention_bwd_max
+    attention_causal_s0: float = 0.0
+    bf16_peak: float = 0.0  # the GPU's 16-bit peak: an FP8 GEMM's half-saturation FLOPs scale with its peak
+    physics: Physics = Physics()
+
+    def __post_init__(self) -> None:
+        """Ceilings left at 0 take their defaults, here only (their sources: hardware_db.gpu.EfficiencyDefaults)."""
+        derived = {"fp8_gemm_max": 0.88 * self.gemm_max, "grouped_gemm_max": 0.5 * self.gemm_max}
+        derived["fp8_grouped_gemm_max"] = 0.5 * (self.fp8_gemm_max or derived["fp8_gemm_max"])
+        derived["attention_bwd_max"] = 0.86 * self.attention_max
+        derived["attention_fa2_max"] = self.attention_max
+        derived["attention_fa2_bwd_max"] = FA2_BACKWARD_OVER_FORWARD * (self.attention_fa2_max
+                                                                        or derived["attention_fa2_max"])
+        derived["attention_cudnn_max"] = self.attention_max
+        derived["attention_cudnn_bwd_max"] = self.attention_bwd_max or derived["attention_bwd_max"]
+        for name, value in derived.items():
+            if not getattr(self, name):
+                object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_gpu(cls, gpu: GPUSpec, physics: Physics | None = None) -> "Efficiency":
+        e = gpu.efficiency
+        return cls(e.gemm_max, e.gemm_half_flops, e.attention_max, e.memory_bandwidth, e.kernel_overhead_us * 1e-6,
+                   gemm_k_half=e.gemm_k_half, fp8_gemm_k_half=e.fp8_gemm_k_half or 0.0,
+                   fp8_gemm_max=e.fp8_gemm_max or 0.0,
+                   fp8_block_factor=e.fp8_block_factor, fp8_any_layout=e.fp8_any_layout,
+                   grouped_gemm_max=e.grouped_gemm_max or 0.0,
+                   fp8_grouped_gemm_max=e.fp8_grouped_gemm_max or 0.0,
+                   attention_bwd_max=e.attention_bwd_max or 0.0, attention_fa2_max=e.attention_fa2_max or 0.0,
+                   attention_fa2_bwd_max=e.attention_fa2_bwd_max or 0.0,
+                   attention_cudnn_max=e.attention_cudnn_max or 0.0,
+                   attention_cudnn_bwd_max=e.attention_cudnn_bwd_max or 0.0,
+                   attention_causal_s0=e.attention_causal_s0,
+                   bf16_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"),
+                   physics=physics or Physics())
+
+    @classmethod
+    def from_calibration(cls, cal: Calibration, gpu: GPUSpec, label: str, runtime: str | None = None) -> "Efficiency":
+        """`gpu` already calibrated (hardware_db.calibration.calibrated_gpu): its memory roof and launch cost. The
+        profiled layer's activation ratios apply to plans for the framework that layer is, the reference executor
+        (runtime meshplan-executor); other frameworks save other tensors, so they keep the formula."""
+        base = cls.from_gpu(gpu)
+        fit = cal.fitted
+        def pair(c: Curve | None) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+            return None if c is None else (c.flops, c.seconds)
+
+        return dataclasses.replace(
+            base, gemm_curve=pair(fit.gemm), attention_curve=pair(fit.attention),
+            gemm_bwd_curve=pair(fit.gemm_backward), attention_bwd_curve=pair(fit.attention_backward),
+            layer_overhead=fit.layer_overhead, head_overhead=fit.step_overhead,
+            collectives=tuple((c.kind, c.ranks, c.alpha_s, c.bytes_per_s) for c in fit.collectives),
+            memory_classes=tuple((c.name, c.alpha_s, c.bytes_per_s) for c in fit.memory_classes),
+            optimizer_s_per_param=1.0 / fit.optimizer.params_per_s if fit.optimizer else None,
+            curve_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"), calibration=label,
+            activation_ratios=tuple(sorted(fit.activation_ratios.items())) if runtime == EXECUTOR_RUNTIME else ())
+
+    def overhead(self, tp: int, sp: bool) -> tuple[float, float]:
+        """The calibrated per-layer (forward, backward) overhead at this TP degree and sequence parallelism (the
+        nearest measured degree below, else the smallest; SP as measured where it was); (0, 0) uncalibrated."""
+        if not self.layer_overhead:
+            return 0.0, 0.0
+        below = [o for o in self.layer_overhead if o.tp <= tp] or [min(self.layer_overhead, key=lambda o: o.tp)]
+        degree = max(o.tp for o in below)
+        same = [o for o in below if o.tp == degree]
+        o = next((o for o in same if o.sp == bool(sp)), same[0])
+        return o.forward_s, o.backward_s
+
+    def activation_ratio(self, mode: str) -> float:
+        """Measured / formula activation bytes of a layer under this recompute mode (1 where not calibrated)."""
+        return next((r for m, r in self.activation_ratios if m == mode), 1.0)
+
+    def memory_op_time(self, name: str, bytes_: float) -> float | None:
+        """A memory-bound operator's measured alpha + bytes / rate for its class, None without a calibration."""
+        if not self.memory_classes or bytes_ <= 0:
+            return None
+        cls = memory_class(name)
+        for k, alpha, bw in self.memory_classes:
+            if k == cls:
+                return alpha + bytes_ / bw
+        return None
+
+    def collective_fit(self, kind: str, n: int, link: comm.Link) -> tuple[float, float] | None:
+        """The measured (alpha_s, bytes/s) of this collective kind and group size, where it applies: a profile
+        runs on one host, so never to a group that crosses nodes."""
+        if link.crosses_nodes:
+            return None
+        for k, ranks, alpha, bw in self.collectives:
+            if k == kind and ranks == n:
+                return alpha, bw
+        return None
+
+
+def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str,
+                       runtime: str | None = None) -> tuple[Cluster, Efficiency]:
+    """The cluster on the calibrated device and the efficiency model to price it with (for plans of `runtime`). A
+    CPU calibration is its own device (--gpu cpu: ranks are processes on this host); a GPU one must be of the
+    cluster's GPU type."""
+    if cal.device.kind == "cpu":
+        if spec.gpu != "cpu":
+            raise InputError(f"{origin} was measured on this host's CPU ({cal.device.name}), not on {spec.gpu}: "
+                             f"use --gpu cpu with it, or a calibration of {spec.gpu} (meshplan profile --device cuda)")
+        gpu = cpu_device_spec(cal)
+    else:
+        gpu = calibrated_gpu(load_gpu(spec.gpu), cal, origin)
+    cluster = Cluster(spec, gpu=gpu)
+    label = f"{origin.rsplit('/', 1)[-1]} sha256:{digest(cal)}"
+    return cluster, Efficiency.from_calibration(cal, gpu, label, runtime)
