@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshplan.costmodels.config import ParallelConfig, Workload  # noqa: E402
-from meshplan.costmodels.efficiency import (calibrated_cluster)  # noqa: E402
-from meshplan.costmodels.estimate import (simulate_config)  # noqa: E402
+from meshplan.costmodels.efficiency import calibrated_cluster  # noqa: E402
+from meshplan.costmodels.estimate import simulate_config  # noqa: E402
 from meshplan.executor.profiler import ProfileOptions, default_profile_model, profile  # noqa: E402
 from meshplan.hardware_db.calibration import Calibration, load_calibration  # noqa: E402
 from meshplan.hardware_db.cluster import ClusterSpec  # noqa: E402

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from device_kernel_clocks import EXPERTS, LINEARS  # noqa: E402
 
-from meshplan.costmodels.efficiency import (Efficiency)  # noqa: E402
-from meshplan.costmodels.timing import (op_time)  # noqa: E402
+from meshplan.costmodels.efficiency import Efficiency  # noqa: E402
+from meshplan.costmodels.timing import KernelShape, op_time  # noqa: E402
 from meshplan.costmodels.kernels import TE_GEMM_STREAMS  # noqa: E402
 from meshplan.hardware_db.gpu import load_gpu  # noqa: E402
 
@@ -53,8 +53,9 @@ def modelled(name: str, gpu_name: str) -> tuple[str, float] | None:
 
     def gemm_rate(m: int, n: int, k: int, dtype: str, groups: int = 1) -> float:
         flops = 2.0 * m * n * k * groups
-        t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff, depth=k, groups=groups,
-                    streams=TE_GEMM_STREAMS if groups > 1 else 0, fp8="tensorwise" if dtype == "fp8" else None)
+        shape = KernelShape(depth=k, groups=groups, streams=TE_GEMM_STREAMS if groups > 1 else 0,
+                            fp8="tensorwise" if dtype == "fp8" else None)
+        t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff, shape=shape)
         return flops / t / 1e12
 
     if name.startswith("attn_"):
@@ -62,8 +63,8 @@ def modelled(name: str, gpu_name: str) -> tuple[str, float] | None:
         s, batch, heads, dim = int(seq), 16384 // int(seq), 32, 128
         flops = 4.0 * batch * heads * s * s * dim / 2 * (2.5 if pass_ == "bwd" else 1.0)
         kernel = "cudnn" if backend == "cudnn" else "sdpa-fa2"
-        t = op_time(flops, 0.0, "attention", gpu.peak_flops("bf16"), gpu.hbm_bytes_per_s, eff, pass_ == "bwd", keys=s,
-                    kernel=kernel)
+        t = op_time(flops, 0.0, "attention", gpu.peak_flops("bf16"), gpu.hbm_bytes_per_s, eff, pass_ == "bwd",
+                    KernelShape(keys=s, kernel=kernel))
         return f"attention {backend} {pass_}", flops / t / 1e12
     dtype = name.rsplit("_", 1)[1]
     head, _, shape_text = name.rsplit("_", 1)[0].rpartition("_")

@@ -32,7 +32,7 @@ from reference_runs import (  # noqa: E402
     run_workload,
 )
 
-from meshplan.costmodels.estimate import (model_flops_per_step)  # noqa: E402
+from meshplan.costmodels.estimate import model_flops_per_step  # noqa: E402
 from meshplan.costmodels.realism import gpu_family  # noqa: E402
 
 

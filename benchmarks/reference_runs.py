@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from published_runs import DEFAULT_FILE, Run, load_runs  # noqa: E402
 
 from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload, split_evenly  # noqa: E402
-from meshplan.costmodels.efficiency import (Efficiency)  # noqa: E402
-from meshplan.costmodels.estimate import (Estimate, estimate, model_flops_per_step)  # noqa: E402
+from meshplan.costmodels.efficiency import Efficiency  # noqa: E402
+from meshplan.costmodels.estimate import Estimate, estimate, model_flops_per_step  # noqa: E402
 from meshplan.costmodels.kernels import Physics  # noqa: E402
 from meshplan.costmodels.model import ModelSpec  # noqa: E402
 from meshplan.costmodels.model_io import load_model  # noqa: E402

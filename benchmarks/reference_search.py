@@ -38,7 +38,7 @@ from reference_runs import (  # noqa: E402
     run_workload,
 )
 
-from meshplan.costmodels.estimate import (estimate)  # noqa: E402
+from meshplan.costmodels.estimate import estimate  # noqa: E402
 from meshplan.planner.search import search  # noqa: E402
 from meshplan.planner.space import Pins  # noqa: E402
 

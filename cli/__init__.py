@@ -1,1 +1,4 @@
-"""The meshplan command line: a thin typer layer over costmodels and hardware_db (see cli/main.py)."""
+"""The meshplan command line: a thin typer layer over the Python API (meshplan/api.py). main.py builds the app and
+turns bad input into one error line; options.py holds what the commands share; one file per group of commands:
+train.py (estimate, plan), serve.py, launch.py (export, import, show, verify), catalog.py (profile, models,
+hardware)."""

@@ -445,6 +445,29 @@ def split_evenly(total: int, parts: int) -> list[int]:
 def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelConfig) -> Layout:
     """Fill defaults and check every divisibility rule; raise InputError naming the rule and a fix."""
     tp, pp, cp, vpp = cfg.tp, cfg.pp, cfg.cp, cfg.vpp
+    dp = _data_parallel(model, num_gpus, workload, cfg)
+    m = workload.global_batch // (cfg.mbs * dp)
+    schedule = _schedule(cfg, m)
+    stage_layers, chunks = _stage_split(model, cfg)
+    ep, etp, edp = _expert_layout(model, cfg, dp)
+    sp = cfg.sp if cfg.sp is not None else tp > 1
+    if sp and tp == 1:
+        sp = False  # sequence parallel is a no-op without tensor parallel
+    stage_recompute, recompute = _stage_recompute(cfg, stage_layers)
+    modules = check_recompute_modules(model, cfg.recompute_modules)
+    _check_offload(model, cfg, stage_recompute)
+    return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cfg.cp_comm, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
+                  num_microbatches=m, zero=cfg.zero, recompute=recompute, sp=sp, schedule=schedule,
+                  stage_layers=stage_layers, stage_recompute=stage_recompute, rank_order=cfg.rank_order,
+                  chunks=chunks, recompute_modules=modules, offload_layers=cfg.offload_layers)
+
+
+
+
+def _data_parallel(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelConfig) -> int:
+    """dp (given, or what fills the GPUs), after the mesh's rules: the degrees tile the GPUs, TP splits the heads,
+    CP the sequence, and the global batch splits into micro-batches over dp."""
+    tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
     if num_gpus % (tp * pp * cp):
         raise InputError(f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide {num_gpus} GPUs")
     if cfg.rank_order == PP_INSIDE_DP and cfg.ep > 1:
@@ -469,7 +492,12 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
             f"global batch {workload.global_batch} is not divisible by mbs*dp = {cfg.mbs}*{dp}; "
             f"pick --gbs a multiple of {cfg.mbs * dp}"
         )
-    m = workload.global_batch // (cfg.mbs * dp)
+    return dp
+
+
+def _schedule(cfg: ParallelConfig, m: int) -> Schedule:
+    """The pipeline schedule (given, or interleaved with virtual stages, else 1F1B), after its rules."""
+    pp, vpp = cfg.pp, cfg.vpp
     if vpp > 1 and pp == 1:
         raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline ranks)")
     schedule = cfg.schedule or ("interleaved" if vpp > 1 else "1f1b")
@@ -485,6 +513,12 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     if passes > MAX_PIPELINE_PASSES:
         raise InputError(f"{m} micro-batches on pp*vpp = {pp * vpp} model stages make {passes:,} pipeline passes per "
                          f"step; meshplan simulates at most {MAX_PIPELINE_PASSES:,}: raise --mbs or --dp, or lower --gbs")
+    return schedule
+
+
+def _stage_split(model: ModelSpec, cfg: ParallelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(decoder layers per pipeline stage, per model chunk): given as chunks or stages, else balanced."""
+    pp, vpp = cfg.pp, cfg.vpp
     if cfg.chunk_layers is not None:
         chunks = tuple(cfg.chunk_layers)
         if len(chunks) != pp * vpp or sum(chunks) != model.num_layers or min(chunks) < 0:
@@ -509,6 +543,12 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
             raise InputError(f"{model.num_layers} layers cannot fill pp*vpp = {pp * vpp} model chunks")
         stage_layers = tuple(split_evenly(model.num_layers, pp))
         chunks = even_chunks(stage_layers, vpp)
+    return stage_layers, chunks
+
+
+def _expert_layout(model: ModelSpec, cfg: ParallelConfig, dp: int) -> tuple[int, int, int]:
+    """(ep, etp, edp): the experts folded onto the dense ranks (Megatron's MoE parallel folding)."""
+    tp, cp = cfg.tp, cfg.cp
     ep = cfg.ep
     etp = cfg.etp if cfg.etp is not None else tp
     if model.moe is None:
@@ -524,11 +564,12 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
                 f"etp*ep = {etp}*{ep} must divide tp*cp*dp = {dense_group} (experts fold onto the same ranks)"
             )
         edp = dense_group // (etp * ep)
-    sp = cfg.sp if cfg.sp is not None else tp > 1
-    if sp and tp == 1:
-        sp = False  # sequence parallel is a no-op without tensor parallel
-    stage_recompute, recompute = _stage_recompute(cfg, stage_layers)
-    modules = check_recompute_modules(model, cfg.recompute_modules)
+    return ep, etp, edp
+
+
+def _check_offload(model: ModelSpec, cfg: ParallelConfig, stage_recompute: tuple[StagePolicy, ...]) -> None:
+    """Activation offload's rules (Megatron's): no pipeline, no recomputation, fewer layers than the model's."""
+    pp = cfg.pp
     if cfg.offload_layers:
         # megatron/core/transformer/transformer_config.py __post_init__: the same three rules
         if pp > 1:
@@ -540,10 +581,6 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
         if cfg.offload_layers >= model.num_layers:
             raise InputError(f"--offload-layers {cfg.offload_layers}: offload fewer than the model's "
                              f"{model.num_layers} layers")
-    return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cfg.cp_comm, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
-                  num_microbatches=m, zero=cfg.zero, recompute=recompute, sp=sp, schedule=schedule,
-                  stage_layers=stage_layers, stage_recompute=stage_recompute, rank_order=cfg.rank_order,
-                  chunks=chunks, recompute_modules=modules, offload_layers=cfg.offload_layers)
 
 
 def check_recompute_modules(model: ModelSpec, given: tuple[str, ...]) -> tuple[str, ...]:

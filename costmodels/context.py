@@ -3,8 +3,6 @@ links, the FP8 casts, and each stage's parameters and memory."""
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import copy
 import dataclasses
 from functools import cached_property

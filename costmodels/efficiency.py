@@ -3,8 +3,6 @@ calibration), and the calibrated cluster a calibration file stands for."""
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import dataclasses
 from dataclasses import dataclass
 

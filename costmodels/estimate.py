@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 from dataclasses import asdict, dataclass
 
-from meshplan.costmodels.config import DEFAULT_RUNTIME, Layout, ParallelConfig, Workload, get_runtime, resolve
+from meshplan.costmodels.config import (DEFAULT_RUNTIME, Layout, ParallelConfig, Runtime, Workload, get_runtime,
+                                        resolve)
 from meshplan.costmodels.deadline import Deadline, check
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.passes import PassTimes
@@ -128,8 +127,38 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     ctx = context.derive(lay) if context is not None else CostContext(model, cluster, workload, lay, rt, eff)
     ranges = stage_ranges(lay)
     modes = layer_modes(lay)
-    last_rank, last_chunk = lay.pp - 1, lay.vpp - 1
+    chunk_pass = _chunk_passes(ctx, model, lay, ranges, modes, deadline)
+    timeline = _pipeline_timeline(lay, chunk_pass, ctx.p2p_s, ctx.blocking_p2p_s, timelines, deadline)
 
+    # Data-parallel gradient reduction, parameter gather and optimizer step, per pipeline rank.
+    ends = [_rank_end(ctx, lay, rt, eff, r, ranges, modes, chunk_pass[r], timeline) for r in range(lay.pp)]
+    finish = [timeline.rank_end[r] + end.dp_exposed_s + end.optimizer_s for r, end in enumerate(ends)]
+    step = max(finish)
+    crit = finish.index(step)
+    breakdown = _breakdown(chunk_pass[crit], lay.num_microbatches, timeline.busy[crit], timeline.rank_end[crit],
+                           ends[crit])
+
+    tokens = workload.tokens
+    model_flops = model_flops_per_step(model, workload)
+    hw_flops = model_flops + recompute_flops_per_step(model, workload, modes, lay.recompute_modules)
+    gpus = cluster.num_gpus
+    peak = ctx.peak_fp8 if workload.dtype == "fp8" else ctx.peak16
+    est = Estimate(
+        layout=lay, runtime=rt.name, step_time_s=step, tokens_per_s=tokens / step,
+        tokens_per_s_per_gpu=tokens / step / gpus, tflops_per_gpu=model_flops / step / gpus / 1e12,
+        mfu=model_flops / step / gpus / peak, hfu=hw_flops / step / gpus / peak, breakdown_s=breakdown,
+        stages=tuple(end.report for end in ends), hbm_gib=cluster.gpu.hbm_gib.value,
+        bubble_fraction=timeline.bubble_fraction(),
+        realism=realism_check(cluster.spec.gpu, model.moe is not None, workload.dtype, model_flops / step / gpus / peak),
+    )
+    return Simulated(est, timeline, ctx.p2p_s)
+
+
+def _chunk_passes(ctx: CostContext, model: ModelSpec, lay: Layout, ranges: list[list[tuple[int, int]]],
+                  modes: tuple[str, ...], deadline: Deadline | None) -> list[list[PassTimes]]:
+    """Each pipeline rank's model chunks' pass times: their layers', plus the embedding (and offload) on the first
+    chunk of rank 0 and the head on the last chunk of the last rank."""
+    last_rank, last_chunk = lay.pp - 1, lay.vpp - 1
     chunk_pass: list[list[PassTimes]] = []
     for r in range(lay.pp):
         check(deadline)
@@ -145,69 +174,83 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
                 t = t.plus(ctx.head)
             row.append(t)
         chunk_pass.append(row)
+    return chunk_pass
 
-    p2p_s, blocking_p2p = ctx.p2p_s, ctx.blocking_p2p_s
+
+def _pipeline_timeline(lay: Layout, chunk_pass: list[list[PassTimes]], p2p_s: float, blocking_p2p: float,
+                       timelines: dict | None, deadline: Deadline | None) -> Timeline:
+    """The schedule simulated under these stage times (pipeline.py), reusing `timelines`' copy of the same times
+    and of the schedule's compiled pass order."""
     times = [[StageTimes(t.forward + blocking_p2p, t.backward_input + blocking_p2p, t.bwd_weight_compute)
               for t in row] for row in chunk_pass]
     key = (lay.schedule, lay.num_microbatches, p2p_s, tuple(tuple(row) for row in times))
     timeline = timelines.get(key) if timelines is not None else None
-    if timeline is None:
-        order_key = ("schedule", lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)  # the pass order alone
-        sched = timelines.get(order_key) if timelines is not None else None
-        if sched is None:
-            sched = build_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
-            if lay.schedule != "zb":  # a fixed order: compiled once, simulated under every stage time
-                sched = compile_order(sched, deadline)
-            if timelines is not None:
-                timelines[order_key] = sched
-        timeline = simulate(sched, times, p2p_s, split_weight=lay.schedule == "zb", deadline=deadline)
+    if timeline is not None:
+        return timeline
+    order_key = ("schedule", lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)  # the pass order alone
+    sched = timelines.get(order_key) if timelines is not None else None
+    if sched is None:
+        sched = build_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+        if lay.schedule != "zb":  # a fixed order: compiled once, simulated under every stage time
+            sched = compile_order(sched, deadline)
         if timelines is not None:
-            timelines[key] = timeline
-    rank_end = timeline.rank_end
+            timelines[order_key] = sched
+    timeline = simulate(sched, times, p2p_s, split_weight=lay.schedule == "zb", deadline=deadline)
+    if timelines is not None:
+        timelines[key] = timeline
+    return timeline
 
-    # Data-parallel gradient reduction, parameter gather and optimizer step, per pipeline rank.
-    m = lay.num_microbatches
+
+@dataclass(frozen=True)
+class _RankEnd:
+    """What a pipeline rank does after its last pass: the exposed DP sync, the optimizer step, and its report."""
+
+    dp_exposed_s: float
+    optimizer_s: float
+    report: StageReport
+
+
+def _rank_end(ctx: CostContext, lay: Layout, rt: Runtime, eff: Efficiency, r: int,
+              ranges: list[list[tuple[int, int]]], modes: tuple[str, ...], passes: list[PassTimes],
+              timeline: Timeline) -> _RankEnd:
+    """Rank r's data-parallel gradient reduction and parameter gather left exposed after its backward and forward
+    windows, its optimizer step (with FP8 weight casts) and its stage report (memory, micro-batches in flight)."""
     sync = ctx.sync
-    stages: list[StageReport] = []
-    finish = []
-    dp_exposed_per_rank = []
-    optim_per_rank = []
-    for r in range(lay.pp):
-        first = ranges[r][0][0]
-        count = sum(n for _, n in ranges[r])
-        params = stage_params_for(ctx, ranges[r], modes, r == 0, r == last_rank)
-        t_reduce, t_gather = sync.reduce(params.dense, params.expert), sync.gather(params.dense, params.expert)
-        bwd_window = sum(t.backward_input + t.bwd_weight_compute for t in chunk_pass[r])
-        fwd_window = sum(t.forward for t in chunk_pass[r])
-        # Megatron's overlap leaves one bucket exposed: the last layer's gradients, the first layer's weights
-        # (one virtual stage with interleaving): kernels.overlapped_exposed
-        unhidden = 1 / lay.vpp if lay.vpp > 1 else 1 / max(count, 1)
-        if ctx.reduce_in_backward:
-            # the layers' reduce-scatters ran in each backward (layer_times); the embedding / head / MTP gradients
-            # of the last micro-batch remain, and the last layer bucket, which no compute follows
-            edges = stage_params(ctx.model, lay, range(0), r == 0, r == last_rank)
-            t_edges = sync.reduce(edges.dense, edges.expert)
-            tail = unhidden * (t_reduce - t_edges) if eff.physics.overlap_limits and rt.overlap_grad_reduce else 0.0
-            exposed = tail + (t_edges if not rt.overlap_grad_reduce
-                              else overlapped_exposed(t_edges, bwd_window, 0.0, eff.physics))
-        else:
-            exposed = (t_reduce if not rt.overlap_grad_reduce
-                       else overlapped_exposed(t_reduce, bwd_window, unhidden, eff.physics))
-        exposed += (t_gather if not rt.overlap_param_gather
-                    else overlapped_exposed(t_gather, fwd_window, unhidden, eff.physics))
-        optim = sync.optimizer(params.dense, params.expert) + fp8_weight_cast_s(ctx, params, r == 0, r == last_rank)
-        dp_exposed_per_rank.append(exposed)
-        optim_per_rank.append(optim)
-        finish.append(rank_end[r] + exposed + optim)
-        stages.append(StageReport(r, (first, count), stage_memory(ctx, r, ranges[r], params, timeline, modes),
-                                  sum(timeline.peak_in_flight[r])))
+    first_rank, last_rank = r == 0, r == lay.pp - 1
+    first = ranges[r][0][0]
+    count = sum(n for _, n in ranges[r])
+    params = stage_params_for(ctx, ranges[r], modes, first_rank, last_rank)
+    t_reduce, t_gather = sync.reduce(params.dense, params.expert), sync.gather(params.dense, params.expert)
+    bwd_window = sum(t.backward_input + t.bwd_weight_compute for t in passes)
+    fwd_window = sum(t.forward for t in passes)
+    # Megatron's overlap leaves one bucket exposed: the last layer's gradients, the first layer's weights
+    # (one virtual stage with interleaving): kernels.overlapped_exposed
+    unhidden = 1 / lay.vpp if lay.vpp > 1 else 1 / max(count, 1)
+    if ctx.reduce_in_backward:
+        # the layers' reduce-scatters ran in each backward (layer_times); the embedding / head / MTP gradients
+        # of the last micro-batch remain, and the last layer bucket, which no compute follows
+        edges = stage_params(ctx.model, lay, range(0), first_rank, last_rank)
+        t_edges = sync.reduce(edges.dense, edges.expert)
+        tail = unhidden * (t_reduce - t_edges) if eff.physics.overlap_limits and rt.overlap_grad_reduce else 0.0
+        exposed = tail + (t_edges if not rt.overlap_grad_reduce
+                          else overlapped_exposed(t_edges, bwd_window, 0.0, eff.physics))
+    else:
+        exposed = (t_reduce if not rt.overlap_grad_reduce
+                   else overlapped_exposed(t_reduce, bwd_window, unhidden, eff.physics))
+    exposed += (t_gather if not rt.overlap_param_gather
+                else overlapped_exposed(t_gather, fwd_window, unhidden, eff.physics))
+    optim = sync.optimizer(params.dense, params.expert) + fp8_weight_cast_s(ctx, params, first_rank, last_rank)
+    report = StageReport(r, (first, count), stage_memory(ctx, r, ranges[r], params, timeline, modes),
+                         sum(timeline.peak_in_flight[r]))
+    return _RankEnd(exposed, optim, report)
 
-    step = max(finish)
-    crit = finish.index(step)
-    busy = timeline.busy[crit]
+
+def _breakdown(passes: list[PassTimes], m: int, busy: float, rank_end: float, end: _RankEnd) -> dict[str, float]:
+    """The critical rank's step split into compute, recompute, each dimension's exposed communication, the
+    pipeline's P2P and bubble, the DP sync and the optimizer (seconds; they sum to the step)."""
     comm_by_dim: dict[str, float] = {}
     compute = recompute = 0.0
-    for t in chunk_pass[crit]:
+    for t in passes:
         compute += m * (t.fwd_compute + t.bwd_input_compute + t.bwd_weight_compute)
         recompute += m * t.recompute
         for d, v in list(t.fwd_comm.items()) + list(t.bwd_comm.items()):
@@ -216,25 +259,11 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     breakdown = {"compute": compute, "recompute": recompute}
     breakdown.update({f"{d}_comm": v for d, v in sorted(comm_by_dim.items())})
     breakdown["pp_comm"] = max(0.0, pp_comm)
-    breakdown["pipeline_bubble"] = rank_end[crit] - busy
+    breakdown["pipeline_bubble"] = rank_end - busy
     # the step-end DP exposure adds to the per-layer DP collectives of ZeRO-2/3 (their "dp" key above)
-    breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + dp_exposed_per_rank[crit]
-    breakdown["optimizer"] = optim_per_rank[crit]
-
-    tokens = workload.tokens
-    model_flops = model_flops_per_step(model, workload)
-    hw_flops = model_flops + recompute_flops_per_step(model, workload, modes, lay.recompute_modules)
-    gpus = cluster.num_gpus
-    peak = ctx.peak_fp8 if workload.dtype == "fp8" else ctx.peak16
-    est = Estimate(
-        layout=lay, runtime=rt.name, step_time_s=step, tokens_per_s=tokens / step,
-        tokens_per_s_per_gpu=tokens / step / gpus, tflops_per_gpu=model_flops / step / gpus / 1e12,
-        mfu=model_flops / step / gpus / peak, hfu=hw_flops / step / gpus / peak, breakdown_s=breakdown,
-        stages=tuple(stages), hbm_gib=cluster.gpu.hbm_gib.value,
-        bubble_fraction=timeline.bubble_fraction(),
-        realism=realism_check(cluster.spec.gpu, model.moe is not None, workload.dtype, model_flops / step / gpus / peak),
-    )
-    return Simulated(est, timeline, p2p_s)
+    breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + end.dp_exposed_s
+    breakdown["optimizer"] = end.optimizer_s
+    return breakdown
 
 
 def model_flops_per_step(model: ModelSpec, wl: Workload) -> float:

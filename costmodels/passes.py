@@ -4,16 +4,14 @@ reduction."""
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
 from meshplan.costmodels import comm
 from meshplan.costmodels.config import Layout, Runtime, Workload
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.timing import collective_time, group_link, group_ranks, op_time
+from meshplan.costmodels.timing import KernelShape, collective_time, group_link, group_ranks, op_time
 from meshplan.costmodels.kernels import (TE_GEMM_STREAMS, column_gemm_count, overlapped_exposed, ring_cp_exposed,
                                          tp_exposed_fraction, tp_gemm_chunks)
 from meshplan.costmodels.model import ModelSpec
@@ -300,25 +298,27 @@ class PassCache:
                 fwd += f
             else:
                 m, n, k = op.shape or (0.0, 0.0, 0.0)  # each pass's inner dimension: k, then n (dgrad), m (wgrad)
-                kw = dict(groups=op.groups, fp8=self.wl.fp8_recipe if fp8 else None, keys=op.keys,
-                          kernel=op.kernel or "fused",
-                          streams=TE_GEMM_STREAMS if self.rt.grouped_gemm == "multi-stream" else 0,
-                          bandwidth_factor=self.rt.memory_kernel(memory_class(op.name)) if op.kind == "memory" else 1.0)
+                shape = KernelShape(groups=op.groups, fp8=self.wl.fp8_recipe if fp8 else None, keys=op.keys,
+                                    kernel=op.kernel or "fused",
+                                    streams=TE_GEMM_STREAMS if self.rt.grouped_gemm == "multi-stream" else 0,
+                                    bandwidth_factor=self.rt.memory_kernel(memory_class(op.name))
+                                    if op.kind == "memory" else 1.0)
                 split = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp,
                                        column_gemms=columns) if op.kind == "gemm" else 1
                 split_b = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp, True,
                                          column_gemms=columns) if op.kind == "gemm" else 1
-                f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff, depth=k, chunks=split, **kw)
+                f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff,
+                            shape=replace(shape, depth=k, chunks=split))
                 fwd += f
                 if op.kind == "memory":  # a class's backward kernel may run at its own rate (Runtime.memory_kernel)
-                    kw["bandwidth_factor"] = self.rt.memory_kernel(memory_class(op.name), backward=True)
-                b = op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, eff, True, depth=n,
-                            chunks=split_b, **kw)
+                    shape = replace(shape, bandwidth_factor=self.rt.memory_kernel(memory_class(op.name), backward=True))
+                b = op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, eff, True,
+                            replace(shape, depth=n, chunks=split_b))
                 bwd_i += b
                 if op.kind == "attention" or op.name.startswith("attn_"):
                     attn_core_bwd += b
                 bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, eff, True,
-                                 depth=m, **kw)
+                                 replace(shape, depth=m))
             if self.rt.selective == "op-sac":  # torchtitan: per-operator SAC, no modules
                 parts["op-sac"] = parts.get("op-sac", 0.0) + f * op_sac_recomputed(op, self.model)
             else:
@@ -333,8 +333,19 @@ class PassCache:
         elif block.name == "head" and eff.head_overhead is not None:  # per micro-batch, outside the layers
             fwd += eff.head_overhead.forward_s
             bwd_i += eff.head_overhead.backward_s
+        fwd_comm, bwd_comm, again = self._block_comms(block, lay, links, columns, attn_core, attn_core_bwd)
+        for m, tf in again:
+            parts[m] = parts.get(m, 0.0) + tf
+        return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, 0.0), tuple(sorted(parts.items()))
+
+    def _block_comms(self, block: Block, lay, links, columns: int, attn_core: float,
+                     attn_core_bwd: float) -> tuple[dict[str, float], dict[str, float], list[tuple[str, float]]]:
+        """The block's collectives exposed in its forward and backward, per dimension (TP overlap, the CP ring under
+        the attention steps), and the forward collective seconds each recompute module runs again."""
+        eff = self.eff
         fwd_comm: dict[str, float] = {}
         bwd_comm: dict[str, float] = {}
+        rerun: list[tuple[str, float]] = []
         for c in block.comms:
             t = collective_time(c, getattr(lay, c.dim), links[c.dim], self.eff)  # tp, cp, ep, etp: group sizes
             t_b = t if c.bwd_bytes is None else collective_time(c, getattr(lay, c.dim), links[c.dim], self.eff, True)
@@ -361,9 +372,8 @@ class PassCache:
                 # _save_list), and the linears it re-runs (wk, wo, w3) need the gathered input: both all-gathered
                 # again in the backward
                 again = ("op-sac",)
-            for m in again:
-                parts[m] = parts.get(m, 0.0) + tf
-        return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, 0.0), tuple(sorted(parts.items()))
+            rerun += [(m, tf) for m in again]
+        return fwd_comm, bwd_comm, rerun
 
 
 # PyTorch FSDP2's copies around its collectives, per parameter of the layer (torch/distributed/fsdp/_fully_shard/

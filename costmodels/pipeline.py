@@ -136,95 +136,113 @@ def simulate_events(schedule: list[list[Pass]], times: list[list[StageTimes]], p
                     split_weight: bool = False, deadline: Deadline | None = None) -> Timeline:
     """The discrete-event simulation proper (a priority queue of ranks by their next start time); simulate()
     uses it where weight passes must be placed, and the fixed-order sweep elsewhere (tests check they agree)."""
-    pp = len(schedule)
-    vpp = len(times[0])
-    last_stage = pp * vpp - 1
-    done: dict[tuple[str, int, int], float] = {}
-    cursor = [0] * pp
-    free_at = [0.0] * pp
-    busy = [0.0] * pp
-    pending_w: list[list[Pass]] = [[] for _ in range(pp)]
-    events: list[tuple[int, Pass, float, float]] = []
-    in_flight = [[0] * vpp for _ in range(pp)]
-    peak = [[0] * vpp for _ in range(pp)]
-    peak_total = [0] * pp
+    sim = _EventSimulation(schedule, times, p2p_s, split_weight)
+    for r in range(sim.pp):
+        sim.push(r)
+    while sim.heap:
+        _, r, ver = heapq.heappop(sim.heap)
+        if ver != sim.version[r]:
+            continue
+        sim.run_next(r)
+        if not len(sim.events) % CHECK_EVERY_PASSES:
+            check(deadline)
+        for q in {r, (r - 1) % sim.pp, (r + 1) % sim.pp}:
+            sim.push(q)
+    return sim.timeline()
 
-    def dependency(r: int, p: Pass) -> tuple[str, int, int] | None:
-        stage = p.chunk * pp + r
+
+class _EventSimulation:
+    """simulate_events' state: per rank its place in the schedule, when it is free, its busy time, the weight
+    passes it has yet to place and the micro-batches it holds; the passes done and when they ended."""
+
+    def __init__(self, schedule: list[list[Pass]], times: list[list[StageTimes]], p2p_s: float, split_weight: bool):
+        self.schedule, self.times, self.p2p_s, self.split_weight = schedule, times, p2p_s, split_weight
+        self.pp = pp = len(schedule)
+        self.vpp = vpp = len(times[0])
+        self.last_stage = pp * vpp - 1
+        self.done: dict[tuple[str, int, int], float] = {}
+        self.cursor = [0] * pp
+        self.free_at = [0.0] * pp
+        self.busy = [0.0] * pp
+        self.pending_w: list[list[Pass]] = [[] for _ in range(pp)]
+        self.events: list[tuple[int, Pass, float, float]] = []
+        self.in_flight = [[0] * vpp for _ in range(pp)]
+        self.peak = [[0] * vpp for _ in range(pp)]
+        self.peak_total = [0] * pp
+        self.heap: list[tuple[float, int, int]] = []
+        self.version = [0] * pp
+
+    def dependency(self, r: int, p: Pass) -> tuple[str, int, int] | None:
+        stage = p.chunk * self.pp + r
         if p.kind == "F":
             return None if stage == 0 else ("F", p.microbatch, stage - 1)
-        return ("F", p.microbatch, stage) if stage == last_stage else ("B", p.microbatch, stage + 1)
+        return ("F", p.microbatch, stage) if stage == self.last_stage else ("B", p.microbatch, stage + 1)
 
-    def candidate(r: int) -> tuple[float, Pass] | None:
+    def candidate(self, r: int) -> tuple[float, Pass] | None:
+        """Rank r's next pass and its earliest start, or None while its inputs are not done."""
         nxt = None
-        if cursor[r] < len(schedule[r]):
-            p = schedule[r][cursor[r]]
-            dep = dependency(r, p)
+        if self.cursor[r] < len(self.schedule[r]):
+            p = self.schedule[r][self.cursor[r]]
+            dep = self.dependency(r, p)
             if dep is None:
-                nxt = (free_at[r], p)
-            elif dep in done:
-                hop = p2p_s if dep[2] != p.chunk * pp + r else 0.0
-                nxt = (max(free_at[r], done[dep] + hop), p)
-        if pending_w[r]:
+                nxt = (self.free_at[r], p)
+            elif dep in self.done:
+                hop = self.p2p_s if dep[2] != p.chunk * self.pp + r else 0.0
+                nxt = (max(self.free_at[r], self.done[dep] + hop), p)
+        if self.pending_w[r]:
             # ZB-H1 keeps 1F1B's activation memory: at most pp - r micro-batches held (Qi et al. 2024, sec. 3.1).
-            full = nxt is not None and nxt[1].kind == "F" and sum(in_flight[r]) >= pp - r
-            if nxt is None or nxt[0] > free_at[r] or full:
-                return free_at[r], pending_w[r][0]
+            full = nxt is not None and nxt[1].kind == "F" and sum(self.in_flight[r]) >= self.pp - r
+            if nxt is None or nxt[0] > self.free_at[r] or full:
+                return self.free_at[r], self.pending_w[r][0]
         return nxt
 
-    heap: list[tuple[float, int, int]] = []
-    version = [0] * pp
-
-    def push(r: int) -> None:
-        version[r] += 1
-        c = candidate(r)
+    def push(self, r: int) -> None:
+        self.version[r] += 1
+        c = self.candidate(r)
         if c is not None:
-            heapq.heappush(heap, (c[0], r, version[r]))
+            heapq.heappush(self.heap, (c[0], r, self.version[r]))
 
-    for r in range(pp):
-        push(r)
-    while heap:
-        _, r, ver = heapq.heappop(heap)
-        if ver != version[r]:
-            continue
-        c = candidate(r)
+    def run_next(self, r: int) -> None:
+        """Run rank r's next pass: its cost from its kind, then what it holds and what it may place next."""
+        c = self.candidate(r)
         assert c is not None
         start, p = c
-        stage = p.chunk * pp + r
-        t = times[r][p.chunk]
+        stage = p.chunk * self.pp + r
+        t = self.times[r][p.chunk]
         if p.kind == "F":
             cost = t.forward
         elif p.kind == "B":
-            cost = t.backward_input if split_weight else t.backward
+            cost = t.backward_input if self.split_weight else t.backward
         else:
             cost = t.backward_weight
         end = start + cost
-        free_at[r] = end
-        busy[r] += cost
-        done[(p.kind, p.microbatch, stage)] = end
-        events.append((r, p, start, end))
-        if not len(events) % CHECK_EVERY_PASSES:
-            check(deadline)
+        self.free_at[r] = end
+        self.busy[r] += cost
+        self.done[(p.kind, p.microbatch, stage)] = end
+        self.events.append((r, p, start, end))
+        in_flight = self.in_flight[r]
         if p.kind == "W":
-            pending_w[r].pop(0)
-            in_flight[r][p.chunk] -= 1
+            self.pending_w[r].pop(0)
+            in_flight[p.chunk] -= 1
         else:
-            cursor[r] += 1
+            self.cursor[r] += 1
             if p.kind == "F":
-                in_flight[r][p.chunk] += 1
-                if sum(in_flight[r]) > peak_total[r]:
-                    peak_total[r] = sum(in_flight[r])
-                    peak[r] = list(in_flight[r])
-            elif split_weight:
-                pending_w[r].append(Pass("W", p.microbatch, p.chunk))
+                in_flight[p.chunk] += 1
+                if sum(in_flight) > self.peak_total[r]:
+                    self.peak_total[r] = sum(in_flight)
+                    self.peak[r] = list(in_flight)
+            elif self.split_weight:
+                self.pending_w[r].append(Pass("W", p.microbatch, p.chunk))
             else:
-                in_flight[r][p.chunk] -= 1
-        for q in {r, (r - 1) % pp, (r + 1) % pp}:
-            push(q)
-    if any(cursor[r] < len(schedule[r]) or pending_w[r] for r in range(pp)):
-        raise RuntimeError("pipeline schedule deadlocked (a pass waits on one that never runs)")
-    return Timeline(max(free_at), tuple(busy), tuple(free_at), tuple(tuple(x) for x in peak),
-                    tuple((r, p) for r, p, _, _ in events), tuple(e[2] for e in events), tuple(e[3] for e in events))
+                in_flight[p.chunk] -= 1
+
+    def timeline(self) -> Timeline:
+        if any(self.cursor[r] < len(self.schedule[r]) or self.pending_w[r] for r in range(self.pp)):
+            raise RuntimeError("pipeline schedule deadlocked (a pass waits on one that never runs)")
+        events = self.events
+        return Timeline(max(self.free_at), tuple(self.busy), tuple(self.free_at), tuple(tuple(x) for x in self.peak),
+                        tuple((r, p) for r, p, _, _ in events), tuple(e[2] for e in events),
+                        tuple(e[3] for e in events))
 
 
 @dataclass(frozen=True)

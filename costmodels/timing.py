@@ -3,8 +3,7 @@ parallel dimension and the links they cross."""
 
 from __future__ import annotations
 
-from __future__ import annotations
-
+from dataclasses import dataclass
 
 from meshplan.costmodels import comm
 from meshplan.costmodels.calibrate import interpolate
@@ -21,10 +20,22 @@ RANK_ORDER = tuple(DEFAULT_RANK_ORDER.split("-"))  # innermost first: Megatron-L
 
 # ---- operator and collective times -------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class KernelShape:
+    """What besides FLOPs and bytes sets an operator's kernel efficiency (op_time's docstring says how each does)."""
+
+    depth: float = 0.0  # the pass's inner GEMM dimension (the k-depth ramp)
+    groups: float = 1.0  # expert GEMMs in one grouped kernel
+    fp8: str | None = None  # the FP8 recipe of an FP8 GEMM
+    keys: float = 0.0  # attention: keys per query (the causal tile factor)
+    kernel: str = "fused"  # attention kernel
+    bandwidth_factor: float = 1.0  # a memory-bound kernel's share of the fused-kernel bandwidth
+    chunks: float = 1.0  # a GEMM split to overlap a TP collective
+    streams: int = 0  # grouped GEMM as one GEMM per group on this many streams (0: one grouped kernel)
+
+
 def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff: Efficiency,
-            backward: bool = False, *, depth: float = 0.0, groups: float = 1.0, fp8: str | None = None,
-            keys: float = 0.0, kernel: str = "fused", bandwidth_factor: float = 1.0, chunks: float = 1.0,
-            streams: int = 0) -> float:
+            backward: bool = False, shape: KernelShape = KernelShape()) -> float:
     """Roofline: max(FLOPs / (peak x efficiency), bytes / achieved bandwidth) + launch overhead (Williams et al.,
     "Roofline", CACM 2009). Efficiency = ceiling x F / (F + F_half) x shape factors (kernels.py): F is the kernel's
     FLOPs (a grouped kernel of `groups` expert GEMMs saturates on all of them, under the grouped ceiling),
@@ -39,6 +50,8 @@ def op_time(flops: float, bytes_: float, kind: str, peak: float, hbm: float, eff
     GEMM by the same factor."""
     if flops <= 0 and bytes_ <= 0:
         return 0.0
+    depth, groups, fp8, keys, kernel = shape.depth, shape.groups, shape.fp8, shape.keys, shape.kernel
+    bandwidth_factor, chunks, streams = shape.bandwidth_factor, shape.chunks, shape.streams
     ph = eff.physics
     t_mem = bytes_ / (hbm * eff.memory_bandwidth * (bandwidth_factor if ph.memory_kernels else 1.0))
     if flops > 0:

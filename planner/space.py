@@ -190,25 +190,6 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
         if count:
             infeasible[rule] = infeasible.get(rule, 0) + count
 
-    def variants(tp: int, cp: int, pp: int) -> list[tuple[bool, str, str, int]]:
-        sps = _pick([True, False], pins.sp) if tp > 1 else [False]
-        comms = [c for c in _pick(["ring", "a2a"], pins.cp_comm) if c in rt_cp_comms] if cp > 1 else ["ring"]
-        if pp == 1:
-            # one stage has no schedule: 1F1B by convention; a pinned pipeline schedule needs stages
-            scheds = [("1f1b", 1)] if pins.schedule in (None, "1f1b") and pins.vpp in (None, 1) else []
-        else:
-            scheds = [(s, 1) for s in SCHEDULES_FLAT] + [("interleaved", v) for v in range(2, MAX_VPP + 1)]
-            if pins.schedule == "zb":
-                scheds = [("zb", 1)]
-            elif pins.schedule is not None:
-                scheds = [(s, v) for s, v in scheds if s == pins.schedule]
-        if pins.vpp is not None:
-            scheds = [(s, v) for s, v in scheds if v == pins.vpp]
-            if pp > 1 and pins.vpp > MAX_VPP and pins.schedule in (None, "interleaved"):
-                scheds = [("interleaved", pins.vpp)]  # above the searched range: honoured as pinned
-        scheds = [(s, v) for s, v in scheds if s in rt_schedules or pp == 1]
-        return [(sp, cc, sch, v) for sp in sps for cc in comms for sch, v in scheds]
-
     weights: dict[tuple[int, int], int] = {}
 
     def weight(pp: int, vpp: int) -> int:
@@ -229,15 +210,9 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                 if (num_gpus // (tp * cp)) % pp:
                     continue
                 dp = num_gpus // (tp * cp * pp)
-                var = variants(tp, cp, pp)
+                var = _variants(pins, rt_schedules, rt_cp_comms, tp, cp, pp)
                 per_mbs = sum(weight(pp, v[3]) for v in var)
-                if moe is None:
-                    pairs = [(1, tp)]
-                else:
-                    pairs = [(ep, etp) for ep in _pick(divisors(moe.num_experts), pins.ep)
-                             for etp in _pick(divisors(tp), pins.etp)]
-                meshes = [(ep, etp, order) for ep, etp in pairs
-                          for order in rank_orders(num_gpus, gpus_per_node, tp, cp, pp, dp, ep, pins.order)]
+                meshes = _expert_meshes(model, pins, num_gpus, gpus_per_node, tp, cp, pp)
                 mbs_domain = [pins.mbs] if pins.mbs is not None else [
                     b for b in divisors(wl.global_batch) if b <= pins.max_mbs]
                 subtree = len(meshes) * len(mbs_domain) * per_mbs
@@ -268,14 +243,55 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                                 ok.append(v)
                         if ok:
                             groups.append(Group(mesh, mbs, m, tuple(ok), zeros, recs))
-    domains = {
+    domains = _domains(num_gpus, gpus_per_node, pins, moe is not None, zeros, recs, runtime, rt_schedules)
+    return Enumeration(groups, size, infeasible, domains)
+
+
+def _expert_meshes(model: ModelSpec, pins: Pins, num_gpus: int, gpus_per_node: int, tp: int, cp: int,
+                   pp: int) -> list[tuple[int, int, str]]:
+    """(ep, etp, rank order) of one (tp, cp, pp): ep divides the experts and etp divides tp (MoE models only)."""
+    dp = num_gpus // (tp * cp * pp)
+    if model.moe is None:
+        pairs = [(1, tp)]
+    else:
+        pairs = [(ep, etp) for ep in _pick(divisors(model.moe.num_experts), pins.ep)
+                 for etp in _pick(divisors(tp), pins.etp)]
+    return [(ep, etp, order) for ep, etp in pairs
+            for order in rank_orders(num_gpus, gpus_per_node, tp, cp, pp, dp, ep, pins.order)]
+
+
+def _variants(pins: Pins, rt_schedules, rt_cp_comms, tp: int, cp: int, pp: int) -> list[tuple[bool, str, str, int]]:
+    """(sp, cp kind, schedule, vpp) of one (tp, cp, pp): what the pins and the runtime leave."""
+    sps = _pick([True, False], pins.sp) if tp > 1 else [False]
+    comms = [c for c in _pick(["ring", "a2a"], pins.cp_comm) if c in rt_cp_comms] if cp > 1 else ["ring"]
+    if pp == 1:
+        # one stage has no schedule: 1F1B by convention; a pinned pipeline schedule needs stages
+        scheds = [("1f1b", 1)] if pins.schedule in (None, "1f1b") and pins.vpp in (None, 1) else []
+    else:
+        scheds = [(s, 1) for s in SCHEDULES_FLAT] + [("interleaved", v) for v in range(2, MAX_VPP + 1)]
+        if pins.schedule == "zb":
+            scheds = [("zb", 1)]
+        elif pins.schedule is not None:
+            scheds = [(s, v) for s, v in scheds if s == pins.schedule]
+    if pins.vpp is not None:
+        scheds = [(s, v) for s, v in scheds if v == pins.vpp]
+        if pp > 1 and pins.vpp > MAX_VPP and pins.schedule in (None, "interleaved"):
+            scheds = [("interleaved", pins.vpp)]  # above the searched range: honoured as pinned
+    scheds = [(s, v) for s, v in scheds if s in rt_schedules or pp == 1]
+    return [(sp, cc, sch, v) for sp in sps for cc in comms for sch, v in scheds]
+
+
+def _domains(num_gpus: int, gpus_per_node: int, pins: Pins, moe: bool, zeros: tuple[int, ...],
+             recs: tuple[str, ...], runtime: Runtime | None, rt_schedules) -> dict[str, str]:
+    """What the space holds for each knob, in words (the plan's account)."""
+    return {
         "tp": f"divisors of {num_gpus} up to {gpus_per_node} (one node)" if pins.tp is None else f"pinned {pins.tp}",
         "cp": f"seq/cp >= {MIN_CP_TOKENS} tokens" if pins.cp is None else f"pinned {pins.cp}",
         "pp": "divisors of what is left, <= layers" if pins.pp is None else f"pinned {pins.pp}",
         "vpp": (f"1, or 2..{MAX_VPP}: even virtual stages, or (where pp does not divide the layers) fewer layers on "
                 f"the first and last" if pins.vpp is None else f"pinned {pins.vpp}"),
         "mbs": f"divisors of the global batch up to {pins.max_mbs}" if pins.mbs is None else f"pinned {pins.mbs}",
-        "ep/etp": ("ep divides the experts, etp divides tp" if moe is not None else "no experts"),
+        "ep/etp": ("ep divides the experts, etp divides tp" if moe else "no experts"),
         "order": (f"{DEFAULT_RANK_ORDER}; also {PP_INSIDE_DP} (pp inside dp) where it moves a group onto other "
                   f"links: tp*cp < GPUs per node < GPUs, pp > 1, dp > 1, ep = 1")
                  if pins.order is None else f"pinned {pins.order}",
@@ -289,7 +305,6 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
         "stages": ("contiguous uneven layer ranges (exact DP); with virtual stages even, or the first and last "
                    "chunk lighter"),
     }
-    return Enumeration(groups, size, infeasible, domains)
 
 
 def rank_orders(num_gpus: int, gpus_per_node: int, tp: int, cp: int, pp: int, dp: int, ep: int,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from meshplan.costmodels import comm
 from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.timing import op_time
+from meshplan.costmodels.timing import KernelShape, op_time
 from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.kernels import (ATTENTION_KEYS_HALF, CONTENTION_COPY_ENGINE, CONTENTION_SM,
                                          QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics, async_tp_fused,
@@ -165,10 +165,10 @@ def test_attention_keys_ramp_is_a_monotone_fraction(keys, more, kernel, backward
 def test_short_key_backward_is_slower_per_flop():
     """CP cuts the keys per launch: the same backward FLOPs take longer at 1K keys than at 16K."""
     flops = 1e13
-    short = op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, True, keys=1024, kernel="cudnn")
-    long = op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, True, keys=16384, kernel="cudnn")
+    short = op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, True, shape=KernelShape(keys=1024, kernel="cudnn"))
+    long = op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, True, shape=KernelShape(keys=16384, kernel="cudnn"))
     off = Efficiency.from_gpu(H100, ON.without("attention_keys"))
-    short_off = op_time(flops, 0.0, "attention", PEAK16, HBM, off, True, keys=1024, kernel="cudnn")
+    short_off = op_time(flops, 0.0, "attention", PEAK16, HBM, off, True, shape=KernelShape(keys=1024, kernel="cudnn"))
     assert short > short_off > long
 
 
@@ -218,14 +218,16 @@ def test_multi_stream_grouped_gemm_by_hand():
     wave = TE_GEMM_STREAMS * one
     compute = experts * one / (PEAK16 * ceiling * wave / (wave + EFF.gemm_half_flops))
     expected = max(compute, experts * EFF.kernel_overhead_s) + EFF.kernel_overhead_s
-    got = op_time(experts * one, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=experts, streams=TE_GEMM_STREAMS)
+    got = op_time(experts * one, 0.0, "gemm", PEAK16, HBM, EFF,
+                  shape=KernelShape(depth=k, groups=experts, streams=TE_GEMM_STREAMS))
     assert got == pytest.approx(expected)
-    kernel = op_time(experts * one, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=experts)
+    kernel = op_time(experts * one, 0.0, "gemm", PEAK16, HBM, EFF, shape=KernelShape(depth=k, groups=experts))
     assert got > 1.3 * kernel  # 128 small experts: a grouped kernel saturates on all of them
     # up to 4 experts of more work than their launches, the two paths are one wave
     big = 8 * one
-    assert op_time(4 * big, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=4, streams=4) == pytest.approx(
-        op_time(4 * big, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=4))
+    assert op_time(4 * big, 0.0, "gemm", PEAK16, HBM, EFF,
+                   shape=KernelShape(depth=k, groups=4, streams=4)) == pytest.approx(
+        op_time(4 * big, 0.0, "gemm", PEAK16, HBM, EFF, shape=KernelShape(depth=k, groups=4)))
     # the host's launch loop is a floor (here it binds: 128 launches of 4 us against 0.50 ms of GEMM waves)
     assert compute < experts * EFF.kernel_overhead_s
     assert get_runtime("megatron-core").grouped_gemm == "multi-stream"
@@ -240,7 +242,8 @@ def test_te_default_grouped_gemm_matches_its_h100_measurement(groups, m, tflops)
     """TransformerEngine PR #2045: its default (multi-stream cuBLAS) BF16 grouped GEMM forward on H100 at
     (g, m, n, k) = (8, 4096, 768, 2048) and (16, 2048, 768, 2048), 628 and 554 TFLOP/s; within 10 %."""
     flops = groups * 2 * m * 768 * 2048
-    t = op_time(flops, 0.0, "gemm", PEAK16, HBM, EFF, depth=2048, groups=groups, streams=TE_GEMM_STREAMS)
+    t = op_time(flops, 0.0, "gemm", PEAK16, HBM, EFF,
+                shape=KernelShape(depth=2048, groups=groups, streams=TE_GEMM_STREAMS))
     assert flops / t / 1e12 == pytest.approx(tflops, rel=0.10)
 
 
@@ -266,7 +269,8 @@ def test_large_gemms_run_at_the_measured_sustained_rate(gpu_name, dtype, shape, 
     m, n, k = shape
     fp8 = "tensorwise" if dtype == "fp8" else None
     flops = 2.0 * m * n * k
-    t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff, depth=k, fp8=fp8)
+    t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff,
+                shape=KernelShape(depth=k, fp8=fp8))
     assert flops / t / 1e12 == pytest.approx(tflops, rel=0.01)
 
 
@@ -302,8 +306,8 @@ def test_hopper_gemms_run_at_the_rates_measured_at_the_power_limit(name):
     def rate(shape, dtype):
         m, n, k = shape
         flops = 2.0 * m * n * k
-        t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff, depth=k,
-                    fp8="tensorwise" if dtype == "fp8" else None)
+        t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff,
+                    shape=KernelShape(depth=k, fp8="tensorwise" if dtype == "fp8" else None))
         return flops / t / 1e12
 
     for column, dtype in ((1, "bf16"), (2, "fp8")):
@@ -348,8 +352,8 @@ def test_fp8_gemms_ramp_over_their_own_inner_dimension():
 
     def seconds_per_flop(k, dtype):
         flops = 2.0 * 8192 * 8192 * k
-        t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff, depth=k,
-                    fp8="tensorwise" if dtype == "fp8" else None)
+        t = op_time(flops, 0.0, "gemm", gpu.peak_flops(dtype), gpu.hbm_bytes_per_s, eff,
+                    shape=KernelShape(depth=k, fp8="tensorwise" if dtype == "fp8" else None))
         return (t - eff.kernel_overhead_s) / (flops + eff.gemm_half_flops * (2 if dtype == "fp8" else 1))
 
     for dtype, k_half in (("bf16", 140), ("fp8", 510)):
@@ -401,7 +405,8 @@ def _te_5b_layer_ms(gpu_name: str, recipe: str | None, autocast: bool, passes: s
     total = 0.0
     for mm, n, k in calls:
         op = gemm("x", mm, n, k, 2.0 if recipe else 1.0)
-        total += op_time(op.fwd_flops, op.fwd_bytes, "gemm", peak, gpu.hbm_bytes_per_s, eff, depth=k, fp8=recipe)
+        total += op_time(op.fwd_flops, op.fwd_bytes, "gemm", peak, gpu.hbm_bytes_per_s, eff,
+                         shape=KernelShape(depth=k, fp8=recipe))
         if recipe and autocast:
             per = quant_bytes_per_element(recipe, eff.fp8_any_layout)
             total += op_time(0.0, per * (mm * k + k * n), "memory", peak, gpu.hbm_bytes_per_s, eff)
@@ -471,7 +476,8 @@ def _attention_tflops(kernel: str, seq: int, backward: bool = False) -> float:
     """Useful TFLOP/s of a causal hdim-128 attention pass at the FA3 paper's shapes (16k tokens, hidden 2048)."""
     heads, d, batch = 16, 128, 16384 // seq
     flops = 4 * seq * seq * d * heads * batch / 2 * (2.5 if backward else 1.0)
-    return flops / op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, backward, keys=seq, kernel=kernel) / 1e12
+    return flops / op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, backward,
+                           shape=KernelShape(keys=seq, kernel=kernel)) / 1e12
 
 
 @pytest.mark.parametrize("seq,fa3,cudnn", [(512, 292, 315), (2048, 521, 484), (4096, 579, 518), (16384, 616, 539)])
@@ -485,8 +491,8 @@ def _cudnn_causal_tflops(gpu_name: str, seq: int, backward: bool) -> float:
     gpu = load_gpu(gpu_name)
     eff = Efficiency.from_gpu(gpu)
     flops = 4 * seq * seq * 128 * 64 / 2 * (2.5 if backward else 1.0)  # Llama 3.1 70B's 64 query heads, hdim 128
-    t = op_time(flops, 0.0, "attention", gpu.peak_flops("bf16"), gpu.hbm_bytes_per_s, eff, backward, keys=seq,
-                kernel="cudnn")
+    t = op_time(flops, 0.0, "attention", gpu.peak_flops("bf16"), gpu.hbm_bytes_per_s, eff, backward,
+                shape=KernelShape(keys=seq, kernel="cudnn"))
     return flops / t / 1e12
 
 
@@ -524,7 +530,7 @@ def test_flash_attention_2_by_hand(kernel, forward, backward):
     flops = 4.0 * 16384 * 16384 * 128 * 16
     sat = flops / (flops + EFF.gemm_half_flops)
     for is_bwd, expected in ((False, forward), (True, backward)):
-        t = op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, is_bwd, kernel=kernel)
+        t = op_time(flops, 0.0, "attention", PEAK16, HBM, EFF, is_bwd, shape=KernelShape(kernel=kernel))
         assert flops / (t - EFF.kernel_overhead_s) / 1e12 == pytest.approx(expected * sat, rel=0.01)
 
 
@@ -540,8 +546,8 @@ MODEL = ModelSpec(name="m", num_layers=8, hidden=4096, num_heads=32, num_kv_head
 def test_an_fp8_gemm_is_never_more_than_twice_as_fast_as_bf16(m, n, k, recipe, groups):
     op = gemm("x", m, n, k, 2.0)
     flops, io = op.fwd_flops * groups, op.fwd_bytes * groups
-    bf16 = op_time(flops, io, "gemm", PEAK16, HBM, EFF, depth=k, groups=groups)
-    fp8 = op_time(flops, io / 2, "gemm", PEAK8, HBM, EFF, depth=k, groups=groups, fp8=recipe)
+    bf16 = op_time(flops, io, "gemm", PEAK16, HBM, EFF, shape=KernelShape(depth=k, groups=groups))
+    fp8 = op_time(flops, io / 2, "gemm", PEAK8, HBM, EFF, shape=KernelShape(depth=k, groups=groups, fp8=recipe))
     assert fp8 >= bf16 * PEAK16 / PEAK8 * (1 - 1e-12)  # the datasheet's FP8 peak is 2.0001x the BF16 one
 
 
@@ -550,8 +556,10 @@ def test_an_fp8_gemm_is_never_more_than_twice_as_fast_as_bf16(m, n, k, recipe, g
        n=st.sampled_from([512, 2048]), k=st.sampled_from([1024, 7168]))
 def test_per_expert_gemms_are_never_faster_than_one_grouped_kernel(m, groups, n, k):
     flops = groups * 2 * m * n * k
-    streams = op_time(flops, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=groups, streams=TE_GEMM_STREAMS)
-    assert streams >= op_time(flops, 0.0, "gemm", PEAK16, HBM, EFF, depth=k, groups=groups) * (1 - 1e-12)
+    streams = op_time(flops, 0.0, "gemm", PEAK16, HBM, EFF,
+                      shape=KernelShape(depth=k, groups=groups, streams=TE_GEMM_STREAMS))
+    assert streams >= op_time(flops, 0.0, "gemm", PEAK16, HBM, EFF,
+                              shape=KernelShape(depth=k, groups=groups)) * (1 - 1e-12)
 
 
 @settings(max_examples=30, deadline=None)
@@ -769,8 +777,8 @@ def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients(
               if op.kind == "attention"]
     assert attn_f, "the attention block has its core"
     # forward: what the first step (1/cp of the attention compute) cannot hide, and the contention on the rest
-    fwd_attention = sum(op_time(op.fwd_flops, op.fwd_bytes, op.kind, PEAK16, HBM, EFF, False, keys=op.keys,
-                                kernel="sdpa-fa2") for op in attn_f)
+    fwd_attention = sum(op_time(op.fwd_flops, op.fwd_bytes, op.kind, PEAK16, HBM, EFF, False,
+                                shape=KernelShape(keys=op.keys, kernel="sdpa-fa2")) for op in attn_f)
     assert core["cp"] == pytest.approx(overlapped_exposed(t_gather, fwd_attention / 8, 0.0, ON), rel=1e-6)
     assert core["cp"] > 0.0
     # the backward carries the second gather and the fp32 gradient ring (its last hop exposed in full)
@@ -813,7 +821,7 @@ def test_unfused_projections_read_their_input_once_each():
     assert extra == pytest.approx(2 * 2 * tokens * h)
 
     def t(op):
-        return op_time(op.fwd_flops, op.fwd_bytes, "gemm", PEAK16, HBM, EFF, depth=op.shape[2])
+        return op_time(op.fwd_flops, op.fwd_bytes, "gemm", PEAK16, HBM, EFF, shape=KernelShape(depth=op.shape[2]))
 
     wk = s["wk"]
     assert t(wk) == pytest.approx(wk.fwd_bytes / (HBM * EFF.memory_bandwidth) + EFF.kernel_overhead_s, rel=1e-6)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from cli_helpers import assert_input_error, run  # noqa: E402
 
 from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload  # noqa: E402
-from meshplan.costmodels.estimate import (simulate_config)  # noqa: E402
+from meshplan.costmodels.estimate import simulate_config  # noqa: E402
 from meshplan.costmodels.model_io import load_model  # noqa: E402
 from meshplan.executor.mesh import ExecLayout  # noqa: E402
 from meshplan.executor.reference import RunSpec  # noqa: E402
