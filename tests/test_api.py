@@ -80,6 +80,19 @@ def test_import_meshplan_loads_no_search():
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+def test_every_package_folder_is_installed():
+    """pyproject.toml names the packages setuptools installs (package-dir maps them under meshplan.): a new
+    subpackage missing there imports in a checkout and fails once installed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(("meshplan",) + init.parent.relative_to(ROOT).parts) if init.parent.name != "meshplan"
+               else "meshplan"
+               for top in ("meshplan", "planner", "costmodels", "hardware_db", "cli", "executor")
+               for init in (ROOT / top).rglob("__init__.py")}
+    assert "meshplan.planner.partition" in folders and listed == folders, folders ^ listed
+
+
 def test_the_installed_distribution_is_one_namespace(tmp_path):
     """Installed (CI's `pip install .`), every module lives under meshplan/: no top-level cli, planner, ... to collide
     with other distributions. An editable install (a development checkout) maps the folders instead: skipped."""
