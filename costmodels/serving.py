@@ -7,7 +7,13 @@ sequences and keep their own KV cache (SGLang --enable-dp-attention, vLLM --data
 parallelism); the routed experts of an MoE layer are spread over all tp x dp ranks of a stage, `ep` ways by expert
 and tp*dp/ep ways inside each expert (expert TP). Every operator is timed by the training cost model's roofline
 (timing.op_time, with the GPU's efficiency or a calibration) and every collective by its ring formula on the
-links the ranks cross (estimate.timed_collective).
+links the ranks cross (timing.timed_collective).
+
+An engine in steady state (aggregated_point, prefill_point, decode_point): an aggregated engine batches decode and
+chunked prefill in every iteration (Sarathi-Serve, Agrawal et al. OSDI'24), so the prompt tokens prefilled per
+iteration keep pace with the sequences finishing, P = B x ISL / OSL, and a sequence's mean context is
+ISL + OSL / 2; a prefill engine's TTFT is its batch's prefill and the KV transfer (DistServe, Zhong et al. OSDI'24);
+a decode engine's TPOT is one iteration. Queueing delay is not modelled.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from meshplan.costmodels.ops import ACT_BYTES, Op, elementwise, gemm, mla_query_
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 
-__all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "kv_bytes_per_token_layer",
+__all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "PoolPoint", "aggregated_point",
+           "prefill_point", "decode_point", "MEM_FRACTION", "kv_bytes_per_token_layer",
            "kv_bytes_per_token", "weight_bytes_per_gpu", "Capacity", "capacity", "IterationTime", "iteration_time",
            "kv_transfer_s", "stage_layer_counts"]
 
@@ -398,3 +405,73 @@ def kv_transfer_s(model: ModelSpec, cluster: Cluster, prompt_tokens: float, kv_d
     else:
         rate, latency = cluster.scaleup.bytes_per_s * e.scaleup_bandwidth, cluster.scaleup.latency_s
     return latency + prompt_tokens * per_token / rate
+
+
+MEM_FRACTION = 0.9  # vLLM --gpu-memory-utilization default
+
+
+@dataclass(frozen=True)
+class PoolPoint:
+    """One engine configuration at one batch: what an engine of it does."""
+
+    role: Literal["aggregated", "prefill", "decode"]
+    layout: EngineLayout
+    batch: int  # max running sequences (aggregated, decode) or prompts per prefill iteration
+    chunk: int  # max tokens per iteration (max_num_batched_tokens)
+    ttft_s: float  # aggregated, prefill (prefill + KV transfer); 0 for decode
+    tpot_s: float  # aggregated, decode; 0 for prefill
+    requests_per_s: float  # one engine
+    memory: Capacity
+    mem_fraction: float = 0.9  # of HBM the engine may use (vLLM --gpu-memory-utilization)
+
+
+# ---- one engine in steady state --------------------------------------------------------------------------------------
+
+def aggregated_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
+                     chunk: int, eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
+    """An engine that prefills and decodes; None when the batch does not fit its memory or the budget cannot
+    keep prefill in pace with decode."""
+    if batch < lay.dp:
+        return None
+    prefill_per_iter = batch * wl.isl / wl.osl
+    budget = chunk - batch
+    if budget <= 0 or prefill_per_iter > budget:
+        return None
+    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, chunk, batch)
+    if batch * (wl.isl + wl.osl) > mem.tokens:
+        return None
+    ctx = wl.isl + wl.osl / 2
+    kw = dict(weight_dtype=wl.weight_dtype, kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
+    steady = iteration_time(model, cluster, lay, batch, ctx, prefill_per_iter, wl.isl / 2, **kw)
+    full = iteration_time(model, cluster, lay, batch, ctx, budget, wl.isl / 2, **kw)
+    iterations = math.ceil(wl.isl / (budget / lay.dp))  # the request's attention group gets its share of the budget
+    return PoolPoint("aggregated", lay, batch, chunk, iterations * full.seconds, steady.seconds,
+                     batch / (wl.osl * steady.seconds), mem, mem_fraction)
+
+
+def prefill_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, prompts: int,
+                  eff: Efficiency | None = None, crosses_nodes: bool = True,
+                  mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
+    """A prefill engine taking `prompts` prompts per iteration (one attention group each at least)."""
+    if prompts < lay.dp or prompts % lay.dp:
+        return None
+    tokens = prompts * wl.isl
+    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, tokens, prompts)
+    if tokens > mem.tokens:
+        return None
+    it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.isl / 2, weight_dtype=wl.weight_dtype,
+                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
+    ttft = it.seconds + kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes)
+    return PoolPoint("prefill", lay, prompts, tokens, ttft, 0.0, prompts / it.seconds, mem, mem_fraction)
+
+
+def decode_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
+                 eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
+    if batch < lay.dp:
+        return None
+    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, batch, batch)
+    if batch * (wl.isl + wl.osl) > mem.tokens:
+        return None
+    it = iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, 0, 0, weight_dtype=wl.weight_dtype,
+                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
+    return PoolPoint("decode", lay, batch, batch, 0.0, it.seconds, batch / (wl.osl * it.seconds), mem, mem_fraction)

@@ -1,10 +1,11 @@
 """The serving search: engine layouts (TP, attention DP, PP, EP), batch and chunk sizes, aggregated or
-disaggregated prefill and decode pools, under TTFT and TPOT targets.
+disaggregated prefill and decode pools, under TTFT and TPOT targets. What one engine costs in steady state is the
+serving cost model's (costmodels/serving.py: aggregated_point, prefill_point, decode_point).
 
-Aggregated engines batch decode and chunked prefill in every iteration (Sarathi-Serve, Agrawal et al. OSDI'24): in
-steady state the prompt tokens prefilled per iteration keep pace with the sequences finishing, P = B x ISL / OSL,
-so an iteration holds B decode tokens and P prefill tokens and the token budget (max_num_batched_tokens) must hold
-both; a new request gets the budget left by the decode tokens until its prompt is in. Disaggregated deployments
+Aggregated engines batch decode and chunked prefill in every iteration (Sarathi-Serve, Agrawal et al. OSDI'24): an
+iteration holds B decode tokens and the prefill that keeps pace with them, and the token budget
+(max_num_batched_tokens) must hold both; a new request gets the budget left by the decode tokens until its prompt
+is in. Disaggregated deployments
 (DistServe, Zhong et al. OSDI'24; DeepSeek-V3 report sec. 3.4) run prefill engines (batches of prompts, TTFT = the
 batch's prefill + the KV transfer) and decode engines (TPOT = one decode iteration), x of one for y of the other so
 that the request rates balance. Queueing delay is not modelled: a target is met at the stated load.
@@ -23,32 +24,15 @@ import numpy as np
 
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.model import ModelSpec
-from meshplan.costmodels.serving import (Capacity, EngineLayout, ServeTargets, ServeWorkload, capacity, iteration_time,
-                                         kv_transfer_s)
+from meshplan.costmodels.serving import (MEM_FRACTION, EngineLayout, PoolPoint, ServeTargets, ServeWorkload,
+                                         aggregated_point, decode_point, prefill_point)
 from meshplan.hardware_db.cluster import Cluster, engine_cluster
 from meshplan.hardware_db.errors import InputError
 
-__all__ = ["ServeWorkload", "ServeTargets", "PoolPoint", "Deployment", "ServeResult", "engine_layouts",
-           "aggregated_point", "prefill_point", "decode_point", "search_serving", "pareto_front", "CHUNKS"]
+__all__ = ["Deployment", "ServeResult", "engine_layouts", "search_serving", "pareto_front", "CHUNKS"]
 
 CHUNKS = (2048, 4096, 8192, 16384, 32768)  # max_num_batched_tokens tried (vLLM's default is 8192 for online serving)
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-MEM_FRACTION = 0.9  # vLLM --gpu-memory-utilization default
-
-
-@dataclass(frozen=True)
-class PoolPoint:
-    """One engine configuration at one batch: what an engine of it does."""
-
-    role: Literal["aggregated", "prefill", "decode"]
-    layout: EngineLayout
-    batch: int  # max running sequences (aggregated, decode) or prompts per prefill iteration
-    chunk: int  # max tokens per iteration (max_num_batched_tokens)
-    ttft_s: float  # aggregated, prefill (prefill + KV transfer); 0 for decode
-    tpot_s: float  # aggregated, decode; 0 for prefill
-    requests_per_s: float  # one engine
-    memory: Capacity
-    mem_fraction: float = 0.9  # of HBM the engine may use (vLLM --gpu-memory-utilization)
 
 
 @dataclass(frozen=True)
@@ -152,58 +136,6 @@ def _ep_ok(model: ModelSpec, lay: EngineLayout) -> bool:
     if lay.ep == 1:
         return True
     return moe.num_experts % lay.ep == 0 or lay.ep >= moe.num_experts  # beyond E: redundant experts
-
-
-# ---- one engine ----------------------------------------------------------------------------------------------------
-
-def aggregated_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
-                     chunk: int, eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
-    """An engine that prefills and decodes; None when the batch does not fit its memory or the budget cannot
-    keep prefill in pace with decode."""
-    if batch < lay.dp:
-        return None
-    prefill_per_iter = batch * wl.isl / wl.osl
-    budget = chunk - batch
-    if budget <= 0 or prefill_per_iter > budget:
-        return None
-    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, chunk, batch)
-    if batch * (wl.isl + wl.osl) > mem.tokens:
-        return None
-    ctx = wl.isl + wl.osl / 2
-    kw = dict(weight_dtype=wl.weight_dtype, kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    steady = iteration_time(model, cluster, lay, batch, ctx, prefill_per_iter, wl.isl / 2, **kw)
-    full = iteration_time(model, cluster, lay, batch, ctx, budget, wl.isl / 2, **kw)
-    iterations = math.ceil(wl.isl / (budget / lay.dp))  # the request's attention group gets its share of the budget
-    return PoolPoint("aggregated", lay, batch, chunk, iterations * full.seconds, steady.seconds,
-                     batch / (wl.osl * steady.seconds), mem, mem_fraction)
-
-
-def prefill_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, prompts: int,
-                  eff: Efficiency | None = None, crosses_nodes: bool = True,
-                  mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
-    """A prefill engine taking `prompts` prompts per iteration (one attention group each at least)."""
-    if prompts < lay.dp or prompts % lay.dp:
-        return None
-    tokens = prompts * wl.isl
-    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, tokens, prompts)
-    if tokens > mem.tokens:
-        return None
-    it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.isl / 2, weight_dtype=wl.weight_dtype,
-                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    ttft = it.seconds + kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes)
-    return PoolPoint("prefill", lay, prompts, tokens, ttft, 0.0, prompts / it.seconds, mem, mem_fraction)
-
-
-def decode_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
-                 eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
-    if batch < lay.dp:
-        return None
-    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, batch, batch)
-    if batch * (wl.isl + wl.osl) > mem.tokens:
-        return None
-    it = iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, 0, 0, weight_dtype=wl.weight_dtype,
-                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    return PoolPoint("decode", lay, batch, batch, 0.0, it.seconds, batch / (wl.osl * it.seconds), mem, mem_fraction)
 
 
 # ---- deployments ---------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from meshplan.executor.serving import KVCacheCore, max_relative_error, serve_ran
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
 from meshplan.planner.builders import build_serving_plan  # noqa: E402
 from meshplan.planner.plan import write_plan  # noqa: E402
-from meshplan.planner.serve import ServeTargets, ServeWorkload, parse_engine_layout, pinned_deployment  # noqa: E402
+from meshplan.costmodels.serving import ServeTargets, ServeWorkload  # noqa: E402
+from meshplan.planner.serve import parse_engine_layout, pinned_deployment  # noqa: E402
 
 
 def test_cache_core_matches_one_forward_in_one_process():

@@ -15,8 +15,9 @@ from meshplan.costmodels.serving import (EngineLayout, capacity, iteration_time,
                                          kv_bytes_per_token_layer, weight_bytes_per_gpu)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
-from meshplan.planner.serve import (ServeTargets, ServeWorkload, aggregated_point, decode_point, engine_layouts,
-                                    pareto_front, prefill_point, search_serving)
+from meshplan.costmodels.serving import (ServeTargets, ServeWorkload, aggregated_point, decode_point,
+                                         prefill_point)
+from meshplan.planner.serve import engine_layouts, pareto_front, search_serving
 
 LLAMA70 = load_zoo("llama3.1-70b")
 LLAMA8 = load_zoo("llama3.1-8b")
@@ -368,7 +369,8 @@ def test_cli_show_serving_plan(capsys, tmp_path):
 def test_the_ratio_is_the_brute_force_best(pre_gpus, dec_gpus, a, b, budget):
     """_ratio walks each pool's count with the other rounded to balance it (to RATIO_ENGINES each, far above these
     budgets): the same per-GPU rate as trying every x:y that fits, and the fewest engines among the best."""
-    from meshplan.planner.serve import PoolPoint, _ratio
+    from meshplan.costmodels.serving import PoolPoint
+    from meshplan.planner.serve import _ratio
 
     pre = PoolPoint("prefill", EngineLayout(tp=pre_gpus), 1, 1, 0.1, 0.0, a, None)  # type: ignore[arg-type]
     dec = PoolPoint("decode", EngineLayout(tp=dec_gpus), 1, 1, 0.0, 0.1, b, None)  # type: ignore[arg-type]
