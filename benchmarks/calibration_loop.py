@@ -80,7 +80,7 @@ def spearman(a: list[float], b: list[float]) -> float:
         return r
     ra, rb = ranks(a), ranks(b)
     ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
     var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
     return cov / var if var else 0.0
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|" + "---|" * len(head))
     else:
         print(sep.join(head))
-    for r, te, me in zip(rows, t_err, m_err):
+    for r in rows:
         cells = [r["name"], "ok" if r["ok"] else "FAIL", f"{r['measured_s']:.3f}", f"{r['predicted_s']:.3f}",
                  f"{100 * (r['predicted_s'] / r['measured_s'] - 1):+.1f} %", f"{r['measured_mib']:.1f}",
                  f"{r['predicted_mib']:.1f}", f"{100 * (r['predicted_mib'] / r['measured_mib'] - 1):+.1f} %",

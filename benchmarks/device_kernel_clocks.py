@@ -173,7 +173,7 @@ def grouped_kernels(torch, streams: int = 4):
                                  ("fc1_wgrad", (2 * ffn, hidden, tokens))):
             a = [torch.randn(m, k, device=dev, dtype=bf16) for _ in range(experts)]
             b = [torch.randn(k, n, device=dev, dtype=bf16) for _ in range(experts)]
-            pairs = [fp8_operands(torch, x, y) for x, y in zip(a, b)]
+            pairs = [fp8_operands(torch, x, y) for x, y in zip(a, b, strict=True)]
             a8, b8 = [x for x, _ in pairs], [y for _, y in pairs]
 
             def run(fp8: bool, a=a, b=b, a8=a8, b8=b8):

@@ -5,10 +5,10 @@ Usage:  python benchmarks/fuzz.py [--cases N] [--seed S] [--timeout SECONDS] [--
 Every case is garbage by construction: a value of the wrong type, out of range, not finite, non-ASCII, far too
 large or nested too deep, put into one field of a valid document (a Hugging Face config, a meshplan model file, a
 GPU TOML, a cluster file, a plan JSON, a calibration, a torchtitan job config) or into one flag of a valid command
-(plan, estimate, serve, verify, import --from megatron). The promise checked for each: exit 2 with exactly one `error:` line on stderr, no
-traceback, no hang (SIGALRM after --timeout seconds), no file left in the case's output folder. Counts per outcome
-and per family go to stdout (benchmarks/RESULTS.md records the last run); --show K prints K cases of each failing
-outcome with their reproducer.
+(plan, estimate, serve, verify, import --from megatron). The promise checked for each: exit 2 with exactly one
+`error:` line on stderr, no traceback, no hang (SIGALRM after --timeout seconds), no file left in the case's output
+folder. Counts per outcome and per family go to stdout (benchmarks/RESULTS.md records the last run); --show K
+prints K cases of each failing outcome with their reproducer.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class Run(BaseModel):
     notes: str = ""
 
     @model_validator(mode="after")
-    def _check(self) -> "Run":
+    def _check(self) -> Run:
         if self.metric in ("tflops_per_gpu", "mfu") and self.flops_accounting is None:
             raise ValueError(f"{self.id}: metric {self.metric} needs flops_accounting")
         if self.metric == "mfu" and self.mfu_peak_tflops is None:

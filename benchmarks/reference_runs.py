@@ -97,10 +97,10 @@ def megatron_flops(entry: dict, global_batch: int, recompute_forward: bool) -> f
     Megatron-LM training.py), or 96 B s l h^2 (1 + s/6h + V/16lh) when the recomputed forward is counted
     (Narayanan et al. SC'21, Eq. 3)."""
     m = entry["model"]
-    b, s, l, h, v = global_batch, m["seq_len"], m["layers"], m["hidden"], m["vocab"]
+    b, s, layers, h, v = global_batch, m["seq_len"], m["layers"], m["hidden"], m["vocab"]
     if recompute_forward:
-        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-    return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+        return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+    return 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
 
 
 def configure(entry: dict) -> tuple[Cluster, Workload, ParallelConfig, str]:
@@ -187,7 +187,8 @@ def run_config(run: Run, model: ModelSpec) -> ParallelConfig:
         stage_recompute = tuple(StagePolicy(granularity="full", full_layers=min(p.recompute_layers, n))
                                 for n in counts)
     schedule = {"dualpipe": "1f1b"}.get(p.schedule or "", p.schedule)
-    return ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, dp=p.dp, cp=p.cp, cp_comm="a2a" if p.cp_comm == "a2a" else "ring",
+    return ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, dp=p.dp, cp=p.cp,
+                          cp_comm="a2a" if p.cp_comm == "a2a" else "ring",
                           ep=p.ep, etp=p.etp, mbs=p.mbs, zero=p.zero, recompute=p.recompute, sp=p.sp,
                           schedule=schedule, stage_layers=stage_layers, chunk_layers=chunk_layers,
                           stage_recompute=stage_recompute, rank_order=p.rank_order or "tp-cp-dp-pp",
@@ -367,7 +368,8 @@ def main() -> int:
     if memory:  # the memory model, which decides what the search calls fitting
         print(f"\nPeak memory per GPU where the source gives it ({len(memory)} runs; predicted / published - 1):")
         for r in memory:
-            print(f"| {r.id} | {r.published_gib:.1f} | {r.peak_gib:.1f} | {100 * (r.peak_gib / r.published_gib - 1):+.1f}% |"
+            error = 100 * (r.peak_gib / r.published_gib - 1)
+            print(f"| {r.id} | {r.published_gib:.1f} | {r.peak_gib:.1f} | {error:+.1f}% |"
                   if args.markdown else f"{r.id:52s} {r.published_gib:6.1f} GiB  predicted {r.peak_gib:6.1f}  "
                   f"{100 * (r.peak_gib / r.published_gib - 1):+6.1f}%")
         print(f"memory MAPE {100 * statistics.mean(abs(r.peak_gib / r.published_gib - 1) for r in memory):.1f}%")

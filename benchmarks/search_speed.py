@@ -99,7 +99,8 @@ def main() -> int:
                 f"{lay.schedule}" if lay else "none")
         rows.append((label, wall, target, acc, plan, best))
     if args.markdown:
-        print("| case | wall s (median) | target s | status | gap | space | simulated | bounds solved | best plan | step s | MFU |")
+        print("| case | wall s (median) | target s | status | gap | space | simulated | bounds solved | best plan "
+              "| step s | MFU |")
         print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
         for label, wall, target, acc, plan, best in rows:
             print(f"| {label} | {wall:.2f} | {target:g} | {acc.status} | {100 * acc.gap:.2f}% | {acc.space_size:,} | "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -21,19 +21,19 @@ def profile(
         "collectives when more than one GPU is visible)."))] = "cpu",
     quick: Annotated[bool, typer.Option("--quick", help=(
         "Fewer sizes and repetitions: under 2 minutes on a 2-core CPU."))] = False,
-    out: Annotated[Optional[Path], typer.Option("--out", help=(
+    out: Annotated[Path | None, typer.Option("--out", help=(
         "Calibration file to write (atomically). Default: hardware_db/calibrations/<device>.json in meshplan's "
         "install, so --calibration <device> finds it by name."))] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help=(
+    model: Annotated[str | None, typer.Option("--model", "-m", help=(
         "Model whose layer GEMMs, attention heads and widths are profiled (zoo name or config file). Default: "
         "Llama-3.1-8B on a GPU; on a CPU a hidden-256 model of the same structure."))] = None,
-    gpu: Annotated[Optional[str], typer.Option("--gpu", help=(
+    gpu: Annotated[str | None, typer.Option("--gpu", help=(
         "hardware_db GPU this device is (default: read from the device's name)."))] = None,
-    dtype: Annotated[Optional[Literal["float64", "float32", "bfloat16", "float16"]], typer.Option("--dtype", help=(
+    dtype: Annotated[Literal["float64", "float32", "bfloat16", "float16"] | None, typer.Option("--dtype", help=(
         "Operator dtype (default: float64 on a CPU, verify's default there; bfloat16 on a GPU)."))] = None,
-    ranks: Annotated[Optional[list[int]], typer.Option("--ranks", help=(
+    ranks: Annotated[list[int] | None, typer.Option("--ranks", help=(
         "Group sizes to time collectives on (repeatable; default 2 on a CPU, every GPU on a GPU host)."))] = None,
-    tp: Annotated[Optional[list[int]], typer.Option("--tp", help=(
+    tp: Annotated[list[int] | None, typer.Option("--tp", help=(
         "TP degrees whose sharded GEMM and attention shapes are profiled (repeatable; default 1 2)."))] = None,
     statistic: Annotated[Literal["median", "min"], typer.Option("--statistic", help=(
         "Which repetition each measurement keeps: the median, or the fastest (for a shared host whose speed "

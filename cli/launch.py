@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -33,7 +33,7 @@ def export_(
         "config <= 0.2 and the config-registry function >= 0.3), deepspeed (ds_config.json and the "
         "Megatron-DeepSpeed script), torchrun (meshplan's executor on the plan's world), nemo (NeMo 2 "
         "MegatronStrategy and Megatron-Bridge overrides). Serving plans: vllm, sglang (a command line per pool)."))],
-    out: Annotated[Optional[Path], typer.Option("--out", help=(
+    out: Annotated[Path | None, typer.Option("--out", help=(
         "Write here (atomically): the file, or a directory when the export has several files. Default: print."))
     ] = None,
 ) -> None:
@@ -67,23 +67,23 @@ def import_(
         "script.py`, which gives the world size), or a file holding them (an exported megatron.sh works); "
         "torchtitan: the TOML job config file."))],
     source: Annotated[ImportSource, typer.Option("--from", help="What SOURCE is.")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help=(
+    model: Annotated[str | None, typer.Option("--model", "-m", help=(
         "The model (zoo name or config file), when the arguments do not describe it whole; model arguments that "
         "are given must agree with it."))] = None,
     gpu: GpuOpt = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, rich_help_panel=P_CLUSTER, help=(
+    gpus: Annotated[int | None, typer.Option("--gpus", min=1, rich_help_panel=P_CLUSTER, help=(
         "World size, when SOURCE does not say it (no torchrun line)."))] = None,
     gpus_per_node: PerNodeOpt = None,
     nic_gbps: NicOpt = None,
     nvlink_gbs: NvlinkOpt = None,
     cluster_file: ClusterOpt = None,
-    runtime: Annotated[Optional[str], typer.Option("--runtime", metavar="PRESET[+OPTION...]", rich_help_panel=P_PAR,
+    runtime: Annotated[str | None, typer.Option("--runtime", metavar="PRESET[+OPTION...]", rich_help_panel=P_PAR,
                                                    help=(
         "Training framework behaviour, as for `plan`. Default: what the configuration implies (torchtitan: "
         "torchtitan with +compile, +async-tp, +cp-alltoall as its TOML turns them on), else "
         f"{DEFAULT_RUNTIME}."))] = None,
     calibration: CalibrationOpt = None,
-    out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
+    out: Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Write the pinned plan as Plan JSON, to `meshplan show`, `export` or compare with `meshplan plan`."))] = None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
         "Print the pinned plan as Plan JSON and nothing else."))] = False,
@@ -113,8 +113,8 @@ def import_(
     runtime = runtime or launch.runtime or DEFAULT_RUNTIME
     world = launch_world(launch, gpus if cluster_file is None else None)
     per_node = gpus_per_node if gpus_per_node is not None or cluster_file else launch.gpus_per_node
-    cluster, eff = api.calibrated(cluster_of_flags(cluster_file, gpu, None if cluster_file else world, per_node, nic_gbps,
-                                           nvlink_gbs), calibration, runtime)
+    spec = cluster_of_flags(cluster_file, gpu, None if cluster_file else world, per_node, nic_gbps, nvlink_gbs)
+    cluster, eff = api.calibrated(spec, calibration, runtime)
     if cluster.num_gpus != world:
         raise InputError(f"the cluster has {cluster.num_gpus} GPUs but the launch configuration runs {world}")
     spec = launch_model(launch, named)
@@ -132,7 +132,7 @@ def import_(
 
 def show(
     plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan`, `serve` or `import`.")],
-    trace: Annotated[Optional[Path], typer.Option("--trace", help=(
+    trace: Annotated[Path | None, typer.Option("--trace", help=(
         "Also write the plan's simulated pipeline timeline as a Chrome trace (open in ui.perfetto.dev)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the validated plan as JSON.")] = False,
 ) -> None:
@@ -183,29 +183,30 @@ def verify(
         "shrunk (docs/executor.md); none runs the plan's model as it is (a small model only)."))] = "tiny",
     steps: Annotated[int, typer.Option("--steps", min=1, max=MAX_VERIFY_STEPS, help=(
         "AdamW steps; parameters are compared after the last."))] = 2,
-    seq: Annotated[Optional[int], typer.Option("--seq", min=1, max=MAX_SEQ_LEN, help=(
+    seq: Annotated[int | None, typer.Option("--seq", min=1, max=MAX_SEQ_LEN, help=(
         "Tokens per sequence (default 16, raised to a multiple of 2 x cp x tp)."))] = None,
-    microbatches: Annotated[Optional[int], typer.Option("--microbatches", min=1, max=MAX_GLOBAL_BATCH, help=(
+    microbatches: Annotated[int | None, typer.Option("--microbatches", min=1, max=MAX_GLOBAL_BATCH, help=(
         "Micro-batches per step (default: the plan's); fewer keeps a big plan's run short."))] = None,
     dtype: Annotated[Literal["float64", "float32"], typer.Option("--dtype", help=(
         "float64 checks to 1e-6 (relative), float32 to 1e-4."))] = "float64",
     backend: Annotated[Literal["gloo", "nccl"], typer.Option("--backend", help=(
         "Process-group backend. gloo: CPU tensors (the executor's only one so far); nccl: GPUs (not yet)."))] = "gloo",
-    launcher: Annotated[Optional[Literal["spawn", "torchrun"]], typer.Option("--launcher", help=(
+    launcher: Annotated[Literal["spawn", "torchrun"] | None, typer.Option("--launcher", help=(
         "spawn: start the plan's ranks here, one process each. torchrun: this process is one rank of a torchrun "
-        "world of the plan's size (rank 0 prints the report). Default: torchrun when RANK is set, else spawn."))] = None,
+        "world of the plan's size (rank 0 prints the report). Default: torchrun when RANK is set, else spawn."))
+    ] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=1, max=MAX_VERIFY_TIMEOUT_S, help=(
         "Seconds before a rank that has not finished ends the run (with that rank's name)."))] = 300.0,
     max_ranks: Annotated[int, typer.Option("--max-ranks", min=1, max=MAX_VERIFY_RANKS, help=(
         "Refuse plans with more ranks than this on gloo (each rank is a process holding a model copy)."))] = 16,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Write the report as JSON (atomically).")] = None,
-    trace: Annotated[Optional[Path], typer.Option("--trace", help=(
+    out: Annotated[Path | None, typer.Option("--out", help="Write the report as JSON (atomically).")] = None,
+    trace: Annotated[Path | None, typer.Option("--trace", help=(
         "Write a Chrome trace (open in ui.perfetto.dev): the cost model's simulated step of this run above the ranks' "
         "measured last step, one track per stage / rank."))] = None,
-    calibration: Annotated[Optional[str], typer.Option("--calibration", help=(
+    calibration: Annotated[str | None, typer.Option("--calibration", help=(
         "A calibration of this host's CPU (meshplan profile --device cpu): the prediction beside the measurement is "
         "then for this run on this host, not on the plan's GPUs."))] = None,
-    inject: Annotated[Optional[str], typer.Option("--inject", hidden=True, help=(
+    inject: Annotated[str | None, typer.Option("--inject", hidden=True, help=(
         "Run a deliberately broken layout (see executor.plan_run.INJECTIONS) to see the check fail."))] = None,
 ) -> None:
     """Run the plan's exact layout (every degree, rank order, stage split, schedule, ZeRO stage, recomputation) on
@@ -258,8 +259,8 @@ def verify(
         raise typer.Exit(1)
 
 
-def _verify_serving(doc: Any, scale: str, steps: int, seq: Optional[int], max_ranks: int, timeout: float,
-                    calibration: Optional[str], inject: Optional[str], out: Optional[Path]) -> None:
+def _verify_serving(doc: Any, scale: str, steps: int, seq: int | None, max_ranks: int, timeout: float,
+                    calibration: str | None, inject: str | None, out: Path | None) -> None:
     """verify for a serving plan: each engine's prefill and decode steps with a KV cache against the reference."""
     import dataclasses
 
@@ -311,7 +312,7 @@ def _print_verify(con: Console, report: Any) -> None:
                 "predicted MiB", "error", "step s", "predicted s", "error"):
         m.add_column(col, justify="right")
     mib = 2.0 ** 20
-    for row, step_s in zip(report.memory, report.measured_step_s):
+    for row, step_s in zip(report.memory, report.measured_step_s, strict=True):
         meas = row.measured
         m.add_row(str(row.rank), str(row.stage), *(f"{meas.get(k, 0.0) / mib:.3f}" for k in
                   ("parameters", "gradients", "optimizer", "activations")),

@@ -12,7 +12,7 @@ import tomllib
 import warnings
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
@@ -91,7 +91,7 @@ def _validation_message(exc: ValidationError) -> str:
     return f"{exc.title}: field '{where}': {first['msg']}" if where else f"{exc.title}: {first['msg']}"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return the exit code. Bad input prints one line `error: ...` on stderr and returns 2.
 
     Warnings raised on the way (numpy's overflow or invalid-value notes on an input that is then refused) are
@@ -105,7 +105,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return code
 
 
-def _main(argv: Optional[list[str]]) -> int:
+def _main(argv: list[str] | None) -> int:
     try:
         rv = app(args=argv, prog_name="meshplan", standalone_mode=False)
     except ClickException as exc:  # usage errors: unknown option, bad value, missing option

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -43,14 +43,15 @@ def output_targets(directories: tuple[str, ...] = ("export_out",), **flags: Path
 
 
 def console() -> Console:
-    """Rich console; piped output (CI logs, `| less`, tests) gets 140 columns instead of rich's 80 unless COLUMNS says."""
+    """Rich console; piped output (CI logs, `| less`, tests) gets 140 columns instead of rich's 80 unless COLUMNS
+    says."""
     return Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=140)
 
 
 # ---- estimate ------------------------------------------------------------------------------------------------------
 
-def cluster_of_flags(cluster_file: Optional[str], gpu: Optional[str], gpus: Optional[int], gpus_per_node: Optional[int],
-             nic_gbps: Optional[float], nvlink_gbs: Optional[float]) -> ClusterSpec:
+def cluster_of_flags(cluster_file: str | None, gpu: str | None, gpus: int | None, gpus_per_node: int | None,
+             nic_gbps: float | None, nvlink_gbs: float | None) -> ClusterSpec:
     """The cluster of --cluster FILE, or of --gpu/--gpus and the link flags."""
     if cluster_file is not None:
         if any(v is not None for v in (gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)):
@@ -74,53 +75,53 @@ Fp8RecipeOpt = Annotated[Literal["delayed", "tensorwise", "rowwise", "blockwise"
     "--fp8-recipe", metavar="RECIPE", rich_help_panel=P_MODEL, help=(
         "FP8 scaling (with --dtype fp8): delayed (TE DelayedScaling), tensorwise (current scaling), rowwise "
         "(torchao), blockwise (1x128 / 128x128), mxfp8 (Blackwell). Decides the FP8 kernel and its casts."))]
-GpuOpt = Annotated[Optional[str], typer.Option("--gpu", rich_help_panel=P_CLUSTER, help=(
+GpuOpt = Annotated[str | None, typer.Option("--gpu", rich_help_panel=P_CLUSTER, help=(
     "GPU name (`meshplan hardware list`, e.g. h100-sxm) or a GPU .toml file."))]
-GpusOpt = Annotated[Optional[int], typer.Option("--gpus", min=1, rich_help_panel=P_CLUSTER,
+GpusOpt = Annotated[int | None, typer.Option("--gpus", min=1, rich_help_panel=P_CLUSTER,
                                                 help="Total number of GPUs.")]
-PerNodeOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", min=1, rich_help_panel=P_CLUSTER, help=(
+PerNodeOpt = Annotated[int | None, typer.Option("--gpus-per-node", min=1, rich_help_panel=P_CLUSTER, help=(
     "GPUs per node (scale-up domain); default 8, or the GPU's NVLink domain where larger."))]
-NicOpt = Annotated[Optional[float], typer.Option("--nic-gbps", min=0.001, rich_help_panel=P_CLUSTER, help=(
+NicOpt = Annotated[float | None, typer.Option("--nic-gbps", min=0.001, rich_help_panel=P_CLUSTER, help=(
     "Scale-out NIC line rate per GPU, in Gb/s (gigabits); default: the GPU spec's."))]
-NvlinkOpt = Annotated[Optional[float], typer.Option("--nvlink-gbs", min=0.001, rich_help_panel=P_CLUSTER, help=(
+NvlinkOpt = Annotated[float | None, typer.Option("--nvlink-gbs", min=0.001, rich_help_panel=P_CLUSTER, help=(
     "Scale-up (NVLink) bandwidth per GPU per direction, in GB/s (gigabytes); default: the GPU spec's."))]
-ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", rich_help_panel=P_CLUSTER, help=(
+ClusterOpt = Annotated[str | None, typer.Option("--cluster", rich_help_panel=P_CLUSTER, help=(
     "Cluster file (TOML or JSON) with gpu, num_gpus and optional gpus_per_node, nic_gbps, nvlink_gb_s; "
     "instead of --gpu/--gpus. Example: examples/clusters/dgx-h100-64.toml."))]
-TpOpt = Annotated[Optional[int], typer.Option("--tp", min=1, rich_help_panel=P_PAR, help="Tensor-parallel degree.")]
-PpOpt = Annotated[Optional[int], typer.Option("--pp", min=1, rich_help_panel=P_PAR,
+TpOpt = Annotated[int | None, typer.Option("--tp", min=1, rich_help_panel=P_PAR, help="Tensor-parallel degree.")]
+PpOpt = Annotated[int | None, typer.Option("--pp", min=1, rich_help_panel=P_PAR,
                                               help="Pipeline-parallel degree (stages).")]
-VppOpt = Annotated[Optional[int], typer.Option("--vpp", min=1, rich_help_panel=P_PAR, help=(
+VppOpt = Annotated[int | None, typer.Option("--vpp", min=1, rich_help_panel=P_PAR, help=(
     "Virtual pipeline stages (model chunks) per pipeline rank; > 1 means the interleaved schedule."))]
-DpOpt = Annotated[Optional[int], typer.Option("--dp", min=1, rich_help_panel=P_PAR, help=(
+DpOpt = Annotated[int | None, typer.Option("--dp", min=1, rich_help_panel=P_PAR, help=(
     "Data-parallel degree (GPUs / (tp x pp x cp) when unset)."))]
-CpOpt = Annotated[Optional[int], typer.Option("--cp", min=1, rich_help_panel=P_PAR,
+CpOpt = Annotated[int | None, typer.Option("--cp", min=1, rich_help_panel=P_PAR,
                                               help="Context-parallel degree (splits the sequence).")]
-CpCommOpt = Annotated[Optional[Literal["ring", "a2a"]], typer.Option("--cp-comm", rich_help_panel=P_PAR, help=(
+CpCommOpt = Annotated[Literal["ring", "a2a"] | None, typer.Option("--cp-comm", rich_help_panel=P_PAR, help=(
     "Context-parallel communication: ring (K,V passed around a ring, overlapped with attention) or a2a "
     "(all-to-all over heads, DeepSpeed-Ulysses)."))]
-EpOpt = Annotated[Optional[int], typer.Option("--ep", min=1, rich_help_panel=P_PAR,
+EpOpt = Annotated[int | None, typer.Option("--ep", min=1, rich_help_panel=P_PAR,
                                               help="Expert-parallel degree, MoE models only.")]
-EtpOpt = Annotated[Optional[int], typer.Option("--etp", min=1, rich_help_panel=P_PAR,
+EtpOpt = Annotated[int | None, typer.Option("--etp", min=1, rich_help_panel=P_PAR,
                                                help="Expert tensor-parallel degree (estimate: default --tp).")]
-MbsOpt = Annotated[Optional[int], typer.Option("--mbs", min=1, rich_help_panel=P_PAR,
+MbsOpt = Annotated[int | None, typer.Option("--mbs", min=1, rich_help_panel=P_PAR,
                                                help="Micro-batch size, in sequences.")]
-ZeroOpt = Annotated[Optional[int], typer.Option("--zero", min=0, max=3, rich_help_panel=P_PAR, help=(
+ZeroOpt = Annotated[int | None, typer.Option("--zero", min=0, max=3, rich_help_panel=P_PAR, help=(
     "ZeRO stage 0-3: 1 shards optimizer state (Megatron distributed optimizer), 2 also gradients, "
     "3 also weights (FSDP)."))]
-SpOpt = Annotated[Optional[bool], typer.Option("--sp/--no-sp", rich_help_panel=P_PAR, show_default=False, help=(
+SpOpt = Annotated[bool | None, typer.Option("--sp/--no-sp", rich_help_panel=P_PAR, show_default=False, help=(
     "Sequence parallelism with TP (estimate: on when --tp > 1)."))]
-ScheduleOpt = Annotated[Optional[Literal["1f1b", "interleaved", "gpipe", "zb"]], typer.Option(
+ScheduleOpt = Annotated[Literal["1f1b", "interleaved", "gpipe", "zb"] | None, typer.Option(
     "--schedule", rich_help_panel=P_PAR,
     help="Pipeline schedule (zb = zero-bubble ZB-H1; interleaved needs --vpp > 1).")]
-OrderOpt = Annotated[Optional[RankOrder], typer.Option("--order", rich_help_panel=P_PAR, help=(
+OrderOpt = Annotated[RankOrder | None, typer.Option("--order", rich_help_panel=P_PAR, help=(
     "rank order of the dimensions, innermost first: tp-cp-dp-pp (Megatron default) or tp-cp-pp-dp "
     "(--use-tp-pp-dp-mapping; needs ep=1); plan: pins it"))]
-RecomputeModulesOpt = Annotated[Optional[str], typer.Option(
+RecomputeModulesOpt = Annotated[str | None, typer.Option(
     "--recompute-modules", metavar="MODULE[,MODULE...]", rich_help_panel=P_PAR, help=(
         "What selective recomputation re-runs (Megatron-Core --recompute-modules): core_attn (default), layernorm, "
         "mla_up_proj, mlp, moe_act, moe, shared_experts, comma-separated, e.g. mla_up_proj,moe_act."))]
-CalibrationOpt = Annotated[Optional[str], typer.Option("--calibration", rich_help_panel=P_CLUSTER, help=(
+CalibrationOpt = Annotated[str | None, typer.Option("--calibration", rich_help_panel=P_CLUSTER, help=(
     "Calibration file from `meshplan profile` (or a name under hardware_db/calibrations/): the device's measured "
     "GEMM, attention, memory and collective costs replace the GPU's efficiency defaults. A CPU calibration goes "
     "with --gpu cpu."))]

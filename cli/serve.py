@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -23,28 +23,28 @@ from meshplan.planner.outputs import OutputFile, write_all
 def serve(
     model: ModelOpt,
     gpu: GpuOpt = None,
-    gpus: Annotated[Optional[str], typer.Option("--gpus", rich_help_panel=P_CLUSTER, help=(
+    gpus: Annotated[str | None, typer.Option("--gpus", rich_help_panel=P_CLUSTER, help=(
         "GPUs: N (at most N) or A-B (deployments using A to B)."))] = None,
     gpus_per_node: PerNodeOpt = None,
     nic_gbps: NicOpt = None,
     nvlink_gbs: NvlinkOpt = None,
-    isl: Annotated[Optional[int], typer.Option("--isl", min=1, rich_help_panel=P_MODEL, help=(
+    isl: Annotated[int | None, typer.Option("--isl", min=1, rich_help_panel=P_MODEL, help=(
         "Input (prompt) tokens per request."))] = None,
-    osl: Annotated[Optional[int], typer.Option("--osl", min=1, rich_help_panel=P_MODEL, help=(
+    osl: Annotated[int | None, typer.Option("--osl", min=1, rich_help_panel=P_MODEL, help=(
         "Output tokens per request."))] = None,
-    lengths: Annotated[Optional[Path], typer.Option("--lengths", rich_help_panel=P_MODEL, help=(
+    lengths: Annotated[Path | None, typer.Option("--lengths", rich_help_panel=P_MODEL, help=(
         "CSV of request lengths (columns input_tokens,output_tokens, or isl,osl): their means are the workload."))
     ] = None,
-    ttft_ms: Annotated[Optional[float], typer.Option("--ttft-ms", min=0.001, max=1e9, rich_help_panel=P_PAR, help=(
+    ttft_ms: Annotated[float | None, typer.Option("--ttft-ms", min=0.001, max=1e9, rich_help_panel=P_PAR, help=(
         "Time-to-first-token target, ms."))] = None,
-    tpot_ms: Annotated[Optional[float], typer.Option("--tpot-ms", min=0.001, max=1e9, rich_help_panel=P_PAR, help=(
+    tpot_ms: Annotated[float | None, typer.Option("--tpot-ms", min=0.001, max=1e9, rich_help_panel=P_PAR, help=(
         "Time-per-output-token target, ms."))] = None,
-    e2e_ms: Annotated[Optional[float], typer.Option("--e2e-ms", min=0.001, rich_help_panel=P_PAR, help=(
+    e2e_ms: Annotated[float | None, typer.Option("--e2e-ms", min=0.001, rich_help_panel=P_PAR, help=(
         "End-to-end latency target (TTFT + OSL x TPOT), ms."))] = None,
     objective: Annotated[Literal["throughput", "min-gpus"], typer.Option("--objective", rich_help_panel=P_PAR,
         help="throughput: most output tokens/s per GPU; min-gpus: fewest GPUs for --request-rate.")
     ] = "throughput",
-    request_rate: Annotated[Optional[float], typer.Option("--request-rate", min=0.000001, rich_help_panel=P_PAR,
+    request_rate: Annotated[float | None, typer.Option("--request-rate", min=0.000001, rich_help_panel=P_PAR,
         help="Requests/s to serve (objective min-gpus).")] = None,
     weight_dtype: Annotated[Literal["bf16", "fp8"], typer.Option("--weight-dtype", rich_help_panel=P_MODEL,
         help="Weights and GEMMs in bf16 or fp8.")] = "bf16",
@@ -54,32 +54,32 @@ def serve(
         "Fraction of HBM an engine uses (vLLM --gpu-memory-utilization, SGLang --mem-fraction-static)."))] = 0.9,
     disaggregation: Annotated[bool, typer.Option("--disaggregation/--no-disaggregation", rich_help_panel=P_PAR,
         help="Also search separate prefill and decode pools.")] = True,
-    layout: Annotated[Optional[str], typer.Option("--layout", rich_help_panel=P_PAR, help=(
+    layout: Annotated[str | None, typer.Option("--layout", rich_help_panel=P_PAR, help=(
         "Evaluate this engine instead of searching, e.g. tp8 or tp4,dp80,ep320 (the decode pool with "
         "--prefill-layout)."))] = None,
-    prefill_layout: Annotated[Optional[str], typer.Option("--prefill-layout", rich_help_panel=P_PAR, help=(
+    prefill_layout: Annotated[str | None, typer.Option("--prefill-layout", rich_help_panel=P_PAR, help=(
         "With --layout: a disaggregated deployment with this prefill engine, e.g. tp4,dp8,ep32."))] = None,
-    engines: Annotated[Optional[int], typer.Option("--engines", min=1, rich_help_panel=P_PAR, help=(
+    engines: Annotated[int | None, typer.Option("--engines", min=1, rich_help_panel=P_PAR, help=(
         "With --layout: engines of it (default: fill the GPUs, or 1 decode engine)."))] = None,
-    prefill_engines: Annotated[Optional[int], typer.Option("--prefill-engines", min=1, rich_help_panel=P_PAR, help=(
+    prefill_engines: Annotated[int | None, typer.Option("--prefill-engines", min=1, rich_help_panel=P_PAR, help=(
         "With --prefill-layout: prefill engines (default: as many as the decode pool needs)."))] = None,
-    batch: Annotated[Optional[int], typer.Option("--batch", min=1, rich_help_panel=P_PAR, help=(
+    batch: Annotated[int | None, typer.Option("--batch", min=1, rich_help_panel=P_PAR, help=(
         "With --layout: running sequences per engine (default: the best that meets the targets)."))] = None,
     top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
                                      help="Deployments to rank (at most 100).")] = 5,
-    time_limit: Annotated[Optional[float], typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
+    time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
         "Stop taking engine layouts (smallest engines first) after about this many seconds, once a deployment "
         "can be formed; the report says how many were left."))] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
+    out: Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Write the best deployment as a serving plan (Plan JSON, kind serving)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
         "Print the serving plan as JSON and nothing else."))] = False,
     timing: Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
         "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
         "writes a byte-identical plan; the table shows the time either way."))] = False,
-    export_to: Annotated[Optional[Literal["vllm", "sglang"]], typer.Option("--export", rich_help_panel=P_OUT, help=(
+    export_to: Annotated[Literal["vllm", "sglang"] | None, typer.Option("--export", rich_help_panel=P_OUT, help=(
         "Also export the best deployment's command lines (printed, or written to --export-out)."))] = None,
-    export_out: Annotated[Optional[Path], typer.Option("--export-out", rich_help_panel=P_OUT, help=(
+    export_out: Annotated[Path | None, typer.Option("--export-out", rich_help_panel=P_OUT, help=(
         "Where --export writes."))] = None,
 ) -> None:
     """Search serving deployments: TP, attention DP, PP and EP per engine, batch and chunk sizes, aggregated or

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -49,11 +49,12 @@ def estimate(
     etp: EtpOpt = None,
     mbs: MbsOpt = None,
     zero: ZeroOpt = None,
-    recompute: Annotated[Optional[Literal["none", "selective", "full"]], typer.Option(
+    recompute: Annotated[Literal["none", "selective", "full"] | None, typer.Option(
         "--recompute", rich_help_panel=P_PAR,
-        help="Activation recomputation: none, selective (attention core) or full (whole layer) (default none).")] = None,
+        help="Activation recomputation: none, selective (attention core) or full (whole layer) (default none).")
+    ] = None,
     recompute_modules: RecomputeModulesOpt = None,
-    offload_layers: Annotated[Optional[int], typer.Option(
+    offload_layers: Annotated[int | None, typer.Option(
         "--offload-layers", min=0, rich_help_panel=P_PAR, help=(
             "Keep this many decoder layers' activations in host memory between forward and backward (Megatron "
             "--cpu-offloading-num-layers): needs --pp 1, no recomputation and the GPU's host_link_gb_s."))] = None,
@@ -74,9 +75,9 @@ def estimate(
     spec = load_model(model)
     cluster_spec = cluster_of_flags(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
     workload = workload_arg(gbs, seq, dtype, fp8_recipe)
-    knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero, recompute=recompute,
-                 sp=sp, schedule=schedule, rank_order=order, recompute_modules=recompute_modules_arg(recompute_modules),
-                 offload_layers=offload_layers)
+    knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
+                 recompute=recompute, sp=sp, schedule=schedule, rank_order=order,
+                 recompute_modules=recompute_modules_arg(recompute_modules), offload_layers=offload_layers)
     cfg = ParallelConfig(**{k: v for k, v in knobs.items() if v is not None})
     est = api.estimate(spec, cluster_spec, workload, cfg, runtime, calibration)
     if as_json:
@@ -185,7 +186,7 @@ def plan(
     etp: EtpOpt = None,
     mbs: MbsOpt = None,
     zero: ZeroOpt = None,
-    recompute: Annotated[Optional[Literal["none", "selective", "full", "per-stage"]], typer.Option(
+    recompute: Annotated[Literal["none", "selective", "full", "per-stage"] | None, typer.Option(
         "--recompute", rich_help_panel=P_PAR, help=(
             "Pin recomputation: none, selective, full, or per-stage (each stage none, selective or full on its "
             "first k layers, chosen by the CP-SAT partitioner)."))] = None,
@@ -199,12 +200,12 @@ def plan(
                                          help="Largest micro-batch size searched.")] = 16,
     top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
                                      help="How many of the best plans to rank in the table (at most 100).")] = 5,
-    time_limit: Annotated[Optional[float], typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
+    time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
         "Stop after about this many seconds and return the best plan found with its proven optimality gap; a "
         "quick first plan comes before the exact search, and the limit waits for it."))] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", rich_help_panel=P_OUT, help=(
+    out: Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Write the best plan as Plan JSON (schema v1, planner/plan.schema.json) to this file."))] = None,
-    trace: Annotated[Optional[Path], typer.Option("--trace", rich_help_panel=P_OUT, help=(
+    trace: Annotated[Path | None, typer.Option("--trace", rich_help_panel=P_OUT, help=(
         "Write the best plan's simulated pipeline timeline as a Chrome trace (open in ui.perfetto.dev)."))] = None,
     explain_: Annotated[bool, typer.Option("--explain", rich_help_panel=P_OUT, help=(
         "Say why the best plan beats the runner-up and which constraint binds."))] = False,
@@ -213,10 +214,10 @@ def plan(
     timing: Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
         "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
         "writes a byte-identical plan; the table shows the time either way."))] = False,
-    export_to: Annotated[Optional[ExportTarget], typer.Option("--export", rich_help_panel=P_OUT, help=(
+    export_to: Annotated[ExportTarget | None, typer.Option("--export", rich_help_panel=P_OUT, help=(
         "Also export the best plan for a launcher (as `meshplan export`): printed after the table, or written "
         "to --export-out."))] = None,
-    export_out: Annotated[Optional[Path], typer.Option("--export-out", rich_help_panel=P_OUT, help=(
+    export_out: Annotated[Path | None, typer.Option("--export-out", rich_help_panel=P_OUT, help=(
         "Where --export writes: the file, or a directory when the export has several files."))] = None,
 ) -> None:
     """Search every parallel configuration and return the fastest that fits, proven optimal under the cost model.
@@ -243,7 +244,8 @@ def plan(
     workload = workload_arg(gbs, seq, dtype, fp8_recipe)
     pins = Pins(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
                 recompute=recompute, sp=sp, schedule=schedule, order=order, max_mbs=max_mbs,
-                **({} if recompute_modules is None else {"recompute_modules": recompute_modules_arg(recompute_modules)}))
+                **({} if recompute_modules is None
+                   else {"recompute_modules": recompute_modules_arg(recompute_modules)}))
     with _progress(not as_json) as bar:
         found = api.search_plans(spec, cluster_spec, workload, pins, runtime, calibration, top, time_limit, timing,
                                  progress=bar)
@@ -310,7 +312,7 @@ def _stages_text(lay) -> str:
 def _recompute_text(lay) -> str:
     if lay.recompute != "per-stage":
         return lay.recompute
-    return ",".join(p.label(n) for p, n in zip(lay.stage_recompute, lay.stage_layers))
+    return ",".join(p.label(n) for p, n in zip(lay.stage_recompute, lay.stage_layers, strict=True))
 
 
 def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload, result) -> None:

@@ -29,7 +29,7 @@ def isotonic(values: Sequence[float], weights: Sequence[float] | None = None) ->
     """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent violators)."""
     w = list(weights) if weights is not None else [1.0] * len(values)
     blocks: list[list[float]] = []  # [mean, weight, count]
-    for v, wi in zip(values, w):
+    for v, wi in zip(values, w, strict=True):
         blocks.append([float(v), float(wi), 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             m2, w2, c2 = blocks.pop()
@@ -44,7 +44,7 @@ def isotonic(values: Sequence[float], weights: Sequence[float] | None = None) ->
 def fit_curve(flops: Sequence[float], seconds: Sequence[float]) -> Curve:
     """Seconds vs FLOPs, non-decreasing: equal FLOPs pooled (median), then isotonic in log time."""
     by_flops: dict[float, list[float]] = {}
-    for f, t in zip(flops, seconds):
+    for f, t in zip(flops, seconds, strict=True):
         by_flops.setdefault(float(f), []).append(float(t))
     xs = sorted(by_flops)
     logs = [math.log(float(np.median(by_flops[x]))) for x in xs]

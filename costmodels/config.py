@@ -55,7 +55,7 @@ class Workload(BaseModel):
     def tokens(self) -> int:
         return self.global_batch * self.seq_len
 
-    def uses_dropout(self, rt: "Runtime") -> bool:
+    def uses_dropout(self, rt: Runtime) -> bool:
         return rt.dropout if self.dropout is None else self.dropout
 
 
@@ -68,7 +68,7 @@ class StagePolicy(BaseModel):
     full_layers: int = Field(default=0, ge=0)  # "full" only: layers recomputed in full, counted from the stage's first
 
     @model_validator(mode="after")
-    def _check(self) -> "StagePolicy":
+    def _check(self) -> StagePolicy:
         if self.granularity == "full" and self.full_layers < 1:
             raise ValueError("full recomputation needs full_layers >= 1")
         if self.granularity != "full" and self.full_layers:
@@ -512,7 +512,8 @@ def _schedule(cfg: ParallelConfig, m: int) -> Schedule:
     passes = pipeline_passes(schedule, pp, m, vpp)
     if passes > MAX_PIPELINE_PASSES:
         raise InputError(f"{m} micro-batches on pp*vpp = {pp * vpp} model stages make {passes:,} pipeline passes per "
-                         f"step; meshplan simulates at most {MAX_PIPELINE_PASSES:,}: raise --mbs or --dp, or lower --gbs")
+                         f"step; meshplan simulates at most {MAX_PIPELINE_PASSES:,}: raise --mbs or --dp, or lower "
+                         f"--gbs")
     return schedule
 
 
@@ -526,7 +527,8 @@ def _stage_split(model: ModelSpec, cfg: ParallelConfig) -> tuple[tuple[int, ...]
                              f"{model.num_layers} layers")
         stage_layers = stages_of_chunks(chunks, pp)
         if min(stage_layers) < 1:
-            raise InputError(f"chunk_layers {list(chunks)} leave a pipeline stage without layers ({list(stage_layers)})")
+            raise InputError(f"chunk_layers {list(chunks)} leave a pipeline stage without layers "
+                             f"({list(stage_layers)})")
         if cfg.stage_layers is not None and tuple(cfg.stage_layers) != stage_layers:
             raise InputError(f"stage_layers {list(cfg.stage_layers)} disagree with chunk_layers "
                              f"(stages of {list(stage_layers)})")
@@ -609,11 +611,12 @@ def _stage_recompute(cfg: ParallelConfig, stage_layers: tuple[int, ...]) -> tupl
         return policies, cfg.recompute
     policies = tuple(cfg.stage_recompute)
     if len(policies) != len(stage_layers):
-        raise InputError(f"stage_recompute has {len(policies)} entries but there are {len(stage_layers)} pipeline stages")
-    for r, (pol, n) in enumerate(zip(policies, stage_layers)):
+        raise InputError(f"stage_recompute has {len(policies)} entries but there are {len(stage_layers)} pipeline "
+                         f"stages")
+    for r, (pol, n) in enumerate(zip(policies, stage_layers, strict=True)):
         if pol.granularity == "full" and not 1 <= pol.full_layers <= n:
             raise InputError(f"stage {r}: full recompute of {pol.full_layers} layers, but the stage has {n}")
         if pol.granularity != "full" and pol.full_layers:
             raise InputError(f"stage {r}: full_layers is only meaningful with granularity 'full'")
-    labels = {p.label(n) for p, n in zip(policies, stage_layers)}
+    labels = {p.label(n) for p, n in zip(policies, stage_layers, strict=True)}
     return policies, (labels.pop() if len(labels) == 1 else "per-stage")

@@ -20,7 +20,8 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.pipeline import Timeline
 from meshplan.hardware_db.cluster import Cluster
 
-ADAM_BYTES_PER_PARAM = 34  # read grad, master, m, v (16) + write master, m, v (12) + bf16 weight (2) + grad-norm read (4)
+# read grad, master, m, v (16) + write master, m, v (12) + bf16 weight (2) + grad-norm read (4)
+ADAM_BYTES_PER_PARAM = 34
 
 
 FSDP_COPY_OUT_BYTES = 4.0
@@ -34,7 +35,8 @@ class CostContext:
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, lay: Layout, rt: Runtime,
                  eff: Efficiency, links: dict[str, comm.Link] | None = None, passes: PassCache | None = None):
         self.model, self.cluster, self.wl, self.lay, self.rt, self.eff = model, cluster, wl, lay, rt, eff
-        if passes is not None and any(a is not b for a, b in zip(passes.owner, (model, cluster, wl, rt, eff))):
+        if passes is not None and any(a is not b for a, b in zip(passes.owner, (model, cluster, wl, rt, eff),
+                                                                  strict=True)):
             raise ValueError("a PassCache serves one model, cluster, workload, runtime and efficiency")
         self.pass_cache = passes if passes is not None else PassCache(model, cluster, wl, rt, eff)
         gpu = cluster.gpu
@@ -51,7 +53,7 @@ class CostContext:
         self._layer_acts: dict[tuple[bool, str], float] = {}
         self._layer_params: dict[bool, StageParams] = {}
 
-    def derive(self, lay: Layout) -> "CostContext":
+    def derive(self, lay: Layout) -> CostContext:
         """The same costs for a layout that differs only in stage partition or recomputation (what the planner
         varies once the mesh, micro-batch, ZeRO stage and schedule are fixed)."""
         mine = dataclasses.replace(self.lay, stage_layers=lay.stage_layers, stage_recompute=lay.stage_recompute,
@@ -62,7 +64,7 @@ class CostContext:
         other.lay = lay
         return other
 
-    def share_layer_cache(self, other: "CostContext") -> None:
+    def share_layer_cache(self, other: CostContext) -> None:
         """Reuse another context's per-layer costs: valid when tp, cp, cp_comm, sp, mbs, ep and etp agree (and, with
         ZeRO-3's per-layer gathers in them, the DP groups)."""
         names = ("tp", "cp", "cp_comm", "sp", "mbs", "ep", "etp", "recompute_modules")

@@ -75,7 +75,7 @@ class Efficiency:
                 object.__setattr__(self, name, value)
 
     @classmethod
-    def from_gpu(cls, gpu: GPUSpec, physics: Physics | None = None) -> "Efficiency":
+    def from_gpu(cls, gpu: GPUSpec, physics: Physics | None = None) -> Efficiency:
         e = gpu.efficiency
         return cls(e.gemm_max, e.gemm_half_flops, e.attention_max, e.memory_bandwidth, e.kernel_overhead_us * 1e-6,
                    gemm_k_half=e.gemm_k_half, fp8_gemm_k_half=e.fp8_gemm_k_half or 0.0,
@@ -92,7 +92,7 @@ class Efficiency:
                    physics=physics or Physics())
 
     @classmethod
-    def from_calibration(cls, cal: Calibration, gpu: GPUSpec, label: str, runtime: str | None = None) -> "Efficiency":
+    def from_calibration(cls, cal: Calibration, gpu: GPUSpec, label: str, runtime: str | None = None) -> Efficiency:
         """`gpu` already calibrated (hardware_db.calibration.calibrated_gpu): its memory roof and launch cost. The
         profiled layer's activation ratios apply to plans for the framework that layer is, the reference executor
         (runtime meshplan-executor); other frameworks save other tensors, so they keep the formula."""

@@ -80,8 +80,9 @@ class Estimate:
                 "published_mfu": self.realism.published_mfu, "run": self.realism.run, "source": self.realism.source,
                 "exceeds": self.realism.exceeds},
             "stages": [
-                {"rank": s.rank, "first_layer": s.layers[0], "num_layers": s.layers[1], "in_flight_microbatches": s.in_flight,
-                 "peak_memory_gib": s.peak_gib, "memory_gib": {k: v / GIB for k, v in asdict(s.memory).items()}}
+                {"rank": s.rank, "first_layer": s.layers[0], "num_layers": s.layers[1],
+                 "in_flight_microbatches": s.in_flight, "peak_memory_gib": s.peak_gib,
+                 "memory_gib": {k: v / GIB for k, v in asdict(s.memory).items()}}
                 for s in self.stages
             ],
         }
@@ -149,7 +150,8 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
         mfu=model_flops / step / gpus / peak, hfu=hw_flops / step / gpus / peak, breakdown_s=breakdown,
         stages=tuple(end.report for end in ends), hbm_gib=cluster.gpu.hbm_gib.value,
         bubble_fraction=timeline.bubble_fraction(),
-        realism=realism_check(cluster.spec.gpu, model.moe is not None, workload.dtype, model_flops / step / gpus / peak),
+        realism=realism_check(cluster.spec.gpu, model.moe is not None, workload.dtype,
+                              model_flops / step / gpus / peak),
     )
     return Simulated(est, timeline, ctx.p2p_s)
 

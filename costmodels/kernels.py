@@ -31,10 +31,10 @@ class Physics:
     attention_keys: bool = True  # flash attention's rate ramps with the keys per launch (short sequences, CP chunks)
 
     @classmethod
-    def none(cls) -> "Physics":
+    def none(cls) -> Physics:
         return cls(**{name: False for name in cls.__dataclass_fields__})
 
-    def without(self, name: str) -> "Physics":
+    def without(self, name: str) -> Physics:
         if name not in self.__dataclass_fields__:
             raise ValueError(f"unknown physics term {name!r}; one of {', '.join(self.__dataclass_fields__)}")
         return Physics(**{**{n: getattr(self, n) for n in self.__dataclass_fields__}, name: False})

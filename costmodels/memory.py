@@ -73,7 +73,8 @@ def stage_params(model: ModelSpec, lay: Layout, layers: range, first: bool, last
             expert += experts / (lay.ep * lay.etp)
             dense += (model.mtp_params() - experts) / lay.tp
         if model.tied_embeddings and lay.pp > 1:
-            dense += model.vocab * model.hidden / lay.tp  # Megatron keeps a copy of the tied embedding on the last stage
+            # Megatron keeps a copy of the tied embedding on the last stage
+            dense += model.vocab * model.hidden / lay.tp
     return StageParams(dense, expert)
 
 

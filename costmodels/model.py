@@ -27,12 +27,13 @@ class MoESpec(BaseModel):
     top_k: int = Field(gt=0, le=MAX_EXPERTS)
     expert_ffn_hidden: int = Field(gt=0, le=MAX_WIDTH)  # intermediate size of one routed expert
     num_shared_experts: int = Field(default=0, ge=0, le=MAX_EXPERTS)
-    shared_ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_WIDTH)  # per shared expert; default expert_ffn_hidden
+    # per shared expert; default expert_ffn_hidden
+    shared_ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_WIDTH)
     first_k_dense: int = Field(default=0, ge=0, le=MAX_LAYERS)
     layer_freq: int = Field(default=1, gt=0, le=MAX_LAYERS)
 
     @model_validator(mode="after")
-    def _check(self) -> "MoESpec":
+    def _check(self) -> MoESpec:
         if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k ({self.top_k}) exceeds moe.num_experts ({self.num_experts})")
         return self
@@ -83,7 +84,7 @@ class ModelSpec(BaseModel):
     num_mtp_layers: int = Field(default=0, ge=0, le=MAX_LAYERS)  # DeepSeek-V3 multi-token-prediction modules
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelSpec":
+    def _check(self) -> ModelSpec:
         kv = self.kv_heads
         if self.num_heads % kv:
             raise ValueError(f"kv heads ({kv}) must divide attention heads ({self.num_heads})")
@@ -118,8 +119,10 @@ class ModelSpec(BaseModel):
         if self.mla is not None:
             a = self.mla
             n = self.num_heads
-            q = (h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * n * a.qk_head_dim) if a.q_lora_rank else h * n * a.qk_head_dim
-            kv = h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank + a.kv_lora_rank * n * (a.qk_nope_head_dim + a.v_head_dim)
+            q = ((h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * n * a.qk_head_dim) if a.q_lora_rank
+                 else h * n * a.qk_head_dim)
+            kv = (h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+                  + a.kv_lora_rank * n * (a.qk_nope_head_dim + a.v_head_dim))
             return q + kv + n * a.v_head_dim * h
         d = self.head_size
         q_out = self.num_heads * d
@@ -169,7 +172,8 @@ class ModelSpec(BaseModel):
         """DeepSeek-V3 MTP module: a projection 2h->h, two norms and one (MoE) decoder layer; shares embedding/head."""
         if not self.num_mtp_layers:
             return 0
-        per = 2 * self.hidden * self.hidden + 2 * self.norm_params() + self.layer_params(self.num_layers - 1, active_only)
+        per = (2 * self.hidden * self.hidden + 2 * self.norm_params()
+               + self.layer_params(self.num_layers - 1, active_only))
         return self.num_mtp_layers * per
 
     def total_params(self, include_mtp: bool = False) -> int:

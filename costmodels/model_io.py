@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from pydantic import ValidationError
 
@@ -479,7 +480,7 @@ def list_zoo() -> list[str]:
     return sorted(p.name[: -len(".json")] for p in _zoo_dir().iterdir() if p.name.endswith(".json"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _zoo_document(key: str) -> dict[str, Any]:
     if key not in list_zoo():
         raise InputError(
@@ -494,7 +495,7 @@ def _zoo_document(key: str) -> dict[str, Any]:
     return doc
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load_zoo_key(key: str) -> ModelSpec:
     return parse_model_file(_zoo_document(key), f"costmodels/zoo/{key}.json", default_name=key)
 

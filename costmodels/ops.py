@@ -210,7 +210,8 @@ def _attention_ops(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
         d_qk, d_v = a.qk_head_dim, a.v_head_dim
         ops += mla_query_and_latent(model, tokens, heads, fp8)
         ops.append(gemm("kv_up_proj", tokens, heads * (a.qk_nope_head_dim + d_v), a.kv_lora_rank, fp8))
-        ops.append(elementwise("rope", tokens * (heads + 1) * a.qk_rope_head_dim, tokens * (heads + 1) * a.qk_rope_head_dim))
+        rope = tokens * (heads + 1) * a.qk_rope_head_dim
+        ops.append(elementwise("rope", rope, rope))
     # Attention core: QK^T is 2*s_q*s_k*d_qk and PV 2*s_q*s_k*d_v FLOPs per head (Vaswani et al. 2017).
     # Each CP rank holds s/cp queries against all s keys (Megatron context parallel, load-balanced causal chunks).
     scores = b * heads * s_local * s
@@ -274,8 +275,10 @@ def attention_half(model: ModelSpec, lay: Layout, wl: Workload, rt: Runtime, fp8
     fp8 = 2.0 if wl.dtype == "fp8" else 1.0
     h = model.hidden
     tokens = lay.mbs * wl.seq_len / lay.cp
-    norm_tokens = tokens / lay.tp if lay.sp else tokens  # sequence parallel shards norms and dropouts (Korthikanti sec. 4.2.2)
-    residual = elementwise("dropout_add" if wl.uses_dropout(rt) else "residual_add", 2 * norm_tokens * h, norm_tokens * h)
+    # sequence parallel shards norms and dropouts (Korthikanti sec. 4.2.2)
+    norm_tokens = tokens / lay.tp if lay.sp else tokens
+    residual = elementwise("dropout_add" if wl.uses_dropout(rt) else "residual_add", 2 * norm_tokens * h,
+                           norm_tokens * h)
     ops: list[Op] = [elementwise("norm1", norm_tokens * h, norm_tokens * h)]
     ops += _attention_ops(model, lay, wl, rt, fp8)
     if lay.cp > 1 and lay.cp_comm == "ring":
@@ -425,7 +428,8 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
                                 overlappable="ep", dedup_top_k=moe.top_k if rt.ep_dispatch == "deepep" else 0))
     if lay.etp > 1:
         comms.append(Collective("etp_all_gather", "all_gather", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
-        comms.append(Collective("etp_reduce_scatter", "reduce_scatter", "etp", ACT_BYTES * assignments * h * lay.etp, 1, 1))
+        comms.append(Collective("etp_reduce_scatter", "reduce_scatter", "etp", ACT_BYTES * assignments * h * lay.etp,
+                                1, 1))
     return Block("moe", tuple(ops), tuple(comms))
 
 
@@ -484,7 +488,8 @@ def head_block(model: ModelSpec, lay: Layout, wl: Workload) -> Block:
     comms = ()
     if lay.tp > 1:
         comms = (
-            Collective("head_gather", "all_gather" if lay.sp else "all_reduce", "tp", ACT_BYTES * tokens * model.hidden, 1, 1),
+            Collective("head_gather", "all_gather" if lay.sp else "all_reduce", "tp", ACT_BYTES * tokens * model.hidden,
+                       1, 1),
             Collective("ce_reductions", "all_reduce", "tp", 3 * 4 * tokens, 1, 0),  # max, sum-exp, target logit
         )
     return Block("head", ops, comms)

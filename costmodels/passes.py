@@ -42,7 +42,7 @@ class PassTimes:
         return self.bwd_input_compute + sum(self.bwd_comm.values()) + self.recompute
 
     @classmethod
-    def total(cls, parts: list[tuple["PassTimes", int]]) -> "PassTimes":
+    def total(cls, parts: list[tuple[PassTimes, int]]) -> PassTimes:
         """sum of count x times over (times, count) pairs: a stage's layers by kind, without one add per layer."""
         fwd: dict[str, float] = {}
         bwd: dict[str, float] = {}
@@ -54,7 +54,7 @@ class PassTimes:
         return cls(sum(n * t.fwd_compute for t, n in parts), sum(n * t.bwd_input_compute for t, n in parts),
                    sum(n * t.bwd_weight_compute for t, n in parts), fwd, bwd, sum(n * t.recompute for t, n in parts))
 
-    def plus(self, other: "PassTimes") -> "PassTimes":
+    def plus(self, other: PassTimes) -> PassTimes:
         def add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
             out = dict(a)  # a's keys first, then b's new ones: float sums do not depend on hashing
             for k, v in b.items():
@@ -143,7 +143,11 @@ class PassCache:
         (or MoE) half (ops.decoder_layer)."""
         model, wl, rt, any_layout = self.model, self.wl, self.rt, self.eff.fp8_any_layout
         kind = model.is_moe_layer(i)
-        attn_key, attn_build = self._key("attention", lay, links), lambda: attention_half(model, lay, wl, rt, any_layout)
+        attn_key = self._key("attention", lay, links)
+
+        def attn_build() -> Block:
+            return attention_half(model, lay, wl, rt, any_layout)
+
         mlp_name = "moe" if kind else "mlp"
         mlp_key, mlp_build = self._key(mlp_name, lay, links), lambda: mlp_half(model, i, lay, wl, rt, any_layout)
         key = ("layer", attn_key, mlp_key)
@@ -161,7 +165,8 @@ class PassCache:
         dispatch under the paired MLP backward, the forward combine under the attention backward, the backward
         dispatch under the MLP forward, the backward combine under the attention forward. Dispatch and combine
         move the same elements; the first piece of each pass is the dispatch, at ops.ep_dispatch_bytes per element
-        (FP8 with +fp8-dispatch), the second a BF16 combine; what is hidden slows the compute (kernels.CONTENTION_SM)."""
+        (FP8 with +fp8-dispatch), the second a BF16 combine; what is hidden slows the compute
+        (kernels.CONTENTION_SM)."""
         layer = attn.plus(mlp)
         tf, tb = mlp.fwd_comm.get("ep", 0.0), mlp.bwd_comm.get("ep", 0.0)
         if not self.rt.ep_overlap or tf + tb <= 0:
@@ -181,7 +186,7 @@ class PassCache:
         bwd_comm = {**layer.bwd_comm, "ep": hidden(tb, mlp.fwd_compute, attn.fwd_compute)}
         return dataclasses.replace(layer, fwd_comm=fwd_comm, bwd_comm=bwd_comm)
 
-    def _selective_s(self, parts: "RecomputeParts", lay) -> float:
+    def _selective_s(self, parts: RecomputeParts, lay) -> float:
         """Forward seconds selective recomputation re-runs: torchtitan's op-SAC share, or the layout's modules."""
         if self.rt.selective == "op-sac":
             return dict(parts).get("op-sac", 0.0)
@@ -252,7 +257,7 @@ class PassCache:
             b += model.num_mtp_layers * (proj[1] + layer_b + head[1])
         return (emb[0], emb[1]), (f, b)
 
-    def _totals(self, key: tuple, build, lay, links) -> tuple[float, float, "RecomputeParts"]:
+    def _totals(self, key: tuple, build, lay, links) -> tuple[float, float, RecomputeParts]:
         """A block's (forward, backward without recomputation, recompute parts), cached beside its passes."""
         found = self.store.get(("totals", key))
         if found is None:
@@ -265,7 +270,7 @@ class PassCache:
         fields, dims = _BLOCK_GETTERS[name]
         return (name, fields(lay), *[links[d] for d in dims])
 
-    def _block(self, key: tuple, build, lay, links) -> tuple[PassTimes, "RecomputeParts"]:
+    def _block(self, key: tuple, build, lay, links) -> tuple[PassTimes, RecomputeParts]:
         found = self.store.get(key)
         if found is None:
             block = build()
@@ -274,7 +279,7 @@ class PassCache:
             found = self.store[key] = self._passes_of(block, lay, links)
         return found
 
-    def _passes_of(self, block: Block, lay, links) -> tuple[PassTimes, "RecomputeParts"]:
+    def _passes_of(self, block: Block, lay, links) -> tuple[PassTimes, RecomputeParts]:
         """The block's passes without recomputation, and the forward seconds of what each recompute module (and
         torchtitan's op-SAC, as "op-sac") would re-run."""
         fwd = bwd_i = bwd_w = 0.0
@@ -407,7 +412,8 @@ def with_recompute(base: PassTimes, recompute: str, selective_s: float) -> PassT
     """Full recomputation re-runs the whole forward, its communication included; selective what its modules re-run
     (the attention core by default: Korthikanti et al. 2022, sec. 5)."""
     re = base.forward if recompute == "full" else selective_s if recompute == "selective" else 0.0
-    return PassTimes(base.fwd_compute, base.bwd_input_compute, base.bwd_weight_compute, base.fwd_comm, base.bwd_comm, re)
+    return PassTimes(base.fwd_compute, base.bwd_input_compute, base.bwd_weight_compute, base.fwd_comm, base.bwd_comm,
+                     re)
 
 
 def op_sac_recomputed(op: Op, model: ModelSpec) -> float:

@@ -56,14 +56,15 @@ class Timeline:
     makespan: float
     busy: tuple[float, ...]
     rank_end: tuple[float, ...]  # per rank: when its last pass ends
-    peak_in_flight: tuple[tuple[int, ...], ...]  # per rank, per chunk: micro-batches whose activations are held at the peak
+    # per rank, per chunk: micro-batches whose activations are held at the peak
+    peak_in_flight: tuple[tuple[int, ...], ...]
     passes: tuple[tuple[int, Pass], ...]  # (rank, pass) in the order simulated
     starts: tuple[float, ...] | list[float]
     ends: tuple[float, ...] | list[float]
 
     @property
     def events(self) -> tuple[tuple[int, Pass, float, float], ...]:
-        rows = [(r, p, s, e) for (r, p), s, e in zip(self.passes, self.starts, self.ends)]
+        rows = [(r, p, s, e) for (r, p), s, e in zip(self.passes, self.starts, self.ends, strict=True)]
         rows.sort(key=itemgetter(2, 0))  # by start, then rank
         return tuple(rows)
 
@@ -100,7 +101,8 @@ def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Pass]]
             fwd = _virtual_order(m, pp, vpp, backward=False)
             bwd = _virtual_order(m, pp, vpp, backward=True)
             total = m * vpp
-            warm = min((pp - r - 1) * 2 + (vpp - 1) * pp, total)  # Megatron forward_backward_pipelining_with_interleaving
+            # Megatron forward_backward_pipelining_with_interleaving
+            warm = min((pp - r - 1) * 2 + (vpp - 1) * pp, total)
             seq = [Pass("F", *fwd[i]) for i in range(warm)]
             for i in range(total - warm):
                 seq.append(Pass("F", *fwd[warm + i]))
@@ -341,7 +343,7 @@ def simulate_order(order: PassOrder, times: list[list[StageTimes]], p2p_s: float
     ends = [0.0] * (len(order.passes) + 1)  # the last entry is the sentinel: "ended" at time 0
     starts = [0.0] * len(order.passes)
     i = 0
-    rows = zip(order.previous, order.needs, order.remote, order.slot)
+    rows = zip(order.previous, order.needs, order.remote, order.slot, strict=True)
     for _ in range(0, len(order.passes), CHECK_EVERY_PASSES):  # the deadline between chunks, not in the hot loop
         check(deadline)
         for prev, need, rem, at in islice(rows, CHECK_EVERY_PASSES):

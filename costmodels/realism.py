@@ -40,7 +40,8 @@ BEST_PUBLISHED: dict[tuple[str, str, str], Published] = {
     ("H100/H200", "dense", "fp8"): Published(0.479, "mlperf-v4.1-gpt3-dgxh100-32x8",
                                              "MLPerf Training v4.1, NVIDIA GPT-3 175B on 256 H100, 18.37 s/step"),
     ("H100/H200", "moe", "bf16"): Published(0.393, "mcore-moezoo-qwen3-235b-h100-128k",
-                                            "Megatron-MoE-ModelZoo, Qwen3-235B-A22B at 128K on 256 H100, 389 TFLOP/s/GPU"),
+                                            "Megatron-MoE-ModelZoo, Qwen3-235B-A22B at 128K on 256 H100, "
+                                            "389 TFLOP/s/GPU"),
     ("H100/H200", "moe", "fp8"): Published(0.195, "deepseek-v3-paper-2048",
                                            "DeepSeek-V3 report: 180K H800 GPU-hours per trillion tokens on 2,048 H800"),
     ("B200/B300", "dense", "fp8"): Published(0.429, "mlperf-v4.1-gpt3-dgxb200-8x8",
@@ -48,7 +49,8 @@ BEST_PUBLISHED: dict[tuple[str, str, str], Published] = {
     ("B200/B300", "moe", "fp8"): Published(0.209, "mbridge-26.06-b300-qwen3-30b-a3b-mxfp8",
                                            "Megatron-Bridge 26.06, Qwen3-30B-A3B on 8 B300, 40,769 tokens/s/GPU"),
     ("GB200/GB300", "dense", "fp8"): Published(0.529, "mbridge-26.06-gb300-llama3.1-405b-fp8",
-                                               "Megatron-Bridge 26.06, Llama 3.1 405B on 256 GB300, 1,048 tokens/s/GPU"),
+                                               "Megatron-Bridge 26.06, Llama 3.1 405B on 256 GB300, "
+                                               "1,048 tokens/s/GPU"),
     ("GB200/GB300", "moe", "bf16"): Published(0.386, "mbridge-25.11-gb300-deepseek-v3-bf16",
                                               "Megatron-Bridge 25.11, DeepSeek-V3 on 256 GB300, 3,848 tokens/s/GPU"),
     ("GB200/GB300", "moe", "fp8"): Published(0.315, "mbridge-26.08-gb300-deepseek-v3-mxfp8",

@@ -2,9 +2,9 @@
 
 | ZeRO | what runs | torch piece |
 | --- | --- | --- |
-| 0 | gradients all-reduced (averaged) once per step | `DistributedDataParallel`, `no_sync()` on all but the last micro-batch |
+| 0 | gradients all-reduced (averaged) once per step | `DistributedDataParallel`, `no_sync()` but on the last |
 | 1 | as 0, AdamW states sharded over the dp ranks | DDP + `ZeroRedundancyOptimizer(optimizer_class=AdamW)` |
-| 2 | parameters kept whole from forward to backward, gradients and states sharded | FSDP2 `fully_shard(reshard_after_forward=False)` |
+| 2 | parameters whole from forward to backward, gradients and states sharded | FSDP2, `reshard_after_forward=False` |
 | 3 | parameters, gradients and states sharded | FSDP2 `fully_shard(reshard_after_forward=True)` |
 
 FSDP2 wraps every decoder layer and then the root (embeddings, final norm, head, and a tied head with

@@ -360,7 +360,7 @@ def reduce_expert_grads(module: nn.Module, meshes: Meshes, lay: ExecLayout, divi
     call it once per step after the last micro-batch's backward."""
     divide_by = float(lay.dp * lay.cp) if divide_by is None else divide_by
     params = expert_parameters(module)
-    for name, (p, dim) in params.items():
+    for p, dim in params.values():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         if lay.etp > 1 and dim is None:  # a w2 bias: only etp rank 0 computed its gradient

@@ -15,6 +15,7 @@ this process. See docs/executor.md, "Launching".
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
@@ -89,17 +90,13 @@ def _child(rank: int, world: int, backend: str, init_method: str, timeout_s: flo
         payload = pickle.dumps(result)  # plain pickle: tensors travel as bytes, not as shared-memory handles
         conn.send(("ok", payload))
     except BaseException as exc:  # noqa: BLE001 - anything a rank does wrong ends up in the parent's message
-        try:
+        with contextlib.suppress(Exception):  # the parent may be gone; the exit code still tells
             conn.send(("error", _one_line(exc), traceback.format_exc(), time.time()))
-        except Exception:  # noqa: BLE001 - the parent may be gone; the exit code still tells
-            pass
     finally:
         conn.close()
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # a peer that died first can make teardown fail; nothing to save
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a peer that died first can make teardown fail; nothing to save
-                pass
 
 
 def _stop(procs: list[Any], settle_s: float = 0.0) -> None:
@@ -214,10 +211,8 @@ def _hung_rank(procs: list[Any], pending: list[int], stack_dir: str) -> tuple[in
     inside torch.distributed waits for another, so the first rank that is not is named, with where it is. When
     every rank waits in a collective (a mismatched collective), or no stack could be read, the lowest rank."""
     for r in pending:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(procs[r].pid, signal.SIGUSR1)
-        except OSError:
-            pass
     time.sleep(0.5)  # the handlers write at once; this is the slack for a loaded machine
     stacks = {}
     for r in pending:

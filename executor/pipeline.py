@@ -350,7 +350,8 @@ def pp_run(rank: int, world: int, run: RunSpec, lay: ExecLayout, *, meshes: Mesh
     Collective: every rank of the world calls it with the same arguments (run_world(lay.world, pp_run, run, lay)).
     meshes: build_meshes(lay), or meshes built for another layout with the same degrees and rank order (its
     groups are the same), to save creating them again. Each rank reports its own parameters' full gradients
-    (after step 1) and values (after the last step); `executor.compare.merge_reports` puts the ranks' reports together."""
+    (after step 1) and values (after the last step); `executor.compare.merge_reports` puts the ranks' reports
+    together."""
     n_micro = _check(run, lay, world, inject)
     torch.set_num_threads(1)
     meshes = meshes or build_meshes(lay)

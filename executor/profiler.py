@@ -145,21 +145,29 @@ def _time_gemms(shapes: Sequence[tuple[str, int, int, int]], opts: ProfileOption
                 tick: Callable[[str], None], backward: bool) -> list[GemmPoint]:
     """Each shape as nn.Linear runs it: forward x[m,k] W[n,k]^T; with `backward` also the input gradient
     dy[m,n] W[n,k] and the weight gradient dy^T[n,m] x[m,k] (torch autograd's mm calls)."""
-    import torch
-    import torch.nn.functional as F
-
     dtype, points = _torch_dtype(opts.dtype), []
     for name, m, n, k in shapes:
         tick(f"GEMM {name} {m}x{k} @ {k}x{n}")
-        x = torch.randn(m, k, dtype=dtype, device=opts.device)
-        w = torch.randn(n, k, dtype=dtype, device=opts.device)
-        points.append(GemmPoint(name=name, m=m, n=n, k=k, seconds=timer(lambda: F.linear(x, w))))
-        if backward:
-            dy = torch.randn(m, n, dtype=dtype, device=opts.device)
-            points.append(GemmPoint(name=f"{name} dgrad", direction="backward", m=m, n=k, k=n,
-                                    seconds=timer(lambda: torch.mm(dy, w))))
-            points.append(GemmPoint(name=f"{name} wgrad", direction="backward", m=n, n=k, k=m,
-                                    seconds=timer(lambda: torch.mm(dy.t(), x))))
+        points += _gemm_points(name, m, n, k, dtype, opts.device, timer, backward)
+    return points
+
+
+def _gemm_points(name: str, m: int, n: int, k: int, dtype: Any, device: str, timer: _Timer,
+                 backward: bool) -> list[GemmPoint]:
+    """One shape's forward (and with `backward` its dgrad and wgrad) timed; its own function so that the timed
+    closures hold this shape's tensors."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device)
+    points = [GemmPoint(name=name, m=m, n=n, k=k, seconds=timer(lambda: F.linear(x, w)))]
+    if backward:
+        dy = torch.randn(m, n, dtype=dtype, device=device)
+        points.append(GemmPoint(name=f"{name} dgrad", direction="backward", m=m, n=k, k=n,
+                                seconds=timer(lambda: torch.mm(dy, w))))
+        points.append(GemmPoint(name=f"{name} wgrad", direction="backward", m=n, n=k, k=m,
+                                seconds=timer(lambda: torch.mm(dy.t(), x))))
     return points
 
 
@@ -170,34 +178,39 @@ def _attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
 
 def _time_attention(model: ModelSpec, opts: ProfileOptions, timer: _Timer,
                     tick: Callable[[str], None]) -> list[AttentionPoint]:
-    import torch
-    import torch.nn.functional as F
-
     dtype, points = _torch_dtype(opts.dtype), []
-    d = model.head_size
     for t in opts.tp:
         if model.num_heads % t or model.kv_heads % t:
             continue
         heads, kv = model.num_heads // t, model.kv_heads // t
         for seq in opts.seq:
             tick(f"attention {heads} heads x {seq} tokens")
-            q = torch.randn(1, heads, seq, d, dtype=dtype, device=opts.device, requires_grad=True)
-            k = torch.randn(1, kv, seq, d, dtype=dtype, device=opts.device, requires_grad=True)
-            v = torch.randn(1, kv, seq, d, dtype=dtype, device=opts.device, requires_grad=True)
-            grad = torch.randn(1, heads, seq, d, dtype=dtype, device=opts.device)
-
-            def forward() -> Any:  # GQA as the executor runs it: kv heads repeated, then causal SDPA
-                rep = heads // kv
-                kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-                return F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
-
-            fwd = timer(lambda: forward())
-            holder: list[Any] = []
-            bwd = timer(lambda: holder.pop().backward(grad), setup=lambda: holder.append(forward()))
-            points.append(AttentionPoint(batch=1, heads=heads, kv_heads=kv, seq=seq, head_dim=d,
-                                         fwd_flops=_attention_flops(1, heads, seq, d), fwd_seconds=fwd,
-                                         bwd_seconds=bwd))
+            points.append(_attention_point(heads, kv, seq, model.head_size, dtype, opts.device, timer))
     return points
+
+
+def _attention_point(heads: int, kv: int, seq: int, d: int, dtype: Any, device: str,
+                     timer: _Timer) -> AttentionPoint:
+    """Causal attention of one shape, forward and backward, as the executor runs it (GQA: kv heads repeated, then
+    causal SDPA)."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(1, heads, seq, d, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(1, kv, seq, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(1, kv, seq, d, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(1, heads, seq, d, dtype=dtype, device=device)
+
+    def forward() -> Any:
+        rep = heads // kv
+        kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+
+    fwd = timer(lambda: forward())
+    holder: list[Any] = []
+    bwd = timer(lambda: holder.pop().backward(grad), setup=lambda: holder.append(forward()))
+    return AttentionPoint(batch=1, heads=heads, kv_heads=kv, seq=seq, head_dim=d,
+                          fwd_flops=_attention_flops(1, heads, seq, d), fwd_seconds=fwd, bwd_seconds=bwd)
 
 
 def _time_memory_ops(model: ModelSpec, opts: ProfileOptions, timer: _Timer,
@@ -208,11 +221,10 @@ def _time_memory_ops(model: ModelSpec, opts: ProfileOptions, timer: _Timer,
     import torch
     import torch.nn.functional as F
 
-    from meshplan.executor.model import RMSNorm, apply_rope
+    from meshplan.executor.model import RMSNorm
 
     dtype, dev, points = _torch_dtype(opts.dtype), opts.device, []
-    h, d, vocab = model.hidden, model.head_size, model.vocab
-    ffn = model.ffn_hidden
+    h, vocab = model.hidden, model.vocab
     norm = RMSNorm(h, dtype).to(dev) if model.norm != "layernorm" else torch.nn.LayerNorm(h, dtype=dtype).to(dev)
     emb = torch.nn.Embedding(vocab, h, dtype=dtype).to(dev)
     act = {"gelu": F.gelu, "relu2": lambda x: F.relu(x) ** 2}.get(model.mlp)
@@ -221,44 +233,62 @@ def _time_memory_ops(model: ModelSpec, opts: ProfileOptions, timer: _Timer,
         return torch.randn(*shape, dtype=dtype, device=dev, requires_grad=True)
 
     for tokens in opts.tokens:
-        x, y = leaf(tokens, h), leaf(tokens, h)
-        heads = model.num_heads
-        r = leaf(1, tokens, heads, d)
-        pos = torch.arange(tokens, device=dev)
-        s = leaf(heads, tokens)
-        logits = leaf(tokens, vocab)
-        labels = torch.randint(0, vocab, (tokens,), device=dev)
-        ids = torch.randint(0, vocab, (1, tokens), device=dev)
-        e = tokens * h
-        cases: list[tuple[str, Callable[[], Any], float, float]] = [
-            ("norm", lambda: norm(x), ACT_BYTES * 2 * e, 2.0),
-            ("residual_add", lambda: x + y, ACT_BYTES * 3 * e, 2.0),
-            ("rope", lambda: apply_rope(r, pos), ACT_BYTES * 2 * tokens * heads * d, 2.0),
-            ("softmax", lambda: s.softmax(-1), ACT_BYTES * 2 * heads * tokens, 1.5),
-            ("cross_entropy", lambda: F.cross_entropy(logits, labels), 4 * 4 * tokens * vocab, 0.5),
-            ("embedding", lambda: emb(ids), ACT_BYTES * (tokens + e), 2.0),
-        ]
-        if model.mlp == "swiglu":
-            g = leaf(tokens, 2 * ffn)
-            cases.append(("swiglu", lambda: F.silu(g[:, :ffn]) * g[:, ffn:], ACT_BYTES * 3 * tokens * ffn, 2.0))
-        elif act is not None:
-            a = leaf(tokens, ffn)
-            cases.append(("activation", lambda: act(a), ACT_BYTES * 2 * tokens * ffn, 2.0))
-        for name, fn, model_bytes, bwd_factor in cases:
+        for name, fn, model_bytes, bwd_factor in _memory_op_cases(model, tokens, leaf, norm, emb, act, dev):
             tick(f"{name} over {tokens} tokens")
-            fwd = timer(fn)
-            holder: list[Any] = []
-
-            def backward() -> None:
-                out = holder.pop()
-                out.backward(torch.ones_like(out))
-
-            bwd = timer(backward, setup=lambda fn=fn: holder.append(fn()))
-            points.append(MemoryOpPoint(name=name, direction="forward", elements=tokens,
-                                        model_bytes=model_bytes, seconds=fwd))
-            points.append(MemoryOpPoint(name=name, direction="backward", elements=tokens,
-                                        model_bytes=bwd_factor * model_bytes, seconds=bwd))
+            points += _memory_op_points(name, fn, tokens, model_bytes, bwd_factor, timer)
     return points
+
+
+def _memory_op_cases(model: ModelSpec, tokens: int, leaf: Callable[..., Any], norm: Any, emb: Any,
+                     act: Callable[[Any], Any] | None, dev: str) -> list[tuple[str, Callable[[], Any], float, float]]:
+    """(class, its forward over `tokens` tokens, its bytes as ops.py counts them, its backward's bytes factor)."""
+    import torch
+    import torch.nn.functional as F
+
+    from meshplan.executor.model import apply_rope
+
+    h, d, vocab, ffn, heads = model.hidden, model.head_size, model.vocab, model.ffn_hidden, model.num_heads
+    x, y = leaf(tokens, h), leaf(tokens, h)
+    r = leaf(1, tokens, heads, d)
+    pos = torch.arange(tokens, device=dev)
+    s = leaf(heads, tokens)
+    logits = leaf(tokens, vocab)
+    labels = torch.randint(0, vocab, (tokens,), device=dev)
+    ids = torch.randint(0, vocab, (1, tokens), device=dev)
+    e = tokens * h
+    cases: list[tuple[str, Callable[[], Any], float, float]] = [
+        ("norm", lambda: norm(x), ACT_BYTES * 2 * e, 2.0),
+        ("residual_add", lambda: x + y, ACT_BYTES * 3 * e, 2.0),
+        ("rope", lambda: apply_rope(r, pos), ACT_BYTES * 2 * tokens * heads * d, 2.0),
+        ("softmax", lambda: s.softmax(-1), ACT_BYTES * 2 * heads * tokens, 1.5),
+        ("cross_entropy", lambda: F.cross_entropy(logits, labels), 4 * 4 * tokens * vocab, 0.5),
+        ("embedding", lambda: emb(ids), ACT_BYTES * (tokens + e), 2.0),
+    ]
+    if model.mlp == "swiglu":
+        g = leaf(tokens, 2 * ffn)
+        cases.append(("swiglu", lambda: F.silu(g[:, :ffn]) * g[:, ffn:], ACT_BYTES * 3 * tokens * ffn, 2.0))
+    elif act is not None:
+        a = leaf(tokens, ffn)
+        cases.append(("activation", lambda: act(a), ACT_BYTES * 2 * tokens * ffn, 2.0))
+    return cases
+
+
+def _memory_op_points(name: str, fn: Callable[[], Any], tokens: int, model_bytes: float, bwd_factor: float,
+                      timer: _Timer) -> list[MemoryOpPoint]:
+    """One memory-bound operator's forward and backward timed."""
+    import torch
+
+    fwd = timer(fn)
+    holder: list[Any] = []
+
+    def backward() -> None:
+        out = holder.pop()
+        out.backward(torch.ones_like(out))
+
+    bwd = timer(backward, setup=lambda: holder.append(fn()))
+    return [MemoryOpPoint(name=name, direction="forward", elements=tokens, model_bytes=model_bytes, seconds=fwd),
+            MemoryOpPoint(name=name, direction="backward", elements=tokens, model_bytes=bwd_factor * model_bytes,
+                          seconds=bwd)]
 
 
 def _time_optimizer(model: ModelSpec, opts: ProfileOptions, timer: _Timer,
@@ -421,17 +451,17 @@ def _overheads(model: ModelSpec, cal: Calibration, opts: ProfileOptions, tp_degr
     def residuals(layers: int) -> tuple[list[float], list[float]]:
         times = _chunk_times(model, opts.dtype, opts.device, seqs, reps, opts.warmup, layers, statistic=opts.statistic)
         predicted = [_predicted(model, cal, seq, 1, layers) for seq, _, _ in times]
-        return ([f - p[0] for (_, f, _), p in zip(times, predicted)],
-                [b - p[1] for (_, _, b), p in zip(times, predicted)])
+        return ([f - p[0] for (_, f, _), p in zip(times, predicted, strict=True)],
+                [b - p[1] for (_, _, b), p in zip(times, predicted, strict=True)])
 
     alone, one, deep = residuals(0), residuals(1), residuals(DEEP)
     # outside the layers (embedding, head, loss): a one-layer model's residual beyond its layer's alone
-    edge_f = [m - a for m, a in zip(one[0], alone[0])]
-    edge_b = [m - a for m, a in zip(one[1], alone[1])]
+    edge_f = [m - a for m, a in zip(one[0], alone[0], strict=True)]
+    edge_b = [m - a for m, a in zip(one[1], alone[1], strict=True)]
     # per layer: from the deeper model, whose layers run as a training step runs them (caches shared along
     # the model, not one layer's warm inputs again and again)
-    per_f = [(d - e) / DEEP for d, e in zip(deep[0], edge_f)]
-    per_b = [(d - e) / DEEP for d, e in zip(deep[1], edge_b)]
+    per_f = [(d - e) / DEEP for d, e in zip(deep[0], edge_f, strict=True)]
+    per_b = [(d - e) / DEEP for d, e in zip(deep[1], edge_b, strict=True)]
     layers = [LayerOverhead(tp=1, forward_s=statistics.median(per_f), backward_s=statistics.median(per_b))]
     for tp in tp_degrees:
         for sp in (False, True):
@@ -439,8 +469,8 @@ def _overheads(model: ModelSpec, cal: Calibration, opts: ProfileOptions, tp_degr
             times = run_world(tp, _tp_layer_rank, model, opts.dtype, tuple(seqs), reps, opts.warmup, sp,
                               opts.statistic, timeout_s=opts.timeout_s)[0]
             predicted = [_predicted(model, cal, seq, tp, 0, sp) for seq, _, _ in times]
-            rf_tp = [f - p[0] for (_, f, _), p in zip(times, predicted)]
-            rb_tp = [b - p[1] for (_, _, b), p in zip(times, predicted)]
+            rf_tp = [f - p[0] for (_, f, _), p in zip(times, predicted, strict=True)]
+            rb_tp = [b - p[1] for (_, _, b), p in zip(times, predicted, strict=True)]
             # what TP adds over a layer alone at tp 1, on top of the in-model overhead per layer at tp 1
             layers.append(LayerOverhead(
                 tp=tp, sp=sp,
@@ -450,6 +480,35 @@ def _overheads(model: ModelSpec, cal: Calibration, opts: ProfileOptions, tp_degr
 
 
 # ---- collectives -----------------------------------------------------------------------------------------------------
+def _collective_call(kind: str, rank: int, world: int, n: int, dev: str) -> Callable[[], None]:
+    """One run of a collective over n fp32 elements on this rank (send / recv: ranks 0 and 1)."""
+    import torch
+    import torch.distributed as dist
+
+    # torch 2.13 renamed the tensor forms (the old names warn); older releases have only the old ones
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    buf = torch.ones(n, dtype=torch.float32, device=dev)
+    part = torch.ones(n // world, dtype=torch.float32, device=dev)
+    recv = torch.empty_like(buf)
+
+    def run() -> None:
+        if kind == "all_reduce":
+            dist.all_reduce(buf)
+        elif kind == "all_gather":
+            all_gather(recv, part)
+        elif kind == "reduce_scatter":
+            reduce_scatter(part, buf)
+        elif kind == "all_to_all":
+            dist.all_to_all_single(recv, buf)
+        elif rank == 0:
+            dist.send(buf, 1)
+        elif rank == 1:
+            dist.recv(recv, 0)
+
+    return run
+
+
 def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int, warmup: int,
                      device: str, statistic: str) -> list[tuple[str, int, float]]:
     """On every rank: each collective at each size; rank 0's median seconds (a barrier before each run)."""
@@ -457,31 +516,11 @@ def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int
     import torch.distributed as dist
 
     dev = f"cuda:{rank % max(1, torch.cuda.device_count())}" if device == "cuda" else "cpu"
-    # torch 2.13 renamed the tensor forms (the old names warn); older releases have only the old ones
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     out = []
     for kind in COLLECTIVES:
         for nbytes in sizes:
             n = max(world, nbytes // 4 // world * world)  # fp32 elements, divisible by the world
-            buf = torch.ones(n, dtype=torch.float32, device=dev)
-            part = torch.ones(n // world, dtype=torch.float32, device=dev)
-            recv = torch.empty_like(buf)
-
-            def run() -> None:
-                if kind == "all_reduce":
-                    dist.all_reduce(buf)
-                elif kind == "all_gather":
-                    all_gather(recv, part)
-                elif kind == "reduce_scatter":
-                    reduce_scatter(part, buf)
-                elif kind == "all_to_all":
-                    dist.all_to_all_single(recv, buf)
-                elif rank == 0:
-                    dist.send(buf, 1)
-                elif rank == 1:
-                    dist.recv(recv, 0)
-
+            run = _collective_call(kind, rank, world, n, dev)
             times = []
             for i in range(warmup + repeats):
                 dist.barrier()
@@ -613,7 +652,7 @@ def profile(opts: ProfileOptions, progress: Progress | None = None) -> Calibrati
     m = Measurements(dtype=opts.dtype, gemms=tuple(gemms), attention=tuple(attention), memory_ops=tuple(memory_ops),
                      collectives=tuple(collectives), activations=tuple(activations), optimizer=tuple(optimizer))
     cal = Calibration(schema_version=CALIBRATION_SCHEMA_VERSION,
-                      created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=device,
+                      created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), device=device,
                       software=_software(opts), measurements=m, fitted=fit_model(m))
     # What whole layers and models take beyond their operators (TP degrees on the collective ranks, CPU only)
     tps = [t for t in opts.tp if t > 1 and t in ranks and not (model.num_heads % t or model.kv_heads % t)

@@ -23,8 +23,8 @@ from torch import nn
 from meshplan.costmodels.model import ModelSpec
 from meshplan.executor.model import build_model
 
-__all__ = ["ADAMW", "DTYPES", "RankResult", "RunResult", "RunSpec", "StepResult", "as_spec", "make_batch", "reference_run",
-           "reference_step", "train"]
+__all__ = ["ADAMW", "DTYPES", "RankResult", "RunResult", "RunSpec", "StepResult", "as_spec", "make_batch",
+           "reference_run", "reference_step", "train"]
 
 # AdamW (Loshchilov & Hutter 2019) with the Llama-3 / Megatron-LM GPT pretraining betas, eps and weight
 # decay; foreach/fused pinned off so the update is the plain per-parameter loop on every platform.

@@ -67,7 +67,8 @@ def _round_up(n: int, k: int) -> int:
 
 
 def _scale_moe(spec: ModelSpec, d: _Dims, ep: int = 1) -> MoESpec | None:
-    """Fewer, narrower experts (a multiple of ep); top_k, shared experts and layer_freq kept; first_k_dense capped at 1."""
+    """Fewer, narrower experts (a multiple of ep); top_k, shared experts and layer_freq kept; first_k_dense capped
+    at 1."""
     m = spec.moe
     if m is None:
         return None

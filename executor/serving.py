@@ -186,9 +186,9 @@ class ServeCheckReport:
 TOLERANCE = 1e-9  # float64 relative; the runs match to ~1e-16
 
 
-def run_serve_check(plan: "ServingPlan", scale: str = "tiny", prompt: int | None = None, steps: int = 2,
+def run_serve_check(plan: ServingPlan, scale: str = "tiny", prompt: int | None = None, steps: int = 2,
                     batch: int = 2, seed: int = 0, max_ranks: int = 16, timeout_s: float = 300.0,
-                    calibration: "Calibration | None" = None, calibration_origin: str = "the calibration",
+                    calibration: Calibration | None = None, calibration_origin: str = "the calibration",
                     inject: str | None = None) -> ServeCheckReport:
     """Every engine of `plan` (pp 1) at a reduced size: its ranks against the reference forward."""
     from meshplan.costmodels.efficiency import EXECUTOR_RUNTIME, Efficiency, calibrated_cluster

@@ -365,7 +365,7 @@ def _available_bytes() -> float | None:
     return None
 
 
-def _check_memory(spec: ModelSpec, ranks: int, tokens: int, opts: "VerifyOptions") -> None:
+def _check_memory(spec: ModelSpec, ranks: int, tokens: int, opts: VerifyOptions) -> None:
     """Refuse, with the estimate, a reduced model this machine cannot hold (`--scale none` on an 8B model would
     build 64 GB and swap or be killed)."""
     available = _available_bytes()

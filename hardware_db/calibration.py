@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from importlib import resources
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -131,14 +132,14 @@ class Curve(_Frozen):
     seconds: tuple[float, ...] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _monotone(self) -> "Curve":
+    def _monotone(self) -> Curve:
         if len(self.flops) != len(self.seconds):
             raise ValueError("flops and seconds must have the same length")
         if any(f <= 0 for f in self.flops) or any(t <= 0 for t in self.seconds):
             raise ValueError("flops and seconds must be positive")
-        if any(b <= a for a, b in zip(self.flops, self.flops[1:])):
+        if any(b <= a for a, b in pairwise(self.flops)):
             raise ValueError("flops must increase")
-        if any(b < a for a, b in zip(self.seconds, self.seconds[1:])):
+        if any(b < a for a, b in pairwise(self.seconds)):
             raise ValueError("seconds must not decrease with flops")
         return self
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import pairwise
 from pathlib import Path
 
 import networkx as nx
@@ -22,12 +23,13 @@ class ClusterSpec(BaseModel):
     model_config = STRICT
     gpu: str
     num_gpus: int = Field(gt=0, le=MAX_GPUS)
-    gpus_per_node: int | None = Field(default=None, gt=0, le=MAX_GPUS)  # default: 8, or the scale-up domain where it is larger
+    # default: 8, or the scale-up domain where it is larger
+    gpus_per_node: int | None = Field(default=None, gt=0, le=MAX_GPUS)
     nic_gbps: float | None = Field(default=None, gt=0, le=1e6)  # Gb/s; the fastest NICs are 800
     nvlink_gb_s: float | None = Field(default=None, gt=0, le=1e6)  # GB/s per direction; NVLink 5 is 900
 
     @model_validator(mode="after")
-    def _check(self) -> "ClusterSpec":
+    def _check(self) -> ClusterSpec:
         if self.gpus_per_node and self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ValueError(
                 f"num_gpus ({self.num_gpus}) is not a multiple of gpus_per_node ({self.gpus_per_node}); use whole nodes"
@@ -136,7 +138,7 @@ class Cluster:
     def shortest_path_levels(self, a: int, b: int) -> list[str]:
         """The link levels a message from rank a to rank b crosses (from the graph)."""
         path = nx.shortest_path(self.graph, f"gpu{a}", f"gpu{b}")
-        return [self.graph.edges[u, v]["level"] for u, v in zip(path, path[1:])]
+        return [self.graph.edges[u, v]["level"] for u, v in pairwise(path)]
 
 
 def engine_cluster(gpu_cluster: Cluster, gpus: int) -> Cluster:

@@ -8,6 +8,7 @@ fail only if the directory changes under the command, after the checks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from dataclasses import dataclass
@@ -73,10 +74,8 @@ def write_all(files: list[OutputFile]) -> list[Path]:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
         for d in reversed(made):
-            try:
+            with contextlib.suppress(OSError):
                 d.rmdir()
-            except OSError:
-                pass
         raise InputError(f"cannot write {current} ({exc.strerror or exc}); nothing was written") from None
     return [f.path for f in files]
 

@@ -13,7 +13,7 @@ import json
 import os
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
@@ -122,7 +122,7 @@ class Mesh(_Frozen):
     world_size: int = Field(gt=0)
 
     @model_validator(mode="after")
-    def _check(self) -> "Mesh":
+    def _check(self) -> Mesh:
         order = "-".join(self.rank_order)
         if order not in RANK_ORDERS:
             raise ValueError(f"rank_order must be {' or '.join(RANK_ORDERS)} (innermost first), got {order}")
@@ -163,7 +163,7 @@ class Pipeline(_Frozen):
     stages: list[PipelineStage]
 
     @model_validator(mode="after")
-    def _check(self) -> "Pipeline":
+    def _check(self) -> Pipeline:
         if [s.rank for s in self.stages] != list(range(len(self.stages))):
             raise ValueError("stages must be listed by rank 0, 1, 2, ...")
         for s in self.stages:
@@ -317,7 +317,7 @@ class Plan(_Frozen):
     search: SearchInfo | None = None
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Plan":
+    def _consistent(self) -> Plan:
         """Sections that must agree; a hand-edited plan fails here with the rule rather than deep in a simulation."""
         mesh, pipe, wl, gpus = self.mesh, self.pipeline, self.inputs.workload, self.inputs.cluster.num_gpus
         if mesh.world_size != gpus:
@@ -391,14 +391,14 @@ def _first_difference(expected: Any, got: Any, where: str = "") -> str:
             if expected[k] != got.get(k):
                 return _first_difference(expected[k], got.get(k), f"{where}.{k}" if where else str(k))
     if isinstance(expected, list) and isinstance(got, list) and len(expected) == len(got):
-        for i, (a, b) in enumerate(zip(expected, got)):
+        for i, (a, b) in enumerate(zip(expected, got, strict=False)):
             if a != b:
                 return _first_difference(a, b, f"{where}[{i}]")
     shown = _one_line(json.dumps(got), 40)
     return f"{where or 'value'} is {shown}, the layout has {_one_line(json.dumps(expected), 40)}"
 
 
-def without_timing(plan: "Plan | ServingPlan") -> "Plan | ServingPlan":
+def without_timing(plan: Plan | ServingPlan) -> Plan | ServingPlan:
     """The plan without its search's wall time: the one field that differs between two runs on the same input."""
     if plan.search is None:
         return plan
@@ -463,7 +463,7 @@ class ServingEngine(_Frozen):
     kv_tokens: int = Field(ge=0, description="tokens the engine's KV cache holds")
 
     @model_validator(mode="after")
-    def _gpus(self) -> "ServingEngine":
+    def _gpus(self) -> ServingEngine:
         if self.tp * self.dp * self.pp != self.gpus_per_engine:
             raise ValueError(f"gpus_per_engine {self.gpus_per_engine} != tp*dp*pp = {self.tp * self.dp * self.pp}")
         return self
@@ -514,7 +514,7 @@ class ServingPlan(_Frozen):
     search: ServingSearch | None = None
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ServingPlan":
+    def _consistent(self) -> ServingPlan:
         roles = [e.role for e in self.engines]
         want = ["aggregated"] if self.mode == "aggregated" else ["prefill", "decode"]
         if roles != want:
@@ -529,7 +529,7 @@ class ServingPlan(_Frozen):
 
 # ---- JSON Schema ---------------------------------------------------------------------------------------------------
 
-AnyPlan = Annotated[Union[Plan, ServingPlan], Field(discriminator="kind")]
+AnyPlan = Annotated[Plan | ServingPlan, Field(discriminator="kind")]
 
 
 def plan_json_schema() -> dict[str, Any]:
@@ -587,7 +587,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         raise
 
 
-def write_plan(plan: "Plan | ServingPlan", path: str | Path) -> None:
+def write_plan(plan: Plan | ServingPlan, path: str | Path) -> None:
     """Validate (pydantic and the JSON Schema) and write `plan` as indented JSON, atomically."""
     path = Path(path)
     text = plan_text(plan)
@@ -598,7 +598,7 @@ def write_plan(plan: "Plan | ServingPlan", path: str | Path) -> None:
                          f"and is writable") from None
 
 
-def plan_text(plan: "Plan | ServingPlan") -> str:
+def plan_text(plan: Plan | ServingPlan) -> str:
     """The plan as the indented JSON write_plan writes, validated (pydantic and the JSON Schema) first."""
     data = plan.model_dump(mode="json")
     try:
@@ -628,7 +628,7 @@ def _read_document(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_any_plan(path: str | Path, kinds: tuple[str, ...] = ("training", "serving")) -> "Plan | ServingPlan":
+def read_any_plan(path: str | Path, kinds: tuple[str, ...] = ("training", "serving")) -> Plan | ServingPlan:
     """Read and validate a plan of one of `kinds`; every problem is one InputError line naming the file and what is
     wrong."""
     path = Path(path)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
+from itertools import pairwise
 
 import numpy as np
 
@@ -239,7 +240,7 @@ class _Search(SearchCosts):
         return timed_out
 
     def _push_groups(self, groups: list[Group]) -> None:
-        for g, score in zip(groups, self._group_scores(groups)):
+        for g, score in zip(groups, self._group_scores(groups), strict=True):
             self._push(score, Step.GROUP, g)
 
     def cutoff(self) -> float:
@@ -351,7 +352,7 @@ class _Search(SearchCosts):
             self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)", int(over.sum()))
             k = int(np.argmin(np.where(over, floors, np.inf)))
             self._note_memory(float(floors[k]), _describe(cands[k]))
-            cands = [c for c, bad in zip(cands, over.tolist()) if not bad]
+            cands = [c for c, bad in zip(cands, over.tolist(), strict=True) if not bad]
         if not cands:
             return
         bounds = self.work_bounds_of(cands)
@@ -361,7 +362,7 @@ class _Search(SearchCosts):
         # least the work bound, so where the work bound already reaches the best plan it is not computed.
         cutoff = self.best.cutoff() * (1 - REL_TOL)
         has_dp = [c.zero == 3 or self.rt.reduces_each_microbatch(c.zero, c.mesh.pp) for c in cands]
-        sharded = [n for n, (dp_in_layers, bound) in enumerate(zip(has_dp, bounds.tolist()))
+        sharded = [n for n, (dp_in_layers, bound) in enumerate(zip(has_dp, bounds.tolist(), strict=True))
                    if dp_in_layers and bound < cutoff]
         if sharded:
             gbs, rep = self.wl.global_batch, {}
@@ -371,7 +372,7 @@ class _Search(SearchCosts):
             rows = [(self._sharded_key_costs(c, ctxs[(c.sp, c.cp_comm, c.zero)]), c.num_microbatches(gbs),
                      c.mesh.pp, c.schedule, self._hop(c.mesh, c.mbs)) for c in (cands[n] for n in sharded)]
             bounds[sharded] = np.maximum(bounds[sharded], self._work_bounds(rows))
-        for c, bound, dp_in_layers in zip(cands, bounds.tolist(), has_dp):
+        for c, bound, dp_in_layers in zip(cands, bounds.tolist(), has_dp, strict=True):
             if dp_in_layers and bound >= cutoff:
                 self._count(self.pruned, Step.CANDIDATE_SHARDED.pruned_by)
             else:
@@ -442,7 +443,8 @@ class _Search(SearchCosts):
                 self._push(below, Step.FAMILY, c, prob)  # nothing below `below`: a lower bound, solved again if reached
             else:
                 self._no_partition(c, prob, "memory: no partition fits even with full recompute" if per_stage
-                                   else "memory: no stage partition fits", Step.PER_STAGE if per_stage else Step.SIMULATE)
+                                   else "memory: no stage partition fits",
+                                   Step.PER_STAGE if per_stage else Step.SIMULATE)
             return
         self.bounded += 1
         if per_stage:
@@ -531,7 +533,7 @@ class _Search(SearchCosts):
                 for lower, bounds, pols in found:
                     if lower >= self.best.cutoff() * (1 - REL_TOL):
                         break
-                    layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+                    layers = tuple(b - a for a, b in pairwise(bounds))
                     self._simulate(c, layers, pols, lower, ctx, another_partition=simulated > 0)
                     simulated += 1
                 if not simulated:  # the candidate's one account column
@@ -585,7 +587,7 @@ class _Search(SearchCosts):
         for lower, bounds, pols in found:
             if lower >= self.best.ranked()[0].step_time_s * (1 - REL_TOL):
                 break
-            layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+            layers = tuple(b - a for a, b in pairwise(bounds))
             if (layers, pols) != (stage_layers, policies):
                 self._simulate(c, layers, pols, lower, ctx, another_partition=True)
         return True
@@ -593,9 +595,9 @@ class _Search(SearchCosts):
     def _close_gaps(self, deadline: float | None) -> bool:
         """Where a candidate's simulated time exceeds its J bound and the bound is below the best plan: simulate
         every partition whose bound is below the best when there are few (partitions_below), which closes the gap;
-        else try its even split, and replace J by the larger of two tighter bounds (planner/partition/bounds.py): the 1F1B
-        pair chain (solve_dp_pairs, whose own best partition is simulated when it differs) and rank 0's sync after
-        the whole backward flow (solve_stage0_sync, likewise). True when the time limit stopped it."""
+        else try its even split, and replace J by the larger of two tighter bounds (planner/partition/bounds.py): the
+        1F1B pair chain (solve_dp_pairs, whose own best partition is simulated when it differs) and rank 0's sync
+        after the whole backward flow (solve_stage0_sync, likewise). True when the time limit stopped it."""
         still_open = []
         pending = sorted(self.open_bounds, key=lambda x: x[0])
         for n, (bound, c, stage_layers, policies) in enumerate(pending):
@@ -625,7 +627,7 @@ class _Search(SearchCosts):
                 if parts is not None:  # every partition that could beat the best: simulate them, and the gap is closed
                     self.bounded += 1
                     for lower, bounds in parts:
-                        layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+                        layers = tuple(b - a for a, b in pairwise(bounds))
                         if lower >= self.best.ranked()[0].step_time_s * (1 - REL_TOL):
                             break
                         if layers != stage_layers:
@@ -749,12 +751,13 @@ def _per_stage_optimum(prob: PartitionProblem) -> tuple[float, tuple[int, ...], 
     if not under:
         return plan.objective, tuple(plan.stage_layers), _policies(plan)
     value, bounds, pols = under[0]  # smallest J first
-    return value, tuple(b - a for a, b in zip(bounds, bounds[1:])), tuple(pols)
+    return value, tuple(b - a for a, b in pairwise(bounds)), tuple(pols)
 
 
 def _describe(c: Candidate) -> str:
     m = c.mesh
-    return f"tp={m.tp} cp={m.cp} pp={m.pp} dp={m.dp}" + (f" ep={m.ep}" if m.ep > 1 else "") + f" mbs={c.mbs} zero={c.zero}"
+    return (f"tp={m.tp} cp={m.cp} pp={m.pp} dp={m.dp}" + (f" ep={m.ep}" if m.ep > 1 else "")
+            + f" mbs={c.mbs} zero={c.zero}")
 
 
 def min_stage_overflow(prob: PartitionProblem, recompute: str) -> float:

@@ -60,7 +60,8 @@ class SearchCosts:
         self.family_bounds: dict[tuple, float] = {}
         self.interleaved_bounds: dict[tuple, list] = {}  # per mesh/mbs/...: each split's per-rank paths
         self.chunk_kinds: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
-        self.timelines: dict[tuple, object] = {}  # simulated pipelines by their stage times  # by id of a context held in self.contexts
+        # simulated pipelines by their stage times  # by id of a context held in self.contexts
+        self.timelines: dict[tuple, object] = {}
         self.recomputes_searched = {r for g in enum.groups for r in g.recomputes}
         self.pp_values = sorted({g.mesh.pp for g in enum.groups})
         self.layer_kind_list = [model.is_moe_layer(i) for i in range(model.num_layers)]
@@ -128,7 +129,8 @@ class SearchCosts:
                 sum(model_state_bytes(params, lay, unsharded)), ctx.layer_activation(i, "none"),
                 ctx.layer_activation(i, "selective"), ctx.layer_activation(i, "full"), params.dense, params.expert)
         rows = [per_type[kind] for kind in self.layer_kind_list]
-        f, b, sel, full, state, a_none, a_sel, a_full, p_dense, p_expert = (tuple(col) for col in zip(*rows))
+        columns = (tuple(col) for col in zip(*rows, strict=True))
+        f, b, sel, full, state, a_none, a_sel, a_full, p_dense, p_expert = columns
         first = stage_params(model, lay, range(0), True, False)
         last = stage_params(model, lay, range(0), False, True)
         emb, head = ctx.embedding, ctx.head
@@ -142,7 +144,8 @@ class SearchCosts:
             first_state_bytes=sum(model_state_bytes(first, lay, unsharded)),
             first_act_bytes=embedding_activation_bytes(model, lay, wl, rt), first_params_dense=first.dense,
             last_forward=head.forward, last_backward=head.backward_input + head.bwd_weight_compute,
-            last_state_bytes=sum(model_state_bytes(last, lay, unsharded)), last_fixed_bytes=logits_bytes(model, lay, wl, rt) + mtp_activation_bytes(model, lay, wl, rt),
+            last_state_bytes=sum(model_state_bytes(last, lay, unsharded)),
+            last_fixed_bytes=logits_bytes(model, lay, wl, rt) + mtp_activation_bytes(model, lay, wl, rt),
             last_params_dense=last.dense,
             stage_forward_extra=ctx.blocking_p2p_s, stage_backward_extra=ctx.blocking_p2p_s, hop_s=ctx.p2p_s,
             fixed_bytes=ctx.buffer_bytes, fragmentation=FRAGMENTATION, memory_cap_bytes=self.cap,
@@ -262,7 +265,7 @@ class SearchCosts:
         backward)."""
         n_moe = self.moe_prefix[-1]
         passes = [(f, b, n_moe if kind else self.model.num_layers - n_moe)
-                  for (f, b), kind in zip(layer_fb, self.layer_kinds)]
+                  for (f, b), kind in zip(layer_fb, self.layer_kinds, strict=True)]
         passes = [x for x in passes if x[2]] + [(*fb, 1) for fb in edges_fb]
         alpha = min(f / (f + b) for f, b, _ in passes if f + b > 0)
         layers = sorted([t for f, b, n in passes[:-2] for t in [f + b] * n], reverse=True)
@@ -273,7 +276,8 @@ class SearchCosts:
         """Fill in heaviest_stage_floors of the layer keys that lack them, all in one vectorised call."""
         todo = list({id(k): k for k in costs if k[6] is None}.values())
         if todo:
-            for k, floors in zip(todo, heaviest_stage_floors(np.array([k[5] for k in todo]), self.pp_values)):
+            floors_of = heaviest_stage_floors(np.array([k[5] for k in todo]), self.pp_values)
+            for k, floors in zip(todo, floors_of, strict=True):
                 k[6] = floors
 
     def _links(self, m: Mesh) -> GroupLinks:
@@ -462,7 +466,7 @@ class SearchCosts:
         reads = [(c.sp, c.zero, "full" if c.recompute == "per-stage" else c.recompute, c.schedule == "gpipe")
                  for c in cands]
         distinct = {}
-        for c, what in zip(cands, reads):
+        for c, what in zip(cands, reads, strict=True):
             distinct.setdefault(what, c)
         for c in distinct.values():
             key = (m, c.zero)

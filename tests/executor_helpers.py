@@ -9,7 +9,7 @@ import torch
 from meshplan.executor.reference import RunResult, RunSpec, reference_run
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(run: RunSpec) -> RunResult:
     """The single-process run, computed once per RunSpec for the whole test session (one torch thread, as the ranks)."""
     torch.set_num_threads(1)

@@ -51,9 +51,11 @@ CASES = [
      ["intermediate_size"]),
     ("width past the bound", {"w.json": hf(hidden_size=2**40)}, ["models", "show", "{dir}/w.json"],
      ["hidden_size"]),
-    ("scaleup_domain = inf", {"g.toml": GPU_TOML.replace("[scaleup_domain]\nvalue = 8", "[scaleup_domain]\nvalue = inf")},
+    ("scaleup_domain = inf",
+     {"g.toml": GPU_TOML.replace("[scaleup_domain]\nvalue = 8", "[scaleup_domain]\nvalue = inf")},
      [*EST[:4], "{dir}/g.toml", *EST[5:]], ["finite"]),
-    ("scaleup_domain = 0.5", {"g.toml": GPU_TOML.replace("[scaleup_domain]\nvalue = 8", "[scaleup_domain]\nvalue = 0.5")},
+    ("scaleup_domain = 0.5",
+     {"g.toml": GPU_TOML.replace("[scaleup_domain]\nvalue = 8", "[scaleup_domain]\nvalue = 0.5")},
      [*EST[:4], "{dir}/g.toml", *EST[5:]], ["scaleup_domain", "whole"]),
     ("hbm_gib = inf", {"g.toml": GPU_TOML.replace("[hbm_gib]\nvalue = 80", "[hbm_gib]\nvalue = inf")},
      [*EST[:4], "{dir}/g.toml", *EST[5:]], ["finite"]),
@@ -106,8 +108,9 @@ CASES = [
                                                       'data_parallel_shard_degree = 4\npipeline_parallel_degree = 2\n'
                                                       'module_fqns_per_model_part = [["layers.x"], ["layers.y"]]\n'},
      ["import", "--from", "torchtitan", "{dir}/t.toml", "--gpu", "h100-sxm"], ["layers.0"]),
-    ("torchtitan: float32 parameters", {"t.toml": TITAN + '[training]\nmixed_precision_param = "float32"\n[parallelism]\n'
-                                                  'data_parallel_shard_degree = 8\n'},
+    ("torchtitan: float32 parameters",
+     {"t.toml": TITAN + '[training]\nmixed_precision_param = "float32"\n'
+                '[parallelism]\ndata_parallel_shard_degree = 8\n'},
      ["import", "--from", "torchtitan", "{dir}/t.toml", "--gpu", "h100-sxm"], ["float32", "bfloat16"]),
     ("torchtitan: a section as a number", {"t.toml": 'parallelism = 3\n'},
      ["import", "--from", "torchtitan", "{dir}/t.toml", "--gpu", "h100-sxm"], ["parallelism"]),
@@ -287,7 +290,7 @@ def test_warnings_on_the_way_to_an_error_are_held_back(capsys, monkeypatch, recw
 
     def warns_then(fail: bool):
         def load(name):
-            warnings.warn("overflow encountered in multiply", RuntimeWarning)
+            warnings.warn("overflow encountered in multiply", RuntimeWarning, stacklevel=2)
             if fail:
                 raise InputError("the model is refused")
             return real(name)

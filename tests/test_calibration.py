@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import pairwise
 
 import pytest
 from cli_helpers import assert_input_error, run
@@ -33,7 +34,7 @@ EXAMPLE = calibration_dir() / "example-cpu.json"
 @given(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=40))
 def test_isotonic_is_non_decreasing_and_keeps_the_mean(values):
     out = isotonic(values)
-    assert all(b >= a - 1e-9 for a, b in zip(out, out[1:]))
+    assert all(b >= a - 1e-9 for a, b in pairwise(out))
     assert math.isclose(sum(out), sum(values), rel_tol=1e-9, abs_tol=1e-6)
     if values == sorted(values):
         assert out == pytest.approx(values)
@@ -46,7 +47,7 @@ positive_points = st.lists(st.tuples(st.floats(1e3, 1e12), st.floats(1e-7, 10.0)
 def test_a_fitted_curve_never_takes_less_time_for_more_flops(points, queries):
     curve = fit_curve([f for f, _ in points], [t for _, t in points])
     times = [interpolate(curve.flops, curve.seconds, x) for x in sorted(queries)]
-    assert all(b >= a * (1 - 1e-12) for a, b in zip(times, times[1:]))
+    assert all(b >= a * (1 - 1e-12) for a, b in pairwise(times))
 
 
 @given(st.lists(st.floats(1e3, 1e12), min_size=2, max_size=20, unique=True), st.floats(1e9, 1e14),
@@ -54,7 +55,7 @@ def test_a_fitted_curve_never_takes_less_time_for_more_flops(points, queries):
 def test_a_monotone_measurement_is_reproduced_exactly(flops, rate, launch):
     seconds = [launch + f / rate for f in flops]  # what a real device does: a launch cost, then a rate
     curve = fit_curve(flops, seconds)
-    for f, t in zip(flops, seconds):
+    for f, t in zip(flops, seconds, strict=True):
         assert interpolate(curve.flops, curve.seconds, f) == pytest.approx(t, rel=1e-9)
 
 

@@ -49,7 +49,8 @@ def test_estimate_knobs_reach_the_model(capsys):
     assert code == 0
     data = json.loads(out)
     lay = data["layout"]
-    assert (lay["tp"], lay["pp"], lay["vpp"], lay["dp"], lay["mbs"], lay["zero"], lay["sp"]) == (2, 2, 2, 2, 2, 0, False)
+    got = (lay["tp"], lay["pp"], lay["vpp"], lay["dp"], lay["mbs"], lay["zero"], lay["sp"])
+    assert got == (2, 2, 2, 2, 2, 0, False)
     assert lay["schedule"] == "interleaved"
     assert data["runtime"] == "torchtitan"
 

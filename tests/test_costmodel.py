@@ -91,8 +91,8 @@ def test_model_flops_match_megatron_eq7_with_causal_attention():
     """6N + causal attention equals Megatron's 72 B s l h^2 (1 + s/6h + V/12lh) (Korthikanti Eq. 7) with the
     attention term halved (s/12h), up to biases and norms."""
     wl = Workload(global_batch=4, seq_len=2048)
-    b, s, l, h, v = 4, 2048, 48, 6144, 51200
-    megatron = 72 * b * s * l * h * h * (1 + s / (12 * h) + v / (12 * l * h))
+    b, s, layers, h, v = 4, 2048, 48, 6144, 51200
+    megatron = 72 * b * s * layers * h * h * (1 + s / (12 * h) + v / (12 * layers * h))
     assert model_flops_per_step(GPT22B, wl) == pytest.approx(megatron, rel=2e-3)
 
 
@@ -300,7 +300,7 @@ def test_mtp_modules_sit_on_the_last_stage():
     edges = [(r == 0, r == lay.pp - 1) for r in range(lay.pp)]
     starts = [sum(lay.stage_layers[:r]) for r in range(lay.pp)]
     per_stage = [stage_params(with_mtp, lay, range(s, s + n), first, last)
-                 for s, n, (first, last) in zip(starts, lay.stage_layers, edges)]
+                 for s, n, (first, last) in zip(starts, lay.stage_layers, edges, strict=True)]
     dense = sum(p.dense for p in per_stage) * lay.tp
     expert = sum(p.expert for p in per_stage) * lay.ep * lay.etp
     assert dense + expert == pytest.approx(with_mtp.total_params(include_mtp=True), rel=1e-12)
@@ -315,7 +315,8 @@ def test_mtp_modules_sit_on_the_last_stage():
     sim_a = simulate_config(with_mtp, cl, wl, cfg).estimate
     sim_b = simulate_config(without, cl, wl, cfg).estimate
     last_a, last_b = sim_a.stages[-1].memory, sim_b.stages[-1].memory
-    assert last_a.activations - last_b.activations == pytest.approx(mtp_activation_bytes(with_mtp, lay, wl, rt), rel=1e-9)
+    mtp = mtp_activation_bytes(with_mtp, lay, wl, rt)
+    assert last_a.activations - last_b.activations == pytest.approx(mtp, rel=1e-9)
     assert sim_a.step_time_s > sim_b.step_time_s
 
 

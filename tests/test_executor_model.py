@@ -282,7 +282,8 @@ def test_rope_models_are_shift_invariant(name: str) -> None:
 def test_planner_and_costmodels_import_neither_torch_nor_executor() -> None:
     code = (
         "import sys, meshplan.planner.search, meshplan.planner.plan, meshplan.costmodels.estimate, meshplan.cli.main\n"
-        "import meshplan.costmodels.model_io, meshplan.executor.scale\n"  # scaling is torch-free too: the cost model predicts the scaled run
+        # scaling is torch-free too: the cost model predicts the scaled run
+        "import meshplan.costmodels.model_io, meshplan.executor.scale\n"
         "bad = [m for m in ('torch', 'meshplan.executor.model', 'meshplan.executor.reference') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

@@ -149,7 +149,7 @@ FA3_FIGURES = {("fused", False): (467, 565, 625, 638, 646, 648), ("fused", True)
 @pytest.mark.parametrize("kernel,backward", sorted(FA3_FIGURES))
 def test_attention_keys_ramp_follows_the_fa3_papers_non_causal_bars(kernel, backward):
     bars = FA3_FIGURES[(kernel, backward)]
-    for keys, bar in zip((512, 1024, 2048, 4096, 8192, 16384), bars):
+    for keys, bar in zip((512, 1024, 2048, 4096, 8192, 16384), bars, strict=True):
         assert attention_keys_ramp(keys, kernel, backward) * bars[-1] == pytest.approx(bar, rel=0.05)
 
 
@@ -525,8 +525,8 @@ def test_flash_attention_2_by_hand(kernel, forward, backward):
     ceiling x the GPU's peak x the FLOP saturation of a 16K x 16K launch of 16 heads (non-causal: keys = 0)."""
     from meshplan.costmodels.kernels import FA2_BACKWARD_OVER_FORWARD, SDPA_FLASH_OVER_FA2
 
-    assert FA2_BACKWARD_OVER_FORWARD == pytest.approx(322 / 370)
-    assert SDPA_FLASH_OVER_FA2 == pytest.approx(329.5 / 368)
+    assert pytest.approx(322 / 370) == FA2_BACKWARD_OVER_FORWARD
+    assert pytest.approx(329.5 / 368) == SDPA_FLASH_OVER_FA2
     flops = 4.0 * 16384 * 16384 * 128 * 16
     sat = flops / (flops + EFF.gemm_half_flops)
     for is_bwd, expected in ((False, forward), (True, backward)):
@@ -653,7 +653,8 @@ def test_runtime_options():
     # torch.compile's RMSNorm backward at its measured 0.545 of the forward (cuDNN frontend norm benchmark, H200);
     # the eager preset's norm and Megatron's fused ones run both passes at one rate
     assert rt.memory_kernel("norm", backward=True) == 0.545 and rt.memory_kernel("swiglu", backward=True) == 1.0
-    assert get_runtime("torchtitan").memory_kernel("norm", backward=True) == get_runtime("torchtitan").memory_kernel("norm")
+    titan = get_runtime("torchtitan")
+    assert titan.memory_kernel("norm", backward=True) == titan.memory_kernel("norm")
     assert get_runtime("megatron-core").memory_kernel("norm", backward=True) == 1.0
     assert get_runtime("megatron-core+no-tp-comm-overlap").tp_overlap == "none"
     with pytest.raises(InputError, match=r"\+nonsense"):

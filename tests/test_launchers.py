@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import json
 import tomllib
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -297,7 +298,7 @@ def plans(draw, models=(SMALL, SMALL_MOE)):
         cuts = sorted(draw(st.lists(st.integers(1, model.num_layers - 1), min_size=pp - 1, max_size=pp - 1,
                                     unique=True)))
         bounds = [0] + cuts + [model.num_layers]
-        stage_layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        stage_layers = tuple(b - a for a, b in pairwise(bounds))
         assume(min(stage_layers) >= vpp)
     recompute = draw(st.sampled_from(["none", "selective", "full", "block"]))
     stage_recompute = None
@@ -455,12 +456,13 @@ def test_cli_export_refuses_recompute_modules_outside_megatron(capsys, tmp_path)
         assert not out.exists()
     code, _, err = run(capsys, "export", str(path), "--to", "megatron", "--out", str(tmp_path / "m.sh"))
     assert code == 0, err
+    full_1 = StagePolicy(granularity="full", full_layers=1)
     mixed = small(16, pp=2, zero=0, recompute_modules=("core_attn", "mlp"),
-                  stage_recompute=(StagePolicy(granularity="selective"), StagePolicy(granularity="full", full_layers=1)))
+                  stage_recompute=(StagePolicy(granularity="selective"), full_1))
     with pytest.raises(InputError, match="--recompute-modules"):
         export_plan(mixed, "deepspeed")
     no_selective = small(16, pp=2, zero=0, recompute_modules=("core_attn", "mlp"),
-                         stage_recompute=(StagePolicy(granularity="none"), StagePolicy(granularity="full", full_layers=1)))
+                         stage_recompute=(StagePolicy(granularity="none"), full_1))
     with pytest.raises(InputError, match="one recompute policy"):  # refused for its mixed stages, not the modules
         export_plan(no_selective, "deepspeed")
 

@@ -40,7 +40,8 @@ def test_no_planning_module_imports_torch_or_the_executor():
     modules = planning_modules()
     assert len(modules) > 20 and any(name == "meshplan.planner.search" for name, _ in modules)
     bad = [f"{path.relative_to(ROOT)}:{line} imports {name}" for _, path in modules
-           for line, name in imported_names(path) if name.split(".")[0] in FORBIDDEN or name.startswith("meshplan.executor")]
+           for line, name in imported_names(path)
+           if name.split(".")[0] in FORBIDDEN or name.startswith("meshplan.executor")]
     assert bad == []
 
 

@@ -469,7 +469,8 @@ def test_zoo_name_wins_over_unrelated_directory(tmp_path: Path, monkeypatch: pyt
 
 
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True), st.text(max_size=4),
-                 st.lists(st.integers(-2, 8), max_size=3), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
+                 st.lists(st.integers(-2, 8), max_size=3),
+                 st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
 VALID_HF = {
     "llama": base(model_type="llama"), "mistral": base(model_type="mistral"), "qwen2": base(model_type="qwen2"),
     "qwen3": base(model_type="qwen3"), "gpt_neox": base(model_type="gpt_neox"),

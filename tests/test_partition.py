@@ -71,8 +71,8 @@ def problems(draw, max_layers: int = 9, max_stages: int = 4) -> PartitionProblem
 
     act_none = counts(2 * 10**9)
     sel_frac, full_frac = times(), times()  # activations shrink with recomputation, as they physically do
-    act_sel = tuple(math.floor(a * u) for a, u in zip(act_none, sel_frac))
-    act_full = tuple(math.floor(a * u) for a, u in zip(act_sel, full_frac))
+    act_sel = tuple(math.floor(a * u) for a, u in zip(act_none, sel_frac, strict=True))
+    act_full = tuple(math.floor(a * u) for a, u in zip(act_sel, full_frac, strict=True))
     dense = counts(10**9) if draw(st.booleans()) else (0,) * L
     expert = counts(10**9) if draw(st.booleans()) else (0,) * L
     state = counts(4 * 10**9)
@@ -303,7 +303,8 @@ def test_evaluate_rejects_malformed_policies():
     with pytest.raises(ValueError):
         evaluate(problem, (0, 3, 5, 8), (NONE,) * 2)
     with pytest.raises(ValueError):
-        evaluate(problem, (0, 3, 5, 8), (NONE, StagePolicy(granularity="full", full_layers=3), NONE))  # stage 1 has 2 layers
+        # stage 1 has 2 layers
+        evaluate(problem, (0, 3, 5, 8), (NONE, StagePolicy(granularity="full", full_layers=3), NONE))
     for bad in (dict(granularity="full"), dict(granularity="none", full_layers=1), dict(granularity="some")):
         with pytest.raises(ValueError):
             StagePolicy(**bad)
@@ -390,7 +391,7 @@ def test_stage0_sync_bound_is_below_every_simulated_partition(pp, schedule, reco
     assert bound >= dp_bound(prob, recompute) * (1 - 1e-12)
     times = []
     for cuts in itertools.combinations(range(1, L), pp - 1):
-        layers = tuple(b - a for a, b in zip((0, *cuts), (*cuts, L)))
+        layers = tuple(b - a for a, b in zip((0, *cuts), (*cuts, L), strict=True))
         est = estimate(model, cluster, wl, ParallelConfig(tp=1, pp=pp, dp=gpus // pp, mbs=1, zero=zero,
                                                           recompute=recompute, schedule=schedule, stage_layers=layers))
         if est.fits:
@@ -407,18 +408,18 @@ def test_stage0_sync_bound_is_below_every_simulated_partition(pp, schedule, reco
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(problems())
 def test_pipeline_floor_bounds_every_partition(problem):
-    """The search's partition-free floor (planner.search_bounds.pipeline_floor, fed as work_bound feeds it) never exceeds
-    the best J over all partitions, for each schedule and uniform policy: it may prune before any DP runs."""
+    """The search's partition-free floor (planner.search_bounds.pipeline_floor, fed as work_bound feeds it) never
+    exceeds the best J over all partitions, for each schedule and uniform policy: it may prune before any DP runs."""
     free = dataclasses.replace(problem, memory_cap_bytes=1e30)
     extras = {"none": (0.0,) * problem.num_layers, "selective": problem.layer_selective_extra,
               "full": problem.layer_full_extra}
     for policy in GRANULARITIES:
         best = brute_force(free, policy=policy)
         fwd = list(problem.layer_forward) + [problem.first_forward, problem.last_forward]
-        bwd = [b + x for b, x in zip(problem.layer_backward, extras[policy])] + [problem.first_backward,
+        bwd = [b + x for b, x in zip(problem.layer_backward, extras[policy], strict=True)] + [problem.first_backward,
                                                                                   problem.last_backward]
-        alpha = min((f / (f + b) for f, b in zip(fwd, bwd) if f + b > 0), default=1.0)
-        layer_times = sorted((f + b for f, b in zip(fwd[:-2], bwd[:-2])), reverse=True)
+        alpha = min((f / (f + b) for f, b in zip(fwd, bwd, strict=True) if f + b > 0), default=1.0)
+        layer_times = sorted((f + b for f, b in zip(fwd[:-2], bwd[:-2], strict=True)), reverse=True)
         floor = pipeline_floor(sum(fwd) + sum(bwd), alpha, problem.num_microbatches, problem.num_stages,
                                problem.schedule, problem.num_layers, layer_times[-1], fwd[-1] + bwd[-1],
                                problem.hop_s, heaviest_stage_floor(tuple(layer_times), problem.num_stages))
@@ -525,7 +526,7 @@ def test_rank0_path_sync_bound_is_below_every_simulated_1f1b_partition(data):
         ends = [0.0] * p
         for r, _, _, end in sim.events:
             ends[r] = max(ends[r], end)
-        steps.append(max(e + s for e, s in zip(ends, syncs)))
+        steps.append(max(e + s for e, s in zip(ends, syncs, strict=True)))
     bound = rank0_path_sync_bound(problem, "none")
     assert dp_bound(problem, "none") * (1 - 1e-12) <= bound <= min(steps) * (1 + 1e-9)
     plan = solve_rank0_path_sync(problem, "none")
@@ -595,8 +596,11 @@ def test_partitions_below_lists_every_partition_under_the_threshold(problem, fra
             assert partitions_below(problem, policy, 1e9) == []
             continue
         threshold = best.objective * fraction
-        pols = lambda b: tuple(StagePolicy(granularity="full", full_layers=b[r + 1] - b[r]) if policy == "full"  # noqa: E731
-                                else StagePolicy(granularity=policy) for r in range(p))
+
+        def pols(b, policy=policy):
+            return tuple(StagePolicy(granularity="full", full_layers=b[r + 1] - b[r]) if policy == "full"
+                         else StagePolicy(granularity=policy) for r in range(p))
+
         under, near = set(), {}  # J below the threshold for sure; and within rounding of it (ties either way)
         for cuts in itertools.combinations(range(1, L), p - 1):
             b = (0, *cuts, L)
@@ -725,7 +729,7 @@ def test_per_stage_tight_bound_is_below_every_simulated_per_stage_plan(data, sch
             ends = [0.0] * p
             for r, _, _, end in sim.events:
                 ends[r] = max(ends[r], end)
-            steps.append(max(e + s for e, s in zip(ends, syncs)))
+            steps.append(max(e + s for e, s in zip(ends, syncs, strict=True)))
     bound = per_stage_tight_bound(problem)
     if not steps:
         assert bound == math.inf
@@ -733,7 +737,7 @@ def test_per_stage_tight_bound_is_below_every_simulated_per_stage_plan(data, sch
     assert per_stage_bound(problem)[0] * (1 - 1e-12) <= bound <= min(steps) * (1 + 1e-9)
 
 
-# ---- bounded memory and the time limit ---------------------------------------------------------------------------------
+# ---- bounded memory and the time limit -------------------------------------------------------------------------------
 
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(problems())

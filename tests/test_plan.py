@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ def assert_close(a, b, rel: float = 1e-12, where: str = "") -> None:
             assert_close(a[k], b[k], rel, f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), (where, a, b)
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_close(x, y, rel, f"{where}[{i}]")
     elif isinstance(a, float) or isinstance(b, float):
         assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-300), (where, a, b)
@@ -287,7 +288,7 @@ def _check_well_formed(trace: dict) -> None:
             assert e["ts"] >= 0 and e["dur"] >= 0, e
     for tid, slices in _tracks(trace).items():
         slices = sorted(slices, key=lambda e: e["ts"])
-        for a, b in zip(slices, slices[1:]):
+        for a, b in pairwise(slices):
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-6 * max(1.0, b["ts"]), (tid, a, b)
 
 
@@ -309,7 +310,7 @@ def test_trace_matches_the_timeline(tmp_path, schedule, per_mb):
     assert sorted(by_tid.values()) == [per_mb * m] * pp
     want = sorted((f"{p.kind} mb{p.microbatch}", s * 1e6, (e - s) * 1e6) for _, p, s, e in sim.timeline.events)
     got = sorted((e["name"], e["ts"], e["dur"]) for e in passes)
-    for (wn, wts, wdur), (gn, gts, gdur) in zip(want, got):
+    for (wn, wts, wdur), (gn, gts, gdur) in zip(want, got, strict=True):
         assert wn == gn and gts == pytest.approx(wts, abs=1e-6) and gdur == pytest.approx(wdur, abs=1e-6)
     sends = [e for e in trace["traceEvents"] if e.get("cat") == "p2p"]
     assert len(sends) == 2 * m * (pp - 1)  # every forward but the last stage's, every backward but the first's

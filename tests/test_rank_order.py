@@ -29,7 +29,7 @@ DIMS = ("tp", "cp", "dp", "pp", "dp_cp", "etp", "ep", "edp")
 WL = Workload(global_batch=32, seq_len=2048)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cluster(n: int, per_node: int | None = None) -> Cluster:
     return Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=n, gpus_per_node=per_node))
 
@@ -45,7 +45,7 @@ def layout(tp: int, pp: int, dp: int, order: str, cp: int = 1, ep: int = 1, etp:
 # ---- group placement -----------------------------------------------------------------------------------------------
 
 def test_default_order_is_megatrons_and_the_default_everywhere():
-    assert RANK_ORDER == ("tp", "cp", "dp", "pp") and DEFAULT_RANK_ORDER == "-".join(RANK_ORDER)
+    assert RANK_ORDER == ("tp", "cp", "dp", "pp") and "-".join(RANK_ORDER) == DEFAULT_RANK_ORDER
     assert ParallelConfig().rank_order == DEFAULT_RANK_ORDER
     lay = resolve(load_zoo("llama3.1-8b"), 8, WL, ParallelConfig(tp=2, pp=2))
     assert lay.rank_order == DEFAULT_RANK_ORDER and layout_dict(lay)["rank_order"] == DEFAULT_RANK_ORDER

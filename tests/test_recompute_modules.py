@@ -192,7 +192,7 @@ def test_fp8_dispatch_by_hand():
     """DeepSeek-V3 sec. 3.3.3: dispatch (and the gradient before the down-projection) in FP8 with a 4-byte scale per
     128 elements, combines in BF16: each pass's all-to-all pair moves (1.03125 + 2) / 4 of its BF16 bytes."""
     EP_FP8_DISPATCH_SHARE = (EP_FP8_DISPATCH_BYTES + ACT_BYTES) / (2 * ACT_BYTES)  # one FP8, one BF16 per pass
-    assert EP_FP8_DISPATCH_SHARE == pytest.approx((1 + 4 / 128 + 2) / 4)
+    assert pytest.approx((1 + 4 / 128 + 2) / 4) == EP_FP8_DISPATCH_SHARE
     lay = resolve(DSV3, 512, Workload(global_batch=512, seq_len=4096, dtype="fp8", fp8_recipe="blockwise"),
                   ParallelConfig(tp=1, pp=8, ep=64, mbs=1))
     fp8 = Workload(global_batch=512, seq_len=4096, dtype="fp8", fp8_recipe="blockwise")

@@ -30,12 +30,12 @@ REL = 1e-9
 UNIFORM = ("none", "selective", "full")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def zoo(name: str) -> ModelSpec:
     return load_zoo(name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cluster(n: int, gpu: str = "h100-sxm") -> Cluster:
     return Cluster(ClusterSpec(gpu=gpu, num_gpus=n))
 
@@ -45,7 +45,7 @@ def shrunk(name: str, layers: int) -> ModelSpec:
     return zoo(name).model_copy(update={"num_layers": layers, "name": f"{name}-{layers}l"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run(model: str, n: int, gbs: int, seq: int, gpu: str = "h100-sxm", top_k: int = 5,
         pins: tuple = (), runtime: str = DEFAULT_RUNTIME) -> SearchResult:
     return search(zoo(model), cluster(n, gpu), Workload(global_batch=gbs, seq_len=seq), Pins(**dict(pins)),
@@ -94,8 +94,8 @@ PIN_CASES = [
     (LLAMA, {"cp": 2, "cp_comm": "ring"}, lambda p: _lay(p).cp == 2 and _lay(p).cp_comm == "ring"),
     (LLAMA, {"mbs": 1}, lambda p: _lay(p).mbs == 1),
     (LLAMA, {"mbs": 2}, lambda p: _lay(p).mbs == 2),
-    *[(LLAMA, {"zero": z}, (lambda z: lambda p: _lay(p).zero == z)(z)) for z in (0, 1, 2, 3)],
-    *[(LLAMA, {"recompute": r}, (lambda r: lambda p: _lay(p).recompute == r and p.config.recompute == r)(r))
+    *[(LLAMA, {"zero": z}, lambda p, z=z: _lay(p).zero == z) for z in (0, 1, 2, 3)],
+    *[(LLAMA, {"recompute": r}, lambda p, r=r: _lay(p).recompute == r and p.config.recompute == r)
       for r in UNIFORM],
     # per-stage: the partitioner chooses a policy for every stage (pp > 1, no virtual stages)
     (LLAMA, {"recompute": "per-stage", "pp": 2},
@@ -112,9 +112,9 @@ PIN_CASES = [
     (LLAMA, {"sp": True}, lambda p: _lay(p).sp is (_lay(p).tp > 1)),
     (LLAMA, {"cp_comm": "a2a"}, lambda p: _lay(p).cp == 1 or _lay(p).cp_comm == "a2a"),
     # schedules, alone (the whole space) and with a pipeline pinned
-    *[(LLAMA, {"schedule": s}, (lambda s: lambda p: _lay(p).schedule == s)(s))
+    *[(LLAMA, {"schedule": s}, lambda p, s=s: _lay(p).schedule == s)
       for s in ("1f1b", "gpipe", "zb", "interleaved")],
-    *[(LLAMA, {"schedule": s, "pp": 2}, (lambda s: lambda p: _lay(p).schedule == s and _lay(p).pp == 2)(s))
+    *[(LLAMA, {"schedule": s, "pp": 2}, lambda p, s=s: _lay(p).schedule == s and _lay(p).pp == 2)
       for s in ("1f1b", "gpipe", "zb")],
     # MoE: expert and expert-tensor parallelism
     (MIXTRAL, {"ep": 4}, lambda p: _lay(p).ep == 4),
@@ -226,7 +226,7 @@ def compositions(total: int, parts: int):
     """Every way to cut `total` layers into `parts` non-empty contiguous stages."""
     for cuts in itertools.combinations(range(1, total), parts - 1):
         bounds = (0, *cuts, total)
-        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        yield tuple(b - a for a, b in itertools.pairwise(bounds))
 
 
 def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: Pins,
@@ -554,7 +554,7 @@ def test_sharded_work_bound_is_below_every_partition_and_above_the_plain_one(zer
     assert bound > s.work_bound(c) * (1 + 1e-6)
     times = []
     for cuts in itertools.combinations(range(1, L), pp - 1):
-        layers = tuple(b - a for a, b in zip((0, *cuts), (*cuts, L)))
+        layers = tuple(b - a for a, b in zip((0, *cuts), (*cuts, L), strict=True))
         est = estimate(model, cluster, wl, ParallelConfig(tp=1, pp=pp, dp=gpus // pp, mbs=1, zero=zero,
                                                           recompute="none", schedule=schedule,
                                                           stage_layers=layers if pp > 1 else None))

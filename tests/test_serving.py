@@ -272,7 +272,7 @@ def test_vllm_and_sglang_commands_read_back():
                 continue
             commands = [c for c in text.split("\n\n") if "vllm serve" in c or "launch_server" in c]
             assert len(commands) == len(plan.engines)
-            for engine, command in zip(plan.engines, commands):
+            for engine, command in zip(plan.engines, commands, strict=True):
                 got = parse("\n".join(line for line in command.splitlines() if not line.startswith("#")))
                 assert (got["tp"], got["dp"], got["pp"]) == (engine.tp, engine.dp, engine.pp)
                 assert got["max_num_seqs"] == engine.max_num_seqs

@@ -179,8 +179,9 @@ def test_verify_under_torchrun_is_the_same_code(tmp_path, inject, code):
     import sys
 
     plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "meshplan.cli.main",
-           "verify", plan, "--out", str(tmp_path / "r.json"), "--steps", "1"] + (["--inject", inject] if inject else [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "meshplan.cli.main", "verify", plan, "--out", str(tmp_path / "r.json"), "--steps", "1"]
+    cmd += ["--inject", inject] if inject else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert (proc.returncode == 0) == (code == 0), proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "r.json").read_text())
@@ -195,8 +196,8 @@ def test_verify_under_torchrun_refuses_a_world_of_the_wrong_size(tmp_path):
     import sys
 
     plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 4, 8, dp=4, mbs=1)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "meshplan.cli.main",
-           "verify", plan]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "meshplan.cli.main", "verify", plan]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -234,7 +235,8 @@ def _alive(pid: int) -> bool:
 def test_killing_verify_leaves_no_rank_running(tmp_path):
     """verify killed with SIGKILL (no cleanup runs) mid-run: every rank it spawned is gone within 5 s."""
     plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
-    proc = subprocess.Popen([sys.executable, "-m", "meshplan.cli.main", "verify", plan, "--inject", "hang", "--timeout", "600"],
+    proc = subprocess.Popen([sys.executable, "-m", "meshplan.cli.main", "verify", plan, "--inject", "hang",
+                             "--timeout", "600"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         ranks: list[int] = []
@@ -282,7 +284,7 @@ def test_the_reference_run_is_under_the_timeout_too():
     from meshplan.executor.verify import _time_limit
 
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match="the reference run took more than --timeout 0.2 s"):
-        with _time_limit(0.2, "the reference run"):
-            time.sleep(30)
+    with (pytest.raises(TimeoutError, match="the reference run took more than --timeout 0.2 s"),
+          _time_limit(0.2, "the reference run")):
+        time.sleep(30)
     assert time.monotonic() - t0 < 20  # not the 30 s sleep

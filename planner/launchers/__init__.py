@@ -107,9 +107,9 @@ def launch_model(launch: LaunchSpec, named: ModelSpec | None) -> ModelSpec:
                              "--num-attention-heads and --vocab-size); name one with --model")
         return launch.model
     problem = megatron.model_disagreement(launch, named)
-    if problem is None and launch.model is not None and not launch.model_fields:  # torchtitan: its own flavor
-        if launch.model.name != named.name:
-            problem = f"the config trains {launch.model.name}, not {named.name}"
+    if (problem is None and launch.model is not None and not launch.model_fields  # torchtitan: its own flavor
+            and launch.model.name != named.name):
+        problem = f"the config trains {launch.model.name}, not {named.name}"
     if problem is not None:
         raise InputError(f"--model {named.name} disagrees with the launch configuration: {problem}")
     return named

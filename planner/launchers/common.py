@@ -121,7 +121,7 @@ def uniform_recompute(plan: Plan) -> tuple[str, int | None]:
                      ", ".join(s.recompute.label(s.num_layers) for s in stages) + ")")
 
 
-def serving_header_lines(plan: "ServingPlan", target: str) -> list[str]:
+def serving_header_lines(plan: ServingPlan, target: str) -> list[str]:
     """The header of a serving export: where it came from and what the deployment is predicted to do."""
     p, wl = plan.prediction, plan.inputs.workload
     gpu = plan.inputs.cluster.gpu_spec.name
@@ -144,7 +144,7 @@ def engine_nodes(gpus: int, per_node: int) -> tuple[int, int]:
 ROLE_NAMES = {"aggregated": "engine", "prefill": "prefill engine", "decode": "decode engine"}
 
 
-def full_ep_only(target: str, engine: "ServingEngine") -> None:
+def full_ep_only(target: str, engine: ServingEngine) -> None:
     """vLLM and SGLang run experts with EP over every tp x dp rank of an engine, or without EP."""
     ranks = engine.tp * engine.dp
     if engine.ep not in (1, ranks):
@@ -152,7 +152,7 @@ def full_ep_only(target: str, engine: "ServingEngine") -> None:
                      f"(the plan: ep {engine.ep})", f"re-plan with ep 1 or {ranks}")
 
 
-def serving_script(plan: "ServingPlan", title: str, pool: Callable[["ServingEngine"], list[str]],
+def serving_script(plan: ServingPlan, title: str, pool: Callable[[ServingEngine], list[str]],
                    disaggregated_note: str) -> str:
     """A serving export: the header, the MODEL variable, each pool's summary line and `pool(engine)`'s lines (its
     command), and a note on the router a disaggregated deployment needs."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RECOMPUTE_MODULES, ParallelConfig,
@@ -167,22 +168,28 @@ def _repeat(count: str, text: str) -> int:
     return int(count)
 
 
+def _bounded_expansion(text: str, start: int) -> Callable[[re.Match], str]:
+    """re.sub's replacement for a repeat `(...)*n` of the layout: the piece n times, refused once the expansion so
+    far (from `start` characters) would pass LAYOUT_MAX_CHARS, before the piece is built."""
+    grown = [start]
+
+    def expand(m: re.Match) -> str:
+        times = _repeat(m.group(2), text)
+        grown[0] += len(m.group(1)) * times
+        if grown[0] > LAYOUT_MAX_CHARS:
+            raise InputError(f"--pipeline-model-parallel-layout {text[:60]!r} expands to more layers than any "
+                             f"model has")
+        return m.group(1) * times
+
+    return expand
+
+
 def parse_layout(text: str, pp: int) -> tuple[list[int], int, bool, bool]:
     """(decoder layers per virtual stage in model order, MTP layers, embedding first?, loss last?) of a layout
     string, read by the grammar of megatron-core's PipelineParallelLayerLayout.parse_str_to_list."""
     flat = text.replace(",", "")
     for pattern in (r"\(([^)]+)\)\*([0-9]+)", r"(.)\*([0-9]+)"):
-        grown = [len(flat)]  # the expansion so far, checked before each piece is built
-
-        def expand(m: re.Match) -> str:
-            times = _repeat(m.group(2), text)
-            grown[0] += len(m.group(1)) * times
-            if grown[0] > LAYOUT_MAX_CHARS:
-                raise InputError(f"--pipeline-model-parallel-layout {text[:60]!r} expands to more layers than any "
-                                 f"model has")
-            return m.group(1) * times
-
-        flat = re.sub(pattern, expand, flat)
+        flat = re.sub(pattern, _bounded_expansion(text, len(flat)), flat)
     stages = flat.split("|")
     bad = set(flat) - set("EtmL|")
     if bad:

@@ -271,7 +271,7 @@ class _TitanTraining(BaseModel):
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
 
     @model_validator(mode="after")
-    def _batch(self) -> "_TitanTraining":
+    def _batch(self) -> _TitanTraining:
         if self.global_batch_size == 0:
             raise ValueError("global_batch_size 0: give the batch, or -1 for local_batch_size x the DP degree")
         return self
@@ -294,7 +294,7 @@ class _TitanParallelism(BaseModel):
     context_parallel_rotate_method: str | None = None
 
     @model_validator(mode="after")
-    def _shard(self) -> "_TitanParallelism":
+    def _shard(self) -> _TitanParallelism:
         if self.data_parallel_shard_degree == 0:
             raise ValueError("data_parallel_shard_degree 0: give the degree (1 for none)")
         return self

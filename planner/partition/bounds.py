@@ -69,7 +69,7 @@ def _uniform_grids(pr: PartitionProblem, policy: Granularity, cheapest: bool = F
     return grids
 
 
-# ---- rank 0's path to every rank's sync (1F1B) -------------------------------------------------------------------------
+# ---- rank 0's path to every rank's sync (1F1B) -----------------------------------------------------------------------
 #
 # J_r adds rank r's sync E_r to a path through rank r's own passes. Rank 0's paths are the longest (its warm-up
 # starts the step): the one through micro-batch m-1's round trip passes every later rank's last pass B_{m-1}(r), r
@@ -231,61 +231,77 @@ def _cheapest_partitions_below(problem: PartitionProblem, threshold: float,
 def per_stage_partitions_below(problem: PartitionProblem, threshold: float, limit: int = 64
                                ) -> list[tuple[float, tuple[int, ...], tuple[StagePolicy, ...]]] | None:
     """Every (partition, per-stage policy) whose J is below `threshold`: (J, boundaries, policies), smallest first;
-    None when more than `limit` pairs are below it (the caller's bound then stays open); the partitions walked are those whose cheapest-fitting-policy J
-    is below it (_cheapest_partitions_below), at most PER_STAGE_ENUMERATION_MAX_PARTITIONS. Per stage the policies are none, selective and full on its first
-    k layers; J never decreases when any stage's backward grows (solve_dp's relaxation argument), so each stage's
-    fitting policies are tried by growing backward and a branch stops at the first that reaches the threshold with
-    the cheapest policies on the stages after it. Brute force over partitions because the DP has no per-stage
+    None when more than `limit` pairs are below it (the caller's bound then stays open); the partitions walked are
+    those whose cheapest-fitting-policy J is below it (_cheapest_partitions_below), at most
+    PER_STAGE_ENUMERATION_MAX_PARTITIONS. Per stage the policies are none, selective and full on its first k layers;
+    J never decreases when any stage's backward grows (solve_dp's relaxation argument), so each stage's fitting
+    policies are tried by growing backward and a branch stops at the first that reaches the threshold with the
+    cheapest policies on the stages after it. Brute force over partitions because the DP has no per-stage
     equivalent of partitions_below's table; it closes the gaps of small pipelines, where per-stage plans win."""
-    p, L = problem.num_stages, problem.num_layers
     partitions = _cheapest_partitions_below(problem, threshold, PER_STAGE_ENUMERATION_MAX_PARTITIONS)
     if partitions is None:
         return None
     t = _tables(problem)
     found: list[tuple[float, tuple[int, ...], tuple[StagePolicy, ...]]] = []
     for bounds in partitions:
-        options = []  # per stage: (f, b, e, policy) of each fitting policy, by growing backward
-        for r in range(p):
-            i, j = bounds[r], bounds[r + 1]
-            row = []
-            for pol in policy_options(j - i, True, "none"):
-                c, d, peak = _cuts(t, pol, i, j)
-                sums = _layer_sums(t, i, j, c, d, False)
-                if not float(_stage_memory(problem, r, sums, peak)) <= problem.memory_cap_bytes:
-                    continue
-                f, b = float(_stage_forward(problem, r, sums)), float(_stage_backward(problem, r, sums))
-                row.append((f, b, float(_stage_sync(problem, r, sums, f, b, layers=float(j - i))), pol))
-            if not row:
-                break
-            options.append(sorted(row, key=lambda x: x[1]))
-        if len(options) < p:
-            continue
-
-        def objective(chosen: list[tuple[float, float, float, StagePolicy]]) -> float:
-            f = [x[0] for x in chosen]
-            b = [x[1] for x in chosen]
-            return max(float(_stage_objective(problem, r, f[r], b[r], chosen[r][2], sum(f[:r]), sum(b[:r]),
-                                              sum(f[s] + b[s] for s in range(r + 1, p)))) for r in range(p))
-
-        def extend(chosen: list) -> bool:
-            r = len(chosen)
-            if r == p:
-                j = objective(chosen)
-                if j < threshold:
-                    if len(found) == limit:
-                        return False
-                    found.append((j, bounds, tuple(x[3] for x in chosen)))
-                return True
-            for option in options[r]:
-                if objective(chosen + [option] + [o[0] for o in options[r + 1:]]) >= threshold:
-                    break  # a larger backward here (or after) only raises J
-                if not extend(chosen + [option]):
-                    return False
-            return True
-
-        if not extend([]):
+        options = _fitting_options(problem, t, bounds)
+        if options is not None and not _policies_below(problem, bounds, options, threshold, limit, found):
             return None
     return sorted(found, key=lambda x: (x[0], x[1]))
+
+
+StageOption = tuple[float, float, float, StagePolicy]  # (forward, backward, sync, policy) of one stage
+
+
+def _fitting_options(problem: PartitionProblem, t, bounds: tuple[int, ...]) -> list[list[StageOption]] | None:
+    """Per stage of the partition, each policy that fits its memory, by growing backward; None when a stage has
+    none."""
+    options = []
+    for r in range(problem.num_stages):
+        i, j = bounds[r], bounds[r + 1]
+        row = []
+        for pol in policy_options(j - i, True, "none"):
+            c, d, peak = _cuts(t, pol, i, j)
+            sums = _layer_sums(t, i, j, c, d, False)
+            if not float(_stage_memory(problem, r, sums, peak)) <= problem.memory_cap_bytes:
+                continue
+            f, b = float(_stage_forward(problem, r, sums)), float(_stage_backward(problem, r, sums))
+            row.append((f, b, float(_stage_sync(problem, r, sums, f, b, layers=float(j - i))), pol))
+        if not row:
+            return None
+        options.append(sorted(row, key=lambda x: x[1]))
+    return options
+
+
+def _policies_below(problem: PartitionProblem, bounds: tuple[int, ...], options: list[list[StageOption]],
+                    threshold: float, limit: int, found: list) -> bool:
+    """Add to `found` every choice of the stages' options whose J is below `threshold` (branch and bound over the
+    stages in order); False when that would pass `limit`."""
+    p = problem.num_stages
+
+    def objective(chosen: list[StageOption]) -> float:
+        f = [x[0] for x in chosen]
+        b = [x[1] for x in chosen]
+        return max(float(_stage_objective(problem, r, f[r], b[r], chosen[r][2], sum(f[:r]), sum(b[:r]),
+                                          sum(f[s] + b[s] for s in range(r + 1, p)))) for r in range(p))
+
+    def extend(chosen: list) -> bool:
+        r = len(chosen)
+        if r == p:
+            j = objective(chosen)
+            if j < threshold:
+                if len(found) == limit:
+                    return False
+                found.append((j, bounds, tuple(x[3] for x in chosen)))
+            return True
+        for option in options[r]:
+            if objective(chosen + [option] + [o[0] for o in options[r + 1:]]) >= threshold:
+                break  # a larger backward here (or after) only raises J
+            if not extend(chosen + [option]):
+                return False
+        return True
+
+    return extend([])
 
 
 # ---- the 1F1B steady-state pair bound --------------------------------------------------------------------------------
@@ -408,7 +424,7 @@ def _found(found: tuple[float, tuple[int, ...]] | None) -> float:
     return math.inf if found is None else found[0]
 
 
-# ---- rank 0's own sync after the whole backward flow ------------------------------------------------------------------
+# ---- rank 0's own sync after the whole backward flow -----------------------------------------------------------------
 #
 # Rank 0 finishes last in 1F1B and GPipe: every rank's last backward still flows back to it (A_r = end_r + B_<r + r h),
 # and only then does rank 0 run its exposed DP sync and optimizer step E_0. So the step is at least max_r A_r + E_0.

@@ -69,7 +69,7 @@ class _CpData:
     max_memory: int  # no stage's sum of parts can exceed this
 
     @classmethod
-    def build(cls, pr: PartitionProblem) -> "_CpData":
+    def build(cls, pr: PartitionProblem) -> _CpData:
         t, s = _tables(pr), pr.sync
 
         def ns(prefix) -> list[int]:
@@ -318,9 +318,9 @@ def _cp_solve(problem: PartitionProblem, policies: str, data: _CpData, time_limi
     model.minimize(obj)
     if hint is not None:
         # A start, not a constraint: the solver still proves the optimum on its own.
-        for var, value in zip(bounds[1:-1], hint.boundaries[1:-1]):
+        for var, value in zip(bounds[1:-1], hint.boundaries[1:-1], strict=True):
             model.add_hint(var, value)
-        for st, q in zip(stages, hint.policies if policies == "per-stage" else ()):
+        for st, q in zip(stages, hint.policies if policies == "per-stage" else (), strict=False):
             model.add_hint(st.selective, q.granularity == "selective")
             model.add_hint(st.full, q.granularity == "full")
             model.add_hint(st.k, q.full_layers)
@@ -344,7 +344,7 @@ def _cp_solve(problem: PartitionProblem, policies: str, data: _CpData, time_limi
     # Reads the solution back.
     found = tuple(b if isinstance(b, int) else solver.value(b) for b in bounds)
     pols = []
-    for st, a, b in zip(stages, found, found[1:]):
+    for st, (a, b) in zip(stages, itertools.pairwise(found), strict=True):
         if st.full is True or (not isinstance(st.full, bool) and solver.boolean_value(st.full)):
             k = b - a if policies == "uniform-full" else solver.value(st.k)
             pols.append(StagePolicy(granularity="full", full_layers=int(k)))

@@ -4,6 +4,7 @@ feasibility test, and the cheapest-fitting per-stage policy's bound."""
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import numpy as np
 
@@ -213,9 +214,9 @@ def _stage_objectives(pr: PartitionProblem, t: _Tables, cuts, ext: np.ndarray, r
         b_before = (t.bwd[I] + ext[I]) + (_when(R > 0, pr.first_backward) + R * pr.stage_backward_extra)
         t_after = ((t.fwd[L] - t.fwd[J]) + (t.bwd[L] - t.bwd[J]) + (ext[L] - ext[J])) + (
             (p - 1 - R) * (pr.stage_forward_extra + pr.stage_backward_extra)
-            + _when(R < p - 1, pr.last_forward + pr.last_backward))
+            + _when(p - 1 > R, pr.last_forward + pr.last_backward))
         jr = _stage_objective(pr, R, f, b, e, f_before, b_before, t_after)
-        ends_in_band = (J > I) & (J <= R + width) & (J - I == 1 + np.arange(J.shape[2]))  # clipped ends are out
+        ends_in_band = (J > I) & (R + width >= J) & (1 + np.arange(J.shape[2]) == J - I)  # clipped ends are out
         return np.where(ends_in_band & (mem <= pr.memory_cap_bytes), jr, np.inf)  # [r][i - r, j - i - 1]
 
 
@@ -226,7 +227,7 @@ def _cheapest_fitting(pr: PartitionProblem, t: _Tables, R, I, J) -> tuple[np.nda
 
     With one stage's layers fixed, the others' J_s only grow with its backward (B_<s, T_>s) and so does its own J_r
     (end_r gains m x the growth, its exposed reduce loses at most it): the cheapest fitting policy is the best one."""
-    L, cap = pr.num_layers, pr.memory_cap_bytes
+    cap = pr.memory_cap_bytes
     zero = np.zeros(J.shape, dtype=float)
     none_fits = _stage_memory(pr, R, _layer_sums(t, I, J, I, I, False), zero) <= cap
     peak_sel, peak_full = t.peak_sel[I] + zero, t.peak_full[I] + zero
@@ -291,7 +292,7 @@ def _cheapest_policies_partition(problem: PartitionProblem, below: float = math.
         return None
     lower, bounds = found
     pols = []
-    for r, (a, b) in enumerate(zip(bounds, bounds[1:])):  # each stage's policy: the same rule on its row, end b
+    for r, (a, b) in enumerate(pairwise(bounds)):  # each stage's policy: the same rule on its row, end b
         ends = np.arange(a + 1, b + 1)[None, None, :]
         c_row, d_row, _ = _cheapest_fitting(problem, t, np.full((1, 1, 1), r), np.full((1, 1, 1), a), ends)
         c, d = int(c_row[0, 0, -1]), int(d_row[0, 0, -1])

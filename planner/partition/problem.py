@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from itertools import pairwise
 from typing import Literal
 
 import numpy as np
@@ -84,7 +85,7 @@ class SyncModel:
                 object.__setattr__(self, f.name, _check_number(f.name, value))
 
     @classmethod
-    def zero(cls) -> "SyncModel":
+    def zero(cls) -> SyncModel:
         """No data parallelism: nothing to reduce, gather or update after the last backward."""
         return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False, False, 0.0, 0.0, 0.0)
 
@@ -158,7 +159,7 @@ class PartitionProblem:
         except (TypeError, ValueError):
             valid = False
         if valid:
-            for name, row in zip(_LAYER_FIELDS, table.tolist()):
+            for name, row in zip(_LAYER_FIELDS, table.tolist(), strict=True):
                 object.__setattr__(self, name, tuple(row))
         else:
             for name in _LAYER_FIELDS:
@@ -198,7 +199,7 @@ class PartitionResult:
 
     @property
     def stage_layers(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.boundaries, self.boundaries[1:]))
+        return tuple(b - a for a, b in pairwise(self.boundaries))
 
     @property
     def binding_stage(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -259,7 +260,7 @@ def _check_partition(pr: PartitionProblem, boundaries, policies) -> tuple[tuple[
         raise ValueError(f"boundaries must be integers, got {boundaries!r}") from exc
     if len(bounds) != p + 1 or bounds[0] != 0 or bounds[-1] != L:
         raise ValueError(f"boundaries must be {p + 1} ints from 0 to {L}, got {bounds}")
-    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+    if any(b <= a for a, b in pairwise(bounds)):
         raise ValueError(f"boundaries must be strictly increasing, got {bounds}")
     pols = tuple(policies)
     if len(pols) != p or not all(isinstance(q, StagePolicy) for q in pols):
@@ -287,7 +288,7 @@ def _evaluate(pr: PartitionProblem, t: _Tables, bounds: tuple[int, ...], pols: t
     stage_obj = tuple(float(_stage_objective(pr, r, f[r], b[r], e[r], sum(f[:r]), sum(b[:r]),
                                              sum(f[s] + b[s] for s in range(r + 1, p)))) for r in range(p))
     return PartitionResult(bounds, pols, max(stage_obj), stage_obj, tuple(mem),
-                           tuple(fr + br for fr, br in zip(f, b)))
+                           tuple(fr + br for fr, br in zip(f, b, strict=True)))
 
 
 def evaluate(problem: PartitionProblem, boundaries, policies) -> PartitionResult | None:
