@@ -24,13 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from meshplan.costmodels.config import ParallelConfig, Workload  # noqa: E402
-from meshplan.costmodels.efficiency import calibrated_cluster  # noqa: E402
-from meshplan.costmodels.estimate import simulate_config  # noqa: E402
-from meshplan.executor.profiler import ProfileOptions, default_profile_model, profile  # noqa: E402
-from meshplan.hardware_db.calibration import Calibration, load_calibration  # noqa: E402
-from meshplan.hardware_db.cluster import ClusterSpec  # noqa: E402
-from meshplan.planner.builders import build_plan  # noqa: E402
+from meshplan.costmodels.config import ParallelConfig, Workload
+from meshplan.costmodels.efficiency import calibrated_cluster
+from meshplan.costmodels.estimate import simulate_config
+from meshplan.executor.profiler import ProfileOptions, default_profile_model, profile
+from meshplan.hardware_db.calibration import Calibration, load_calibration
+from meshplan.hardware_db.cluster import ClusterSpec
+from meshplan.planner.builders import build_plan
 
 SEQ = 256
 RUNTIME = "meshplan-executor"  # the executor's runtime preset: SDPA attention, no dropout, no overlap

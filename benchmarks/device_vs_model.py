@@ -22,12 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from device_kernel_clocks import EXPERTS, LINEARS  # noqa: E402
+from device_kernel_clocks import EXPERTS, LINEARS
 
-from meshplan.costmodels.efficiency import Efficiency  # noqa: E402
-from meshplan.costmodels.timing import KernelShape, op_time  # noqa: E402
-from meshplan.costmodels.kernels import TE_GEMM_STREAMS  # noqa: E402
-from meshplan.hardware_db.gpu import load_gpu  # noqa: E402
+from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.timing import KernelShape, op_time
+from meshplan.costmodels.kernels import TE_GEMM_STREAMS
+from meshplan.hardware_db.gpu import load_gpu
 
 DEFAULT_DIR = ROOT / "benchmarks" / "device_results" / "h200-2026-12-04"
 PASSES = {"fwd": lambda t, o, i: (t, o, i), "dgrad": lambda t, o, i: (t, i, o), "wgrad": lambda t, o, i: (o, i, t)}

@@ -19,9 +19,9 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_runs import DEFAULT_YAML, configure, evaluate  # noqa: E402
+from reference_runs import DEFAULT_YAML, configure, evaluate
 
-from meshplan.costmodels.efficiency import Efficiency  # noqa: E402
+from meshplan.costmodels.efficiency import Efficiency
 
 
 def score(entries: list[dict], eff_for) -> float:

@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from reference_runs import Row, all_rows  # noqa: E402
+from reference_runs import Row, all_rows
 
-from meshplan.costmodels.kernels import Physics  # noqa: E402
+from meshplan.costmodels.kernels import Physics
 
 GROUPS = (("set", "first"), ("set", "second"), ("experts", "moe"), ("precision", "fp8"), ("sequence", ">= 32K"),
           ("framework", "torchtitan"))

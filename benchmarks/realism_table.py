@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from published_runs import load_runs  # noqa: E402
-from reference_runs import (  # noqa: E402
+from published_runs import load_runs
+from reference_runs import (
     DEFAULT_YAML,
     accounted_flops,
     configure,
@@ -32,8 +32,8 @@ from reference_runs import (  # noqa: E402
     run_workload,
 )
 
-from meshplan.costmodels.estimate import model_flops_per_step  # noqa: E402
-from meshplan.costmodels.realism import gpu_family  # noqa: E402
+from meshplan.costmodels.estimate import model_flops_per_step
+from meshplan.costmodels.realism import gpu_family
 
 
 def first_set() -> list[tuple[str, str, str, str, float]]:

@@ -24,16 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from published_runs import DEFAULT_FILE, Run, load_runs  # noqa: E402
+from published_runs import DEFAULT_FILE, Run, load_runs
 
-from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload, split_evenly  # noqa: E402
-from meshplan.costmodels.efficiency import Efficiency  # noqa: E402
-from meshplan.costmodels.estimate import Estimate, estimate, model_flops_per_step  # noqa: E402
-from meshplan.costmodels.kernels import Physics  # noqa: E402
-from meshplan.costmodels.model import ModelSpec  # noqa: E402
-from meshplan.costmodels.model_io import load_model  # noqa: E402
-from meshplan.hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
-from meshplan.planner.launchers.megatron import parse_layout  # noqa: E402
+from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload, split_evenly
+from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.estimate import Estimate, estimate, model_flops_per_step
+from meshplan.costmodels.kernels import Physics
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import load_model
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.planner.launchers.megatron import parse_layout
 
 DEFAULT_YAML = ROOT.parent / "shared" / "reference_runs" / "training_dev.yaml"
 

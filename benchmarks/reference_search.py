@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from published_runs import DEFAULT_FILE, load_runs  # noqa: E402
-from reference_runs import (  # noqa: E402
+from published_runs import DEFAULT_FILE, load_runs
+from reference_runs import (
     DEFAULT_YAML,
     configure,
     evaluate_run,
@@ -38,9 +38,9 @@ from reference_runs import (  # noqa: E402
     run_workload,
 )
 
-from meshplan.costmodels.estimate import estimate  # noqa: E402
-from meshplan.planner.search import search  # noqa: E402
-from meshplan.planner.space import Pins  # noqa: E402
+from meshplan.costmodels.estimate import estimate
+from meshplan.planner.search import search
+from meshplan.planner.space import Pins
 
 
 def describe(lay) -> str:

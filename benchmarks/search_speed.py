@@ -22,10 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshplan.costmodels.config import Workload  # noqa: E402
-from meshplan.costmodels.model_io import load_model  # noqa: E402
-from meshplan.hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
-from meshplan.planner.search import search  # noqa: E402
+from meshplan.costmodels.config import Workload
+from meshplan.costmodels.model_io import load_model
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.planner.search import search
 
 CASES = [  # (label, model, gpu, gpus, global batch, seq, target seconds)
     ("Llama-3.1-405B, 16,384 H100", "llama3.1-405b", "h100-sxm", 16384, 2048, 8192, 5.0),

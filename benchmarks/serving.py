@@ -21,10 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshplan.costmodels.model_io import load_model  # noqa: E402
-from meshplan.hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
-from meshplan.costmodels.serving import ServeTargets, ServeWorkload  # noqa: E402
-from meshplan.planner.serve import parse_engine_layout, pinned_deployment, search_serving  # noqa: E402
+from meshplan.costmodels.model_io import load_model
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.costmodels.serving import ServeTargets, ServeWorkload
+from meshplan.planner.serve import parse_engine_layout, pinned_deployment, search_serving
 
 CASES = [  # (label, model, gpu, min gpus, max gpus, weight dtype)
     ("Llama-3.1-70B, 8-64 H100", "llama3.1-70b", "h100-sxm", 8, 64, "bf16"),

@@ -11,14 +11,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor_helpers import reference  # noqa: E402
+from executor_helpers import reference
 
-from meshplan.costmodels.model_io import load_model  # noqa: E402
-from meshplan.executor.compare import compare_to_reference, relative_error  # noqa: E402
-from meshplan.executor.launch import run_world  # noqa: E402
-from meshplan.executor.model import causal_attention  # noqa: E402
-from meshplan.executor.reference import RunResult, RunSpec  # noqa: E402
-from meshplan.executor.scale import scale_model  # noqa: E402
+from meshplan.costmodels.model_io import load_model
+from meshplan.executor.compare import compare_to_reference, relative_error
+from meshplan.executor.launch import run_world
+from meshplan.executor.model import causal_attention
+from meshplan.executor.reference import RunResult, RunSpec
+from meshplan.executor.scale import scale_model
 
 DENSE, MLA, LEARNED = "llama3.1-8b", "deepseek-v3", "gpt3-175b"  # GQA 8/2 heads; MLA + MoE; learned pos + biases
 F64 = torch.float64

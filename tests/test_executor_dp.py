@@ -18,14 +18,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
-from executor_helpers import reference  # noqa: E402
+import torch.distributed as dist
+from executor_helpers import reference
 
-from meshplan.costmodels.model_io import load_model  # noqa: E402
-from meshplan.executor.compare import TOLERANCE, compare_to_reference, relative_error  # noqa: E402
-from meshplan.executor.launch import RankFailure, run_world, world_env  # noqa: E402
-from meshplan.executor.reference import RunSpec  # noqa: E402
-from meshplan.executor.scale import scale_model  # noqa: E402
+from meshplan.costmodels.model_io import load_model
+from meshplan.executor.compare import TOLERANCE, compare_to_reference, relative_error
+from meshplan.executor.launch import RankFailure, run_world, world_env
+from meshplan.executor.reference import RunSpec
+from meshplan.executor.scale import scale_model
 
 DENSE, MOE, TIED, MLA = "llama3.1-8b", "mixtral-8x7b", "gpt3-175b", "deepseek-v3"
 F64 = torch.float64

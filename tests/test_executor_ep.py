@@ -15,16 +15,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
-from executor_helpers import reference  # noqa: E402
+import torch.distributed as dist
+from executor_helpers import reference
 
-from meshplan.costmodels.model import ModelSpec  # noqa: E402
-from meshplan.costmodels.model_io import load_model  # noqa: E402
-from meshplan.executor.compare import compare_to_reference, relative_error  # noqa: E402
-from meshplan.executor.launch import run_world  # noqa: E402
-from meshplan.executor.mesh import ExecLayout  # noqa: E402
-from meshplan.executor.reference import RunSpec  # noqa: E402
-from meshplan.executor.scale import scale_model  # noqa: E402
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import load_model
+from meshplan.executor.compare import compare_to_reference, relative_error
+from meshplan.executor.launch import run_world
+from meshplan.executor.mesh import ExecLayout
+from meshplan.executor.reference import RunSpec
+from meshplan.executor.scale import scale_model
 
 MOE, MLA, BIAS = "mixtral-8x7b", "deepseek-v3", "mixtral-8x7b+bias"
 F64 = torch.float64

@@ -8,11 +8,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from meshplan.costmodels.config import ParallelConfig, Workload, resolve  # noqa: E402
-from meshplan.costmodels.timing import group_ranks  # noqa: E402
-from meshplan.costmodels.model_io import load_model  # noqa: E402
-from meshplan.executor.launch import run_world  # noqa: E402
-from meshplan.executor.mesh import DENSE_DIMS, EXPERT_DIMS, ExecLayout, build_meshes, group_of, rank_coords  # noqa: E402
+from meshplan.costmodels.config import ParallelConfig, Workload, resolve
+from meshplan.costmodels.timing import group_ranks
+from meshplan.costmodels.model_io import load_model
+from meshplan.executor.launch import run_world
+from meshplan.executor.mesh import DENSE_DIMS, EXPERT_DIMS, ExecLayout, build_meshes, group_of, rank_coords
 
 
 def _layouts():

@@ -11,11 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from meshplan.costmodels.model import ModelSpec  # noqa: E402
-from meshplan.costmodels.model_io import list_zoo, load_model  # noqa: E402
-from meshplan.executor.model import apply_rope, build_model, num_params  # noqa: E402
-from meshplan.executor.reference import StepResult, make_batch, reference_step, train  # noqa: E402
-from meshplan.executor.scale import scale_model  # noqa: E402
+from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model_io import list_zoo, load_model
+from meshplan.executor.model import apply_rope, build_model, num_params
+from meshplan.executor.reference import StepResult, make_batch, reference_step, train
+from meshplan.executor.scale import scale_model
 
 ZOO = list_zoo()
 DENSE, MOE, MLA = "llama3.1-8b", "mixtral-8x7b", "deepseek-v3"

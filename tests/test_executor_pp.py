@@ -17,14 +17,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor_helpers import reference  # noqa: E402
+from executor_helpers import reference
 
-from meshplan.costmodels.model_io import load_model  # noqa: E402
-from meshplan.executor.compare import compare_to_reference  # noqa: E402
-from meshplan.executor.launch import run_world  # noqa: E402
-from meshplan.executor.mesh import ExecLayout  # noqa: E402
-from meshplan.executor.reference import RunSpec  # noqa: E402
-from meshplan.executor.scale import scale_model  # noqa: E402
+from meshplan.costmodels.model_io import load_model
+from meshplan.executor.compare import compare_to_reference
+from meshplan.executor.launch import run_world
+from meshplan.executor.mesh import ExecLayout
+from meshplan.executor.reference import RunSpec
+from meshplan.executor.scale import scale_model
 
 DENSE, TIED, MLA_MOE = "llama3.1-8b", "gpt3-175b", "deepseek-v3"
 NONE = ("none", 0)

@@ -9,18 +9,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cli_helpers import run  # noqa: E402
+from cli_helpers import run
 
-from meshplan.costmodels.model_io import load_zoo  # noqa: E402
-from meshplan.executor.launch import run_world  # noqa: E402
-from meshplan.executor.model import build_model  # noqa: E402
-from meshplan.executor.scale import scale_model  # noqa: E402
-from meshplan.executor.serving import KVCacheCore, max_relative_error, serve_rank, serve_reference, serve_tokens  # noqa: E402
-from meshplan.hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
-from meshplan.planner.builders import build_serving_plan  # noqa: E402
-from meshplan.planner.plan import write_plan  # noqa: E402
-from meshplan.costmodels.serving import ServeTargets, ServeWorkload  # noqa: E402
-from meshplan.planner.serve import parse_engine_layout, pinned_deployment  # noqa: E402
+from meshplan.costmodels.model_io import load_zoo
+from meshplan.executor.launch import run_world
+from meshplan.executor.model import build_model
+from meshplan.executor.scale import scale_model
+from meshplan.executor.serving import KVCacheCore, max_relative_error, serve_rank, serve_reference, serve_tokens
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.planner.builders import build_serving_plan
+from meshplan.planner.plan import write_plan
+from meshplan.costmodels.serving import ServeTargets, ServeWorkload
+from meshplan.planner.serve import parse_engine_layout, pinned_deployment
 
 
 def test_cache_core_matches_one_forward_in_one_process():

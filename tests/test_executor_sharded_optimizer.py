@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from meshplan.executor.launch import run_world  # noqa: E402
+from meshplan.executor.launch import run_world
 
 
 def _sharded_vs_adamw(rank: int, world: int) -> tuple[float, int, int]:

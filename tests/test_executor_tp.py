@@ -11,13 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor_helpers import reference  # noqa: E402
+from executor_helpers import reference
 
-from meshplan.costmodels.model_io import load_model  # noqa: E402
-from meshplan.executor.compare import compare_to_reference, relative_error  # noqa: E402
-from meshplan.executor.launch import run_world  # noqa: E402
-from meshplan.executor.reference import RunSpec, reference_step  # noqa: E402
-from meshplan.executor.scale import scale_model  # noqa: E402
+from meshplan.costmodels.model_io import load_model
+from meshplan.executor.compare import compare_to_reference, relative_error
+from meshplan.executor.launch import run_world
+from meshplan.executor.reference import RunSpec, reference_step
+from meshplan.executor.scale import scale_model
 
 # GQA (8 heads, 2 kv heads); MHA with biases, learned positions, LayerNorm and a tied head; MLA + dense + MoE
 DENSE, TIED, MLA = "llama3.1-8b", "gpt3-175b", "deepseek-v3"

@@ -202,17 +202,17 @@ def test_bad_workloads():
 
 # ---- the serving plan, its exports and the CLI ---------------------------------------------------------------------
 
-import json  # noqa: E402
+import json
 
-from cli_helpers import assert_input_error, run  # noqa: E402
+from cli_helpers import assert_input_error, run
 
-from meshplan.planner.builders import build_serving_plan  # noqa: E402
-from meshplan.planner.launchers import export_plan  # noqa: E402
-from meshplan.planner.launchers.common import ExportError  # noqa: E402
-from meshplan.planner.launchers.sglang import parse_sglang_command  # noqa: E402
-from meshplan.planner.launchers.vllm import parse_vllm_command  # noqa: E402
-from meshplan.planner.plan import ServingPlan, read_any_plan, read_plan, read_serving_plan, write_plan  # noqa: E402
-from meshplan.planner.serve import parse_engine_layout, pinned_deployment  # noqa: E402
+from meshplan.planner.builders import build_serving_plan
+from meshplan.planner.launchers import export_plan
+from meshplan.planner.launchers.common import ExportError
+from meshplan.planner.launchers.sglang import parse_sglang_command
+from meshplan.planner.launchers.vllm import parse_vllm_command
+from meshplan.planner.plan import ServingPlan, read_any_plan, read_plan, read_serving_plan, write_plan
+from meshplan.planner.serve import parse_engine_layout, pinned_deployment
 
 TARGETS = ServeTargets(ttft_ms=300, tpot_ms=50)
 DS_WL = ServeWorkload(isl=4000, osl=500, weight_dtype="fp8")

@@ -14,18 +14,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cli_helpers import assert_input_error, run  # noqa: E402
+from cli_helpers import assert_input_error, run
 
-from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload  # noqa: E402
-from meshplan.costmodels.estimate import simulate_config  # noqa: E402
-from meshplan.costmodels.model_io import load_model  # noqa: E402
-from meshplan.executor.mesh import ExecLayout  # noqa: E402
-from meshplan.executor.reference import RunSpec  # noqa: E402
-from meshplan.executor.scale import scale_model  # noqa: E402
-from meshplan.executor.verify import run_layout  # noqa: E402
-from meshplan.hardware_db.cluster import Cluster, ClusterSpec  # noqa: E402
-from meshplan.planner.builders import build_plan  # noqa: E402
-from meshplan.planner.plan import write_plan  # noqa: E402
+from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload
+from meshplan.costmodels.estimate import simulate_config
+from meshplan.costmodels.model_io import load_model
+from meshplan.executor.mesh import ExecLayout
+from meshplan.executor.reference import RunSpec
+from meshplan.executor.scale import scale_model
+from meshplan.executor.verify import run_layout
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.planner.builders import build_plan
+from meshplan.planner.plan import write_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
