@@ -21,16 +21,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from published_runs import load_runs
-from reference_runs import (
-    DEFAULT_YAML,
-    accounted_flops,
-    configure,
-    megatron_flops,
-    megatron_gpt,
-    run_cluster,
-    run_model,
-    run_workload,
-)
+from reference_runs import (DEFAULT_YAML, accounted_flops, configure, megatron_flops, megatron_gpt, run_cluster,
+                            run_model, run_workload)
 
 from meshplan.costmodels.estimate import model_flops_per_step
 from meshplan.costmodels.realism import gpu_family

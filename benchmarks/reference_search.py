@@ -26,17 +26,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from published_runs import DEFAULT_FILE, load_runs
-from reference_runs import (
-    DEFAULT_YAML,
-    configure,
-    evaluate_run,
-    megatron_gpt,
-    run_cluster,
-    run_config,
-    run_model,
-    run_runtime,
-    run_workload,
-)
+from reference_runs import (DEFAULT_YAML, configure, evaluate_run, megatron_gpt, run_cluster, run_config, run_model,
+                            run_runtime, run_workload)
 
 from meshplan.costmodels.estimate import estimate
 from meshplan.planner.search import search

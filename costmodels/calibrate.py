@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshplan.costmodels.comm import ring_shape
-from meshplan.hardware_db.calibration import (CollectiveFit, CollectivePoint, Curve, FittedModel, LinearFit,
-                                              Measurements, MemoryClassFit, OptimizerFit)
+from meshplan.hardware_db.calibration import (CollectiveFit, CollectiveKind, CollectivePoint, Curve, FittedModel,
+                                              LinearFit, Measurements, MemoryClassFit, OptimizerFit)
 
 __all__ = ["fit_curve", "fit_linear", "fit_model", "fit_ring", "interpolate", "isotonic"]
 
@@ -37,7 +37,7 @@ def isotonic(values: Sequence[float], weights: Sequence[float] | None = None) ->
             blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
     out: list[float] = []
     for mean, _, count in blocks:
-        out += [mean] * count
+        out += [mean] * int(count)
     return out
 
 
@@ -113,12 +113,12 @@ def fit_model(m: Measurements) -> FittedModel:
     if len({p.params for p in m.optimizer}) >= 2:
         f = fit_linear([p.params for p in m.optimizer], [p.seconds for p in m.optimizer])
         optimizer = OptimizerFit(alpha_s=f.alpha_s, params_per_s=f.bytes_per_s)
-    groups: dict[tuple[str, int], list[CollectivePoint]] = {}
+    groups: dict[tuple[CollectiveKind, int], list[CollectivePoint]] = {}
     for c in m.collectives:
         groups.setdefault((c.kind, c.ranks), []).append(c)
     fits = []
-    for (kind, ranks), pts in sorted(groups.items()):
-        f = fit_linear([p.bytes for p in pts], [p.seconds for p in pts])
+    for (kind, ranks), points in sorted(groups.items()):
+        f = fit_linear([p.bytes for p in points], [p.seconds for p in points])
         fits.append(CollectiveFit(kind=kind, ranks=ranks, alpha_s=f.alpha_s, bytes_per_s=f.bytes_per_s))
     ratios = {mode: float(np.median([a.measured_bytes / a.predicted_bytes for a in m.activations
                                      if a.recompute == mode]))

@@ -7,7 +7,8 @@ with the rule that failed (the rules are those Megatron-LM's arguments.py enforc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from collections.abc import Sequence
+from typing import Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,17 +18,22 @@ from meshplan.hardware_db.errors import InputError
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
+CpComm = Literal["ring", "a2a"]  # ring attention P2P, or all-to-all over heads (DeepSpeed-Ulysses)
+ZeroStage = Literal[0, 1, 2, 3]
+TrainDtype = Literal["bf16", "fp16", "fp8"]
 # What selective recomputation re-runs in Megatron-Core (--recompute-modules; megatron/training/arguments.py, default
 # core_attn): the attention core, the two norms, MLA's up-projections and RoPE, a dense MLP, the MoE experts'
 # activation function, a whole MoE layer (router, dispatch, experts, combine), the shared experts.
 RecomputeModule = Literal["core_attn", "layernorm", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts"]
-RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
-DEFAULT_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn",)
+RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = get_args(RecomputeModule)
+DEFAULT_RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = ("core_attn",)
 # How global ranks are numbered over the dense dimensions, innermost (fastest-varying) first.
 RankOrder = Literal["tp-cp-dp-pp", "tp-cp-pp-dp"]
-RANK_ORDERS: tuple[str, ...] = get_args(RankOrder)
-DEFAULT_RANK_ORDER = "tp-cp-dp-pp"  # Megatron-LM's default "tp-cp-ep-dp-pp"
-PP_INSIDE_DP = "tp-cp-pp-dp"  # Megatron --use-tp-pp-dp-mapping ("tp-cp-ep-pp-dp", training/initialize.py); ep = 1
+RANK_ORDERS: tuple[RankOrder, ...] = get_args(RankOrder)
+DenseDim = Literal["tp", "cp", "dp", "pp"]
+DEFAULT_RANK_ORDER: RankOrder = "tp-cp-dp-pp"  # Megatron-LM's default "tp-cp-ep-dp-pp"
+# Megatron --use-tp-pp-dp-mapping ("tp-cp-ep-pp-dp", training/initialize.py); ep = 1
+PP_INSIDE_DP: RankOrder = "tp-cp-pp-dp"
 
 
 # Bounds far above any published run, so a typo is refused up front instead of simulating 10**12 micro-batches: the
@@ -43,7 +49,7 @@ class Workload(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     global_batch: int = Field(gt=0, le=MAX_GLOBAL_BATCH)
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
-    dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    dtype: TrainDtype = "bf16"
     # FP8 scaling recipe (dtype fp8 only): delayed (TE DelayedScaling), tensorwise (current scaling, TE
     # Float8CurrentScaling / torchao tensorwise), rowwise (torchao), blockwise (1x128 / 128x128, DeepSeek-V3 /
     # TE Float8BlockScaling), mxfp8 (Blackwell MX 32-element blocks)
@@ -57,6 +63,29 @@ class Workload(BaseModel):
 
     def uses_dropout(self, rt: Runtime) -> bool:
         return rt.dropout if self.dropout is None else self.dropout
+
+
+
+Choice = TypeVar("Choice")
+
+
+def one_of(value: object, options: Sequence[Choice], what: str) -> Choice:
+    """`value` as the option it equals (options: a Literal's values, so the result has that type), or InputError
+    naming `what`: where text read from a file or a launcher's arguments becomes a knob."""
+    for option in options:
+        if value == option:
+            return option
+    raise InputError(f"{what} {value!r:.40}: choose one of {', '.join(map(str, options))}")
+
+
+def rank_order_of(dims: Sequence[str]) -> RankOrder:
+    """The rank order whose dimensions, innermost first, are `dims` (a plan's mesh.rank_order)."""
+    return one_of("-".join(dims), RANK_ORDERS, "rank order")
+
+
+def rank_order_dims(order: RankOrder) -> list[DenseDim]:
+    """The dimensions of a rank order, innermost first."""
+    return [one_of(d, get_args(DenseDim), "dimension") for d in order.split("-")]
 
 
 class StagePolicy(BaseModel):
@@ -96,11 +125,11 @@ class ParallelConfig(BaseModel):
     vpp: int = Field(default=1, gt=0)  # model chunks per pipeline rank (interleaved schedule)
     dp: int | None = Field(default=None, gt=0)  # default: GPUs / (tp * pp * cp)
     cp: int = Field(default=1, gt=0)
-    cp_comm: Literal["ring", "a2a"] = "ring"  # ring attention P2P, or all-to-all over heads (DeepSpeed-Ulysses)
+    cp_comm: CpComm = "ring"
     ep: int = Field(default=1, gt=0)
     etp: int | None = Field(default=None, gt=0)  # expert tensor parallel; default: tp
     mbs: int = Field(default=1, gt=0)
-    zero: Literal[0, 1, 2, 3] = 1  # 1 = Megatron's --use-distributed-optimizer
+    zero: ZeroStage = 1  # 1 = Megatron's --use-distributed-optimizer
     recompute: Recompute = "none"
     # what "selective" recomputes (Megatron --recompute-modules); used only where a stage recomputes selectively
     recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES
@@ -388,13 +417,13 @@ class Layout:
     vpp: int
     dp: int
     cp: int
-    cp_comm: str
+    cp_comm: CpComm
     ep: int
     etp: int
     edp: int  # expert data parallel: (tp * cp * dp) / (etp * ep), Megatron "MoE parallel folding"
     mbs: int
     num_microbatches: int
-    zero: int
+    zero: ZeroStage
     recompute: str  # none | selective | full, or "per-stage" when the stages differ (see stage_recompute)
     sp: bool
     schedule: Schedule
@@ -402,7 +431,7 @@ class Layout:
     stage_recompute: tuple[StagePolicy, ...]  # recomputation per pipeline stage (pp entries)
     rank_order: RankOrder = DEFAULT_RANK_ORDER  # dense dims innermost first (group placement, timing.group_ranks)
     chunks: tuple[int, ...] = ()  # decoder layers per model chunk, model order (resolve fills it: pp * vpp entries)
-    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" re-runs (RecomputeModule)
+    recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" re-runs
     offload_layers: int = 0  # decoder layers whose activations wait in host memory (ParallelConfig.offload_layers)
 
     @property
@@ -585,7 +614,7 @@ def _check_offload(model: ModelSpec, cfg: ParallelConfig, stage_recompute: tuple
                              f"{model.num_layers} layers")
 
 
-def check_recompute_modules(model: ModelSpec, given: tuple[str, ...]) -> tuple[str, ...]:
+def check_recompute_modules(model: ModelSpec, given: tuple[str, ...]) -> tuple[RecomputeModule, ...]:
     """The selective-recompute modules, each once, in Megatron's order; refused where the model lacks the part."""
     if not given:
         raise InputError("--recompute-modules is empty: name at least one of " + ", ".join(RECOMPUTE_MODULES))

@@ -67,7 +67,7 @@ class CostContext:
     def share_layer_cache(self, other: CostContext) -> None:
         """Reuse another context's per-layer costs: valid when tp, cp, cp_comm, sp, mbs, ep and etp agree (and, with
         ZeRO-3's per-layer gathers in them, the DP groups)."""
-        names = ("tp", "cp", "cp_comm", "sp", "mbs", "ep", "etp", "recompute_modules")
+        names: tuple[str, ...] = ("tp", "cp", "cp_comm", "sp", "mbs", "ep", "etp", "recompute_modules")
         if self.dp_in_layer_times or other.dp_in_layer_times:
             names += ("zero", "pp", "dp", "edp", "rank_order")
         for name in names:

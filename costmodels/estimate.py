@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshplan.costmodels.config import (DEFAULT_RUNTIME, Layout, ParallelConfig, Runtime, Workload, get_runtime,
-                                        resolve)
+from meshplan.costmodels.config import DEFAULT_RUNTIME, Layout, ParallelConfig, Runtime, Workload, get_runtime, resolve
 from meshplan.costmodels.deadline import Deadline, check
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.passes import PassTimes

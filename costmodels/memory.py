@@ -54,7 +54,7 @@ def stage_params(model: ModelSpec, lay: Layout, layers: range, first: bool, last
     if moe_layers:
         moe = model.moe
         assert moe is not None
-        experts = moe.num_experts * model.mlp_params(moe.expert_ffn_hidden)
+        experts: float = moe.num_experts * model.mlp_params(moe.expert_ffn_hidden)
         expert += len(moe_layers) * experts / (lay.ep * lay.etp)
         dense += len(moe_layers) * (model.layer_params(moe_layers[0]) - experts) / lay.tp
     if dense_layers:
@@ -122,7 +122,7 @@ def layer_activation_bytes(model: ModelSpec, index: int, lay: Layout, wl: Worklo
         outside = (2 * ACT_BYTES + norm_out + 2 * mask) * sbh / sp
     if model.mla is None:
         q = model.num_heads * model.head_size
-        kv = attended_kv_heads(model, rt) * model.head_size  # the kernel's K,V inputs, repeated or grouped
+        kv: float = attended_kv_heads(model, rt) * model.head_size  # the kernel's K,V inputs, repeated or grouped
         v_dim = q
         latents = 0.0
     else:

@@ -397,8 +397,8 @@ def mlp_half(model: ModelSpec, index: int, lay: Layout, wl: Workload, rt: Runtim
         dense = _mlp_ops("", model, tokens, model.ffn_hidden / lay.tp, fp8, rt.fused_projections)
         if wl.dtype == "fp8":
             dense += fp8_quantize_ops(dense, wl.fp8_recipe, fp8_any_layout, rt.mx_cast_per_dim)
-        comms = _tp_pair(model, lay, wl, rt)
-        return Block("mlp", tuple(dense + async_tp_copies(lay, rt, dense, comms)), tuple(comms))
+        pair = _tp_pair(model, lay, wl, rt)
+        return Block("mlp", tuple(dense + async_tp_copies(lay, rt, dense, pair)), tuple(pair))
     moe = model.moe
     assert moe is not None
     ops: list[Op] = []
@@ -455,9 +455,9 @@ def embedding_block(model: ModelSpec, lay: Layout, wl: Workload) -> Block:
     tokens = lay.mbs * wl.seq_len / lay.cp
     out = tokens * model.hidden
     ops = (elementwise("embedding", tokens, out, bwd_factor=2.0),)
-    comms = ()
+    comms: tuple[Collective, ...] = ()
     if lay.tp > 1:
-        kind = "reduce_scatter" if lay.sp else "all_reduce"
+        kind: CollectiveKind = "reduce_scatter" if lay.sp else "all_reduce"
         comms = (Collective("embedding_tp", kind, "tp", ACT_BYTES * out, 1, 0),)
     return Block("embedding", ops, comms)
 
@@ -485,7 +485,7 @@ def head_block(model: ModelSpec, lay: Layout, wl: Workload) -> Block:
         # logits read, cast to fp32, exp/sum/normalise and the gradient written: about 4 passes of fp32 logits.
         Op("cross_entropy", "memory", 0.0, 4 * 4 * tokens * vocab_local, 0.0, 2 * 4 * tokens * vocab_local),
     )
-    comms = ()
+    comms: tuple[Collective, ...] = ()
     if lay.tp > 1:
         comms = (
             Collective("head_gather", "all_gather" if lay.sp else "all_reduce", "tp", ACT_BYTES * tokens * model.hidden,

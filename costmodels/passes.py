@@ -136,7 +136,11 @@ class PassCache:
         self.peak16 = gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16")
         self.peak_fp8 = gpu.peak_flops("fp8") if wl.dtype == "fp8" else self.peak16
         self.hbm = gpu.hbm_bytes_per_s
-        self.store: dict[tuple, tuple[PassTimes, float]] = {}
+        # keyed by block shape (and links): each block's passes and recompute parts, the head (+ MTP) passes, and
+        # each block's (forward, backward, recompute parts) totals
+        self.blocks: dict[tuple, tuple[PassTimes, RecomputeParts]] = {}
+        self.heads: dict[tuple, PassTimes] = {}
+        self.totals: dict[tuple, tuple[float, float, RecomputeParts]] = {}
 
     def layer(self, i: int, lay, links) -> tuple[PassTimes, float]:
         """A decoder layer's passes without recomputation and its selective part: the attention half plus the MLP
@@ -151,11 +155,11 @@ class PassCache:
         mlp_name = "moe" if kind else "mlp"
         mlp_key, mlp_build = self._key(mlp_name, lay, links), lambda: mlp_half(model, i, lay, wl, rt, any_layout)
         key = ("layer", attn_key, mlp_key)
-        found = self.store.get(key)
+        found = self.blocks.get(key)
         if found is None:
             attn, sel_attn = self._block(attn_key, attn_build, lay, links)
             mlp, sel_mlp = self._block(mlp_key, mlp_build, lay, links)
-            found = self.store[key] = (self._ep_overlapped(attn, mlp), _merge_parts(sel_attn, sel_mlp))
+            found = self.blocks[key] = (self._ep_overlapped(attn, mlp), _merge_parts(sel_attn, sel_mlp))
         return found[0], self._selective_s(found[1], lay)
 
     def _ep_overlapped(self, attn: PassTimes, mlp: PassTimes) -> PassTimes:
@@ -211,7 +215,7 @@ class PassCache:
             last = "moe" if model.is_moe_layer(model.num_layers - 1) else "mlp"
             key += (self._key("attention", lay, links), self._key(last, lay, links), self._key("mtp_projection", lay,
                                                                                                 links))
-        found = self.store.get(key)
+        found = self.heads.get(key)
         if found is None:
             head = self._block(head_key, lambda: head_block(model, lay, self.wl), lay, links)[0]
             if model.num_mtp_layers:
@@ -219,8 +223,8 @@ class PassCache:
                                          lambda: mtp_projection(model, lay, self.wl), lay, links)[0]
                 module = projection.plus(self.layer(model.num_layers - 1, lay, links)[0]).plus(head)
                 head = head.plus(PassTimes.total([(module, model.num_mtp_layers)]))
-            found = self.store[key] = (head, 0.0)
-        return found[0]
+            found = self.heads[key] = head
+        return found
 
     def layer_fb(self, i: int, mode: str, lay, links) -> tuple[float, float]:
         """(forward, backward) seconds of decoder layer i under a recompute mode (backward: input and weight
@@ -259,10 +263,10 @@ class PassCache:
 
     def _totals(self, key: tuple, build, lay, links) -> tuple[float, float, RecomputeParts]:
         """A block's (forward, backward without recomputation, recompute parts), cached beside its passes."""
-        found = self.store.get(("totals", key))
+        found = self.totals.get(key)
         if found is None:
             t, sel = self._block(key, build, lay, links)
-            found = self.store[("totals", key)] = (t.forward, t.backward_input + t.bwd_weight_compute, sel)
+            found = self.totals[key] = (t.forward, t.backward_input + t.bwd_weight_compute, sel)
         return found
 
     @staticmethod
@@ -271,12 +275,12 @@ class PassCache:
         return (name, fields(lay), *[links[d] for d in dims])
 
     def _block(self, key: tuple, build, lay, links) -> tuple[PassTimes, RecomputeParts]:
-        found = self.store.get(key)
+        found = self.blocks.get(key)
         if found is None:
             block = build()
             if block.name != key[0]:
                 raise ValueError(f"block {block.name!r} cached as {key[0]!r}")
-            found = self.store[key] = self._passes_of(block, lay, links)
+            found = self.blocks[key] = self._passes_of(block, lay, links)
         return found
 
     def _passes_of(self, block: Block, lay, links) -> tuple[PassTimes, RecomputeParts]:
@@ -327,8 +331,8 @@ class PassCache:
             if self.rt.selective == "op-sac":  # torchtitan: per-operator SAC, no modules
                 parts["op-sac"] = parts.get("op-sac", 0.0) + f * op_sac_recomputed(op, self.model)
             else:
-                for m in recompute_modules_of(op, block.name):
-                    parts[m] = parts.get(m, 0.0) + f
+                for module in recompute_modules_of(op, block.name):
+                    parts[module] = parts.get(module, 0.0) + f
             if op.kind == "attention" or op.name.startswith("attn_"):
                 attn_core += f
         if block.name == "attention" and eff.layer_overhead:  # once per decoder layer: its measured framework cost
@@ -339,8 +343,8 @@ class PassCache:
             fwd += eff.head_overhead.forward_s
             bwd_i += eff.head_overhead.backward_s
         fwd_comm, bwd_comm, again = self._block_comms(block, lay, links, columns, attn_core, attn_core_bwd)
-        for m, tf in again:
-            parts[m] = parts.get(m, 0.0) + tf
+        for module, tf in again:
+            parts[module] = parts.get(module, 0.0) + tf
         return PassTimes(fwd, bwd_i, bwd_w, fwd_comm, bwd_comm, 0.0), tuple(sorted(parts.items()))
 
     def _block_comms(self, block: Block, lay, links, columns: int, attn_core: float,

@@ -39,14 +39,18 @@ __all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "Poo
            "kv_transfer_s", "stage_layer_counts"]
 
 
+ServeDtype = Literal["bf16", "fp8"]  # weights and GEMMs, or the KV cache
+ServeObjective = Literal["throughput", "min-gpus"]  # most output tokens/s per GPU, or fewest GPUs for a rate
+
+
 class ServeWorkload(BaseModel):
     """Request lengths (mean input and output tokens) and precisions."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     isl: int = Field(gt=0, description="input (prompt) tokens per request")
     osl: int = Field(gt=0, description="output tokens per request")
-    weight_dtype: Literal["bf16", "fp8"] = "bf16"
-    kv_dtype: Literal["bf16", "fp8"] = "bf16"
+    weight_dtype: ServeDtype = "bf16"
+    kv_dtype: ServeDtype = "bf16"
     moe_imbalance: float = Field(default=1.0, ge=1.0, description="busiest expert rank's load / mean")
     source: str | None = Field(default=None, description="where the lengths came from (a CSV's mean), if not given")
 
@@ -441,9 +445,10 @@ def aggregated_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: 
     if batch * (wl.isl + wl.osl) > mem.tokens:
         return None
     ctx = wl.isl + wl.osl / 2
-    kw = dict(weight_dtype=wl.weight_dtype, kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    steady = iteration_time(model, cluster, lay, batch, ctx, prefill_per_iter, wl.isl / 2, **kw)
-    full = iteration_time(model, cluster, lay, batch, ctx, budget, wl.isl / 2, **kw)
+    steady = iteration_time(model, cluster, lay, batch, ctx, prefill_per_iter, wl.isl / 2, weight_dtype=wl.weight_dtype,
+                            kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
+    full = iteration_time(model, cluster, lay, batch, ctx, budget, wl.isl / 2, weight_dtype=wl.weight_dtype,
+                          kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
     iterations = math.ceil(wl.isl / (budget / lay.dp))  # the request's attention group gets its share of the budget
     return PoolPoint("aggregated", lay, batch, chunk, iterations * full.seconds, steady.seconds,
                      batch / (wl.osl * steady.seconds), mem, mem_fraction)

@@ -212,8 +212,10 @@ class FittedModel(_Frozen):
 
     def activation_ratio_for(self, mode: str) -> float:
         """measured / predicted activations of a layer under this recompute mode (1 where not measured)."""
-        return self.activation_ratios.get(mode, self.activation_ratio if mode == "none" and self.activation_ratio
-                                          else 1.0)
+        for measured, ratio in self.activation_ratios.items():
+            if measured == mode:
+                return ratio
+        return self.activation_ratio if mode == "none" and self.activation_ratio else 1.0
 
 
 class Calibration(_Frozen):

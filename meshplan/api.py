@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeAlias
 
 from meshplan.costmodels.config import DEFAULT_RUNTIME, ParallelConfig, Workload
 from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster
@@ -17,7 +18,7 @@ from meshplan.costmodels.estimate import Estimate, Simulated, simulate_config
 from meshplan.costmodels.estimate import estimate as estimate_cost
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
-from meshplan.costmodels.serving import EngineLayout, ServeTargets, ServeWorkload
+from meshplan.costmodels.serving import EngineLayout, ServeObjective, ServeTargets, ServeWorkload
 from meshplan.hardware_db.calibration import load_calibration
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
@@ -30,7 +31,8 @@ from meshplan.planner.space import Pins
 __all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "estimate", "load_plan", "plan",
            "search_deployments", "search_plans", "serve"]
 
-ModelInput = str | ModelSpec  # a zoo name, a config file (Hugging Face config.json or meshplan model file), or a spec
+# a zoo name, a config file (Hugging Face config.json or meshplan model file), or a spec
+ModelInput: TypeAlias = str | ModelSpec
 
 
 @dataclass(frozen=True)
@@ -113,14 +115,16 @@ def plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, pins: Pins
 
 
 def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targets: ServeTargets,
-                       min_gpus: int = 1, objective: str = "throughput", disaggregation: bool = True, top: int = 5,
+                       min_gpus: int = 1, objective: ServeObjective = "throughput", disaggregation: bool = True,
+                       top: int = 5,
                        mem_fraction: float = 0.9, time_limit_s: float | None = None,
                        pinned: PinnedDeployment | None = None, timing: bool = False) -> ServingSearch:
     """The best serving deployment on at most `cluster.num_gpus` GPUs (and at least `min_gpus`) under the targets,
     or the `pinned` one priced. InputError when nothing fits."""
     spec = _model(model)
     hardware = Cluster(cluster)
-    result, alternatives = None, ()
+    result: ServeResult | None = None
+    alternatives: tuple[str, ...] = ()
     if pinned is not None:
         best = pinned_deployment(spec, hardware, workload, targets, pinned.layout, pinned.engines, pinned.batch,
                                  pinned.prefill_layout, pinned.prefill_engines, mem_fraction=mem_fraction)
@@ -137,7 +141,7 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
 
 
 def serve(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targets: ServeTargets = ServeTargets(),
-          objective: str = "throughput", disaggregation: bool = True) -> ServingPlan:
+          objective: ServeObjective = "throughput", disaggregation: bool = True) -> ServingPlan:
     """The best serving deployment, as the document `meshplan serve --out` writes."""
     return search_deployments(model, cluster, workload, targets, objective=objective,
                               disaggregation=disaggregation).plan

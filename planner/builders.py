@@ -11,7 +11,7 @@ from meshplan.costmodels.estimate import Simulated
 from meshplan.costmodels.memory import FRAGMENTATION
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import to_model_file
-from meshplan.costmodels.serving import ServeTargets, ServeWorkload
+from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryStage, ParetoPoint, Plan, Prediction, SearchInfo,
                                    ServingEngine, ServingInputs, ServingPlan, ServingPrediction, ServingSearch,
@@ -74,7 +74,8 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
 
 
 def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: ServeWorkload, targets: ServeTargets,
-                       deployment: Deployment, result: ServeResult | None = None, objective: str = "throughput",
+                       deployment: Deployment, result: ServeResult | None = None,
+                       objective: ServeObjective = "throughput",
                        alternatives: list[str] | None = None) -> ServingPlan:
     """The plan of one deployment; `result` when a search made it."""
     engines = [ServingEngine(

@@ -13,17 +13,19 @@ import json
 import os
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
 
 from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RANK_ORDERS,
-                                        Layout, ParallelConfig, RankOrder, RecomputeModule, Schedule, StagePolicy,
-                                        Workload, get_runtime, resolve)
+                                        CpComm, DenseDim, Layout, Recompute, ZeroStage, rank_order_dims, rank_order_of,
+                                        ParallelConfig, RankOrder, RecomputeModule, Schedule, StagePolicy, Workload,
+                                        get_runtime, resolve)
 from meshplan.costmodels.estimate import layout_dict
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import parse_model_file
-from meshplan.costmodels.serving import ServeTargets, ServeWorkload
+from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.documents import read_document
 from meshplan.hardware_db.errors import InputError, field_error
@@ -48,7 +50,7 @@ __all__ = [
     "plan_text",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 SCHEMA_ID = "urn:meshplan:plan:v1"  # no hosted URL yet; a URN names the schema without promising a download
 SCHEMA_PATH = Path(__file__).with_name("plan.schema.json")
 MODEL_ORIGIN = "plan inputs.model"
@@ -114,11 +116,11 @@ class Mesh(_Frozen):
     etp: int = Field(gt=0)
     edp: int = Field(gt=0)
     sp: bool
-    cp_comm: Literal["ring", "a2a"]
-    rank_order: list[Literal["tp", "cp", "dp", "pp"]] = Field(
+    cp_comm: CpComm
+    rank_order: list[DenseDim] = Field(
         description="innermost (fastest-varying) first: Megatron-LM's default, or tp-cp-pp-dp for "
                     "--use-tp-pp-dp-mapping",
-        json_schema_extra={"enum": [order.split("-") for order in RANK_ORDERS]})
+        json_schema_extra={"enum": [list[JsonValue](order.split("-")) for order in RANK_ORDERS]})
     world_size: int = Field(gt=0)
 
     @model_validator(mode="after")
@@ -192,7 +194,7 @@ class MemoryStage(_Frozen):
 
 
 class Memory(_Frozen):
-    zero: Literal[0, 1, 2, 3]
+    zero: ZeroStage
     recompute: str = Field(description="none | selective | full | full:k | per-stage (the layout's summary)")
     recompute_modules: list[RecomputeModule] = Field(
         default_factory=lambda: list(DEFAULT_RECOMPUTE_MODULES),
@@ -358,7 +360,7 @@ def layout_sections(lay: Layout, workload: Workload) -> tuple[Mesh, Pipeline]:
             chunks=[Chunk(first_layer=f, num_layers=n) for f, n in mine], recompute=lay.stage_recompute[r],
             embedding=r == 0, head=r == lay.pp - 1))
     mesh = Mesh(tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.dp, ep=lay.ep, etp=lay.etp, edp=lay.edp, sp=lay.sp,
-                cp_comm=lay.cp_comm, rank_order=lay.rank_order.split("-"), world_size=lay.world)
+                cp_comm=lay.cp_comm, rank_order=rank_order_dims(lay.rank_order), world_size=lay.world)
     pipeline = Pipeline(schedule=lay.schedule, vpp=lay.vpp, micro_batch_size=lay.mbs,
                         num_microbatches=lay.num_microbatches, global_batch=workload.global_batch, stages=stages)
     return mesh, pipeline
@@ -398,7 +400,10 @@ def _first_difference(expected: Any, got: Any, where: str = "") -> str:
     return f"{where or 'value'} is {shown}, the layout has {_one_line(json.dumps(expected), 40)}"
 
 
-def without_timing(plan: Plan | ServingPlan) -> Plan | ServingPlan:
+PlanT = TypeVar("PlanT", "Plan", "ServingPlan")
+
+
+def without_timing(plan: PlanT) -> PlanT:
     """The plan without its search's wall time: the one field that differs between two runs on the same input."""
     if plan.search is None:
         return plan
@@ -409,13 +414,14 @@ def plan_config(plan: Plan) -> tuple[ModelSpec, Cluster, Workload, ParallelConfi
     """(model, cluster, workload, config, runtime) to re-run simulate_config from the plan alone; the stage
     partition and per-stage recomputation are pinned, so the simulation reproduces plan.prediction."""
     mesh, pipe = plan.mesh, plan.pipeline
-    uniform = plan.memory.recompute if plan.memory.recompute in ("none", "selective", "full") else "none"
+    recompute = plan.memory.recompute  # "per-stage" or "full:k": the stages pin their own
+    uniform: Recompute = "selective" if recompute == "selective" else "full" if recompute == "full" else "none"
     config = ParallelConfig(
         tp=mesh.tp, pp=mesh.pp, vpp=pipe.vpp, dp=mesh.dp, cp=mesh.cp, cp_comm=mesh.cp_comm, ep=mesh.ep,
         etp=mesh.etp, mbs=pipe.micro_batch_size, zero=plan.memory.zero, recompute=uniform, sp=mesh.sp,
         schedule=pipe.schedule, stage_layers=tuple(s.num_layers for s in pipe.stages),
         chunk_layers=tuple(pipe.stages[r].chunks[v].num_layers for v in range(pipe.vpp) for r in range(mesh.pp)),
-        stage_recompute=tuple(s.recompute for s in pipe.stages), rank_order="-".join(mesh.rank_order),
+        stage_recompute=tuple(s.recompute for s in pipe.stages), rank_order=rank_order_of(mesh.rank_order),
         recompute_modules=tuple(plan.memory.recompute_modules), offload_layers=plan.memory.offload_layers)
     inputs = plan.inputs
     return inputs.model_spec(), inputs.cluster.cluster(), inputs.workload, config, inputs.runtime
@@ -493,7 +499,7 @@ class ParetoPoint(_Frozen):
 
 
 class ServingSearch(_Frozen):
-    objective: Literal["throughput", "min-gpus"]
+    objective: ServeObjective
     evaluated: int = Field(ge=0)
     seconds: float | None = Field(default=None, ge=0, description="wall time; only with --timing (see SearchInfo)")
     layouts_skipped: int = Field(default=0, ge=0, description="engine layouts --time-limit left unevaluated")

@@ -24,8 +24,8 @@ from itertools import pairwise
 
 import numpy as np
 
-from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, DEFAULT_RUNTIME, ParallelConfig, StagePolicy,
-                                        Workload, get_runtime, resolve, split_evenly)
+from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, DEFAULT_RUNTIME, ParallelConfig, RecomputeModule,
+                                        StagePolicy, Workload, get_runtime, resolve, split_evenly)
 from meshplan.costmodels.deadline import Deadline, TimeLimitReached
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.context import CostContext
@@ -37,7 +37,8 @@ from meshplan.hardware_db.errors import InputError
 from meshplan.planner.partition import (PartitionProblem, PartitionResult, partitions_below, per_stage_bound,
                                         per_stage_partitions_below, per_stage_tight_bound, solve_cpsat, solve_dp_pairs,
                                         solve_rank0_path_sync, solve_stage0_sync)
-from meshplan.planner.space import Candidate, Enumeration, Group, Pins, check_pins, enumerate_space
+from meshplan.planner.space import (MEMORY_POLICY, UNIFORM_POLICY, Candidate, Enumeration, Group, Pins, check_pins,
+                                    enumerate_space)
 from meshplan.planner.search_bounds import SearchCosts
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
@@ -168,7 +169,7 @@ class _Search(SearchCosts):
     account."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, runtime: str, eff: Efficiency,
-                 enum: Enumeration, top_k: int, modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES):
+                 enum: Enumeration, top_k: int, modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES):
         super().__init__(model, cluster, wl, runtime, eff, enum, modules)
         self.best = _Best(top_k)
         self.deadline: float | None = None  # the time limit's perf_counter() end (see run and _limit)
@@ -310,9 +311,9 @@ class _Search(SearchCosts):
         if step is Step.GROUP:
             self._expand_group(*payload)
         elif step is Step.CANDIDATE:
-            self._step_candidate(bound, *payload)
+            self._step_candidate(bound, payload[0])
         elif step is Step.CANDIDATE_SHARDED:
-            self._step_candidate(bound, *payload, sharded_bound=True)
+            self._step_candidate(bound, payload[0], sharded_bound=True)
         elif step is Step.INTERLEAVED:
             self._step_interleaved(bound, *payload)
         elif step is Step.FAMILY:
@@ -365,7 +366,8 @@ class _Search(SearchCosts):
         sharded = [n for n, (dp_in_layers, bound) in enumerate(zip(has_dp, bounds.tolist(), strict=True))
                    if dp_in_layers and bound < cutoff]
         if sharded:
-            gbs, rep = self.wl.global_batch, {}
+            gbs = self.wl.global_batch
+            rep: dict[tuple, Candidate] = {}
             for n in sharded:  # one context per (sp, cp_comm, zero): the layer times read nothing else of these
                 rep.setdefault((cands[n].sp, cands[n].cp_comm, cands[n].zero), cands[n])
             ctxs = {k: self._context(c) for k, c in rep.items()}
@@ -431,7 +433,7 @@ class _Search(SearchCosts):
         """The candidate's own partition bound: the exact DP (per-stage recomputation: the relaxed DP first),
         after the greedy memory test that most misfits fail; exact below _below(key), else queued again there."""
         per_stage = c.recompute == "per-stage"
-        policy = "none" if per_stage else c.recompute
+        policy = UNIFORM_POLICY[c.recompute]
         if not self._may_fit(prob, policy, per_stage):
             self._no_partition(c, prob, "memory: no partition fits even with full recompute" if per_stage
                                else "memory: no stage partition fits", Step.PER_STAGE if per_stage else Step.SIMULATE)
@@ -455,7 +457,7 @@ class _Search(SearchCosts):
     def _no_partition(self, c: Candidate, prob: PartitionProblem, reason: str, step: Step) -> None:
         """A DP found nothing: infeasible when the greedy memory test or an uncut DP says so, else pruned (no
         partition below the cutoff; one the greedy test missed that does not fit has no bound below it either)."""
-        recompute = "full" if c.recompute == "per-stage" else c.recompute
+        recompute = MEMORY_POLICY[c.recompute]
         if not math.isinf(self.best.cutoff()) and self._may_fit(prob, recompute, c.recompute == "per-stage"):
             self._count(self.pruned, step.pruned_by)
             return

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, ParallelConfig, StagePolicy, Workload, get_runtime,
-                                        resolve)
+from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, CpComm, ParallelConfig, RecomputeModule, StagePolicy,
+                                        Workload, get_runtime, one_of, resolve)
 from meshplan.costmodels.deadline import Deadline
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.timing import stage_p2p_s
@@ -23,8 +23,10 @@ from meshplan.costmodels.memory import (FRAGMENTATION, GIB, StageParams, embeddi
                                         stage_params)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.hardware_db.cluster import Cluster
-from meshplan.planner.partition import PartitionProblem, PartitionResult, SyncModel, dp_bound, may_fit, solve_dp
-from meshplan.planner.space import Candidate, Enumeration, Group, LayerKey, Mesh, interleaved_chunks
+from meshplan.planner.partition import (SCHEDULES, Granularity, PartitionProblem, PartitionResult, SyncModel, dp_bound,
+                                        may_fit, solve_dp)
+from meshplan.planner.space import (MEMORY_POLICY, UNIFORM_POLICY, Candidate, Enumeration, Group, LayerKey, Mesh,
+                                    interleaved_chunks)
 
 LOOKAHEAD = 0.1  # a DP solves exactly only below (1 + this) x its step's queue key; above, it is queued again there
 UNBOUNDED_BYTES = 1e30  # a memory cap no stage reaches (bounds that ignore memory)
@@ -37,7 +39,7 @@ class SearchCosts:
     bounds. The search supplies the cutoff the DPs solve below and the time limit they check (cutoff, _limit)."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, runtime: str, eff: Efficiency,
-                 enum: Enumeration, modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES):
+                 enum: Enumeration, modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES):
         self.model, self.cluster, self.wl, self.runtime, self.eff, self.enum = model, cluster, wl, runtime, eff, enum
         self.modules = modules  # what selective recomputation re-runs (Pins.recompute_modules)
         self.rt = get_runtime(runtime)
@@ -50,14 +52,14 @@ class SearchCosts:
         self.passes = PassCache(model, cluster, wl, self.rt, eff)  # block passes shared by every context
         self.closest_memory: tuple[float, str] | None = None  # the smallest memory excess seen, for "nothing fits"
         self.problems: dict[int, PartitionProblem] = {}
-        self.dp_results: dict[tuple, PartitionResult | None] = {}
-        self.mesh_links: dict[Mesh, dict] = {}
+        self.dp_results: dict[tuple, tuple[PartitionResult | None, float]] = {}  # (result, solved below)
+        self.mesh_links: dict[Mesh, GroupLinks] = {}
         self.states_floors: dict[tuple[Mesh, int], float] = {}
         self.hops: dict[tuple[Mesh, int], float] = {}
         self.rank_contents: dict[tuple, tuple] = {}
-        self.work_bounds: dict[tuple, tuple[float, float]] = {}
+        self.work_bounds: dict[tuple, list] = {}  # per layer key: the key costs (_key_costs)
         self.layer_parts: dict[tuple, tuple] = {}  # per layer key: each layer kind's (forward, backward, selective)
-        self.family_bounds: dict[tuple, float] = {}
+        self.family_bounds: dict[tuple, tuple[float, float]] = {}  # (bound, solved below)
         self.interleaved_bounds: dict[tuple, list] = {}  # per mesh/mbs/...: each split's per-rank paths
         self.chunk_kinds: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
         # simulated pipelines by their stage times  # by id of a context held in self.contexts
@@ -85,7 +87,7 @@ class SearchCosts:
                 policies: tuple[StagePolicy, ...] | None = None,
                 chunks: tuple[int, ...] | None = None) -> ParallelConfig:
         m = cand.mesh
-        uniform = cand.recompute if cand.recompute != "per-stage" else "none"
+        uniform = UNIFORM_POLICY[cand.recompute]
         if chunks is None and cand.vpp > 1 and stage_layers is None:  # the first virtual-stage split searched
             chunks = interleaved_chunks(self.model.num_layers, m.pp, cand.vpp)[0]
         return ParallelConfig(tp=m.tp, pp=m.pp, vpp=cand.vpp, dp=m.dp, cp=m.cp, cp_comm=cand.cp_comm, ep=m.ep,
@@ -135,7 +137,8 @@ class SearchCosts:
         last = stage_params(model, lay, range(0), False, True)
         emb, head = ctx.embedding, ctx.head
         prob = PartitionProblem(
-            num_stages=lay.pp, num_microbatches=lay.num_microbatches, schedule=lay.schedule,
+            num_stages=lay.pp, num_microbatches=lay.num_microbatches,
+            schedule=one_of(lay.schedule, SCHEDULES, "partition schedule"),
             layer_forward=tuple(f), layer_backward=tuple(b), layer_selective_extra=tuple(sel),
             layer_full_extra=tuple(full), layer_state_bytes=tuple(state), layer_act_none=tuple(a_none),
             layer_act_selective=tuple(a_sel), layer_act_full=tuple(a_full), layer_params_dense=tuple(p_dense),
@@ -168,7 +171,7 @@ class SearchCosts:
                 coef[name] = 0.0
         return coef
 
-    def _dp(self, prob: PartitionProblem, policy: str, relaxed: bool = False,
+    def _dp(self, prob: PartitionProblem, policy: Granularity, relaxed: bool = False,
             below: float = math.inf) -> PartitionResult | None:
         """solve_dp, once per problem and policy (a candidate's ZeRO-free per-stage twin reuses its "none" DP): the
         optimum when it is below `below`, else None (also when nothing fits)."""
@@ -179,7 +182,7 @@ class SearchCosts:
             self.dp_results[key] = (res, below)
         return res if res is not None and res.objective < below else None
 
-    def _may_fit(self, prob: PartitionProblem, policy: str, relaxed: bool) -> bool:
+    def _may_fit(self, prob: PartitionProblem, policy: Granularity, relaxed: bool) -> bool:
         """may_fit, once per problem and policy (a candidate queued again asks again)."""
         key = (id(prob), "relaxed" if relaxed else policy)
         if key not in self.fits:
@@ -250,7 +253,7 @@ class SearchCosts:
     def _sharded_key_costs(self, c: Candidate, ctx: CostContext) -> list:
         """_key_costs with the layer times of the candidate's context, which hold ZeRO-2/3's per-layer DP
         collectives (CostContext._sharded_dp_passes): they depend on the DP groups, so per mesh and ZeRO stage."""
-        rec = "none" if c.recompute == "per-stage" else c.recompute
+        rec = UNIFORM_POLICY[c.recompute]
         key = (c.layer_key, rec, c.mesh, c.zero)
         found = self.work_bounds.get(key)
         if found is None:
@@ -303,7 +306,7 @@ class SearchCosts:
         this candidate whose layer times hold no DP collectives (they differ only in memory and sync; ZeRO-2/3 with
         per-layer collectives get their own), and with no recomputation for per-stage too. Exact
         when below `below`; otherwise `below`, a lower bound."""
-        rec = "none" if c.recompute == "per-stage" else c.recompute
+        rec = UNIFORM_POLICY[c.recompute]
         # ZeRO-2/3's per-layer DP collectives are in the layer times: their own bound, not shared
         key = (c.mesh, c.mbs, c.sp, c.cp_comm, c.schedule, rec, c.zero if self._context(c).dp_in_layer_times else None)
         value, solved_below = self.family_bounds.get(key, (math.inf, -math.inf))
@@ -363,7 +366,8 @@ class SearchCosts:
         lay = ctx.lay
         pp, vpp = lay.pp, lay.vpp
         moe, dense_n = self._chunk_kinds(lay.chunks)
-        fw, bw = np.zeros(pp * vpp), np.zeros(pp * vpp)
+        fw: np.ndarray = np.zeros(pp * vpp)
+        bw: np.ndarray = np.zeros(pp * vpp)
         for kind, i in self.layer_kinds.items():
             t = ctx.layer_times(i, mode)
             n = moe if kind else dense_n
@@ -465,7 +469,7 @@ class SearchCosts:
         # a floor reads only these of a candidate (not cp_comm, vpp or the schedule beyond GPipe's held batches)
         reads = [(c.sp, c.zero, "full" if c.recompute == "per-stage" else c.recompute, c.schedule == "gpipe")
                  for c in cands]
-        distinct = {}
+        distinct: dict[tuple, Candidate] = {}
         for c, what in zip(cands, reads, strict=True):
             distinct.setdefault(what, c)
         for c in distinct.values():
@@ -476,7 +480,7 @@ class SearchCosts:
                                          sum(model_state_bytes(StageParams(0.0, 1.0), lay)),  # type: ignore[arg-type]
                                          buffer_bytes(self.model, c.zero, m.tp))
             per_dense, per_expert, buffers = self.state_bytes[key]
-            mode = "full" if c.recompute == "per-stage" else c.recompute
+            mode = MEMORY_POLICY[c.recompute]
             rows = [self._layer_memory(c, kind, i, mode) for kind, i in self.layer_kinds.items()]
             states.append([per_dense * dense + per_expert * expert for dense, expert, _ in rows])
             acts.append([act for _, _, act in rows])
@@ -557,7 +561,7 @@ class SearchCosts:
             np.minimum.at(scores, np.array(owner), self._work_bounds(rows))
         return scores.tolist()
 
-    def _sp_dominates(self, g: Group, cc: str) -> bool:
+    def _sp_dominates(self, g: Group, cc: CpComm) -> bool:
         """Sequence parallelism is never slower and never uses more memory than plain TP for this mesh: every
         block's pass times (each recompute mode) and activations are no larger with it (checked, not assumed;
         once per layer key, from the PassCache)."""

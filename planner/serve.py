@@ -24,8 +24,8 @@ import numpy as np
 
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.model import ModelSpec
-from meshplan.costmodels.serving import (MEM_FRACTION, EngineLayout, PoolPoint, ServeTargets, ServeWorkload,
-                                         aggregated_point, decode_point, prefill_point)
+from meshplan.costmodels.serving import (MEM_FRACTION, EngineLayout, PoolPoint, ServeDtype, ServeObjective,
+                                         ServeTargets, ServeWorkload, aggregated_point, decode_point, prefill_point)
 from meshplan.hardware_db.cluster import Cluster, engine_cluster
 from meshplan.hardware_db.errors import InputError
 
@@ -220,7 +220,7 @@ def _ratio(pre: PoolPoint, dec: PoolPoint, gpus: int) -> tuple[int, int] | None:
 
 
 def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
-                   min_gpus: int = 1, objective: Literal["throughput", "min-gpus"] = "throughput",
+                   min_gpus: int = 1, objective: ServeObjective = "throughput",
                    disaggregation: bool = True, eff: Efficiency | None = None, top: int = 5,
                    mem_fraction: float = MEM_FRACTION, time_limit_s: float | None = None) -> ServeResult:
     """Every engine layout, batch and chunk within `cluster.num_gpus` GPUs (deployments using at least
@@ -290,7 +290,7 @@ def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, target
     if not deployments:
         why = (f"no engine of at most {budget} GPUs holds {model.name} with a batch of ISL {wl.isl} + OSL "
                f"{wl.osl} tokens in {mem_fraction:.0%} of HBM; give more GPUs or shorter requests")
-    elif not ok:
+    elif not ok and nearest is not None:
         why = f"no deployment meets the targets; the nearest, {nearest.label()}, misses {misses(nearest, targets, wl)}"
     return ServeResult(ok[0] if ok else None, pareto_front(deployments), tuple(ok[:top]), nearest, why, evaluated,
                        time.perf_counter() - start, skipped)
@@ -409,7 +409,7 @@ def explain_serving(result: ServeResult, targets: ServeTargets, wl: ServeWorkloa
     if best is None:
         return []
     seen = {best.label()}
-    out = []
+    out: list[str] = []
     pool = sorted(set(result.pareto) | set(result.ranked), key=lambda d: -d.tokens_per_s_per_gpu)
     other_mode = next((d for d in pool if d.mode != best.mode and not misses(d, targets, wl)), None) or next(
         (d for d in pool if d.mode != best.mode), None)
@@ -476,8 +476,8 @@ def load_lengths(path: str | Path) -> tuple[float, float, int]:
     return sum(ins) / len(ins), sum(outs) / len(outs), len(ins)
 
 
-def workload_from(isl: int | None, osl: int | None, lengths: tuple[float, float, int] | None, weight_dtype: str,
-                  kv_dtype: str) -> ServeWorkload:
+def workload_from(isl: int | None, osl: int | None, lengths: tuple[float, float, int] | None,
+                  weight_dtype: ServeDtype, kv_dtype: ServeDtype) -> ServeWorkload:
     """The workload of --isl/--osl or of a lengths file (its means)."""
     if lengths is not None:
         if isl is not None or osl is not None:

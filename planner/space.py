@@ -13,25 +13,32 @@ import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RankOrder,
-                                        RecomputeModule, Runtime, Workload, check_recompute_modules, even_chunks,
-                                        split_evenly)
+from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, CpComm, RankOrder,
+                                        Recompute, RecomputeModule, Runtime, Schedule, ZeroStage, Workload,
+                                        check_recompute_modules, even_chunks, split_evenly)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.pipeline import MAX_PIPELINE_PASSES, pipeline_passes
 from meshplan.hardware_db.errors import InputError
 
 RecomputeChoice = Literal["none", "selective", "full", "per-stage"]
+# the uniform policy a candidate's DPs run: per-stage starts from no recomputation (its relaxed DP), and its memory
+# floor assumes full
+UNIFORM_POLICY: dict[RecomputeChoice, Recompute] = {"none": "none", "selective": "selective", "full": "full",
+                                                    "per-stage": "none"}
+MEMORY_POLICY: dict[RecomputeChoice, Recompute] = {"none": "none", "selective": "selective", "full": "full",
+                                                   "per-stage": "full"}
 # vpp = 1; "interleaved" comes with each vpp > 1. Zero-bubble (ZB-H1) is searched only when pinned (--schedule zb):
 # its weight passes are placed greedily by the simulation and its partition bound is loose, so including it by
 # default would leave every search with an optimality gap.
-SCHEDULES_FLAT = ("1f1b", "gpipe")
-SCHEDULES_ALL = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULES_FLAT: tuple[Schedule, ...] = ("1f1b", "gpipe")
+SCHEDULES_ALL: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved", "zb")
+CP_COMMS: tuple[CpComm, ...] = ("ring", "a2a")
 RECOMPUTES: tuple[RecomputeChoice, ...] = ("none", "selective", "full", "per-stage")
-ZEROS = (0, 1, 2, 3)
+ZEROS: tuple[ZeroStage, ...] = (0, 1, 2, 3)
 MAX_VPP = 8  # virtual stages per pipeline rank searched unpinned: 2..8 (a pinned --vpp may be any degree)
 MAX_CHUNK_OPTIONS = 2  # uneven virtual-stage splits tried per interleaved candidate (interleaved_chunks)
 MIN_CP_TOKENS = 1024  # CP degrees searched leave each rank at least this many tokens of the sequence
@@ -46,11 +53,11 @@ class Pins(BaseModel):
     vpp: int | None = Field(default=None, gt=0)
     dp: int | None = Field(default=None, gt=0)
     cp: int | None = Field(default=None, gt=0)
-    cp_comm: Literal["ring", "a2a"] | None = None
+    cp_comm: CpComm | None = None
     ep: int | None = Field(default=None, gt=0)
     etp: int | None = Field(default=None, gt=0)
     mbs: int | None = Field(default=None, gt=0)
-    zero: Literal[0, 1, 2, 3] | None = None
+    zero: ZeroStage | None = None
     recompute: RecomputeChoice | None = None
     sp: bool | None = None
     schedule: Literal["1f1b", "interleaved", "gpipe", "zb"] | None = None
@@ -98,12 +105,12 @@ class Candidate(NamedTuple):
     mesh: Mesh
     mbs: int
     sp: bool
-    cp_comm: str
-    zero: int
-    schedule: str
+    cp_comm: CpComm
+    zero: ZeroStage
+    schedule: Schedule
     vpp: int
     recompute: RecomputeChoice
-    modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # Pins.recompute_modules
+    modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES  # Pins.recompute_modules
 
     @property
     def layer_key(self) -> LayerKey:
@@ -119,7 +126,10 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _pick(domain: list, pinned) -> list:
+Picked = TypeVar("Picked")
+
+
+def _pick(domain: list[Picked], pinned: Picked | None) -> list[Picked]:
     return [pinned] if pinned is not None else domain
 
 
@@ -131,8 +141,8 @@ class Group:
     mesh: Mesh
     mbs: int
     num_microbatches: int
-    variants: tuple[tuple[bool, str, str, int], ...]  # (sp, cp_comm, schedule, vpp)
-    zeros: tuple[int, ...]
+    variants: tuple[tuple[bool, CpComm, Schedule, int], ...]  # (sp, cp_comm, schedule, vpp)
+    zeros: tuple[ZeroStage, ...]
     recomputes: tuple[RecomputeChoice, ...]  # per-stage dropped by the search where vpp > 1
 
     def size(self) -> int:
@@ -248,7 +258,7 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
 
 
 def _expert_meshes(model: ModelSpec, pins: Pins, num_gpus: int, gpus_per_node: int, tp: int, cp: int,
-                   pp: int) -> list[tuple[int, int, str]]:
+                   pp: int) -> list[tuple[int, int, RankOrder]]:
     """(ep, etp, rank order) of one (tp, cp, pp): ep divides the experts and etp divides tp (MoE models only)."""
     dp = num_gpus // (tp * cp * pp)
     if model.moe is None:
@@ -260,10 +270,12 @@ def _expert_meshes(model: ModelSpec, pins: Pins, num_gpus: int, gpus_per_node: i
             for order in rank_orders(num_gpus, gpus_per_node, tp, cp, pp, dp, ep, pins.order)]
 
 
-def _variants(pins: Pins, rt_schedules, rt_cp_comms, tp: int, cp: int, pp: int) -> list[tuple[bool, str, str, int]]:
+def _variants(pins: Pins, rt_schedules, rt_cp_comms, tp: int, cp: int,
+              pp: int) -> list[tuple[bool, CpComm, Schedule, int]]:
     """(sp, cp kind, schedule, vpp) of one (tp, cp, pp): what the pins and the runtime leave."""
     sps = _pick([True, False], pins.sp) if tp > 1 else [False]
-    comms = [c for c in _pick(["ring", "a2a"], pins.cp_comm) if c in rt_cp_comms] if cp > 1 else ["ring"]
+    comms: list[CpComm] = [c for c in _pick(list(CP_COMMS), pins.cp_comm) if c in rt_cp_comms] if cp > 1 else ["ring"]
+    scheds: list[tuple[Schedule, int]]
     if pp == 1:
         # one stage has no schedule: 1F1B by convention; a pinned pipeline schedule needs stages
         scheds = [("1f1b", 1)] if pins.schedule in (None, "1f1b") and pins.vpp in (None, 1) else []
@@ -308,7 +320,7 @@ def _domains(num_gpus: int, gpus_per_node: int, pins: Pins, moe: bool, zeros: tu
 
 
 def rank_orders(num_gpus: int, gpus_per_node: int, tp: int, cp: int, pp: int, dp: int, ep: int,
-                pinned: str | None) -> list[str]:
+                pinned: RankOrder | None) -> list[RankOrder]:
     """Rank orders searched for one mesh: the pinned one, else the default and, where it moves some group onto
     other links, pp inside dp. It does only when tp*cp ranks leave room in a node for pp and dp neighbours, the
     job spans nodes and both pp and dp exist; elsewhere every group crosses the same link levels in both orders

@@ -15,8 +15,7 @@ from meshplan.costmodels.serving import (EngineLayout, capacity, iteration_time,
                                          kv_bytes_per_token_layer, weight_bytes_per_gpu)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
-from meshplan.costmodels.serving import (ServeTargets, ServeWorkload, aggregated_point, decode_point,
-                                         prefill_point)
+from meshplan.costmodels.serving import ServeTargets, ServeWorkload, aggregated_point, decode_point, prefill_point
 from meshplan.planner.serve import engine_layouts, pareto_front, search_serving
 
 LLAMA70 = load_zoo("llama3.1-70b")

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RECOMPUTE_MODULES, ParallelConfig,
-                                        StagePolicy, Workload, get_runtime, split_evenly)
+                                        Recompute, StagePolicy, TrainDtype, Workload, ZeroStage, get_runtime,
+                                        split_evenly)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
@@ -31,7 +32,8 @@ __all__ = ["TARGET", "Setting", "model_settings", "parallel_settings", "megatron
 TARGET = "megatron"
 MEGATRON_SCRIPT = "pretrain_gpt.py"
 Setting = tuple[str, object]  # (Megatron argument name with underscores, value); True: a switch; False/None: absent
-FSDP_STRATEGY = {1: "optim", 2: "optim_grads", 3: "optim_grads_params"}  # DistributedDataParallelConfig, mcore v0.16
+# DistributedDataParallelConfig, mcore v0.16
+FSDP_STRATEGY: dict[ZeroStage, str] = {1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 
 
 def _flag(name: str) -> str:
@@ -526,23 +528,24 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
         raise InputError("the arguments need --seq-length and --global-batch-size (the workload)")
     if a.fp16 and a.bf16:
         raise InputError("--fp16 and --bf16 together: choose one")
-    dtype = "fp8" if a.fp8_format else "fp16" if a.fp16 else "bf16"
+    dtype: TrainDtype = "fp8" if a.fp8_format else "fp16" if a.fp16 else "bf16"
     workload = Workload(global_batch=a.global_batch_size, seq_len=a.seq_length, dtype=dtype)
     model = _model_from(a, model_name)
     layers = a.num_layers if a.num_layers is not None else num_layers
     stage_layers, vpp, chunk_layers = _stage_layers(a, layers, a.mtp_num_layers or 0)
-    zero = 0
+    zero: ZeroStage = 0
     if a.use_distributed_optimizer:
         zero = 1
     if a.use_megatron_fsdp:
-        strategies = {v: k for k, v in FSDP_STRATEGY.items()} | {"no_shard": 0}
+        strategies: dict[str, ZeroStage] = {v: k for k, v in FSDP_STRATEGY.items()} | {"no_shard": 0}
         if a.data_parallel_sharding_strategy not in strategies:
             raise InputError(f"--data-parallel-sharding-strategy {a.data_parallel_sharding_strategy}: choose "
                              f"{', '.join(strategies)}")
         zero = strategies[a.data_parallel_sharding_strategy]
     if a.use_torch_fsdp2:
         zero = 3
-    recompute, stage_recompute = "none", None
+    recompute: Recompute = "none"
+    stage_recompute = None
     modules = tuple(a.recompute_modules) if a.recompute_modules else DEFAULT_RECOMPUTE_MODULES
     unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
     if unknown:

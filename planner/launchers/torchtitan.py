@@ -13,12 +13,13 @@ for every block.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, ParallelConfig, Workload,
-                                        get_runtime)
+from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, ParallelConfig, Recompute,
+                                        Schedule, TrainDtype, Workload, ZeroStage, get_runtime, one_of)
+from meshplan.costmodels.kernels import Fp8Recipe
 from meshplan.costmodels.model import MAX_LAYERS, ModelSpec
 from meshplan.costmodels.model_io import load_zoo, to_model_file
 from meshplan.hardware_db.cluster import MAX_GPUS
@@ -32,7 +33,8 @@ __all__ = ["TARGET", "FLAVORS", "TitanModel", "parallelism_fields", "training_fi
            "toml_text", "python_text", "export_torchtitan", "parse_torchtitan_toml", "stage_module_names"]
 
 TARGET = "torchtitan"
-SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}  # torch.distributed.pipelining
+# torch.distributed.pipelining
+SCHEDULES: dict[Schedule, str] = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ def toml_text(plan: Plan) -> str:
     model = _titan_model(plan.inputs.model_spec())
     rt_options = plan.inputs.runtime.split("+")[1:]
     compiled = "compile" in rt_options or get_runtime(plan.inputs.runtime).tp_overlap == "async-tp"  # async TP compiles
-    tables = {
+    tables: dict[str, dict[str, Any]] = {
         "model": {"name": model.module, "flavor": model.flavor},
         "training": training_fields(plan) | ({"compile": True} if compiled else {}),
         "parallelism": parallelism_fields(plan, "0.2"),
@@ -359,7 +361,7 @@ def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple
     reshard = par.fsdp_reshard_after_forward
     # the "default" policy reshards after forward only without PP (torchtitan parallelize.py apply_fsdp:
     # reshard_after_forward = not pp_enabled), so under PP the weights stay whole, as ZeRO-2
-    zero = 0 if shard * cp == 1 else 2 if reshard == "never" or (reshard == "default" and pp > 1) else 3
+    zero: ZeroStage = 0 if shard * cp == 1 else 2 if reshard == "never" or (reshard == "default" and pp > 1) else 3
     if par.module_fqns_per_model_part is not None and pp > 1:
         stage_layers, vpp, chunk_layers = _stages_from_fqns(par.module_fqns_per_model_part, pp, model.num_layers)
     elif pp > 1:
@@ -378,7 +380,8 @@ def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple
     config = ParallelConfig(
         tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=par.expert_parallel_degree,
         etp=par.expert_tensor_parallel_degree if model.moe is not None else None, mbs=mbs, zero=zero,
-        recompute=ac.mode, sp=tp > 1, schedule=(schedule if pp > 1 else None), stage_layers=stage_layers,
+        recompute=one_of(ac.mode, get_args(Recompute), "activation_checkpoint mode"), sp=tp > 1,
+        schedule=(schedule if pp > 1 else None), stage_layers=stage_layers,
         chunk_layers=chunk_layers)
     dtype, recipe = _float8(job, origin)
     try:
@@ -408,7 +411,7 @@ def _runtime(job: TorchtitanJob, origin: str) -> str:
     return "+".join(["torchtitan", *options])
 
 
-def _float8(job: TorchtitanJob, origin: str) -> tuple[str, str]:
+def _float8(job: TorchtitanJob, origin: str) -> tuple[TrainDtype, Fp8Recipe]:
     """(dtype, FP8 recipe): float8 training when model.converters holds "float8" (or, before 2025, the float8
     section's enable_float8_linear), with float8.recipe_name (unset: torchao's tensorwise default)."""
     if not ("float8" in job.model.converters or job.float8.enable_float8_linear):
@@ -416,4 +419,4 @@ def _float8(job: TorchtitanJob, origin: str) -> tuple[str, str]:
     recipe = job.float8.recipe_name or "tensorwise"
     if recipe not in ("tensorwise", "rowwise"):
         raise InputError(f"{origin}: float8 recipe_name {recipe!r:.40}: meshplan models tensorwise and rowwise")
-    return "fp8", recipe
+    return "fp8", one_of(recipe, get_args(Fp8Recipe), "float8 recipe_name")

@@ -380,7 +380,7 @@ def _pairs_dp(pr: PartitionProblem, policy: Granularity,
     with np.errstate(invalid="ignore"):
         # v[r][i, j]: best max over stages >= r when stage r runs [i, j).
         v = np.where(j == L, grids[p - 1].objective(pr, p - 1), np.inf)
-        nxt = [None] * p
+        nxt: list[np.ndarray] = [np.empty((0, 0), dtype=int)] * p  # filled for r < p - 1 below
         for r in reversed(range(p - 1)):
             g = grids[r]
             jr = g.objective(pr, r)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.sat.python import cp_model
 
-from meshplan.costmodels.config import StagePolicy
+from meshplan.costmodels.config import StagePolicy, one_of
 from meshplan.planner.partition.problem import (CP_POLICIES, CpPolicies, GRANULARITIES, NS_PER_S, PartitionProblem,
                                                 PartitionResult)
 from meshplan.planner.partition.terms import _backward_const, _end_pieces, _forward_const, _tables, evaluate
@@ -125,12 +125,12 @@ class _Reader:
 class _CpStage:
     """One stage in the CP-SAT model: f_r, b_r, E_r in integer ns and the policy choice."""
 
-    forward: cp_model.LinearExprT
-    backward: cp_model.LinearExprT
-    sync: cp_model.LinearExprT
-    selective: object  # BoolVar or bool
-    full: object
-    k: object  # IntVar or int: layers recomputed in full
+    forward: cp_model.LinearExpr | int
+    backward: cp_model.LinearExpr | int
+    sync: cp_model.LinearExpr | int
+    selective: cp_model.IntVar | bool  # a BoolVar, or fixed
+    full: cp_model.IntVar | bool
+    k: cp_model.IntVar | int  # layers recomputed in full
 
 
 def _cp_boundaries(model: cp_model.CpModel, pr: PartitionProblem) -> list:
@@ -321,9 +321,10 @@ def _cp_solve(problem: PartitionProblem, policies: str, data: _CpData, time_limi
         for var, value in zip(bounds[1:-1], hint.boundaries[1:-1], strict=True):
             model.add_hint(var, value)
         for st, q in zip(stages, hint.policies if policies == "per-stage" else (), strict=False):
-            model.add_hint(st.selective, q.granularity == "selective")
-            model.add_hint(st.full, q.granularity == "full")
-            model.add_hint(st.k, q.full_layers)
+            for var, value in ((st.selective, q.granularity == "selective"), (st.full, q.granularity == "full"),
+                               (st.k, q.full_layers)):
+                if isinstance(var, cp_model.IntVar):  # per-stage: every choice is a variable
+                    model.add_hint(var, value)
     # Creates a solver and solves the model.
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
@@ -385,7 +386,7 @@ def solve_cpsat(problem: PartitionProblem, policies: CpPolicies = "per-stage",
     if policies == "per-stage":  # start from the best of the uniform DPs and the cheapest-policy heuristic
         starts = [solve_dp(problem, g) for g in GRANULARITIES] + [per_stage_bound(problem)[1]]
     else:
-        starts = [solve_dp(problem, policies.removeprefix("uniform-"))]
+        starts = [solve_dp(problem, one_of(policies.removeprefix("uniform-"), GRANULARITIES, "policy"))]
     hint = min((x for x in starts if x is not None), key=lambda x: x.objective, default=None)
     for _ in range(3):
         solution, status = _cp_solve(problem, policies, data, time_limit_s, hint, below_s)

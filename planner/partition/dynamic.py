@@ -281,7 +281,7 @@ def per_stage_bound(problem: PartitionProblem, below: float = math.inf,
 
 
 def _cheapest_policies_partition(problem: PartitionProblem, below: float = math.inf,
-                                 deadline: Deadline | None = None) -> tuple[float, PartitionResult] | None:
+                                 deadline: Deadline | None = None) -> tuple[float, PartitionResult | None] | None:
     """(the DP's optimum, its plan) with each stage on its cheapest fitting policy and the other stages' recompute
     extras left out of B_<r and T_>r; the plan re-evaluated in full. A heuristic plan (a start for CP-SAT) and a
     lower bound (see per_stage_bound); None when nothing fits (or nothing is below `below`)."""

@@ -17,9 +17,9 @@ Schedule = Literal["1f1b", "gpipe", "zb"]
 Granularity = Literal["none", "selective", "full"]
 CpPolicies = Literal["uniform-none", "uniform-selective", "uniform-full", "per-stage"]
 
-SCHEDULES = ("1f1b", "gpipe", "zb")
-GRANULARITIES = ("none", "selective", "full")
-CP_POLICIES = ("uniform-none", "uniform-selective", "uniform-full", "per-stage")
+SCHEDULES: tuple[Schedule, ...] = ("1f1b", "gpipe", "zb")
+GRANULARITIES: tuple[Granularity, ...] = ("none", "selective", "full")
+CP_POLICIES: tuple[CpPolicies, ...] = ("uniform-none", "uniform-selective", "uniform-full", "per-stage")
 TIE_RTOL = 1e-12  # objectives this close (relative) count as equal; the smallest boundaries win
 NS_PER_S = 1e9  # CP-SAT times are integer nanoseconds
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
 
@@ -107,13 +108,13 @@ def _backward_const(pr: PartitionProblem, r):
 class _LayerSums:
     """Sums over a stage's layers [i, j): floats, or arrays over the whole (i, j) grid at once."""
 
-    fwd: object
-    bwd: object
-    extra: object  # recompute extra of [i, d) (selective) and [i, c) (full)
-    state: object
-    act: object  # activation bytes per held micro-batch
-    dense: object
-    expert: object
+    fwd: Any  # each a float, or an array over the (i, j) grid
+    bwd: Any
+    extra: Any  # recompute extra of [i, d) (selective) and [i, c) (full)
+    state: Any
+    act: Any  # activation bytes per held micro-batch
+    dense: Any
+    expert: Any
 
 
 def _layer_sums(t: _Tables, i, j, c, d, relaxed: bool) -> _LayerSums:
