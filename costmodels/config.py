@@ -6,8 +6,8 @@ with the rule that failed (the rules are those Megatron-LM's arguments.py enforc
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from collections.abc import Sequence
 from typing import Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -471,14 +471,112 @@ def split_evenly(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+# ---- the divisibility rules: one table, read by resolve() and by the search (planner/space.py) --------------------
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """What the rules read: the model, the workload and the degrees fixed so far. The search checks each group of
+    rules as it fixes their degrees (the mesh, then the experts, the micro-batch, the schedule); resolve() all."""
+
+    model: ModelSpec
+    workload: Workload
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    ep: int = 1
+    etp: int = 1
+    order: RankOrder = DEFAULT_RANK_ORDER
+    mbs: int = 1
+    cp_comm: CpComm = "ring"
+    schedule: Schedule = "1f1b"
+    vpp: int = 1
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.workload.global_batch // (self.mbs * self.dp)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule a configuration must keep (the framework's, or the cost model's own limit)."""
+
+    name: str  # how the search's account counts the candidates it refuses
+    broken: Callable[[Knobs], bool]
+    message: Callable[[Knobs], str]  # resolve's one error line: what is wrong and how to fix it
+
+
+# TP splits the heads (Megatron: query and, without MLA, KV heads); load-balanced causal CP splits the sequence in 2 cp
+MESH_RULES = (
+    Rule("tp does not divide the attention heads", lambda k: k.model.num_heads % k.tp != 0,
+         lambda k: f"--tp {k.tp} does not divide the {k.model.num_heads} attention heads of {k.model.name}"),
+    Rule("tp does not divide the KV heads", lambda k: k.model.mla is None and k.model.kv_heads % k.tp != 0,
+         lambda k: f"--tp {k.tp} does not divide the {k.model.kv_heads} KV heads of {k.model.name} "
+                   f"(Megatron needs it)"),
+    Rule("seq not divisible by 2*cp (load-balanced causal CP)",
+         lambda k: k.cp > 1 and k.workload.seq_len % (2 * k.cp) != 0,
+         lambda k: f"--seq {k.workload.seq_len} is not divisible by 2*cp = {2 * k.cp} (load-balanced causal CP)"),
+)
+# Ulysses all-to-all splits each TP rank's heads over cp
+CP_RULES = (
+    Rule("cp a2a needs heads per TP rank divisible by cp",
+         lambda k: k.cp > 1 and k.cp_comm == "a2a" and (k.model.num_heads // k.tp) % k.cp != 0,
+         lambda k: f"--cp-comm a2a needs the {k.model.num_heads // k.tp} heads per TP rank divisible by cp ({k.cp})"),
+)
+BATCH_RULES = (
+    Rule("global batch not divisible by mbs*dp", lambda k: k.workload.global_batch % (k.mbs * k.dp) != 0,
+         lambda k: f"global batch {k.workload.global_batch} is not divisible by mbs*dp = {k.mbs}*{k.dp}; "
+                   f"pick --gbs a multiple of {k.mbs * k.dp}"),
+)
+# Megatron's interleaved schedule needs micro-batches divisible by pp; the simulation's own limit on passes
+PIPELINE_RULES = (
+    Rule("interleaving needs micro-batches divisible by pp",
+         lambda k: k.schedule == "interleaved" and k.num_microbatches % k.pp != 0,
+         lambda k: f"interleaved schedule needs micro-batches ({k.num_microbatches}) divisible by pp ({k.pp}) "
+                   f"(Megatron rule)"),
+    Rule(f"more than {MAX_PIPELINE_PASSES:,} pipeline passes per step to simulate (micro-batches x stages)",
+         lambda k: pipeline_passes(k.schedule, k.pp, k.num_microbatches, k.vpp) > MAX_PIPELINE_PASSES,
+         lambda k: f"{k.num_microbatches} micro-batches on pp*vpp = {k.pp * k.vpp} model stages make "
+                   f"{pipeline_passes(k.schedule, k.pp, k.num_microbatches, k.vpp):,} pipeline passes per step; "
+                   f"meshplan simulates at most {MAX_PIPELINE_PASSES:,}: raise --mbs or --dp, or lower --gbs"),
+)
+# Megatron-Core MoE parallel folding: the expert groups (etp x ep) tile the dense ranks (tp x cp x dp); its
+# tp-pp-dp rank mapping has no expert parallelism
+EXPERT_RULES = (
+    Rule("etp*ep does not divide tp*cp*dp (MoE parallel folding)",
+         lambda k: k.model.moe is not None and (k.tp * k.cp * k.dp) % (k.ep * k.etp) != 0,
+         lambda k: f"etp*ep = {k.etp}*{k.ep} must divide tp*cp*dp = {k.tp * k.cp * k.dp} (experts fold onto the "
+                   f"same ranks)"),
+    Rule(f"rank order {PP_INSIDE_DP} needs ep = 1", lambda k: k.order == PP_INSIDE_DP and k.ep > 1,
+         lambda k: f"rank order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs ep = 1; got ep={k.ep}; "
+                   f"use --order tp-cp-dp-pp for expert parallelism"),
+)
+RULES = MESH_RULES + CP_RULES + BATCH_RULES + PIPELINE_RULES + EXPERT_RULES
+
+
+def broken_rule(rules: Sequence[Rule], knobs: Knobs) -> Rule | None:
+    """The first of `rules` the knobs break, or None."""
+    for rule in rules:
+        if rule.broken(knobs):
+            return rule
+    return None
+
+
+def check_rules(rules: Sequence[Rule], knobs: Knobs) -> None:
+    """InputError with the first broken rule's message."""
+    rule = broken_rule(rules, knobs)
+    if rule is not None:
+        raise InputError(rule.message(knobs))
+
+
 def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelConfig) -> Layout:
     """Fill defaults and check every divisibility rule; raise InputError naming the rule and a fix."""
     tp, pp, cp, vpp = cfg.tp, cfg.pp, cfg.cp, cfg.vpp
     dp = _data_parallel(model, num_gpus, workload, cfg)
     m = workload.global_batch // (cfg.mbs * dp)
-    schedule = _schedule(cfg, m)
+    schedule = _schedule(model, workload, cfg, dp)
     stage_layers, chunks = _stage_split(model, cfg)
-    ep, etp, edp = _expert_layout(model, cfg, dp)
+    ep, etp, edp = _expert_layout(model, workload, cfg, dp)
     sp = cfg.sp if cfg.sp is not None else tp > 1
     if sp and tp == 1:
         sp = False  # sequence parallel is a no-op without tensor parallel
@@ -499,32 +597,18 @@ def _data_parallel(model: ModelSpec, num_gpus: int, workload: Workload, cfg: Par
     tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
     if num_gpus % (tp * pp * cp):
         raise InputError(f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide {num_gpus} GPUs")
-    if cfg.rank_order == PP_INSIDE_DP and cfg.ep > 1:
-        raise InputError(f"rank order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs ep = 1; got ep={cfg.ep}; "
-                         f"use --order tp-cp-dp-pp for expert parallelism")
     dp = cfg.dp if cfg.dp is not None else num_gpus // (tp * pp * cp)
     if tp * pp * cp * dp != num_gpus:
         raise InputError(
             f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {tp * pp * cp * dp} but the cluster has {num_gpus} GPUs; "
             f"omit --dp to derive it"
         )
-    if model.num_heads % tp:
-        raise InputError(f"--tp {tp} does not divide the {model.num_heads} attention heads of {model.name}")
-    if model.mla is None and model.kv_heads % tp:
-        raise InputError(f"--tp {tp} does not divide the {model.kv_heads} KV heads of {model.name} (Megatron needs it)")
-    if cp > 1 and cfg.cp_comm == "a2a" and (model.num_heads // tp) % cp:
-        raise InputError(f"--cp-comm a2a needs the {model.num_heads // tp} heads per TP rank divisible by cp ({cp})")
-    if cp > 1 and workload.seq_len % (2 * cp):
-        raise InputError(f"--seq {workload.seq_len} is not divisible by 2*cp = {2 * cp} (load-balanced causal CP)")
-    if workload.global_batch % (cfg.mbs * dp):
-        raise InputError(
-            f"global batch {workload.global_batch} is not divisible by mbs*dp = {cfg.mbs}*{dp}; "
-            f"pick --gbs a multiple of {cfg.mbs * dp}"
-        )
+    check_rules(MESH_RULES + CP_RULES + BATCH_RULES,
+                Knobs(model, workload, tp, cp, pp, dp, mbs=cfg.mbs, cp_comm=cfg.cp_comm))
     return dp
 
 
-def _schedule(cfg: ParallelConfig, m: int) -> Schedule:
+def _schedule(model: ModelSpec, workload: Workload, cfg: ParallelConfig, dp: int) -> Schedule:
     """The pipeline schedule (given, or interleaved with virtual stages, else 1F1B), after its rules."""
     pp, vpp = cfg.pp, cfg.vpp
     if vpp > 1 and pp == 1:
@@ -536,13 +620,7 @@ def _schedule(cfg: ParallelConfig, m: int) -> Schedule:
         raise InputError("--schedule interleaved needs --vpp > 1")
     if schedule != "interleaved" and vpp > 1:
         raise InputError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
-    if schedule == "interleaved" and m % pp:
-        raise InputError(f"interleaved schedule needs micro-batches ({m}) divisible by pp ({pp}) (Megatron rule)")
-    passes = pipeline_passes(schedule, pp, m, vpp)
-    if passes > MAX_PIPELINE_PASSES:
-        raise InputError(f"{m} micro-batches on pp*vpp = {pp * vpp} model stages make {passes:,} pipeline passes per "
-                         f"step; meshplan simulates at most {MAX_PIPELINE_PASSES:,}: raise --mbs or --dp, or lower "
-                         f"--gbs")
+    check_rules(PIPELINE_RULES, Knobs(model, workload, cfg.tp, cfg.cp, pp, dp, mbs=cfg.mbs, schedule=schedule, vpp=vpp))
     return schedule
 
 
@@ -577,7 +655,7 @@ def _stage_split(model: ModelSpec, cfg: ParallelConfig) -> tuple[tuple[int, ...]
     return stage_layers, chunks
 
 
-def _expert_layout(model: ModelSpec, cfg: ParallelConfig, dp: int) -> tuple[int, int, int]:
+def _expert_layout(model: ModelSpec, workload: Workload, cfg: ParallelConfig, dp: int) -> tuple[int, int, int]:
     """(ep, etp, edp): the experts folded onto the dense ranks (Megatron's MoE parallel folding)."""
     tp, cp = cfg.tp, cfg.cp
     ep = cfg.ep
@@ -589,12 +667,8 @@ def _expert_layout(model: ModelSpec, cfg: ParallelConfig, dp: int) -> tuple[int,
     else:
         if model.moe.num_experts % ep:
             raise InputError(f"--ep {ep} does not divide the {model.moe.num_experts} experts of {model.name}")
-        dense_group = tp * cp * dp
-        if dense_group % (etp * ep):
-            raise InputError(
-                f"etp*ep = {etp}*{ep} must divide tp*cp*dp = {dense_group} (experts fold onto the same ranks)"
-            )
-        edp = dense_group // (etp * ep)
+        edp = tp * cp * dp // (etp * ep)
+    check_rules(EXPERT_RULES, Knobs(model, workload, tp, cp, cfg.pp, dp, ep=ep, etp=etp, order=cfg.rank_order))
     return ep, etp, edp
 
 

@@ -17,11 +17,11 @@ from typing import Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, CpComm, RankOrder,
-                                        Recompute, RecomputeModule, Runtime, Schedule, ZeroStage, Workload,
-                                        check_recompute_modules, even_chunks, split_evenly)
+from meshplan.costmodels.config import (BATCH_RULES, CP_RULES, DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES,
+                                        EXPERT_RULES, MESH_RULES, PIPELINE_RULES, PP_INSIDE_DP, CpComm, Knobs,
+                                        RankOrder, Recompute, RecomputeModule, Runtime, Schedule, Workload, ZeroStage,
+                                        broken_rule, check_recompute_modules, even_chunks, split_evenly)
 from meshplan.costmodels.model import ModelSpec
-from meshplan.costmodels.pipeline import MAX_PIPELINE_PASSES, pipeline_passes
 from meshplan.hardware_db.errors import InputError
 
 RecomputeChoice = Literal["none", "selective", "full", "per-stage"]
@@ -188,6 +188,8 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
     runtime, only the schedules, CP kinds and ZeRO stages its framework has (config.Runtime) are in the space.
     """
     infeasible: dict[str, int] = {}
+    # a variant's broken rule, by (tp, cp, pp, micro-batches, variant): the rules read nothing else of a mesh
+    knob_rules: dict[tuple, str | None] = {}
     groups: list[Group] = []
     size = 0
     moe = model.moe
@@ -227,26 +229,28 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                     b for b in divisors(wl.global_batch) if b <= pins.max_mbs]
                 subtree = len(meshes) * len(mbs_domain) * per_mbs
                 size += subtree
-                rule = _mesh_rule(model, wl, tp, cp, pp, dp, pins)
-                if rule:
-                    reject(rule, subtree)
+                refused = _mesh_rule(model, wl, tp, cp, pp, dp, pins)
+                if refused:
+                    reject(refused, subtree)
                     continue
                 for ep, etp, order in meshes:
-                    if moe is not None and (tp * cp * dp) % (ep * etp):
-                        reject("etp*ep does not divide tp*cp*dp (MoE parallel folding)", len(mbs_domain) * per_mbs)
-                        continue
-                    if order == PP_INSIDE_DP and ep > 1:
-                        reject(f"rank order {PP_INSIDE_DP} needs ep = 1", len(mbs_domain) * per_mbs)
+                    rule = broken_rule(EXPERT_RULES, Knobs(model, wl, tp, cp, pp, dp, ep, etp, order))
+                    if rule is not None:
+                        reject(rule.name, len(mbs_domain) * per_mbs)
                         continue
                     mesh = Mesh(tp, cp, pp, dp, ep, etp, order)
                     for mbs in mbs_domain:
-                        if wl.global_batch % (mbs * dp):
-                            reject("global batch not divisible by mbs*dp", per_mbs)
+                        rule = broken_rule(BATCH_RULES, Knobs(model, wl, tp, cp, pp, dp, mbs=mbs))
+                        if rule is not None:
+                            reject(rule.name, per_mbs)
                             continue
                         m = wl.global_batch // (mbs * dp)
                         ok = []
                         for v in var:
-                            why = _knob_rule(model, tp, cp, pp, m, v[1], v[2], v[3], pins.vpp is not None)
+                            why = knob_rules.get((tp, cp, pp, m, v), "")  # the same for every ep, etp and order
+                            if why == "":
+                                knobs = Knobs(model, wl, tp, cp, pp, dp, ep, etp, order, mbs, v[1], v[2], v[3])
+                                why = knob_rules[(tp, cp, pp, m, v)] = _knob_rule(knobs, pins.vpp is not None)
                             if why:
                                 reject(why, weight(pp, v[3]))
                             else:
@@ -335,12 +339,9 @@ def rank_orders(num_gpus: int, gpus_per_node: int, tp: int, cp: int, pp: int, dp
 def _mesh_rule(model: ModelSpec, wl: Workload, tp: int, cp: int, pp: int, dp: int, pins: Pins) -> str | None:
     if pins.dp is not None and dp != pins.dp:
         return "dp differs from the pinned --dp"
-    if model.num_heads % tp:
-        return "tp does not divide the attention heads"
-    if model.mla is None and model.kv_heads % tp:
-        return "tp does not divide the KV heads"
-    if cp > 1 and wl.seq_len % (2 * cp):
-        return "seq not divisible by 2*cp (load-balanced causal CP)"
+    rule = broken_rule(MESH_RULES, Knobs(model, wl, tp, cp, pp, dp))
+    if rule is not None:
+        return rule.name
     if pp > model.num_layers:
         return "more pipeline stages than layers"
     if wl.global_batch % dp:
@@ -348,22 +349,22 @@ def _mesh_rule(model: ModelSpec, wl: Workload, tp: int, cp: int, pp: int, dp: in
     return None
 
 
-def _knob_rule(model: ModelSpec, tp: int, cp: int, pp: int, m: int, cp_comm: str, sched: str, vpp: int,
-               vpp_pinned: bool = False) -> str | None:
-    if cp > 1 and cp_comm == "a2a" and (model.num_heads // tp) % cp:
-        return "cp a2a needs heads per TP rank divisible by cp"
-    if sched == "interleaved":
+def _knob_rule(knobs: Knobs, vpp_pinned: bool = False) -> str | None:
+    """The first rule a (CP kind, schedule, vpp) variant breaks, by name: the table's (costmodels/config.py) and the
+    search's own on virtual stages."""
+    rule = broken_rule(CP_RULES, knobs)
+    if rule is not None:
+        return rule.name
+    model, pp, vpp = knobs.model, knobs.pp, knobs.vpp
+    if knobs.schedule == "interleaved":
         if not interleaved_chunks(model.num_layers, pp, vpp):
             return "interleaving needs at least one layer per virtual stage (layers >= pp*vpp)"
         if not vpp_pinned and model.num_layers % (pp * vpp) and model.num_layers % pp == 0:
             # where pp divides the layers an even interleaving exists at some vpp: uneven ones are searched only
             # where the stages are uneven anyway (126 layers on 8 or 16 stages, 61, 94), or with --vpp pinned
             return "uneven virtual stages only where pp does not divide the layers (or with --vpp pinned)"
-        if m % pp:
-            return "interleaving needs micro-batches divisible by pp"
-    if pipeline_passes(sched, pp, m, vpp) > MAX_PIPELINE_PASSES:
-        return f"more than {MAX_PIPELINE_PASSES:,} pipeline passes per step to simulate (micro-batches x stages)"
-    return None
+    rule = broken_rule(PIPELINE_RULES, knobs)
+    return None if rule is None else rule.name
 
 
 @functools.lru_cache(maxsize=4096)
