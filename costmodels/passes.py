@@ -5,7 +5,7 @@ reduction."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 from meshplan.costmodels import comm
@@ -307,27 +307,27 @@ class PassCache:
                 fwd += f
             else:
                 m, n, k = op.shape or (0.0, 0.0, 0.0)  # each pass's inner dimension: k, then n (dgrad), m (wgrad)
-                shape = KernelShape(groups=op.groups, fp8=self.wl.fp8_recipe if fp8 else None, keys=op.keys,
-                                    kernel=op.kernel or "fused",
-                                    streams=TE_GEMM_STREAMS if self.rt.grouped_gemm == "multi-stream" else 0,
-                                    bandwidth_factor=self.rt.memory_kernel(memory_class(op.name))
-                                    if op.kind == "memory" else 1.0)
+                recipe = self.wl.fp8_recipe if fp8 else None
+                kernel = op.kernel or "fused"
+                streams = TE_GEMM_STREAMS if self.rt.grouped_gemm == "multi-stream" else 0
+                memory = op.kind == "memory"
+                # a memory class's backward kernel may run at its own rate (Runtime.memory_kernel)
+                band_f = self.rt.memory_kernel(memory_class(op.name)) if memory else 1.0
+                band_b = self.rt.memory_kernel(memory_class(op.name), backward=True) if memory else 1.0
                 split = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp,
                                        column_gemms=columns) if op.kind == "gemm" else 1
                 split_b = tp_gemm_chunks(self.rt.tp_overlap, op.name, lay.tp, lay.sp, True,
                                          column_gemms=columns) if op.kind == "gemm" else 1
-                f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff,
-                            shape=replace(shape, depth=k, chunks=split))
+                f = op_time(op.fwd_flops, op.fwd_bytes, op.kind, peak, self.hbm, eff, False,
+                            KernelShape(k, op.groups, recipe, op.keys, kernel, band_f, split, streams))
                 fwd += f
-                if op.kind == "memory":  # a class's backward kernel may run at its own rate (Runtime.memory_kernel)
-                    shape = replace(shape, bandwidth_factor=self.rt.memory_kernel(memory_class(op.name), backward=True))
                 b = op_time(op.bwd_input_flops, op.bwd_input_bytes, op.kind, peak, self.hbm, eff, True,
-                            replace(shape, depth=n, chunks=split_b))
+                            KernelShape(n, op.groups, recipe, op.keys, kernel, band_b, split_b, streams))
                 bwd_i += b
                 if op.kind == "attention" or op.name.startswith("attn_"):
                     attn_core_bwd += b
                 bwd_w += op_time(op.bwd_weight_flops, op.bwd_weight_bytes, op.kind, peak, self.hbm, eff, True,
-                                 replace(shape, depth=m))
+                                 KernelShape(m, op.groups, recipe, op.keys, kernel, band_b, 1.0, streams))
             if self.rt.selective == "op-sac":  # torchtitan: per-operator SAC, no modules
                 parts["op-sac"] = parts.get("op-sac", 0.0) + f * op_sac_recomputed(op, self.model)
             else:

@@ -3,7 +3,7 @@ parallel dimension and the links they cross."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from meshplan.costmodels import comm
 from meshplan.costmodels.calibrate import interpolate
@@ -20,9 +20,9 @@ RANK_ORDER = tuple(DEFAULT_RANK_ORDER.split("-"))  # innermost first: Megatron-L
 
 # ---- operator and collective times -------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class KernelShape:
-    """What besides FLOPs and bytes sets an operator's kernel efficiency (op_time's docstring says how each does)."""
+class KernelShape(NamedTuple):
+    """What besides FLOPs and bytes sets an operator's kernel efficiency (op_time's docstring says how each does). A
+    NamedTuple: the pass cache builds three per operator, and a tuple is the cheapest immutable value to build."""
 
     depth: float = 0.0  # the pass's inner GEMM dimension (the k-depth ramp)
     groups: float = 1.0  # expert GEMMs in one grouped kernel
