@@ -1,4 +1,6 @@
 """The meshplan command line: a thin typer layer over the Python API (meshplan/api.py). main.py builds the app and
 turns bad input into one error line; options.py holds what the commands share; one file per group of commands:
 train.py (estimate, plan), serve.py, launch.py (export, import, show, verify), catalog.py (profile, models,
-hardware)."""
+hardware). The command modules keep their annotations evaluated (no `from __future__ import annotations`):
+typer reads them on every run, and as strings it would evaluate them each time (3x the cost of a refused command).
+"""

@@ -1,7 +1,5 @@
 """`meshplan profile`, `models` and `hardware`: the calibration, the model zoo and the GPU database."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Any, Literal
 

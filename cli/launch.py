@@ -1,7 +1,5 @@
 """`meshplan export`, `import`, `show` and `verify`: plans into launchers and back, and checked on the executor."""
 
-from __future__ import annotations
-
 import json
 import os
 from pathlib import Path

@@ -1,8 +1,6 @@
 """What the commands share: the options of estimate and plan (one definition, the same help in both), the
 cluster and workload they describe, output paths checked before any work, the console."""
 
-from __future__ import annotations
-
 import os
 import sys
 from pathlib import Path

@@ -1,7 +1,5 @@
 """`meshplan serve`: the serving search (meshplan/api.py) and its tables."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Any, Literal
 

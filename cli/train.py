@@ -1,7 +1,5 @@
 """`meshplan estimate` and `meshplan plan`: a library call each (meshplan/api.py) and their tables."""
 
-from __future__ import annotations
-
 import json
 import sys
 from pathlib import Path
