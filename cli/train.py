@@ -247,8 +247,7 @@ def plan(
     with _progress(not as_json) as bar:
         found = api.search_plans(spec, cluster_spec, workload, pins, runtime, calibration, top, time_limit, timing,
                                  progress=bar)
-    doc, result, sim = found.plan, found.result, found.simulated
-    cluster = api.calibrated(cluster_spec, calibration, runtime)[0]
+    doc, result, sim, cluster = found.plan, found.result, found.simulated, found.cluster
     exported = export_plan(doc, export_to) if export_to is not None else None  # refuses before anything is written
     files = [OutputFile(out, plan_text(doc))] if out is not None else []
     written = export_files(exported, export_out) if exported is not None and export_out is not None else []

@@ -37,12 +37,13 @@ ModelInput: TypeAlias = str | ModelSpec
 
 @dataclass(frozen=True)
 class PlanSearch:
-    """A training search's outcome: the best plan as a document, the ranking and account it came from, and the best
-    plan's simulated timeline (for a trace)."""
+    """A training search's outcome: the best plan as a document, the ranking and account it came from, the best
+    plan's simulated timeline (for a trace) and the cluster it was planned on (calibrated where asked)."""
 
     plan: Plan
     result: SearchResult
     simulated: Simulated
+    cluster: Cluster
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, pi
     doc = build_plan(spec, hardware, workload, best.config, sim, runtime, account=result.account, rank=1,
                      bound_s=best.bound_s, partition_status=best.partition_status,
                      calibration=eff.calibration if eff else None)
-    return PlanSearch(plan=doc if timing else without_timing(doc), result=result, simulated=sim)
+    return PlanSearch(plan=doc if timing else without_timing(doc), result=result, simulated=sim, cluster=hardware)
 
 
 def plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, pins: Pins = Pins(),
