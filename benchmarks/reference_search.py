@@ -29,9 +29,9 @@ from published_runs import DEFAULT_FILE, load_runs
 from reference_runs import (DEFAULT_YAML, configure, evaluate_run, megatron_gpt, run_cluster, run_config, run_model,
                             run_runtime, run_workload)
 
+from meshplan.costmodels.config import ParallelConfig
 from meshplan.costmodels.estimate import estimate
 from meshplan.planner.search import search
-from meshplan.planner.space import Pins
 
 
 def describe(lay) -> str:
@@ -59,13 +59,14 @@ def main() -> int:
         cluster, wl, cfg, runtime = configure(e)
         published = estimate(model, cluster, wl, cfg, runtime=runtime)
         lay = published.layout
-        pins = Pins(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs, zero=lay.zero,
-                    recompute=lay.recompute, sp=lay.sp, schedule=lay.schedule, max_mbs=max(16, lay.mbs))
+        pins = ParallelConfig(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=lay.dp, cp=lay.cp, mbs=lay.mbs, zero=lay.zero,
+                              recompute=lay.recompute, sp=lay.sp, schedule=lay.schedule)
         t0 = time.perf_counter()
-        pinned = search(model, cluster, wl, pins, runtime, top_k=1, time_limit_s=args.time_limit)
+        pinned = search(model, cluster, wl, pins, runtime, top_k=1, time_limit_s=args.time_limit,
+                        max_mbs=max(16, lay.mbs))
         t1 = time.perf_counter()
-        free = search(model, cluster, wl, Pins(max_mbs=max(16, lay.mbs)), runtime, top_k=1,
-                      time_limit_s=args.time_limit)
+        free = search(model, cluster, wl, ParallelConfig(), runtime, top_k=1, time_limit_s=args.time_limit,
+                      max_mbs=max(16, lay.mbs))
         t2 = time.perf_counter()
         found = pinned.plans[0].estimate if pinned.plans else None
         best = free.plans[0].estimate if free.plans else None
@@ -104,8 +105,8 @@ def second_set(args) -> None:
         published = estimate(model, cluster, wl, run_config(run, model), runtime=runtime)
         measured_s = evaluate_run(run).measured_step_s
         t0 = time.perf_counter()
-        free = search(model, cluster, wl, Pins(max_mbs=max(16, published.layout.mbs)), runtime, top_k=1,
-                      time_limit_s=args.time_limit)
+        free = search(model, cluster, wl, ParallelConfig(), runtime, top_k=1, time_limit_s=args.time_limit,
+                      max_mbs=max(16, published.layout.mbs))
         elapsed = time.perf_counter() - t0
         best = free.plans[0].estimate if free.plans else None
         rows.append((run, published, best, measured_s, free.account, elapsed))

@@ -1,15 +1,19 @@
 """What the commands share: the options of estimate and plan (one definition, the same help in both), the
 cluster and workload they describe, output paths checked before any work, the console."""
 
+import functools
+import inspect
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import typer
 from rich.console import Console
 
-from meshplan.costmodels.config import RECOMPUTE_MODULES, RUNTIME_OPTIONS, RUNTIMES, RankOrder, Workload
+from meshplan.costmodels.config import RUNTIME_OPTIONS, RUNTIMES, ParallelConfig, Workload, knob_help
 from meshplan.hardware_db.cluster import ClusterSpec, load_cluster_file
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import check_distinct, check_target
@@ -86,39 +90,6 @@ NvlinkOpt = Annotated[float | None, typer.Option("--nvlink-gbs", min=0.001, rich
 ClusterOpt = Annotated[str | None, typer.Option("--cluster", rich_help_panel=P_CLUSTER, help=(
     "Cluster file (TOML or JSON) with gpu, num_gpus and optional gpus_per_node, nic_gbps, nvlink_gb_s; "
     "instead of --gpu/--gpus. Example: examples/clusters/dgx-h100-64.toml."))]
-TpOpt = Annotated[int | None, typer.Option("--tp", min=1, rich_help_panel=P_PAR, help="Tensor-parallel degree.")]
-PpOpt = Annotated[int | None, typer.Option("--pp", min=1, rich_help_panel=P_PAR,
-                                              help="Pipeline-parallel degree (stages).")]
-VppOpt = Annotated[int | None, typer.Option("--vpp", min=1, rich_help_panel=P_PAR, help=(
-    "Virtual pipeline stages (model chunks) per pipeline rank; > 1 means the interleaved schedule."))]
-DpOpt = Annotated[int | None, typer.Option("--dp", min=1, rich_help_panel=P_PAR, help=(
-    "Data-parallel degree (GPUs / (tp x pp x cp) when unset)."))]
-CpOpt = Annotated[int | None, typer.Option("--cp", min=1, rich_help_panel=P_PAR,
-                                              help="Context-parallel degree (splits the sequence).")]
-CpCommOpt = Annotated[Literal["ring", "a2a"] | None, typer.Option("--cp-comm", rich_help_panel=P_PAR, help=(
-    "Context-parallel communication: ring (K,V passed around a ring, overlapped with attention) or a2a "
-    "(all-to-all over heads, DeepSpeed-Ulysses)."))]
-EpOpt = Annotated[int | None, typer.Option("--ep", min=1, rich_help_panel=P_PAR,
-                                              help="Expert-parallel degree, MoE models only.")]
-EtpOpt = Annotated[int | None, typer.Option("--etp", min=1, rich_help_panel=P_PAR,
-                                               help="Expert tensor-parallel degree (estimate: default --tp).")]
-MbsOpt = Annotated[int | None, typer.Option("--mbs", min=1, rich_help_panel=P_PAR,
-                                               help="Micro-batch size, in sequences.")]
-ZeroOpt = Annotated[int | None, typer.Option("--zero", min=0, max=3, rich_help_panel=P_PAR, help=(
-    "ZeRO stage 0-3: 1 shards optimizer state (Megatron distributed optimizer), 2 also gradients, "
-    "3 also weights (FSDP)."))]
-SpOpt = Annotated[bool | None, typer.Option("--sp/--no-sp", rich_help_panel=P_PAR, show_default=False, help=(
-    "Sequence parallelism with TP (estimate: on when --tp > 1)."))]
-ScheduleOpt = Annotated[Literal["1f1b", "interleaved", "gpipe", "zb"] | None, typer.Option(
-    "--schedule", rich_help_panel=P_PAR,
-    help="Pipeline schedule (zb = zero-bubble ZB-H1; interleaved needs --vpp > 1).")]
-OrderOpt = Annotated[RankOrder | None, typer.Option("--order", rich_help_panel=P_PAR, help=(
-    "rank order of the dimensions, innermost first: tp-cp-dp-pp (Megatron default) or tp-cp-pp-dp "
-    "(--use-tp-pp-dp-mapping; needs ep=1); plan: pins it"))]
-RecomputeModulesOpt = Annotated[str | None, typer.Option(
-    "--recompute-modules", metavar="MODULE[,MODULE...]", rich_help_panel=P_PAR, help=(
-        "What selective recomputation re-runs (Megatron-Core --recompute-modules): core_attn (default), layernorm, "
-        "mla_up_proj, mlp, moe_act, moe, shared_experts, comma-separated, e.g. mla_up_proj,moe_act."))]
 CalibrationOpt = Annotated[str | None, typer.Option("--calibration", rich_help_panel=P_CLUSTER, help=(
     "Calibration file from `meshplan profile` (or a name under hardware_db/calibrations/): the device's measured "
     "GEMM, attention, memory and collective costs replace the GPU's efficiency defaults. A CPU calibration goes "
@@ -129,15 +100,92 @@ RuntimeOpt = Annotated[str, typer.Option("--runtime", metavar="PRESET[+OPTION...
     f"({', '.join('+' + o for o in RUNTIME_OPTIONS)}), e.g. torchtitan+compile+async-tp."))]
 
 
-def recompute_modules_arg(text: str | None) -> tuple[str, ...] | None:
-    """--recompute-modules a,b as a tuple; an unknown name is one error line."""
-    if text is None:
-        return None
+# ---- the knobs: one option per ParallelConfig field that has a KnobHelp ---------------------------------------------
+
+def knob_parameters(searching: bool) -> list[inspect.Parameter]:
+    """A typer option per knob of ParallelConfig, from its field: type, bounds, flag, help and unit (KnobHelp). For
+    `plan` (`searching`) only the knobs the search takes pinned, and an unset one is searched; for `estimate` every
+    knob, and an unset one takes its default."""
+    params = []
+    for name, field in ParallelConfig.model_fields.items():
+        doc = knob_help(name)
+        if doc is None or (searching and not doc.searched):
+            continue
+        kind, bounds = _option_type(field.annotation, field.metadata)
+        unset = "Searched when unset." if searching else f"Default: {doc.default}."
+        text = f"{doc.help}" + (f", in {doc.unit}" if doc.unit else "") + f". {unset}"
+        flag = doc.flag_name(name)
+        if kind is bool:
+            flag = f"{flag}/--no-{flag.removeprefix('--')}"
+        panel = "Parallelism (unset: searched)" if searching else "Parallelism (unset: defaults)"
+        option = typer.Option(flag, rich_help_panel=panel, help=text, metavar=doc.metavar or None,
+                              show_default=False, **bounds)
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Annotated[kind | None, option]))
+    return params
+
+
+def _option_type(annotation: Any, metadata: list[Any]) -> tuple[Any, dict[str, int]]:
+    """(the option's value type, its min/max) for a knob's field type: an int, bool or string Literal (or None); a
+    Literal of ints (the ZeRO stage) is an int between its first and last; a tuple is a comma-separated string."""
+    if get_origin(annotation) is tuple:
+        return str, {}
+    unset = get_origin(annotation) in (Union, UnionType)  # `X | None`
+    kind = next(a for a in get_args(annotation) if a is not type(None)) if unset else annotation
+    bounds = {}
+    for m in metadata:  # pydantic's Field(gt=...) / Field(ge=...) constraints
+        if getattr(m, "gt", None) is not None:
+            bounds["min"] = m.gt + 1
+        if getattr(m, "ge", None) is not None:
+            bounds["min"] = m.ge
+    if get_origin(kind) is Literal and all(isinstance(v, int) for v in get_args(kind)):
+        return int, {"min": min(get_args(kind)), "max": max(get_args(kind))}
+    return kind, bounds
+
+
+def config_of_flags(given: dict[str, Any]) -> ParallelConfig:
+    """The knobs the command line set as one ParallelConfig (those not given stay None); a comma list becomes a
+    tuple, and a name outside its field's choices is one error line."""
+    values = {}
+    for name, value in given.items():
+        if value is None:
+            continue
+        annotation = ParallelConfig.model_fields[name].annotation
+        if get_origin(annotation) is tuple:
+            value = _comma_list(value, get_args(get_args(annotation)[0]), knob_help(name).flag_name(name))
+        values[name] = value
+    return ParallelConfig(**values)
+
+
+def _comma_list(text: str, choices: tuple[str, ...], flag: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in RECOMPUTE_MODULES]
-    if unknown or not names:
-        raise InputError(f"--recompute-modules {text!r}: choose from {', '.join(RECOMPUTE_MODULES)}")
+    if not names or any(n not in choices for n in names):
+        raise InputError(f"{flag} {text!r}: choose from {', '.join(choices)}, comma-separated")
     return names
+
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def with_knobs(searching: bool) -> Callable[[Command], Command]:
+    """Give a command one option per knob in place of its `config: ParallelConfig` parameter: typer reads the
+    generated signature, and the command is called with the knobs as one ParallelConfig (`knob_parameters`)."""
+    def wrap(command: Command) -> Command:
+        signature = inspect.signature(command)
+        knobs = knob_parameters(searching)
+        names = [k.name for k in knobs]
+        params: list[inspect.Parameter] = []
+        for p in signature.parameters.values():
+            params += [k.replace(kind=p.kind) for k in knobs] if p.name == "config" else [p]
+
+        @functools.wraps(command)
+        def run(**kwargs: Any) -> Any:
+            return command(config=config_of_flags({n: kwargs.pop(n) for n in names}), **kwargs)
+
+        run.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params} | {"return": signature.return_annotation}
+        return run  # type: ignore[return-value]
+    return wrap
 
 
 def workload_arg(gbs: int, seq: int, dtype: str, fp8_recipe: str) -> Workload:

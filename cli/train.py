@@ -3,18 +3,16 @@
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from meshplan import api
-from meshplan.cli.options import (CalibrationOpt, ClusterOpt, CpCommOpt, CpOpt, DpOpt, DtypeOpt, EpOpt, EtpOpt,
-                                  ExportTarget, Fp8RecipeOpt, GbsOpt, GpuOpt, GpusOpt, MbsOpt, ModelOpt, NicOpt,
-                                  NvlinkOpt, OrderOpt, P_OUT, P_PAR, PerNodeOpt, PpOpt, RecomputeModulesOpt, RuntimeOpt,
-                                  ScheduleOpt, SeqOpt, SpOpt, TpOpt, VppOpt, ZeroOpt, cluster_of_flags, console,
-                                  echo_export, output_targets, recompute_modules_arg, workload_arg)
+from meshplan.cli.options import (CalibrationOpt, ClusterOpt, DtypeOpt, ExportTarget, Fp8RecipeOpt, GbsOpt, GpuOpt,
+                                  GpusOpt, ModelOpt, NicOpt, NvlinkOpt, P_OUT, PerNodeOpt, RuntimeOpt, SeqOpt,
+                                  cluster_of_flags, console, echo_export, output_targets, with_knobs, workload_arg)
 from meshplan.costmodels.config import DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
 from meshplan.costmodels.estimate import Estimate
@@ -23,8 +21,10 @@ from meshplan.costmodels.model_io import load_model
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import OutputFile, write_all
+from meshplan.planner.space import DEFAULT_MAX_MBS
 
 
+@with_knobs(searching=False)
 def estimate(
     model: ModelOpt,
     gbs: GbsOpt = 256,
@@ -37,28 +37,7 @@ def estimate(
     nic_gbps: NicOpt = None,
     nvlink_gbs: NvlinkOpt = None,
     cluster_file: ClusterOpt = None,
-    tp: TpOpt = None,
-    pp: PpOpt = None,
-    vpp: VppOpt = None,
-    dp: DpOpt = None,
-    cp: CpOpt = None,
-    cp_comm: CpCommOpt = None,
-    ep: EpOpt = None,
-    etp: EtpOpt = None,
-    mbs: MbsOpt = None,
-    zero: ZeroOpt = None,
-    recompute: Annotated[Literal["none", "selective", "full"] | None, typer.Option(
-        "--recompute", rich_help_panel=P_PAR,
-        help="Activation recomputation: none, selective (attention core) or full (whole layer) (default none).")
-    ] = None,
-    recompute_modules: RecomputeModulesOpt = None,
-    offload_layers: Annotated[int | None, typer.Option(
-        "--offload-layers", min=0, rich_help_panel=P_PAR, help=(
-            "Keep this many decoder layers' activations in host memory between forward and backward (Megatron "
-            "--cpu-offloading-num-layers): needs --pp 1, no recomputation and the GPU's host_link_gb_s."))] = None,
-    sp: SpOpt = None,
-    schedule: ScheduleOpt = None,
-    order: OrderOpt = None,
+    config: ParallelConfig = ParallelConfig(),  # one option per knob (cli/options.py with_knobs)
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     calibration: CalibrationOpt = None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
@@ -73,11 +52,7 @@ def estimate(
     spec = load_model(model)
     cluster_spec = cluster_of_flags(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
     workload = workload_arg(gbs, seq, dtype, fp8_recipe)
-    knobs = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
-                 recompute=recompute, sp=sp, schedule=schedule, rank_order=order,
-                 recompute_modules=recompute_modules_arg(recompute_modules), offload_layers=offload_layers)
-    cfg = ParallelConfig(**{k: v for k, v in knobs.items() if v is not None})
-    est = api.estimate(spec, cluster_spec, workload, cfg, runtime, calibration)
+    est = api.estimate(spec, cluster_spec, workload, config, runtime, calibration)
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
     else:
@@ -162,6 +137,7 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
 
 # ---- plan ----------------------------------------------------------------------------------------------------------
 
+@with_knobs(searching=True)
 def plan(
     model: ModelOpt,
     gbs: GbsOpt = 256,
@@ -174,28 +150,11 @@ def plan(
     nic_gbps: NicOpt = None,
     nvlink_gbs: NvlinkOpt = None,
     cluster_file: ClusterOpt = None,
-    tp: TpOpt = None,
-    pp: PpOpt = None,
-    vpp: VppOpt = None,
-    dp: DpOpt = None,
-    cp: CpOpt = None,
-    cp_comm: CpCommOpt = None,
-    ep: EpOpt = None,
-    etp: EtpOpt = None,
-    mbs: MbsOpt = None,
-    zero: ZeroOpt = None,
-    recompute: Annotated[Literal["none", "selective", "full", "per-stage"] | None, typer.Option(
-        "--recompute", rich_help_panel=P_PAR, help=(
-            "Pin recomputation: none, selective, full, or per-stage (each stage none, selective or full on its "
-            "first k layers, chosen by the CP-SAT partitioner)."))] = None,
-    recompute_modules: RecomputeModulesOpt = None,
-    sp: SpOpt = None,
-    schedule: ScheduleOpt = None,
-    order: OrderOpt = None,
+    config: ParallelConfig = ParallelConfig(),  # one option per knob the search takes pinned (with_knobs)
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     calibration: CalibrationOpt = None,
-    max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, max=2**17, rich_help_panel=P_PAR,
-                                         help="Largest micro-batch size searched.")] = 16,
+    max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, max=2**17, rich_help_panel="Parallelism (unset: searched)",
+                                         help="Largest micro-batch size searched.")] = DEFAULT_MAX_MBS,
     top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
                                      help="How many of the best plans to rank in the table (at most 100).")] = 5,
     time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
@@ -228,7 +187,6 @@ def plan(
     from meshplan.planner.explain import explain
     from meshplan.planner.launchers import export_files, export_plan
     from meshplan.planner.plan import plan_text
-    from meshplan.planner.space import Pins
     from meshplan.planner.trace import chrome_trace, trace_text
 
     if export_out is not None and export_to is None:
@@ -240,13 +198,9 @@ def plan(
     spec = load_model(model)
     cluster_spec = cluster_of_flags(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
     workload = workload_arg(gbs, seq, dtype, fp8_recipe)
-    pins = Pins(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, mbs=mbs, zero=zero,
-                recompute=recompute, sp=sp, schedule=schedule, order=order, max_mbs=max_mbs,
-                **({} if recompute_modules is None
-                   else {"recompute_modules": recompute_modules_arg(recompute_modules)}))
     with _progress(not as_json) as bar:
-        found = api.search_plans(spec, cluster_spec, workload, pins, runtime, calibration, top, time_limit, timing,
-                                 progress=bar)
+        found = api.search_plans(spec, cluster_spec, workload, config, runtime, calibration, top, time_limit, timing,
+                                 progress=bar, max_mbs=max_mbs)
     doc, result, sim, cluster = found.plan, found.result, found.simulated, found.cluster
     exported = export_plan(doc, export_to) if export_to is not None else None  # refuses before anything is written
     files = [OutputFile(out, plan_text(doc))] if out is not None else []

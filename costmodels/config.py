@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar, get_args
+from typing import Annotated, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,6 +17,8 @@ from meshplan.costmodels.pipeline import MAX_PIPELINE_PASSES, pipeline_passes
 from meshplan.hardware_db.errors import InputError
 
 Recompute = Literal["none", "selective", "full"]
+# what a knob may ask for: a uniform policy, or per-stage policies (the partitioner's choice, or stage_recompute)
+RecomputeChoice = Literal["none", "selective", "full", "per-stage"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
 CpComm = Literal["ring", "a2a"]  # ring attention P2P, or all-to-all over heads (DeepSpeed-Ulysses)
 ZeroStage = Literal[0, 1, 2, 3]
@@ -116,35 +118,81 @@ class StagePolicy(BaseModel):
         return self.granularity
 
 
+Degree = Annotated[int | None, Field(gt=0)]  # a parallel degree or a size; None: unset (searched, or the default)
+
+
+@dataclass(frozen=True)
+class KnobHelp:
+    """What a knob means to a user: cli/options.py makes the `estimate` and `plan` options of it (flag, help, unit,
+    what an unset knob means to each), and docs/knobs.md lists them. A field without one has no command-line flag."""
+
+    help: str  # one sentence, no trailing period
+    default: str  # what `estimate` takes when it is unset (resolve's default), in words
+    unit: str = ""  # what the number counts, where it counts something
+    flag: str = ""  # the option's name; default: --field-name with dashes
+    searched: bool = True  # `plan` searches it when unset and honours it pinned; False: `estimate` only
+    metavar: str = ""
+
+    def flag_name(self, field: str) -> str:
+        return self.flag or "--" + field.replace("_", "-")
+
+
 class ParallelConfig(BaseModel):
-    """The knobs; None means 'use the default' (documented in docs/cost_model.md)."""
+    """The parallel configuration, the one type for the knobs. A field left None is searched by `plan` and takes its
+    default in `estimate` (resolve fills it: KnobHelp.default says to what). Adding a knob: docs/knobs.md."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    tp: int = Field(default=1, gt=0)
-    pp: int = Field(default=1, gt=0)
-    vpp: int = Field(default=1, gt=0)  # model chunks per pipeline rank (interleaved schedule)
-    dp: int | None = Field(default=None, gt=0)  # default: GPUs / (tp * pp * cp)
-    cp: int = Field(default=1, gt=0)
-    cp_comm: CpComm = "ring"
-    ep: int = Field(default=1, gt=0)
-    etp: int | None = Field(default=None, gt=0)  # expert tensor parallel; default: tp
-    mbs: int = Field(default=1, gt=0)
-    zero: ZeroStage = 1  # 1 = Megatron's --use-distributed-optimizer
-    recompute: Recompute = "none"
+    tp: Annotated[Degree, KnobHelp("Tensor-parallel degree", "1", unit="GPUs per group")] = None
+    pp: Annotated[Degree, KnobHelp("Pipeline-parallel degree", "1", unit="stages")] = None
+    vpp: Annotated[Degree, KnobHelp(
+        "Virtual pipeline stages (model chunks) per pipeline rank; above 1 means the interleaved schedule", "1")
+                   ] = None
+    dp: Annotated[Degree, KnobHelp("Data-parallel degree", "GPUs / (tp x pp x cp)", unit="replicas")] = None
+    cp: Annotated[Degree, KnobHelp("Context-parallel degree (splits the sequence)", "1", unit="GPUs per group")] = None
+    cp_comm: Annotated[CpComm | None, KnobHelp(
+        "Context-parallel communication: ring (K,V passed around a ring, overlapped with attention) or a2a "
+        "(all-to-all over heads, DeepSpeed-Ulysses)", "ring")] = None
+    ep: Annotated[Degree, KnobHelp("Expert-parallel degree, MoE models only", "1", unit="GPUs per group")] = None
+    etp: Annotated[Degree, KnobHelp("Expert tensor-parallel degree, MoE models only", "--tp",
+                                    unit="GPUs per group")] = None
+    mbs: Annotated[Degree, KnobHelp("Micro-batch size", "1", unit="sequences")] = None
+    zero: Annotated[ZeroStage | None, KnobHelp(
+        "ZeRO stage 0-3: 1 shards the optimizer state (Megatron's --use-distributed-optimizer), 2 also the "
+        "gradients, 3 also the weights (FSDP)", "1")] = None
+    recompute: Annotated[RecomputeChoice | None, KnobHelp(
+        "Activation recomputation: none, selective (--recompute-modules), full (whole layers), or per-stage (each "
+        "stage none, selective or full on its first k layers: the partitioner's choice, plan only; an estimate "
+        "reads it from stage_recompute)", "none")] = None
     # what "selective" recomputes (Megatron --recompute-modules); used only where a stage recomputes selectively
-    recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES
+    recompute_modules: Annotated[tuple[RecomputeModule, ...], KnobHelp(
+        "What selective recomputation re-runs (Megatron-Core --recompute-modules), comma-separated: "
+        + ", ".join(RECOMPUTE_MODULES), ",".join(DEFAULT_RECOMPUTE_MODULES),
+        metavar="MODULE[,MODULE...]")] = DEFAULT_RECOMPUTE_MODULES
     # activations of this many decoder layers kept in host memory between their forward and backward (Megatron
     # --cpu-offloading-num-layers, TransformerEngine's CPU offload); pp 1 and no recomputation, as Megatron requires
-    offload_layers: int = Field(default=0, ge=0)
-    sp: bool | None = None  # default: on whenever tp > 1
-    schedule: Schedule | None = None  # default: interleaved when vpp > 1, else 1f1b
-    stage_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage; default: balanced
+    offload_layers: Annotated[int | None, Field(ge=0), KnobHelp(
+        "Decoder layers whose activations wait in host memory between forward and backward (Megatron "
+        "--cpu-offloading-num-layers); needs --pp 1, no recomputation and the GPU's host_link_gb_s", "0",
+        searched=False)] = None
+    sp: Annotated[bool | None, KnobHelp("Sequence parallelism with TP", "on when --tp > 1")] = None
+    schedule: Annotated[Schedule | None, KnobHelp(
+        "Pipeline schedule (zb = zero-bubble ZB-H1; interleaved needs --vpp > 1)",
+        "interleaved when --vpp > 1, else 1f1b")] = None
+    # decoder layers per pipeline stage; default: balanced
+    stage_layers: tuple[int, ...] | None = None
     # decoder layers of every model chunk in model order (pp * vpp entries; chunk c * pp + s is stage s's c-th
     # virtual stage), as Megatron's --pipeline-model-parallel-layout places them; default: each stage's layers
     # split evenly over its chunks, the larger shares first
     chunk_layers: tuple[int, ...] | None = None
     stage_recompute: tuple[StagePolicy, ...] | None = None  # per pipeline stage; overrides `recompute` when given
-    rank_order: RankOrder = DEFAULT_RANK_ORDER  # "tp-cp-pp-dp": Megatron-LM --use-tp-pp-dp-mapping
+    rank_order: Annotated[RankOrder | None, KnobHelp(
+        "Rank order of the dimensions, innermost first: tp-cp-dp-pp (Megatron's default) or tp-cp-pp-dp "
+        "(--use-tp-pp-dp-mapping; needs ep = 1)", DEFAULT_RANK_ORDER, flag="--order")] = None
+
+
+def knob_help(field: str) -> KnobHelp | None:
+    """The command-line help of a ParallelConfig field, or None where it has no flag."""
+    return next((m for m in ParallelConfig.model_fields[field].metadata if isinstance(m, KnobHelp)), None)
 
 
 class Runtime(BaseModel):
@@ -570,63 +618,67 @@ def check_rules(rules: Sequence[Rule], knobs: Knobs) -> None:
 
 
 def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelConfig) -> Layout:
-    """Fill defaults and check every divisibility rule; raise InputError naming the rule and a fix."""
-    tp, pp, cp, vpp = cfg.tp, cfg.pp, cfg.cp, cfg.vpp
-    dp = _data_parallel(model, num_gpus, workload, cfg)
-    m = workload.global_batch // (cfg.mbs * dp)
-    schedule = _schedule(model, workload, cfg, dp)
-    stage_layers, chunks = _stage_split(model, cfg)
-    ep, etp, edp = _expert_layout(model, workload, cfg, dp)
+    """Fill defaults (KnobHelp.default) and check every rule; raise InputError naming the rule and a fix."""
+    tp, pp, cp, vpp, ep, mbs = (1 if v is None else v for v in (cfg.tp, cfg.pp, cfg.cp, cfg.vpp, cfg.ep, cfg.mbs))
+    cp_comm: CpComm = cfg.cp_comm or "ring"
+    order = cfg.rank_order or DEFAULT_RANK_ORDER
+    dp = _data_parallel(model, num_gpus, workload, (tp, pp, cp, cfg.dp), mbs, cp_comm)
+    schedule = _schedule(model, workload, (tp, pp, cp, dp), vpp, mbs, cfg.schedule)
+    stage_layers, chunks = _stage_split(model, cfg, pp, vpp)
+    etp, edp = _expert_layout(model, workload, (tp, pp, cp, dp), ep, cfg.etp, order)
     sp = cfg.sp if cfg.sp is not None else tp > 1
     if sp and tp == 1:
         sp = False  # sequence parallel is a no-op without tensor parallel
     stage_recompute, recompute = _stage_recompute(cfg, stage_layers)
     modules = check_recompute_modules(model, cfg.recompute_modules)
-    _check_offload(model, cfg, stage_recompute)
-    return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cfg.cp_comm, ep=ep, etp=etp, edp=edp, mbs=cfg.mbs,
-                  num_microbatches=m, zero=cfg.zero, recompute=recompute, sp=sp, schedule=schedule,
-                  stage_layers=stage_layers, stage_recompute=stage_recompute, rank_order=cfg.rank_order,
-                  chunks=chunks, recompute_modules=modules, offload_layers=cfg.offload_layers)
+    offload = cfg.offload_layers or 0
+    _check_offload(model, pp, offload, stage_recompute)
+    return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, edp=edp, mbs=mbs,
+                  num_microbatches=workload.global_batch // (mbs * dp), zero=1 if cfg.zero is None else cfg.zero,
+                  recompute=recompute, sp=sp, schedule=schedule, stage_layers=stage_layers,
+                  stage_recompute=stage_recompute, rank_order=order, chunks=chunks, recompute_modules=modules,
+                  offload_layers=offload)
 
 
+Degrees = tuple[int, int, int, int]  # (tp, pp, cp, dp) as resolve has fixed them
 
 
-def _data_parallel(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelConfig) -> int:
+def _data_parallel(model: ModelSpec, num_gpus: int, workload: Workload, mesh: tuple[int, int, int, int | None],
+                   mbs: int, cp_comm: CpComm) -> int:
     """dp (given, or what fills the GPUs), after the mesh's rules: the degrees tile the GPUs, TP splits the heads,
     CP the sequence, and the global batch splits into micro-batches over dp."""
-    tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
+    tp, pp, cp, given = mesh
     if num_gpus % (tp * pp * cp):
         raise InputError(f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide {num_gpus} GPUs")
-    dp = cfg.dp if cfg.dp is not None else num_gpus // (tp * pp * cp)
+    dp = given if given is not None else num_gpus // (tp * pp * cp)
     if tp * pp * cp * dp != num_gpus:
         raise InputError(
             f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {tp * pp * cp * dp} but the cluster has {num_gpus} GPUs; "
             f"omit --dp to derive it"
         )
-    check_rules(MESH_RULES + CP_RULES + BATCH_RULES,
-                Knobs(model, workload, tp, cp, pp, dp, mbs=cfg.mbs, cp_comm=cfg.cp_comm))
+    check_rules(MESH_RULES + CP_RULES + BATCH_RULES, Knobs(model, workload, tp, cp, pp, dp, mbs=mbs, cp_comm=cp_comm))
     return dp
 
 
-def _schedule(model: ModelSpec, workload: Workload, cfg: ParallelConfig, dp: int) -> Schedule:
+def _schedule(model: ModelSpec, workload: Workload, mesh: Degrees, vpp: int, mbs: int,
+              given: Schedule | None) -> Schedule:
     """The pipeline schedule (given, or interleaved with virtual stages, else 1F1B), after its rules."""
-    pp, vpp = cfg.pp, cfg.vpp
+    tp, pp, cp, dp = mesh
     if vpp > 1 and pp == 1:
         raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline ranks)")
-    schedule = cfg.schedule or ("interleaved" if vpp > 1 else "1f1b")
+    schedule = given or ("interleaved" if vpp > 1 else "1f1b")
     if schedule == "interleaved" and pp == 1:
         raise InputError("--schedule interleaved needs --pp > 1 (virtual stages interleave pipeline ranks)")
     if schedule == "interleaved" and vpp == 1:
         raise InputError("--schedule interleaved needs --vpp > 1")
     if schedule != "interleaved" and vpp > 1:
         raise InputError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
-    check_rules(PIPELINE_RULES, Knobs(model, workload, cfg.tp, cfg.cp, pp, dp, mbs=cfg.mbs, schedule=schedule, vpp=vpp))
+    check_rules(PIPELINE_RULES, Knobs(model, workload, tp, cp, pp, dp, mbs=mbs, schedule=schedule, vpp=vpp))
     return schedule
 
 
-def _stage_split(model: ModelSpec, cfg: ParallelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _stage_split(model: ModelSpec, cfg: ParallelConfig, pp: int, vpp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(decoder layers per pipeline stage, per model chunk): given as chunks or stages, else balanced."""
-    pp, vpp = cfg.pp, cfg.vpp
     if cfg.chunk_layers is not None:
         chunks = tuple(cfg.chunk_layers)
         if len(chunks) != pp * vpp or sum(chunks) != model.num_layers or min(chunks) < 0:
@@ -655,11 +707,11 @@ def _stage_split(model: ModelSpec, cfg: ParallelConfig) -> tuple[tuple[int, ...]
     return stage_layers, chunks
 
 
-def _expert_layout(model: ModelSpec, workload: Workload, cfg: ParallelConfig, dp: int) -> tuple[int, int, int]:
-    """(ep, etp, edp): the experts folded onto the dense ranks (Megatron's MoE parallel folding)."""
-    tp, cp = cfg.tp, cfg.cp
-    ep = cfg.ep
-    etp = cfg.etp if cfg.etp is not None else tp
+def _expert_layout(model: ModelSpec, workload: Workload, mesh: Degrees, ep: int, given_etp: int | None,
+                   order: RankOrder) -> tuple[int, int]:
+    """(etp, edp): the experts folded onto the dense ranks (Megatron's MoE parallel folding)."""
+    tp, pp, cp, dp = mesh
+    etp = given_etp if given_etp is not None else tp
     if model.moe is None:
         if ep > 1:
             raise InputError(f"--ep {ep} given but {model.name} has no experts")
@@ -668,14 +720,13 @@ def _expert_layout(model: ModelSpec, workload: Workload, cfg: ParallelConfig, dp
         if model.moe.num_experts % ep:
             raise InputError(f"--ep {ep} does not divide the {model.moe.num_experts} experts of {model.name}")
         edp = tp * cp * dp // (etp * ep)
-    check_rules(EXPERT_RULES, Knobs(model, workload, tp, cp, cfg.pp, dp, ep=ep, etp=etp, order=cfg.rank_order))
-    return ep, etp, edp
+    check_rules(EXPERT_RULES, Knobs(model, workload, tp, cp, pp, dp, ep=ep, etp=etp, order=order))
+    return etp, edp
 
 
-def _check_offload(model: ModelSpec, cfg: ParallelConfig, stage_recompute: tuple[StagePolicy, ...]) -> None:
+def _check_offload(model: ModelSpec, pp: int, offload_layers: int, stage_recompute: tuple[StagePolicy, ...]) -> None:
     """Activation offload's rules (Megatron's): no pipeline, no recomputation, fewer layers than the model's."""
-    pp = cfg.pp
-    if cfg.offload_layers:
+    if offload_layers:
         # megatron/core/transformer/transformer_config.py __post_init__: the same three rules
         if pp > 1:
             raise InputError(f"--offload-layers needs --pp 1 (Megatron has no CPU offloading with pipeline "
@@ -683,8 +734,8 @@ def _check_offload(model: ModelSpec, cfg: ParallelConfig, stage_recompute: tuple
         if any(p.granularity != "none" for p in stage_recompute):
             raise InputError("--offload-layers cannot be combined with recomputation (Megatron refuses it): "
                              "use --recompute none")
-        if cfg.offload_layers >= model.num_layers:
-            raise InputError(f"--offload-layers {cfg.offload_layers}: offload fewer than the model's "
+        if offload_layers >= model.num_layers:
+            raise InputError(f"--offload-layers {offload_layers}: offload fewer than the model's "
                              f"{model.num_layers} layers")
 
 
@@ -705,13 +756,17 @@ def check_recompute_modules(model: ModelSpec, given: tuple[str, ...]) -> tuple[R
 def _stage_recompute(cfg: ParallelConfig, stage_layers: tuple[int, ...]) -> tuple[tuple[StagePolicy, ...], str]:
     """Per-stage policies from --recompute (uniform) or an explicit list; and the layout's one-word summary."""
     if cfg.stage_recompute is None:
-        k = {"full": None}.get(cfg.recompute, 0)
+        uniform = cfg.recompute or "none"
+        if uniform == "per-stage":
+            raise InputError("--recompute per-stage needs each stage's policy: `plan` chooses them, an estimate "
+                             "reads them from stage_recompute (a plan file or the Python API); on the command line "
+                             "choose none, selective or full")
         made: dict[int, StagePolicy] = {}  # one (frozen) policy per stage size: a planner resolves thousands
         for n in stage_layers:
             if n not in made:
-                made[n] = StagePolicy(granularity=cfg.recompute, full_layers=n if k is None else 0)
+                made[n] = StagePolicy(granularity=uniform, full_layers=n if uniform == "full" else 0)
         policies = tuple(made[n] for n in stage_layers)
-        return policies, cfg.recompute
+        return policies, uniform
     policies = tuple(cfg.stage_recompute)
     if len(policies) != len(stage_layers):
         raise InputError(f"stage_recompute has {len(policies)} entries but there are {len(stage_layers)} pipeline "

@@ -25,7 +25,7 @@ EXPORTS = {
     "search_plans": "meshplan.api", "search_deployments": "meshplan.api", "PinnedDeployment": "meshplan.api",
     "ClusterSpec": "meshplan.hardware_db.cluster", "InputError": "meshplan.hardware_db.errors",
     "Workload": "meshplan.costmodels.config", "ParallelConfig": "meshplan.costmodels.config",
-    "Pins": "meshplan.planner.space", "ServeWorkload": "meshplan.costmodels.serving",
+    "ServeWorkload": "meshplan.costmodels.serving",
     "ServeTargets": "meshplan.costmodels.serving", "EngineLayout": "meshplan.costmodels.serving",
     "Plan": "meshplan.planner.plan", "ServingPlan": "meshplan.planner.plan",
 }

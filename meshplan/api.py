@@ -26,7 +26,7 @@ from meshplan.planner.builders import build_plan, build_serving_plan
 from meshplan.planner.plan import Plan, ServingPlan, read_any_plan, without_timing
 from meshplan.planner.search import ProgressFn, SearchResult, search
 from meshplan.planner.serve import ServeResult, explain_serving, pinned_deployment, search_serving
-from meshplan.planner.space import Pins
+from meshplan.planner.space import DEFAULT_MAX_MBS
 
 __all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "estimate", "load_plan", "plan",
            "search_deployments", "search_plans", "serve"]
@@ -83,22 +83,23 @@ def calibrated(cluster: ClusterSpec, calibration: str | None = None,
 
 def estimate(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),
              runtime: str = DEFAULT_RUNTIME, calibration: str | None = None) -> Estimate:
-    """The predicted step time, its breakdown, throughput, MFU and memory of one configuration (unset knobs take
-    their defaults, costmodels/config.py)."""
+    """The predicted step time, its breakdown, throughput, MFU and memory of one configuration (knobs left None take
+    their defaults: KnobHelp.default in costmodels/config.py)."""
     hardware, eff = calibrated(cluster, calibration, runtime)
     return estimate_cost(_model(model), hardware, workload, config, runtime, eff)
 
 
-def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, pins: Pins = Pins(),
+def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),
                  runtime: str = DEFAULT_RUNTIME, calibration: str | None = None, top: int = 5,
-                 time_limit_s: float | None = None, timing: bool = False,
-                 progress: ProgressFn | None = None) -> PlanSearch:
-    """Search every configuration the pins leave open; the best plan (its search time recorded only with
-    `timing`, so the same input makes the same document). InputError when nothing fits, saying why."""
+                 time_limit_s: float | None = None, timing: bool = False, progress: ProgressFn | None = None,
+                 max_mbs: int = DEFAULT_MAX_MBS) -> PlanSearch:
+    """Search every configuration `config` leaves open (each knob left None is searched, the others are pinned); the
+    best plan (its search time recorded only with `timing`, so the same input makes the same document). InputError
+    when nothing fits, saying why."""
     spec = _model(model)
     hardware, eff = calibrated(cluster, calibration, runtime)
-    result = search(spec, hardware, workload, pins, runtime, efficiency=eff, top_k=top, time_limit_s=time_limit_s,
-                    progress=progress)
+    result = search(spec, hardware, workload, config, runtime, efficiency=eff, top_k=top, time_limit_s=time_limit_s,
+                    progress=progress, max_mbs=max_mbs)
     if not result.plans:
         raise InputError(result.why_nothing_fits or "no plan fits")
     best = result.plans[0]
@@ -109,10 +110,11 @@ def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, pi
     return PlanSearch(plan=doc if timing else without_timing(doc), result=result, simulated=sim, cluster=hardware)
 
 
-def plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, pins: Pins = Pins(),
+def plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),
          runtime: str = DEFAULT_RUNTIME, calibration: str | None = None, time_limit_s: float | None = None) -> Plan:
-    """The fastest configuration that fits, as the Plan document `meshplan plan --out` writes."""
-    return search_plans(model, cluster, workload, pins, runtime, calibration, time_limit_s=time_limit_s).plan
+    """The fastest configuration that fits (the knobs set in `config` pinned), as the Plan document `meshplan plan
+    --out` writes."""
+    return search_plans(model, cluster, workload, config, runtime, calibration, time_limit_s=time_limit_s).plan
 
 
 def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targets: ServeTargets,

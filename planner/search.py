@@ -37,8 +37,8 @@ from meshplan.hardware_db.errors import InputError
 from meshplan.planner.partition import (PartitionProblem, PartitionResult, partitions_below, per_stage_bound,
                                         per_stage_partitions_below, per_stage_tight_bound, solve_cpsat, solve_dp_pairs,
                                         solve_rank0_path_sync, solve_stage0_sync)
-from meshplan.planner.space import (MEMORY_POLICY, UNIFORM_POLICY, Candidate, Enumeration, Group, Pins, check_pins,
-                                    enumerate_space)
+from meshplan.planner.space import (DEFAULT_MAX_MBS, MEMORY_POLICY, UNIFORM_POLICY, Candidate, Enumeration, Group,
+                                    check_pins, enumerate_space)
 from meshplan.planner.search_bounds import SearchCosts
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
@@ -147,17 +147,19 @@ class _Best:
         return [x[-1] for x in sorted(self.heap, key=lambda x: tuple(-v for v in x[:-1]))]
 
 
-def search(model: ModelSpec, cluster: Cluster, wl: Workload, pins: Pins = Pins(), runtime: str = DEFAULT_RUNTIME,
-           efficiency: Efficiency | None = None, top_k: int = 10, time_limit_s: float | None = None,
-           progress: ProgressFn | None = None) -> SearchResult:
-    """The top_k plans by predicted step time, and the account of the search (see the module docstring)."""
+def search(model: ModelSpec, cluster: Cluster, wl: Workload, pins: ParallelConfig = ParallelConfig(),
+           runtime: str = DEFAULT_RUNTIME, efficiency: Efficiency | None = None, top_k: int = 10,
+           time_limit_s: float | None = None, progress: ProgressFn | None = None,
+           max_mbs: int = DEFAULT_MAX_MBS) -> SearchResult:
+    """The top_k plans by predicted step time, and the account of the search (see the module docstring). `pins`:
+    the knobs fixed; each one left None is searched (`max_mbs`: the largest micro-batch size tried)."""
     if top_k < 1:
         raise InputError("--top must be at least 1")
     rt = get_runtime(runtime)
     check_pins(model, cluster.num_gpus, wl, pins, rt)
     start = time.perf_counter()
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
-    enum = enumerate_space(model, cluster.num_gpus, cluster.gpus_per_node, wl, pins, rt)
+    enum = enumerate_space(model, cluster.num_gpus, cluster.gpus_per_node, wl, pins, rt, max_mbs)
     s = _Search(model, cluster, wl, rt.name, eff, enum, top_k, pins.recompute_modules)
     deadline = None if time_limit_s is None else start + time_limit_s
     timed_out = s.run(deadline, progress)

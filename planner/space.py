@@ -13,18 +13,17 @@ import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
 
 from meshplan.costmodels.config import (BATCH_RULES, CP_RULES, DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES,
                                         EXPERT_RULES, MESH_RULES, PIPELINE_RULES, PP_INSIDE_DP, CpComm, Knobs,
-                                        RankOrder, Recompute, RecomputeModule, Runtime, Schedule, Workload, ZeroStage,
-                                        broken_rule, check_recompute_modules, even_chunks, split_evenly)
+                                        ParallelConfig, RankOrder, Recompute, RecomputeChoice, RecomputeModule,
+                                        Runtime, Schedule, Workload, ZeroStage, broken_rule, check_recompute_modules,
+                                        even_chunks, split_evenly)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.hardware_db.errors import InputError
 
-RecomputeChoice = Literal["none", "selective", "full", "per-stage"]
 # the uniform policy a candidate's DPs run: per-stage starts from no recomputation (its relaxed DP), and its memory
 # floor assumes full
 UNIFORM_POLICY: dict[RecomputeChoice, Recompute] = {"none": "none", "selective": "selective", "full": "full",
@@ -39,32 +38,10 @@ SCHEDULES_ALL: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved", "zb")
 CP_COMMS: tuple[CpComm, ...] = ("ring", "a2a")
 RECOMPUTES: tuple[RecomputeChoice, ...] = ("none", "selective", "full", "per-stage")
 ZEROS: tuple[ZeroStage, ...] = (0, 1, 2, 3)
+DEFAULT_MAX_MBS = 16  # micro-batch sizes searched: divisors of gbs/dp up to this (plan --max-mbs)
 MAX_VPP = 8  # virtual stages per pipeline rank searched unpinned: 2..8 (a pinned --vpp may be any degree)
 MAX_CHUNK_OPTIONS = 2  # uneven virtual-stage splits tried per interleaved candidate (interleaved_chunks)
 MIN_CP_TOKENS = 1024  # CP degrees searched leave each rank at least this many tokens of the sequence
-
-
-class Pins(BaseModel):
-    """Knobs the user fixed (None: searched). The same names and meanings as `estimate`'s flags."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    tp: int | None = Field(default=None, gt=0)
-    pp: int | None = Field(default=None, gt=0)
-    vpp: int | None = Field(default=None, gt=0)
-    dp: int | None = Field(default=None, gt=0)
-    cp: int | None = Field(default=None, gt=0)
-    cp_comm: CpComm | None = None
-    ep: int | None = Field(default=None, gt=0)
-    etp: int | None = Field(default=None, gt=0)
-    mbs: int | None = Field(default=None, gt=0)
-    zero: ZeroStage | None = None
-    recompute: RecomputeChoice | None = None
-    sp: bool | None = None
-    schedule: Literal["1f1b", "interleaved", "gpipe", "zb"] | None = None
-    order: RankOrder | None = None  # rank order (ParallelConfig.rank_order)
-    # what selective recomputation re-runs, wherever the search picks it (ParallelConfig.recompute_modules)
-    recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES
-    max_mbs: int = Field(default=16, gt=0)  # micro-batch sizes searched: divisors of gbs/dp up to this
 
 
 class Mesh(NamedTuple):
@@ -110,7 +87,7 @@ class Candidate(NamedTuple):
     schedule: Schedule
     vpp: int
     recompute: RecomputeChoice
-    modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES  # Pins.recompute_modules
+    modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES  # ParallelConfig.recompute_modules
 
     @property
     def layer_key(self) -> LayerKey:
@@ -176,8 +153,8 @@ class Enumeration:
     domains: dict[str, str]  # what was searched, in words (for the report)
 
 
-def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Workload, pins: Pins,
-                    runtime: Runtime | None = None) -> Enumeration:
+def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Workload, pins: ParallelConfig,
+                    runtime: Runtime | None = None, max_mbs: int = DEFAULT_MAX_MBS) -> Enumeration:
     """All candidates, grouped; the launchers' rules (Megatron-LM arguments.py) reject subtrees, counted by rule.
 
     Domains (stated in the plan's account): tp divides the GPUs and stays inside one node (TP across nodes is not
@@ -226,7 +203,7 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                 per_mbs = sum(weight(pp, v[3]) for v in var)
                 meshes = _expert_meshes(model, pins, num_gpus, gpus_per_node, tp, cp, pp)
                 mbs_domain = [pins.mbs] if pins.mbs is not None else [
-                    b for b in divisors(wl.global_batch) if b <= pins.max_mbs]
+                    b for b in divisors(wl.global_batch) if b <= max_mbs]
                 subtree = len(meshes) * len(mbs_domain) * per_mbs
                 size += subtree
                 refused = _mesh_rule(model, wl, tp, cp, pp, dp, pins)
@@ -257,11 +234,11 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                                 ok.append(v)
                         if ok:
                             groups.append(Group(mesh, mbs, m, tuple(ok), zeros, recs))
-    domains = _domains(num_gpus, gpus_per_node, pins, moe is not None, zeros, recs, runtime, rt_schedules)
+    domains = _domains(num_gpus, gpus_per_node, pins, moe is not None, zeros, recs, runtime, rt_schedules, max_mbs)
     return Enumeration(groups, size, infeasible, domains)
 
 
-def _expert_meshes(model: ModelSpec, pins: Pins, num_gpus: int, gpus_per_node: int, tp: int, cp: int,
+def _expert_meshes(model: ModelSpec, pins: ParallelConfig, num_gpus: int, gpus_per_node: int, tp: int, cp: int,
                    pp: int) -> list[tuple[int, int, RankOrder]]:
     """(ep, etp, rank order) of one (tp, cp, pp): ep divides the experts and etp divides tp (MoE models only)."""
     dp = num_gpus // (tp * cp * pp)
@@ -271,10 +248,10 @@ def _expert_meshes(model: ModelSpec, pins: Pins, num_gpus: int, gpus_per_node: i
         pairs = [(ep, etp) for ep in _pick(divisors(model.moe.num_experts), pins.ep)
                  for etp in _pick(divisors(tp), pins.etp)]
     return [(ep, etp, order) for ep, etp in pairs
-            for order in rank_orders(num_gpus, gpus_per_node, tp, cp, pp, dp, ep, pins.order)]
+            for order in rank_orders(num_gpus, gpus_per_node, tp, cp, pp, dp, ep, pins.rank_order)]
 
 
-def _variants(pins: Pins, rt_schedules, rt_cp_comms, tp: int, cp: int,
+def _variants(pins: ParallelConfig, rt_schedules, rt_cp_comms, tp: int, cp: int,
               pp: int) -> list[tuple[bool, CpComm, Schedule, int]]:
     """(sp, cp kind, schedule, vpp) of one (tp, cp, pp): what the pins and the runtime leave."""
     sps = _pick([True, False], pins.sp) if tp > 1 else [False]
@@ -297,8 +274,8 @@ def _variants(pins: Pins, rt_schedules, rt_cp_comms, tp: int, cp: int,
     return [(sp, cc, sch, v) for sp in sps for cc in comms for sch, v in scheds]
 
 
-def _domains(num_gpus: int, gpus_per_node: int, pins: Pins, moe: bool, zeros: tuple[int, ...],
-             recs: tuple[str, ...], runtime: Runtime | None, rt_schedules) -> dict[str, str]:
+def _domains(num_gpus: int, gpus_per_node: int, pins: ParallelConfig, moe: bool, zeros: tuple[int, ...],
+             recs: tuple[str, ...], runtime: Runtime | None, rt_schedules, max_mbs: int) -> dict[str, str]:
     """What the space holds for each knob, in words (the plan's account)."""
     return {
         "tp": f"divisors of {num_gpus} up to {gpus_per_node} (one node)" if pins.tp is None else f"pinned {pins.tp}",
@@ -306,11 +283,11 @@ def _domains(num_gpus: int, gpus_per_node: int, pins: Pins, moe: bool, zeros: tu
         "pp": "divisors of what is left, <= layers" if pins.pp is None else f"pinned {pins.pp}",
         "vpp": (f"1, or 2..{MAX_VPP}: even virtual stages, or (where pp does not divide the layers) fewer layers on "
                 f"the first and last" if pins.vpp is None else f"pinned {pins.vpp}"),
-        "mbs": f"divisors of the global batch up to {pins.max_mbs}" if pins.mbs is None else f"pinned {pins.mbs}",
+        "mbs": f"divisors of the global batch up to {max_mbs}" if pins.mbs is None else f"pinned {pins.mbs}",
         "ep/etp": ("ep divides the experts, etp divides tp" if moe else "no experts"),
         "order": (f"{DEFAULT_RANK_ORDER}; also {PP_INSIDE_DP} (pp inside dp) where it moves a group onto other "
                   f"links: tp*cp < GPUs per node < GPUs, pp > 1, dp > 1, ep = 1")
-                 if pins.order is None else f"pinned {pins.order}",
+                 if pins.rank_order is None else f"pinned {pins.rank_order}",
         "zero": ",".join(map(str, zeros)) + (f" ({runtime.name} has these)" if runtime is not None and len(
             runtime.zero_stages) < len(ZEROS) and pins.zero is None else ""),
         "recompute": ",".join(recs),
@@ -336,7 +313,7 @@ def rank_orders(num_gpus: int, gpus_per_node: int, tp: int, cp: int, pp: int, dp
     return [DEFAULT_RANK_ORDER, PP_INSIDE_DP] if moves else [DEFAULT_RANK_ORDER]
 
 
-def _mesh_rule(model: ModelSpec, wl: Workload, tp: int, cp: int, pp: int, dp: int, pins: Pins) -> str | None:
+def _mesh_rule(model: ModelSpec, wl: Workload, tp: int, cp: int, pp: int, dp: int, pins: ParallelConfig) -> str | None:
     if pins.dp is not None and dp != pins.dp:
         return "dp differs from the pinned --dp"
     rule = broken_rule(MESH_RULES, Knobs(model, wl, tp, cp, pp, dp))
@@ -402,9 +379,14 @@ def _splits(num_layers: int, pp: int, vpp: int) -> list[tuple[int, ...]]:
     return [c for c in out if all(sum(c[s::pp]) >= 1 for s in range(pp))]
 
 
-def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins, runtime: Runtime | None = None) -> None:
+def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: ParallelConfig,
+               runtime: Runtime | None = None) -> None:
     """Pins that contradict each other, the cluster or the runtime fail before the search, with the rule that
-    failed."""
+    failed; so do knobs the search does not take pinned (KnobHelp.searched, and the stage partition it chooses)."""
+    for name in ("stage_layers", "chunk_layers", "stage_recompute", "offload_layers"):
+        if getattr(pins, name):
+            raise InputError(f"plan chooses the stage partition and does not search {name}: leave it unset, or "
+                             f"price that configuration with `meshplan estimate`")
     prod = 1
     for name in ("tp", "cp", "pp", "dp"):
         v = getattr(pins, name)
@@ -424,7 +406,7 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: Pins, runtim
     if pins.pp == 1 and (pins.schedule == "interleaved" or (pins.vpp or 1) > 1):
         raise InputError("--schedule interleaved / --vpp > 1 need --pp > 1 (virtual stages interleave pipeline "
                          "ranks); drop them or raise --pp")
-    if pins.order == PP_INSIDE_DP and (pins.ep or 1) > 1:
+    if pins.rank_order == PP_INSIDE_DP and (pins.ep or 1) > 1:
         raise InputError(f"--order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs ep = 1; got ep={pins.ep}; "
                          f"drop --order or --ep")
     if runtime is not None:

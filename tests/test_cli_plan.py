@@ -21,7 +21,6 @@ from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.planner.explain import explain
 from meshplan.planner.plan import SCHEMA_VERSION, Plan, read_plan
 from meshplan.planner.search import search
-from meshplan.planner.space import Pins
 
 PLAN = ["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048",
         "--max-mbs", "2"]
@@ -70,7 +69,7 @@ def test_plan_json_is_the_searchs_best_plan(capsys):
     assert code == 0, err
     plan = Plan.model_validate_json(out)
     result = search(load_zoo("llama3.1-8b"), Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8)),
-                    Workload(global_batch=16, seq_len=2048), Pins(max_mbs=2), top_k=5)
+                    Workload(global_batch=16, seq_len=2048), top_k=5, max_mbs=2)
     best = result.plans[0]
     assert plan.prediction.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
     lay = best.estimate.layout
@@ -142,7 +141,7 @@ def test_explain_prints_the_explanation(capsys):
     code, out, err = run(capsys, *PLAN, "--explain")
     assert code == 0, err
     result = search(load_zoo("llama3.1-8b"), Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8)),
-                    Workload(global_batch=16, seq_len=2048), Pins(max_mbs=2), top_k=5)
+                    Workload(global_batch=16, seq_len=2048), top_k=5, max_mbs=2)
     lines = explain(result)
     assert len(lines) >= 3
     text = flat(out)

@@ -376,12 +376,12 @@ def test_stage0_sync_bound_is_below_every_simulated_partition(pp, schedule, reco
     from meshplan.hardware_db.cluster import Cluster, ClusterSpec
     from meshplan.planner import search as S
     from meshplan.planner.partition import dp_bound, solve_stage0_sync, stage0_sync_bound
-    from meshplan.planner.space import Candidate, Pins
+    from meshplan.planner.space import Candidate
 
     L, gpus = 8, 16
     model = load_model("llama3.1-8b").model_copy(update={"num_layers": L, "name": "llama-8-layers"})
     cluster, wl = Cluster(ClusterSpec(gpu=gpu, num_gpus=gpus)), Workload(global_batch=32, seq_len=2048)
-    pins = Pins(tp=1, pp=pp, cp=1, mbs=1, zero=zero, recompute=recompute, schedule=schedule)
+    pins = ParallelConfig(tp=1, pp=pp, cp=1, mbs=1, zero=zero, recompute=recompute, schedule=schedule)
     s = S._Search(model, cluster, wl, "megatron-core", S.Efficiency.from_gpu(cluster.gpu),
                   S.enumerate_space(model, gpus, cluster.gpus_per_node, wl, pins), 1)
     g = s.enum.groups[0]

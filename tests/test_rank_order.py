@@ -23,7 +23,7 @@ from meshplan.hardware_db.errors import InputError
 from meshplan.planner.builders import build_plan
 from meshplan.planner.plan import Plan, plan_config, read_plan, write_plan
 from meshplan.planner.search import search
-from meshplan.planner.space import Pins, check_pins, divisors, enumerate_space, rank_orders
+from meshplan.planner.space import check_pins, divisors, enumerate_space, rank_orders
 
 DIMS = ("tp", "cp", "dp", "pp", "dp_cp", "etp", "ep", "edp")
 WL = Workload(global_batch=32, seq_len=2048)
@@ -46,7 +46,7 @@ def layout(tp: int, pp: int, dp: int, order: str, cp: int = 1, ep: int = 1, etp:
 
 def test_default_order_is_megatrons_and_the_default_everywhere():
     assert RANK_ORDER == ("tp", "cp", "dp", "pp") and "-".join(RANK_ORDER) == DEFAULT_RANK_ORDER
-    assert ParallelConfig().rank_order == DEFAULT_RANK_ORDER
+    assert ParallelConfig().rank_order is None  # unset: searched by plan, the default in estimate
     lay = resolve(load_zoo("llama3.1-8b"), 8, WL, ParallelConfig(tp=2, pp=2))
     assert lay.rank_order == DEFAULT_RANK_ORDER and layout_dict(lay)["rank_order"] == DEFAULT_RANK_ORDER
 
@@ -214,9 +214,9 @@ def test_plan_without_a_predicted_order_reads_as_the_default(tmp_path):
 
 # ---- the search space ----------------------------------------------------------------------------------------------
 
-def _meshes(model: str, n: int, pins: Pins = Pins(max_mbs=1)) -> set:
+def _meshes(model: str, n: int, pins: ParallelConfig = ParallelConfig()) -> set:
     c = cluster(n)
-    return {g.mesh for g in enumerate_space(load_zoo(model), n, c.gpus_per_node, WL, pins).groups}
+    return {g.mesh for g in enumerate_space(load_zoo(model), n, c.gpus_per_node, WL, pins, max_mbs=1).groups}
 
 
 def _moves(n: int, per_node: int, m) -> bool:
@@ -256,23 +256,23 @@ def test_the_rule_is_where_some_group_changes_links(per_node):
 
 
 def test_pinned_order_is_the_only_one_and_is_searched_everywhere():
-    swapped = _meshes("llama3.1-8b", 8, Pins(max_mbs=1, order=PP_INSIDE_DP))
+    swapped = _meshes("llama3.1-8b", 8, ParallelConfig(rank_order=PP_INSIDE_DP))
     assert swapped and all(m.order == PP_INSIDE_DP for m in swapped)
     assert any(m.cp > 1 for m in swapped)
     assert any(m.pp == 1 or m.dp == 1 for m in swapped)  # even where it moves nothing
-    default = _meshes("llama3.1-8b", 16, Pins(max_mbs=1, order=DEFAULT_RANK_ORDER))
+    default = _meshes("llama3.1-8b", 16, ParallelConfig(rank_order=DEFAULT_RANK_ORDER))
     assert default and all(m.order == DEFAULT_RANK_ORDER for m in default)
 
 
 def test_pinned_order_account_adds_up():
     """EP meshes are rejected by the launcher rule under a pinned tp-cp-pp-dp; every candidate lands once."""
     model, c = load_zoo("mixtral-8x7b"), cluster(16)
-    pins = Pins(max_mbs=1, tp=2, order=PP_INSIDE_DP)
-    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, WL, pins)
+    pins = ParallelConfig(tp=2, rank_order=PP_INSIDE_DP)
+    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, WL, pins, max_mbs=1)
     assert enum.infeasible.get(f"rank order {PP_INSIDE_DP} needs ep = 1", 0) > 0
     assert enum.space_size == sum(g.size() for g in enum.groups) + sum(enum.infeasible.values())
     assert enum.domains["order"] == f"pinned {PP_INSIDE_DP}"
-    result = search(model, c, WL, pins, top_k=3)
+    result = search(model, c, WL, pins, top_k=3, max_mbs=1)
     acc = result.account
     assert result.plans and all(p.estimate.layout.rank_order == PP_INSIDE_DP for p in result.plans)
     assert acc.evaluated + sum(acc.pruned.values()) + sum(acc.infeasible.values()) == acc.space_size
@@ -281,7 +281,7 @@ def test_pinned_order_account_adds_up():
 
 
 @pytest.mark.parametrize("pins,words", [
-    (Pins(order=PP_INSIDE_DP, ep=2), ["--order tp-cp-pp-dp", "ep=2"]),
+    (ParallelConfig(rank_order=PP_INSIDE_DP, ep=2), ["--order tp-cp-pp-dp", "ep=2"]),
 ])
 def test_check_pins_refuses_pp_inside_dp_with_ep(pins, words):
     with pytest.raises(InputError) as err:

@@ -12,7 +12,7 @@ from meshplan.costmodels.config import (BATCH_RULES, CP_RULES, EXPERT_RULES, MES
                                         ParallelConfig, Workload, broken_rule, resolve)
 from meshplan.costmodels.model_io import load_model
 from meshplan.hardware_db.errors import InputError
-from meshplan.planner.space import Pins, enumerate_space
+from meshplan.planner.space import enumerate_space
 
 LLAMA = load_model("llama3.1-8b")  # 32 heads, 8 KV heads, 32 layers
 MIXTRAL = load_model("mixtral-8x7b")  # 8 experts
@@ -45,9 +45,7 @@ def test_resolve_and_the_search_name_the_same_rule(rule, model, gpus, wl, config
     with pytest.raises(InputError) as caught:
         resolve(model, gpus, wl, ParallelConfig(**config))
     assert str(caught.value) == rule.message(Knobs(model, wl, **knobs))
-    pins = {k: v for k, v in config.items() if k != "rank_order"} | (
-        {"order": config["rank_order"]} if "rank_order" in config else {})
-    space = enumerate_space(model, gpus, 8, wl, Pins(**pins))
+    space = enumerate_space(model, gpus, 8, wl, ParallelConfig(**config))
     assert space.infeasible.get(rule.name, 0) > 0, space.infeasible
 
 

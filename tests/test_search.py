@@ -24,7 +24,7 @@ from meshplan.costmodels.model_io import load_model, load_zoo
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.search import SearchResult, search
-from meshplan.planner.space import Pins, enumerate_space, interleaved_chunks
+from meshplan.planner.space import DEFAULT_MAX_MBS, enumerate_space, interleaved_chunks
 
 REL = 1e-9
 UNIFORM = ("none", "selective", "full")
@@ -48,8 +48,10 @@ def shrunk(name: str, layers: int) -> ModelSpec:
 @functools.cache
 def run(model: str, n: int, gbs: int, seq: int, gpu: str = "h100-sxm", top_k: int = 5,
         pins: tuple = (), runtime: str = DEFAULT_RUNTIME) -> SearchResult:
-    return search(zoo(model), cluster(n, gpu), Workload(global_batch=gbs, seq_len=seq), Pins(**dict(pins)),
-                  runtime, top_k=top_k)
+    knobs = dict(pins)
+    max_mbs = knobs.pop("max_mbs", DEFAULT_MAX_MBS)
+    return search(zoo(model), cluster(n, gpu), Workload(global_batch=gbs, seq_len=seq), ParallelConfig(**knobs),
+                  runtime, top_k=top_k, max_mbs=max_mbs)
 
 
 def runtime_for(pins: dict) -> str:
@@ -186,7 +188,7 @@ def check_plans(model: ModelSpec, c: Cluster, wl: Workload, result: SearchResult
        seq=st.sampled_from([1024, 2048, 4096]), gpu=st.sampled_from(["h100-sxm", "a100-40gb"]))
 def test_every_plan_resolves_fits_and_reestimates_exactly(model, gpus, gbs, seq, gpu):
     spec, c, wl = zoo(model), cluster(gpus, gpu), Workload(global_batch=gbs, seq_len=seq)
-    result = search(spec, c, wl, Pins(max_mbs=2), top_k=3)
+    result = search(spec, c, wl, top_k=3, max_mbs=2)
     check_plans(spec, c, wl, result, 3)
 
 
@@ -208,7 +210,7 @@ def test_account_adds_up(model, n, gbs, seq, gpu, pins):
     acc = result.account
     spec = zoo(model)
     enum = enumerate_space(spec, n, cluster(n, gpu).gpus_per_node, Workload(global_batch=gbs, seq_len=seq),
-                           Pins(**dict((("max_mbs", 2), *pins))), get_runtime(DEFAULT_RUNTIME))
+                           ParallelConfig(**dict(pins)), get_runtime(DEFAULT_RUNTIME), max_mbs=2)
     assert acc.space_size == enum.space_size
     assert enum.space_size == sum(g.size() for g in enum.groups) + sum(enum.infeasible.values())
     assert all(v > 0 for v in acc.pruned.values()) and all(v > 0 for v in acc.infeasible.values())
@@ -229,12 +231,12 @@ def compositions(total: int, parts: int):
         yield tuple(b - a for a, b in itertools.pairwise(bounds))
 
 
-def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: Pins,
+def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: ParallelConfig, max_mbs: int,
                        runtime: str = DEFAULT_RUNTIME) -> tuple[float, ParallelConfig | None, int]:
     """The fastest fitting configuration of the search space with uniform recomputation: every candidate of
     enumerate_space, every stage partition when vpp == 1 (with virtual stages every split of
     space.interleaved_chunks), each estimated."""
-    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins, get_runtime(runtime))
+    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins, get_runtime(runtime), max_mbs)
     best, arg, count = math.inf, None, 0
     for g in enum.groups:
         m = g.mesh
@@ -283,9 +285,11 @@ TINY = [
                               for t in TINY])
 def test_search_matches_exhaustive_enumeration(name, layers, gpu, n, gbs, seq, pins):
     model = zoo(name) if layers is None else shrunk(name, layers)
-    c, wl, p = cluster(n, gpu), Workload(global_batch=gbs, seq_len=seq), Pins(**pins)
-    result = search(model, c, wl, p, runtime_for(pins), top_k=3)
-    truth, arg, count = exhaustive_minimum(model, c, wl, p, runtime_for(pins))
+    knobs = dict(pins)
+    max_mbs = knobs.pop("max_mbs")
+    c, wl, p = cluster(n, gpu), Workload(global_batch=gbs, seq_len=seq), ParallelConfig(**knobs)
+    result = search(model, c, wl, p, runtime_for(pins), top_k=3, max_mbs=max_mbs)
+    truth, arg, count = exhaustive_minimum(model, c, wl, p, max_mbs, runtime_for(pins))
     acc = result.account
     assert count > 0
     if not math.isfinite(truth):
@@ -318,10 +322,10 @@ def test_per_stage_pin_lower_bound_is_sound():
     selective, full on 1 layer, full on all): none of these plans may beat the account's lower bound, nor the best
     plan if it is reported optimal."""
     model, c, wl = zoo("llama3.1-8b"), cluster(8), Workload(global_batch=16, seq_len=2048)
-    pins = Pins(max_mbs=2, pp=2, tp=1, cp=1, recompute="per-stage")
-    result = search(model, c, wl, pins, top_k=3)
+    pins = ParallelConfig(pp=2, tp=1, cp=1, recompute="per-stage")
+    result = search(model, c, wl, pins, top_k=3, max_mbs=2)
     acc = result.account
-    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins, get_runtime(DEFAULT_RUNTIME))
+    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins, get_runtime(DEFAULT_RUNTIME), max_mbs=2)
     best, arg = math.inf, None
     for g in enum.groups:
         m = g.mesh
@@ -352,8 +356,8 @@ def test_exhaustive_check_covers_an_optimal_pipelined_case():
     """The exhaustive cases above are not all trivially pp=1: at least one proven-optimal search is compared
     against every partition of a pipeline (so the partition and pipeline bounds pruned real competitors)."""
     model, c = zoo("llama3.1-8b"), cluster(8)
-    wl, p = Workload(global_batch=16, seq_len=2048), Pins(max_mbs=2, pp=2, zero=1)
-    result = search(model, c, wl, p, top_k=3)
+    wl, p = Workload(global_batch=16, seq_len=2048), ParallelConfig(pp=2, zero=1)
+    result = search(model, c, wl, p, top_k=3, max_mbs=2)
     assert result.account.status == "optimal", describe(result)
     assert result.plans[0].estimate.layout.pp == 2
 
@@ -373,7 +377,7 @@ def test_no_configuration_passes_the_rules():
     """tp = pp = cp = 1 pinned on 8 GPUs leaves dp = 8, which does not divide the global batch of 4: every candidate
     breaks a divisibility rule, and the explanation says which."""
     result = search(zoo("llama3.1-8b"), cluster(8), Workload(global_batch=4, seq_len=2048),
-                    Pins(tp=1, pp=1, cp=1, max_mbs=2))
+                    ParallelConfig(tp=1, pp=1, cp=1), max_mbs=2)
     assert result.plans == () and result.account.status == "infeasible"
     why = result.why_nothing_fits
     assert why and "divisib" in why and "global batch" in why, why
@@ -397,7 +401,7 @@ def test_tiny_time_limit_still_returns_a_plan(limit):
     """Anytime search: whatever the limit, a space where something fits gives a plan (the quick first plan; the
     limit applies once one is kept), the status says the limit stopped it, and the gap is finite and bounds it."""
     model, c, wl = zoo("llama3.1-8b"), cluster(8), Workload(global_batch=16, seq_len=2048)
-    result = search(model, c, wl, Pins(max_mbs=2), top_k=3, time_limit_s=limit)
+    result = search(model, c, wl, top_k=3, time_limit_s=limit, max_mbs=2)
     acc = result.account
     assert result.plans, result.why_nothing_fits
     assert acc.status in ("time-limit", "optimal"), describe(result)
@@ -410,7 +414,7 @@ def test_time_limit_returns_a_plan_with_a_proven_gap():
     """DeepSeek-V3 on 2,048 H800: a search of several seconds (benchmarks/search_speed.py) stopped at 0.5 s still
     returns plans, each the estimate of its configuration, above the bound the account states."""
     model, c, wl = zoo("deepseek-v3"), cluster(2048, "h800"), Workload(global_batch=15360, seq_len=4096)
-    result = search(model, c, wl, Pins(max_mbs=2), top_k=3, time_limit_s=0.5)
+    result = search(model, c, wl, top_k=3, time_limit_s=0.5, max_mbs=2)
     acc = result.account
     assert acc.status == "time-limit", describe(result)
     assert result.plans and math.isfinite(acc.gap) and acc.gap > 0
@@ -444,9 +448,9 @@ def test_a_pipeline_too_long_to_simulate_is_refused_with_its_maximum():
     wl = Workload(global_batch=131072, seq_len=256)
     with pytest.raises(InputError, match=f"at most {MAX_PIPELINE_PASSES:,}.*raise --mbs"):
         estimate(model, c, wl, ParallelConfig(tp=1, pp=64, mbs=1))
-    pinned = search(model, c, wl, Pins(pp=64, mbs=1), top_k=1)
+    pinned = search(model, c, wl, ParallelConfig(pp=64, mbs=1), top_k=1)
     assert not pinned.plans and "pipeline passes per step" in pinned.why_nothing_fits
-    enum = enumerate_space(model, 64, 8, wl, Pins(mbs=1))
+    enum = enumerate_space(model, 64, 8, wl, ParallelConfig(mbs=1))
     assert any("pipeline passes per step" in rule for rule in enum.infeasible)
     assert enum.groups
 
@@ -463,15 +467,15 @@ def test_the_compute_floor_is_below_every_searched_plan(name, gpus, gpu, dtype):
     result = search(model, c, wl, top_k=3)
     assert result.plans
     s = _Search(model, c, wl, "megatron-core", Efficiency.from_gpu(c.gpu),
-                enumerate_space(model, gpus, c.gpus_per_node, wl, Pins()), 3)
+                enumerate_space(model, gpus, c.gpus_per_node, wl, ParallelConfig()), 3)
     floor = s._compute_floor()
     assert 0 < floor < min(p.step_time_s for p in result.plans)
 
 
 def test_generous_time_limit_changes_nothing():
     free = run(*LLAMA, pins=(("max_mbs", 2),), top_k=3)
-    limited = search(zoo("llama3.1-8b"), cluster(8), Workload(global_batch=16, seq_len=2048), Pins(max_mbs=2),
-                     top_k=3, time_limit_s=600)
+    limited = search(zoo("llama3.1-8b"), cluster(8), Workload(global_batch=16, seq_len=2048), top_k=3,
+                     time_limit_s=600, max_mbs=2)
     assert limited.account.status == free.account.status
     assert [p.step_time_s for p in limited.plans] == [p.step_time_s for p in free.plans]
 
@@ -482,7 +486,8 @@ def test_a_gap_is_closed_by_simulating_every_partition_below_the_best():
     partition whose bound is below the best and proves the result optimal: no other split it could have chosen
     (the DP's, the even 4 x 15 + 1) is faster."""
     model, c, wl = zoo("deepseek-v3"), cluster(2048, "h800"), Workload(global_batch=15360, seq_len=4096)
-    pins = Pins(tp=2, cp=1, pp=16, dp=64, ep=8, etp=1, mbs=1, zero=1, recompute="none", sp=True, schedule="1f1b")
+    pins = ParallelConfig(tp=2, cp=1, pp=16, dp=64, ep=8, etp=1, mbs=1, zero=1, recompute="none", sp=True,
+                          schedule="1f1b")
     result = search(model, c, wl, pins, top_k=1)
     best = result.plans[0]
     assert best.partition_status == "bound gap" and best.bound_s < best.step_time_s
@@ -521,7 +526,7 @@ def test_a_pinned_vpp_above_the_searched_range_is_honoured():
     first and the last empty (Megatron's layout 'E|t|...|t|L')."""
     model = zoo("llama3.1-405b")
     result = search(model, cluster(1024), Workload(global_batch=512, seq_len=8192),
-                    Pins(tp=8, pp=8, vpp=16, mbs=1, max_mbs=1), top_k=1)
+                    ParallelConfig(tp=8, pp=8, vpp=16, mbs=1), top_k=1, max_mbs=1)
     assert result.plans, result.why_nothing_fits
     lay = result.plans[0].estimate.layout
     assert lay.vpp == 16 and lay.chunks == (0,) + (1,) * 126 + (0,)
@@ -542,7 +547,7 @@ def test_sharded_work_bound_is_below_every_partition_and_above_the_plain_one(zer
     L, gpus = 8, 16
     model = load_model("llama3.1-8b").model_copy(update={"num_layers": L, "name": "llama-8-layers"})
     cluster, wl = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=gpus)), Workload(global_batch=32, seq_len=2048)
-    pins = Pins(tp=1, pp=pp, cp=1, mbs=1, zero=zero, recompute="none", schedule=schedule)
+    pins = ParallelConfig(tp=1, pp=pp, cp=1, mbs=1, zero=zero, recompute="none", schedule=schedule)
     s = S._Search(model, cluster, wl, "megatron-core", S.Efficiency.from_gpu(cluster.gpu),
                   S.enumerate_space(model, gpus, cluster.gpus_per_node, wl, pins), 1)
     g = s.enum.groups[0]
