@@ -458,7 +458,10 @@ def get_runtime(name: str) -> Runtime:
 
 @dataclass(frozen=True)
 class Layout:
-    """A validated configuration: every degree known and consistent with model, GPU count and batch."""
+    """A validated configuration: every degree known and consistent with model, GPU count and batch. A plan embeds
+    it as its prediction's layout (planner/plan.py), where pydantic validates it with unknown keys refused."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
 
     tp: int
     pp: int

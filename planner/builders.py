@@ -8,14 +8,15 @@ import dataclasses
 
 from meshplan.costmodels.config import ParallelConfig, Workload, resolve
 from meshplan.costmodels.estimate import Simulated
-from meshplan.costmodels.memory import FRAGMENTATION
+from meshplan.costmodels.memory import FRAGMENTATION, GIB, MemoryBreakdown
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import to_model_file
 from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
 from meshplan.hardware_db.cluster import Cluster
-from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryStage, ParetoPoint, Plan, Prediction, SearchInfo,
-                                   ServingEngine, ServingInputs, ServingPlan, ServingPrediction, ServingSearch,
-                                   StageTime, layout_sections, meshplan_version)
+from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryGiB, MemoryStage, ParetoPoint, Plan,
+                                   PredictedStage, Prediction, RealismRecord, SearchInfo, ServingEngine, ServingInputs,
+                                   ServingPlan, ServingPrediction, ServingSearch, StageTime, layout_sections,
+                                   meshplan_version)
 from meshplan.planner.search import SearchAccount
 from meshplan.planner.serve import Deployment, ServeResult, meets, misses
 
@@ -34,6 +35,26 @@ def _stage_times(sim: Simulated) -> list[StageTime]:
     m = lay.num_microbatches
     return [StageTime(rank=r, forward_s=fwd[r] / m, backward_s=bwd[r] / m, busy_s=sim.timeline.busy[r])
             for r in range(lay.pp)]
+
+
+def _gib(memory: MemoryBreakdown) -> MemoryGiB:
+    return MemoryGiB(**{k: v / GIB for k, v in dataclasses.asdict(memory).items()})
+
+
+def _prediction(simulated: Simulated) -> Prediction:
+    est = simulated.estimate
+    realism = est.realism
+    return Prediction(
+        step_time_s=est.step_time_s, tokens_per_s=est.tokens_per_s, tokens_per_s_per_gpu=est.tokens_per_s_per_gpu,
+        tflops_per_gpu=est.tflops_per_gpu, mfu=est.mfu, hfu=est.hfu, peak_memory_gib=est.peak_memory_gib,
+        hbm_gib=est.hbm_gib, fits=est.fits, bubble_fraction=est.bubble_fraction, breakdown_s=est.breakdown_s,
+        layout=est.layout, runtime=est.runtime,
+        stages=[PredictedStage(rank=s.rank, first_layer=s.layers[0], num_layers=s.layers[1],
+                               in_flight_microbatches=s.in_flight, peak_memory_gib=s.peak_gib,
+                               memory_gib=_gib(s.memory)) for s in est.stages],
+        stage_time_s=_stage_times(simulated),
+        realism=None if realism is None else RealismRecord(published_mfu=realism.published_mfu, run=realism.run,
+                                                           source=realism.source, exceeds=realism.exceeds))
 
 
 def _search_info(account: SearchAccount, rank: int | None, bound_s: float | None,
@@ -55,10 +76,8 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
     if est.runtime != runtime:
         raise ValueError(f"simulated was made with runtime '{est.runtime}', not '{runtime}'")
     mesh, pipeline = layout_sections(lay, workload)
-    predicted = est.to_dict()
-    memory_stages = [MemoryStage(rank=s["rank"], peak_gib=s["peak_memory_gib"],
-                                 in_flight_microbatches=s["in_flight_microbatches"], breakdown_gib=s["memory_gib"])
-                     for s in predicted["stages"]]
+    memory_stages = [MemoryStage(rank=s.rank, peak_gib=s.peak_gib, in_flight_microbatches=s.in_flight,
+                                 breakdown_gib=_gib(s.memory)) for s in est.stages]
     spec_fields = cluster.spec.model_dump() | {"gpus_per_node": cluster.gpus_per_node}
     return Plan(
         meshplan_version=meshplan_version(),
@@ -68,7 +87,7 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
         pipeline=pipeline,
         memory=Memory(zero=lay.zero, recompute=lay.recompute, recompute_modules=list(lay.recompute_modules),
                       offload_layers=lay.offload_layers, fragmentation=FRAGMENTATION, stages=memory_stages),
-        prediction=Prediction(**predicted, stage_time_s=_stage_times(simulated)),
+        prediction=_prediction(simulated),
         search=None if account is None else _search_info(account, rank, bound_s, partition_status),
     )
 

@@ -18,11 +18,9 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError, field_validator,
                       model_validator)
 
-from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RANK_ORDERS,
-                                        CpComm, DenseDim, Layout, Recompute, ZeroStage, rank_order_dims, rank_order_of,
-                                        ParallelConfig, RankOrder, RecomputeModule, Schedule, StagePolicy, Workload,
-                                        get_runtime, resolve)
-from meshplan.costmodels.estimate import layout_dict
+from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RANK_ORDERS, CpComm, DenseDim, Layout,
+                                        ParallelConfig, Recompute, RecomputeModule, Schedule, StagePolicy, Workload,
+                                        ZeroStage, get_runtime, rank_order_dims, rank_order_of, resolve)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import parse_model_file
 from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
@@ -207,32 +205,6 @@ class Memory(_Frozen):
 
 # ---- prediction ----------------------------------------------------------------------------------------------------
 
-class PredictedLayout(_Frozen):
-    """costmodels.config.Layout as estimate.layout_dict writes it."""
-
-    tp: int
-    pp: int
-    vpp: int
-    dp: int
-    cp: int
-    cp_comm: str
-    ep: int
-    etp: int
-    edp: int
-    mbs: int
-    num_microbatches: int
-    zero: int
-    recompute: str
-    sp: bool
-    schedule: Schedule
-    stage_layers: list[int]
-    stage_recompute: list[StagePolicy]
-    rank_order: RankOrder = DEFAULT_RANK_ORDER
-    chunks: list[int] = Field(default_factory=list, description="decoder layers per model chunk, model order")
-    recompute_modules: list[RecomputeModule] = Field(default_factory=lambda: list(DEFAULT_RECOMPUTE_MODULES))
-    offload_layers: int = 0
-
-
 class PredictedStage(_Frozen):
     rank: int
     first_layer: int
@@ -263,7 +235,8 @@ class RealismRecord(_Frozen):
 
 
 class Prediction(_Frozen):
-    """Exactly Estimate.to_dict(), plus per-stage pass times."""
+    """The estimate (costmodels.estimate.Estimate, memory in GiB) and per-stage pass times; its layout is the cost
+    model's own Layout type."""
 
     step_time_s: float
     tokens_per_s: float
@@ -276,7 +249,7 @@ class Prediction(_Frozen):
     fits: bool
     bubble_fraction: float
     breakdown_s: dict[str, float]
-    layout: PredictedLayout
+    layout: Layout
     runtime: str
     stages: list[PredictedStage]
     stage_time_s: list[StageTime]
@@ -380,9 +353,8 @@ def layout_problem(plan: Plan) -> str | None:
     for name, ours, theirs in (("mesh", mesh, plan.mesh), ("pipeline", pipeline, plan.pipeline)):
         if ours != theirs:
             return f"'{name}' does not match its layout: {_first_difference(ours.model_dump(), theirs.model_dump())}"
-    stored = plan.prediction.layout.model_dump(mode="json")
-    derived = PredictedLayout.model_validate(layout_dict(lay)).model_dump(mode="json")
-    if stored != derived:
+    if plan.prediction.layout != lay:
+        stored, derived = (TypeAdapter(Layout).dump_python(x, mode="json") for x in (plan.prediction.layout, lay))
         return f"'prediction.layout' is not the plan's layout: {_first_difference(derived, stored)}"
     return None
 
