@@ -603,6 +603,41 @@ EXPERT_RULES = (
                    f"use --order tp-cp-dp-pp for expert parallelism"),
 )
 RULES = MESH_RULES + CP_RULES + BATCH_RULES + PIPELINE_RULES + EXPERT_RULES
+ORDER_NEEDS_NO_EP = EXPERT_RULES[1]  # reads only the rank order and ep: the search checks it on the pins too
+
+
+@dataclass(frozen=True)
+class PinRule:
+    """A rule among the knobs themselves, before any degree is derived: it reads a ParallelConfig where None means
+    "not fixed" and breaks only on fixed values, so the search checks it on the pins (planner/space.py check_pins)
+    and resolve() on the knobs with their defaults."""
+
+    name: str
+    broken: Callable[[ModelSpec, ParallelConfig], bool]
+    message: Callable[[ModelSpec, ParallelConfig], str]
+
+
+# Megatron's interleaved schedule is the one with virtual stages, and interleaves pipeline ranks
+PIN_RULES = (
+    PinRule("virtual stages need pp > 1",
+            lambda m, c: c.pp == 1 and (c.schedule == "interleaved" or (c.vpp or 1) > 1),
+            lambda m, c: "--schedule interleaved / --vpp > 1 need --pp > 1 (virtual stages interleave pipeline "
+                         "ranks); drop them or raise --pp"),
+    PinRule("virtual stages need the interleaved schedule",
+            lambda m, c: (c.vpp or 1) > 1 and c.schedule not in (None, "interleaved"),
+            lambda m, c: f"--vpp {c.vpp} needs --schedule interleaved (got {c.schedule})"),
+    PinRule("the interleaved schedule needs virtual stages", lambda m, c: c.schedule == "interleaved" and c.vpp == 1,
+            lambda m, c: "--schedule interleaved needs --vpp > 1"),
+    PinRule("expert parallelism on a model without experts", lambda m, c: m.moe is None and (c.ep or 1) > 1,
+            lambda m, c: f"--ep {c.ep} given but {m.name} has no experts"),
+)
+
+
+def check_pin_rules(model: ModelSpec, config: ParallelConfig) -> None:
+    """InputError with the first broken pin rule's message."""
+    for rule in PIN_RULES:
+        if rule.broken(model, config):
+            raise InputError(rule.message(model, config))
 
 
 def broken_rule(rules: Sequence[Rule], knobs: Knobs) -> Rule | None:
@@ -623,6 +658,7 @@ def check_rules(rules: Sequence[Rule], knobs: Knobs) -> None:
 def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelConfig) -> Layout:
     """Fill defaults (KnobHelp.default) and check every rule; raise InputError naming the rule and a fix."""
     tp, pp, cp, vpp, ep, mbs = (1 if v is None else v for v in (cfg.tp, cfg.pp, cfg.cp, cfg.vpp, cfg.ep, cfg.mbs))
+    check_pin_rules(model, cfg.model_copy(update={"pp": pp, "vpp": vpp, "ep": ep}))
     cp_comm: CpComm = cfg.cp_comm or "ring"
     order = cfg.rank_order or DEFAULT_RANK_ORDER
     dp = _data_parallel(model, num_gpus, workload, (tp, pp, cp, cfg.dp), mbs, cp_comm)
@@ -667,15 +703,7 @@ def _schedule(model: ModelSpec, workload: Workload, mesh: Degrees, vpp: int, mbs
               given: Schedule | None) -> Schedule:
     """The pipeline schedule (given, or interleaved with virtual stages, else 1F1B), after its rules."""
     tp, pp, cp, dp = mesh
-    if vpp > 1 and pp == 1:
-        raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline ranks)")
-    schedule = given or ("interleaved" if vpp > 1 else "1f1b")
-    if schedule == "interleaved" and pp == 1:
-        raise InputError("--schedule interleaved needs --pp > 1 (virtual stages interleave pipeline ranks)")
-    if schedule == "interleaved" and vpp == 1:
-        raise InputError("--schedule interleaved needs --vpp > 1")
-    if schedule != "interleaved" and vpp > 1:
-        raise InputError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
+    schedule = given or ("interleaved" if vpp > 1 else "1f1b")  # PIN_RULES hold: virtual stages iff interleaved
     check_rules(PIPELINE_RULES, Knobs(model, workload, tp, cp, pp, dp, mbs=mbs, schedule=schedule, vpp=vpp))
     return schedule
 
@@ -715,9 +743,7 @@ def _expert_layout(model: ModelSpec, workload: Workload, mesh: Degrees, ep: int,
     """(etp, edp): the experts folded onto the dense ranks (Megatron's MoE parallel folding)."""
     tp, pp, cp, dp = mesh
     etp = given_etp if given_etp is not None else tp
-    if model.moe is None:
-        if ep > 1:
-            raise InputError(f"--ep {ep} given but {model.name} has no experts")
+    if model.moe is None:  # ep = 1 (PIN_RULES)
         etp, edp = tp, dp * cp
     else:
         if model.moe.num_experts % ep:

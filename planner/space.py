@@ -17,10 +17,11 @@ from typing import NamedTuple, TypeVar
 
 
 from meshplan.costmodels.config import (BATCH_RULES, CP_RULES, DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES,
-                                        EXPERT_RULES, MESH_RULES, PIPELINE_RULES, PP_INSIDE_DP, CpComm, Knobs,
-                                        ParallelConfig, RankOrder, Recompute, RecomputeChoice, RecomputeModule,
-                                        Runtime, Schedule, Workload, ZeroStage, broken_rule, check_recompute_modules,
-                                        even_chunks, split_evenly)
+                                        EXPERT_RULES, MESH_RULES, ORDER_NEEDS_NO_EP, PIPELINE_RULES, PP_INSIDE_DP,
+                                        CpComm, Knobs, ParallelConfig, RankOrder, Recompute, RecomputeChoice,
+                                        RecomputeModule, Runtime, Schedule, Workload, ZeroStage, broken_rule,
+                                        check_pin_rules, check_recompute_modules, check_rules, even_chunks,
+                                        split_evenly)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.hardware_db.errors import InputError
 
@@ -395,20 +396,11 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: ParallelConf
     if num_gpus % prod:
         raise InputError(f"the pinned degrees multiply to {prod}, which does not divide the {num_gpus} GPUs")
     check_recompute_modules(model, pins.recompute_modules)
-    if pins.ep is not None and model.moe is None:
-        raise InputError(f"--ep given but {model.name} has no experts")
+    check_pin_rules(model, pins)
     if pins.etp is not None and model.moe is None:
         raise InputError(f"--etp given but {model.name} has no experts")
-    if pins.vpp is not None and pins.vpp > 1 and pins.schedule not in (None, "interleaved"):
-        raise InputError(f"--vpp {pins.vpp} needs --schedule interleaved (got {pins.schedule})")
-    if pins.schedule == "interleaved" and pins.vpp == 1:
-        raise InputError("--schedule interleaved needs --vpp > 1")
-    if pins.pp == 1 and (pins.schedule == "interleaved" or (pins.vpp or 1) > 1):
-        raise InputError("--schedule interleaved / --vpp > 1 need --pp > 1 (virtual stages interleave pipeline "
-                         "ranks); drop them or raise --pp")
-    if pins.rank_order == PP_INSIDE_DP and (pins.ep or 1) > 1:
-        raise InputError(f"--order {PP_INSIDE_DP} (Megatron --use-tp-pp-dp-mapping) needs ep = 1; got ep={pins.ep}; "
-                         f"drop --order or --ep")
+    if pins.rank_order is not None and pins.ep is not None:  # the rule reads only these two of the knobs
+        check_rules((ORDER_NEEDS_NO_EP,), Knobs(model, wl, 1, 1, 1, 1, ep=pins.ep, order=pins.rank_order))
     if runtime is not None:
         default_comm = runtime.cp_comms[0] if runtime.cp_comms else "ring"
         why = runtime.lacks(schedule=pins.schedule, cp=pins.cp or 1, cp_comm=pins.cp_comm or default_comm,

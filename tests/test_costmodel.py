@@ -216,7 +216,7 @@ def test_fp8_is_faster_than_bf16_on_hopper():
     (dict(tp=2, pp=3), "does not divide 16 GPUs"),
     (dict(dp=3), "tp*pp*cp*dp"),
     (dict(pp=2, vpp=2, mbs=3), "not divisible by mbs*dp"),
-    (dict(vpp=2), "needs --pp > 1"),
+    (dict(vpp=2), "need --pp > 1"),
     (dict(ep=2), "has no experts"),
     (dict(cp=16), "divisible by 2*cp"),
 ])

@@ -281,7 +281,7 @@ def test_pinned_order_account_adds_up():
 
 
 @pytest.mark.parametrize("pins,words", [
-    (ParallelConfig(rank_order=PP_INSIDE_DP, ep=2), ["--order tp-cp-pp-dp", "ep=2"]),
+    (ParallelConfig(rank_order=PP_INSIDE_DP, ep=2), ["rank order tp-cp-pp-dp", "needs ep = 1; got ep=2"]),
 ])
 def test_check_pins_refuses_pp_inside_dp_with_ep(pins, words):
     with pytest.raises(InputError) as err:

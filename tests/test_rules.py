@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshplan.costmodels.config import (BATCH_RULES, CP_RULES, EXPERT_RULES, MESH_RULES, PIPELINE_RULES, RULES, Knobs,
-                                        ParallelConfig, Workload, broken_rule, resolve)
+from meshplan.costmodels.config import (BATCH_RULES, CP_RULES, EXPERT_RULES, MESH_RULES, PIN_RULES, PIPELINE_RULES,
+                                        RULES, Knobs, ParallelConfig, Workload, broken_rule, resolve)
 from meshplan.costmodels.model_io import load_model
 from meshplan.hardware_db.errors import InputError
-from meshplan.planner.space import enumerate_space
+from meshplan.planner.space import check_pins, enumerate_space
 
 LLAMA = load_model("llama3.1-8b")  # 32 heads, 8 KV heads, 32 layers
 MIXTRAL = load_model("mixtral-8x7b")  # 8 experts
@@ -69,3 +69,29 @@ def test_a_configuration_resolve_accepts_breaks_no_rule(tp, cp, dp, mbs, gbs, se
         assert broken is not None and str(exc) == broken.message(knobs)
     else:
         assert broken is None
+
+
+PIN_CASES = [  # (rule, model, pins that break it; resolve() fills pp, vpp and ep with 1 where unset)
+    (PIN_RULES[0], LLAMA, dict(pp=1, vpp=2)),
+    (PIN_RULES[0], LLAMA, dict(pp=1, schedule="interleaved")),
+    (PIN_RULES[1], LLAMA, dict(pp=2, vpp=2, schedule="1f1b")),
+    (PIN_RULES[2], LLAMA, dict(pp=2, vpp=1, schedule="interleaved")),
+    (PIN_RULES[3], LLAMA, dict(ep=2)),
+]
+
+
+@pytest.mark.parametrize("rule,model,pins", PIN_CASES, ids=[f"{c[0].name}-{c[2]}" for c in PIN_CASES])
+def test_resolve_and_the_search_refuse_the_same_pins(rule, model, pins):
+    """The rules among the knobs themselves are written once: estimate (resolve) and plan (check_pins) say the
+    same line."""
+    config = ParallelConfig(**pins)
+    with pytest.raises(InputError) as by_resolve:
+        resolve(model, 8, Workload(global_batch=16, seq_len=4096), config)
+    with pytest.raises(InputError) as by_search:
+        check_pins(model, 8, Workload(global_batch=16, seq_len=4096), config)
+    assert str(by_resolve.value) == str(by_search.value) == rule.message(model, config)
+
+
+def test_every_pin_rule_has_a_case_and_unset_knobs_break_none():
+    assert {c[0].name for c in PIN_CASES} == {r.name for r in PIN_RULES}
+    assert not any(r.broken(m, ParallelConfig()) for r in PIN_RULES for m in (LLAMA, MIXTRAL))
