@@ -84,6 +84,11 @@ class SyncCoefficients:
     optimizer_s_per_dense_param: float
     optimizer_s_per_expert_param: float
 
+    def without_reduce(self) -> SyncCoefficients:
+        """No gradient reduce after the last backward: each micro-batch's backward reduce-scattered already."""
+        return dataclasses.replace(self, reduce_alpha_dense=0.0, reduce_beta_dense=0.0, reduce_alpha_expert=0.0,
+                                   reduce_beta_expert=0.0)
+
     def reduce(self, dense: float, expert: float) -> float:
         return ((self.reduce_alpha_dense + self.reduce_beta_dense * dense if dense > 0 else 0.0)
                 + (self.reduce_alpha_expert + self.reduce_beta_expert * expert if expert > 0 else 0.0))

@@ -15,7 +15,7 @@ from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, CpComm, Paral
 from meshplan.costmodels.deadline import Deadline
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.timing import stage_p2p_s
-from meshplan.costmodels.passes import GroupLinks, PassCache, with_recompute_fb
+from meshplan.costmodels.passes import GroupLinks, PassCache, SyncCoefficients, with_recompute_fb
 from meshplan.costmodels.context import CostContext, buffer_bytes, fp8_weight_cast_s, stage_ranges
 from meshplan.costmodels.kernels import CONTENTION_SM, overlapped_exposed
 from meshplan.costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes,
@@ -152,24 +152,20 @@ class SearchCosts:
             last_params_dense=last.dense,
             stage_forward_extra=ctx.blocking_p2p_s, stage_backward_extra=ctx.blocking_p2p_s, hop_s=ctx.p2p_s,
             fixed_bytes=ctx.buffer_bytes, fragmentation=FRAGMENTATION, memory_cap_bytes=self.cap,
-            sync=SyncModel(**self._step_end_sync(ctx), overlap_reduce=rt.overlap_grad_reduce,
-                           overlap_gather=rt.overlap_param_gather,
-                           contention=CONTENTION_SM if self.eff.physics.contention else 0.0,
-                           overlap_leaves_one_layer=self.eff.physics.overlap_limits),
+            sync=SyncModel.of(self._step_end_sync(ctx), overlap_reduce=rt.overlap_grad_reduce,
+                              overlap_gather=rt.overlap_param_gather,
+                              contention=CONTENTION_SM if self.eff.physics.contention else 0.0,
+                              overlap_leaves_one_layer=self.eff.physics.overlap_limits),
         )
         self.problems[id(ctx)] = prob
         return prob
 
     @staticmethod
-    def _step_end_sync(ctx: CostContext) -> dict[str, float]:
+    def _step_end_sync(ctx: CostContext) -> SyncCoefficients:
         """The context's DP sync coefficients as the partitioner sees them after a stage's last backward: without
         the gradient reduce where each micro-batch's backward reduce-scatters (in the layer times; what is left,
         the edges' gradients and the last bucket, is left out, so the partition's objective stays a bound)."""
-        coef = dict(vars(ctx.sync))
-        if ctx.reduce_in_backward:
-            for name in ("reduce_alpha_dense", "reduce_beta_dense", "reduce_alpha_expert", "reduce_beta_expert"):
-                coef[name] = 0.0
-        return coef
+        return ctx.sync.without_reduce() if ctx.reduce_in_backward else ctx.sync
 
     def _dp(self, prob: PartitionProblem, policy: Granularity, relaxed: bool = False,
             below: float = math.inf) -> PartitionResult | None:

@@ -81,7 +81,8 @@ def problems(draw, max_layers: int = 9, max_stages: int = 4) -> PartitionProblem
     frag = draw(st.sampled_from([0.0, 0.05, 0.1, 0.3]))
     alpha, beta, opt = st.floats(0.0, 1e-2), st.floats(0.0, 1e-9), st.floats(0.0, 1e-10)
     sync = SyncModel(draw(alpha), draw(beta), draw(alpha), draw(beta), draw(alpha), draw(beta), draw(alpha),
-                     draw(beta), draw(st.booleans()), draw(st.booleans()), draw(opt), draw(opt))
+                     draw(beta), overlap_reduce=draw(st.booleans()), overlap_gather=draw(st.booleans()),
+                     optimizer_s_per_dense_param=draw(opt), optimizer_s_per_expert_param=draw(opt))
     free = PartitionProblem(
         num_stages=p, num_microbatches=m, schedule=draw(st.sampled_from(["1f1b", "gpipe", "zb"])),
         layer_forward=times(), layer_backward=times(), layer_selective_extra=times(0.3),
@@ -502,7 +503,7 @@ def test_rank0_path_sync_bound_is_below_every_simulated_1f1b_partition(data):
     ff, fb, lf, lb = (data.draw(st.floats(0.0, 2.0)) for _ in range(4))
     alpha, beta = data.draw(st.floats(0.0, 2.0)), data.draw(st.floats(0.0, 2e-8))
     zeros = (0.0,) * L
-    sync = SyncModel(alpha, beta, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False, False, 0.0, 0.0)
+    sync = SyncModel(alpha, beta, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     problem = PartitionProblem(
         num_stages=p, num_microbatches=m, schedule="1f1b", layer_forward=tuple(f), layer_backward=tuple(b),
         layer_selective_extra=zeros, layer_full_extra=zeros, layer_state_bytes=zeros, layer_act_none=zeros,
@@ -696,7 +697,7 @@ def test_per_stage_tight_bound_is_below_every_simulated_per_stage_plan(data, sch
     alpha, beta = data.draw(st.floats(0.0, 1.0)), data.draw(st.floats(0.0, 4e-9))
     contention = data.draw(st.sampled_from([0.0, 0.1]))
     zeros = (0.0,) * L
-    sync = SyncModel(alpha, beta, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, True, False, 0.0, 0.0, contention=contention,
+    sync = SyncModel(alpha, beta, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, overlap_reduce=True, contention=contention,
                      overlap_leaves_one_layer=True)
     problem = PartitionProblem(
         num_stages=p, num_microbatches=m, schedule=schedule, layer_forward=tuple(f), layer_backward=tuple(b),

@@ -11,6 +11,7 @@ from typing import Literal
 import numpy as np
 
 from meshplan.costmodels.config import StagePolicy
+from meshplan.costmodels.passes import SyncCoefficients
 
 
 Schedule = Literal["1f1b", "gpipe", "zb"]
@@ -50,22 +51,13 @@ def _check_numbers(name: str, values) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True)
-class SyncModel:
+class SyncModel(SyncCoefficients):
     """Per-stage time after the stage's last backward: exposed DP gradient reduce, exposed param gather, optimizer.
-    A collective over P parameters takes alpha + beta * P seconds when P > 0 (alpha-beta ring model), else 0."""
+    The cost model's coefficients (a collective over P parameters takes alpha + beta * P seconds when P > 0, else 0)
+    and how the runtime overlaps them."""
 
-    reduce_alpha_dense: float
-    reduce_beta_dense: float
-    reduce_alpha_expert: float
-    reduce_beta_expert: float
-    gather_alpha_dense: float
-    gather_beta_dense: float
-    gather_alpha_expert: float
-    gather_beta_expert: float
-    overlap_reduce: bool  # True: only max(0, reduce - backward_window) is exposed
-    overlap_gather: bool  # True: only max(0, gather - forward_window) is exposed
-    optimizer_s_per_dense_param: float
-    optimizer_s_per_expert_param: float
+    overlap_reduce: bool = False  # True: only max(0, reduce - backward_window) is exposed
+    overlap_gather: bool = False  # True: only max(0, gather - forward_window) is exposed
     # the compute slowdown per second of overlapped collective (costmodels.kernels.overlapped_exposed): the
     # exposure is then at least (1 - c) max(0, collective - window) + c collective, a bound of the estimate's
     contention: float = 0.0
@@ -73,6 +65,14 @@ class SyncModel:
     # 1 / the stage's layers, as simulate_config): read by the O(p L^3) gap-closing bounds (_uniform_grids) and
     # per_stage_partitions_below, not by J (solve_dp, evaluate, CP-SAT), which stays the looser bound
     overlap_leaves_one_layer: bool = False
+
+    @classmethod
+    def of(cls, coefficients: SyncCoefficients, overlap_reduce: bool, overlap_gather: bool, contention: float,
+           overlap_leaves_one_layer: bool) -> SyncModel:
+        """The cost model's coefficients with the runtime's overlap (the fields above)."""
+        return cls(**{f.name: getattr(coefficients, f.name) for f in fields(SyncCoefficients)},
+                   overlap_reduce=overlap_reduce, overlap_gather=overlap_gather, contention=contention,
+                   overlap_leaves_one_layer=overlap_leaves_one_layer)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -87,7 +87,7 @@ class SyncModel:
     @classmethod
     def zero(cls) -> SyncModel:
         """No data parallelism: nothing to reduce, gather or update after the last backward."""
-        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False, False, 0.0, 0.0, 0.0)
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 _NO_SYNC = SyncModel.zero()
