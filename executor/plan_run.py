@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshplan.executor.context_parallel import apply_context_parallel, cp_shard
-from meshplan.executor.data_parallel import fsdp_reduction_factor, micro_batches
+from meshplan.executor.data_parallel import fsdp_reduction_factor, make_fsdp_sum, micro_batches
 from meshplan.executor.expert_parallel import (apply_expert_parallel, expert_parameters, full_tensors,
                                                reduce_expert_grads)
 from meshplan.executor.mesh import ExecLayout, Meshes, build_meshes, rank_coords
@@ -62,8 +62,10 @@ __all__ = ["INJECTIONS", "RankReport", "plan_rank"]
 #   "no-grad-sync"    dense gradients are never averaged over dp x cp (ZeRO 0/1);
 #   "shift-stage"     the last pipeline rank's first chunk starts one layer early (pp > 1);
 #   "scale-loss"      the last dp rank doubles its loss (a wrong but synchronised gradient);
+#   "fsdp-sums"       ZeRO 2/3: FSDP2 made to sum gradients instead of averaging them, as it did on gloo in some
+#                     torch versions; the executor detects and corrects it, so this run still matches;
 #   "raise"           the last rank raises before its first step; "hang": it sleeps instead (verify's timeout).
-INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss", "raise", "hang")
+INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss", "fsdp-sums", "raise", "hang")
 
 
 @dataclass(frozen=True)
@@ -88,12 +90,18 @@ class RankReport(RankResult):
     notes: tuple[str, ...]
 
 
-def shift_stage_problem(lay: ExecLayout) -> str | None:
-    """Why --inject shift-stage (the last pipeline rank's first chunk starts one layer early) cannot run on this
-    layout, or None: checked by every rank and by verify before any rank starts."""
-    if lay.pp == 1:
+def injection_problem(lay: ExecLayout, inject: str | None) -> str | None:
+    """Why the fault `inject` cannot be injected into this layout, or None: checked by every rank and by verify
+    before any rank starts."""
+    if inject is not None and inject not in INJECTIONS:
+        return f"unknown injection {inject!r}; known: {', '.join(INJECTIONS)}"
+    if inject == "no-grad-sync" and lay.zero >= 2:
+        return "--inject no-grad-sync needs ZeRO 0 or 1 (FSDP2 reduces inside the backward)"
+    if inject == "fsdp-sums" and lay.zero < 2:
+        return "--inject fsdp-sums emulates a fault of FSDP2: it needs ZeRO 2 or 3"
+    if inject == "shift-stage" and lay.pp == 1:
         return "--inject shift-stage needs a pipeline (pp > 1)"
-    if local_ranges(lay, lay.pp - 1)[0][0] < 2:
+    if inject == "shift-stage" and local_ranges(lay, lay.pp - 1)[0][0] < 2:
         return "--inject shift-stage needs the last stage to start at layer 2 or later"
     return None
 
@@ -103,12 +111,8 @@ def _chunks(run: RunSpec, lay: ExecLayout, pp_rank: int, positions: torch.Tensor
             inject: str | None) -> list[ModelChunk]:
     model = run.build()
     chunks = build_chunks(model, lay, pp_rank, positions)
-    if inject == "shift-stage":
-        problem = shift_stage_problem(lay)
-        if problem:
-            raise ValueError(problem)
-        if pp_rank == lay.pp - 1:
-            chunks[0] = ModelChunk(model, chunks[0].start - 1, chunks[0].stop, positions)
+    if inject == "shift-stage" and pp_rank == lay.pp - 1:  # injection_problem: it starts at layer 2 or later
+        chunks[0] = ModelChunk(model, chunks[0].start - 1, chunks[0].stop, positions)
     return chunks  # the full model goes out of scope here: the chunks keep only this stage's modules
 
 
@@ -125,18 +129,29 @@ def _shard(chunks: Sequence[ModelChunk], run: RunSpec, lay: ExecLayout, meshes: 
     apply_recompute(chunks, lay, pp_rank)
 
 
-def _fsdp(chunks: Sequence[ModelChunk], meshes: Meshes, lay: ExecLayout, experts: set[nn.Parameter]) -> None:
+def _fsdp(chunks: Sequence[ModelChunk], meshes: Meshes, lay: ExecLayout, experts: set[nn.Parameter],
+          dtype: torch.dtype, emulate_sum: bool) -> float:
     """ZeRO 2/3 with FSDP2 over dp x cp: each decoder layer, then the chunk; routed experts (replicated over edp,
-    not dp x cp) are left out and reduced by reduce_expert_grads."""
-    from torch.distributed.fsdp import fully_shard
+    not dp x cp) are left out and reduced by reduce_expert_grads. Returns what FSDP2 multiplies the averaged
+    gradient by (1, or dp x cp where it sums: probed, then divided out after the backward)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     mesh = meshes["dp_cp"]
+    factor = fsdp_reduction_factor(mesh, dtype, emulate_sum=emulate_sum)
+    n = mesh.size()
+    if abs(factor - 1.0) > 1e-12 and abs(factor - n) > 1e-12 * n:
+        raise RuntimeError(f"FSDP2 delivered {factor:g} x the average gradient over dp x cp (expected 1 or {n})")
     reshard = lay.zero == 3
     for chunk in chunks:
         for layer in chunk.layers.values():
             mine = {p for p in layer.parameters() if p in experts}
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, ignored_params=mine or None)
         fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard, ignored_params=experts or None)
+        if emulate_sum:
+            for module in chunk.modules():
+                if isinstance(module, FSDPModule):
+                    make_fsdp_sum(module)
+    return factor
 
 
 def _optimizer(named: Sequence[tuple[str, nn.Parameter]], lay: ExecLayout, meshes: Meshes, lr: float,
@@ -276,8 +291,9 @@ def _state_bytes(opts: Sequence[torch.optim.Optimizer]) -> float:
 
 def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str | None = None) -> RankReport:
     """Run `run` under the whole layout `lay` on this rank; collective over the world (lay.world ranks)."""
-    if inject is not None and inject not in INJECTIONS:
-        raise ValueError(f"unknown injection {inject!r}; known: {', '.join(INJECTIONS)}")
+    problem = injection_problem(lay, inject)
+    if problem:
+        raise ValueError(problem)
     if world != lay.world:
         raise ValueError(f"the layout has {lay.world} ranks, the world {world}")
     n_micro = run.gbs // (lay.dp * lay.mbs)
@@ -300,11 +316,9 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
     experts: set[nn.Parameter] = set()
     for chunk in chunks:
         experts |= {p for p, _ in expert_parameters(chunk).values()}
+    fsdp_factor = 1.0
     if lay.zero >= 2:
-        factor = fsdp_reduction_factor(meshes["dp_cp"], run.torch_dtype)
-        if abs(factor - 1.0) > 1e-12:
-            raise RuntimeError(f"FSDP2 delivered {factor:g} x the average gradient over dp x cp")
-        _fsdp(chunks, meshes, lay, experts)
+        fsdp_factor = _fsdp(chunks, meshes, lay, experts, run.torch_dtype, inject == "fsdp-sums")
     named = named_parameters(chunks, run.model)
     opts = _optimizer(named, lay, meshes, run.lr, experts)
     if lay.pp > 1 and lay.tp > 1:
@@ -334,6 +348,10 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
         with saved.hooks():
             local_loss = _forward_backward(chunks, pipe, run, lay, step, coords, n_micro, loss_ctx, inject)
         t_sync = time.perf_counter()
+        if fsdp_factor != 1.0:  # a summing FSDP2 (_fsdp): its gradients divided back to the average
+            for _, p in named:
+                if p not in experts and p.grad is not None:
+                    p.grad.div_(fsdp_factor)
         _synchronise(chunks, named, run, lay, meshes, emb_group, experts, inject)
         timeline.mark("gradient sync", "sync", t_sync)
         loss_value = _global_loss(local_loss, meshes)

@@ -384,12 +384,12 @@ def _check_runnable(lay: Any, n_micro: int, inject: str | None) -> None:
     """What every rank would refuse, refused here first: the schedule's own rules (executor/pipeline.py) and the
     injections' preconditions (executor/plan_run.py)."""
     from meshplan.executor.pipeline import schedule_problem
-    from meshplan.executor.plan_run import shift_stage_problem
+    from meshplan.executor.plan_run import injection_problem
 
     problem = schedule_problem(lay, n_micro)
     if problem:
         raise InputError(f"{problem}; give --microbatches at least {lay.pp}, or leave it out")
-    problem = shift_stage_problem(lay) if inject == "shift-stage" else None
+    problem = injection_problem(lay, inject)
     if problem:
         raise InputError(problem)
 

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist
-from executor_helpers import reference
+from executor_helpers import exec_layout, reference
 
 from meshplan.costmodels.model_io import load_model
 from meshplan.executor.compare import TOLERANCE, compare_to_reference, relative_error
@@ -137,10 +137,12 @@ def expected_blocks(rank: int, world: int) -> dict[str, list[float]]:
 
 
 def rank_world(rank: int, world: int, cases: dict[str, tuple[RunSpec, int, int, str | None]]) -> dict:
-    """Everything a shared world runs: building blocks, FSDP2's averaging, then every DP case."""
+    """Everything a shared world runs: building blocks, FSDP2's averaging, then every DP case through plan_rank
+    (the path `meshplan verify` runs) on a data-parallel layout."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshplan.executor.data_parallel import dp_run, fsdp_reduction_factor
+    from meshplan.executor.data_parallel import fsdp_reduction_factor
+    from meshplan.executor.plan_run import plan_rank
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     out: dict = {"blocks": gloo_blocks(world), "threads": torch.get_num_threads()}
@@ -149,7 +151,8 @@ def rank_world(rank: int, world: int, cases: dict[str, tuple[RunSpec, int, int, 
     out["fsdp_factor_emulated_sum"] = fsdp_reduction_factor(mesh, F64, emulate_sum=True)
     out["dp"] = {}
     for case, (run, zero, mbs, inject) in cases.items():
-        out["dp"][case] = dp_run(rank, world, run, zero, mbs, mesh=mesh, inject=inject)
+        out["dp"][case] = plan_rank(rank, world, run, exec_layout(run, world, dp=world, zero=zero, mbs=mbs),
+                                    inject=inject)
     return out
 
 
@@ -237,7 +240,7 @@ def test_gloo_collectives(world: int, world2, world4) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_averages_gradients_on_gloo(world: int, world2, world4) -> None:
     """torch 2.13 averages (float64: SUM then divide; float32: ReduceOp.AVG). A summing FSDP2 (as gloo had in
-    some versions, emulated here) reads as factor = world, and dp_run divides it out: that case matches."""
+    some versions, emulated here) reads as factor = world, and plan_rank divides it out: that case matches."""
     for out in world2 if world == 2 else world4:
         assert out["fsdp_factor"] == {"float64": pytest.approx(1.0, abs=1e-12),
                                       "float32": pytest.approx(1.0, abs=1e-6)}
@@ -253,9 +256,11 @@ def test_dp_matches_the_reference(world: int, case: str, world2, world4) -> None
     ranks = world2 if world == 2 else world4
     results = [out["dp"][case] for out in ranks]
     first = results[0]
-    assert first.dp == world and first.grads is not None and first.params is not None
-    assert all(r.grads is None and r.params is None for r in results[1:])  # only rank 0 carries the tensors
+    assert first.coords["dp"] == 0 and f"dp{world}" in first.layout
+    assert first.grads is not None and first.params is not None
     assert all(r.losses == first.losses for r in results)  # the global loss, on every rank
+    for r in results[1:]:  # every rank holds the full gradients and parameters, gathered (ZeRO 3: from shards)
+        assert compare_to_reference(r, reference(first.run)).ok
     cmp = compare_to_reference(first, reference(first.run))
     assert cmp.ok, cmp.summary() + "\n" + "\n".join(cmp.failures())
     assert cmp.tolerance == TOLERANCE["float64"] == 1e-6
@@ -284,16 +289,18 @@ def test_micro_batches_split_the_global_batch() -> None:
         micro_batches(tokens, tokens, 0, 3, 1)
 
 
-def test_dp_arguments_are_checked() -> None:
-    from meshplan.executor.data_parallel import dp_step
+def test_dp_injections_are_checked() -> None:
+    """A fault that cannot be injected into the layout is refused by plan_rank (and by verify, before any rank
+    starts) with the reason."""
+    from meshplan.executor.mesh import ExecLayout
+    from meshplan.executor.plan_run import injection_problem, plan_rank
 
-    spec = scale_model(load_model(DENSE), "tiny")
-    with pytest.raises(ValueError, match="ZeRO stage"):
-        dp_step(0, 1, spec, 4, 8, 8, 1)
-    with pytest.raises(ValueError, match="injection"):
-        dp_step(0, 1, spec.model_dump_json(), 0, 8, 8, 1, inject="typo")
-    with pytest.raises(ValueError, match="ZeRO 0/1"):
-        dp_step(0, 1, spec.model_dump(), 3, 8, 8, 1, inject="no-grad-sync")
+    run = run_of(DENSE)
+    with pytest.raises(ValueError, match="unknown injection 'typo'"):
+        plan_rank(0, 1, run, exec_layout(run, 1), inject="typo")
+    assert "ZeRO 0 or 1" in injection_problem(ExecLayout(dp=2, zero=3), "no-grad-sync")
+    assert "ZeRO 2 or 3" in injection_problem(ExecLayout(dp=2, zero=1), "fsdp-sums")
+    assert injection_problem(ExecLayout(dp=2, zero=2), "fsdp-sums") is None
 
 
 def test_relative_error_definition() -> None:
