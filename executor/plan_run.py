@@ -50,6 +50,7 @@ from meshplan.executor.pipeline import (build_chunks, build_pipeline, embedding_
 from meshplan.executor.recompute import apply_recompute
 from meshplan.executor.reference import ADAMW, RankResult, RunSpec
 from meshplan.executor.sharded_optimizer import ShardedAdamW
+from meshplan.executor.tensor_parallel import INJECTIONS as TP_INJECTIONS
 from meshplan.executor.tensor_parallel import apply_tensor_parallel, reduce_partial_grads, vocab_parallel_loss
 
 with warnings.catch_warnings():  # torch.distributed.optim scripts its functional optimizers; 2.13 deprecates jit
@@ -64,8 +65,9 @@ __all__ = ["INJECTIONS", "RankReport", "plan_rank"]
 #   "scale-loss"      the last dp rank doubles its loss (a wrong but synchronised gradient);
 #   "fsdp-sums"       ZeRO 2/3: FSDP2 made to sum gradients instead of averaging them, as it did on gloo in some
 #                     torch versions; the executor detects and corrects it, so this run still matches;
+#   "no-kpe-sync", "no-wo-reduce"  TP faults (executor.tensor_parallel.INJECTIONS);
 #   "raise"           the last rank raises before its first step; "hang": it sleeps instead (verify's timeout).
-INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss", "fsdp-sums", "raise", "hang")
+INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss", "fsdp-sums", *TP_INJECTIONS, "raise", "hang")
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,10 @@ def injection_problem(lay: ExecLayout, inject: str | None) -> str | None:
         return "--inject no-grad-sync needs ZeRO 0 or 1 (FSDP2 reduces inside the backward)"
     if inject == "fsdp-sums" and lay.zero < 2:
         return "--inject fsdp-sums emulates a fault of FSDP2: it needs ZeRO 2 or 3"
+    if inject in TP_INJECTIONS and lay.tp == 1:
+        return f"--inject {inject} is a tensor-parallel fault: it needs tp > 1"
+    if inject == "no-wo-reduce" and lay.sp:
+        return "--inject no-wo-reduce leaves wo's output whole-sequence: it needs sequence parallelism off"
     if inject == "shift-stage" and lay.pp == 1:
         return "--inject shift-stage needs a pipeline (pp > 1)"
     if inject == "shift-stage" and local_ranges(lay, lay.pp - 1)[0][0] < 2:
@@ -116,14 +122,16 @@ def _chunks(run: RunSpec, lay: ExecLayout, pp_rank: int, positions: torch.Tensor
     return chunks  # the full model goes out of scope here: the chunks keep only this stage's modules
 
 
-def _shard(chunks: Sequence[ModelChunk], run: RunSpec, lay: ExecLayout, meshes: Meshes, pp_rank: int) -> None:
+def _shard(chunks: Sequence[ModelChunk], run: RunSpec, lay: ExecLayout, meshes: Meshes, pp_rank: int,
+           inject: str | None) -> None:
     """EP, then TP, then CP, then recomputation, in place."""
     for chunk in chunks:
         if run.model.moe is not None:
             # TP hands MoE layers tp-replicated tokens even under SP, so EP always splits them over tp
             apply_expert_parallel(chunk, meshes, replace(lay, sp=False))
         if lay.tp > 1:
-            apply_tensor_parallel(chunk, meshes["tp"], lay.sp, vocab_parallel=lay.pp == 1)
+            apply_tensor_parallel(chunk, meshes["tp"], lay.sp, vocab_parallel=lay.pp == 1,
+                                  inject=inject if inject in TP_INJECTIONS else None)
         if lay.cp > 1:
             apply_context_parallel(chunk, meshes["cp"], lay.cp_comm, run.seq)
     apply_recompute(chunks, lay, pp_rank)
@@ -312,7 +320,7 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
     if lay.cp > 1:
         positions = cp_shard(positions, lay.cp, cp_rank, dim=0)
     chunks = _chunks(run, lay, pp_rank, positions, inject)
-    _shard(chunks, run, lay, meshes, pp_rank)
+    _shard(chunks, run, lay, meshes, pp_rank, inject)
     experts: set[nn.Parameter] = set()
     for chunk in chunks:
         experts |= {p for p, _ in expert_parameters(chunk).values()}

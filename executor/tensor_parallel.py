@@ -42,19 +42,17 @@ Module-level contract for composing with the other dimensions:
 
 On gloo with float64 CPU tensors (torch 2.13, tests/test_executor_tp.py) every torch piece used here works as
 is: parallelize_module and its styles, loss_parallel, DTensor redistribution, FSDP2 over the dp mesh on top of
-TP (2-D). Hand-written: only MLA's rope-key gradient sum (`_sum_rope_key_grad`, see there) and the tp_run test
-runner's ZeRO-0 dp averaging.
+TP (2-D, in executor/plan_run.py). Hand-written: only MLA's rope-key gradient sum (`_sum_rope_key_grad`, see
+there).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -62,21 +60,17 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from meshplan.executor.data_parallel import fsdp_reduction_factor, micro_batches
-from meshplan.executor.mesh import ExecLayout, build_meshes
 from meshplan.executor.model import MLAttention, ModelChunk, TransformerBlock, token_loss
-from meshplan.executor.reference import ADAMW, RankResult, RunSpec
 
 __all__ = [
-    "INJECTIONS", "TPResult", "apply_tensor_parallel", "check_tp_degree", "full_grads", "full_params", "full_state",
-    "reduce_partial_grads", "tp_loss", "tp_run", "vocab_parallel_loss",
+    "INJECTIONS", "apply_tensor_parallel", "check_tp_degree", "full_grads", "full_params", "full_state",
+    "reduce_partial_grads", "tp_loss", "vocab_parallel_loss",
 ]
 
-# Deliberate faults, so the tests show the comparison can fail:
-#   "no-dp-sync"   gradients are never averaged over dp (each dp rank steps on its own micro-batches);
+# Deliberate faults, so the tests show the comparison can fail (plan_rank's inject=, `meshplan verify --inject`):
 #   "no-kpe-sync"  MLA: the rope key's gradient, which each tp rank gets only from its own heads, is not summed;
 #   "no-wo-reduce" attention's wo leaves its partial sums unreduced (a row-parallel layer without all-reduce).
-INJECTIONS = ("no-dp-sync", "no-kpe-sync", "no-wo-reduce")
+INJECTIONS = ("no-kpe-sync", "no-wo-reduce")
 
 
 # ---- the plan --------------------------------------------------------------------------------------
@@ -282,82 +276,3 @@ def full_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, to
 
 
 # ---- a runner for the tests: tp x dp ------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class TPResult(RankResult):
-    """One rank's report of a tp x dp run (fields as executor.reference.RunResult): the global-batch loss of
-    every step, and this rank's full gradients after step 1 and full parameters after the last step."""
-
-
-def _shard_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int) -> None:
-    """FSDP2 over dp on the TP-sharded model (2-D, as torchtitan): every decoder layer, then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    reshard = zero == 3
-    for layer in _layers(model):
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
-
-
-def _average_grads(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """ZeRO 0: each gradient's local shard averaged over the dp group (TP shards stay shards)."""
-    for p in model.parameters():
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=group)
-
-
-def tp_run(rank: int, world: int, run: RunSpec, tp: int, sp: bool, dp: int = 1, mbs: int = 1, zero: int = 0,
-           *, vocab_parallel: bool = True, inject: str | None = None) -> TPResult:
-    """`run` under tp x dp (tp innermost, as build_meshes lays them out): TP (+SP) by apply_tensor_parallel, dp
-    by hand (ZeRO 0: all_reduce AVG of every local gradient) or FSDP2 composed with TP (ZeRO 2/3); AdamW.
-    Collective: every rank of the world (tp * dp) calls it with the same arguments."""
-    if zero not in (0, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 2 or 3 here, got {zero}")
-    if inject is not None and inject not in INJECTIONS:
-        raise ValueError(f"unknown injection {inject!r}; known: {', '.join(INJECTIONS)}")
-    if world != tp * dp:
-        raise ValueError(f"world {world} != tp * dp = {tp} * {dp}")
-    if sp and inject == "no-wo-reduce":
-        raise ValueError("no-wo-reduce leaves wo's output whole-sequence: without SP only")
-    if sp and run.seq % tp:
-        raise ValueError(f"sequence parallelism needs tp={tp} to divide seq={run.seq}")
-    if run.gbs % (dp * mbs):
-        raise ValueError(f"global batch {run.gbs} is not a multiple of dp * mbs = {dp} * {mbs}")
-    torch.set_num_threads(1)
-    n_micro = run.gbs // (dp * mbs)
-    lay = ExecLayout(tp=tp, dp=dp, mbs=mbs, num_microbatches=n_micro, zero=zero, sp=sp)
-    meshes = build_meshes(lay)
-    model = apply_tensor_parallel(run.build(), meshes["tp"], sp, vocab_parallel=vocab_parallel, inject=inject)
-    dp_mesh = meshes["dp_cp"]  # dense parameters' gradient group (dp x cp; cp = 1 here)
-    if zero >= 2:
-        factor = fsdp_reduction_factor(dp_mesh, run.torch_dtype)  # FSDP2 has summed on gloo in some versions
-        if abs(factor - 1.0) > 1e-12:
-            raise RuntimeError(f"FSDP2 delivered {factor:g} x the average gradient over dp")
-        _shard_dp(model, dp_mesh, zero)
-    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, **ADAMW)
-    dp_rank, group = meshes["dp"].get_local_rank(), dp_mesh.get_group()
-    losses: list[float] = []
-    grads: dict[str, torch.Tensor] = {}
-    for step in range(run.steps):
-        opt.zero_grad(set_to_none=True)
-        total = torch.zeros((), dtype=torch.float64)
-        for tokens, labels in micro_batches(*run.batch(step), dp_rank, dp, mbs):
-            with vocab_parallel_loss():
-                loss = model(tokens, labels)  # forward(), not logits(): FSDP2 unshards in the root's forward hook
-                (loss / n_micro).backward()
-            if isinstance(loss, DTensor):  # loss_parallel's loss: a Replicate DTensor
-                loss = loss.to_local()
-            total += loss.detach().to(torch.float64)
-        if zero == 0:
-            reduce_partial_grads(model)
-            if inject != "no-dp-sync":
-                _average_grads(model, group)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        losses.append(float(total) / (dp * n_micro))
-        if step == 0:
-            grads = full_grads(model)
-        opt.step()
-    layout = (f"tp{tp}{' sp' if sp else ''}{'' if vocab_parallel else ' gathered-logits'} dp{dp} zero{zero} mbs{mbs}"
-              f" x{n_micro}" + (f" [{inject}]" if inject else ""))
-    return TPResult(run=run, losses=tuple(losses), grads=grads, params=full_params(model), layout=layout, rank=rank)
-
-

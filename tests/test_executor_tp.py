@@ -1,6 +1,7 @@
 """Tensor and sequence parallelism (issue 4): TP (+SP) of dense GQA, MHA with biases, learned positions and a
 tied head, and MLA + MoE models reproduces the single-process loss, gradients and AdamW parameters, alone and
-composed with DP (hand-written averaging, and FSDP2 2-D); model chunks shard too; broken layouts are caught.
+composed with DP (ZeRO 0, and FSDP2 2-D) and PP (gathered logits), each through plan_rank (the path `meshplan
+verify` runs); model chunks shard too; broken layouts are caught.
 
 Two shared worlds (2 and 4 ranks, module-scoped) run every case in one spawn each, as tests/test_executor_dp.py.
 """
@@ -11,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor_helpers import reference
+from executor_helpers import exec_layout, reference
 
 from meshplan.costmodels.model_io import load_model
 from meshplan.executor.compare import compare_to_reference, relative_error
@@ -35,25 +36,26 @@ def run_of(name: str, steps: int = 2) -> RunSpec:
     return RunSpec(spec, gbs=4, seq=8, steps=steps)
 
 
-# (case id) -> (model, tp, sp, dp, mbs, zero, tp_run keywords)
+# (case id) -> (model, knobs of the layout, injection): each run by plan_rank on the layout resolve() makes of them
 TP2_CASES = {
-    "gqa-tp2": (DENSE, 2, False, 1, 2, 0, {}),
-    "gqa-tp2-gathered-logits": (DENSE, 2, False, 1, 2, 0, {"vocab_parallel": False}),
-    "gqa-tp2-sp": (DENSE, 2, True, 1, 1, 0, {}),
-    "biases-tied-tp2": (TIED, 2, False, 1, 2, 0, {}),
-    "biases-tied-tp2-sp": (TIED, 2, True, 1, 2, 0, {}),
-    "mla-moe-tp2": (MLA, 2, False, 1, 2, 0, {}),
-    "mla-moe-tp2-sp": (MLA, 2, True, 1, 2, 0, {}),
-    "mla-uncompressed-q-tp2-sp": (MLA_FULL_Q, 2, True, 1, 2, 0, {}),
-    "broken-no-wo-reduce": (DENSE, 2, False, 1, 2, 0, {"inject": "no-wo-reduce"}),
-    "broken-no-kpe-sync": (MLA, 2, True, 1, 2, 0, {"inject": "no-kpe-sync"}),
+    "gqa-tp2": (DENSE, dict(tp=2, sp=False, mbs=2, zero=0), None),
+    "gqa-tp2-sp": (DENSE, dict(tp=2, sp=True, mbs=1, zero=0), None),
+    "biases-tied-tp2": (TIED, dict(tp=2, sp=False, mbs=2, zero=0), None),
+    "biases-tied-tp2-sp": (TIED, dict(tp=2, sp=True, mbs=2, zero=0), None),
+    "mla-moe-tp2": (MLA, dict(tp=2, sp=False, mbs=2, zero=0), None),
+    "mla-moe-tp2-sp": (MLA, dict(tp=2, sp=True, mbs=2, zero=0), None),
+    "mla-uncompressed-q-tp2-sp": (MLA_FULL_Q, dict(tp=2, sp=True, mbs=2, zero=0), None),
+    "broken-no-wo-reduce": (DENSE, dict(tp=2, sp=False, mbs=2, zero=0), "no-wo-reduce"),
+    "broken-no-kpe-sync": (MLA, dict(tp=2, sp=True, mbs=2, zero=0), "no-kpe-sync"),
 }
 WORLD4_CASES = {
-    "gqa-tp2-dp2": (DENSE, 2, False, 2, 1, 0, {}),
-    "mla-moe-tp2-sp-dp2-zero3": (MLA, 2, True, 2, 1, 3, {}),
-    "tied-tp2-sp-dp2-zero2": (TIED, 2, True, 2, 2, 2, {}),
-    "biases-tied-tp4-sp": (TIED, 4, True, 1, 2, 0, {}),
-    "broken-no-dp-sync": (DENSE, 2, False, 2, 1, 0, {"inject": "no-dp-sync"}),
+    "gqa-tp2-dp2": (DENSE, dict(tp=2, sp=False, dp=2, mbs=1, zero=0), None),
+    # the head's logits gathered (plain tensors between pipeline stages), the loss outside loss_parallel
+    "gqa-tp2-pp2-gathered-logits": (DENSE, dict(tp=2, sp=False, pp=2, mbs=2, zero=0), None),
+    "mla-moe-tp2-sp-dp2-zero3": (MLA, dict(tp=2, sp=True, dp=2, mbs=1, zero=3), None),
+    "tied-tp2-sp-dp2-zero2": (TIED, dict(tp=2, sp=True, dp=2, mbs=2, zero=2), None),
+    "biases-tied-tp4-sp": (TIED, dict(tp=4, sp=True, mbs=2, zero=0), None),
+    "broken-no-grad-sync": (DENSE, dict(tp=2, sp=False, dp=2, mbs=1, zero=0), "no-grad-sync"),
 }
 BROKEN = {c for c in {**TP2_CASES, **WORLD4_CASES} if c.startswith("broken")}
 
@@ -94,11 +96,11 @@ def chunked_step(rank: int, world: int, run: RunSpec) -> dict:
 
 
 def rank_world(rank: int, world: int, cases: dict[str, tuple], chunked: RunSpec | None) -> dict:
-    from meshplan.executor.tensor_parallel import tp_run
+    from meshplan.executor.plan_run import plan_rank
 
     out: dict = {"tp": {}}
-    for case, (run, tp, sp, dp, mbs, zero, kw) in cases.items():
-        out["tp"][case] = tp_run(rank, world, run, tp, sp, dp, mbs, zero, **kw)
+    for case, (run, knobs, inject) in cases.items():
+        out["tp"][case] = plan_rank(rank, world, run, exec_layout(run, world, **knobs), inject=inject)
     if chunked is not None:
         out["chunked"] = chunked_step(rank, world, chunked)
     return out
@@ -173,29 +175,24 @@ def test_tp_degree_must_divide_the_sharded_dims() -> None:
         check_tp_degree(model, 4)
 
 
-def test_tp_run_checks_its_arguments() -> None:
-    from meshplan.executor.tensor_parallel import tp_run
+def test_tp_injections_are_checked() -> None:
+    from meshplan.executor.plan_run import injection_problem
 
     run = run_of(DENSE)
-    with pytest.raises(ValueError, match="ZeRO stage"):
-        tp_run(0, 2, run, 2, False, zero=1)
-    with pytest.raises(ValueError, match="injection"):
-        tp_run(0, 2, run, 2, False, inject="typo")
-    with pytest.raises(ValueError, match="world"):
-        tp_run(0, 2, run, 2, False, dp=2)
-    with pytest.raises(ValueError, match="without SP"):
-        tp_run(0, 2, run, 2, True, inject="no-wo-reduce")
+    assert "needs tp > 1" in injection_problem(exec_layout(run, 2, dp=2), "no-wo-reduce")
+    assert "sequence parallelism off" in injection_problem(exec_layout(run, 2, tp=2, sp=True), "no-wo-reduce")
+    assert injection_problem(exec_layout(run, 2, tp=2, sp=False), "no-wo-reduce") is None
 
 
 def test_merge_reports_lists_disagreeing_replicas() -> None:
     from meshplan.executor.compare import merge_reports
-    from meshplan.executor.tensor_parallel import TPResult
+    from meshplan.executor.reference import RankResult
 
     run = run_of(DENSE)
     a = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
     b = {"w": a["w"] * (1 + 1e-9)}
-    r0 = TPResult(run=run, losses=(1.0, 2.0), grads=a, params=a, layout="x", rank=0)
-    r1 = TPResult(run=run, losses=(1.0, 2.0), grads=b, params={"v": a["w"]}, layout="x", rank=1)
+    r0 = RankResult(run=run, losses=(1.0, 2.0), grads=a, params=a, layout="x", rank=0)
+    r1 = RankResult(run=run, losses=(1.0, 2.0), grads=b, params={"v": a["w"]}, layout="x", rank=1)
     assert merge_reports([r0, r0])[1] == ()
     merged, problems = merge_reports([r0, r1])
     assert len(problems) == 1 and problems[0].startswith("gradient w: rank 1 differs from rank 0")
