@@ -20,7 +20,7 @@ own functional `all_to_all_single` (torch.distributed._functional_collectives), 
 the reverse all-to-all: a ring shift's gradient travels the other way round. Gradients: parameters are
 replicated over cp; every rank's loss is the mean over its own (equally many) tokens, and the ring's backward
 returns to each rank the gradient its k, v received from the others' losses, so averaging gradients over
-dp x cp (`meshes["dp_cp"]`) gives the gradient of the global mean (`cp_run` averages with DDP).
+dp x cp (`meshes["dp_cp"]`) gives the gradient of the global mean (executor/plan_run.py averages so).
 
 Measured on torch 2.13 CPU/gloo: torch's own `torch.distributed.tensor.experimental.context_parallel`
 does not run here (float64 and float32): SDPA dispatches to `aten._scaled_dot_product_flash_attention_for_cpu`,
@@ -31,7 +31,6 @@ efficient and cuDNN kernels. Hence the hand-written cores below, on torch's coll
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,20 +40,17 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parallel import DistributedDataParallel
 
 from meshplan.executor.compare import merge_reports
-from meshplan.executor.data_parallel import micro_batches
-from meshplan.executor.mesh import ExecLayout, build_meshes
-from meshplan.executor.model import ModelChunk, Transformer, causal_attention, token_loss
-from meshplan.executor.reference import ADAMW, RankResult, RunResult, RunSpec
+from meshplan.executor.model import ModelChunk, Transformer, causal_attention
+from meshplan.executor.reference import RunResult
 
-__all__ = ["CP_KINDS", "INJECTIONS", "CPResult", "RingAttention", "UlyssesAttention", "apply_context_parallel",
-           "cp_positions", "cp_run", "cp_shard", "cp_unshard", "make_core", "merge_rank_results"]
+__all__ = ["CP_KINDS", "INJECTIONS", "RingAttention", "UlyssesAttention", "apply_context_parallel", "cp_positions",
+           "cp_shard", "cp_unshard", "make_core", "merge_rank_results", "shard_positions"]
 
 CP_KINDS = ("ring", "p2p", "a2a")  # "ring" is the planner's name (costmodels.config), "p2p" ExecLayout's default
 
-# Deliberate faults, so tests can show a wrong layout is caught:
+# Deliberate faults (plan_rank's inject=, `meshplan verify --inject`), so tests can show a wrong layout is caught:
 #   "contiguous-shard"  a rank gets plain contiguous chunk r of cp (tokens, labels, positions), while the cores
 #                       still mask and order by the load-balanced positions;
 #   "no-cp-grad-sync"   gradients averaged over dp only, not over dp x cp.
@@ -71,6 +67,14 @@ def cp_positions(seq: int, cp: int, cp_rank: int) -> torch.Tensor:
     c = seq // (2 * cp)
     head, tail = cp_rank * c, (2 * cp - 1 - cp_rank) * c
     return torch.cat((torch.arange(head, head + c), torch.arange(tail, tail + c)))
+
+
+def shard_positions(seq: int, cp: int, cp_rank: int, inject: str | None = None) -> torch.Tensor:
+    """The sequence positions this cp rank holds: its load-balanced chunks (cp_positions), or under the
+    "contiguous-shard" fault plain chunk cp_rank of cp."""
+    if inject == "contiguous-shard":
+        return torch.arange(cp_rank * seq // cp, (cp_rank + 1) * seq // cp)
+    return cp_positions(seq, cp, cp_rank)
 
 
 def cp_shard(x: torch.Tensor, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
@@ -252,87 +256,7 @@ def apply_context_parallel(module: Transformer | ModelChunk, cp_mesh: DeviceMesh
     return positions
 
 
-# ---- a whole run ----------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class CPResult(RankResult):
-    """One rank's report of a context-parallel run (the fields of executor.reference.RunResult, and who ran it).
-
-    losses: the global-batch mean loss of every step, before its update (the same on every rank); grads: every
-    parameter's gradient after step 1 (after the dp x cp average); params: every parameter after the last
-    step. Every rank holds (and reports) every parameter whole: CP shards no weights.
-    """
-
-    cp: int
-    dp: int
-    kind: str
-
-
-def _check_args(run: RunSpec, cp: int, kind: str, dp: int, mbs: int, inject: str | None) -> None:
-    if kind not in CP_KINDS:
-        raise ValueError(f"unknown cp_comm {kind!r}; one of {', '.join(CP_KINDS)}")
-    if inject is not None and inject not in INJECTIONS:
-        raise ValueError(f"unknown injection {inject!r}; known: {', '.join(INJECTIONS)}")
-    if run.seq % (2 * cp):
-        raise ValueError(f"sequence length {run.seq} is not divisible by 2*cp = {2 * cp}")
-    if run.gbs % (dp * mbs):
-        raise ValueError(f"global batch {run.gbs} is not a multiple of dp * mbs = {dp} * {mbs}")
-
-
-def _contiguous(seq: int, cp: int, rank: int) -> torch.Tensor:
-    """The "contiguous-shard" fault: chunk `rank` of cp plain chunks."""
-    return torch.arange(rank * seq // cp, (rank + 1) * seq // cp)
-
-
-def cp_run(rank: int, world: int, run: RunSpec, cp: int, kind: str, dp: int = 1, mbs: int = 1, *,
-           chunk: bool = False, inject: str | None = None) -> CPResult:
-    """Run `run` over cp x dp = `world` ranks (meshes from build_meshes, rank order tp-cp-dp-pp): micro-batches
-    of the dp rank's block (data_parallel.micro_batches), each cp_shard'ed, the cp core in every layer,
-    gradients averaged over dp x cp by DDP, AdamW (ADAMW, run.lr). chunk: run the model as one ModelChunk of
-    all its layers (the path pipeline stages take) instead of the Transformer. Collective: every rank calls it."""
-    _check_args(run, cp, kind, dp, mbs, inject)
-    torch.set_num_threads(1)  # also under torchrun on CPU; the launcher already does it
-    n_micro = run.gbs // (dp * mbs)
-    lay = ExecLayout(cp=cp, dp=dp, cp_comm=kind, mbs=mbs, num_microbatches=n_micro)
-    if lay.world != world:
-        raise ValueError(f"cp * dp = {lay.world} but the world has {world} ranks")
-    meshes = build_meshes(lay)
-    cp_rank, dp_rank = meshes["cp"].get_local_rank(), meshes["dp"].get_local_rank()
-
-    model = run.build()
-    module: nn.Module = ModelChunk(model, 0, len(model.layers)) if chunk else model
-    positions = apply_context_parallel(module, meshes["cp"], kind, run.seq)
-    if inject == "contiguous-shard":
-        positions = _contiguous(run.seq, cp, cp_rank)
-        if chunk:
-            module.positions = positions
-    sync = meshes["dp"] if inject == "no-cp-grad-sync" else meshes["dp_cp"]
-    net = DistributedDataParallel(module, process_group=sync.get_group())  # averages: SUM / group size
-    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, **ADAMW)
-
-    losses: list[float] = []
-    grads: dict[str, torch.Tensor] = {}
-    for step in range(run.steps):
-        opt.zero_grad(set_to_none=True)
-        total = torch.zeros((), dtype=torch.float64)
-        for i, (tokens, labels) in enumerate(micro_batches(*run.batch(step), dp_rank, dp, mbs)):
-            tokens, labels = tokens.index_select(1, positions), labels.index_select(1, positions)  # cp_shard
-            with net.no_sync() if i < n_micro - 1 else contextlib.nullcontext():
-                loss = token_loss(net(tokens), labels) if chunk else net(tokens, labels, positions)
-                (loss / n_micro).backward()
-            total += loss.detach().to(torch.float64)
-        dist.all_reduce(total, group=meshes["dp_cp"].get_group())
-        losses.append(float(total) / (dp * cp * n_micro))
-        if step == 0:
-            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-        opt.step()
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    layout = (f"cp{cp} {kind} x dp{dp} mbs{mbs} x{n_micro}" + (" chunk" if chunk else "")
-              + (f" [{inject}]" if inject else ""))
-    return CPResult(run=run, losses=tuple(losses), grads=grads, params=params, layout=layout, rank=rank,
-                    cp=cp, dp=dp, kind=kind)
-
-
-def merge_rank_results(results: Sequence[CPResult | RunResult], tolerance: float = 1e-12) -> RunResult:
+def merge_rank_results(results: Sequence[RunResult], tolerance: float = 1e-12) -> RunResult:
     """executor.compare.merge_reports, raising ValueError at the first disagreement between ranks."""
     merged, problems = merge_reports(results, tolerance)
     if problems:

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshplan.executor.context_parallel import apply_context_parallel, cp_shard
+from meshplan.executor.context_parallel import INJECTIONS as CP_INJECTIONS
+from meshplan.executor.context_parallel import apply_context_parallel, shard_positions
 from meshplan.executor.data_parallel import fsdp_reduction_factor, make_fsdp_sum, micro_batches
 from meshplan.executor.expert_parallel import (apply_expert_parallel, expert_parameters, full_tensors,
                                                reduce_expert_grads)
@@ -66,8 +67,10 @@ __all__ = ["INJECTIONS", "RankReport", "plan_rank"]
 #   "fsdp-sums"       ZeRO 2/3: FSDP2 made to sum gradients instead of averaging them, as it did on gloo in some
 #                     torch versions; the executor detects and corrects it, so this run still matches;
 #   "no-kpe-sync", "no-wo-reduce"  TP faults (executor.tensor_parallel.INJECTIONS);
+#   "contiguous-shard", "no-cp-grad-sync"  CP faults (executor.context_parallel.INJECTIONS);
 #   "raise"           the last rank raises before its first step; "hang": it sleeps instead (verify's timeout).
-INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss", "fsdp-sums", *TP_INJECTIONS, "raise", "hang")
+INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss", "fsdp-sums", *TP_INJECTIONS, *CP_INJECTIONS, "raise",
+              "hang")
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ def injection_problem(lay: ExecLayout, inject: str | None) -> str | None:
         return "--inject fsdp-sums emulates a fault of FSDP2: it needs ZeRO 2 or 3"
     if inject in TP_INJECTIONS and lay.tp == 1:
         return f"--inject {inject} is a tensor-parallel fault: it needs tp > 1"
+    if inject in CP_INJECTIONS and lay.cp == 1:
+        return f"--inject {inject} is a context-parallel fault: it needs cp > 1"
+    if inject == "no-cp-grad-sync" and lay.zero >= 2:
+        return "--inject no-cp-grad-sync needs ZeRO 0 or 1 (FSDP2 reduces over dp x cp inside the backward)"
     if inject == "no-wo-reduce" and lay.sp:
         return "--inject no-wo-reduce leaves wo's output whole-sequence: it needs sequence parallelism off"
     if inject == "shift-stage" and lay.pp == 1:
@@ -316,11 +323,12 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
     meshes = build_meshes(lay)
     coords = rank_coords(rank, lay)
     pp_rank, cp_rank = coords["pp"], coords["cp"]
-    positions = torch.arange(run.seq)
-    if lay.cp > 1:
-        positions = cp_shard(positions, lay.cp, cp_rank, dim=0)
+    positions = shard_positions(run.seq, lay.cp, cp_rank, inject) if lay.cp > 1 else torch.arange(run.seq)
     chunks = _chunks(run, lay, pp_rank, positions, inject)
     _shard(chunks, run, lay, meshes, pp_rank, inject)
+    if inject == "contiguous-shard":  # the cores keep the load-balanced order they installed; the chunks do not
+        for chunk in chunks:
+            chunk.positions = positions
     experts: set[nn.Parameter] = set()
     for chunk in chunks:
         experts |= {p for p, _ in expert_parameters(chunk).values()}
@@ -354,7 +362,8 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         with saved.hooks():
-            local_loss = _forward_backward(chunks, pipe, run, lay, step, coords, n_micro, loss_ctx, inject)
+            local_loss = _forward_backward(chunks, pipe, run, lay, step, coords, positions, n_micro, loss_ctx,
+                                           inject)
         t_sync = time.perf_counter()
         if fsdp_factor != 1.0:  # a summing FSDP2 (_fsdp): its gradients divided back to the average
             for _, p in named:
@@ -383,14 +392,14 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
 
 
 def _forward_backward(chunks: Sequence[ModelChunk], pipe: Any, run: RunSpec, lay: ExecLayout, step: int,
-                      coords: Mapping[str, int], n_micro: int, loss_ctx: Any,
+                      coords: Mapping[str, int], positions: torch.Tensor, n_micro: int, loss_ctx: Any,
                       inject: str | None) -> torch.Tensor | None:
-    """Every micro-batch's forward and backward (through the pipeline schedule when pp > 1); this rank's mean loss
-    where it holds the last stage, else None."""
-    dp_rank, cp_rank = coords["dp"], coords["cp"]
+    """Every micro-batch's forward and backward (through the pipeline schedule when pp > 1) on this rank's
+    sequence `positions`; this rank's mean loss where it holds the last stage, else None."""
+    dp_rank = coords["dp"]
     parts = micro_batches(*run.batch(step), dp_rank, lay.dp, lay.mbs)
-    if lay.cp > 1:
-        parts = [(cp_shard(t, lay.cp, cp_rank), cp_shard(y, lay.cp, cp_rank)) for t, y in parts]
+    if lay.cp > 1:  # this cp rank's tokens (cp_shard)
+        parts = [(t.index_select(1, positions), y.index_select(1, positions)) for t, y in parts]
     scale = 2.0 if inject == "scale-loss" and dp_rank == lay.dp - 1 else 1.0
     if pipe is not None:
         tokens, labels = torch.cat([t for t, _ in parts]), torch.cat([y for _, y in parts])
@@ -415,7 +424,8 @@ def _synchronise(chunks: Sequence[ModelChunk], named: Sequence[tuple[str, nn.Par
         for chunk in chunks:
             reduce_partial_grads(chunk)
     sync_tied_embedding(chunks, run.model, emb_group)
-    if lay.zero < 2 and inject != "no-grad-sync" and meshes["dp_cp"].size() > 1:
+    average_over = meshes["dp"] if inject == "no-cp-grad-sync" else meshes["dp_cp"]
+    if lay.zero < 2 and inject != "no-grad-sync" and average_over.size() > 1:
         dense = []
         for _, p in named:
             if p in experts:
@@ -424,7 +434,7 @@ def _synchronise(chunks: Sequence[ModelChunk], named: Sequence[tuple[str, nn.Par
                 p.grad = torch.zeros_like(p)
             dense.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
         flat = torch.cat([g.reshape(-1) for g in dense])
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=meshes["dp_cp"].get_group())
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=average_over.get_group())
         for g, part in zip(dense, flat.split([g.numel() for g in dense]), strict=True):
             g.copy_(part.view_as(g))
     if experts:

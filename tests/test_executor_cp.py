@@ -1,5 +1,5 @@
 """Context parallelism (issue 4): load-balanced sharding, the ring and all-to-all attention cores against the
-single-process attention (values and gradients), whole CP runs (with DP, MLA, learned positions, a ModelChunk)
+single-process attention (values and gradients), whole CP runs through plan_rank (with DP, MLA, learned positions)
 against the reference, and broken layouts that the comparison catches.
 
 Two shared worlds (2 and 4 ranks, module-scoped) run every case in one spawn each.
@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor_helpers import reference
+from executor_helpers import exec_layout, reference
 
 from meshplan.costmodels.model_io import load_model
 from meshplan.executor.compare import compare_to_reference, relative_error
@@ -23,22 +23,21 @@ from meshplan.executor.scale import scale_model
 DENSE, MLA, LEARNED = "llama3.1-8b", "deepseek-v3", "gpt3-175b"  # GQA 8/2 heads; MLA + MoE; learned pos + biases
 F64 = torch.float64
 
-# (case id) -> (model, cp, kind, dp, mbs, chunk, injection); world = cp * dp
+# (case id) -> (model, knobs of the layout, injection); world = cp * dp; each run by plan_rank (model chunks)
 CP2_CASES = {
-    "ring-gqa": (DENSE, 2, "ring", 1, 2, False, None),
-    "a2a-gqa": (DENSE, 2, "a2a", 1, 1, False, None),
-    "ring-mla": (MLA, 2, "ring", 1, 2, False, None),  # v head dim 8 != qk head dim 12
-    "a2a-mla": (MLA, 2, "a2a", 1, 2, False, None),
-    "p2p-learned-positions": (LEARNED, 2, "p2p", 1, 1, False, None),  # "p2p": ExecLayout's name for the ring
-    "ring-gqa-modelchunk": (DENSE, 2, "ring", 1, 2, True, None),
-    "broken-contiguous-shard": (DENSE, 2, "ring", 1, 2, False, "contiguous-shard"),
-    "broken-no-cp-grad-sync": (DENSE, 2, "ring", 1, 2, False, "no-cp-grad-sync"),
+    "ring-gqa": (DENSE, dict(cp=2, cp_comm="ring", mbs=2), None),
+    "a2a-gqa": (DENSE, dict(cp=2, cp_comm="a2a", mbs=1), None),
+    "ring-mla": (MLA, dict(cp=2, cp_comm="ring", mbs=2), None),  # v head dim 8 != qk head dim 12
+    "a2a-mla": (MLA, dict(cp=2, cp_comm="a2a", mbs=2), None),
+    "ring-learned-positions": (LEARNED, dict(cp=2, cp_comm="ring", mbs=1), None),
+    "broken-contiguous-shard": (DENSE, dict(cp=2, cp_comm="ring", mbs=2), "contiguous-shard"),
+    "broken-no-cp-grad-sync": (DENSE, dict(cp=2, cp_comm="ring", mbs=2, zero=0), "no-cp-grad-sync"),
 }
 CP4_CASES = {
-    "cp4-ring-gqa": (DENSE, 4, "ring", 1, 2, False, None),
-    "cp4-a2a-gqa": (DENSE, 4, "a2a", 1, 1, False, None),  # 2 kv heads < cp 4: each repeated twice
-    "cp2-dp2-ring": (DENSE, 2, "ring", 2, 1, False, None),
-    "cp2-dp2-a2a-mla-modelchunk": (MLA, 2, "a2a", 2, 1, True, None),
+    "cp4-ring-gqa": (DENSE, dict(cp=4, cp_comm="ring", mbs=2), None),
+    "cp4-a2a-gqa": (DENSE, dict(cp=4, cp_comm="a2a", mbs=1), None),  # 2 kv heads < cp 4: each repeated twice
+    "cp2-dp2-ring": (DENSE, dict(cp=2, dp=2, cp_comm="ring", mbs=1), None),
+    "cp2-dp2-a2a-mla": (MLA, dict(cp=2, dp=2, cp_comm="a2a", mbs=1), None),
 }
 BROKEN = ("broken-contiguous-shard", "broken-no-cp-grad-sync")
 
@@ -88,12 +87,12 @@ def rank_world(rank: int, world: int, cases: dict) -> dict:
     """Everything a shared world runs: the cores over all ranks as one cp group, then every CP case."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshplan.executor.context_parallel import cp_run
+    from meshplan.executor.plan_run import plan_rank
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     out: dict = {"cores": _core_errors(mesh.get_group(), world, rank), "cp": {}}
-    for case, (run, cp, kind, dp, mbs, chunk, inject) in cases.items():
-        out["cp"][case] = cp_run(rank, world, run, cp, kind, dp, mbs, chunk=chunk, inject=inject)
+    for case, (run, knobs, inject) in cases.items():
+        out["cp"][case] = plan_rank(rank, world, run, exec_layout(run, world, **knobs), inject=inject)
     return out
 
 
@@ -157,16 +156,18 @@ def test_merge_rank_results_needs_the_ranks_to_agree() -> None:
 
 
 def test_unknown_kind_and_injection_are_refused() -> None:
-    from meshplan.executor.context_parallel import cp_run, make_core
+    from meshplan.costmodels.config import ParallelConfig, Workload, resolve
+    from meshplan.executor.context_parallel import make_core
+    from meshplan.executor.plan_run import injection_problem
+    from meshplan.hardware_db.errors import InputError
 
     with pytest.raises(ValueError, match="unknown cp_comm"):
         make_core("allgather", None)
-    with pytest.raises(ValueError, match="unknown cp_comm"):
-        cp_run(0, 2, run_of(DENSE), 2, "ulysses")
-    with pytest.raises(ValueError, match="injection"):
-        cp_run(0, 2, run_of(DENSE), 2, "ring", inject="typo")
-    with pytest.raises(ValueError, match="divisible by 2\\*cp"):
-        cp_run(0, 2, RunSpec(run_of(DENSE).model, gbs=4, seq=10, steps=1), 2, "ring")
+    run = run_of(DENSE)
+    assert "needs cp > 1" in injection_problem(exec_layout(run, 2, dp=2), "contiguous-shard")
+    assert "ZeRO 0 or 1" in injection_problem(exec_layout(run, 2, cp=2, zero=3), "no-cp-grad-sync")
+    with pytest.raises(InputError, match="divisible by 2\\*cp"):
+        resolve(run.model, 2, Workload(global_batch=4, seq_len=10), ParallelConfig(cp=2))
 
 
 # ---- the attention cores against the single-process attention --------------------------------------
@@ -203,8 +204,9 @@ def test_cp_matches_the_reference(world: int, case: str, world2, world4) -> None
     from meshplan.executor.context_parallel import merge_rank_results
 
     results = [out["cp"][case] for out in (world2 if world == 2 else world4)]
-    model, cp, kind, dp, *_ = (CP2_CASES if world == 2 else CP4_CASES)[case]
-    assert [(r.cp, r.dp, r.kind) for r in results] == [(cp, dp, kind)] * world
+    knobs = (CP2_CASES if world == 2 else CP4_CASES)[case][1]
+    assert {r.coords["cp"] for r in results} == set(range(knobs["cp"]))
+    assert all(f"cp{knobs['cp']} {knobs['cp_comm']}" in r.layout for r in results)
     merged = merge_rank_results(results)  # every rank holds every parameter; they agree to 1e-12
     cmp = compare_to_reference(merged, reference(merged.run))
     assert cmp.ok, cmp.summary() + "\n" + "\n".join(cmp.failures())
