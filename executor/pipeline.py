@@ -24,13 +24,13 @@ A plan's pipeline (ExecLayout: pp, vpp, stage_layers, schedule, mbs, num_microba
   build. Their gradients are summed over the embedding group (pipeline ranks 0 and pp - 1, Megatron's
   `_EMBEDDING_GROUP`) after backward, so AdamW keeps them equal; both report tok_embeddings.weight.
   Hand-written: torch's pipelining has no notion of a weight shared between stages.
-- Replicated parameters are averaged over dp x cp (`meshes["dp_cp"]`; routed-expert weights over
-  `meshes["edp"]`) by one hand-written all_reduce(AVG) per group over the flattened gradients, after the
-  schedule's step, rather than by wrapping each chunk in DDP/FSDP: the same code serves any group (and
-  DTensor gradients' local shards under TP), and needs no no_sync bookkeeping across micro-batches.
-- Shapes. Each stage is given its input and output shapes (`stage_io`), which puts PipelineStage in its
-  STATIC mode; with io=None torch infers them by running every stage once on uninitialised tensors
-  (its DYNAMIC mode), which also matches the reference (measured) but costs a forward and backward.
+- Replicated parameters are averaged over dp x cp after the schedule's step by executor/plan_run.py, which
+  composes this with the other dimensions.
+- Shapes. executor/plan_run.py passes io=None: torch infers each stage's (TP/SP/CP-sharded) shapes by running
+  every stage once on uninitialised tensors (its DYNAMIC mode), which matches the reference (measured).
+- zb splits each backward into an input and a weight pass (torch's stage_backward_input / _weight): a full
+  backward hook on a chunk that is neither first nor last breaks the input pass (measured, torch 2.13), so
+  nothing registers one under zb (plan_run's timeline shows its forwards only).
 
 On gloo (torch 2.13, CPU, float64), measured by tests/test_executor_pp.py: GPipe, 1F1B, interleaved 1F1B,
 ZB-H1 and ZB1P run on 2 and 4 pipeline ranks, with dp 2 in both rank orders, and match the single-process
@@ -42,7 +42,7 @@ them; they are not used.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,16 +54,12 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.tensor import DTensor
 
 from meshplan.costmodels.model import ModelSpec
-from meshplan.executor.data_parallel import micro_batches
-from meshplan.executor.mesh import ExecLayout, Meshes, build_meshes, group_of, rank_coords
+from meshplan.executor.mesh import ExecLayout, Meshes, group_of, rank_coords
 from meshplan.executor.model import ModelChunk, Transformer, token_loss
-from meshplan.executor.recompute import apply_recompute
-from meshplan.executor.reference import ADAMW, RankResult, RunSpec
 
 __all__ = [
-    "INJECTIONS", "SCHEDULES", "PPResult", "Pipeline", "average_replicated_grads", "build_chunks", "build_pipeline",
-    "embedding_group", "full_named", "global_loss", "local_ranges", "mean_loss_over",
-    "named_parameters", "pp_run", "pp_train_step", "stage_io", "sync_tied_embedding",
+    "INJECTIONS", "SCHEDULES", "Pipeline", "build_chunks", "build_pipeline", "embedding_group", "local_ranges",
+    "mean_loss_over", "named_parameters", "pp_train_step", "sync_tied_embedding",
 ]
 
 # layout.schedule -> torch schedule class; "gpipe" and "1f1b" take one stage per rank, the others a list
@@ -75,10 +71,10 @@ SCHEDULES: Mapping[str, type] = {
 }
 _SINGLE_STAGE = ("gpipe", "1f1b")
 
-# Deliberate faults, so the tests show a broken pipeline is caught:
-#   "shift-boundary"     the last pipeline rank starts its first chunk one layer early (that layer runs twice);
+# Deliberate faults, so the tests show a broken pipeline is caught (plan_rank's inject=, `meshplan verify --inject`;
+# plan_rank's own "shift-stage" moves a stage boundary):
 #   "no-embedding-sync"  tied embeddings: the first and last pipeline ranks never sum their gradients.
-INJECTIONS = ("shift-boundary", "no-embedding-sync")
+INJECTIONS = ("no-embedding-sync",)
 
 TIED_NAMES = ("output.weight", "tok_embeddings.weight")  # (name in a last chunk, reference name)
 
@@ -123,18 +119,6 @@ class Pipeline:
     @property
     def has_last(self) -> bool:
         return self.chunks[-1].last
-
-
-def stage_io(chunk: ModelChunk, spec: ModelSpec, mbs: int, seq: int,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Meta tensors of a chunk's input and output per micro-batch: token ids or hidden states in, logits or
-    hidden states out; hidden states require grad (torch sends and receives gradients only for
-    those: without it the first stage's backward gets None). Given to PipelineStage, they put it in its
-    STATIC mode: no shape-inference forward and backward on uninitialised tensors."""
-    hidden = torch.empty(mbs, seq, spec.hidden, dtype=dtype, device="meta", requires_grad=True)  # gradients flow back
-    x = torch.empty(mbs, seq, dtype=torch.long, device="meta") if chunk.first else hidden
-    y = torch.empty(mbs, seq, spec.vocab, dtype=dtype, device="meta", requires_grad=True) if chunk.last else hidden
-    return x, y
 
 
 def mean_loss_over(n_micro: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -238,47 +222,6 @@ def sync_tied_embedding(chunks: Sequence[ModelChunk], spec: ModelSpec, group: di
         dist.all_reduce(_local(weight.grad), group=group)
 
 
-def is_expert(name: str) -> bool:
-    """Routed-expert weights (averaged over edp); the router and shared experts are dense (dp x cp)."""
-    return ".feed_forward.experts." in name
-
-
-def _all_reduce_avg(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """One all_reduce(AVG) of the gradients flattened together (fewer gloo round trips than one per tensor)."""
-    if not grads:
-        return
-    grads = [_local(g) for g in grads]  # DTensor gradients (TP): the dp ranks hold the same shard
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-@torch.no_grad()
-def average_replicated_grads(named: Iterable[tuple[str, nn.Parameter]], meshes: Meshes) -> None:
-    """Average gradients over the ranks that hold the same parameter: dp x cp for dense, edp for experts."""
-    by_dim: dict[str, list[torch.Tensor]] = {"dp_cp": [], "edp": []}
-    for name, p in named:
-        if p.grad is None:  # still takes part: the other ranks' collective needs this rank's share
-            p.grad = torch.zeros_like(p)
-        by_dim["edp" if is_expert(name) else "dp_cp"].append(p.grad)
-    for dim, grads in by_dim.items():
-        if meshes[dim].size() > 1:
-            _all_reduce_avg(grads, meshes[dim].get_group())
-
-
-def global_loss(local: torch.Tensor | None, meshes: Meshes) -> float:
-    """The global-batch mean loss on every rank: the last pipeline rank's mean, averaged over dp x cp."""
-    x = torch.zeros((), dtype=torch.float64) if local is None else local.to(torch.float64).clone()
-    if meshes["pp"].size() > 1:
-        dist.all_reduce(x, group=meshes["pp"].get_group())  # only the last pipeline rank contributes
-    if meshes["dp_cp"].size() > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.AVG, group=meshes["dp_cp"].get_group())
-    return float(x)
-
-
 # ---- results -----------------------------------------------------------------------------------
 def reference_name(name: str, spec: ModelSpec) -> str:
     """A chunk's parameter name as the reference reports it (a tied head is its embedding)."""
@@ -292,97 +235,3 @@ def named_parameters(chunks: Sequence[ModelChunk], spec: ModelSpec) -> list[tupl
         for name, p in chunk.named_parameters():
             out.setdefault(id(p), (reference_name(name, spec), p))
     return list(out.values())
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered (collective within its mesh), or a plain tensor copied; on the CPU."""
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
-
-
-def full_named(named: Sequence[tuple[str, nn.Parameter]], what: str) -> dict[str, torch.Tensor]:
-    """{reference name: full tensor} of the parameters ("params") or their gradients ("grads")."""
-    return {name: _full(p if what == "params" else p.grad) for name, p in named}
-
-
-@dataclass(frozen=True, kw_only=True)
-class PPResult(RankResult):
-    """One rank's report of a pipeline run (fields as executor.reference.RunResult): the global-batch loss of
-    every step (the same on every rank), and the full gradients after step 1 and parameters after the last
-    step of the parameters this rank holds, by reference name."""
-
-    pp_rank: int
-    dp_rank: int
-
-
-# ---- a whole run -------------------------------------------------------------------------------
-def _check(run: RunSpec, lay: ExecLayout, world: int, inject: str | None) -> int:
-    """The number of micro-batches per dp rank, after checking that the layout is one pp_run runs."""
-    if inject is not None and inject not in INJECTIONS:
-        raise ValueError(f"unknown injection {inject!r}; known: {', '.join(INJECTIONS)}")
-    if world != lay.world:
-        raise ValueError(f"layout needs {lay.world} ranks, the world has {world}")
-    if lay.tp != 1 or lay.cp != 1 or lay.ep != 1 or lay.etp != 1 or lay.zero != 0:
-        raise ValueError("pp_run runs pp x dp layouts (tp = cp = ep = etp = 1, ZeRO 0)")
-    if run.gbs % (lay.dp * lay.mbs):
-        raise ValueError(f"global batch {run.gbs} is not a multiple of dp * mbs = {lay.dp} * {lay.mbs}")
-    n_micro = run.gbs // (lay.dp * lay.mbs)
-    if n_micro != lay.num_microbatches:
-        raise ValueError(f"gbs {run.gbs} / (dp {lay.dp} * mbs {lay.mbs}) = {n_micro} micro-batches, the layout "
-                         f"says {lay.num_microbatches}")
-    return n_micro
-
-
-def _shifted(lay: ExecLayout, pp_rank: int, model: Transformer) -> list[ModelChunk]:
-    """The "shift-boundary" fault: the last pipeline rank's first chunk starts one layer early (not at layer 0,
-    which would make it take token ids where hidden states arrive: gloo aborts the process on the size mismatch)."""
-    chunks = build_chunks(model, lay, pp_rank)
-    if pp_rank == lay.pp - 1:
-        if chunks[0].start < 2:
-            raise ValueError("shift-boundary needs the last pipeline rank to start at layer 2 or later")
-        chunks[0] = ModelChunk(model, chunks[0].start - 1, chunks[0].stop)
-    return chunks
-
-
-def pp_run(rank: int, world: int, run: RunSpec, lay: ExecLayout, *, meshes: Meshes | None = None,
-           inject: str | None = None) -> PPResult:
-    """Run `run` under a pp x dp layout (any rank order, schedule, vpp, uneven stages, recompute policy).
-
-    Collective: every rank of the world calls it with the same arguments (run_world(lay.world, pp_run, run, lay)).
-    meshes: build_meshes(lay), or meshes built for another layout with the same degrees and rank order (its
-    groups are the same), to save creating them again. Each rank reports its own parameters' full gradients
-    (after step 1) and values (after the last step); `executor.compare.merge_reports` puts the ranks' reports
-    together."""
-    n_micro = _check(run, lay, world, inject)
-    torch.set_num_threads(1)
-    meshes = meshes or build_meshes(lay)
-    if meshes["pp"].size() != lay.pp or meshes["dp_cp"].size() != lay.dp:
-        raise ValueError(f"meshes of pp {meshes['pp'].size()} x dp {meshes['dp_cp'].size()}, the layout is "
-                         f"pp {lay.pp} x dp {lay.dp}")
-    coords = rank_coords(rank, lay)
-    pp_rank, dp_rank = coords["pp"], coords["dp"]
-    model = run.build()
-    chunks = _shifted(lay, pp_rank, model) if inject == "shift-boundary" else build_chunks(model, lay, pp_rank)
-    del model  # the chunks hold this stage's modules; the rest goes
-    apply_recompute(chunks, lay, pp_rank)
-    io = [stage_io(c, run.model, lay.mbs, run.seq, run.torch_dtype) for c in chunks]
-    pipe = build_pipeline(chunks, lay, meshes["pp"].get_group(), n_micro, io=io)
-    emb_group = embedding_group(lay, rank, meshes)
-    named = named_parameters(chunks, run.model)
-    opt = torch.optim.AdamW([p for _, p in named], lr=run.lr, **ADAMW)
-
-    losses: list[float] = []
-    grads: dict[str, torch.Tensor] | None = None
-    for step in range(run.steps):
-        opt.zero_grad(set_to_none=True)
-        parts = micro_batches(*run.batch(step), dp_rank, lay.dp, lay.mbs)
-        tokens, labels = torch.cat([t for t, _ in parts]), torch.cat([y for _, y in parts])
-        local = pp_train_step(pipe, tokens, labels)
-        if inject != "no-embedding-sync":
-            sync_tied_embedding(chunks, run.model, emb_group)
-        average_replicated_grads(named, meshes)
-        losses.append(global_loss(local, meshes))
-        if step == 0:
-            grads = full_named(named, "grads")
-        opt.step()
-    return PPResult(run=run, losses=tuple(losses), grads=grads, params=full_named(named, "params"),
-                    layout=lay.label(inject), rank=rank, pp_rank=pp_rank, dp_rank=dp_rank)

@@ -46,6 +46,7 @@ from meshplan.executor.expert_parallel import (apply_expert_parallel, expert_par
                                                reduce_expert_grads)
 from meshplan.executor.mesh import ExecLayout, Meshes, build_meshes, rank_coords
 from meshplan.executor.model import ModelChunk, token_loss
+from meshplan.executor.pipeline import INJECTIONS as PP_INJECTIONS
 from meshplan.executor.pipeline import (build_chunks, build_pipeline, embedding_group, local_ranges, mean_loss_over,
                                         named_parameters, pp_train_step, sync_tied_embedding)
 from meshplan.executor.recompute import apply_recompute
@@ -68,9 +69,10 @@ __all__ = ["INJECTIONS", "RankReport", "plan_rank"]
 #                     torch versions; the executor detects and corrects it, so this run still matches;
 #   "no-kpe-sync", "no-wo-reduce"  TP faults (executor.tensor_parallel.INJECTIONS);
 #   "contiguous-shard", "no-cp-grad-sync"  CP faults (executor.context_parallel.INJECTIONS);
+#   "no-embedding-sync"  a tied embedding's two pipeline copies never sum their gradients (pipeline.INJECTIONS);
 #   "raise"           the last rank raises before its first step; "hang": it sleeps instead (verify's timeout).
-INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss", "fsdp-sums", *TP_INJECTIONS, *CP_INJECTIONS, "raise",
-              "hang")
+INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss", "fsdp-sums", *TP_INJECTIONS, *CP_INJECTIONS,
+              *PP_INJECTIONS, "raise", "hang")
 
 
 @dataclass(frozen=True)
@@ -112,8 +114,8 @@ def injection_problem(lay: ExecLayout, inject: str | None) -> str | None:
         return "--inject no-cp-grad-sync needs ZeRO 0 or 1 (FSDP2 reduces over dp x cp inside the backward)"
     if inject == "no-wo-reduce" and lay.sp:
         return "--inject no-wo-reduce leaves wo's output whole-sequence: it needs sequence parallelism off"
-    if inject == "shift-stage" and lay.pp == 1:
-        return "--inject shift-stage needs a pipeline (pp > 1)"
+    if inject in ("shift-stage", *PP_INJECTIONS) and lay.pp == 1:
+        return f"--inject {inject} needs a pipeline (pp > 1)"
     if inject == "shift-stage" and local_ranges(lay, lay.pp - 1)[0][0] < 2:
         return "--inject shift-stage needs the last stage to start at layer 2 or later"
     return None
@@ -194,7 +196,7 @@ class _Timeline:
     """Forward and backward slices of every chunk through module hooks (a chunk's backward hook fires when the
     gradient of its inputs is ready, so a first chunk, whose input is token ids, shows its forward only)."""
 
-    def __init__(self, chunks: Sequence[ModelChunk]) -> None:
+    def __init__(self, chunks: Sequence[ModelChunk], backward: bool = True) -> None:
         self.t0 = time.perf_counter()
         self.events: list[Event] = []
         self.on = False
@@ -203,7 +205,7 @@ class _Timeline:
             name = f"layers {chunk.start}-{chunk.stop - 1}"
             chunk.register_forward_pre_hook(lambda m, a, i=i: self._start(i, "forward"))
             chunk.register_forward_hook(lambda m, a, o, i=i, n=name: self._end(i, "forward", n))
-            if not chunk.first:
+            if backward and not chunk.first:
                 chunk.register_full_backward_pre_hook(lambda m, g, i=i: self._start(i, "backward"))
                 chunk.register_full_backward_hook(lambda m, gi, go, i=i, n=name: self._end(i, "backward", n))
 
@@ -347,7 +349,9 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
         # io=None: torch infers each stage's (local, TP/SP/CP-sharded) shapes by one forward and backward
         pipe = build_pipeline(chunks, lay, meshes["pp"].get_group(), n_micro, io=None,
                               loss_fn=mean_loss_over(n_micro))
-    timeline = _Timeline(chunks)
+    # zb splits each backward into input and weight passes (torch's stage_backward_input): a full backward hook on a
+    # middle stage's chunk breaks the first (measured, torch 2.13, pp 4), so zb's timeline shows forwards only
+    timeline = _Timeline(chunks, backward=lay.schedule != "zb")
     losses: list[float] = []
     step_s: list[float] = []
     grads: dict[str, torch.Tensor] | None = None
@@ -423,7 +427,8 @@ def _synchronise(chunks: Sequence[ModelChunk], named: Sequence[tuple[str, nn.Par
     if lay.tp > 1 and lay.zero < 2:
         for chunk in chunks:
             reduce_partial_grads(chunk)
-    sync_tied_embedding(chunks, run.model, emb_group)
+    if inject != "no-embedding-sync":
+        sync_tied_embedding(chunks, run.model, emb_group)
     average_over = meshes["dp"] if inject == "no-cp-grad-sync" else meshes["dp_cp"]
     if lay.zero < 2 and inject != "no-grad-sync" and average_over.size() > 1:
         dense = []

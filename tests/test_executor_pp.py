@@ -1,7 +1,7 @@
 """Pipeline parallelism and activation recomputation (issue 4): every schedule (GPipe, 1F1B, interleaved,
 zero-bubble) over uneven stages and virtual stages, with dp, tied embeddings across stages and a dense-then-MoE
-model, reproduces the single-process loss, gradients and AdamW parameters; recomputation leaves them
-bit-identical and saves activations (full < selective < none); a broken pipeline is caught.
+model, each through plan_rank, reproduces the single-process loss, gradients and AdamW parameters; recomputation
+leaves them bit-identical and saves activations (full < selective < none); a broken pipeline is caught.
 
 Two shared worlds (2 and 4 ranks, module-scoped) run every pipeline case in one spawn each: starting a rank
 costs more than a tiny model's two steps. Each rank reports only the parameters it holds; the tests merge the
@@ -52,7 +52,7 @@ PP2_CASES = {
     "mla-moe": case(MLA_MOE, (1, 2)),  # dense layer 0 on stage 0, MoE layers 1-2 on stage 1
     "recompute": case(DENSE, (1, 3), recompute=(("full", 1), ("selective", 0))),  # = 1f1b-uneven, recomputed
     "zb-recompute": case(DENSE, (1, 3), "zb", recompute=(("selective", 0), ("full", 2))),  # = zb, recomputed
-    "broken-shift-boundary": case(DENSE, (2, 2), inject="shift-boundary"),  # layer 1 runs on both ranks
+    "broken-shift-stage": case(DENSE, (2, 2), inject="shift-stage"),  # layer 1 runs on both ranks
     "broken-no-embedding-sync": case(TIED, (2, 2), inject="no-embedding-sync"),
 }
 PP4_CASES = {
@@ -61,6 +61,8 @@ PP4_CASES = {
                                           rank_order="tp-cp-pp-dp"),
     "pp4-tied": case(TIED, (1, 1, 1, 1)),  # four pipeline ranks; embedding group = pipeline ranks 0 and 3
     "pp4-interleaved-uneven": case(DENSE, (2, 2, 2, 3), "interleaved", vpp=2, gbs=8),
+    "pp4-zb-tied-recompute": case(TIED, (2, 2, 2, 2), "zb", gbs=8,
+                                  recompute=(("full", 1), ("selective", 0), ("full", 2), NONE)),
     "pp4-zb-vpp2-tied-recompute": case(TIED, (2, 2, 2, 2), "zb", vpp=2, gbs=8,
                                        recompute=(("full", 1), ("selective", 0), ("full", 2), NONE)),
 }
@@ -70,18 +72,13 @@ BROKEN = {c for c in PP2_CASES if c.startswith("broken")}
 
 # ---- rank functions: top level, so spawn can pickle them by name ---------------------------------
 def rank_world(rank: int, world: int, cases: dict) -> dict:
-    """Every case of a shared world in turn, with its time on this rank; meshes shared between equal degrees."""
-    from meshplan.executor.mesh import build_meshes
-    from meshplan.executor.pipeline import pp_run
+    """Every case of a shared world in turn through plan_rank, with its time on this rank."""
+    from meshplan.executor.plan_run import plan_rank
 
-    meshes: dict = {}
     out: dict = {}
     for name, (run, lay, inject) in cases.items():
-        key = (lay.pp, lay.dp, lay.rank_order)
-        if key not in meshes:
-            meshes[key] = build_meshes(lay)
         start = time.perf_counter()
-        out[name] = (pp_run(rank, world, run, lay, meshes=meshes[key], inject=inject), time.perf_counter() - start)
+        out[name] = (plan_rank(rank, world, run, lay, inject=inject), time.perf_counter() - start)
     return out
 
 
@@ -123,10 +120,11 @@ def test_pipeline_matches_the_reference(world: int, name: str, world2, world4) -
     assert max(cmp.loss_error, cmp.grad_error) < 1e-12  # only the summation order differs
     assert len(cmp.loss_errors) == run.steps and set(result.grads) == set(reference(run).grads)
     for r in results_of(ranks, name):  # a rank holds its own chunks' layers and nothing else
-        held = {i for start, stop in local_ranges(lay, r.pp_rank) for i in range(start, stop)}
+        pp_rank = r.coords["pp"]
+        held = {i for start, stop in local_ranges(lay, pp_rank) for i in range(start, stop)}
         assert layer_indices(r.grads) == layer_indices(r.params) == held
-        assert ("tok_embeddings.weight" in r.params) == (r.pp_rank in (0, lay.pp - 1) if run.model.tied_embeddings
-                                                          else r.pp_rank == 0)
+        assert ("tok_embeddings.weight" in r.params) == (pp_rank in (0, lay.pp - 1) if run.model.tied_embeddings
+                                                          else pp_rank == 0)
 
 
 @pytest.mark.parametrize("name", sorted(RECOMPUTED))
@@ -246,7 +244,8 @@ def test_zb_is_zb_h1_for_one_stage_per_rank(pp: int, m: int) -> None:
 
 
 def test_pipeline_arguments_are_checked() -> None:
-    from meshplan.executor.pipeline import build_pipeline, local_ranges, pp_run
+    from meshplan.executor.pipeline import build_pipeline, local_ranges
+    from meshplan.executor.plan_run import injection_problem, plan_rank
 
     with pytest.raises(ValueError, match="cannot fill vpp=2"):
         local_ranges(ExecLayout(pp=2, vpp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE)), 0)
@@ -255,12 +254,10 @@ def test_pipeline_arguments_are_checked() -> None:
         build_pipeline([], ExecLayout(pp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE), schedule="x"), None, 4)
     with pytest.raises(ValueError, match="one chunk per pipeline rank"):
         build_pipeline([], ExecLayout(pp=2, vpp=2, stage_layers=(2, 2), stage_recompute=(NONE, NONE)), None, 4)
-    with pytest.raises(ValueError, match="needs 2 ranks"):
-        pp_run(0, 4, run, lay)
-    with pytest.raises(ValueError, match="the layout says 3"):
-        pp_run(0, 2, run, ExecLayout(pp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE), num_microbatches=3))
-    with pytest.raises(ValueError, match="pp x dp layouts"):
-        pp_run(0, 4, run, ExecLayout(pp=2, tp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE),
-                                     num_microbatches=4))
+    with pytest.raises(ValueError, match="the layout has 2 ranks, the world 4"):
+        plan_rank(0, 4, run, lay)
+    with pytest.raises(ValueError, match="3 micro-batches"):
+        plan_rank(0, 2, run, ExecLayout(pp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE), num_microbatches=3))
     with pytest.raises(ValueError, match="unknown injection"):
-        pp_run(0, 2, run, lay, inject="typo")
+        plan_rank(0, 2, run, lay, inject="typo")
+    assert "needs a pipeline" in injection_problem(ExecLayout(stage_layers=(4,)), "no-embedding-sync")
