@@ -1,7 +1,8 @@
 """One rank of a plan's whole layout: every parallel dimension at once, on the same model and batch.
 
 `plan_rank(rank, world, run, lay)` is what `meshplan verify` runs on each rank (`run_world`, gloo, or
-torchrun, NCCL). It composes the per-dimension pieces, each tested alone against the reference:
+torchrun, NCCL), and the one training loop of the executor: the tests run each dimension's layouts through it
+too (tests/test_executor_{dp,tp,cp,pp}.py). It composes the per-dimension pieces:
 
 1. meshes      executor/mesh.py             the plan's groups, by its rank order and MoE folding
 2. chunks      executor/pipeline.py         this pipeline rank's model chunks (uneven stages, vpp)
