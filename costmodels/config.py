@@ -168,6 +168,12 @@ class ParallelConfig(BaseModel):
         "What selective recomputation re-runs (Megatron-Core --recompute-modules), comma-separated: "
         + ", ".join(RECOMPUTE_MODULES), ",".join(DEFAULT_RECOMPUTE_MODULES),
         metavar="MODULE[,MODULE...]")] = DEFAULT_RECOMPUTE_MODULES
+    # full recomputation in groups of this many layers (Megatron --recompute-method uniform --recompute-num-layers N,
+    # transformer_block.py _checkpointed_forward): one input kept per group, a group's layers rebuilt together
+    recompute_group: Annotated[Degree, KnobHelp(
+        "Layers recomputed together under --recompute full (Megatron --recompute-method uniform "
+        "--recompute-num-layers): the input of each group is kept, and its layers are rebuilt at once in the backward",
+        "1", unit="decoder layers", searched=False)] = None
     # activations of this many decoder layers kept in host memory between their forward and backward (Megatron
     # --cpu-offloading-num-layers, TransformerEngine's CPU offload); pp 1 and no recomputation, as Megatron requires
     offload_layers: Annotated[int | None, Field(ge=0), KnobHelp(
@@ -484,6 +490,7 @@ class Layout:
     chunks: tuple[int, ...] = ()  # decoder layers per model chunk, model order (resolve fills it: pp * vpp entries)
     recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" re-runs
     offload_layers: int = 0  # decoder layers whose activations wait in host memory (ParallelConfig.offload_layers)
+    recompute_group: int = 1  # layers per full-recomputation group (ParallelConfig.recompute_group)
 
     @property
     def world(self) -> int:
@@ -497,6 +504,32 @@ class Layout:
             out.append((start, n))
             start += n
         return tuple(out)
+
+    def chunk_ranges(self) -> tuple[tuple[int, int], ...]:
+        """[start, stop) of every model chunk, in model order (chunk_layers as ranges)."""
+        return tuple((first, first + n) for first, n in self.chunk_layers())
+
+    def size(self, dim: str) -> int:
+        """The size of a group: a dense dim, an expert dim (etp, ep, edp) or dp_cp (the dense gradients' group)."""
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp, "etp": self.etp, "ep": self.ep,
+                "edp": self.edp, "dp_cp": self.dp * self.cp}[dim]
+
+    def label(self, inject: str | None = None) -> str:
+        """One line naming the layout (every degree, micro-batching, stages, recompute), for the executor's reports;
+        `inject` names a deliberate fault, appended in brackets."""
+        parts = [f"tp{self.tp}" + (" sp" if self.sp else ""),
+                 f"cp{self.cp}" + (f" {self.cp_comm}" if self.cp > 1 else ""),
+                 f"pp{self.pp}" + (f" vpp{self.vpp}" if self.vpp > 1 else ""), f"dp{self.dp}"]
+        if self.ep > 1 or self.etp != self.tp:
+            parts.append(f"ep{self.ep} etp{self.etp} edp{self.edp}")
+        parts += [f"zero{self.zero}", f"mbs{self.mbs} x{self.num_microbatches}"]
+        if self.pp > 1:
+            parts += [self.schedule, f"stages{list(self.stage_layers)}"]
+        parts.append("recompute[" + ",".join(p.granularity if p.granularity != "full" else f"full:{p.full_layers}"
+                                             for p in self.stage_recompute) + "]")
+        if self.rank_order != DEFAULT_RANK_ORDER:
+            parts.append(self.rank_order)
+        return " ".join(parts) + (f" [{inject}]" if inject else "")
 
     @property
     def chunks_even(self) -> bool:
@@ -672,11 +705,13 @@ def resolve(model: ModelSpec, num_gpus: int, workload: Workload, cfg: ParallelCo
     modules = check_recompute_modules(model, cfg.recompute_modules)
     offload = cfg.offload_layers or 0
     _check_offload(model, pp, offload, stage_recompute)
+    group = cfg.recompute_group or 1
+    _check_recompute_group(group, stage_recompute, stage_layers)
     return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, cp_comm=cp_comm, ep=ep, etp=etp, edp=edp, mbs=mbs,
                   num_microbatches=workload.global_batch // (mbs * dp), zero=1 if cfg.zero is None else cfg.zero,
                   recompute=recompute, sp=sp, schedule=schedule, stage_layers=stage_layers,
                   stage_recompute=stage_recompute, rank_order=order, chunks=chunks, recompute_modules=modules,
-                  offload_layers=offload)
+                  offload_layers=offload, recompute_group=group)
 
 
 Degrees = tuple[int, int, int, int]  # (tp, pp, cp, dp) as resolve has fixed them
@@ -766,6 +801,15 @@ def _check_offload(model: ModelSpec, pp: int, offload_layers: int, stage_recompu
         if offload_layers >= model.num_layers:
             raise InputError(f"--offload-layers {offload_layers}: offload fewer than the model's "
                              f"{model.num_layers} layers")
+
+
+def _check_recompute_group(group: int, stage_recompute: tuple[StagePolicy, ...], stage_layers: tuple[int, ...]) -> None:
+    """Recomputation in groups is Megatron's uniform method: full recomputation of every layer."""
+    uniform = all(p.granularity == "full" and p.full_layers == n for p, n in zip(stage_recompute, stage_layers,
+                                                                                    strict=True))
+    if group > 1 and not uniform:
+        raise InputError(f"--recompute-group {group} groups the full recomputation of every layer (Megatron "
+                         f"--recompute-method uniform): add --recompute full, or drop --recompute-group")
 
 
 def check_recompute_modules(model: ModelSpec, given: tuple[str, ...]) -> tuple[RecomputeModule, ...]:

@@ -4,6 +4,7 @@ links, the FP8 casts, and each stage's parameters and memory."""
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 from functools import cached_property
 
@@ -316,10 +317,15 @@ def stage_memory(ctx: CostContext, rank: int, chunks: list[tuple[int, int]], par
     model, lay, wl, rt = ctx.model, ctx.lay, ctx.wl, ctx.rt
     weights, grads, optim = model_state_bytes(params, lay, rt.holds_unsharded_grads(lay.zero, lay.pp))
     acts = 0.0
+    group = lay.recompute_group
     for c, (first, count) in enumerate(chunks):
         held = timeline.peak_in_flight[rank][c]
-        per_mb = sum(n * ctx.layer_activation(i, mode)
-                     for (i, mode), n in layer_mix(ctx.model, range(first, first + count), modes).items())
+        mix = layer_mix(ctx.model, range(first, first + count), modes)
+        per_mb = sum(n * ctx.layer_activation(i, mode) for (i, mode), n in mix.items())
+        if group > 1 and count:
+            # Megatron's uniform method keeps one input per group of `group` layers of a chunk, the last group
+            # smaller (transformer_block.py _checkpointed_forward): ceil(count / group) inputs, not count
+            per_mb -= (count - math.ceil(count / group)) * ctx.layer_activation(first, "full")
         acts += held * per_mb
     if rank == 0:
         acts += sum(timeline.peak_in_flight[0]) * embedding_activation_bytes(model, lay, wl, rt)
@@ -328,8 +334,10 @@ def stage_memory(ctx: CostContext, rank: int, chunks: list[tuple[int, int]], par
         acts -= timeline.peak_in_flight[0][0] * sum(off) - max(off)
     first = chunks[0][0]
     if lay.stage_recompute[rank].granularity != "none":
-        # The layer being recomputed holds what recomputation regenerates during its backward (Korthikanti sec. 5).
-        acts += ctx.layer_activation(first, "none") - ctx.layer_activation(first, modes[first])
+        # The layer being recomputed holds what recomputation regenerates during its backward (Korthikanti sec. 5);
+        # in groups, the group's layers all at once over its one kept input (Megatron's uniform method)
+        rebuilt = min(group, max(n for _, n in chunks)) if lay.stage_recompute[rank].granularity == "full" else 1
+        acts += rebuilt * ctx.layer_activation(first, "none") - ctx.layer_activation(first, modes[first])
     logits = logits_bytes(model, lay, wl, rt) if rank == lay.pp - 1 else 0.0
     if rank == lay.pp - 1:
         acts += mtp_activation_bytes(model, lay, wl, rt)  # one micro-batch's, as for the logits

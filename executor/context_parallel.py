@@ -48,7 +48,7 @@ from meshplan.executor.reference import RunResult
 __all__ = ["CP_KINDS", "INJECTIONS", "RingAttention", "UlyssesAttention", "apply_context_parallel", "cp_positions",
            "cp_shard", "cp_unshard", "make_core", "merge_rank_results", "shard_positions"]
 
-CP_KINDS = ("ring", "p2p", "a2a")  # "ring" is the planner's name (costmodels.config), "p2p" ExecLayout's default
+CP_KINDS = ("ring", "p2p", "a2a")  # "ring" is the planner's name (costmodels.config), "p2p" Layout's default
 
 # Deliberate faults (plan_rank's inject=, `meshplan verify --inject`), so tests can show a wrong layout is caught:
 #   "contiguous-shard"  a rank gets plain contiguous chunk r of cp (tokens, labels, positions), while the cores

@@ -31,7 +31,7 @@ is first summed over etp.
 
 Composition notes: the router and shared experts stay replicated here; under SP (tokens already split over
 tp) the router's gradient is partial over tp and must be all-reduced over tp like the norm weights.
-`ep_run` is a test runner: pp = cp = 1, ZeRO 0, dense part replicated over tp (numerically what TP computes).
+executor/plan_run.py composes it with the other dimensions (and the tests run EP layouts through it).
 """
 
 from __future__ import annotations
@@ -46,15 +46,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshplan.executor.data_parallel import micro_batches
-from meshplan.executor.mesh import ExecLayout, Meshes, build_meshes, rank_coords
+from meshplan.costmodels.config import Layout
+from meshplan.executor.mesh import Meshes, rank_coords
 from meshplan.executor.model import MLP, ModelChunk, MoE, Transformer
-from meshplan.executor.reference import ADAMW, RankResult, RunSpec
 
 __all__ = [
-    "INJECTIONS", "EPResult", "ExpertParallelMoE", "ExpertPlacement", "all_to_all", "apply_expert_parallel",
-    "ep_run", "expert_parameters", "full_tensors",
-    "reduce_expert_grads",
+    "INJECTIONS", "ExpertParallelMoE", "ExpertPlacement", "all_to_all", "apply_expert_parallel", "expert_parameters",
+    "full_tensors", "reduce_expert_grads",
 ]
 
 # Deliberate faults, so a test can show the comparison catches a broken layout:
@@ -320,7 +318,7 @@ def _ep_etp_group(meshes: Meshes) -> dist.ProcessGroup:
     return meshes.expert["ep", "etp"]._flatten("ep_etp").get_group()  # noqa: SLF001 - torch's way to merge mesh dims
 
 
-def apply_expert_parallel(module: Transformer | ModelChunk, meshes: Meshes, lay: ExecLayout,
+def apply_expert_parallel(module: Transformer | ModelChunk, meshes: Meshes, lay: Layout,
                           inject: str | None = None) -> Transformer | ModelChunk:
     """Replace every MoE feed-forward of `module` (a Transformer or a ModelChunk, built identically on every rank)
     by an ExpertParallelMoE for this rank, in place; returns `module`. Collective: every rank of the world calls it
@@ -353,7 +351,7 @@ def expert_parameters(module: nn.Module) -> dict[str, tuple[nn.Parameter, int | 
     return out
 
 
-def reduce_expert_grads(module: nn.Module, meshes: Meshes, lay: ExecLayout, divide_by: float | None = None) -> None:
+def reduce_expert_grads(module: nn.Module, meshes: Meshes, lay: Layout, divide_by: float | None = None) -> None:
     """Turn every expert parameter's local gradient into the global-mean-loss gradient: w2 biases (added on etp
     rank 0 only) summed over etp, then every expert gradient SUMmed over edp and divided by `divide_by`
     (default dp*cp: the dense gradients' averaging group; see the module docstring). Collective over etp and edp;
@@ -376,7 +374,7 @@ def reduce_expert_grads(module: nn.Module, meshes: Meshes, lay: ExecLayout, divi
         g.copy_(part.view_as(g))
 
 
-def full_tensors(module: nn.Module, meshes: Meshes, lay: ExecLayout, grads: bool = False) -> dict[str, torch.Tensor]:
+def full_tensors(module: nn.Module, meshes: Meshes, lay: Layout, grads: bool = False) -> dict[str, torch.Tensor]:
     """{reference name: full tensor} of every parameter (grads=True: every gradient) this rank holds, etp shards
     all-gathered (DTensor Shard -> full_tensor over meshes["etp"]). Collective over etp."""
     sharded = expert_parameters(module)
@@ -390,61 +388,6 @@ def full_tensors(module: nn.Module, meshes: Meshes, lay: ExecLayout, grads: bool
             t = DTensor.from_local(t.detach(), meshes["etp"], [Shard(dim)], run_check=False).full_tensor()
         out[name] = t.detach().to("cpu", copy=True)
     return out
-
-
-# ---- the test runner ---------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class EPResult(RankResult):
-    """One rank's report (fields as executor.reference.RunResult): losses are the global-batch mean of every step;
-    grads (after step 1) and params (after the last step) cover every parameter this rank holds, full."""
-
-
-def _check_runner_layout(world: int, run: RunSpec, lay: ExecLayout) -> None:
-    if lay.world != world:
-        raise ValueError(f"layout needs {lay.world} ranks, the world has {world}")
-    if lay.pp != 1 or lay.cp != 1 or lay.zero != 0 or lay.sp:
-        raise ValueError("ep_run runs pp = cp = 1, ZeRO 0, no SP (the other dims are other files' runners)")
-    if run.model.moe is None:
-        raise ValueError(f"{run.model.name} has no MoE layers")
-    if run.gbs != lay.dp * lay.mbs * lay.num_microbatches:
-        raise ValueError(f"gbs {run.gbs} != dp * mbs * num_microbatches = {lay.dp * lay.mbs * lay.num_microbatches}")
-
-
-def ep_run(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str | None = None) -> EPResult:
-    """Run `run` under `lay`'s tp x dp with EP/ETP on the MoE layers; every rank reports what it holds.
-
-    The dense part is replicated over tp (each tp rank runs the whole non-expert model on the same tokens, what
-    TP computes, without its sharding); dense gradients are averaged over dp_cp by a plain all_reduce (standing
-    in for executor/data_parallel.py, which the composed executor uses). Collective: every rank calls it."""
-    _check_runner_layout(world, run, lay)
-    meshes = build_meshes(lay)
-    model = apply_expert_parallel(run.build(), meshes, lay, inject)
-    experts = {id(p) for p, _ in expert_parameters(model).values()}
-    dense = [p for p in model.parameters() if id(p) not in experts]
-    dp_cp = meshes["dp_cp"].get_group()
-    dp_rank = rank_coords(rank, lay)["dp"]
-    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, **ADAMW)
-    losses: list[float] = []
-    grads: dict[str, torch.Tensor] | None = None
-    for step in range(run.steps):
-        opt.zero_grad(set_to_none=True)
-        total = torch.zeros((), dtype=torch.float64)
-        for tokens, labels in micro_batches(*run.batch(step), dp_rank, lay.dp, lay.mbs):
-            loss = model(tokens, labels)
-            (loss / lay.num_microbatches).backward()
-            total += loss.detach().to(torch.float64)
-        for p in dense:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=dp_cp)
-        if inject != "no-expert-grad-sync":
-            reduce_expert_grads(model, meshes, lay)
-        dist.all_reduce(total, group=dp_cp)
-        losses.append(float(total) / (lay.dp * lay.cp * lay.num_microbatches))
-        if step == 0:
-            grads = full_tensors(model, meshes, lay, grads=True)
-        opt.step()
-    params = full_tensors(model, meshes, lay)
-    return EPResult(run=run, losses=tuple(losses), grads=grads, params=params, layout=lay.label(inject),
-                    rank=rank)
 
 
 # ---- merging the ranks' reports ----------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Pipeline parallelism of the reference model: uneven stages, virtual stages, and torch's schedules.
 
-A plan's pipeline (ExecLayout: pp, vpp, stage_layers, schedule, mbs, num_microbatches) runs as it is:
+A plan's pipeline (its Layout: pp, vpp, stage_layers, schedule, mbs, num_microbatches) runs as it is:
 
-- Chunks. `ExecLayout.chunk_ranges()` gives every model chunk's [start, stop) layers; chunk c * pp + s
+- Chunks. `Layout.chunk_ranges()` gives every model chunk's [start, stop) layers; chunk c * pp + s
   runs on pipeline rank s (Megatron-LM's interleaving, Narayanan et al. SC'21 sec. 2.2.2). Each rank
   builds the whole model (same seed, same weights), keeps its chunks as `ModelChunk`s (which keep the
   reference's parameter names) and drops the rest, so its memory is its stage's.
@@ -53,8 +53,9 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleavedZeroBubble)
 from torch.distributed.tensor import DTensor
 
+from meshplan.costmodels.config import Layout
 from meshplan.costmodels.model import ModelSpec
-from meshplan.executor.mesh import ExecLayout, Meshes, group_of, rank_coords
+from meshplan.executor.mesh import Meshes, group_of, rank_coords
 from meshplan.executor.model import ModelChunk, Transformer, token_loss
 
 __all__ = [
@@ -80,7 +81,7 @@ TIED_NAMES = ("output.weight", "tok_embeddings.weight")  # (name in a last chunk
 
 
 # ---- chunks ------------------------------------------------------------------------------------
-def local_ranges(lay: ExecLayout, pp_rank: int) -> tuple[tuple[int, int], ...]:
+def local_ranges(lay: Layout, pp_rank: int) -> tuple[tuple[int, int], ...]:
     """[start, stop) of pipeline rank `pp_rank`'s chunks, in model order (chunk c * pp + pp_rank for c < vpp)."""
     ranges = lay.chunk_ranges()
     mine = tuple(ranges[c * lay.pp + pp_rank] for c in range(lay.vpp))
@@ -91,7 +92,7 @@ def local_ranges(lay: ExecLayout, pp_rank: int) -> tuple[tuple[int, int], ...]:
     return mine
 
 
-def build_chunks(model: Transformer, lay: ExecLayout, pp_rank: int,
+def build_chunks(model: Transformer, lay: Layout, pp_rank: int,
                  positions: torch.Tensor | None = None) -> list[ModelChunk]:
     """This pipeline rank's ModelChunks (sharing the model's modules, so names stay the reference's), model order.
 
@@ -130,7 +131,7 @@ def mean_loss_over(n_micro: int) -> Callable[[torch.Tensor, torch.Tensor], torch
     return loss_fn
 
 
-def schedule_problem(lay: ExecLayout, n_micro: int) -> str | None:
+def schedule_problem(lay: Layout, n_micro: int) -> str | None:
     """Why this layout's schedule cannot run `n_micro` micro-batches, or None: checked by build_pipeline on every
     rank and by verify before any rank starts."""
     if lay.schedule not in SCHEDULES:
@@ -142,7 +143,7 @@ def schedule_problem(lay: ExecLayout, n_micro: int) -> str | None:
     return None
 
 
-def build_pipeline(chunks: Sequence[ModelChunk], lay: ExecLayout, pp_group: dist.ProcessGroup, n_micro: int,
+def build_pipeline(chunks: Sequence[ModelChunk], lay: Layout, pp_group: dist.ProcessGroup, n_micro: int,
                    io: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                    device: torch.device | None = None) -> Pipeline:
@@ -181,7 +182,7 @@ def pp_train_step(pipe: Pipeline, tokens: torch.Tensor, labels: torch.Tensor) ->
 
 
 # ---- gradient synchronisation ------------------------------------------------------------------
-def embedding_group(lay: ExecLayout, rank: int, meshes: Meshes) -> dist.ProcessGroup | None:
+def embedding_group(lay: Layout, rank: int, meshes: Meshes) -> dist.ProcessGroup | None:
     """The group of this rank's first and last pipeline ranks (Megatron's embedding group); None if this
     rank is neither. Collective over the whole world when pp > 2 (every rank creates every group, in order)."""
     if lay.pp == 1:

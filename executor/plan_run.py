@@ -2,7 +2,7 @@
 
 `plan_rank(rank, world, run, lay)` is what `meshplan verify` runs on each rank (`run_world`, gloo, or
 torchrun, NCCL), and the one training loop of the executor: the tests run each dimension's layouts through it
-too (tests/test_executor_{dp,tp,cp,pp}.py). It composes the per-dimension pieces:
+too (tests/test_executor_{dp,tp,cp,pp,ep}.py). It composes the per-dimension pieces:
 
 1. meshes      executor/mesh.py             the plan's groups, by its rank order and MoE folding
 2. chunks      executor/pipeline.py         this pipeline rank's model chunks (uneven stages, vpp)
@@ -40,12 +40,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshplan.costmodels.config import Layout
 from meshplan.executor.context_parallel import INJECTIONS as CP_INJECTIONS
 from meshplan.executor.context_parallel import apply_context_parallel, shard_positions
 from meshplan.executor.data_parallel import fsdp_reduction_factor, make_fsdp_sum, micro_batches
+from meshplan.executor.expert_parallel import INJECTIONS as EP_INJECTIONS
 from meshplan.executor.expert_parallel import (apply_expert_parallel, expert_parameters, full_tensors,
                                                reduce_expert_grads)
-from meshplan.executor.mesh import ExecLayout, Meshes, build_meshes, rank_coords
+from meshplan.executor.mesh import Meshes, build_meshes, rank_coords
 from meshplan.executor.model import ModelChunk, token_loss
 from meshplan.executor.pipeline import INJECTIONS as PP_INJECTIONS
 from meshplan.executor.pipeline import (build_chunks, build_pipeline, embedding_group, local_ranges, mean_loss_over,
@@ -71,9 +73,10 @@ __all__ = ["INJECTIONS", "RankReport", "plan_rank"]
 #   "no-kpe-sync", "no-wo-reduce"  TP faults (executor.tensor_parallel.INJECTIONS);
 #   "contiguous-shard", "no-cp-grad-sync"  CP faults (executor.context_parallel.INJECTIONS);
 #   "no-embedding-sync"  a tied embedding's two pipeline copies never sum their gradients (pipeline.INJECTIONS);
+#   "no-expert-grad-sync", "wrong-expert-placement", "no-token-split"  EP faults (expert_parallel.INJECTIONS);
 #   "raise"           the last rank raises before its first step; "hang": it sleeps instead (verify's timeout).
 INJECTIONS = ("no-grad-sync", "shift-stage", "scale-loss", "fsdp-sums", *TP_INJECTIONS, *CP_INJECTIONS,
-              *PP_INJECTIONS, "raise", "hang")
+              *PP_INJECTIONS, *EP_INJECTIONS, "raise", "hang")
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class RankReport(RankResult):
     notes: tuple[str, ...]
 
 
-def injection_problem(lay: ExecLayout, inject: str | None) -> str | None:
+def injection_problem(lay: Layout, inject: str | None) -> str | None:
     """Why the fault `inject` cannot be injected into this layout, or None: checked by every rank and by verify
     before any rank starts."""
     if inject is not None and inject not in INJECTIONS:
@@ -115,6 +118,10 @@ def injection_problem(lay: ExecLayout, inject: str | None) -> str | None:
         return "--inject no-cp-grad-sync needs ZeRO 0 or 1 (FSDP2 reduces over dp x cp inside the backward)"
     if inject == "no-wo-reduce" and lay.sp:
         return "--inject no-wo-reduce leaves wo's output whole-sequence: it needs sequence parallelism off"
+    if inject in ("no-expert-grad-sync", "wrong-expert-placement") and lay.ep == 1:
+        return f"--inject {inject} is an expert-parallel fault: it needs ep > 1 (and a model with experts)"
+    if inject == "no-token-split" and lay.tp == 1:
+        return "--inject no-token-split needs tp > 1 (tokens replicated over tp reach the experts)"
     if inject in ("shift-stage", *PP_INJECTIONS) and lay.pp == 1:
         return f"--inject {inject} needs a pipeline (pp > 1)"
     if inject == "shift-stage" and local_ranges(lay, lay.pp - 1)[0][0] < 2:
@@ -123,7 +130,7 @@ def injection_problem(lay: ExecLayout, inject: str | None) -> str | None:
 
 
 # ---- building this rank's model --------------------------------------------------------------------------------
-def _chunks(run: RunSpec, lay: ExecLayout, pp_rank: int, positions: torch.Tensor,
+def _chunks(run: RunSpec, lay: Layout, pp_rank: int, positions: torch.Tensor,
             inject: str | None) -> list[ModelChunk]:
     model = run.build()
     chunks = build_chunks(model, lay, pp_rank, positions)
@@ -132,13 +139,14 @@ def _chunks(run: RunSpec, lay: ExecLayout, pp_rank: int, positions: torch.Tensor
     return chunks  # the full model goes out of scope here: the chunks keep only this stage's modules
 
 
-def _shard(chunks: Sequence[ModelChunk], run: RunSpec, lay: ExecLayout, meshes: Meshes, pp_rank: int,
+def _shard(chunks: Sequence[ModelChunk], run: RunSpec, lay: Layout, meshes: Meshes, pp_rank: int,
            inject: str | None) -> None:
     """EP, then TP, then CP, then recomputation, in place."""
     for chunk in chunks:
         if run.model.moe is not None:
             # TP hands MoE layers tp-replicated tokens even under SP, so EP always splits them over tp
-            apply_expert_parallel(chunk, meshes, replace(lay, sp=False))
+            apply_expert_parallel(chunk, meshes, replace(lay, sp=False),
+                                  inject=inject if inject in EP_INJECTIONS else None)
         if lay.tp > 1:
             apply_tensor_parallel(chunk, meshes["tp"], lay.sp, vocab_parallel=lay.pp == 1,
                                   inject=inject if inject in TP_INJECTIONS else None)
@@ -147,7 +155,7 @@ def _shard(chunks: Sequence[ModelChunk], run: RunSpec, lay: ExecLayout, meshes: 
     apply_recompute(chunks, lay, pp_rank)
 
 
-def _fsdp(chunks: Sequence[ModelChunk], meshes: Meshes, lay: ExecLayout, experts: set[nn.Parameter],
+def _fsdp(chunks: Sequence[ModelChunk], meshes: Meshes, lay: Layout, experts: set[nn.Parameter],
           dtype: torch.dtype, emulate_sum: bool) -> float:
     """ZeRO 2/3 with FSDP2 over dp x cp: each decoder layer, then the chunk; routed experts (replicated over edp,
     not dp x cp) are left out and reduced by reduce_expert_grads. Returns what FSDP2 multiplies the averaged
@@ -172,7 +180,7 @@ def _fsdp(chunks: Sequence[ModelChunk], meshes: Meshes, lay: ExecLayout, experts
     return factor
 
 
-def _optimizer(named: Sequence[tuple[str, nn.Parameter]], lay: ExecLayout, meshes: Meshes, lr: float,
+def _optimizer(named: Sequence[tuple[str, nn.Parameter]], lay: Layout, meshes: Meshes, lr: float,
                experts: set[nn.Parameter]) -> list[Any]:
     """AdamW; under ZeRO 1 its states sharded over the parameters' data-parallel group (dense: dp x cp, routed
     experts: edp): torch's ZeroRedundancyOptimizer for plain tensors, ShardedAdamW for DTensor (TP) shards."""
@@ -307,7 +315,7 @@ def _state_bytes(opts: Sequence[torch.optim.Optimizer]) -> float:
     return total
 
 
-def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str | None = None) -> RankReport:
+def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | None = None) -> RankReport:
     """Run `run` under the whole layout `lay` on this rank; collective over the world (lay.world ranks)."""
     problem = injection_problem(lay, inject)
     if problem:
@@ -396,7 +404,7 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: ExecLayout, inject: str 
                       events=tuple(timeline.events), notes=tuple(notes))
 
 
-def _forward_backward(chunks: Sequence[ModelChunk], pipe: Any, run: RunSpec, lay: ExecLayout, step: int,
+def _forward_backward(chunks: Sequence[ModelChunk], pipe: Any, run: RunSpec, lay: Layout, step: int,
                       coords: Mapping[str, int], positions: torch.Tensor, n_micro: int, loss_ctx: Any,
                       inject: str | None) -> torch.Tensor | None:
     """Every micro-batch's forward and backward (through the pipeline schedule when pp > 1) on this rank's
@@ -422,7 +430,7 @@ def _forward_backward(chunks: Sequence[ModelChunk], pipe: Any, run: RunSpec, lay
 
 
 def _synchronise(chunks: Sequence[ModelChunk], named: Sequence[tuple[str, nn.Parameter]], run: RunSpec,
-                 lay: ExecLayout, meshes: Meshes, emb_group: Any, experts: set[nn.Parameter],
+                 lay: Layout, meshes: Meshes, emb_group: Any, experts: set[nn.Parameter],
                  inject: str | None) -> None:
     """After the step's backward: TP partial sums, the tied embedding, dense dp x cp average, expert reduction."""
     if lay.tp > 1 and lay.zero < 2:
@@ -443,7 +451,7 @@ def _synchronise(chunks: Sequence[ModelChunk], named: Sequence[tuple[str, nn.Par
         dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=average_over.get_group())
         for g, part in zip(dense, flat.split([g.numel() for g in dense]), strict=True):
             g.copy_(part.view_as(g))
-    if experts:
+    if experts and inject != "no-expert-grad-sync":
         for chunk in chunks:
             reduce_expert_grads(chunk, meshes, lay)
 
@@ -458,7 +466,7 @@ def _global_loss(local: torch.Tensor | None, meshes: Meshes) -> float:
 
 
 def _full_named(chunks: Sequence[ModelChunk], named: Sequence[tuple[str, nn.Parameter]], meshes: Meshes,
-                lay: ExecLayout, experts: set[nn.Parameter], what: str) -> dict[str, torch.Tensor]:
+                lay: Layout, experts: set[nn.Parameter], what: str) -> dict[str, torch.Tensor]:
     """{reference name: full tensor} of this rank's parameters or gradients: expert-TP shards gathered over etp,
     DTensors (TP, FSDP) over their meshes. Collective within each group; the ranks of a group hold the same
     chunks, so they gather in the same order."""

@@ -1,4 +1,4 @@
-"""Activation recomputation of a pipeline stage, by the plan's per-stage policy (ExecLayout.stage_recompute).
+"""Activation recomputation of a pipeline stage, by the plan's per-stage policy (Layout.stage_recompute).
 
 - "full", k: the whole decoder block of the stage's first k layers is checkpointed: its forward keeps only
   the block's input, and backward runs the block again (Megatron-LM --recompute-granularity full
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from meshplan.executor.mesh import ExecLayout
+from meshplan.costmodels.config import Layout
 from meshplan.executor.model import AttentionCore, ModelChunk
 
 __all__ = ["GRANULARITIES", "apply_recompute", "layer_modes", "saved_activation_bytes"]
@@ -69,13 +69,13 @@ def _stage_layers(chunks: Sequence[ModelChunk]) -> Iterator[nn.Module]:
         yield from chunk.layers.values()
 
 
-def apply_recompute(chunks: Sequence[ModelChunk], lay: ExecLayout, pp_rank: int) -> tuple[str, ...]:
+def apply_recompute(chunks: Sequence[ModelChunk], lay: Layout, pp_rank: int) -> tuple[str, ...]:
     """Apply pipeline rank `pp_rank`'s policy to its chunks (model order), in place, once; returns each layer's mode.
 
     `chunks` are the rank's ModelChunks in model order (a single-process run may pass [ModelChunk(model, 0, n)])."""
-    granularity, full_layers = lay.stage_recompute[pp_rank]
+    policy = lay.stage_recompute[pp_rank]
     layers = list(_stage_layers(chunks))
-    modes = layer_modes(granularity, full_layers, len(layers))
+    modes = layer_modes(policy.granularity, policy.full_layers, len(layers))
     for layer, mode in zip(layers, modes, strict=True):
         if mode == "full":  # an instance attribute: nn.Module.__call__ (and its hooks) still wrap it
             layer.forward = partial(_recomputed_block, layer.forward)

@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshplan.costmodels.config import Layout, StagePolicy
 from meshplan.costmodels.model import ModelSpec
 from meshplan.executor.expert_parallel import apply_expert_parallel
-from meshplan.executor.mesh import ExecLayout, build_meshes, rank_coords
+from meshplan.executor.mesh import build_meshes, rank_coords
 from meshplan.executor.model import build_model
 from meshplan.executor.tensor_parallel import apply_tensor_parallel
 
@@ -99,7 +100,11 @@ def serve_rank(rank: int, world: int, spec_json: str, tp: int, dp: int, ep: int,
     """One rank of the engine (run by executor.launch.run_world or run_torchrun): prefill, then `steps` decodes."""
     torch.set_num_threads(1)
     spec = ModelSpec.model_validate_json(spec_json)
-    lay = ExecLayout(tp=tp, dp=dp, ep=ep, etp=tp * dp // ep)
+    etp = tp * dp // ep
+    # an inference engine's groups: one stage, the experts folded over tp x dp; the training fields unused
+    lay = Layout(tp=tp, pp=1, vpp=1, dp=dp, cp=1, cp_comm="ring", ep=ep, etp=etp, edp=tp * dp // (etp * ep), mbs=1,
+                 num_microbatches=1, zero=0, recompute="none", sp=False, schedule="1f1b",
+                 stage_layers=(spec.num_layers,), stage_recompute=(StagePolicy(),))
     if lay.world != world:
         raise ValueError(f"the engine needs tp*dp = {lay.world} ranks, the world has {world}")
     meshes = build_meshes(lay)

@@ -392,6 +392,9 @@ def _check_runnable(lay: Any, n_micro: int, inject: str | None) -> None:
     problem = injection_problem(lay, inject)
     if problem:
         raise InputError(problem)
+    if lay.recompute_group > 1:  # executor/recompute.py checkpoints every layer on its own
+        raise InputError(f"the executor recomputes layer by layer; the plan groups {lay.recompute_group} layers "
+                         f"(--recompute-group): verify it as --recompute-group 1 (the same numerics)")
 
 
 def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyOutcome:
@@ -410,7 +413,6 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
         import torch  # noqa: F401 - only to say what is missing in one line
     except ImportError:
         raise InputError("meshplan verify needs PyTorch: pip install 'meshplan[torch]' (CPU: torch==2.13.0)") from None
-    from meshplan.executor.mesh import ExecLayout
     from meshplan.executor.plan_run import INJECTIONS
     from meshplan.executor.reference import RunSpec, reference_run
 
@@ -418,14 +420,13 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
         raise InputError(f"--inject {opts.inject!r}: one of {', '.join(INJECTIONS)}")
     case = verify_case(plan, opts)
     lay = resolve(case.spec, case.num_gpus, case.workload, case.config)
-    exec_layout = ExecLayout.from_layout(lay)
-    _check_runnable(exec_layout, lay.num_microbatches, opts.inject)  # before any rank starts (a rank takes seconds)
-    _check_memory(case.spec, exec_layout.world if opts.launcher == "spawn" else 1, case.gbs * case.seq, opts)
+    _check_runnable(lay, lay.num_microbatches, opts.inject)  # before any rank starts (a rank takes seconds)
+    _check_memory(case.spec, lay.world if opts.launcher == "spawn" else 1, case.gbs * case.seq, opts)
     run = RunSpec(model=case.spec, gbs=case.gbs, seq=case.seq, steps=opts.steps, seed=opts.seed, dtype=opts.dtype)
     if opts.launcher == "torchrun":
         from meshplan.executor.launch import run_torchrun
 
-        result, ok = run_torchrun(_torchrun_layout, run, exec_layout, opts.inject, backend=opts.backend,
+        result, ok = run_torchrun(_torchrun_layout, run, lay, opts.inject, backend=opts.backend,
                                   timeout_s=opts.timeout_s)
         if result is None:  # not rank 0: rank 0 reports
             return VerifyOutcome(report=None, trace={}, ok=ok)
@@ -435,8 +436,8 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
         say(f"reference: {case.spec.name}, {case.gbs} x {case.seq} tokens, {opts.steps} steps, one process")
         with _time_limit(opts.timeout_s, "the single-process reference run"):
             reference = reference_run(run)
-        say(f"running the plan's layout on {exec_layout.world} ranks ({opts.backend})")
-        result = run_layout(run, exec_layout, inject=opts.inject, reference=reference, backend=opts.backend,
+        say(f"running the plan's layout on {lay.world} ranks ({opts.backend})")
+        result = run_layout(run, lay, inject=opts.inject, reference=reference, backend=opts.backend,
                             timeout_s=opts.timeout_s)
         reference_losses = reference.losses
     cal = opts.calibration
@@ -454,7 +455,7 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
     cmp = result.comparison
     report = VerifyReport(
         plan_model=case.plan_model, scaled_model=case.spec.name, layout=result.reports[0].layout,
-        world=exec_layout.world, dtype=opts.dtype, tolerance=cmp.tolerance, steps=opts.steps, gbs=case.gbs,
+        world=lay.world, dtype=opts.dtype, tolerance=cmp.tolerance, steps=opts.steps, gbs=case.gbs,
         seq=case.seq, loss_error=cmp.loss_error, grad_error=cmp.grad_error, param_error=cmp.param_error,
         worst_grad=cmp.worst_grad, worst_param=cmp.worst_param, failures=result.failures, memory=memory,
         measured_step_s=tuple(_steady_step_s(r.step_s) for r in result.reports),

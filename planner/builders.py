@@ -86,7 +86,8 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
         mesh=mesh,
         pipeline=pipeline,
         memory=Memory(zero=lay.zero, recompute=lay.recompute, recompute_modules=list(lay.recompute_modules),
-                      offload_layers=lay.offload_layers, fragmentation=FRAGMENTATION, stages=memory_stages),
+                      offload_layers=lay.offload_layers, recompute_group=lay.recompute_group,
+                      fragmentation=FRAGMENTATION, stages=memory_stages),
         prediction=_prediction(simulated),
         search=None if account is None else _search_info(account, rank, bound_s, partition_status),
     )

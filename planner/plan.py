@@ -199,6 +199,8 @@ class Memory(_Frozen):
         description="what selective recomputation re-runs (Megatron-Core --recompute-modules)")
     offload_layers: int = Field(default=0, ge=0, description="decoder layers whose activations wait in host memory "
                                 "(Megatron --cpu-offloading-num-layers)")
+    recompute_group: int = Field(default=1, ge=1, description="layers recomputed together under full recomputation "
+                                 "(Megatron --recompute-method uniform --recompute-num-layers)")
     fragmentation: float = Field(ge=0, description="allocator fragmentation allowance, a fraction of the rest")
     stages: list[MemoryStage]
 
@@ -394,7 +396,8 @@ def plan_config(plan: Plan) -> tuple[ModelSpec, Cluster, Workload, ParallelConfi
         schedule=pipe.schedule, stage_layers=tuple(s.num_layers for s in pipe.stages),
         chunk_layers=tuple(pipe.stages[r].chunks[v].num_layers for v in range(pipe.vpp) for r in range(mesh.pp)),
         stage_recompute=tuple(s.recompute for s in pipe.stages), rank_order=rank_order_of(mesh.rank_order),
-        recompute_modules=tuple(plan.memory.recompute_modules), offload_layers=plan.memory.offload_layers)
+        recompute_modules=tuple(plan.memory.recompute_modules), offload_layers=plan.memory.offload_layers,
+        recompute_group=plan.memory.recompute_group)
     inputs = plan.inputs
     return inputs.model_spec(), inputs.cluster.cluster(), inputs.workload, config, inputs.runtime
 

@@ -388,6 +388,9 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: ParallelConf
         if getattr(pins, name):
             raise InputError(f"plan chooses the stage partition and does not search {name}: leave it unset, or "
                              f"price that configuration with `meshplan estimate`")
+    if (pins.recompute_group or 1) > 1:
+        raise InputError("plan does not search recompute_group (its bounds assume one kept input per recomputed "
+                         "layer): leave it unset, or price that configuration with `meshplan estimate`")
     prod = 1
     for name in ("tp", "cp", "pp", "dp"):
         v = getattr(pins, name)

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist
-from executor_helpers import exec_layout, reference
+from executor_helpers import exec_layout, layout, reference
 
 from meshplan.costmodels.model_io import load_model
 from meshplan.executor.compare import TOLERANCE, compare_to_reference, relative_error
@@ -292,15 +292,14 @@ def test_micro_batches_split_the_global_batch() -> None:
 def test_dp_injections_are_checked() -> None:
     """A fault that cannot be injected into the layout is refused by plan_rank (and by verify, before any rank
     starts) with the reason."""
-    from meshplan.executor.mesh import ExecLayout
     from meshplan.executor.plan_run import injection_problem, plan_rank
 
     run = run_of(DENSE)
     with pytest.raises(ValueError, match="unknown injection 'typo'"):
         plan_rank(0, 1, run, exec_layout(run, 1), inject="typo")
-    assert "ZeRO 0 or 1" in injection_problem(ExecLayout(dp=2, zero=3), "no-grad-sync")
-    assert "ZeRO 2 or 3" in injection_problem(ExecLayout(dp=2, zero=1), "fsdp-sums")
-    assert injection_problem(ExecLayout(dp=2, zero=2), "fsdp-sums") is None
+    assert "ZeRO 0 or 1" in injection_problem(layout(dp=2, zero=3), "no-grad-sync")
+    assert "ZeRO 2 or 3" in injection_problem(layout(dp=2, zero=1), "fsdp-sums")
+    assert injection_problem(layout(dp=2, zero=2), "fsdp-sums") is None
 
 
 def test_relative_error_definition() -> None:

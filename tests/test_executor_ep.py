@@ -16,13 +16,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist
-from executor_helpers import reference
+from executor_helpers import exec_layout, layout, reference
 
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.executor.compare import compare_to_reference, relative_error
 from meshplan.executor.launch import run_world
-from meshplan.executor.mesh import ExecLayout
 from meshplan.executor.reference import RunSpec
 from meshplan.executor.scale import scale_model
 
@@ -37,9 +36,9 @@ def tiny(name: str) -> ModelSpec:
     return scale_model(load_model(name), "tiny")
 
 
-# (case id) -> (model, layout fields, gbs, seq, steps, injection); gbs = dp * mbs * num_microbatches
+# (case id) -> (model, knobs of the layout, gbs, seq, steps, injection); ZeRO 0, no SP; each run by plan_rank
 CASES2 = {
-    "mixtral-ep2-dp2-2steps-2micro": (MOE, {"dp": 2, "ep": 2, "num_microbatches": 2}, 4, 8, 2, None),
+    "mixtral-ep2-dp2-2steps-2micro": (MOE, {"dp": 2, "ep": 2}, 4, 8, 2, None),  # mbs 1: 2 micro-batches
     "deepseek-ep2-dp2": (MLA, {"dp": 2, "ep": 2}, 2, 8, 1, None),
     "broken-no-expert-grad-sync": (MOE, {"dp": 2, "ep": 2}, 2, 8, 1, "no-expert-grad-sync"),
     "broken-wrong-expert-placement": (MOE, {"dp": 2, "ep": 2}, 2, 8, 1, "wrong-expert-placement"),
@@ -56,8 +55,11 @@ BROKEN = {case for cases in (CASES2, CASES4) for case, job in cases.items() if j
 
 
 def jobs(cases: dict) -> dict:
-    return {case: (RunSpec(tiny(model), gbs=gbs, seq=seq, steps=steps), ExecLayout(**fields), inject)
-            for case, (model, fields, gbs, seq, steps, inject) in cases.items()}
+    out = {}
+    for case, (model, knobs, gbs, seq, steps, inject) in cases.items():
+        run = RunSpec(tiny(model), gbs=gbs, seq=seq, steps=steps)
+        out[case] = (run, exec_layout(run, knobs.get("tp", 1) * knobs["dp"], zero=0, sp=False, **knobs), inject)
+    return out
 
 
 # ---- rank functions: top level, so spawn can pickle them by name ---------------------------------
@@ -85,7 +87,7 @@ def chunk_block(rank: int, world: int) -> dict:
     from meshplan.executor.mesh import build_meshes
     from meshplan.executor.model import ModelChunk
 
-    lay = ExecLayout(dp=2, ep=2)
+    lay = layout(dp=2, ep=2)
     run = RunSpec(tiny(MOE), gbs=2, seq=8)
     ref = ModelChunk(run.build(), 1, 3)
     chunk = apply_expert_parallel(ModelChunk(run.build(), 1, 3), build_meshes(lay), lay)
@@ -97,12 +99,12 @@ def chunk_block(rank: int, world: int) -> dict:
 
 
 def rank_world(rank: int, world: int, cases: dict, chunk: bool) -> dict:
-    from meshplan.executor.expert_parallel import ep_run
+    from meshplan.executor.plan_run import plan_rank
 
     out: dict = {"a2a": a2a_block(rank, world)}
     if chunk:
         out["chunk"] = chunk_block(rank, world)
-    out["ep"] = {case: ep_run(rank, world, run, lay, inject) for case, (run, lay, inject) in cases.items()}
+    out["ep"] = {case: plan_rank(rank, world, run, lay, inject) for case, (run, lay, inject) in cases.items()}
     return out
 
 
@@ -222,16 +224,11 @@ def test_chunk_rows_are_torch_chunk() -> None:
 
 
 def test_ep_arguments_are_checked() -> None:
-    from meshplan.executor.expert_parallel import apply_expert_parallel, ep_run
+    from meshplan.executor.expert_parallel import apply_expert_parallel
+    from meshplan.executor.plan_run import injection_problem
 
     run = RunSpec(tiny(MOE), gbs=2, seq=8)
-    with pytest.raises(ValueError, match="ranks"):
-        ep_run(0, 2, run, ExecLayout(dp=4, ep=2))
-    with pytest.raises(ValueError, match="pp = cp = 1"):
-        ep_run(0, 4, run, ExecLayout(dp=2, cp=2))
-    with pytest.raises(ValueError, match="num_microbatches"):
-        ep_run(0, 2, run, ExecLayout(dp=2, num_microbatches=2))
-    with pytest.raises(ValueError, match="no MoE"):
-        ep_run(0, 2, RunSpec(tiny("llama3.1-8b"), gbs=2, seq=8), ExecLayout(dp=2))
+    assert "needs ep > 1" in injection_problem(exec_layout(run, 2, dp=2), "wrong-expert-placement")
+    assert "needs tp > 1" in injection_problem(exec_layout(run, 2, dp=2, ep=2), "no-token-split")
     with pytest.raises(ValueError, match="injection"):
-        apply_expert_parallel(run.build(), None, ExecLayout(), inject="typo")  # type: ignore[arg-type]
+        apply_expert_parallel(run.build(), None, layout(), inject="typo")  # type: ignore[arg-type]

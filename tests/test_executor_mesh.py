@@ -8,11 +8,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from executor_helpers import layout
+
 from meshplan.costmodels.config import ParallelConfig, Workload, resolve
 from meshplan.costmodels.timing import group_ranks
 from meshplan.costmodels.model_io import load_model
 from meshplan.executor.launch import run_world
-from meshplan.executor.mesh import DENSE_DIMS, EXPERT_DIMS, ExecLayout, build_meshes, group_of, rank_coords
+from meshplan.executor.mesh import DENSE_DIMS, EXPERT_DIMS, build_meshes, group_of, rank_coords
 
 
 def _layouts():
@@ -33,7 +35,7 @@ def _layouts():
 @pytest.mark.parametrize("lay", list(_layouts()),
                          ids=lambda x: f"tp{x.tp}cp{x.cp}pp{x.pp}ep{x.ep}etp{x.etp}-{x.rank_order}")
 def test_groups_match_the_cost_model(lay):
-    ex = ExecLayout.from_layout(lay)
+    ex = lay  # the executor takes the cost model's Layout itself
     for dim in DENSE_DIMS + ("dp_cp",) + EXPERT_DIMS:
         assert group_of(0, dim, ex) == group_ranks(dim, lay), dim
     # every rank is in exactly one group of each dim, and its coordinate is its index in that group
@@ -55,10 +57,10 @@ def _mesh_groups(rank, world, ex):
 
 
 @pytest.mark.parametrize("ex", [
-    ExecLayout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2),
-    ExecLayout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2, rank_order="tp-cp-pp-dp"),
-    ExecLayout(tp=2, cp=2, dp=2, ep=2, etp=2, stage_layers=(1,)),
-    ExecLayout(cp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2, rank_order="tp-cp-pp-dp"),
+    layout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2),
+    layout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2, rank_order="tp-cp-pp-dp"),
+    layout(tp=2, cp=2, dp=2, ep=2, etp=2, stage_layers=(1,)),
+    layout(cp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2, rank_order="tp-cp-pp-dp"),
 ], ids=["tp2dp2pp2", "tp2pp2dp2-order", "tp2cp2dp2-ep2etp2", "cp2pp2dp2-order"])
 def test_device_meshes_hold_those_groups(ex):
     got = run_world(ex.world, _mesh_groups, ex, timeout_s=120)

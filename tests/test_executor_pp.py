@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor_helpers import reference
+from executor_helpers import layout, reference
 
 from meshplan.costmodels.model_io import load_model
 from meshplan.executor.compare import compare_to_reference
 from meshplan.executor.launch import run_world
-from meshplan.executor.mesh import ExecLayout
 from meshplan.executor.reference import RunSpec
 from meshplan.executor.scale import scale_model
 
@@ -32,10 +32,10 @@ NONE = ("none", 0)
 
 def case(model: str, stages: tuple[int, ...], schedule: str = "1f1b", *, vpp: int = 1, dp: int = 1, mbs: int = 1,
          gbs: int = 4, recompute: tuple[tuple[str, int], ...] | None = None, rank_order: str = "tp-cp-dp-pp",
-         inject: str | None = None) -> tuple[RunSpec, ExecLayout, str | None]:
+         inject: str | None = None) -> tuple[RunSpec, Any, str | None]:
     """(run, layout, injection): `model`@tiny with sum(stages) layers, 2 AdamW steps on gbs x 8 tokens."""
     run = RunSpec(scale_model(load_model(model), "tiny", num_layers=sum(stages)), gbs=gbs, seq=8, steps=2)
-    lay = ExecLayout(pp=len(stages), vpp=vpp, dp=dp, mbs=mbs, num_microbatches=gbs // (dp * mbs), schedule=schedule,
+    lay = layout(pp=len(stages), vpp=vpp, dp=dp, mbs=mbs, num_microbatches=gbs // (dp * mbs), schedule=schedule,
                      stage_layers=stages, stage_recompute=recompute or (NONE,) * len(stages), rank_order=rank_order)
     return run, lay, inject
 
@@ -169,7 +169,7 @@ def _recomputed_step(spec, policy: tuple[str, int]) -> tuple[int, dict[str, torc
 
     tokens, labels = make_batch(spec, 2, 16, 0)
     chunk = ModelChunk(build_model(spec), 0, spec.num_layers)
-    lay = ExecLayout(pp=1, stage_layers=(spec.num_layers,), stage_recompute=(policy,))
+    lay = layout(pp=1, stage_layers=(spec.num_layers,), stage_recompute=(policy,))
     modes = apply_recompute([chunk], lay, 0)
     loss, saved = saved_activation_bytes(chunk.parameters(), lambda: token_loss(chunk(tokens), labels))
     loss.backward()
@@ -199,7 +199,7 @@ def test_recompute_counts_a_stage_layers_across_its_chunks() -> None:
     from meshplan.executor.recompute import apply_recompute
 
     spec = scale_model(load_model(DENSE), "tiny", num_layers=6)
-    lay = ExecLayout(pp=2, vpp=2, stage_layers=(3, 3), stage_recompute=(("selective", 0), ("full", 2)),
+    lay = layout(pp=2, vpp=2, stage_layers=(3, 3), stage_recompute=(("selective", 0), ("full", 2)),
                      schedule="interleaved")
     model = build_model(spec)
     chunks = {r: [ModelChunk(model, a, b) for a, b in local_ranges(lay, r)] for r in range(2)}
@@ -210,10 +210,10 @@ def test_recompute_counts_a_stage_layers_across_its_chunks() -> None:
     selective = {i for i, layer in enumerate(model.layers) if hasattr(layer.attention.core, "func")}  # a partial
     assert full == {2, 3} and selective == {0, 1, 4}
     with pytest.raises(ValueError, match="full recompute of 4 layers"):
-        apply_recompute(chunks[1], ExecLayout(pp=2, vpp=2, stage_layers=(3, 3), schedule="interleaved",
+        apply_recompute(chunks[1], layout(pp=2, vpp=2, stage_layers=(3, 3), schedule="interleaved",
                                               stage_recompute=(NONE, ("full", 4))), 1)
     with pytest.raises(ValueError, match="unknown recompute granularity"):
-        apply_recompute(chunks[1], ExecLayout(pp=2, stage_layers=(3, 3), stage_recompute=(NONE, ("some", 0))), 1)
+        apply_recompute(chunks[1], layout(pp=2, stage_layers=(3, 3), stage_recompute=(NONE, ("some", 0))), 1)
 
 
 # ---- schedules and arguments without a world ------------------------------------------------------
@@ -248,16 +248,16 @@ def test_pipeline_arguments_are_checked() -> None:
     from meshplan.executor.plan_run import injection_problem, plan_rank
 
     with pytest.raises(ValueError, match="cannot fill vpp=2"):
-        local_ranges(ExecLayout(pp=2, vpp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE)), 0)
+        local_ranges(layout(pp=2, vpp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE)), 0)
     run, lay, _ = case(DENSE, (1, 3))
     with pytest.raises(ValueError, match="unknown schedule"):
-        build_pipeline([], ExecLayout(pp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE), schedule="x"), None, 4)
+        build_pipeline([], layout(pp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE), schedule="x"), None, 4)
     with pytest.raises(ValueError, match="one chunk per pipeline rank"):
-        build_pipeline([], ExecLayout(pp=2, vpp=2, stage_layers=(2, 2), stage_recompute=(NONE, NONE)), None, 4)
+        build_pipeline([], layout(pp=2, vpp=2, stage_layers=(2, 2), stage_recompute=(NONE, NONE)), None, 4)
     with pytest.raises(ValueError, match="the layout has 2 ranks, the world 4"):
         plan_rank(0, 4, run, lay)
     with pytest.raises(ValueError, match="3 micro-batches"):
-        plan_rank(0, 2, run, ExecLayout(pp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE), num_microbatches=3))
+        plan_rank(0, 2, run, layout(pp=2, stage_layers=(1, 3), stage_recompute=(NONE, NONE), num_microbatches=3))
     with pytest.raises(ValueError, match="unknown injection"):
         plan_rank(0, 2, run, lay, inject="typo")
-    assert "needs a pipeline" in injection_problem(ExecLayout(stage_layers=(4,)), "no-embedding-sync")
+    assert "needs a pipeline" in injection_problem(layout(stage_layers=(4,)), "no-embedding-sync")

@@ -91,7 +91,7 @@ def test_an_unknown_module_is_one_error_line():
     "etp": st.integers(1, 8), "mbs": st.integers(1, 16), "zero": st.sampled_from([0, 1, 2, 3]),
     "recompute": st.sampled_from(["none", "selective", "full", "per-stage"]),
     "recompute_modules": st.lists(st.sampled_from(RECOMPUTE_MODULES), min_size=1, max_size=3, unique=True).map(tuple),
-    "offload_layers": st.integers(0, 8), "sp": st.booleans(),
+    "offload_layers": st.integers(0, 8), "recompute_group": st.integers(1, 8), "sp": st.booleans(),
     "schedule": st.sampled_from(["gpipe", "1f1b", "interleaved", "zb"]),
     "rank_order": st.sampled_from(["tp-cp-dp-pp", "tp-cp-pp-dp"])}))
 def test_any_config_round_trips_through_the_command_line(knobs):

@@ -53,6 +53,10 @@ def export_plan(plan: Plan | ServingPlan, target: str) -> Exported:
             raise ExportError(target, f"the plan offloads {plan.memory.offload_layers} layers' activations to host "
                               f"memory, which only Megatron-LM / NeMo (--cpu-offloading-num-layers) run",
                               "export it --to megatron or nemo, or re-plan without --offload-layers")
+        if plan.memory.recompute_group > 1 and target not in ("megatron", "nemo"):
+            raise ExportError(target, f"the plan recomputes its layers in groups of {plan.memory.recompute_group}, "
+                              f"which only Megatron-LM / NeMo (--recompute-method uniform --recompute-num-layers) run",
+                              "export it --to megatron or nemo, or re-plan without --recompute-group")
         modules = tuple(plan.memory.recompute_modules)
         selective = any(s.recompute.granularity == "selective" for s in plan.pipeline.stages)
         if target not in ("megatron", "nemo") and selective and modules != DEFAULT_RECOMPUTE_MODULES:

@@ -263,7 +263,8 @@ def parallel_settings(plan: Plan) -> list[Setting]:
         if modules != list(DEFAULT_RECOMPUTE_MODULES):  # megatron-core's default is core_attn alone
             s.append(("recompute_modules", modules))
     elif kind == "full" and k is None:
-        s += [("recompute_granularity", "full"), ("recompute_method", "uniform"), ("recompute_num_layers", 1)]
+        s += [("recompute_granularity", "full"), ("recompute_method", "uniform"),
+              ("recompute_num_layers", plan.memory.recompute_group)]
     elif kind == "full":
         if pipe.vpp > 1:
             raise refuse(TARGET, f"--recompute-method block recomputes {k} layers of every virtual stage, the plan "
@@ -546,6 +547,7 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
         zero = 3
     recompute: Recompute = "none"
     stage_recompute = None
+    group = 1
     modules = tuple(a.recompute_modules) if a.recompute_modules else DEFAULT_RECOMPUTE_MODULES
     unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
     if unknown:
@@ -561,8 +563,9 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
                 stage_layers = (layers // pp,) * pp
             k = a.recompute_num_layers or 1
             stage_recompute = tuple(StagePolicy(granularity="full", full_layers=min(k, n)) for n in stage_layers)
-        else:
+        else:  # uniform: every layer, in groups of --recompute-num-layers (Megatron's default method needs it set)
             recompute = "full"
+            group = a.recompute_num_layers or 1
     tp = a.tensor_model_parallel_size or 1
     config = ParallelConfig(
         tp=tp, pp=a.pipeline_model_parallel_size or 1, vpp=vpp, cp=a.context_parallel_size or 1,
@@ -570,7 +573,7 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
         etp=a.expert_tensor_parallel_size, mbs=a.micro_batch_size or 1, zero=zero, recompute=recompute,
         sp=a.sequence_parallel and tp > 1, stage_layers=stage_layers, stage_recompute=stage_recompute,
         chunk_layers=chunk_layers, rank_order=PP_INSIDE_DP if a.use_tp_pp_dp_mapping else "tp-cp-dp-pp",
-        recompute_modules=modules, offload_layers=a.cpu_offloading_num_layers or 0)
+        recompute_modules=modules, offload_layers=a.cpu_offloading_num_layers or 0, recompute_group=group)
     num_gpus = (nodes or 1) * per_node if per_node else None
     given = tuple((k, v) for k, v in vars(a).items() if v not in (None, False))
     return LaunchSpec(config=config, workload=workload, num_gpus=num_gpus, gpus_per_node=per_node, model=model,
