@@ -14,11 +14,12 @@ from meshplan.cli.options import (AnyExportTarget, CalibrationOpt, ClusterOpt, G
                                   MAX_VERIFY_STEPS, MAX_VERIFY_TIMEOUT_S, NicOpt, NvlinkOpt, P_CLUSTER, P_OUT, P_PAR,
                                   PerNodeOpt, cluster_of_flags, console, echo_export, one_line, output_targets,
                                   print_error)
-from meshplan.cli.train import print_estimate
 from meshplan.cli.serve import print_serving
-from meshplan.costmodels.config import DEFAULT_RUNTIME, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Workload
+from meshplan.cli.train import print_estimate
+from meshplan.costmodels.config import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Workload
 from meshplan.costmodels.estimate import simulate_config
 from meshplan.costmodels.model_io import load_model
+from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.hardware_db.calibration import load_calibration
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import OutputFile, write_all

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import typer
 from rich.console import Console
 
-from meshplan.costmodels.config import RUNTIME_OPTIONS, RUNTIMES, ParallelConfig, Workload, knob_help
+from meshplan.costmodels.config import ParallelConfig, Workload, knob_help
+from meshplan.costmodels.runtime import RUNTIMES, RUNTIME_OPTIONS
 from meshplan.hardware_db.cluster import ClusterSpec, load_cluster_file
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import check_distinct, check_target

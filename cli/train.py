@@ -13,11 +13,12 @@ from meshplan import api
 from meshplan.cli.options import (CalibrationOpt, ClusterOpt, DtypeOpt, ExportTarget, Fp8RecipeOpt, GbsOpt, GpuOpt,
                                   GpusOpt, ModelOpt, NicOpt, NvlinkOpt, P_OUT, PerNodeOpt, RuntimeOpt, SeqOpt,
                                   cluster_of_flags, console, echo_export, output_targets, with_knobs, workload_arg)
-from meshplan.costmodels.config import DEFAULT_RANK_ORDER, DEFAULT_RUNTIME, ParallelConfig, Workload
+from meshplan.costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
 from meshplan.costmodels.estimate import Estimate
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
+from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import OutputFile, write_all

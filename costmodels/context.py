@@ -9,16 +9,17 @@ import dataclasses
 from functools import cached_property
 
 from meshplan.costmodels import comm
-from meshplan.costmodels.config import Layout, Runtime, Workload
+from meshplan.costmodels.config import Layout, Workload
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.timing import stage_p2p_s
-from meshplan.costmodels.passes import GroupLinks, PassCache, PassTimes, SyncCoefficients, with_recompute
 from meshplan.costmodels.kernels import copy_engine_exposed, overlapped_exposed, quant_bytes_per_element
 from meshplan.costmodels.memory import (FRAGMENTATION, RESERVED_BYTES, MemoryBreakdown, StageParams,
                                         embedding_activation_bytes, layer_activation_bytes, logits_bytes,
                                         model_state_bytes, mtp_activation_bytes, stage_params)
 from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.passes import GroupLinks, PassCache, PassTimes, SyncCoefficients, with_recompute
 from meshplan.costmodels.pipeline import Timeline
+from meshplan.costmodels.runtime import Runtime
+from meshplan.costmodels.timing import stage_p2p_s
 from meshplan.hardware_db.cluster import Cluster
 
 # read grad, master, m, v (16) + write master, m, v (12) + bf16 weight (2) + grad-norm read (4)

@@ -15,7 +15,7 @@ from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
 
-EXECUTOR_RUNTIME = "meshplan-executor"  # the reference executor's preset (config.RUNTIMES): what profiles measure
+EXECUTOR_RUNTIME = "meshplan-executor"  # the reference executor's preset (runtime.RUNTIMES): what profiles measure
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshplan.costmodels.config import DEFAULT_RUNTIME, Layout, ParallelConfig, Runtime, Workload, get_runtime, resolve
-from meshplan.costmodels.deadline import Deadline, check
-from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.passes import PassTimes
+from meshplan.costmodels.config import Layout, ParallelConfig, Workload, resolve
 from meshplan.costmodels.context import (CostContext, fp8_weight_cast_s, layer_mix, layer_modes, offload_passes,
                                          stage_memory, stage_params_for, stage_ranges)
+from meshplan.costmodels.deadline import Deadline, check
+from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.kernels import overlapped_exposed
 from meshplan.costmodels.memory import GIB, MemoryBreakdown, stage_params
 from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.passes import PassTimes
 from meshplan.costmodels.pipeline import StageTimes, Timeline, build_schedule, compile_order, simulate
 from meshplan.costmodels.realism import RealismCheck
 from meshplan.costmodels.realism import check as realism_check
+from meshplan.costmodels.runtime import DEFAULT_RUNTIME, Runtime, get_runtime
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 

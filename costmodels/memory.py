@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.costmodels.config import Layout, Runtime, Workload
+from meshplan.costmodels.config import Layout, Workload
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.ops import ACT_BYTES, attended_kv_heads
+from meshplan.costmodels.runtime import Runtime
 
 GIB = 2**30
 FRAGMENTATION = 0.05  # allocator fragmentation allowance, fraction of the rest (stated assumption)

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from meshplan.costmodels.config import Layout, Runtime, Workload
+from meshplan.costmodels.config import Layout, Workload
 from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.runtime import Runtime
 
 OpKind = Literal["gemm", "attention", "memory"]
 Dim = Literal["tp", "cp", "ep", "etp", "dp", "pp"]

@@ -9,14 +9,15 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from meshplan.costmodels import comm
-from meshplan.costmodels.config import Layout, Runtime, Workload
+from meshplan.costmodels.config import Layout, Workload
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.timing import KernelShape, collective_time, group_link, group_ranks, op_time
 from meshplan.costmodels.kernels import (TE_GEMM_STREAMS, column_gemm_count, overlapped_exposed, ring_cp_exposed,
                                          tp_exposed_fraction, tp_gemm_chunks)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.ops import (ACT_BYTES, Block, Op, attention_half, embedding_block, ep_dispatch_bytes,
                                      head_block, memory_class, mlp_half, mtp_projection, recompute_modules_of)
+from meshplan.costmodels.runtime import Runtime
+from meshplan.costmodels.timing import KernelShape, collective_time, group_link, group_ranks, op_time
 from meshplan.hardware_db.cluster import Cluster
 
 

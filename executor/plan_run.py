@@ -315,8 +315,9 @@ def _state_bytes(opts: Sequence[torch.optim.Optimizer]) -> float:
     return total
 
 
-def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | None = None) -> RankReport:
-    """Run `run` under the whole layout `lay` on this rank; collective over the world (lay.world ranks)."""
+def _check_world(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | None) -> int:
+    """The micro-batches per step, after checking the world, the batch and the fault; the injected failures
+    ("raise", "hang") happen here, before any collective."""
     problem = injection_problem(lay, inject)
     if problem:
         raise ValueError(problem)
@@ -330,6 +331,12 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | No
         if inject == "raise":
             raise RuntimeError("injected failure (--inject raise)")
         time.sleep(10 ** 6)
+    return n_micro
+
+
+def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | None = None) -> RankReport:
+    """Run `run` under the whole layout `lay` on this rank; collective over the world (lay.world ranks)."""
+    n_micro = _check_world(rank, world, run, lay, inject)
     notes: list[str] = []
     meshes = build_meshes(lay)
     coords = rank_coords(rank, lay)
@@ -378,11 +385,7 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | No
             local_loss = _forward_backward(chunks, pipe, run, lay, step, coords, positions, n_micro, loss_ctx,
                                            inject)
         t_sync = time.perf_counter()
-        if fsdp_factor != 1.0:  # a summing FSDP2 (_fsdp): its gradients divided back to the average
-            for _, p in named:
-                if p not in experts and p.grad is not None:
-                    p.grad.div_(fsdp_factor)
-        _synchronise(chunks, named, run, lay, meshes, emb_group, experts, inject)
+        _synchronise(chunks, named, run, lay, meshes, emb_group, experts, inject, fsdp_factor)
         timeline.mark("gradient sync", "sync", t_sync)
         loss_value = _global_loss(local_loss, meshes)
         losses.append(loss_value)
@@ -431,8 +434,13 @@ def _forward_backward(chunks: Sequence[ModelChunk], pipe: Any, run: RunSpec, lay
 
 def _synchronise(chunks: Sequence[ModelChunk], named: Sequence[tuple[str, nn.Parameter]], run: RunSpec,
                  lay: Layout, meshes: Meshes, emb_group: Any, experts: set[nn.Parameter],
-                 inject: str | None) -> None:
-    """After the step's backward: TP partial sums, the tied embedding, dense dp x cp average, expert reduction."""
+                 inject: str | None, fsdp_factor: float) -> None:
+    """After the step's backward: a summing FSDP2's gradients back to the average (_fsdp), TP partial sums, the tied
+    embedding, dense dp x cp average, expert reduction."""
+    if fsdp_factor != 1.0:
+        for _, p in named:
+            if p not in experts and p.grad is not None:
+                p.grad.div_(fsdp_factor)
     if lay.tp > 1 and lay.zero < 2:
         for chunk in chunks:
             reduce_partial_grads(chunk)

@@ -27,11 +27,12 @@ from functools import partial
 from typing import Any
 
 from meshplan.costmodels.calibrate import fit_model
-from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime, resolve
+from meshplan.costmodels.config import ParallelConfig, Workload, resolve
 from meshplan.costmodels.efficiency import EXECUTOR_RUNTIME
 from meshplan.costmodels.memory import layer_activation_bytes
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.ops import ACT_BYTES
+from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, ActivationPoint, AttentionPoint, Calibration,
                                               CollectivePoint, DeviceInfo, GemmPoint, LayerOverhead, Measurements,
                                               MemoryOpPoint, OptimizerPoint, Software, StepOverhead)

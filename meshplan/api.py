@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
 
-from meshplan.costmodels.config import DEFAULT_RUNTIME, ParallelConfig, Workload
+from meshplan.costmodels.config import ParallelConfig, Workload
 from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster
 from meshplan.costmodels.estimate import Estimate, Simulated, simulate_config
 from meshplan.costmodels.estimate import estimate as estimate_cost
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
+from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.costmodels.serving import EngineLayout, ServeObjective, ServeTargets, ServeWorkload
 from meshplan.hardware_db.calibration import load_calibration
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec

@@ -20,9 +20,10 @@ from pydantic import (BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, Vali
 
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RANK_ORDERS, CpComm, DenseDim, Layout,
                                         ParallelConfig, Recompute, RecomputeModule, Schedule, StagePolicy, Workload,
-                                        ZeroStage, get_runtime, rank_order_dims, rank_order_of, resolve)
+                                        ZeroStage, rank_order_dims, rank_order_of, resolve)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import parse_model_file
+from meshplan.costmodels.runtime import get_runtime
 from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.documents import read_document
@@ -81,7 +82,7 @@ class Inputs(_Frozen):
     model: dict[str, Any] = Field(description="meshplan model file (docs/models.md), complete: no zoo needed")
     cluster: ClusterInput
     workload: Workload
-    runtime: str = Field(description="runtime preset (costmodels.config.RUNTIMES), with +options")
+    runtime: str = Field(description="runtime preset (costmodels.runtime.RUNTIMES), with +options")
     calibration: str | None = Field(default=None,
                                     description="calibration the efficiencies came from; null: GPU defaults")
 

@@ -24,22 +24,23 @@ from itertools import pairwise
 
 import numpy as np
 
-from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, DEFAULT_RUNTIME, ParallelConfig, RecomputeModule,
-                                        StagePolicy, Workload, get_runtime, resolve, split_evenly)
+from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, ParallelConfig, RecomputeModule, StagePolicy,
+                                        Workload, resolve, split_evenly)
+from meshplan.costmodels.context import CostContext
 from meshplan.costmodels.deadline import Deadline, TimeLimitReached
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.context import CostContext
 from meshplan.costmodels.estimate import Estimate, model_flops_per_step, simulate_config
 from meshplan.costmodels.memory import FRAGMENTATION, GIB
 from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.runtime import DEFAULT_RUNTIME, get_runtime
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.partition import (PartitionProblem, PartitionResult, partitions_below, per_stage_bound,
                                         per_stage_partitions_below, per_stage_tight_bound, solve_cpsat, solve_dp_pairs,
                                         solve_rank0_path_sync, solve_stage0_sync)
+from meshplan.planner.search_bounds import SearchCosts
 from meshplan.planner.space import (DEFAULT_MAX_MBS, MEMORY_POLICY, UNIFORM_POLICY, Candidate, Enumeration, Group,
                                     check_pins, enumerate_space)
-from meshplan.planner.search_bounds import SearchCosts
 
 REL_TOL = 1e-9  # two step times closer than this (relative) are equal
 QUICK_SAMPLE_GROUPS = 256  # under a time limit: about this many groups, a stride through them all, searched first

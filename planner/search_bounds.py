@@ -11,17 +11,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, CpComm, ParallelConfig, RecomputeModule, StagePolicy,
-                                        Workload, get_runtime, one_of, resolve)
+                                        Workload, one_of, resolve)
+from meshplan.costmodels.context import CostContext, buffer_bytes, fp8_weight_cast_s, stage_ranges
 from meshplan.costmodels.deadline import Deadline
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.timing import stage_p2p_s
-from meshplan.costmodels.passes import GroupLinks, PassCache, SyncCoefficients, with_recompute_fb
-from meshplan.costmodels.context import CostContext, buffer_bytes, fp8_weight_cast_s, stage_ranges
 from meshplan.costmodels.kernels import CONTENTION_SM, overlapped_exposed
 from meshplan.costmodels.memory import (FRAGMENTATION, GIB, StageParams, embedding_activation_bytes,
                                         layer_activation_bytes, logits_bytes, model_state_bytes, mtp_activation_bytes,
                                         stage_params)
 from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.passes import GroupLinks, PassCache, SyncCoefficients, with_recompute_fb
+from meshplan.costmodels.runtime import get_runtime
+from meshplan.costmodels.timing import stage_p2p_s
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.planner.partition import (SCHEDULES, Granularity, PartitionProblem, PartitionResult, SyncModel, dp_bound,
                                         may_fit, solve_dp)

@@ -19,10 +19,10 @@ from typing import NamedTuple, TypeVar
 from meshplan.costmodels.config import (BATCH_RULES, CP_RULES, DEFAULT_RANK_ORDER, DEFAULT_RECOMPUTE_MODULES,
                                         EXPERT_RULES, MESH_RULES, ORDER_NEEDS_NO_EP, PIPELINE_RULES, PP_INSIDE_DP,
                                         CpComm, Knobs, ParallelConfig, RankOrder, Recompute, RecomputeChoice,
-                                        RecomputeModule, Runtime, Schedule, Workload, ZeroStage, broken_rule,
-                                        check_pin_rules, check_recompute_modules, check_rules, even_chunks,
-                                        split_evenly)
+                                        RecomputeModule, Schedule, Workload, ZeroStage, broken_rule, check_pin_rules,
+                                        check_recompute_modules, check_rules, even_chunks, split_evenly)
 from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.runtime import Runtime
 from meshplan.hardware_db.errors import InputError
 
 # the uniform policy a candidate's DPs run: per-stage starts from no recomputation (its relaxed DP), and its memory
@@ -158,19 +158,15 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                     runtime: Runtime | None = None, max_mbs: int = DEFAULT_MAX_MBS) -> Enumeration:
     """All candidates, grouped; the launchers' rules (Megatron-LM arguments.py) reject subtrees, counted by rule.
 
-    Domains (stated in the plan's account): tp divides the GPUs and stays inside one node (TP across nodes is not
-    searched unless pinned); cp divides what is left with seq/cp >= MIN_CP_TOKENS; pp divides what is left;
-    dp fills the GPUs; ep divides the experts, etp divides tp; the rank order is the default, and also pp inside
-    dp where that moves a group onto other links (`rank_orders`); mbs divides the global batch up to max_mbs; vpp
-    2..MAX_VPP; ZeRO 0-3; recomputation none, selective, full or per stage (the partitioner's choice). With a
-    runtime, only the schedules, CP kinds and ZeRO stages its framework has (config.Runtime) are in the space.
-    """
+    Domains (in the plan's account, `_domains`): tp divides the GPUs within one node unless pinned; cp divides what
+    is left with seq/cp >= MIN_CP_TOKENS; pp divides what is left; dp fills the GPUs; ep divides the experts, etp
+    tp; the rank order where it moves a group (`rank_orders`); mbs divides the batch up to max_mbs; vpp 2..MAX_VPP;
+    ZeRO 0-3; recomputation none, selective, full or per stage; with a runtime, only what its framework has."""
     infeasible: dict[str, int] = {}
     # a variant's broken rule, by (tp, cp, pp, micro-batches, variant): the rules read nothing else of a mesh
     knob_rules: dict[tuple, str | None] = {}
     groups: list[Group] = []
     size = 0
-    moe = model.moe
     rt_schedules = runtime.schedules if runtime is not None else SCHEDULES_ALL
     rt_cp_comms = runtime.cp_comms if runtime is not None else ("ring", "a2a")
     zeros = tuple(z for z in _pick(list(ZEROS), pins.zero) if runtime is None or z in runtime.zero_stages)
@@ -235,7 +231,8 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                                 ok.append(v)
                         if ok:
                             groups.append(Group(mesh, mbs, m, tuple(ok), zeros, recs))
-    domains = _domains(num_gpus, gpus_per_node, pins, moe is not None, zeros, recs, runtime, rt_schedules, max_mbs)
+    domains = _domains(num_gpus, gpus_per_node, pins, model.moe is not None, zeros, recs, runtime, rt_schedules,
+                       max_mbs)
     return Enumeration(groups, size, infeasible, domains)
 
 

@@ -17,9 +17,9 @@ from meshplan.costmodels.calibrate import fit_curve, fit_linear, fit_model, fit_
 from meshplan.costmodels.comm import ring_shape
 from meshplan.costmodels.config import ParallelConfig, Workload
 from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster
-from meshplan.costmodels.timing import op_time, timed_collective
 from meshplan.costmodels.estimate import simulate_config
 from meshplan.costmodels.model_io import load_model
+from meshplan.costmodels.timing import op_time, timed_collective
 from meshplan.hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, ActivationPoint, AttentionPoint, Calibration,
                                               CollectivePoint, DeviceInfo, GemmPoint, LayerOverhead, Measurements,
                                               MemoryOpPoint, OptimizerPoint, Software, StepOverhead, calibration_dir,
@@ -302,9 +302,10 @@ def test_profile_refuses_a_device_this_machine_does_not_have(capsys, tmp_path):
 
 
 def test_the_measured_activation_ratio_applies_to_plans_of_the_profiled_framework_only():
-    from meshplan.costmodels.config import get_runtime, resolve
+    from meshplan.costmodels.config import resolve
     from meshplan.costmodels.context import CostContext
     from meshplan.costmodels.memory import layer_activation_bytes
+    from meshplan.costmodels.runtime import get_runtime
 
     model = load_model("llama3.1-8b").model_copy(update={"num_layers": 2, "hidden": 256, "num_heads": 8,
                                                          "num_kv_heads": 4, "head_dim": 32, "ffn_hidden": 704,

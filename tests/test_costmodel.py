@@ -10,12 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.costmodels import comm
-from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime, resolve
+from meshplan.costmodels.config import ParallelConfig, Workload, resolve
 from meshplan.costmodels.estimate import estimate, model_flops_per_step
 from meshplan.costmodels.memory import StageParams, layer_activation_bytes, model_state_bytes
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.ops import decoder_layer, head_block
 from meshplan.costmodels.pipeline import StageTimes, bubble_closed_form, build_schedule, simulate
+from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 
@@ -284,8 +285,8 @@ def test_mtp_modules_sit_on_the_last_stage():
     """DeepSeek-V3's MTP module (one projection, one MoE layer, the shared head again) is the last stage's: its
     parameters are counted there (the stages' parameters add up to total_params(include_mtp=True)), the last stage's
     block is slower by about one MoE layer and a head, and its memory grows by the module's activations."""
-    from meshplan.costmodels.efficiency import Efficiency
     from meshplan.costmodels.context import CostContext
+    from meshplan.costmodels.efficiency import Efficiency
     from meshplan.costmodels.estimate import simulate_config
     from meshplan.costmodels.memory import mtp_activation_bytes, stage_params
     from meshplan.costmodels.model_io import load_zoo
@@ -350,10 +351,10 @@ def test_interleaved_rank_parameters_are_its_chunks():
 def test_pass_cache_totals_match_the_composed_passes(name, tp, cp, cp_comm, sp, mbs, ep, etp):
     """The planner's work bounds read PassCache.layer_fb / edges_fb (sums of the halves' totals); contexts read the
     composed PassTimes: the same seconds for every kind of layer, recompute mode, the embedding and the head (MTP)."""
-    from meshplan.costmodels.efficiency import Efficiency
-    from meshplan.costmodels.passes import PassCache
     from meshplan.costmodels.context import CostContext
+    from meshplan.costmodels.efficiency import Efficiency
     from meshplan.costmodels.model_io import load_model
+    from meshplan.costmodels.passes import PassCache
     from meshplan.hardware_db.cluster import Cluster, ClusterSpec
     from meshplan.planner.space import LayerKey
     model = load_model(name)

@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.costmodels import comm
-from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime
+from meshplan.costmodels.config import ParallelConfig, Workload
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.timing import KernelShape, op_time
 from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.kernels import (ATTENTION_KEYS_HALF, CONTENTION_COPY_ENGINE, CONTENTION_SM,
                                          QUANT_BYTES_PER_ELEMENT, TE_GEMM_STREAMS, Physics, async_tp_fused,
@@ -23,6 +22,8 @@ from meshplan.costmodels.kernels import (ATTENTION_KEYS_HALF, CONTENTION_COPY_EN
                                          quant_bytes_per_element, ring_cp_exposed, tp_exposed_fraction, tp_gemm_chunks)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.ops import fp8_quantize_ops, gemm
+from meshplan.costmodels.runtime import get_runtime
+from meshplan.costmodels.timing import KernelShape, op_time
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import load_gpu
@@ -747,10 +748,10 @@ def test_torch_cp_all_gathers_kv_behind_the_first_step_and_rings_fp32_gradients(
     first of cp attention steps; the backward gathers again and passes the K,V gradients round in fp32, one hop per
     step plus the last. By hand from the attention block's collectives, on CP 8 across 8 nodes (TP 8 inside)."""
     from meshplan.costmodels.config import resolve
-    from meshplan.costmodels.timing import collective_time
-    from meshplan.costmodels.passes import GroupLinks, PassCache
     from meshplan.costmodels.model_io import load_model
     from meshplan.costmodels.ops import attention_half
+    from meshplan.costmodels.passes import GroupLinks, PassCache
+    from meshplan.costmodels.timing import collective_time
 
     model = load_model("llama3.1-8b")
     cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=64))
@@ -836,10 +837,10 @@ def test_op_sac_all_gathers_the_tp_inputs_again():
     all-gather once more (vanilla TP: its whole time), and nothing for the reduce-scatter. By hand from one block
     priced with and without its collectives."""
     from meshplan.costmodels.config import resolve
-    from meshplan.costmodels.timing import collective_time
-    from meshplan.costmodels.passes import GroupLinks, PassCache
     from meshplan.costmodels.model_io import load_model
     from meshplan.costmodels.ops import attention_half, mlp_half
+    from meshplan.costmodels.passes import GroupLinks, PassCache
+    from meshplan.costmodels.timing import collective_time
 
     model = load_model("llama3.1-8b")
     cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=64))

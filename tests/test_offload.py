@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime
+from meshplan.costmodels.config import ParallelConfig, Workload
 from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.kernels import CONTENTION_COPY_ENGINE, Physics, copy_engine_exposed
 from meshplan.costmodels.memory import layer_activation_bytes
 from meshplan.costmodels.model_io import load_model
+from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers import export_plan

@@ -12,12 +12,13 @@ import pytest
 from cli_helpers import assert_input_error, run
 
 from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, PP_INSIDE_DP, Layout, ParallelConfig, StagePolicy, Workload,
-                                        get_runtime, resolve)
-from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.timing import RANK_ORDER, group_ranks
+                                        resolve)
 from meshplan.costmodels.context import CostContext
+from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.estimate import estimate, layout_dict, simulate_config
 from meshplan.costmodels.model_io import load_zoo
+from meshplan.costmodels.runtime import get_runtime
+from meshplan.costmodels.timing import RANK_ORDER, group_ranks
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.builders import build_plan

@@ -6,10 +6,11 @@ import math
 import pytest
 from launcher_helpers import make_plan
 
-from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime, resolve
+from meshplan.costmodels.config import ParallelConfig, Workload, resolve
 from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.memory import layer_activation_bytes
 from meshplan.costmodels.model_io import load_model
+from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers import ExportError, export_plan

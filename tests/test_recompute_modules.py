@@ -11,11 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.costmodels import comm
-from meshplan.costmodels.config import RECOMPUTE_MODULES, ParallelConfig, Workload, get_runtime, resolve
+from meshplan.costmodels.config import RECOMPUTE_MODULES, ParallelConfig, Workload, resolve
 from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.memory import layer_activation_bytes
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.ops import ACT_BYTES, EP_FP8_DISPATCH_BYTES, mlp_half
+from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers import export_plan

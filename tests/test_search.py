@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshplan.cli.main import main
-from meshplan.costmodels.config import (DEFAULT_RUNTIME, RUNTIMES, ParallelConfig, StagePolicy, Workload, get_runtime,
-                                        resolve)
+from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload, resolve
 from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model, load_zoo
+from meshplan.costmodels.runtime import DEFAULT_RUNTIME, RUNTIMES, get_runtime
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.search import SearchResult, search
@@ -56,7 +56,7 @@ def run(model: str, n: int, gbs: int, seq: int, gpu: str = "h100-sxm", top_k: in
 
 def runtime_for(pins: dict) -> str:
     """The default runtime (megatron-core), or the reference executor's where a pinned schedule needs it (it runs
-    every schedule: config.RUNTIMES)."""
+    every schedule: runtime.RUNTIMES)."""
     return "meshplan-executor" if pins.get("schedule") in ("gpipe", "zb") else DEFAULT_RUNTIME
 
 

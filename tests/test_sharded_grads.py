@@ -9,13 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.costmodels import comm
-from meshplan.costmodels.config import ParallelConfig, Workload, get_runtime, resolve
-from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.config import ParallelConfig, Workload, resolve
 from meshplan.costmodels.context import CostContext
+from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.kernels import CONTENTION_SM, overlapped_exposed
 from meshplan.costmodels.memory import StageParams, model_state_bytes
 from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 
 MODEL = ModelSpec(name="m", num_layers=8, hidden=4096, num_heads=32, num_kv_heads=8, ffn_hidden=14336, vocab=128256)

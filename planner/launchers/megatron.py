@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RECOMPUTE_MODULES, ParallelConfig,
-                                        Recompute, StagePolicy, TrainDtype, Workload, ZeroStage, get_runtime,
-                                        split_evenly)
+                                        Recompute, StagePolicy, TrainDtype, Workload, ZeroStage, split_evenly)
 from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
                                                uniform_recompute)

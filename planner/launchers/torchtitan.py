@@ -18,10 +18,11 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from meshplan.costmodels.config import (DEFAULT_RANK_ORDER, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, ParallelConfig, Recompute,
-                                        Schedule, TrainDtype, Workload, ZeroStage, get_runtime, one_of)
+                                        Schedule, TrainDtype, Workload, ZeroStage, one_of)
 from meshplan.costmodels.kernels import Fp8Recipe
 from meshplan.costmodels.model import MAX_LAYERS, ModelSpec
 from meshplan.costmodels.model_io import load_zoo, to_model_file
+from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.cluster import MAX_GPUS
 from meshplan.hardware_db.documents import parse_document
 from meshplan.hardware_db.errors import InputError, field_error
