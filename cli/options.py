@@ -5,7 +5,7 @@ import functools
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
@@ -168,25 +168,47 @@ def _comma_list(text: str, choices: tuple[str, ...], flag: str) -> tuple[str, ..
 Command = TypeVar("Command", bound=Callable[..., Any])
 
 
-def with_knobs(searching: bool) -> Callable[[Command], Command]:
-    """Give a command one option per knob in place of its `config: ParallelConfig` parameter: typer reads the
-    generated signature, and the command is called with the knobs as one ParallelConfig (`knob_parameters`)."""
+def packed(name: str, params: Sequence[inspect.Parameter], build: Callable[..., Any]) -> Callable[[Command], Command]:
+    """Give a command the options `params` in place of its parameter `name`, and call it with `build(**their values)`
+    there: typer reads the generated signature, the command gets one value (a ParallelConfig, a ClusterSpec, ...)."""
     def wrap(command: Command) -> Command:
         signature = inspect.signature(command)
-        knobs = knob_parameters(searching)
-        names = [k.name for k in knobs]
-        params: list[inspect.Parameter] = []
+        names = [q.name for q in params]
+        new: list[inspect.Parameter] = []
         for p in signature.parameters.values():
-            params += [k.replace(kind=p.kind) for k in knobs] if p.name == "config" else [p]
+            new += [q.replace(kind=p.kind) for q in params] if p.name == name else [p]
 
         @functools.wraps(command)
         def run(**kwargs: Any) -> Any:
-            return command(config=config_of_flags({n: kwargs.pop(n) for n in names}), **kwargs)
+            return command(**{name: build(**{n: kwargs.pop(n) for n in names})}, **kwargs)
 
-        run.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-        run.__annotations__ = {p.name: p.annotation for p in params} | {"return": signature.return_annotation}
+        run.__signature__ = signature.replace(parameters=new)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in new} | {"return": signature.return_annotation}
         return run  # type: ignore[return-value]
     return wrap
+
+
+def with_knobs(searching: bool) -> Callable[[Command], Command]:
+    """One option per knob in place of the command's `config: ParallelConfig` (`knob_parameters`)."""
+    return packed("config", knob_parameters(searching), lambda **given: config_of_flags(given))
+
+
+def _option(name: str, annotation: Any, default: Any = None) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def with_cluster(command: Command) -> Command:
+    """--gpu, --gpus and the link flags, or --cluster FILE, in place of the command's `cluster: ClusterSpec`."""
+    options = [_option("gpu", GpuOpt), _option("gpus", GpusOpt), _option("gpus_per_node", PerNodeOpt),
+               _option("nic_gbps", NicOpt), _option("nvlink_gbs", NvlinkOpt), _option("cluster_file", ClusterOpt)]
+    return packed("cluster", options, cluster_of_flags)(command)
+
+
+def with_workload(command: Command) -> Command:
+    """--gbs, --seq, --dtype and --fp8-recipe in place of the command's `workload: Workload`."""
+    options = [_option("gbs", GbsOpt, 256), _option("seq", SeqOpt, 4096), _option("dtype", DtypeOpt, "bf16"),
+               _option("fp8_recipe", Fp8RecipeOpt, "tensorwise")]
+    return packed("workload", options, workload_arg)(command)
 
 
 def workload_arg(gbs: int, seq: int, dtype: str, fp8_recipe: str) -> Workload:

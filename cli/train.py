@@ -1,44 +1,39 @@
 """`meshplan estimate` and `meshplan plan`: a library call each (meshplan/api.py) and their tables."""
 
+import inspect
 import json
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from meshplan import api
-from meshplan.cli.options import (CalibrationOpt, ClusterOpt, DtypeOpt, ExportTarget, Fp8RecipeOpt, GbsOpt, GpuOpt,
-                                  GpusOpt, ModelOpt, NicOpt, NvlinkOpt, P_OUT, PerNodeOpt, RuntimeOpt, SeqOpt,
-                                  cluster_of_flags, console, echo_export, output_targets, with_knobs, workload_arg)
+from meshplan.cli.options import (P_OUT, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt, console, echo_export,
+                                  output_targets, packed, with_cluster, with_knobs, with_workload)
 from meshplan.costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
 from meshplan.costmodels.estimate import Estimate
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
-from meshplan.hardware_db.cluster import Cluster
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import OutputFile, write_all
 from meshplan.planner.space import DEFAULT_MAX_MBS
 
 
+@with_workload
+@with_cluster
 @with_knobs(searching=False)
 def estimate(
     model: ModelOpt,
-    gbs: GbsOpt = 256,
-    seq: SeqOpt = 4096,
-    dtype: DtypeOpt = "bf16",
-    fp8_recipe: Fp8RecipeOpt = "tensorwise",
-    gpu: GpuOpt = None,
-    gpus: GpusOpt = None,
-    gpus_per_node: PerNodeOpt = None,
-    nic_gbps: NicOpt = None,
-    nvlink_gbs: NvlinkOpt = None,
-    cluster_file: ClusterOpt = None,
-    config: ParallelConfig = ParallelConfig(),  # one option per knob (cli/options.py with_knobs)
+    workload: Workload,  # --gbs --seq --dtype --fp8-recipe (cli/options.py with_workload)
+    cluster: ClusterSpec,  # --gpu --gpus and the link flags, or --cluster (with_cluster)
+    config: ParallelConfig,  # one option per knob (with_knobs)
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     calibration: CalibrationOpt = None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
@@ -51,13 +46,11 @@ def estimate(
     sequence parallelism on with TP; schedule interleaved when vpp > 1, else 1f1b.
     """
     spec = load_model(model)
-    cluster_spec = cluster_of_flags(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
-    workload = workload_arg(gbs, seq, dtype, fp8_recipe)
-    est = api.estimate(spec, cluster_spec, workload, config, runtime, calibration)
+    est = api.estimate(spec, cluster, workload, config, runtime, calibration)
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
     else:
-        print_estimate(console(), spec, api.calibrated(cluster_spec, calibration, runtime)[0], workload, est)
+        print_estimate(console(), spec, api.calibrated(cluster, calibration, runtime)[0], workload, est)
 
 
 BREAKDOWN_LABELS = {
@@ -138,20 +131,60 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
 
 # ---- plan ----------------------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class PlanOutputs:
+    """What `plan` writes and prints besides its table."""
+
+    out: Path | None = None
+    trace: Path | None = None
+    explain: bool = False
+    as_json: bool = False
+    timing: bool = False
+    export_to: ExportTarget | None = None
+    export_out: Path | None = None
+
+
+def _plan_outputs(**given: Any) -> PlanOutputs:
+    """The output options, checked before any work: paths writable and distinct, --export-out with --export."""
+    outputs = PlanOutputs(**given)
+    if outputs.export_out is not None and outputs.export_to is None:
+        raise InputError("--export-out needs --export TARGET")
+    if outputs.as_json and outputs.export_to is not None and outputs.export_out is None:
+        raise InputError("--json prints only the plan; give --export-out for the --export files")
+    out, trace, export_out = output_targets(out=outputs.out, trace=outputs.trace, export_out=outputs.export_out)
+    return replace(outputs, out=out, trace=trace, export_out=export_out)
+
+
+PLAN_OUTPUTS = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+                for name, default, annotation in (
+    ("out", None, Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
+        "Write the best plan as Plan JSON (schema v1, planner/plan.schema.json) to this file."))]),
+    ("trace", None, Annotated[Path | None, typer.Option("--trace", rich_help_panel=P_OUT, help=(
+        "Write the best plan's simulated pipeline timeline as a Chrome trace (open in ui.perfetto.dev)."))]),
+    ("explain", False, Annotated[bool, typer.Option("--explain", rich_help_panel=P_OUT, help=(
+        "Say why the best plan beats the runner-up and which constraint binds."))]),
+    ("as_json", False, Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
+        "Print the best plan as Plan JSON and nothing else."))]),
+    ("timing", False, Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
+        "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
+        "writes a byte-identical plan; the table shows the time either way."))]),
+    ("export_to", None, Annotated[ExportTarget | None, typer.Option("--export", rich_help_panel=P_OUT, help=(
+        "Also export the best plan for a launcher (as `meshplan export`): printed after the table, or written "
+        "to --export-out."))]),
+    ("export_out", None, Annotated[Path | None, typer.Option("--export-out", rich_help_panel=P_OUT, help=(
+        "Where --export writes: the file, or a directory when the export has several files."))]),
+)]
+
+
+@with_workload
+@with_cluster
 @with_knobs(searching=True)
+@packed("outputs", PLAN_OUTPUTS, _plan_outputs)
 def plan(
     model: ModelOpt,
-    gbs: GbsOpt = 256,
-    seq: SeqOpt = 4096,
-    dtype: DtypeOpt = "bf16",
-    fp8_recipe: Fp8RecipeOpt = "tensorwise",
-    gpu: GpuOpt = None,
-    gpus: GpusOpt = None,
-    gpus_per_node: PerNodeOpt = None,
-    nic_gbps: NicOpt = None,
-    nvlink_gbs: NvlinkOpt = None,
-    cluster_file: ClusterOpt = None,
-    config: ParallelConfig = ParallelConfig(),  # one option per knob the search takes pinned (with_knobs)
+    workload: Workload,  # --gbs --seq --dtype --fp8-recipe (cli/options.py with_workload)
+    cluster: ClusterSpec,  # --gpu --gpus and the link flags, or --cluster (with_cluster)
+    config: ParallelConfig,  # one option per knob the search takes pinned (with_knobs)
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     calibration: CalibrationOpt = None,
     max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, max=2**17, rich_help_panel="Parallelism (unset: searched)",
@@ -161,22 +194,7 @@ def plan(
     time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
         "Stop after about this many seconds and return the best plan found with its proven optimality gap; a "
         "quick first plan comes before the exact search, and the limit waits for it."))] = None,
-    out: Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
-        "Write the best plan as Plan JSON (schema v1, planner/plan.schema.json) to this file."))] = None,
-    trace: Annotated[Path | None, typer.Option("--trace", rich_help_panel=P_OUT, help=(
-        "Write the best plan's simulated pipeline timeline as a Chrome trace (open in ui.perfetto.dev)."))] = None,
-    explain_: Annotated[bool, typer.Option("--explain", rich_help_panel=P_OUT, help=(
-        "Say why the best plan beats the runner-up and which constraint binds."))] = False,
-    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
-        "Print the best plan as Plan JSON and nothing else."))] = False,
-    timing: Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
-        "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
-        "writes a byte-identical plan; the table shows the time either way."))] = False,
-    export_to: Annotated[ExportTarget | None, typer.Option("--export", rich_help_panel=P_OUT, help=(
-        "Also export the best plan for a launcher (as `meshplan export`): printed after the table, or written "
-        "to --export-out."))] = None,
-    export_out: Annotated[Path | None, typer.Option("--export-out", rich_help_panel=P_OUT, help=(
-        "Where --export writes: the file, or a directory when the export has several files."))] = None,
+    outputs: PlanOutputs = PlanOutputs(),  # --out --trace --explain --json --timing --export --export-out
 ) -> None:
     """Search every parallel configuration and return the fastest that fits, proven optimal under the cost model.
 
@@ -190,42 +208,33 @@ def plan(
     from meshplan.planner.plan import plan_text
     from meshplan.planner.trace import chrome_trace, trace_text
 
-    if export_out is not None and export_to is None:
-        raise InputError("--export-out needs --export TARGET")
-    if as_json and export_to is not None and export_out is None:
-        raise InputError("--json prints only the plan; give --export-out for the --export files")
-    out, trace, export_out = output_targets(out=out, trace=trace, export_out=export_out)
-
     spec = load_model(model)
-    cluster_spec = cluster_of_flags(cluster_file, gpu, gpus, gpus_per_node, nic_gbps, nvlink_gbs)
-    workload = workload_arg(gbs, seq, dtype, fp8_recipe)
-    with _progress(not as_json) as bar:
-        found = api.search_plans(spec, cluster_spec, workload, config, runtime, calibration, top, time_limit, timing,
-                                 progress=bar, max_mbs=max_mbs)
-    doc, result, sim, cluster = found.plan, found.result, found.simulated, found.cluster
-    exported = export_plan(doc, export_to) if export_to is not None else None  # refuses before anything is written
-    files = [OutputFile(out, plan_text(doc))] if out is not None else []
-    written = export_files(exported, export_out) if exported is not None and export_out is not None else []
+    with _progress(not outputs.as_json) as bar:
+        found = api.search_plans(spec, cluster, workload, config, runtime, calibration, top, time_limit,
+                                 outputs.timing, progress=bar, max_mbs=max_mbs)
+    doc, result, sim = found.plan, found.result, found.simulated
+    exported = export_plan(doc, outputs.export_to) if outputs.export_to is not None else None  # refuses first
+    files = [OutputFile(outputs.out, plan_text(doc))] if outputs.out is not None else []
+    written = export_files(exported, outputs.export_out) if exported and outputs.export_out is not None else []
     files += written
-    if trace is not None:
-        files.append(OutputFile(trace, trace_text(chrome_trace(sim))))
+    if outputs.trace is not None:
+        files.append(OutputFile(outputs.trace, trace_text(chrome_trace(sim))))
     write_all(files)  # all or none, after every one of them is made
-    written = [f.path for f in written]
-    if as_json:
+    if outputs.as_json:
         typer.echo(doc.model_dump_json(indent=2))
         return
     con = console()
-    _print_ranking(con, spec, cluster, workload, result)
-    if explain_:
+    _print_ranking(con, spec, found.cluster, workload, result)
+    if outputs.explain:
         for line in explain(result):
             con.print(line)
-    if out is not None:
-        con.print(f"plan written to {out}")
-    if trace is not None:
-        con.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
+    if outputs.out is not None:
+        con.print(f"plan written to {outputs.out}")
+    if outputs.trace is not None:
+        con.print(f"trace written to {outputs.trace} (open in https://ui.perfetto.dev)")
     if exported is not None:
-        if export_out is not None:
-            con.print(f"{export_to} export written to {', '.join(map(str, written))}")
+        if outputs.export_out is not None:
+            con.print(f"{outputs.export_to} export written to {', '.join(str(f.path) for f in written)}")
         else:
             echo_export(exported)
 
