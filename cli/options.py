@@ -193,21 +193,22 @@ def with_knobs(searching: bool) -> Callable[[Command], Command]:
     return packed("config", knob_parameters(searching), lambda **given: config_of_flags(given))
 
 
-def _option(name: str, annotation: Any, default: Any = None) -> inspect.Parameter:
+def option(name: str, annotation: Any, default: Any = None) -> inspect.Parameter:
+    """A typer option (`annotation`: Annotated[type, typer.Option(...)]) as a parameter for `packed`."""
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 
 def with_cluster(command: Command) -> Command:
     """--gpu, --gpus and the link flags, or --cluster FILE, in place of the command's `cluster: ClusterSpec`."""
-    options = [_option("gpu", GpuOpt), _option("gpus", GpusOpt), _option("gpus_per_node", PerNodeOpt),
-               _option("nic_gbps", NicOpt), _option("nvlink_gbs", NvlinkOpt), _option("cluster_file", ClusterOpt)]
+    options = [option("gpu", GpuOpt), option("gpus", GpusOpt), option("gpus_per_node", PerNodeOpt),
+               option("nic_gbps", NicOpt), option("nvlink_gbs", NvlinkOpt), option("cluster_file", ClusterOpt)]
     return packed("cluster", options, cluster_of_flags)(command)
 
 
 def with_workload(command: Command) -> Command:
     """--gbs, --seq, --dtype and --fp8-recipe in place of the command's `workload: Workload`."""
-    options = [_option("gbs", GbsOpt, 256), _option("seq", SeqOpt, 4096), _option("dtype", DtypeOpt, "bf16"),
-               _option("fp8_recipe", Fp8RecipeOpt, "tensorwise")]
+    options = [option("gbs", GbsOpt, 256), option("seq", SeqOpt, 4096), option("dtype", DtypeOpt, "bf16"),
+               option("fp8_recipe", Fp8RecipeOpt, "tensorwise")]
     return packed("workload", options, workload_arg)(command)
 
 

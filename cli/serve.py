@@ -1,5 +1,6 @@
 """`meshplan serve`: the serving search (meshplan/api.py) and its tables."""
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -8,77 +9,153 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan import api
-from meshplan.cli.options import (GpuOpt, ModelOpt, NicOpt, NvlinkOpt, P_CLUSTER, P_MODEL, P_OUT, P_PAR, PerNodeOpt,
-                                  cluster_of_flags, console, echo_export, output_targets)
+from meshplan.cli.options import (P_CLUSTER, P_MODEL, P_OUT, P_PAR, GpuOpt, ModelOpt, NicOpt, NvlinkOpt, PerNodeOpt,
+                                  cluster_of_flags, console, echo_export, option, output_targets, packed)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
-from meshplan.costmodels.serving import ServeTargets
-from meshplan.hardware_db.cluster import Cluster
+from meshplan.costmodels.serving import ServeTargets, ServeWorkload
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import OutputFile, write_all
 
 
+@dataclass(frozen=True)
+class ServeGpus:
+    """The GPUs a serving search may use: at most cluster.num_gpus, at least `low`."""
+
+    cluster: ClusterSpec
+    low: int
+
+
+def _serve_gpus(gpu: str | None, gpus: str | None, gpus_per_node: int | None, nic_gbps: float | None,
+                nvlink_gbs: float | None) -> ServeGpus:
+    from meshplan.planner.serve import parse_gpu_range
+
+    low, high = parse_gpu_range(gpus)
+    return ServeGpus(cluster_of_flags(None, gpu, high, gpus_per_node, nic_gbps, nvlink_gbs), low)
+
+
+def _serve_workload(isl: int | None, osl: int | None, lengths: Path | None, weight_dtype: str,
+                    kv_dtype: str) -> ServeWorkload:
+    from meshplan.planner.serve import load_lengths, workload_from
+
+    return workload_from(isl, osl, load_lengths(lengths) if lengths else None, weight_dtype, kv_dtype)
+
+
+def _pinned(layout: str | None, prefill_layout: str | None, engines: int | None, prefill_engines: int | None,
+            batch: int | None) -> api.PinnedDeployment | None:
+    from meshplan.planner.serve import parse_engine_layout
+
+    if layout is None:
+        if prefill_layout or engines or prefill_engines or batch:
+            raise InputError("--prefill-layout, --engines, --prefill-engines and --batch go with --layout")
+        return None
+    return api.PinnedDeployment(parse_engine_layout(layout), engines, batch,
+                                parse_engine_layout(prefill_layout) if prefill_layout else None, prefill_engines)
+
+
+@dataclass(frozen=True)
+class ServeOutputs:
+    """What `serve` writes and prints besides its tables."""
+
+    out: Path | None = None
+    as_json: bool = False
+    timing: bool = False
+    export_to: Literal["vllm", "sglang"] | None = None
+    export_out: Path | None = None
+
+
+def _serve_outputs(**given: Any) -> ServeOutputs:
+    """The output options, checked before any work."""
+    outputs = ServeOutputs(**given)
+    out, export_out = output_targets(out=outputs.out, export_out=outputs.export_out)
+    if export_out is not None and outputs.export_to is None:
+        raise InputError("--export-out needs --export vllm|sglang")
+    if outputs.as_json and outputs.export_to is not None and export_out is None:
+        raise InputError("--json prints only the plan; give --export-out for the --export files")
+    return replace(outputs, out=out, export_out=export_out)
+
+
+GPU_OPTIONS = [
+    option("gpu", GpuOpt),
+    option("gpus", Annotated[str | None, typer.Option("--gpus", rich_help_panel=P_CLUSTER, help=(
+        "GPUs: N (at most N) or A-B (deployments using A to B)."))]),
+    option("gpus_per_node", PerNodeOpt), option("nic_gbps", NicOpt), option("nvlink_gbs", NvlinkOpt)]
+WORKLOAD_OPTIONS = [
+    option("isl", Annotated[int | None, typer.Option("--isl", min=1, rich_help_panel=P_MODEL, help=(
+        "Input (prompt) tokens per request."))]),
+    option("osl", Annotated[int | None, typer.Option("--osl", min=1, rich_help_panel=P_MODEL, help=(
+        "Output tokens per request."))]),
+    option("lengths", Annotated[Path | None, typer.Option("--lengths", rich_help_panel=P_MODEL, help=(
+        "CSV of request lengths (columns input_tokens,output_tokens, or isl,osl): their means are the "
+        "workload."))]),
+    option("weight_dtype", Annotated[Literal["bf16", "fp8"], typer.Option("--weight-dtype", rich_help_panel=P_MODEL,
+                                                                         help="Weights and GEMMs in bf16 or fp8.")],
+           "bf16"),
+    option("kv_dtype", Annotated[Literal["bf16", "fp8"], typer.Option("--kv-dtype", rich_help_panel=P_MODEL,
+                                                                     help="KV cache precision.")], "bf16")]
+TARGET_OPTIONS = [
+    option("ttft_ms", Annotated[float | None, typer.Option("--ttft-ms", min=0.001, max=1e9, rich_help_panel=P_PAR,
+                                                           help="Time-to-first-token target, ms.")]),
+    option("tpot_ms", Annotated[float | None, typer.Option("--tpot-ms", min=0.001, max=1e9, rich_help_panel=P_PAR,
+                                                           help="Time-per-output-token target, ms.")]),
+    option("e2e_ms", Annotated[float | None, typer.Option("--e2e-ms", min=0.001, rich_help_panel=P_PAR, help=(
+        "End-to-end latency target (TTFT + OSL x TPOT), ms."))]),
+    option("request_rate", Annotated[float | None, typer.Option("--request-rate", min=0.000001, rich_help_panel=P_PAR,
+                                                                help="Requests/s to serve (objective min-gpus).")])]
+PINNED_OPTIONS = [
+    option("layout", Annotated[str | None, typer.Option("--layout", rich_help_panel=P_PAR, help=(
+        "Evaluate this engine instead of searching, e.g. tp8 or tp4,dp80,ep320 (the decode pool with "
+        "--prefill-layout)."))]),
+    option("prefill_layout", Annotated[str | None, typer.Option("--prefill-layout", rich_help_panel=P_PAR, help=(
+        "With --layout: a disaggregated deployment with this prefill engine, e.g. tp4,dp8,ep32."))]),
+    option("engines", Annotated[int | None, typer.Option("--engines", min=1, rich_help_panel=P_PAR, help=(
+        "With --layout: engines of it (default: fill the GPUs, or 1 decode engine)."))]),
+    option("prefill_engines", Annotated[int | None, typer.Option("--prefill-engines", min=1, rich_help_panel=P_PAR,
+                                                                 help=("With --prefill-layout: prefill engines "
+                                                                       "(default: as many as the decode pool "
+                                                                       "needs)."))]),
+    option("batch", Annotated[int | None, typer.Option("--batch", min=1, rich_help_panel=P_PAR, help=(
+        "With --layout: running sequences per engine (default: the best that meets the targets)."))])]
+OUTPUT_OPTIONS = [
+    option("out", Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
+        "Write the best deployment as a serving plan (Plan JSON, kind serving)."))]),
+    option("as_json", Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
+        "Print the serving plan as JSON and nothing else."))], False),
+    option("timing", Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
+        "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
+        "writes a byte-identical plan; the table shows the time either way."))], False),
+    option("export_to", Annotated[Literal["vllm", "sglang"] | None, typer.Option("--export", rich_help_panel=P_OUT,
+                                                                                 help=(
+        "Also export the best deployment's command lines (printed, or written to --export-out)."))]),
+    option("export_out", Annotated[Path | None, typer.Option("--export-out", rich_help_panel=P_OUT,
+                                                             help="Where --export writes.")])]
+
+
+@packed("gpus", GPU_OPTIONS, _serve_gpus)
+@packed("workload", WORKLOAD_OPTIONS, _serve_workload)
+@packed("targets", TARGET_OPTIONS, ServeTargets)
+@packed("pinned", PINNED_OPTIONS, _pinned)
+@packed("outputs", OUTPUT_OPTIONS, _serve_outputs)
 def serve(
     model: ModelOpt,
-    gpu: GpuOpt = None,
-    gpus: Annotated[str | None, typer.Option("--gpus", rich_help_panel=P_CLUSTER, help=(
-        "GPUs: N (at most N) or A-B (deployments using A to B)."))] = None,
-    gpus_per_node: PerNodeOpt = None,
-    nic_gbps: NicOpt = None,
-    nvlink_gbs: NvlinkOpt = None,
-    isl: Annotated[int | None, typer.Option("--isl", min=1, rich_help_panel=P_MODEL, help=(
-        "Input (prompt) tokens per request."))] = None,
-    osl: Annotated[int | None, typer.Option("--osl", min=1, rich_help_panel=P_MODEL, help=(
-        "Output tokens per request."))] = None,
-    lengths: Annotated[Path | None, typer.Option("--lengths", rich_help_panel=P_MODEL, help=(
-        "CSV of request lengths (columns input_tokens,output_tokens, or isl,osl): their means are the workload."))
-    ] = None,
-    ttft_ms: Annotated[float | None, typer.Option("--ttft-ms", min=0.001, max=1e9, rich_help_panel=P_PAR, help=(
-        "Time-to-first-token target, ms."))] = None,
-    tpot_ms: Annotated[float | None, typer.Option("--tpot-ms", min=0.001, max=1e9, rich_help_panel=P_PAR, help=(
-        "Time-per-output-token target, ms."))] = None,
-    e2e_ms: Annotated[float | None, typer.Option("--e2e-ms", min=0.001, rich_help_panel=P_PAR, help=(
-        "End-to-end latency target (TTFT + OSL x TPOT), ms."))] = None,
+    gpus: ServeGpus,  # --gpu --gpus N|A-B and the link flags
+    workload: ServeWorkload,  # --isl --osl --lengths --weight-dtype --kv-dtype
+    targets: ServeTargets,  # --ttft-ms --tpot-ms --e2e-ms --request-rate
     objective: Annotated[Literal["throughput", "min-gpus"], typer.Option("--objective", rich_help_panel=P_PAR,
         help="throughput: most output tokens/s per GPU; min-gpus: fewest GPUs for --request-rate.")
     ] = "throughput",
-    request_rate: Annotated[float | None, typer.Option("--request-rate", min=0.000001, rich_help_panel=P_PAR,
-        help="Requests/s to serve (objective min-gpus).")] = None,
-    weight_dtype: Annotated[Literal["bf16", "fp8"], typer.Option("--weight-dtype", rich_help_panel=P_MODEL,
-        help="Weights and GEMMs in bf16 or fp8.")] = "bf16",
-    kv_dtype: Annotated[Literal["bf16", "fp8"], typer.Option("--kv-dtype", rich_help_panel=P_MODEL,
-        help="KV cache precision.")] = "bf16",
     mem_fraction: Annotated[float, typer.Option("--mem-fraction", min=0.05, max=1.0, rich_help_panel=P_PAR, help=(
         "Fraction of HBM an engine uses (vLLM --gpu-memory-utilization, SGLang --mem-fraction-static)."))] = 0.9,
     disaggregation: Annotated[bool, typer.Option("--disaggregation/--no-disaggregation", rich_help_panel=P_PAR,
         help="Also search separate prefill and decode pools.")] = True,
-    layout: Annotated[str | None, typer.Option("--layout", rich_help_panel=P_PAR, help=(
-        "Evaluate this engine instead of searching, e.g. tp8 or tp4,dp80,ep320 (the decode pool with "
-        "--prefill-layout)."))] = None,
-    prefill_layout: Annotated[str | None, typer.Option("--prefill-layout", rich_help_panel=P_PAR, help=(
-        "With --layout: a disaggregated deployment with this prefill engine, e.g. tp4,dp8,ep32."))] = None,
-    engines: Annotated[int | None, typer.Option("--engines", min=1, rich_help_panel=P_PAR, help=(
-        "With --layout: engines of it (default: fill the GPUs, or 1 decode engine)."))] = None,
-    prefill_engines: Annotated[int | None, typer.Option("--prefill-engines", min=1, rich_help_panel=P_PAR, help=(
-        "With --prefill-layout: prefill engines (default: as many as the decode pool needs)."))] = None,
-    batch: Annotated[int | None, typer.Option("--batch", min=1, rich_help_panel=P_PAR, help=(
-        "With --layout: running sequences per engine (default: the best that meets the targets)."))] = None,
+    pinned: api.PinnedDeployment | None = None,  # --layout --prefill-layout --engines --prefill-engines --batch
     top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
                                      help="Deployments to rank (at most 100).")] = 5,
     time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
         "Stop taking engine layouts (smallest engines first) after about this many seconds, once a deployment "
         "can be formed; the report says how many were left."))] = None,
-    out: Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
-        "Write the best deployment as a serving plan (Plan JSON, kind serving)."))] = None,
-    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
-        "Print the serving plan as JSON and nothing else."))] = False,
-    timing: Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
-        "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
-        "writes a byte-identical plan; the table shows the time either way."))] = False,
-    export_to: Annotated[Literal["vllm", "sglang"] | None, typer.Option("--export", rich_help_panel=P_OUT, help=(
-        "Also export the best deployment's command lines (printed, or written to --export-out)."))] = None,
-    export_out: Annotated[Path | None, typer.Option("--export-out", rich_help_panel=P_OUT, help=(
-        "Where --export writes."))] = None,
+    outputs: ServeOutputs = ServeOutputs(),  # --out --json --timing --export --export-out
 ) -> None:
     """Search serving deployments: TP, attention DP, PP and EP per engine, batch and chunk sizes, aggregated or
     disaggregated prefill and decode pools, under TTFT and TPOT targets.
@@ -89,41 +166,25 @@ def serve(
     """
     from meshplan.planner.launchers import export_files, export_plan
     from meshplan.planner.plan import plan_text
-    from meshplan.planner.serve import load_lengths, parse_engine_layout, parse_gpu_range, workload_from
 
-    out, export_out = output_targets(out=out, export_out=export_out)
-    if export_out is not None and export_to is None:
-        raise InputError("--export-out needs --export vllm|sglang")
-    if as_json and export_to is not None and export_out is None:
-        raise InputError("--json prints only the plan; give --export-out for the --export files")
-    if layout is None and (prefill_layout or engines or prefill_engines or batch):
-        raise InputError("--prefill-layout, --engines, --prefill-engines and --batch go with --layout")
     spec = load_model(model)
-    low, high = parse_gpu_range(gpus)
-    cluster_spec = cluster_of_flags(None, gpu, high, gpus_per_node, nic_gbps, nvlink_gbs)
-    wl = workload_from(isl, osl, load_lengths(lengths) if lengths else None, weight_dtype, kv_dtype)
-    targets = ServeTargets(ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms, request_rate=request_rate)
-    pinned = None if layout is None else api.PinnedDeployment(
-        parse_engine_layout(layout), engines, batch, parse_engine_layout(prefill_layout) if prefill_layout else None,
-        prefill_engines)
-    found = api.search_deployments(spec, cluster_spec, wl, targets, low, objective, disaggregation, top,
-                                   mem_fraction, time_limit, pinned, timing)
+    found = api.search_deployments(spec, gpus.cluster, workload, targets, gpus.low, objective, disaggregation, top,
+                                   mem_fraction, time_limit, pinned, outputs.timing)
     doc, result, alternatives = found.plan, found.result, list(found.alternatives)
-    cluster = Cluster(cluster_spec)
-    exported = export_plan(doc, export_to) if export_to is not None else None
-    written = export_files(exported, export_out) if exported is not None and export_out is not None else []
-    write_all(([OutputFile(out, plan_text(doc))] if out is not None else []) + written)
-    written = [f.path for f in written]
-    if as_json:
+    cluster = Cluster(gpus.cluster)
+    exported = export_plan(doc, outputs.export_to) if outputs.export_to is not None else None
+    written = export_files(exported, outputs.export_out) if exported and outputs.export_out is not None else []
+    write_all(([OutputFile(outputs.out, plan_text(doc))] if outputs.out is not None else []) + written)
+    if outputs.as_json:
         typer.echo(doc.model_dump_json(indent=2))
         return
     con = console()
-    print_serving(con, spec, cluster, wl, targets, doc, result, alternatives)
-    if out is not None:
-        con.print(f"serving plan written to {out}")
+    print_serving(con, spec, cluster, workload, targets, doc, result, alternatives)
+    if outputs.out is not None:
+        con.print(f"serving plan written to {outputs.out}")
     if exported is not None:
-        if export_out is not None:
-            con.print(f"{export_to} export written to {', '.join(map(str, written))}")
+        if outputs.export_out is not None:
+            con.print(f"{outputs.export_to} export written to {', '.join(str(f.path) for f in written)}")
         else:
             echo_export(exported)
 

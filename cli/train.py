@@ -1,6 +1,5 @@
 """`meshplan estimate` and `meshplan plan`: a library call each (meshplan/api.py) and their tables."""
 
-import inspect
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -13,7 +12,7 @@ from rich.table import Table
 
 from meshplan import api
 from meshplan.cli.options import (P_OUT, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt, console, echo_export,
-                                  output_targets, packed, with_cluster, with_knobs, with_workload)
+                                  option, output_targets, packed, with_cluster, with_knobs, with_workload)
 from meshplan.costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
 from meshplan.costmodels.estimate import Estimate
@@ -155,25 +154,24 @@ def _plan_outputs(**given: Any) -> PlanOutputs:
     return replace(outputs, out=out, trace=trace, export_out=export_out)
 
 
-PLAN_OUTPUTS = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-                for name, default, annotation in (
-    ("out", None, Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
+PLAN_OUTPUTS = [
+    option("out", Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Write the best plan as Plan JSON (schema v1, planner/plan.schema.json) to this file."))]),
-    ("trace", None, Annotated[Path | None, typer.Option("--trace", rich_help_panel=P_OUT, help=(
+    option("trace", Annotated[Path | None, typer.Option("--trace", rich_help_panel=P_OUT, help=(
         "Write the best plan's simulated pipeline timeline as a Chrome trace (open in ui.perfetto.dev)."))]),
-    ("explain", False, Annotated[bool, typer.Option("--explain", rich_help_panel=P_OUT, help=(
-        "Say why the best plan beats the runner-up and which constraint binds."))]),
-    ("as_json", False, Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
-        "Print the best plan as Plan JSON and nothing else."))]),
-    ("timing", False, Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
+    option("explain", Annotated[bool, typer.Option("--explain", rich_help_panel=P_OUT, help=(
+        "Say why the best plan beats the runner-up and which constraint binds."))], False),
+    option("as_json", Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
+        "Print the best plan as Plan JSON and nothing else."))], False),
+    option("timing", Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
         "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
-        "writes a byte-identical plan; the table shows the time either way."))]),
-    ("export_to", None, Annotated[ExportTarget | None, typer.Option("--export", rich_help_panel=P_OUT, help=(
+        "writes a byte-identical plan; the table shows the time either way."))], False),
+    option("export_to", Annotated[ExportTarget | None, typer.Option("--export", rich_help_panel=P_OUT, help=(
         "Also export the best plan for a launcher (as `meshplan export`): printed after the table, or written "
         "to --export-out."))]),
-    ("export_out", None, Annotated[Path | None, typer.Option("--export-out", rich_help_panel=P_OUT, help=(
+    option("export_out", Annotated[Path | None, typer.Option("--export-out", rich_help_panel=P_OUT, help=(
         "Where --export writes: the file, or a directory when the export has several files."))]),
-)]
+]
 
 
 @with_workload
