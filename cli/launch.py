@@ -2,6 +2,7 @@
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -10,10 +11,10 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan import api
-from meshplan.cli.options import (AnyExportTarget, CalibrationOpt, ClusterOpt, GpuOpt, ImportSource, MAX_VERIFY_RANKS,
-                                  MAX_VERIFY_STEPS, MAX_VERIFY_TIMEOUT_S, NicOpt, NvlinkOpt, P_CLUSTER, P_OUT, P_PAR,
-                                  PerNodeOpt, cluster_of_flags, console, echo_export, one_line, output_targets,
-                                  print_error)
+from meshplan.cli.options import (MAX_VERIFY_RANKS, MAX_VERIFY_STEPS, MAX_VERIFY_TIMEOUT_S, P_CLUSTER, P_OUT, P_PAR,
+                                  AnyExportTarget, CalibrationOpt, ClusterOpt, GpuOpt, ImportSource, NicOpt, NvlinkOpt,
+                                  PerNodeOpt, cluster_of_flags, console, echo_export, one_line, option,
+                                  output_targets, packed, print_error)
 from meshplan.cli.serve import print_serving
 from meshplan.cli.train import print_estimate
 from meshplan.costmodels.config import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Workload
@@ -60,6 +61,27 @@ def _names_a_file(path: Path) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class ClusterFlags:
+    """The cluster flags as given: `import` makes the cluster once it knows the launch's world size."""
+
+    gpu: str | None = None
+    gpus: int | None = None
+    gpus_per_node: int | None = None
+    nic_gbps: float | None = None
+    nvlink_gbs: float | None = None
+    cluster_file: str | None = None
+
+
+IMPORT_CLUSTER = [
+    option("gpu", GpuOpt),
+    option("gpus", Annotated[int | None, typer.Option("--gpus", min=1, rich_help_panel=P_CLUSTER, help=(
+        "World size, when SOURCE does not say it (no torchrun line)."))]),
+    option("gpus_per_node", PerNodeOpt), option("nic_gbps", NicOpt), option("nvlink_gbs", NvlinkOpt),
+    option("cluster_file", ClusterOpt)]
+
+
+@packed("flags", IMPORT_CLUSTER, ClusterFlags)
 def import_(
     source_text: Annotated[str, typer.Argument(metavar="SOURCE", help=(
         "megatron: the pretrain_gpt.py arguments in one string after `--` (optionally after `torchrun ... "
@@ -69,13 +91,7 @@ def import_(
     model: Annotated[str | None, typer.Option("--model", "-m", help=(
         "The model (zoo name or config file), when the arguments do not describe it whole; model arguments that "
         "are given must agree with it."))] = None,
-    gpu: GpuOpt = None,
-    gpus: Annotated[int | None, typer.Option("--gpus", min=1, rich_help_panel=P_CLUSTER, help=(
-        "World size, when SOURCE does not say it (no torchrun line)."))] = None,
-    gpus_per_node: PerNodeOpt = None,
-    nic_gbps: NicOpt = None,
-    nvlink_gbs: NvlinkOpt = None,
-    cluster_file: ClusterOpt = None,
+    flags: ClusterFlags = ClusterFlags(),  # --gpu --gpus --gpus-per-node --nic-gbps --nvlink-gbs --cluster
     runtime: Annotated[str | None, typer.Option("--runtime", metavar="PRESET[+OPTION...]", rich_help_panel=P_PAR,
                                                    help=(
         "Training framework behaviour, as for `plan`. Default: what the configuration implies (torchtitan: "
@@ -110,9 +126,11 @@ def import_(
     named = load_model(model) if model else None
     launch = read_launch(source, text, origin, named.num_layers if named else None)
     runtime = runtime or launch.runtime or DEFAULT_RUNTIME
-    world = launch_world(launch, gpus if cluster_file is None else None)
-    per_node = gpus_per_node if gpus_per_node is not None or cluster_file else launch.gpus_per_node
-    spec = cluster_of_flags(cluster_file, gpu, None if cluster_file else world, per_node, nic_gbps, nvlink_gbs)
+    f = flags
+    world = launch_world(launch, f.gpus if f.cluster_file is None else None)
+    per_node = f.gpus_per_node if f.gpus_per_node is not None or f.cluster_file else launch.gpus_per_node
+    spec = cluster_of_flags(f.cluster_file, f.gpu, None if f.cluster_file else world, per_node, f.nic_gbps,
+                            f.nvlink_gbs)
     cluster, eff = api.calibrated(spec, calibration, runtime)
     if cluster.num_gpus != world:
         raise InputError(f"the cluster has {cluster.num_gpus} GPUs but the launch configuration runs {world}")
@@ -175,19 +193,35 @@ def show(
             console().print(f"trace written to {trace}")
 
 
+@dataclass(frozen=True)
+class RunShape:
+    """What `verify` runs of the plan: its model at a size, for some steps, sequences and micro-batches, in a dtype."""
+
+    scale: Literal["tiny", "small", "none"] = "tiny"
+    steps: int = 2
+    seq: int | None = None
+    microbatches: int | None = None
+    dtype: Literal["float64", "float32"] = "float64"
+
+
+RUN_SHAPE = [
+    option("scale", Annotated[Literal["tiny", "small", "none"], typer.Option("--scale", help=(
+        "Model size to run: the plan's model with its layer count, structure and divisibility kept, widths "
+        "shrunk (docs/executor.md); none runs the plan's model as it is (a small model only)."))], "tiny"),
+    option("steps", Annotated[int, typer.Option("--steps", min=1, max=MAX_VERIFY_STEPS, help=(
+        "AdamW steps; parameters are compared after the last."))], 2),
+    option("seq", Annotated[int | None, typer.Option("--seq", min=1, max=MAX_SEQ_LEN, help=(
+        "Tokens per sequence (default 16, raised to a multiple of 2 x cp x tp)."))]),
+    option("microbatches", Annotated[int | None, typer.Option("--microbatches", min=1, max=MAX_GLOBAL_BATCH, help=(
+        "Micro-batches per step (default: the plan's); fewer keeps a big plan's run short."))]),
+    option("dtype", Annotated[Literal["float64", "float32"], typer.Option("--dtype", help=(
+        "float64 checks to 1e-6 (relative), float32 to 1e-4."))], "float64")]
+
+
+@packed("shape", RUN_SHAPE, RunShape)
 def verify(
     plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan --out`.")],
-    scale: Annotated[Literal["tiny", "small", "none"], typer.Option("--scale", help=(
-        "Model size to run: the plan's model with its layer count, structure and divisibility kept, widths "
-        "shrunk (docs/executor.md); none runs the plan's model as it is (a small model only)."))] = "tiny",
-    steps: Annotated[int, typer.Option("--steps", min=1, max=MAX_VERIFY_STEPS, help=(
-        "AdamW steps; parameters are compared after the last."))] = 2,
-    seq: Annotated[int | None, typer.Option("--seq", min=1, max=MAX_SEQ_LEN, help=(
-        "Tokens per sequence (default 16, raised to a multiple of 2 x cp x tp)."))] = None,
-    microbatches: Annotated[int | None, typer.Option("--microbatches", min=1, max=MAX_GLOBAL_BATCH, help=(
-        "Micro-batches per step (default: the plan's); fewer keeps a big plan's run short."))] = None,
-    dtype: Annotated[Literal["float64", "float32"], typer.Option("--dtype", help=(
-        "float64 checks to 1e-6 (relative), float32 to 1e-4."))] = "float64",
+    shape: RunShape = RunShape(),  # --scale --steps --seq --microbatches --dtype
     backend: Annotated[Literal["gloo", "nccl"], typer.Option("--backend", help=(
         "Process-group backend. gloo: CPU tensors (the executor's only one so far); nccl: GPUs (not yet)."))] = "gloo",
     launcher: Annotated[Literal["spawn", "torchrun"] | None, typer.Option("--launcher", help=(
@@ -220,7 +254,7 @@ def verify(
     doc = read_any_plan(plan_file)
     if isinstance(doc, ServingPlan):
         try:
-            _verify_serving(doc, scale, steps, seq, max_ranks, timeout, calibration, inject, out)
+            _verify_serving(doc, shape.scale, shape.steps, shape.seq, max_ranks, timeout, calibration, inject, out)
         except RuntimeError as exc:  # a rank that raised or hung (executor.launch.RankFailure): one line, exit 1
             if type(exc).__name__ != "RankFailure":
                 raise
@@ -233,7 +267,8 @@ def verify(
     if launcher == "torchrun" and missing:
         raise InputError(f"--launcher torchrun runs under torchrun, but {', '.join(missing)} are not set; start "
                          f"it as `torchrun --nproc-per-node N $(which meshplan) verify ...`, or use --launcher spawn")
-    opts = VerifyOptions(scale=scale, steps=steps, seq=seq, microbatches=microbatches, dtype=dtype, backend=backend,
+    opts = VerifyOptions(scale=shape.scale, steps=shape.steps, seq=shape.seq, microbatches=shape.microbatches,
+                         dtype=shape.dtype, backend=backend,
                          launcher=launcher, timeout_s=timeout, max_ranks=max_ranks, inject=inject,
                          calibration=load_calibration(calibration) if calibration is not None else None,
                          calibration_origin=calibration or "the calibration")
