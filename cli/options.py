@@ -178,13 +178,13 @@ def packed(name: str, params: Sequence[inspect.Parameter], build: Callable[..., 
         for p in signature.parameters.values():
             new += [q.replace(kind=p.kind) for q in params] if p.name == name else [p]
 
-        @functools.wraps(command)
         def run(**kwargs: Any) -> Any:
             return command(**{name: build(**{n: kwargs.pop(n) for n in names})}, **kwargs)
 
-        run.__signature__ = signature.replace(parameters=new)  # type: ignore[attr-defined]
-        run.__annotations__ = {p.name: p.annotation for p in new} | {"return": signature.return_annotation}
-        return run  # type: ignore[return-value]
+        wrapped: Any = functools.wraps(command)(run)  # typer reads the two attributes below
+        wrapped.__signature__ = signature.replace(parameters=new)
+        wrapped.__annotations__ = {p.name: p.annotation for p in new} | {"return": signature.return_annotation}
+        return wrapped
     return wrap
 
 

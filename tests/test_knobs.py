@@ -27,7 +27,7 @@ def _app(searching: bool, seen: list[ParallelConfig]) -> typer.Typer:
 
     @app.command()
     @with_knobs(searching=searching)
-    def command(name: str = "x", config: ParallelConfig = ParallelConfig(), last: int = 0) -> None:  # noqa: B008
+    def command(name: str = "x", config: ParallelConfig = ParallelConfig(), last: int = 0) -> None:
         seen.append(config)
 
     return app
