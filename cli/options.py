@@ -222,6 +222,17 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split()).replace("Value error, ", "")
 
 
+def report_export(con: Console, exported: Any, target: str | None, written: list[Any] | None) -> None:
+    """After a command's tables: where --export wrote (`written`: the files, or None without --export-out), or the
+    exported files themselves."""
+    if exported is None:
+        return
+    if written is not None:
+        con.print(f"{target} export written to {', '.join(str(f.path) for f in written)}")
+    else:
+        echo_export(exported)
+
+
 def echo_export(exported: Any) -> None:
     """Print exported files to stdout: one as is, several each under a `==> name <==` line (as head does)."""
     for f in exported.files:

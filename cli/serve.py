@@ -10,7 +10,7 @@ from rich.table import Table
 
 from meshplan import api
 from meshplan.cli.options import (P_CLUSTER, P_MODEL, P_OUT, P_PAR, GpuOpt, ModelOpt, NicOpt, NvlinkOpt, PerNodeOpt,
-                                  cluster_of_flags, console, echo_export, option, output_targets, packed)
+                                  cluster_of_flags, console, option, output_targets, packed, report_export)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.serving import ServeTargets, ServeWorkload
@@ -182,11 +182,7 @@ def serve(
     print_serving(con, spec, cluster, workload, targets, doc, result, alternatives)
     if outputs.out is not None:
         con.print(f"serving plan written to {outputs.out}")
-    if exported is not None:
-        if outputs.export_out is not None:
-            con.print(f"{outputs.export_to} export written to {', '.join(str(f.path) for f in written)}")
-        else:
-            echo_export(exported)
+    report_export(con, exported, outputs.export_to, written if outputs.export_out is not None else None)
 
 
 def print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, targets: Any, doc: Any, result: Any,

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan import api
-from meshplan.cli.options import (P_OUT, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt, console, echo_export,
-                                  option, output_targets, packed, with_cluster, with_knobs, with_workload)
+from meshplan.cli.options import (P_OUT, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt, console, option,
+                                  output_targets, packed, report_export, with_cluster, with_knobs, with_workload)
 from meshplan.costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
 from meshplan.costmodels.estimate import Estimate
@@ -230,11 +230,7 @@ def plan(
         con.print(f"plan written to {outputs.out}")
     if outputs.trace is not None:
         con.print(f"trace written to {outputs.trace} (open in https://ui.perfetto.dev)")
-    if exported is not None:
-        if outputs.export_out is not None:
-            con.print(f"{outputs.export_to} export written to {', '.join(str(f.path) for f in written)}")
-        else:
-            echo_export(exported)
+    report_export(con, exported, outputs.export_to, written if outputs.export_out is not None else None)
 
 
 class _progress:

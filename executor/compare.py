@@ -42,7 +42,7 @@ REPLICA_TOLERANCE = 1e-12  # ranks holding the same tensor ran the same ops in t
 
 
 class _Result(Protocol):
-    """Anything shaped like executor.reference.RunResult (DPResult is)."""
+    """Anything shaped like executor.reference.RunResult (RankReport is)."""
 
     run: RunSpec
     losses: tuple[float, ...]

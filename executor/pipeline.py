@@ -149,7 +149,7 @@ def build_pipeline(chunks: Sequence[ModelChunk], lay: Layout, pp_group: dist.Pro
                    device: torch.device | None = None) -> Pipeline:
     """PipelineStages for this rank's chunks over `pp_group` and the schedule `lay.schedule` names.
 
-    io: per chunk (input, output) meta tensors (`stage_io`), or None for torch's shape inference.
+    io: per chunk (input, output) meta tensors, or None for torch's shape inference (what plan_rank passes).
     loss_fn: default mean token cross-entropy / n_micro (see the module docstring)."""
     problem = schedule_problem(lay, n_micro)
     if problem:

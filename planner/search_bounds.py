@@ -42,7 +42,7 @@ class SearchCosts:
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, runtime: str, eff: Efficiency,
                  enum: Enumeration, modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES):
         self.model, self.cluster, self.wl, self.runtime, self.eff, self.enum = model, cluster, wl, runtime, eff, enum
-        self.modules = modules  # what selective recomputation re-runs (Pins.recompute_modules)
+        self.modules = modules  # what selective recomputation re-runs (ParallelConfig.recompute_modules)
         self.rt = get_runtime(runtime)
         self.cap = cluster.gpu.hbm_gib.value * GIB
         self.contexts: dict[tuple, CostContext] = {}

@@ -379,7 +379,7 @@ def _splits(num_layers: int, pp: int, vpp: int) -> list[tuple[int, ...]]:
 
 def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: ParallelConfig,
                runtime: Runtime | None = None) -> None:
-    """Pins that contradict each other, the cluster or the runtime fail before the search, with the rule that
+    """Pinned knobs that contradict each other, the cluster or the runtime fail before the search, with the rule that
     failed; so do knobs the search does not take pinned (KnobHelp.searched, and the stage partition it chooses)."""
     for name in ("stage_layers", "chunk_layers", "stage_recompute", "offload_layers"):
         if getattr(pins, name):
