@@ -29,6 +29,7 @@ MAX_VERIFY_RANKS = 4096  # one process each, on this host
 ExportTarget = Literal["megatron", "torchtitan", "deepspeed", "torchrun", "nemo"]  # planner.launchers.TARGETS
 AnyExportTarget = Literal["megatron", "torchtitan", "deepspeed", "torchrun", "nemo", "vllm", "sglang"]  # + SERVING
 P_MODEL, P_CLUSTER, P_PAR, P_OUT = "Model and workload", "Cluster", "Parallelism (unset: defaults)", "Output"
+P_SEARCHED = "Parallelism (unset: searched)"  # plan's knobs
 
 ImportSource = Literal["megatron", "torchtitan"]  # planner.launchers.SOURCES
 
@@ -118,11 +119,10 @@ def knob_parameters(searching: bool) -> list[inspect.Parameter]:
         flag = doc.flag_name(name)
         if kind is bool:
             flag = f"{flag}/--no-{flag.removeprefix('--')}"
-        panel = "Parallelism (unset: searched)" if searching else "Parallelism (unset: defaults)"
-        option = typer.Option(flag, rich_help_panel=panel, help=text, metavar=doc.metavar or None,
-                              show_default=False, **bounds)
+        flag_option = typer.Option(flag, rich_help_panel=P_SEARCHED if searching else P_PAR, help=text,
+                                   metavar=doc.metavar or None, show_default=False, **bounds)
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Annotated[kind | None, option]))
+                                        annotation=Annotated[kind | None, flag_option]))
     return params
 
 

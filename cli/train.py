@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan import api
-from meshplan.cli.options import (P_OUT, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt, console, option,
-                                  output_targets, packed, report_export, with_cluster, with_knobs, with_workload)
+from meshplan.cli.options import (P_OUT, P_SEARCHED, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt, console,
+                                  option, output_targets, packed, report_export, with_cluster, with_knobs,
+                                  with_workload)
 from meshplan.costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
 from meshplan.costmodels.estimate import Estimate
@@ -185,7 +186,7 @@ def plan(
     config: ParallelConfig,  # one option per knob the search takes pinned (with_knobs)
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     calibration: CalibrationOpt = None,
-    max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, max=2**17, rich_help_panel="Parallelism (unset: searched)",
+    max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, max=2**17, rich_help_panel=P_SEARCHED,
                                          help="Largest micro-batch size searched.")] = DEFAULT_MAX_MBS,
     top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
                                      help="How many of the best plans to rank in the table (at most 100).")] = 5,
