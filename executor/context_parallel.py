@@ -7,7 +7,7 @@ Everything outside attention is per token, so a rank runs the reference model on
 with their absolute positions (RoPE and learned position embeddings alike). Only the attention core
 needs the other ranks' keys and values; two cores replace `attention.core` (the planner's `cp_comm`):
 
-- "ring" (alias "p2p"), `RingAttention`: Ring Attention (Liu et al. 2023, arXiv:2310.01889; Megatron-Core /
+- "ring", `RingAttention`: Ring Attention (Liu et al. 2023, arXiv:2310.01889; Megatron-Core /
   TransformerEngine `AttnFuncWithCPAndKVP2P`). This rank's k, v go round the cp ring, cp-1 shifts; each block
   is masked by absolute positions and merged by log-sum-exp (online softmax, Milakov & Gimelshein 2018,
   arXiv:1805.02867).
@@ -48,7 +48,7 @@ from meshplan.executor.reference import RunResult
 __all__ = ["CP_KINDS", "INJECTIONS", "RingAttention", "UlyssesAttention", "apply_context_parallel", "cp_positions",
            "cp_shard", "cp_unshard", "make_core", "merge_rank_results", "shard_positions"]
 
-CP_KINDS = ("ring", "p2p", "a2a")  # "ring" is the planner's name (costmodels.config), "p2p" Layout's default
+CP_KINDS = ("ring", "a2a")  # costmodels.config.CpComm
 
 # Deliberate faults (plan_rank's inject=, `meshplan verify --inject`), so tests can show a wrong layout is caught:
 #   "contiguous-shard"  a rank gets plain contiguous chunk r of cp (tokens, labels, positions), while the cores
@@ -225,8 +225,8 @@ class UlyssesAttention:
 
 # ---- a model under CP -----------------------------------------------------------------------------------
 def make_core(kind: str, group: dist.ProcessGroup) -> RingAttention | UlyssesAttention:
-    """The attention core for cp_comm `kind` ("ring" / "p2p" or "a2a") over the cp process group."""
-    if kind in ("ring", "p2p"):
+    """The attention core for cp_comm `kind` ("ring" or "a2a") over the cp process group."""
+    if kind == "ring":
         return RingAttention(group)
     if kind == "a2a":
         return UlyssesAttention(group)

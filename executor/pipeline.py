@@ -26,7 +26,7 @@ A plan's pipeline (its Layout: pp, vpp, stage_layers, schedule, mbs, num_microba
   Hand-written: torch's pipelining has no notion of a weight shared between stages.
 - Replicated parameters are averaged over dp x cp after the schedule's step by executor/plan_run.py, which
   composes this with the other dimensions.
-- Shapes. executor/plan_run.py passes io=None: torch infers each stage's (TP/SP/CP-sharded) shapes by running
+- Shapes. No stage is given its shapes: torch infers each stage's (TP/SP/CP-sharded) shapes by running
   every stage once on uninitialised tensors (its DYNAMIC mode), which matches the reference (measured).
 - zb splits each backward into an input and a weight pass (torch's stage_backward_input / _weight): a full
   backward hook on a chunk that is neither first nor last breaks the input pass (measured, torch 2.13), so
@@ -144,12 +144,11 @@ def schedule_problem(lay: Layout, n_micro: int) -> str | None:
 
 
 def build_pipeline(chunks: Sequence[ModelChunk], lay: Layout, pp_group: dist.ProcessGroup, n_micro: int,
-                   io: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                    device: torch.device | None = None) -> Pipeline:
     """PipelineStages for this rank's chunks over `pp_group` and the schedule `lay.schedule` names.
 
-    io: per chunk (input, output) meta tensors, or None for torch's shape inference (what plan_rank passes).
+    Each stage infers its (TP/SP/CP-sharded) shapes (the module docstring's "Shapes").
     loss_fn: default mean token cross-entropy / n_micro (see the module docstring)."""
     problem = schedule_problem(lay, n_micro)
     if problem:
@@ -158,9 +157,7 @@ def build_pipeline(chunks: Sequence[ModelChunk], lay: Layout, pp_group: dist.Pro
     pp_rank, num_stages = dist.get_rank(pp_group), lay.pp * lay.vpp
     stages = []
     for c, chunk in enumerate(chunks):
-        x, y = io[c] if io is not None else (None, None)
-        stages.append(PipelineStage(chunk, c * lay.pp + pp_rank, num_stages, device, input_args=x, output_args=y,
-                                    group=pp_group))
+        stages.append(PipelineStage(chunk, c * lay.pp + pp_rank, num_stages, device, group=pp_group))
     loss_fn = loss_fn or mean_loss_over(n_micro)
     cls = SCHEDULES[lay.schedule]
     target = stages[0] if lay.schedule in _SINGLE_STAGE else stages

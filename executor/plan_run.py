@@ -362,9 +362,8 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | No
     emb_group = embedding_group(lay, rank, meshes)
     pipe = None
     if lay.pp > 1:
-        # io=None: torch infers each stage's (local, TP/SP/CP-sharded) shapes by one forward and backward
-        pipe = build_pipeline(chunks, lay, meshes["pp"].get_group(), n_micro, io=None,
-                              loss_fn=mean_loss_over(n_micro))
+        # torch infers each stage's (local, TP/SP/CP-sharded) shapes by one forward and backward
+        pipe = build_pipeline(chunks, lay, meshes["pp"].get_group(), n_micro, loss_fn=mean_loss_over(n_micro))
     # zb splits each backward into input and weight passes (torch's stage_backward_input): a full backward hook on a
     # middle stage's chunk breaks the first (measured, torch 2.13, pp 4), so zb's timeline shows forwards only
     timeline = _Timeline(chunks, backward=lay.schedule != "zb")

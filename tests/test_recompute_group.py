@@ -75,6 +75,15 @@ def test_estimate_takes_the_option_and_plan_does_not(capsys):
     assert code == 2 and "No such option: --recompute-group" in err
 
 
+@pytest.mark.parametrize("flags,words", [(("--recompute-group", "2"), "add --recompute full"),
+                                         (("--recompute", "per-stage"), "choose none, selective or full")])
+def test_estimate_refuses_what_a_command_line_cannot_say(capsys, flags, words):
+    from cli_helpers import assert_input_error, run
+
+    args = ("--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "4096")
+    assert_input_error(*run(capsys, "estimate", *args, *flags), words)
+
+
 def test_the_search_does_not_take_it():
     with pytest.raises(InputError, match="does not search recompute_group"):
         search(MODEL, CLUSTER, WL, ParallelConfig(recompute="full", recompute_group=2), max_mbs=2)
