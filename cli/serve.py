@@ -102,7 +102,11 @@ TARGET_OPTIONS = [
     option("e2e_ms", Annotated[float | None, typer.Option("--e2e-ms", min=0.001, rich_help_panel=P_PAR, help=(
         "End-to-end latency target (TTFT + OSL x TPOT), ms."))]),
     option("request_rate", Annotated[float | None, typer.Option("--request-rate", min=0.000001, rich_help_panel=P_PAR,
-                                                                help="Requests/s to serve (objective min-gpus).")])]
+                                                                help="Requests/s to serve (objective min-gpus).")]),
+    option("percentile", Annotated[Literal["mean", "p50", "p90", "p99"], typer.Option(
+        "--percentile", rich_help_panel=P_PAR, help=(
+            "The statistic --ttft-ms, --tpot-ms and --e2e-ms bound, over requests at the load the deployment "
+            "runs (queueing included)."))], "p50")]
 PINNED_OPTIONS = [
     option("layout", Annotated[str | None, typer.Option("--layout", rich_help_panel=P_PAR, help=(
         "Evaluate this engine instead of searching, e.g. tp8 or tp4,dp80,ep320 (the decode pool with "
@@ -141,7 +145,7 @@ def serve(
     model: ModelOpt,
     gpus: ServeGpus,  # --gpu --gpus N|A-B and the link flags
     workload: ServeWorkload,  # --isl --osl --lengths --weight-dtype --kv-dtype
-    targets: ServeTargets,  # --ttft-ms --tpot-ms --e2e-ms --request-rate
+    targets: ServeTargets,  # --ttft-ms --tpot-ms --e2e-ms --request-rate --percentile
     objective: Annotated[Literal["throughput", "min-gpus"], typer.Option("--objective", rich_help_panel=P_PAR,
         help="throughput: most output tokens/s per GPU; min-gpus: fewest GPUs for --request-rate.")
     ] = "throughput",
@@ -190,6 +194,7 @@ def print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, targ
     src = f" ({wl.source})" if wl.source else ""
     aims = ", ".join(f"{k} {v:g} ms" for k, v in (("TTFT", targets.ttft_ms), ("TPOT", targets.tpot_ms),
                                                     ("end-to-end", targets.e2e_ms)) if v is not None) or "none"
+    aims += f" (latencies: {targets.percentile} over requests, queueing included)"
     con.print(f"{spec.name} on up to {cluster.num_gpus} x {cluster.gpu.name}; ISL {wl.isl}, OSL {wl.osl}{src}; "
               f"weights {wl.weight_dtype}, KV {wl.kv_dtype}; targets: {aims}")
     if result is not None:
@@ -221,8 +226,9 @@ def print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, targ
               f"{p.tokens_per_s_per_user:.1f} tokens/s/user, TTFT {p.ttft_ms:.0f} ms, TPOT {p.tpot_ms:.1f} ms, "
               f"{p.requests_per_s:.2f} requests/s" + ("" if p.meets_targets else f" (misses {p.misses})"))
     for e in doc.engines:
+        load = f"busy {e.load:.0%}" if e.role == "prefill" else f"{e.load * e.max_num_seqs:,.0f} running on average"
         con.print(f"  {e.engines} x {e.role} engine TP{e.tp} DP{e.dp} PP{e.pp} EP{e.ep} ({e.gpus_per_engine} GPUs): "
-                  f"max {e.max_num_seqs} seqs, {e.max_num_batched_tokens} tokens/iteration, weights "
+                  f"max {e.max_num_seqs} seqs, {e.max_num_batched_tokens} tokens/iteration, {load}, weights "
                   f"{e.weights_gib:.1f} GiB + KV {e.kv_cache_gib:.1f} GiB per GPU ({e.kv_tokens:,} tokens)")
     for line in alternatives:
         con.print(f"  vs {line}")

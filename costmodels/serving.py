@@ -9,11 +9,12 @@ and tp*dp/ep ways inside each expert (expert TP). Every operator is timed by the
 (timing.op_time, with the GPU's efficiency or a calibration) and every collective by its ring formula on the
 links the ranks cross (timing.timed_collective).
 
-An engine in steady state (aggregated_point, prefill_point, decode_point): an aggregated engine batches decode and
-chunked prefill in every iteration (Sarathi-Serve, Agrawal et al. OSDI'24), so the prompt tokens prefilled per
-iteration keep pace with the sequences finishing, P = B x ISL / OSL, and a sequence's mean context is
-ISL + OSL / 2; a prefill engine's TTFT is its batch's prefill and the KV transfer (DistServe, Zhong et al. OSDI'24);
-a decode engine's TPOT is one iteration. Queueing delay is not modelled.
+An engine with every slot full (aggregated_state, prefill_state, decode_state): an aggregated engine batches decode
+and chunked prefill in every iteration, decode tokens riding in the GEMMs of the prompt chunk (Sarathi-Serve,
+Agrawal et al. OSDI'24), so the prompt tokens prefilled per iteration keep pace with the sequences finishing,
+P = B x ISL / OSL, and a sequence's mean context is ISL + OSL / 2; a prefill engine's iteration is its batch of
+prompts, then the KV transfer (DistServe, Zhong et al. OSDI'24); a decode engine's is one token for each sequence.
+What an engine delivers at a load, with its queueing delays, is costmodels/serving_load.py's.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.timing import group_link, op_time, timed_collective
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.ops import ACT_BYTES, Op, elementwise, gemm, mla_query_and_latent
+from meshplan.costmodels.queueing import Percentile
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 
-__all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "PoolPoint", "aggregated_point",
-           "prefill_point", "decode_point", "MEM_FRACTION", "kv_bytes_per_token_layer",
+__all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "PoolPoint", "MEM_FRACTION",
+           "kv_bytes_per_token_layer",
            "kv_bytes_per_token", "weight_bytes_per_gpu", "Capacity", "capacity", "IterationTime", "iteration_time",
-           "kv_transfer_s", "stage_layer_counts"]
+           "kv_transfer_s", "stage_layer_counts", "redundant_experts",
+           "EngineState", "aggregated_state", "prefill_state", "decode_state"]
 
 
 ServeDtype = Literal["bf16", "fp8"]  # weights and GEMMs, or the KV cache
@@ -52,6 +55,8 @@ class ServeWorkload(BaseModel):
     weight_dtype: ServeDtype = "bf16"
     kv_dtype: ServeDtype = "bf16"
     moe_imbalance: float = Field(default=1.0, ge=1.0, description="busiest expert rank's load / mean")
+    isl_cv2: float = Field(default=0.0, ge=0.0, description="squared coefficient of variation of input lengths")
+    osl_cv2: float = Field(default=0.0, ge=0.0, description="squared coefficient of variation of output lengths")
     source: str | None = Field(default=None, description="where the lengths came from (a CSV's mean), if not given")
 
 
@@ -63,6 +68,7 @@ class ServeTargets(BaseModel):
     tpot_ms: float | None = Field(default=None, gt=0)
     e2e_ms: float | None = Field(default=None, gt=0, description="TTFT + OSL x TPOT")
     request_rate: float | None = Field(default=None, gt=0, description="requests/s to serve (objective min-gpus)")
+    percentile: Percentile = Field(default="p50", description="the TTFT and TPOT statistic the targets bound")
 
 
 # bytes per weight / KV element: the serving dtypes, and the reference executor's run dtypes (its checks)
@@ -100,10 +106,9 @@ class EngineLayout:
             if self.dp > 1:
                 raise InputError("attention data parallelism is for MoE models; serve a dense model with replicas")
             return
-        experts = model.moe.num_experts
-        if (self.tp * self.dp) % self.ep or (experts % self.ep and self.ep < experts):
-            raise InputError(f"ep {self.ep} must divide tp*dp = {self.tp * self.dp} and either divide the {experts} "
-                             f"experts of {model.name} or exceed them (redundant experts, one per GPU)")
+        if (self.tp * self.dp) % self.ep:
+            raise InputError(f"ep {self.ep} must divide tp*dp = {self.tp * self.dp} (the ranks of a stage the experts "
+                             f"are spread over)")
 
     def label(self) -> str:
         parts = [f"TP{self.tp}"]
@@ -114,6 +119,13 @@ class EngineLayout:
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
         return " ".join(parts)
+
+
+def redundant_experts(experts: int, ep: int) -> int:
+    """Expert replicas an EP group adds so that every rank holds the same number, ceil(E / ep): DeepSeek-V3's
+    decode holds 2 of 256 + 32 redundant on each of 144 GPUs (DeepSeek, "Day 6: Inference System Overview", 2025);
+    SGLang's --ep-num-redundant-experts, one expert per GPU beyond E."""
+    return math.ceil(experts / ep) * ep - experts
 
 
 # ---- KV cache and weights ------------------------------------------------------------------------------------------
@@ -161,7 +173,7 @@ def weight_bytes_per_gpu(model: ModelSpec, layout: EngineLayout, weight_bytes: f
     if moe_layers:
         moe = model.moe
         assert moe is not None
-        local = max(moe.num_experts / layout.ep, 1.0)  # beyond E ranks: one (redundant) expert each
+        local = math.ceil(moe.num_experts / layout.ep)  # with redundant experts (redundant_experts)
         experts = local * model.mlp_params(moe.expert_ffn_hidden) / layout.etp
         shared = moe.num_shared_experts * model.mlp_params(moe.shared_hidden) / layout.tp
         router = model.hidden * moe.num_experts
@@ -212,17 +224,44 @@ def capacity(model: ModelSpec, cluster: Cluster, layout: EngineLayout, weight_dt
 
 # ---- one iteration -------------------------------------------------------------------------------------------------
 
+# NCCL's cost model of a ring all-reduce over NVLink (src/graph/tuning.cc: baseLat + nsteps x hwLat[NVLINK][Ring]
+# in us per protocol; LL moves data at 1/4 and LL128 at 0.92 of the bus bandwidth): (base s, per step s, bandwidth)
+NCCL_NVLINK_RING = {"LL": (3.6e-6, 0.47e-6, 0.25), "LL128": (10.0e-6, 1.9e-6, 0.92), "Simple": (8.4e-6, 3.4e-6, 1.0)}
+# vLLM's custom all-reduce (vllm/distributed/device_communicators/custom_all_reduce.py max_size; csrc/
+# custom_all_reduce.cuh): buffers up to 8 MiB, one-shot below 512 KiB (4 ranks or fewer) or 256 KiB (8 ranks)
+CUSTOM_AR_MAX_BYTES = 8 * 2**20
+
+
+def _nccl_ring_in_node(bytes_: float, n: int, link: Link) -> float:
+    """NCCL's ring all-reduce inside a node, at the protocol its tuner picks (the fastest by its own model):
+    2(n-1) steps of latency and 2(n-1)/n of the buffer over the bus."""
+    steps = 2 * (n - 1)
+    return min(base + steps * hop + steps / n * bytes_ / (link.bus_bytes_per_s * share)
+               for base, hop, share in NCCL_NVLINK_RING.values())
+
+
 def _all_reduce(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
-    """A decode step's all-reduces are small: inside a node serving engines reduce them in one shot, each rank
-    reading its peers' buffers over NVLink (vLLM csrc/custom_all_reduce.cuh, one-shot below 512 KiB, two-shot
-    above), so one latency and (n-1) buffers; across nodes a tree; the ring formula where it is faster."""
-    ring = timed_collective("all_reduce", bytes_, n, link, eff)
-    if n <= 1:
-        return ring
-    if link.crosses_nodes:  # NCCL's double binary tree: 2 log2(n) latencies (NCCL 2.4 release notes, "trees")
+    """A serving step's all-reduces are small to middling. Inside a node vLLM reduces buffers up to 8 MiB itself,
+    each rank reading its peers' buffers over NVLink: one-shot (one latency, (n-1) buffers) for small ones,
+    two-shot (a reduce-scatter and an all-gather by peer reads: two latencies, 2(n-1)/n of the buffer) above;
+    larger ones go to NCCL, timed by NCCL's own per-protocol model. Across nodes NCCL's double binary tree
+    (2 log2 n latencies) or the ring. A calibration's measured fit replaces the formulas."""
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    if eff.collective_fit("all_reduce", n, link) is not None or link.crosses_nodes:
+        ring = timed_collective("all_reduce", bytes_, n, link, eff)
+        if not link.crosses_nodes:
+            return ring
+        # NCCL's double binary tree: 2 log2(n) latencies (NCCL 2.4 release notes, "trees")
         _, share = comm.ring_shape("all_reduce", n)
         return min(ring, 2 * math.ceil(math.log2(n)) * link.latency_s + share * bytes_ / link.bus_bytes_per_s)
-    return min(ring, link.latency_s + (n - 1) * bytes_ / link.bus_bytes_per_s)
+    best = _nccl_ring_in_node(bytes_, n, link)
+    if bytes_ <= CUSTOM_AR_MAX_BYTES:
+        one_shot_max = 512 * 2**10 if n <= 4 else 256 * 2**10
+        if bytes_ < one_shot_max:
+            best = min(best, link.latency_s + (n - 1) * bytes_ / link.bus_bytes_per_s)
+        best = min(best, 2 * link.latency_s + 2 * (n - 1) / n * bytes_ / link.bus_bytes_per_s)
+    return best
 
 
 def _all_to_all(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
@@ -314,7 +353,7 @@ def _experts_op(model: ModelSpec, layout: EngineLayout, tokens_engine: float, wd
     local_tokens = assignments * imbalance / layout.ep
     flops = 2.0 * local_tokens * expert_params
     hit = 1.0 - (1.0 - 1.0 / moe.num_experts) ** assignments
-    local_experts = max(moe.num_experts / layout.ep, 1.0)  # beyond E ranks: one (redundant) expert each
+    local_experts = math.ceil(moe.num_experts / layout.ep)  # with redundant experts (redundant_experts)
     io = ACT_BYTES * (local_experts * hit * expert_params + local_tokens * model.hidden * 2)  # 16-bit units, as gemm()
     return Op("routed_experts", "gemm", flops, io, 0.0, 0.0, gemm_dtype_scale=wdt)
 
@@ -415,26 +454,46 @@ MEM_FRACTION = 0.9  # vLLM --gpu-memory-utilization default
 
 
 @dataclass(frozen=True)
-class PoolPoint:
-    """One engine configuration at one batch: what an engine of it does."""
+class EngineState:
+    """An engine with `batch` sequences running (a prefill engine: `batch` prompts per iteration) and its memory
+    admitted for them: what its iterations take. The points at a load (PoolPoint) are built from these."""
 
     role: Literal["aggregated", "prefill", "decode"]
     layout: EngineLayout
-    batch: int  # max running sequences (aggregated, decode) or prompts per prefill iteration
+    batch: int
     chunk: int  # max tokens per iteration (max_num_batched_tokens)
-    ttft_s: float  # aggregated, prefill (prefill + KV transfer); 0 for decode
+    step_s: float  # the steady iteration: decode + the prefill that keeps pace; a decode step; a prefill batch
+    full_s: float  # aggregated: an iteration with the whole budget (prompts queued); else step_s
+    memory: Capacity
+    mem_fraction: float = MEM_FRACTION
+    transfer_s: float = 0.0  # prefill: a prompt's KV cache to its decode engine
+    prompt_s: float = 0.0  # aggregated: an iteration carrying one new prompt's chunk in every attention group
+
+
+@dataclass(frozen=True)
+class PoolPoint:
+    """One engine configuration at one load: what an engine of it delivers and the latencies its requests see
+    (at the percentile of the targets)."""
+
+    role: Literal["aggregated", "prefill", "decode"]
+    layout: EngineLayout
+    batch: int  # max running sequences (aggregated, decode: max_num_seqs) or prompts per prefill iteration
+    chunk: int  # max tokens per iteration (max_num_batched_tokens)
+    ttft_s: float  # aggregated, prefill (queue + prefill + KV transfer); decode: the wait for a running slot
     tpot_s: float  # aggregated, decode; 0 for prefill
-    requests_per_s: float  # one engine
+    requests_per_s: float  # one engine, at this load
     memory: Capacity
     mem_fraction: float = 0.9  # of HBM the engine may use (vLLM --gpu-memory-utilization)
+    load: float = 1.0  # mean running sequences / batch (aggregated, decode); busy fraction (prefill)
 
 
-# ---- one engine in steady state --------------------------------------------------------------------------------------
+# ---- one engine with every slot full ---------------------------------------------------------------------------------
 
-def aggregated_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
-                     chunk: int, eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
-    """An engine that prefills and decodes; None when the batch does not fit its memory or the budget cannot
-    keep prefill in pace with decode."""
+def aggregated_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
+                     chunk: int, eff: Efficiency | None = None,
+                     mem_fraction: float = MEM_FRACTION) -> EngineState | None:
+    """An engine that prefills and decodes, `batch` sequences running; None when they do not fit its memory or
+    the budget cannot keep prefill in pace with decode (P = batch x ISL / OSL prompt tokens per iteration)."""
     if batch < lay.dp:
         return None
     prefill_per_iter = batch * wl.isl / wl.osl
@@ -449,14 +508,16 @@ def aggregated_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: 
                             kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
     full = iteration_time(model, cluster, lay, batch, ctx, budget, wl.isl / 2, weight_dtype=wl.weight_dtype,
                           kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    iterations = math.ceil(wl.isl / (budget / lay.dp))  # the request's attention group gets its share of the budget
-    return PoolPoint("aggregated", lay, batch, chunk, iterations * full.seconds, steady.seconds,
-                     batch / (wl.osl * steady.seconds), mem, mem_fraction)
+    # a lone new prompt's iteration: its chunk, min(ISL, the group's share of the budget), in every attention group
+    lone = iteration_time(model, cluster, lay, batch, ctx, min(budget, lay.dp * wl.isl), wl.isl / 2,
+                          weight_dtype=wl.weight_dtype, kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
+    return EngineState("aggregated", lay, batch, chunk, steady.seconds, full.seconds, mem, mem_fraction,
+                       prompt_s=lone.seconds)
 
 
-def prefill_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, prompts: int,
+def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, prompts: int,
                   eff: Efficiency | None = None, crosses_nodes: bool = True,
-                  mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
+                  mem_fraction: float = MEM_FRACTION) -> EngineState | None:
     """A prefill engine taking `prompts` prompts per iteration (one attention group each at least)."""
     if prompts < lay.dp or prompts % lay.dp:
         return None
@@ -466,12 +527,12 @@ def prefill_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: Ser
         return None
     it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.isl / 2, weight_dtype=wl.weight_dtype,
                         kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    ttft = it.seconds + kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes)
-    return PoolPoint("prefill", lay, prompts, tokens, ttft, 0.0, prompts / it.seconds, mem, mem_fraction)
+    return EngineState("prefill", lay, prompts, tokens, it.seconds, it.seconds, mem, mem_fraction,
+                       kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes))
 
 
-def decode_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
-                 eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
+def decode_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
+                 eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> EngineState | None:
     if batch < lay.dp:
         return None
     mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, batch, batch)
@@ -479,4 +540,4 @@ def decode_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: Serv
         return None
     it = iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, 0, 0, weight_dtype=wl.weight_dtype,
                         kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    return PoolPoint("decode", lay, batch, batch, 0.0, it.seconds, batch / (wl.osl * it.seconds), mem, mem_fraction)
+    return EngineState("decode", lay, batch, batch, it.seconds, it.seconds, mem, mem_fraction)

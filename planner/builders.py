@@ -102,11 +102,12 @@ def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: ServeWorklo
         role=p.role, engines=n, tp=p.layout.tp, dp=p.layout.dp, pp=p.layout.pp, ep=p.layout.ep,
         gpus_per_engine=p.layout.gpus, max_num_seqs=p.batch, max_num_batched_tokens=p.chunk,
         gpu_memory_utilization=p.mem_fraction, ttft_ms=p.ttft_s * 1e3, tpot_ms=p.tpot_s * 1e3,
-        requests_per_s=p.requests_per_s, weights_gib=p.memory.weights_gib, kv_cache_gib=p.memory.kv_gib,
+        requests_per_s=p.requests_per_s, load=p.load, weights_gib=p.memory.weights_gib, kv_cache_gib=p.memory.kv_gib,
         kv_tokens=p.memory.tokens) for p, n in deployment.pools]
     d = deployment
     prediction = ServingPrediction(
-        ttft_ms=d.ttft_s * 1e3, tpot_ms=d.tpot_s * 1e3, e2e_ms=d.e2e_s(workload.osl) * 1e3,
+        percentile=targets.percentile, ttft_ms=d.ttft_s * 1e3, tpot_ms=d.tpot_s * 1e3,
+        e2e_ms=d.e2e_s(workload.osl) * 1e3,
         requests_per_s=d.requests_per_s, output_tokens_per_s=d.output_tokens_per_s,
         tokens_per_s_per_gpu=d.tokens_per_s_per_gpu, tokens_per_s_per_user=d.tokens_per_s_per_user, gpus=d.gpus,
         meets_targets=meets(d, targets, workload), misses=misses(d, targets, workload))

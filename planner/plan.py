@@ -439,7 +439,9 @@ class ServingEngine(_Frozen):
     gpu_memory_utilization: float = Field(gt=0, le=1)
     ttft_ms: float = Field(ge=0)
     tpot_ms: float = Field(ge=0)
-    requests_per_s: float = Field(ge=0, description="one engine")
+    requests_per_s: float = Field(ge=0, description="one engine, at its load")
+    load: float = Field(ge=0, le=1, description="mean running sequences / max_num_seqs (aggregated, decode); the "
+                                               "fraction of time busy (prefill)")
     weights_gib: float = Field(ge=0, description="per GPU")
     kv_cache_gib: float = Field(ge=0, description="per GPU")
     kv_tokens: int = Field(ge=0, description="tokens the engine's KV cache holds")
@@ -452,6 +454,9 @@ class ServingEngine(_Frozen):
 
 
 class ServingPrediction(_Frozen):
+    percentile: Literal["mean", "p50", "p90", "p99"] = Field(
+        description="the statistic of TTFT, TPOT and e2e below, over requests at the predicted load (queueing "
+                    "included)")
     ttft_ms: float = Field(ge=0)
     tpot_ms: float = Field(ge=0)
     e2e_ms: float = Field(ge=0)

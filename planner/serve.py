@@ -1,6 +1,6 @@
 """The serving search: engine layouts (TP, attention DP, PP, EP), batch and chunk sizes, aggregated or
 disaggregated prefill and decode pools, under TTFT and TPOT targets. What one engine costs in steady state is the
-serving cost model's (costmodels/serving.py: aggregated_point, prefill_point, decode_point).
+serving cost model's (costmodels/serving.py: its states; costmodels/serving_load.py: at a load).
 
 Aggregated engines batch decode and chunked prefill in every iteration (Sarathi-Serve, Agrawal et al. OSDI'24): an
 iteration holds B decode tokens and the prefill that keeps pace with them, and the token budget
@@ -8,7 +8,8 @@ iteration holds B decode tokens and the prefill that keeps pace with them, and t
 is in. Disaggregated deployments
 (DistServe, Zhong et al. OSDI'24; DeepSeek-V3 report sec. 3.4) run prefill engines (batches of prompts, TTFT = the
 batch's prefill + the KV transfer) and decode engines (TPOT = one decode iteration), x of one for y of the other so
-that the request rates balance. Queueing delay is not modelled: a target is met at the stated load.
+that the request rates balance. Every engine runs below its cap of running sequences, at a load whose queueing
+delays (costmodels/queueing.py) the targets bound at their percentile.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ import numpy as np
 
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.model import ModelSpec
-from meshplan.costmodels.serving import (MEM_FRACTION, EngineLayout, PoolPoint, ServeDtype, ServeObjective,
-                                         ServeTargets, ServeWorkload, aggregated_point, decode_point, prefill_point)
+from meshplan.costmodels.queueing import Percentile
+from meshplan.costmodels.serving import (MEM_FRACTION, EngineLayout, EngineState, PoolPoint, ServeDtype,
+                                         ServeObjective, ServeTargets, ServeWorkload, aggregated_state, decode_state,
+                                         prefill_state)
+from meshplan.costmodels.serving_load import loaded_points
 from meshplan.hardware_db.cluster import Cluster, engine_cluster
 from meshplan.hardware_db.errors import InputError
 
@@ -148,7 +152,7 @@ def _aggregated(point: PoolPoint, engines: int, wl: ServeWorkload) -> Deployment
 
 def _disaggregated(pre: PoolPoint, x: int, dec: PoolPoint, y: int, wl: ServeWorkload) -> Deployment:
     rate = min(x * pre.requests_per_s, y * dec.requests_per_s)
-    return Deployment("disaggregated", ((pre, x), (dec, y)), pre.ttft_s, dec.tpot_s, rate, rate * wl.osl,
+    return Deployment("disaggregated", ((pre, x), (dec, y)), pre.ttft_s + dec.ttft_s, dec.tpot_s, rate, rate * wl.osl,
                       x * pre.layout.gpus + y * dec.layout.gpus)
 
 
@@ -219,6 +223,46 @@ def _ratio(pre: PoolPoint, dec: PoolPoint, gpus: int) -> tuple[int, int] | None:
     return int(x[top][k]), int(y[top][k])
 
 
+@dataclass(frozen=True)
+class _LayoutPoints:
+    aggregated: list[PoolPoint]
+    prefill: list[PoolPoint]
+    decode: list[PoolPoint]
+    states: int  # engine states evaluated (each one or two iterations timed)
+
+
+def _layout_points(model: ModelSpec, c: Cluster, lay: EngineLayout, wl: ServeWorkload, percentile: Percentile,
+                   eff: Efficiency | None, mem_fraction: float, disaggregation: bool,
+                   crosses_nodes: bool) -> _LayoutPoints:
+    """One engine layout's states at every batch and budget that fit, and its points at the loads
+    (serving_load.loaded_points): aggregated by budget, decode, and prefill by prompts per iteration."""
+    by_chunk: dict[int, list[EngineState]] = {}
+    dec: list[EngineState] = []
+    pre: list[EngineState] = []
+    for batch in BATCHES:
+        b = batch * lay.dp if model.moe is not None else batch
+        for chunk in (ch for ch in CHUNKS if ch - b >= b * wl.isl / wl.osl):
+            s = aggregated_state(model, c, lay, wl, b, chunk, eff, mem_fraction)  # larger chunks: shorter TTFT
+            if s is None:
+                break
+            by_chunk.setdefault(chunk, []).append(s)
+        if disaggregation:
+            d = decode_state(model, c, lay, wl, b, eff, mem_fraction)
+            if d is not None:
+                dec.append(d)
+            elif b > lay.dp:
+                break  # a larger batch needs more memory still
+    if disaggregation:
+        for prompts in (1, 2, 4, 8, 16, 32, 64):
+            p = prefill_state(model, c, lay, wl, prompts * lay.dp, eff, crosses_nodes, mem_fraction)
+            if p is None:
+                break
+            pre.append(p)
+    agg = [p for curve in by_chunk.values() for p in loaded_points(curve, wl, percentile)]
+    states = sum(map(len, by_chunk.values())) + len(dec) + len(pre)
+    return _LayoutPoints(agg, loaded_points(pre, wl, percentile), loaded_points(dec, wl, percentile), states)
+
+
 def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
                    min_gpus: int = 1, objective: ServeObjective = "throughput",
                    disaggregation: bool = True, eff: Efficiency | None = None, top: int = 5,
@@ -248,28 +292,12 @@ def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, target
         if lay.gpus not in clusters:  # one cluster (and its link cache) per engine size
             clusters[lay.gpus] = engine_cluster(cluster, lay.gpus)
         c = clusters[lay.gpus]
-        for batch in BATCHES:
-            b = batch * lay.dp if model.moe is not None else batch
-            for chunk in (ch for ch in CHUNKS if ch - b >= b * wl.isl / wl.osl):
-                p = aggregated_point(model, c, lay, wl, b, chunk, eff, mem_fraction)  # larger chunks: shorter TTFT
-                evaluated += 1
-                if p is None:
-                    break
-                agg_points.append(p)
-            if disaggregation:
-                d = decode_point(model, c, lay, wl, b, eff, mem_fraction)
-                evaluated += 1
-                if d is not None:
-                    dec_points.append(d)
-                elif b > lay.dp:
-                    break  # a larger batch needs more memory still
-        if disaggregation:
-            for prompts in (1, 2, 4, 8, 16, 32, 64):
-                p = prefill_point(model, c, lay, wl, prompts * lay.dp, eff, budget > per_node, mem_fraction)
-                evaluated += 1
-                if p is None:
-                    break
-                pre_points.append(p)
+        points = _layout_points(model, c, lay, wl, targets.percentile, eff, mem_fraction,
+                                disaggregation, budget > per_node)
+        evaluated += points.states
+        agg_points += points.aggregated
+        pre_points += points.prefill
+        dec_points += points.decode
     deployments: list[Deployment] = []
     for p in agg_points:
         engines = budget // p.layout.gpus
@@ -368,7 +396,7 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
             raise InputError(f"an engine of {lay.gpus} GPUs does not fill whole nodes of {per_node}")
     c = engine_cluster(cluster, layout.gpus)
     step = layout.dp if model.moe is not None else 1
-    batches = [batch] if batch is not None else [b * step for b in BATCHES]
+    grid = sorted({b * step for b in BATCHES} | ({batch} if batch is not None else set()))
 
     def pick(candidates: list[Deployment]) -> Deployment:
         if not candidates:
@@ -378,16 +406,20 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
             candidates, key=lambda d: _excess(d, targets, wl))
 
     if prefill_layout is None:
-        points = [p for b in batches for ch in CHUNKS if ch - b >= b * wl.isl / wl.osl
-                  for p in [aggregated_point(model, c, layout, wl, b, ch, eff, mem_fraction)] if p is not None]
+        curves = [_curve([aggregated_state(model, c, layout, wl, b, ch, eff, mem_fraction) for b in grid], batch)
+                  for ch in CHUNKS]
+        points = [p for curve in curves for p in loaded_points(curve, wl, targets.percentile)
+                  if batch is None or p.batch == batch]
         n = engines or max(1, cluster.num_gpus // layout.gpus)
         return pick([_aggregated(p, n, wl) for p in points])
     prefill_layout.check(model)
     pc = engine_cluster(cluster, prefill_layout.gpus)
-    dec = [p for b in batches for p in [decode_point(model, c, layout, wl, b, eff, mem_fraction)] if p is not None]
+    dec = [p for p in loaded_points(_curve([decode_state(model, c, layout, wl, b, eff, mem_fraction) for b in grid],
+                                           batch), wl, targets.percentile) if batch is None or p.batch == batch]
     prompts = [prefill_batch] if prefill_batch is not None else [k * prefill_layout.dp for k in (1, 2, 4, 8, 16)]
-    pre = [p for k in prompts for p in [prefill_point(model, pc, prefill_layout, wl, k, eff,
-                                                      cluster.num_gpus > per_node, mem_fraction)] if p is not None]
+    pre = loaded_points([s for k in prompts for s in [prefill_state(model, pc, prefill_layout, wl, k, eff,
+                                                                    cluster.num_gpus > per_node, mem_fraction)]
+                         if s is not None], wl, targets.percentile)
     if not pre:
         raise InputError(f"no prompt batch of prefill {prefill_layout.label()} fits its memory with ISL {wl.isl}")
     candidates = []
@@ -400,6 +432,11 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
                 x = prefill_engines or max(1, math.ceil(y * d.requests_per_s / p.requests_per_s))
             candidates.append(_disaggregated(p, x, d, y, wl))
     return pick(candidates)
+
+
+def _curve(states: list[EngineState | None], batch: int | None) -> list[EngineState]:
+    """The states that fit, batch ascending, up to a given cap."""
+    return [s for s in states if s is not None and (batch is None or s.batch <= batch)]
 
 
 def explain_serving(result: ServeResult, targets: ServeTargets, wl: ServeWorkload, most: int = 4) -> list[str]:
@@ -442,9 +479,25 @@ def parse_gpu_range(text: str | None) -> tuple[int, int]:
     return a, b
 
 
-def load_lengths(path: str | Path) -> tuple[float, float, int]:
-    """(mean input tokens, mean output tokens, requests) of a CSV with a header naming input_tokens and
-    output_tokens (or isl and osl) columns."""
+@dataclass(frozen=True)
+class RequestLengths:
+    """A lengths file's requests: the means and squared coefficients of variation (variance / mean^2) of their
+    input and output tokens; the queueing model takes the spread, the engine model the means."""
+
+    isl: float
+    osl: float
+    isl_cv2: float
+    osl_cv2: float
+    requests: int
+
+
+def _cv2(values: list[int]) -> float:
+    mean = sum(values) / len(values)
+    return sum((v - mean) ** 2 for v in values) / len(values) / mean**2
+
+
+def load_lengths(path: str | Path) -> RequestLengths:
+    """The lengths of a CSV with a header naming input_tokens and output_tokens (or isl and osl) columns."""
     import csv
 
     path = Path(path)
@@ -473,18 +526,18 @@ def load_lengths(path: str | Path) -> tuple[float, float, int]:
             raise InputError(f"{path} line {n}: token counts must be at least 1 (got {i}, {o})")
         ins.append(i)
         outs.append(o)
-    return sum(ins) / len(ins), sum(outs) / len(outs), len(ins)
+    return RequestLengths(sum(ins) / len(ins), sum(outs) / len(outs), _cv2(ins), _cv2(outs), len(ins))
 
 
-def workload_from(isl: int | None, osl: int | None, lengths: tuple[float, float, int] | None,
+def workload_from(isl: int | None, osl: int | None, lengths: RequestLengths | None,
                   weight_dtype: ServeDtype, kv_dtype: ServeDtype) -> ServeWorkload:
-    """The workload of --isl/--osl or of a lengths file (its means)."""
+    """The workload of --isl/--osl (every request alike) or of a lengths file (its means and spread)."""
     if lengths is not None:
         if isl is not None or osl is not None:
             raise InputError("give --isl/--osl or --lengths, not both")
-        mean_in, mean_out, n = lengths
-        return ServeWorkload(isl=max(1, round(mean_in)), osl=max(1, round(mean_out)), weight_dtype=weight_dtype,
-                             kv_dtype=kv_dtype, source=f"means of {n} requests")
+        return ServeWorkload(isl=max(1, round(lengths.isl)), osl=max(1, round(lengths.osl)),
+                             isl_cv2=lengths.isl_cv2, osl_cv2=lengths.osl_cv2, weight_dtype=weight_dtype,
+                             kv_dtype=kv_dtype, source=f"means of {lengths.requests} requests")
     if isl is None or osl is None:
         raise InputError("say the request lengths: --isl N --osl M, or --lengths requests.csv")
     return ServeWorkload(isl=isl, osl=osl, weight_dtype=weight_dtype, kv_dtype=kv_dtype)

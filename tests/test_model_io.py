@@ -37,6 +37,8 @@ PUBLISHED = [
     ("mixtral-8x22b", 141.0, 39.0),
     ("qwen3-30b-a3b", 30.5, 3.3),  # Qwen3 model cards
     ("qwen3-235b-a22b", 235.0, 22.0),
+    ("qwen3-32b", 32.8, None),  # Qwen3-32B model card: 32.8B
+    ("llama2-70b", 70.0, None),  # Llama 2 paper (Touvron et al. 2023), Table 1
     ("deepseek-v3", 671.0, 37.0),  # DeepSeek-V3 report, main model without the MTP module
     ("gpt3-175b", 175.0, None),  # Brown et al. 2020
     ("nemotron-4-340b", 341.0, None),  # Nemotron-4 340B report

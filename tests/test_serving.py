@@ -15,7 +15,8 @@ from meshplan.costmodels.serving import (EngineLayout, capacity, iteration_time,
                                          kv_bytes_per_token_layer, weight_bytes_per_gpu)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
-from meshplan.costmodels.serving import ServeTargets, ServeWorkload, aggregated_point, decode_point, prefill_point
+from meshplan.costmodels.serving import ServeTargets, ServeWorkload, aggregated_state, decode_state, prefill_state
+from meshplan.costmodels.serving_load import aggregated_point, decode_point, prefill_point
 from meshplan.planner.serve import engine_layouts, pareto_front, search_serving
 
 LLAMA70 = load_zoo("llama3.1-70b")
@@ -113,18 +114,18 @@ def test_prefill_is_compute_bound():
 def test_memory_admission_refuses_a_batch_that_does_not_fit():
     c = cluster("h100-sxm", 2)
     lay = EngineLayout(tp=2)
-    assert decode_point(LLAMA70, c, lay, WL, 4) is not None  # 66 GiB of weights per GPU leave ~5 GiB
-    assert decode_point(LLAMA70, c, lay, WL, 4096) is None  # 4096 x 4,500 tokens x 160 KiB >> HBM
-    assert prefill_point(LLAMA70, cluster("h100-sxm", 1), EngineLayout(tp=1), WL, 1) is None  # 140 GB of weights
+    assert decode_state(LLAMA70, c, lay, WL, 4) is not None  # 66 GiB of weights per GPU leave ~5 GiB
+    assert decode_state(LLAMA70, c, lay, WL, 4096) is None  # 4096 x 4,500 tokens x 160 KiB >> HBM
+    assert prefill_state(LLAMA70, cluster("h100-sxm", 1), EngineLayout(tp=1), WL, 1) is None  # 140 GB of weights
 
 
 def test_aggregated_point_keeps_prefill_in_pace():
     """P = B x ISL / OSL prompt tokens per iteration must fit the chunk beside the B decode tokens."""
     c = cluster("h100-sxm", 8)
-    assert aggregated_point(LLAMA70, c, EngineLayout(tp=8), WL, 256, 2048) is None  # needs 2048 + 256 > 2048
-    p = aggregated_point(LLAMA70, c, EngineLayout(tp=8), WL, 64, 2048)
-    assert p is not None and p.ttft_s > 0 and p.tpot_s > 0
-    assert p.requests_per_s == pytest.approx(64 / (500 * p.tpot_s))
+    assert aggregated_state(LLAMA70, c, EngineLayout(tp=8), WL, 256, 2048) is None  # needs 2048 + 256 > 2048
+    p = aggregated_point(LLAMA70, c, EngineLayout(tp=8), WL, 64, 2048, running=32, percentile="mean")
+    assert p is not None and p.ttft_s > 0 and p.tpot_s > 0 and p.load == 0.5
+    assert p.requests_per_s == pytest.approx(32 / (500 * p.tpot_s))  # Little's law at the mean
 
 
 def test_deepseek_v3_authors_deployment_is_expressible_and_evaluated():
@@ -135,8 +136,8 @@ def test_deepseek_v3_authors_deployment_is_expressible_and_evaluated():
     pre_lay, dec_lay = EngineLayout(tp=4, dp=8, ep=32), EngineLayout(tp=4, dp=80, ep=320)
     assert pre_lay in layouts and dec_lay in layouts
     wl = ServeWorkload(isl=4000, osl=500, weight_dtype="fp8")
-    pre = prefill_point(DSV3, cluster("h800", 32), pre_lay, wl, 8)
-    dec = decode_point(DSV3, cluster("h800", 320), dec_lay, wl, 80 * 64)
+    pre = prefill_point(DSV3, cluster("h800", 32), pre_lay, wl, 8, busy=0.7)
+    dec = decode_point(DSV3, cluster("h800", 320), dec_lay, wl, 80 * 64, running=80 * 32)
     assert pre is not None and dec is not None
     assert 0 < pre.ttft_s < 1 and 0 < dec.tpot_s < 0.1
     assert dec.memory.tokens >= 80 * 64 * 4500

@@ -14,6 +14,7 @@ import shlex
 
 from meshplan.planner.launchers.common import (Exported, ExportedFile, engine_nodes, full_ep_only, serving_script,
                                                shell_lines)
+from meshplan.costmodels.serving import redundant_experts
 from meshplan.planner.plan import ServingEngine, ServingPlan
 
 __all__ = ["TARGET", "sglang_args", "export_sglang", "parse_sglang_command"]
@@ -33,8 +34,9 @@ def sglang_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
         args += ["--pp-size", str(engine.pp)]
     if engine.ep > 1:
         args += ["--ep-size", str(engine.ep)]
-        if model.moe is not None and engine.ep > model.moe.num_experts:
-            args += ["--ep-num-redundant-experts", str(engine.ep - model.moe.num_experts)]
+        spare = redundant_experts(model.moe.num_experts, engine.ep) if model.moe is not None else 0
+        if spare:
+            args += ["--ep-num-redundant-experts", str(spare)]
     args += ["--max-running-requests", str(engine.max_num_seqs), "--chunked-prefill-size",
              str(engine.max_num_batched_tokens), "--mem-fraction-static", f"{engine.gpu_memory_utilization:g}"]
     if wl.kv_dtype == "fp8":

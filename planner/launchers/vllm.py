@@ -14,6 +14,7 @@ import shlex
 
 from meshplan.planner.launchers.common import (Exported, ExportedFile, engine_nodes, full_ep_only, refuse,
                                                serving_script, shell_lines)
+from meshplan.costmodels.serving import redundant_experts
 from meshplan.planner.plan import ServingEngine, ServingPlan
 
 __all__ = ["TARGET", "vllm_args", "export_vllm", "parse_vllm_command"]
@@ -26,8 +27,8 @@ def vllm_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
     model = plan.inputs.model_spec()
     wl = plan.inputs.workload
     full_ep_only(TARGET, engine)  # --enable-expert-parallel: EP over all tp x dp ranks, no size of its own
-    if model.moe is not None and engine.ep > model.moe.num_experts:
-        raise refuse(TARGET, f"EP {engine.ep} beyond the {model.moe.num_experts} experts needs redundant experts "
+    if model.moe is not None and redundant_experts(model.moe.num_experts, engine.ep):
+        raise refuse(TARGET, f"EP {engine.ep} over {model.moe.num_experts} experts needs redundant experts "
                      "(vLLM's EPLB settings), which this export does not write", "use --to sglang")
     args = ["vllm", "serve", "${MODEL}", "--tensor-parallel-size", str(engine.tp)]
     if engine.pp > 1:

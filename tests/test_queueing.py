@@ -1,0 +1,214 @@
+"""Latency under load (costmodels/queueing.py and the serving points built on it) and the fused mixed step: the
+queueing formulas against their closed forms, TTFT growing with load and diverging near capacity, and a chunked
+prefill step never cheaper than its decode part alone nor dearer than its parts apart (issue 19)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.costmodels.model_io import load_zoo
+from meshplan.costmodels.queueing import erlang_c, mgc_wait, occupancy_quantile
+from meshplan.costmodels.serving import EngineLayout, ServeWorkload, aggregated_state, iteration_time
+from meshplan.costmodels.serving_load import loaded_points, running_point
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster
+
+LLAMA8 = load_zoo("llama3.1-8b")
+LLAMA70 = load_zoo("llama3.1-70b")
+
+
+def test_erlang_c_closed_forms():
+    """M/M/1: P(wait) = rho. M/M/2 at a = 1: C = a^2 / (a^2 + 2(2 - a)(1 + a)) ... = 1/3 (Cooper, sec. 3.4)."""
+    assert erlang_c(1, 0.7) == pytest.approx(0.7)
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(4, 0.0) == 0.0 and erlang_c(4, 4.0) == 1.0
+
+
+def test_halfin_whitt_meets_the_exact_recursion():
+    """Above 512 servers the heavy-traffic limit replaces the recursion; at the seam both agree to a few percent
+    of the probability (Halfin and Whitt's limit is exact as c grows at fixed beta)."""
+    from meshplan.costmodels import queueing
+
+    for beta in (0.5, 1.0, 2.0):
+        c = 512
+        a = c - beta * math.sqrt(c)
+        exact = erlang_c(c, a)
+        unit = queueing.NormalDist()
+        limit = 1.0 / (1.0 + beta * unit.cdf(beta) / unit.pdf(beta))
+        assert limit == pytest.approx(exact, abs=0.005)
+
+
+def test_mm1_wait_is_pollaczek_khinchine():
+    """M/M/1 (cs^2 = 1): mean wait rho S / (1 - rho); M/D/1 (cs^2 = 0): half of it."""
+    s, rho = 0.2, 0.8
+    assert mgc_wait(1, rho / s, s, 1.0).mean() == pytest.approx(rho * s / (1 - rho))
+    assert mgc_wait(1, rho / s, s, 0.0).mean() == pytest.approx(rho * s / (1 - rho) / 2)
+    w = mgc_wait(1, rho / s, s, 1.0)
+    # M/M/1's waiting time: P(W > t) = rho exp(-(mu - lambda) t), so its median solves rho e^{-x} = 0.5
+    assert w.quantile(0.5) == pytest.approx(math.log(rho / 0.5) / (1 / s - rho / s))
+    assert w.quantile(0.1) == 0.0 or rho < 0.9  # most arrivals at rho 0.8 wait: the 10th percentile may be > 0
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(servers=st.integers(1, 2000), service=st.floats(1e-3, 10.0), cv2=st.floats(0.0, 4.0),
+       lo=st.floats(0.01, 0.98), hi=st.floats(0.01, 0.98), q=st.sampled_from([None, 0.5, 0.9, 0.99]))
+def test_wait_grows_with_load(servers, service, cv2, lo, hi, q):
+    """More arrivals never shorten the wait, at any percentile."""
+    lo, hi = sorted((lo, hi))
+    rate = servers / service
+    assert mgc_wait(servers, lo * rate, service, cv2).quantile(q) <= \
+        mgc_wait(servers, hi * rate, service, cv2).quantile(q) + 1e-12
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(servers=st.integers(1, 2000), service=st.floats(1e-3, 10.0), cv2=st.floats(0.0, 4.0))
+def test_wait_diverges_at_capacity(servers, service, cv2):
+    """As the offered load nears the servers the mean wait grows without bound; at or past them it is infinite."""
+    rate = servers / service
+    near = mgc_wait(servers, rate * (1 - 1e-6), service, cv2).mean()
+    assert near > 100 * mgc_wait(servers, rate * 0.5, service, cv2).mean() or near > 1e3 * service
+    assert math.isinf(mgc_wait(servers, rate * (1 + 1e-9), service, cv2).mean())
+
+
+def test_occupancy_quantile_is_poisson_like_and_capped():
+    assert occupancy_quantile(100, None, 256) == 100
+    assert occupancy_quantile(100, 0.5, 256) == pytest.approx(100)
+    assert occupancy_quantile(100, 0.99, 256) == pytest.approx(100 + 2.3263 * 10, rel=1e-3)
+    assert occupancy_quantile(250, 0.99, 256) == 256
+
+
+def _curve(lay: EngineLayout, gpus: int, wl: ServeWorkload, chunk: int):
+    c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=gpus)), gpus)
+    states = [aggregated_state(LLAMA8, c, lay, wl, b, chunk) for b in (8, 16, 32, 64, 128, 192, 256)]
+    return [s for s in states if s is not None]
+
+
+@pytest.mark.parametrize("percentile", ["mean", "p50", "p90", "p99"])
+def test_engine_ttft_grows_with_load_and_rate_with_it(percentile):
+    """One engine at a fixed max_num_seqs and budget: more running sequences serve more requests/s, and every
+    request waits longer for its first token; a higher percentile is never below a lower one."""
+    wl = ServeWorkload(isl=2000, osl=200, isl_cv2=0.5, osl_cv2=0.5)
+    curve = _curve(EngineLayout(tp=1), 1, wl, 8192)
+    assert len(curve) >= 5
+    points = [p for p in loaded_points(curve, wl, percentile) if p.batch == curve[-1].batch]
+    assert len(points) >= 3
+    points.sort(key=lambda p: p.load)
+    for a, b in zip(points, points[1:], strict=False):
+        assert b.requests_per_s > a.requests_per_s
+        assert b.ttft_s >= a.ttft_s
+        assert b.tpot_s >= a.tpot_s
+
+
+def test_prefill_queue_diverges_as_the_budget_fills():
+    """Llama-3.1-8B on one H100 with prompts 40 times their outputs: the prompt tokens that keep pace with the
+    running sequences (running x 40 per iteration) near the budget left beside them, the engine serves barely more
+    requests/s while the mean TTFT runs away; running at the cap itself, the slots' queue is unstable."""
+    wl = ServeWorkload(isl=1000, osl=25)
+    c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1)), 1)
+    states = [aggregated_state(LLAMA8, c, EngineLayout(tp=1), wl, b, 8192) for b in (64, 128, 160, 180, 190)]
+    assert all(s is not None for s in states)  # 190 x 40 = 7,600 prompt tokens of the 8,002 left
+    points = {p.load * p.batch: p for p in loaded_points(states, wl, "mean") if p.batch == 190}
+    assert set(points) == {64, 128, 160, 180}
+    assert points[180].ttft_s > 5 * points[64].ttft_s
+    assert points[180].requests_per_s < 1.1 * points[64].requests_per_s
+    assert running_point(states, states[-1].batch, wl, None) is None
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(dec=st.integers(1, 512), pre=st.integers(1, 16384), ctx=st.integers(1, 32768),
+       tp=st.sampled_from([1, 2, 4, 8]), model=st.sampled_from(["llama3.1-8b", "llama3.1-70b", "deepseek-v3"]))
+def test_mixed_step_between_its_decode_part_and_its_parts_apart(dec, pre, ctx, tp, model):
+    """A chunked-prefill step (decode tokens riding in the prompt chunk's GEMMs) is never cheaper than its decode
+    part alone nor dearer than the decode step and the prefill step run apart (within 0.1 %: the step's
+    collectives change algorithm at message-size thresholds)."""
+    spec = load_zoo(model)
+    lay = EngineLayout(tp=tp, dp=8 // tp, ep=8) if spec.moe is not None else EngineLayout(tp=tp)
+    c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8)), lay.gpus)
+    dtype = "fp8" if spec.moe is not None else "bf16"
+    both = iteration_time(spec, c, lay, dec, ctx, pre, pre / 2, weight_dtype=dtype).seconds
+    decode = iteration_time(spec, c, lay, dec, ctx, 0, 0, weight_dtype=dtype).seconds
+    prefill = iteration_time(spec, c, lay, 0, 0, pre, pre / 2, weight_dtype=dtype).seconds
+    assert decode <= both * (1 + 1e-9)
+    assert both <= (decode + prefill) * 1.001
+
+
+def test_lengths_file_carries_its_spread(tmp_path):
+    """A lengths CSV gives the means to the engine model and the spread (variance / mean^2) to the queues."""
+    from meshplan.planner.serve import load_lengths, workload_from
+
+    f = tmp_path / "requests.csv"
+    f.write_text("input_tokens,output_tokens\n100,10\n300,30\n")
+    lengths = load_lengths(f)
+    assert (lengths.isl, lengths.osl, lengths.requests) == (200, 20, 2)
+    assert lengths.isl_cv2 == pytest.approx(0.25) and lengths.osl_cv2 == pytest.approx(0.25)
+    wl = workload_from(None, None, lengths, "bf16", "bf16")
+    assert (wl.isl, wl.isl_cv2, wl.osl_cv2) == (200, pytest.approx(0.25), pytest.approx(0.25))
+
+
+def test_serve_states_its_percentile(capsys, tmp_path):
+    """`serve --percentile p99` bounds the p99 and says so in the plan; the p99 of a deployment is never below
+    its median."""
+    import json
+
+    from cli_helpers import run
+
+    out = {}
+    for q in ("p50", "p99"):
+        path = tmp_path / f"{q}.json"
+        code, _, err = run(capsys, "serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "2000",
+                           "--osl", "200", "--layout", "tp1", "--batch", "128", "--percentile", q, "--out", str(path))
+        assert code == 0, err
+        out[q] = json.loads(path.read_text())["prediction"]
+        assert out[q]["percentile"] == q
+    assert out["p99"]["ttft_ms"] >= out["p50"]["ttft_ms"] and out["p99"]["tpot_ms"] >= out["p50"]["tpot_ms"]
+
+
+def test_closed_loop_users_run_the_steady_state():
+    """Closed-loop users arrive as fast as they finish and smoothly: the engine runs its steady iteration of N
+    sequences (TPOT), serves N / (TTFT + OSL x TPOT) requests/s, and a prompt waits for no queue of Poisson bursts
+    (D/G/1 with lengths alike: no wait); users beyond the KV cache's slots wait their turn."""
+    from meshplan.costmodels.serving_load import concurrency_point
+
+    c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1)), 1)
+    wl = ServeWorkload(isl=1024, osl=128)
+    p = concurrency_point(LLAMA8, c, EngineLayout(tp=1), wl, 128, 8192, None)
+    state = aggregated_state(LLAMA8, c, EngineLayout(tp=1), wl, 128, 8192)
+    assert p is not None and state is not None
+    assert p.tpot_s == state.step_s
+    assert p.requests_per_s == pytest.approx(128 / (p.ttft_s + 128 * state.step_s))
+    assert p.ttft_s == pytest.approx(state.step_s / 2 + state.prompt_s)  # residual + its own chunk, no queue
+    long = ServeWorkload(isl=30000, osl=2000)  # 32,000 tokens a user: far fewer fit than 512 users
+    q = concurrency_point(LLAMA8, c, EngineLayout(tp=1), long, 512, 8192, None)
+    assert q is not None and q.batch < 512
+    assert q.ttft_s > (512 / q.batch - 1) * 2000 * q.tpot_s  # the wait for a slot: whole generations
+
+
+def test_serving_reference_set_is_valid_and_priced():
+    """benchmarks/serving_reference.yaml: every entry validates (a source URL and the figure quoted) and the
+    pricing gives a figure for each measured metric of a few entries of each load."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_reference.py"
+    spec = importlib.util.spec_from_file_location("serving_reference", path)
+    assert spec is not None and spec.loader is not None
+    ref = importlib.util.module_from_spec(spec)
+    sys.modules["serving_reference"] = ref  # pydantic resolves the module's annotations through it
+    spec.loader.exec_module(ref)
+    entries = ref.load_entries(ref.DEFAULT_FILE)
+    assert len(entries) >= 25 and all(e.source.url and e.source.figure for e in entries)
+    by_load = {}
+    for e in entries:
+        kind = next(k for k, v in e.load.model_dump().items() if v not in (None, False))
+        by_load.setdefault((kind, e.mode), e)
+    for e in by_load.values():
+        if e.weight_dtype == "fp4":
+            continue
+        predicted = ref.price(e)
+        for metric in e.measured.model_dump(exclude_none=True):
+            if metric != "statistic":
+                assert metric in predicted and predicted[metric] > 0, (e.id, metric)
