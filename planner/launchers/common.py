@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.plan import Plan, ServingEngine, ServingPlan
 
 __all__ = ["ExportError", "ExportedFile", "Exported", "refuse", "header_lines", "node_geometry", "torchrun_args",
-           "shell_lines", "uniform_recompute", "serving_header_lines", "engine_nodes", "full_ep_only",
-           "serving_script"]
+           "shell_lines", "uniform_recompute", "serving_header_lines", "full_ep_only"]
 
 
 class ExportError(InputError):
@@ -136,33 +134,9 @@ def serving_header_lines(plan: ServingPlan, target: str) -> list[str]:
     return lines
 
 
-def engine_nodes(gpus: int, per_node: int) -> tuple[int, int]:
-    """(nodes, GPUs per node) of one engine."""
-    return (1, gpus) if gpus <= per_node else (gpus // per_node, per_node)
-
-
-ROLE_NAMES = {"aggregated": "engine", "prefill": "prefill engine", "decode": "decode engine"}
-
-
 def full_ep_only(target: str, engine: ServingEngine) -> None:
     """vLLM and SGLang run experts with EP over every tp x dp rank of an engine, or without EP."""
     ranks = engine.tp * engine.dp
     if engine.ep not in (1, ranks):
         raise refuse(target, f"{target} spreads experts over every tp x dp = {ranks} rank or runs them without EP "
                      f"(the plan: ep {engine.ep})", f"re-plan with ep 1 or {ranks}")
-
-
-def serving_script(plan: ServingPlan, title: str, pool: Callable[[ServingEngine], list[str]],
-                   disaggregated_note: str) -> str:
-    """A serving export: the header, the MODEL variable, each pool's summary line and `pool(engine)`'s lines (its
-    command), and a note on the router a disaggregated deployment needs."""
-    lines = ["#!/usr/bin/env bash"] + ["# " + line for line in serving_header_lines(plan, title)]
-    lines += ['MODEL="${MODEL:?set MODEL to the checkpoint of ' + plan.inputs.model_spec().name + '}"', ""]
-    for e in plan.engines:
-        lines.append(f"# ---- {e.engines} x {ROLE_NAMES[e.role]}, {e.gpus_per_engine} GPUs each (TP{e.tp} DP{e.dp} "
-                     f"PP{e.pp} EP{e.ep}); predicted {e.requests_per_s:.2f} requests/s each")
-        lines += pool(e)
-        lines.append("")
-    if plan.mode == "disaggregated":
-        lines.append(disaggregated_note)
-    return "\n".join(lines) + "\n"

@@ -1,10 +1,11 @@
-"""SGLang: a serving plan as `python -m sglang.launch_server` command lines, one per pool, and back.
+"""SGLang: a serving plan as scripts that start it (planner/launchers/serving_launch.py: one per node and a
+router), and its `python -m sglang.launch_server` command lines read back.
 
 Flags of SGLang's server arguments (python/sglang/srt/server_args.py): --tp-size is every GPU of a stage (attention
 TP x attention DP), --dp-size with --enable-dp-attention splits attention into DP groups, --pp-size, --ep-size (and
---ep-num-redundant-experts beyond the experts), --max-running-requests, --chunked-prefill-size,
---mem-fraction-static, --kv-cache-dtype, --quantization, --disaggregation-mode prefill|decode, and --nnodes,
---node-rank, --dist-init-addr for an engine over several nodes.
+--ep-num-redundant-experts where EP does not divide the experts), --max-running-requests, --chunked-prefill-size,
+--mem-fraction-static, --kv-cache-dtype, --quantization, --context-length, --disaggregation-mode prefill|decode
+with --disaggregation-bootstrap-port, and --nnodes, --node-rank, --dist-init-addr for an engine over several nodes.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from meshplan.planner.launchers.common import (Exported, ExportedFile, engine_nodes, full_ep_only, serving_script,
-                                               shell_lines)
 from meshplan.costmodels.serving import redundant_experts
+from meshplan.planner.launchers.common import Exported, full_ep_only
+from meshplan.planner.launchers.serving_launch import (ROUTER_PORT, Placement, engine_url, launch_files,
+                                                       max_model_len, place)
 from meshplan.planner.plan import ServingEngine, ServingPlan
 
 __all__ = ["TARGET", "sglang_args", "export_sglang", "parse_sglang_command"]
@@ -45,23 +47,50 @@ def sglang_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
         args += ["--quantization", "fp8"]
     if engine.role != "aggregated":
         args += ["--disaggregation-mode", engine.role]
-    nodes, _ = engine_nodes(engine.gpus_per_engine, plan.inputs.cluster.gpus_per_node)
-    if nodes > 1:
-        args += ["--nnodes", str(nodes), "--node-rank", "${NODE_RANK}", "--dist-init-addr", "${HEAD}:5000"]
     return args
 
 
-def export_sglang(plan: ServingPlan) -> Exported:
-    def pool(e: ServingEngine) -> list[str]:
-        nodes, _ = engine_nodes(e.gpus_per_engine, plan.inputs.cluster.gpus_per_node)
-        where = (f"# on each of its {nodes} nodes, with NODE_RANK 0..{nodes - 1} and HEAD the first node's address"
-                 if nodes > 1 else "# on one node")
-        return [where, shell_lines(sglang_args(plan, e), head=3)]
+def _instance_args(plan: ServingPlan, p: Placement, rank: int, nodes: int) -> list[str]:
+    """One engine's launch_server on one of its nodes: its port, --context-length, a bootstrap port of its own for
+    a prefill engine (the router's second --prefill value), and across nodes --nnodes / --node-rank /
+    --dist-init-addr on every node (SGLang docs, "Multi-Node Deployment")."""
+    e = p.engine
+    args = sglang_args(plan, e) + ["--host", "0.0.0.0", "--port", str(p.port), "--context-length",
+                                   str(max_model_len(plan, e))]
+    if e.role == "prefill":
+        args += ["--disaggregation-bootstrap-port", str(_bootstrap_port(p))]
+    if nodes > 1:
+        args += ["--nnodes", str(nodes), "--node-rank", str(rank), "--dist-init-addr",
+                 f"${{HOSTS[{p.nodes[0]}]}}:{5000 + p.index}"]
+    return args
 
-    text = serving_script(plan, "SGLang", pool, "# Put SGLang's router in front with the prefill and decode engines' "
-                          "addresses (python -m sglang_router.launch_router --pd-disaggregation --prefill ... "
-                          "--decode ...).")
-    return Exported(TARGET, (ExportedFile("sglang.sh", text),))
+
+def _bootstrap_port(p: Placement) -> int:
+    return 8998 + p.index  # SGLang's default bootstrap port is 8998; one per prefill engine of a node
+
+
+def _router(plan: ServingPlan) -> list[str]:
+    """SGLang's router (sglang-router: python -m sglang_router.launch_router): --worker-urls, or each request to a
+    prefill engine (with its bootstrap port) and a decode engine (--pd-disaggregation)."""
+    placements = place(plan)
+    argv = ["python", "-m", "sglang_router.launch_router"]
+    if plan.mode == "disaggregated":
+        argv.append("--pd-disaggregation")
+        for p in placements:
+            if p.engine.role == "prefill":
+                argv += ["--prefill", engine_url(p), str(_bootstrap_port(p))]
+            else:
+                argv += ["--decode", engine_url(p)]
+    else:
+        argv += ["--worker-urls"] + [engine_url(p) for p in placements]
+    return argv + ["--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+
+
+def export_sglang(plan: ServingPlan) -> Exported:
+    for e in plan.engines:
+        sglang_args(plan, e)  # the refusals, before any file
+    return Exported(TARGET, launch_files(plan, "SGLang", lambda p, rank, nodes: _instance_args(plan, p, rank, nodes),
+                                         _router(plan), head=3))
 
 
 def parse_sglang_command(command: str) -> dict[str, object]:

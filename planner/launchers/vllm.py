@@ -1,4 +1,5 @@
-"""vLLM: a serving plan as `vllm serve` command lines, one per pool, and back.
+"""vLLM: a serving plan as scripts that start it (planner/launchers/serving_launch.py: one per node and a router),
+and its `vllm serve` command lines read back.
 
 Flags of vLLM's engine arguments (vllm/engine/arg_utils.py): --tensor-parallel-size, --pipeline-parallel-size,
 --data-parallel-size (attention DP of an MoE model; a dense model's DP is replicas), --enable-expert-parallel
@@ -12,9 +13,10 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from meshplan.planner.launchers.common import (Exported, ExportedFile, engine_nodes, full_ep_only, refuse,
-                                               serving_script, shell_lines)
 from meshplan.costmodels.serving import redundant_experts
+from meshplan.planner.launchers.common import Exported, full_ep_only, refuse
+from meshplan.planner.launchers.serving_launch import (ROUTER_PORT, Placement, engine_url, launch_files,
+                                                       max_model_len, place)
 from meshplan.planner.plan import ServingEngine, ServingPlan
 
 __all__ = ["TARGET", "vllm_args", "export_vllm", "parse_vllm_command"]
@@ -48,25 +50,60 @@ def vllm_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
     return args
 
 
-def _multinode_note(engine: ServingEngine, per_node: int) -> str:
-    nodes, local = engine_nodes(engine.gpus_per_engine, per_node)
+def _instance_args(plan: ServingPlan, p: Placement, rank: int, nodes: int) -> list[str]:
+    """One engine's `vllm serve` on one of its nodes: its port and --max-model-len; across nodes attention DP
+    ranks spread by --data-parallel-size-local, the head taking requests and the others --headless (vLLM docs,
+    "Data Parallel Deployment"), else one Ray cluster whose head runs the engine (vLLM docs, "Multi-Node
+    Serving")."""
+    e = p.engine
+    per_node = plan.inputs.cluster.gpus_per_node
+    args = vllm_args(plan, e) + ["--host", "0.0.0.0", "--port", str(p.port), "--max-model-len",
+                                 str(max_model_len(plan, e))]
     if nodes == 1:
-        return f"# one engine: {engine.gpus_per_engine} GPUs of one node"
-    if engine.dp > 1 and engine.tp * engine.pp <= per_node:
-        per = local // (engine.tp * engine.pp)
-        return (f"# one engine spans {nodes} nodes: on the first add --data-parallel-size-local {per} "
-                f"--data-parallel-address $HEAD --data-parallel-rpc-port 13345; on node k add --headless "
-                f"--data-parallel-start-rank k*{per} (vLLM docs, data-parallel deployment)")
-    return (f"# one engine spans {nodes} nodes: start a Ray cluster over them and add --distributed-executor-backend "
-            f"ray (vLLM docs, multi-node serving)")
+        return args
+    if e.dp > 1 and e.tp * e.pp <= per_node:
+        local = per_node // (e.tp * e.pp)
+        args += ["--data-parallel-size-local", str(local), "--data-parallel-address", f"${{HOSTS[{p.nodes[0]}]}}",
+                 "--data-parallel-rpc-port", str(13345 + p.index)]
+        return args + (["--headless", "--data-parallel-start-rank", str(rank * local)] if rank else [])
+    return args + ["--distributed-executor-backend", "ray"] if rank == 0 else []
+
+
+def _ray_setup(plan: ServingPlan, p: Placement, rank: int) -> list[str]:
+    """A multi-node engine without attention DP across nodes: its nodes join one Ray cluster first."""
+    e = p.engine
+    per_node = plan.inputs.cluster.gpus_per_node
+    if len(p.nodes) == 1 or (e.dp > 1 and e.tp * e.pp <= per_node):
+        return []
+    port = 6379 + p.index
+    if rank:
+        return [f'ray start --address="${{HOSTS[{p.nodes[0]}]}}:{port}" --block > "$LOG_DIR/{p.name}-ray.log" 2>&1 &']
+    gpus = e.gpus_per_engine
+    return [f"ray start --head --port={port}",
+            f"until python3 -c \"import ray, sys; ray.init(address='127.0.0.1:{port}'); "
+            f"sys.exit(ray.cluster_resources().get('GPU', 0) < {gpus})\" 2>/dev/null; do sleep 5; done"]
+
+
+def _router(plan: ServingPlan) -> list[str]:
+    """vllm-router (github.com/vllm-project/router, `pip install vllm-router`): round robin over the engines, or
+    each request to a prefill engine, then a decode engine (--vllm-pd-disaggregation)."""
+    placements = place(plan)
+    argv = ["vllm-router", "--policy", "round_robin"]
+    if plan.mode == "disaggregated":
+        argv.append("--vllm-pd-disaggregation")
+        for p in placements:
+            argv += ["--prefill" if p.engine.role == "prefill" else "--decode", engine_url(p)]
+    else:
+        argv += ["--worker-urls"] + [engine_url(p) for p in placements]
+    return argv + ["--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
 
 
 def export_vllm(plan: ServingPlan) -> Exported:
-    per_node = plan.inputs.cluster.gpus_per_node
-    text = serving_script(plan, "vLLM", lambda e: [_multinode_note(e, per_node), shell_lines(vllm_args(plan, e))],
-                          "# Put a proxy that sends each request to a prefill engine, then to a decode engine, in "
-                          "front (vLLM examples: disaggregated_serving).")
-    return Exported(TARGET, (ExportedFile("vllm.sh", text),))
+    for e in plan.engines:
+        vllm_args(plan, e)  # the refusals, before any file
+    files = launch_files(plan, "vLLM", lambda p, rank, nodes: _instance_args(plan, p, rank, nodes), _router(plan),
+                         lambda p, rank: _ray_setup(plan, p, rank))
+    return Exported(TARGET, files)
 
 
 def parse_vllm_command(command: str) -> dict[str, object]:

@@ -1,0 +1,152 @@
+"""A serving plan as scripts that start it: one per node, each starting the engines (or the engine parts) placed on
+that node in the background on their own GPUs and ports, then waiting for their health; and a router script that
+waits for every engine and puts the engine's router in front (vLLM's vllm-router, SGLang's sglang_router).
+
+Placement: engines in the plan's order, each one of a node's GPUs in a contiguous slice of the first node with
+room, an engine of more than a node on whole nodes of its own (the plan's engines fill whole nodes or fit in one).
+The scripts take the nodes' addresses from HOSTS (space-separated, in node order) and MODEL from the environment.
+Hand-written: neither engine ships a multi-engine launcher for bare nodes (their Kubernetes and Dynamo recipes
+need a cluster manager).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from meshplan.planner.launchers.common import ExportedFile, serving_header_lines, shell_lines
+from meshplan.planner.plan import ServingEngine, ServingPlan
+
+__all__ = ["Placement", "place", "max_model_len", "launch_files", "FIRST_PORT", "ROUTER_PORT"]
+
+FIRST_PORT = 8100  # engine i listens on FIRST_PORT + i
+ROUTER_PORT = 8000
+HEALTH_TIMEOUT_S = 1800  # large checkpoints take minutes to load
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One engine (a model replica) and where it runs."""
+
+    engine: ServingEngine  # its pool
+    index: int  # over every engine of the deployment: its port is FIRST_PORT + index
+    nodes: tuple[int, ...]  # the nodes it spans, the first its head
+    gpus: tuple[int, ...]  # the GPUs it uses on each of them
+
+    @property
+    def port(self) -> int:
+        return FIRST_PORT + self.index
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine.role}-{self.index}"
+
+
+def place(plan: ServingPlan) -> list[Placement]:
+    """Every engine of the plan on nodes and GPUs (see the module's docstring)."""
+    per_node = plan.inputs.cluster.gpus_per_node
+    free: list[int] = []  # free GPUs of each node used so far
+    out: list[Placement] = []
+    for engine in plan.engines:
+        size = engine.gpus_per_engine
+        for _ in range(engine.engines):
+            if size > per_node:
+                first = len(free)
+                count = size // per_node
+                free += [0] * count
+                out.append(Placement(engine, len(out), tuple(range(first, first + count)), tuple(range(per_node))))
+                continue
+            node = next((n for n, left in enumerate(free) if left >= size), None)
+            if node is None:
+                free.append(per_node)
+                node = len(free) - 1
+            start = per_node - free[node]
+            free[node] -= size
+            out.append(Placement(engine, len(out), (node,), tuple(range(start, start + size))))
+    return out
+
+
+def max_model_len(plan: ServingPlan, engine: ServingEngine) -> int:
+    """The longest sequence an engine is started for: what one attention group's KV cache holds, at most the
+    model's context (vLLM refuses to start when one sequence of --max-model-len does not fit its cache; the
+    model's default is its whole context, 131,072 for Llama 3.1)."""
+    group_tokens = engine.kv_tokens // max(engine.dp, 1)
+    context = plan.inputs.model_spec().max_seq_len
+    return max(1, group_tokens if context is None else min(context, group_tokens))
+
+
+EngineCommand = Callable[[Placement, int, int], list[str]]  # (placement, rank of this node in it, nodes) -> argv
+
+
+def launch_files(plan: ServingPlan, target: str, command: EngineCommand, router: list[str] | None,
+                 node_setup: Callable[[Placement, int], list[str]] | None = None,
+                 head: int = 1) -> tuple[ExportedFile, ...]:
+    """node-<k>.sh for every node and router.sh when the deployment has more than one engine. `command` gives an
+    engine's argv on one of its nodes (its program the first `head` words); `node_setup` the lines an engine needs
+    on a node before it (a Ray start); `router` the router's argv."""
+    placements = place(plan)
+    nodes = 1 + max(n for p in placements for n in p.nodes)
+    files = [ExportedFile(f"node-{k}.sh", _node_script(plan, target, placements, k, nodes, command, node_setup, head))
+             for k in range(nodes)]
+    if router is not None and len(placements) > 1:
+        files.append(ExportedFile("router.sh", _router_script(plan, target, placements, nodes, router, head)))
+    return tuple(files)
+
+
+def _preamble(plan: ServingPlan, target: str, nodes: int, what: str) -> list[str]:
+    lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
+    lines += ["# " + line for line in serving_header_lines(plan, target)]
+    lines += [f"# {what}",
+              'MODEL="${MODEL:?set MODEL to the checkpoint of ' + plan.inputs.model_spec().name + '}"',
+              f'read -r -a HOSTS <<< "${{HOSTS:?set HOSTS to the addresses of the {nodes} nodes, space-separated, '
+              'in order}"',
+              f'[ "${{#HOSTS[@]}}" -ge {nodes} ] || {{ echo "HOSTS names ${{#HOSTS[@]}} nodes; the plan needs {nodes}" '
+              '>&2; exit 2; }',
+              'LOG_DIR="${LOG_DIR:-./logs}"', 'mkdir -p "$LOG_DIR"', "",
+              "wait_healthy() {  # wait_healthy HOST PORT NAME: until GET /health answers 200, or give up",
+              f"  local deadline=$((SECONDS + {HEALTH_TIMEOUT_S}))",
+              '  until curl -sf -o /dev/null "http://$1:$2/health"; do',
+              '    [ "$SECONDS" -lt "$deadline" ] || { echo "$3 on $1:$2 not healthy; see $LOG_DIR" >&2; return 1; }',
+              "    sleep 5", "  done", '  echo "$3 healthy on $1:$2"', "}", ""]
+    return lines
+
+
+def _node_script(plan: ServingPlan, target: str, placements: list[Placement], node: int, nodes: int,
+                 command: EngineCommand, node_setup: Callable[[Placement, int], list[str]] | None, head: int) -> str:
+    here = [p for p in placements if node in p.nodes]
+    lines = _preamble(plan, target, nodes, f"node {node} of {nodes}: run this on it")
+    for p in here:
+        rank = p.nodes.index(node)
+        e = p.engine
+        where = f"node {rank} of its {len(p.nodes)}" if len(p.nodes) > 1 else f"GPUs {p.gpus[0]}-{p.gpus[-1]}"
+        lines.append(f"# {p.name}: {e.role} engine TP{e.tp} DP{e.dp} PP{e.pp} EP{e.ep}, {where}, port {p.port}")
+        if node_setup is not None:
+            lines += node_setup(p, rank)
+        argv = command(p, rank, len(p.nodes))
+        if argv:
+            env = "CUDA_VISIBLE_DEVICES=" + ",".join(map(str, p.gpus))
+            log = f' \\\n    > "$LOG_DIR/{p.name}.log" 2>&1 &'
+            lines.append(f"{env} nohup \\\n    " + shell_lines(argv, head) + log)
+        lines.append("")
+    heads = [p for p in here if p.nodes[0] == node]
+    for p in heads:
+        lines.append(f'wait_healthy "${{HOSTS[{node}]}}" {p.port} {p.name}')
+    if not heads:
+        lines.append(f"echo 'node {node}: engine parts started; their head nodes report health'")
+    lines.append("wait")
+    return "\n".join(lines) + "\n"
+
+
+def _router_script(plan: ServingPlan, target: str, placements: list[Placement], nodes: int,
+                   router: list[str], head: int) -> str:
+    lines = _preamble(plan, target, nodes, f"the router: run it on any host that reaches the nodes, after them; it "
+                                           f"serves on port {ROUTER_PORT}")
+    for p in placements:
+        lines.append(f'wait_healthy "${{HOSTS[{p.nodes[0]}]}}" {p.port} {p.name}')
+    lines += ["", "nohup \\\n    " + shell_lines(router, head) + ' \\\n    > "$LOG_DIR/router.log" 2>&1 &',
+              f'wait_healthy 127.0.0.1 {ROUTER_PORT} router', "wait"]
+    return "\n".join(lines) + "\n"
+
+
+def engine_url(p: Placement) -> str:
+    return f"http://${{HOSTS[{p.nodes[0]}]}}:{p.port}"
