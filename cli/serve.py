@@ -36,10 +36,11 @@ def _serve_gpus(gpu: str | None, gpus: str | None, gpus_per_node: int | None, ni
 
 
 def _serve_workload(isl: int | None, osl: int | None, lengths: Path | None, weight_dtype: str,
-                    kv_dtype: str) -> ServeWorkload:
-    from meshplan.planner.serve import load_lengths, workload_from
+                    kv_dtype: str, prefix_hit: float, spec_tokens: int, accept_rate: float | None) -> ServeWorkload:
+    from meshplan.planner.serve import Reuse, load_lengths, workload_from
 
-    return workload_from(isl, osl, load_lengths(lengths) if lengths else None, weight_dtype, kv_dtype)
+    return workload_from(isl, osl, load_lengths(lengths) if lengths else None, weight_dtype, kv_dtype,
+                         Reuse(prefix_hit, spec_tokens, accept_rate))
 
 
 def _pinned(layout: str | None, prefill_layout: str | None, engines: int | None, prefill_engines: int | None,
@@ -93,7 +94,16 @@ WORKLOAD_OPTIONS = [
                                                                          help="Weights and GEMMs in bf16 or fp8.")],
            "bf16"),
     option("kv_dtype", Annotated[Literal["bf16", "fp8"], typer.Option("--kv-dtype", rich_help_panel=P_MODEL,
-                                                                     help="KV cache precision.")], "bf16")]
+                                                                     help="KV cache precision.")], "bf16"),
+    option("prefix_hit", Annotated[float, typer.Option("--prefix-hit", min=0.0, max=0.99, rich_help_panel=P_MODEL,
+                                                       help=("Fraction of prompt tokens found in the prefix cache: "
+                                                             "not computed, still attended to and cached."))], 0.0),
+    option("spec_tokens", Annotated[int, typer.Option("--spec-tokens", min=0, max=16, rich_help_panel=P_MODEL, help=(
+        "Speculative decoding: draft tokens per decode step (DeepSeek-V3's MTP, EAGLE); each step verifies them "
+        "and keeps (1 - a^(k+1)) / (1 - a) tokens on average."))], 0),
+    option("accept_rate", Annotated[float | None, typer.Option("--accept-rate", min=0.01, max=1.0,
+                                                               rich_help_panel=P_MODEL, help=(
+        "With --spec-tokens: the probability that a draft token is accepted."))])]
 TARGET_OPTIONS = [
     option("ttft_ms", Annotated[float | None, typer.Option("--ttft-ms", min=0.001, max=1e9, rich_help_panel=P_PAR,
                                                            help="Time-to-first-token target, ms.")]),
@@ -144,7 +154,7 @@ OUTPUT_OPTIONS = [
 def serve(
     model: ModelOpt,
     gpus: ServeGpus,  # --gpu --gpus N|A-B and the link flags
-    workload: ServeWorkload,  # --isl --osl --lengths --weight-dtype --kv-dtype
+    workload: ServeWorkload,  # --isl --osl --lengths --weight-dtype --kv-dtype --prefix-hit --spec-tokens ...
     targets: ServeTargets,  # --ttft-ms --tpot-ms --e2e-ms --request-rate --percentile
     objective: Annotated[Literal["throughput", "min-gpus"], typer.Option("--objective", rich_help_panel=P_PAR,
         help="throughput: most output tokens/s per GPU; min-gpus: fewest GPUs for --request-rate.")

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from meshplan.costmodels import comm
 from meshplan.costmodels.comm import Link
@@ -57,7 +57,40 @@ class ServeWorkload(BaseModel):
     moe_imbalance: float = Field(default=1.0, ge=1.0, description="busiest expert rank's load / mean")
     isl_cv2: float = Field(default=0.0, ge=0.0, description="squared coefficient of variation of input lengths")
     osl_cv2: float = Field(default=0.0, ge=0.0, description="squared coefficient of variation of output lengths")
+    prefix_hit: float = Field(default=0.0, ge=0.0, lt=1.0, description="fraction of prompt tokens found in the "
+                                                                       "prefix cache (not computed)")
+    spec_tokens: int = Field(default=0, ge=0, le=16, description="draft tokens per decode step (MTP, EAGLE)")
+    accept_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="probability that a draft token is accepted")
     source: str | None = Field(default=None, description="where the lengths came from (a CSV's mean), if not given")
+
+    @model_validator(mode="after")
+    def _spec(self) -> ServeWorkload:
+        if self.spec_tokens and not self.accept_rate:
+            raise ValueError("speculative decoding needs its acceptance rate (--accept-rate; DeepSeek-V3 reports "
+                             "85-90 % for its MTP token, report sec. 5.4.3)")
+        return self
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a sequence gains per decode step: 1 without speculation, else the expected accepted drafts plus
+        the verifier's own, (1 - a^(k+1)) / (1 - a) (Leviathan et al., ICML 2023, eq. 1)."""
+        k, a = self.spec_tokens, self.accept_rate
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    @property
+    def decode_steps(self) -> float:
+        """Decode iterations a request takes."""
+        return self.osl / self.tokens_per_step
+
+    @property
+    def computed_isl(self) -> float:
+        """Prompt tokens an engine computes: those the prefix cache does not hold."""
+        return self.isl * (1.0 - self.prefix_hit)
+
+    @property
+    def prompt_context(self) -> float:
+        """The mean context a computed prompt token attends to: the cached prefix and half of its own part."""
+        return self.isl * self.prefix_hit + self.computed_isl / 2
 
 
 class ServeTargets(BaseModel):
@@ -284,14 +317,16 @@ class IterationTime:
     seconds: float
     compute_s: float
     comm_s: float
+    head_s: float = 0.0  # of seconds: the LM head and its logits' gather
 
 
 def _attention_ops(model: ModelSpec, tp: int, dec: float, dec_ctx: float, pre: float, pre_ctx: float,
-                   wdt: float, kv_bytes: float) -> list[Op]:
-    """Projections and attention core of one layer for `dec` decode tokens (each attending to `dec_ctx` cached
-    tokens) and `pre` prefill tokens (to `pre_ctx` on average) of one attention group, on one of its GPUs."""
+                   wdt: float, kv_bytes: float, queries: int = 1) -> list[Op]:
+    """Projections and attention core of one layer for `dec` decode sequences of `queries` tokens each (the last
+    token and the drafts being verified, all attending to the `dec_ctx` cached tokens, read once) and `pre` prefill
+    tokens (to `pre_ctx` on average) of one attention group, on one of its GPUs."""
     h = model.hidden
-    t = dec + pre
+    t = dec * queries + pre
     heads = model.num_heads / tp
     ops: list[Op] = []
     if model.mla is None:
@@ -302,7 +337,7 @@ def _attention_ops(model: ModelSpec, tp: int, dec: float, dec_ctx: float, pre: f
         cache = kv_bytes_per_token_layer(model, tp, kv_bytes)
         # decode: read the sequence's cached K,V once per token (FlashDecoding / paged attention): 2*ctx*(d_qk+d_v)
         # FLOPs per head (Vaswani et al. 2017)
-        dec_flops = 2.0 * dec * heads * dec_ctx * (d_qk + d_v)
+        dec_flops = 2.0 * dec * queries * heads * dec_ctx * (d_qk + d_v)
         dec_bytes = dec * dec_ctx * cache
     else:
         a = model.mla
@@ -311,10 +346,10 @@ def _attention_ops(model: ModelSpec, tp: int, dec: float, dec_ctx: float, pre: f
         if pre:  # prefill expands the latent to per-head K and V (DeepSeek-V2 sec. 2.1.2)
             ops.append(gemm("kv_up_proj", pre, heads * (a.qk_nope_head_dim + d_v), a.kv_lora_rank, wdt))
         if dec:  # decode absorbs W_UK into the query and W_UV into the output and attends over the latent
-            ops.append(_per_head_gemm("q_absorb", heads, dec, a.kv_lora_rank, a.qk_nope_head_dim, wdt))
-            ops.append(_per_head_gemm("o_absorb", heads, dec, d_v, a.kv_lora_rank, wdt))
+            ops.append(_per_head_gemm("q_absorb", heads, dec * queries, a.kv_lora_rank, a.qk_nope_head_dim, wdt))
+            ops.append(_per_head_gemm("o_absorb", heads, dec * queries, d_v, a.kv_lora_rank, wdt))
         latent = a.kv_lora_rank + a.qk_rope_head_dim
-        dec_flops = 2.0 * dec * heads * dec_ctx * (latent + a.kv_lora_rank)
+        dec_flops = 2.0 * dec * queries * heads * dec_ctx * (latent + a.kv_lora_rank)
         dec_bytes = dec * dec_ctx * latent * kv_bytes
     if dec:
         ops.append(Op("decode_attention", "attention", dec_flops, dec_bytes, 0.0, 0.0))
@@ -360,11 +395,30 @@ def _experts_op(model: ModelSpec, layout: EngineLayout, tokens_engine: float, wd
 
 def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: float, dec_ctx: float,
                    pre_tokens: float, pre_ctx: float, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                   eff: Efficiency | None = None, moe_imbalance: float = 1.0) -> IterationTime:
+                   eff: Efficiency | None = None, moe_imbalance: float = 1.0, spec_tokens: int = 0) -> IterationTime:
     """One iteration of the engine: `dec_seqs` sequences each decode a token at context `dec_ctx`, and
     `pre_tokens` prompt tokens at average context `pre_ctx` are prefilled (chunked prefill batches both, as in
     Sarathi-Serve, Agrawal et al. OSDI'24). With pp > 1 the batch is split into pp micro-batches that keep every
-    stage busy (vLLM's virtual engines): the iteration is pp stage-times of a micro-batch plus its transfers."""
+    stage busy (vLLM's virtual engines): the iteration is pp stage-times of a micro-batch plus its transfers.
+    With `spec_tokens` k, every decode sequence verifies k draft tokens with its own (k + 1 queries in the
+    model's pass) and a drafter proposes them first: k passes of one transformer block and the output head over
+    the decode tokens (an MTP module, DeepSeek-V3 report sec. 2.2; an EAGLE head is one block too)."""
+    step = _step(model, cluster, layout, dec_seqs, dec_ctx, pre_tokens, pre_ctx, weight_dtype, kv_dtype, eff,
+                 moe_imbalance, 1 + spec_tokens)
+    if not spec_tokens or not dec_seqs:
+        return step
+    one = _step(model, cluster, layout, dec_seqs, dec_ctx, 0, 0, weight_dtype, kv_dtype, eff, moe_imbalance, 1)
+    block = (one.seconds - one.head_s) / sum(stage_layer_counts(model, layout.pp)) + one.head_s
+    draft = spec_tokens * block
+    share = one.compute_s / one.seconds
+    return IterationTime(step.seconds + draft, step.compute_s + draft * share, step.comm_s + draft * (1 - share),
+                         step.head_s)
+
+
+def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: float, dec_ctx: float,
+          pre_tokens: float, pre_ctx: float, weight_dtype: str, kv_dtype: str, eff: Efficiency | None,
+          moe_imbalance: float, queries: int) -> IterationTime:
+    """iteration_time's one forward pass, every decode sequence with `queries` tokens."""
     eff = eff or Efficiency.from_gpu(cluster.gpu)
     gpu = cluster.gpu
     wbytes = WEIGHT_BYTES[weight_dtype]
@@ -375,7 +429,7 @@ def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec
     micro = layout.pp
     dec = dec_seqs / layout.dp / micro  # per attention group and micro-batch
     pre = pre_tokens / layout.dp / micro
-    t = dec + pre
+    t = dec * queries + pre
 
     def ops_time(ops: list[Op]) -> float:
         total = 0.0
@@ -392,7 +446,8 @@ def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec
     etp_link = group_link(cluster, tuple(range(layout.etp))) if layout.etp > 1 else tp_link
     tp_ar = _all_reduce(ACT_BYTES * t * model.hidden, layout.tp, tp_link, eff)
 
-    attention = ops_time(_attention_ops(model, layout.tp, dec, dec_ctx, pre, pre_ctx, wdt, WEIGHT_BYTES[kv_dtype]))
+    attention = ops_time(_attention_ops(model, layout.tp, dec, dec_ctx, pre, pre_ctx, wdt, WEIGHT_BYTES[kv_dtype],
+                                        queries))
     dense_layers, moe_layers = stage_layer_counts(model, layout.pp)
     compute = comm = 0.0
     if dense_layers:
@@ -418,7 +473,7 @@ def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec
         elif layout.tp > 1:
             per_layer += tp_ar
         comm += moe_layers * per_layer
-    sampled = dec + (1.0 if pre else 0.0)
+    sampled = dec * queries + (1.0 if pre else 0.0)
     head = ops_time([gemm("lm_head", sampled, model.vocab / layout.tp, model.hidden, wdt),
                      elementwise("embedding", t, t * model.hidden)])
     head_comm = _all_to_all(4.0 * sampled * model.vocab, layout.tp, tp_link, eff)  # gather the logits' shards
@@ -433,7 +488,8 @@ def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec
         link = group_link(cluster, (0, stage_ranks)) if cluster.num_gpus > stage_ranks else tp_link
         p2p = timed_collective("p2p", ACT_BYTES * t * model.hidden, 2, link, eff)
     seconds = micro * (stage + p2p)
-    return IterationTime(seconds, micro * (compute + head), micro * (comm + head_comm + p2p))
+    return IterationTime(seconds, micro * (compute + head), micro * (comm + head_comm + p2p),
+                         micro * (head + head_comm))
 
 
 def kv_transfer_s(model: ModelSpec, cluster: Cluster, prompt_tokens: float, kv_dtype: str,
@@ -493,41 +549,43 @@ def aggregated_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: 
                      chunk: int, eff: Efficiency | None = None,
                      mem_fraction: float = MEM_FRACTION) -> EngineState | None:
     """An engine that prefills and decodes, `batch` sequences running; None when they do not fit its memory or
-    the budget cannot keep prefill in pace with decode (P = batch x ISL / OSL prompt tokens per iteration)."""
+    the budget cannot keep prefill in pace with decode (P = batch x computed ISL / decode steps of a request,
+    prompt tokens per iteration)."""
     if batch < lay.dp:
         return None
-    prefill_per_iter = batch * wl.isl / wl.osl
-    budget = chunk - batch
+    prefill_per_iter = batch * wl.computed_isl / wl.decode_steps
+    budget = chunk - batch * (1 + wl.spec_tokens)
     if budget <= 0 or prefill_per_iter > budget:
         return None
     mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, chunk, batch)
     if batch * (wl.isl + wl.osl) > mem.tokens:
         return None
-    ctx = wl.isl + wl.osl / 2
-    steady = iteration_time(model, cluster, lay, batch, ctx, prefill_per_iter, wl.isl / 2, weight_dtype=wl.weight_dtype,
-                            kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    full = iteration_time(model, cluster, lay, batch, ctx, budget, wl.isl / 2, weight_dtype=wl.weight_dtype,
-                          kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    # a lone new prompt's iteration: its chunk, min(ISL, the group's share of the budget), in every attention group
-    lone = iteration_time(model, cluster, lay, batch, ctx, min(budget, lay.dp * wl.isl), wl.isl / 2,
-                          weight_dtype=wl.weight_dtype, kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    return EngineState("aggregated", lay, batch, chunk, steady.seconds, full.seconds, mem, mem_fraction,
-                       prompt_s=lone.seconds)
+
+    def step(prefill: float) -> float:
+        return iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, prefill, wl.prompt_context,
+                              weight_dtype=wl.weight_dtype, kv_dtype=wl.kv_dtype, eff=eff,
+                              moe_imbalance=wl.moe_imbalance, spec_tokens=wl.spec_tokens).seconds
+
+    # the steady iteration; one with the whole budget (prompts queued); one with a lone new prompt's chunk,
+    # min(computed ISL, the group's share of the budget), in every attention group
+    return EngineState("aggregated", lay, batch, chunk, step(prefill_per_iter), step(budget), mem, mem_fraction,
+                       prompt_s=step(min(budget, lay.dp * wl.computed_isl)))
 
 
 def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, prompts: int,
                   eff: Efficiency | None = None, crosses_nodes: bool = True,
                   mem_fraction: float = MEM_FRACTION) -> EngineState | None:
-    """A prefill engine taking `prompts` prompts per iteration (one attention group each at least)."""
+    """A prefill engine taking `prompts` prompts per iteration (one attention group each at least); it computes
+    the tokens the prefix cache does not hold and sends the whole prompt's KV cache on."""
     if prompts < lay.dp or prompts % lay.dp:
         return None
-    tokens = prompts * wl.isl
-    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, tokens, prompts)
-    if tokens > mem.tokens:
+    tokens = prompts * wl.computed_isl
+    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, math.ceil(tokens), prompts)
+    if prompts * wl.isl > mem.tokens:
         return None
-    it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.isl / 2, weight_dtype=wl.weight_dtype,
+    it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.prompt_context, weight_dtype=wl.weight_dtype,
                         kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
-    return EngineState("prefill", lay, prompts, tokens, it.seconds, it.seconds, mem, mem_fraction,
+    return EngineState("prefill", lay, prompts, math.ceil(tokens), it.seconds, it.seconds, mem, mem_fraction,
                        kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes))
 
 
@@ -535,9 +593,10 @@ def decode_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: Serv
                  eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> EngineState | None:
     if batch < lay.dp:
         return None
-    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, batch, batch)
+    mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, batch * (1 + wl.spec_tokens),
+                   batch)
     if batch * (wl.isl + wl.osl) > mem.tokens:
         return None
     it = iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, 0, 0, weight_dtype=wl.weight_dtype,
-                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
+                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance, spec_tokens=wl.spec_tokens)
     return EngineState("decode", lay, batch, batch, it.seconds, it.seconds, mem, mem_fraction)

@@ -61,22 +61,22 @@ def running_point(curve: list[EngineState], running: float, wl: ServeWorkload, q
     cap = curve[-1]
     lay = cap.layout
     step = _at(curve, running, "step_s")
-    rate = running / (wl.osl * step) / lay.dp  # requests/s of one attention group
+    rate = running / (wl.decode_steps * step) / lay.dp  # requests/s of one attention group
     alone = 0.0
     prefill_wait = NO_WAIT
     if cap.role == "aggregated":
-        share = (cap.chunk - running) / lay.dp
+        share = (cap.chunk - running * (1 + wl.spec_tokens)) / lay.dp
         if share <= 0:
             return None
-        alone = math.ceil(wl.isl / share) * _at(curve, running, "prompt_s")
+        alone = math.ceil(wl.computed_isl / share) * _at(curve, running, "prompt_s")
         # the budget serves queued prompts together: each holds the server ISL / share of a full-budget iteration
-        prefill_wait = mgc_wait(1, rate, wl.isl / share * _at(curve, running, "full_s"), wl.isl_cv2)
-    slot_wait = mgc_wait(max(1, cap.batch // lay.dp), rate, wl.osl * step + alone, wl.osl_cv2)
+        prefill_wait = mgc_wait(1, rate, wl.computed_isl / share * _at(curve, running, "full_s"), wl.isl_cv2)
+    slot_wait = mgc_wait(max(1, cap.batch // lay.dp), rate, wl.decode_steps * step + alone, wl.osl_cv2)
     wait = prefill_wait.quantile(q) + slot_wait.quantile(q)  # a sum of quantiles: at least the sum's quantile
     if not math.isfinite(wait):
         return None
     residual = step * (0.5 if q is None else q)  # the iteration in progress when the request arrives
-    tpot = _at(curve, occupancy_quantile(running, q, cap.batch), "step_s")
+    tpot = _at(curve, occupancy_quantile(running, q, cap.batch), "step_s") / wl.tokens_per_step
     return PoolPoint(cap.role, lay, cap.batch, cap.chunk, residual + alone + wait, tpot, rate * lay.dp, cap.memory,
                      cap.mem_fraction, running / cap.batch)
 
@@ -85,7 +85,7 @@ def rate_point(curve: list[EngineState], rate: float, wl: ServeWorkload, q: floa
     """The engine at `rate` requests/s (open loop): the mean running sequences n whose Little's-law rate
     n / (OSL x step(n)) equals it, found by bisection (the rate grows with n); None beyond what the cap serves."""
     def served(n: float) -> float:
-        return n / (wl.osl * _at(curve, n, "step_s"))
+        return n / (wl.decode_steps * _at(curve, n, "step_s"))
 
     lo, hi = 0.0, float(curve[-1].batch)
     if served(hi * (1 - 1e-9)) <= rate:
@@ -124,21 +124,21 @@ def concurrency_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl:
         return None
     state = aggregated_state(model, cluster, lay, wl, fit, chunk, eff, mem_fraction)
     assert state is not None
-    share = (chunk - fit) / lay.dp
-    alone = math.ceil(wl.isl / share) * state.prompt_s
+    share = (chunk - fit * (1 + wl.spec_tokens)) / lay.dp
+    alone = math.ceil(wl.computed_isl / share) * state.prompt_s
     residual = state.step_s * (0.5 if q is None else q)
-    hold = wl.osl * state.step_s  # a slot's time after its first token
+    hold = wl.decode_steps * state.step_s  # a slot's time after its first token
     ttft = residual + alone
     for _ in range(30):  # the users' rate and their TTFT set each other: a fixed point (it contracts fast)
         rate = fit / (ttft + hold) / lay.dp  # requests/s of one attention group
-        wait = mgc_wait(1, rate, wl.isl / share * state.full_s, wl.isl_cv2, arrival_cv2=0.0).quantile(q)
+        wait = mgc_wait(1, rate, wl.computed_isl / share * state.full_s, wl.isl_cv2, arrival_cv2=0.0).quantile(q)
         ttft = residual + alone + wait
     cycle = ttft + hold
     if fit < users:  # the closed queue: every user cycles through the `fit` slots in turn
         ttft += (users / fit - 1.0) * cycle
         cycle = users / fit * cycle
-    return PoolPoint("aggregated", lay, fit, chunk, ttft, state.step_s, users / cycle, state.memory, mem_fraction,
-                     1.0)
+    return PoolPoint("aggregated", lay, fit, chunk, ttft, state.step_s / wl.tokens_per_step, users / cycle,
+                     state.memory, mem_fraction, 1.0)
 
 
 def _descending(users: int) -> list[int]:
@@ -155,10 +155,11 @@ def saturated_point(curve: list[EngineState], wl: ServeWorkload) -> PoolPoint | 
     if not curve:
         return None
     best = max(curve, key=lambda s: s.batch / s.step_s)
-    share = (best.chunk - best.batch) / best.layout.dp
-    ttft = math.ceil(wl.isl / share) * best.full_s if best.role == "aggregated" and share > 0 else best.step_s
-    return PoolPoint(best.role, best.layout, best.batch, best.chunk, ttft, best.step_s,
-                     best.batch / (wl.osl * best.step_s), best.memory, best.mem_fraction, 1.0)
+    share = (best.chunk - best.batch * (1 + wl.spec_tokens)) / best.layout.dp
+    ttft = (math.ceil(wl.computed_isl / share) * best.full_s if best.role == "aggregated" and share > 0
+            else best.step_s)
+    return PoolPoint(best.role, best.layout, best.batch, best.chunk, ttft, best.step_s / wl.tokens_per_step,
+                     best.batch / (wl.decode_steps * best.step_s), best.memory, best.mem_fraction, 1.0)
 
 
 def aggregated_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,

@@ -241,7 +241,7 @@ def _layout_points(model: ModelSpec, c: Cluster, lay: EngineLayout, wl: ServeWor
     pre: list[EngineState] = []
     for batch in BATCHES:
         b = batch * lay.dp if model.moe is not None else batch
-        for chunk in (ch for ch in CHUNKS if ch - b >= b * wl.isl / wl.osl):
+        for chunk in (ch for ch in CHUNKS if ch - b * (1 + wl.spec_tokens) >= b * wl.computed_isl / wl.decode_steps):
             s = aggregated_state(model, c, lay, wl, b, chunk, eff, mem_fraction)  # larger chunks: shorter TTFT
             if s is None:
                 break
@@ -529,15 +529,31 @@ def load_lengths(path: str | Path) -> RequestLengths:
     return RequestLengths(sum(ins) / len(ins), sum(outs) / len(outs), _cv2(ins), _cv2(outs), len(ins))
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """What an engine need not compute: prompt tokens in the prefix cache, output tokens a drafter proposes."""
+
+    prefix_hit: float = 0.0
+    spec_tokens: int = 0
+    accept_rate: float | None = None
+
+
 def workload_from(isl: int | None, osl: int | None, lengths: RequestLengths | None,
-                  weight_dtype: ServeDtype, kv_dtype: ServeDtype) -> ServeWorkload:
+                  weight_dtype: ServeDtype, kv_dtype: ServeDtype, reuse: Reuse = Reuse()) -> ServeWorkload:
     """The workload of --isl/--osl (every request alike) or of a lengths file (its means and spread)."""
+    if reuse.spec_tokens and reuse.accept_rate is None:
+        raise InputError("--spec-tokens needs --accept-rate, the probability that a draft token is accepted "
+                         "(DeepSeek-V3 reports 0.85-0.9 for its MTP token, report sec. 5.4.3)")
+    if reuse.accept_rate is not None and not reuse.spec_tokens:
+        raise InputError("--accept-rate goes with --spec-tokens K (draft tokens per decode step)")
+    wl = ServeWorkload(isl=1, osl=1, weight_dtype=weight_dtype, kv_dtype=kv_dtype, prefix_hit=reuse.prefix_hit,
+                       spec_tokens=reuse.spec_tokens, accept_rate=reuse.accept_rate or 0.0)
     if lengths is not None:
         if isl is not None or osl is not None:
             raise InputError("give --isl/--osl or --lengths, not both")
-        return ServeWorkload(isl=max(1, round(lengths.isl)), osl=max(1, round(lengths.osl)),
-                             isl_cv2=lengths.isl_cv2, osl_cv2=lengths.osl_cv2, weight_dtype=weight_dtype,
-                             kv_dtype=kv_dtype, source=f"means of {lengths.requests} requests")
+        return wl.model_copy(update={"isl": max(1, round(lengths.isl)), "osl": max(1, round(lengths.osl)),
+                                     "isl_cv2": lengths.isl_cv2, "osl_cv2": lengths.osl_cv2,
+                                     "source": f"means of {lengths.requests} requests"})
     if isl is None or osl is None:
         raise InputError("say the request lengths: --isl N --osl M, or --lengths requests.csv")
-    return ServeWorkload(isl=isl, osl=osl, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    return wl.model_copy(update={"isl": isl, "osl": osl})

@@ -212,3 +212,77 @@ def test_serving_reference_set_is_valid_and_priced():
         for metric in e.measured.model_dump(exclude_none=True):
             if metric != "statistic":
                 assert metric in predicted and predicted[metric] > 0, (e.id, metric)
+
+
+# ---- speculative decoding and the prefix cache (issue 19 item 2) ------------------------------------------------
+
+@pytest.mark.parametrize(("k", "a", "tokens"), [(0, 0.0, 1.0), (1, 0.85, 1.85), (3, 1.0, 4.0), (2, 0.5, 1.75)])
+def test_tokens_per_step_is_leviathans_expectation(k, a, tokens):
+    """(1 - a^(k+1)) / (1 - a): 1 + a + ... + a^k (Leviathan et al. 2023, eq. 1)."""
+    assert ServeWorkload(isl=10, osl=10, spec_tokens=k, accept_rate=a).tokens_per_step == pytest.approx(tokens)
+
+
+def test_speculation_costs_a_dearer_step_for_more_tokens():
+    """Verifying k drafts and drafting them makes the step dearer than a plain one, but less than k + 1 plain steps
+    at a small batch (the weights are read once); TPOT is the step over the expected tokens."""
+    c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1)), 1)
+    plain = ServeWorkload(isl=1000, osl=200)
+    spec = ServeWorkload(isl=1000, osl=200, spec_tokens=2, accept_rate=0.8)
+    from meshplan.costmodels.serving import decode_state
+
+    p0 = decode_state(LLAMA8, c, EngineLayout(tp=1), plain, 8)
+    p2 = decode_state(LLAMA8, c, EngineLayout(tp=1), spec, 8)
+    assert p0 is not None and p2 is not None
+    assert p0.step_s < p2.step_s < 3 * p0.step_s
+    from meshplan.costmodels.serving_load import saturated_point
+
+    point = saturated_point([p2], spec)
+    assert point is not None and point.tpot_s == pytest.approx(p2.step_s / spec.tokens_per_step)
+
+
+def test_prefix_hits_are_not_computed_but_held():
+    """A prefix-cache hit takes its tokens out of the prefill's compute, not out of the KV cache."""
+    from meshplan.costmodels.serving import prefill_state
+
+    c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1)), 1)
+    cold = prefill_state(LLAMA8, c, EngineLayout(tp=1), ServeWorkload(isl=8000, osl=10), 4)
+    warm = prefill_state(LLAMA8, c, EngineLayout(tp=1), ServeWorkload(isl=8000, osl=10, prefix_hit=0.75), 4)
+    assert cold is not None and warm is not None
+    assert warm.chunk == 8000 and cold.chunk == 32000  # computed tokens per iteration
+    assert warm.step_s < 0.4 * cold.step_s
+    assert warm.transfer_s == cold.transfer_s  # the whole prompt's KV still moves
+
+
+def test_speculation_in_the_exports_and_its_refusals(capsys, tmp_path):
+    """DeepSeek-V3's MTP module speculates from its checkpoint; another model needs DRAFT_MODEL; --spec-tokens
+    without --accept-rate is one error line."""
+    import json
+    import subprocess
+
+    from cli_helpers import assert_input_error, run
+
+    from meshplan.planner.launchers import export_plan
+    from meshplan.planner.plan import read_serving_plan
+
+    args = ["serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "2000", "--osl", "200",
+            "--layout", "tp1", "--batch", "64", "--spec-tokens", "3"]
+    assert_input_error(*run(capsys, *args), "--accept-rate")
+    code, _, err = run(capsys, *args, "--accept-rate", "0.7", "--prefix-hit", "0.5", "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    plan = read_serving_plan(tmp_path / "p.json")
+    assert (plan.inputs.workload.spec_tokens, plan.inputs.workload.prefix_hit) == (3, 0.5)
+    vllm = export_plan(plan, "vllm").files[0].text
+    assert '--speculative-config "{\\"method\\":\\"eagle\\",\\"model\\":\\"${DRAFT_MODEL}\\"' in vllm
+    assert "DRAFT_MODEL=" in vllm and "num_speculative_tokens" in vllm
+    sglang = export_plan(plan, "sglang").files[0].text
+    assert "--speculative-num-steps 3" in sglang and "--speculative-num-draft-tokens 4" in sglang
+    assert "--speculative-draft-model-path" in sglang
+    for text in (vllm, sglang):
+        assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    code, _, err = run(capsys, "serve", "-m", "deepseek-v3", "--gpu", "h800", "--gpus", "16", "--isl", "2000",
+                       "--osl", "200", "--weight-dtype", "fp8", "--layout", "tp2,dp8,ep16", "--batch", "256",
+                       "--spec-tokens", "1", "--accept-rate", "0.85", "--out", str(tmp_path / "d.json"))
+    assert code == 0, err
+    ds = export_plan(read_serving_plan(tmp_path / "d.json"), "vllm").files[0].text
+    assert "deepseek_mtp" in ds and "DRAFT_MODEL" not in ds
+    assert json.loads((tmp_path / "d.json").read_text())["inputs"]["workload"]["accept_rate"] == 0.85

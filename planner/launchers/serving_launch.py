@@ -97,7 +97,11 @@ def _preamble(plan: ServingPlan, target: str, nodes: int, what: str) -> list[str
     lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
     lines += ["# " + line for line in serving_header_lines(plan, target)]
     lines += [f"# {what}",
-              'MODEL="${MODEL:?set MODEL to the checkpoint of ' + plan.inputs.model_spec().name + '}"',
+              'MODEL="${MODEL:?set MODEL to the checkpoint of ' + plan.inputs.model_spec().name + '}"']
+    if plan.inputs.workload.spec_tokens and not plan.inputs.model_spec().num_mtp_layers:
+        lines.append('DRAFT_MODEL="${DRAFT_MODEL:?set DRAFT_MODEL to the speculative draft model (EAGLE) of '
+                     + plan.inputs.model_spec().name + '}"')
+    lines += [
               f'read -r -a HOSTS <<< "${{HOSTS:?set HOSTS to the addresses of the {nodes} nodes, space-separated, '
               'in order}"',
               f'[ "${{#HOSTS[@]}}" -ge {nodes} ] || {{ echo "HOSTS names ${{#HOSTS[@]}} nodes; the plan needs {nodes}" '

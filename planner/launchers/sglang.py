@@ -47,6 +47,13 @@ def sglang_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
         args += ["--quantization", "fp8"]
     if engine.role != "aggregated":
         args += ["--disaggregation-mode", engine.role]
+    if wl.spec_tokens and engine.role != "prefill":
+        # SGLang's EAGLE path runs DeepSeek's MTP (NextN) from the checkpoint, else a draft model of the user's:
+        # a chain of k drafts (top-k 1), k + 1 tokens verified
+        args += ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(wl.spec_tokens),
+                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(wl.spec_tokens + 1)]
+        if not model.num_mtp_layers:
+            args += ["--speculative-draft-model-path", "${DRAFT_MODEL}"]
     return args
 
 

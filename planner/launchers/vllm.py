@@ -47,6 +47,10 @@ def vllm_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
         args += ["--quantization", "fp8"]
     if engine.role != "aggregated":
         args += ["--kv-transfer-config", KV_TRANSFER]
+    if wl.spec_tokens and engine.role != "prefill":
+        # vLLM's SpeculativeConfig: DeepSeek's MTP module in the checkpoint, else an EAGLE draft model of the user's
+        draft = ('"method":"deepseek_mtp"' if model.num_mtp_layers else '"method":"eagle","model":"${DRAFT_MODEL}"')
+        args += ["--speculative-config", "{" + draft + f',"num_speculative_tokens":{wl.spec_tokens}' + "}"]
     return args
 
 
