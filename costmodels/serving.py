@@ -298,15 +298,22 @@ def _all_reduce(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
 
 
 def _all_to_all(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
-    """Expert dispatch or combine: every rank sends to all peers at once (DeepEP's kernels, NCCL grouped
-    send/recv), so one latency and (n-1)/n of the send buffer at the link's rate; not the training model's
-    pairwise exchange of n-1 steps, which small decode messages would make latency-bound n-1 times over."""
+    """Expert dispatch or combine: every rank sends to all peers at once (DeepEP's low-latency kernels, NCCL grouped
+    send/recv), so one latency, not the training model's pairwise exchange of n-1 steps, which small decode
+    messages would make latency-bound n-1 times over. Across nodes the (n-k)/n of the buffer for the other nodes
+    leaves through the GPU's own NIC while the (k-1)/n for its node's peers crosses NVLink, both at once (DeepEP's
+    low-latency kernels: RDMA, with NVLink inside a node since its PR #173); inside a node (n-1)/n at the link's
+    bus rate. Checked against DeepEP's published kernel times in tests/test_serving.py."""
     if n <= 1 or bytes_ <= 0:
         return 0.0
     fit = eff.collective_fit("all_to_all", n, link)
     if fit is not None:
         return fit[0] + bytes_ / fit[1]
-    return link.latency_s + (n - 1) / n * bytes_ / link.bus_bytes_per_s
+    if not link.crosses_nodes or not link.nic_bytes_per_s:
+        return link.latency_s + (n - 1) / n * bytes_ / link.bus_bytes_per_s
+    k = max(1, link.ranks_per_node)
+    up = link.a2a_bytes_per_s or link.bus_bytes_per_s
+    return link.latency_s + max(bytes_ * (k - 1) / n / up, bytes_ * (n - k) / n / link.nic_bytes_per_s)
 
 
 @dataclass(frozen=True)
@@ -464,9 +471,17 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
         compute += moe_layers * (attention + ops_time(ops))
         per_layer = tp_ar  # the attention output
         if layout.ep > 1:
-            # dispatch and combine: each GPU sends its share of the group's tokens, top-k copies of each (GShard)
-            send = ACT_BYTES * (t / layout.tp) * moe.top_k * model.hidden
-            per_layer += 2 * _all_to_all(send, layout.ep, ep_link, eff)
+            # dispatch and combine: each GPU sends its share of the group's tokens, top-k copies of each (GShard);
+            # with fp8 weights the dispatch goes in fp8 with a scale per 128 values, the combine in bf16 (DeepSeek-V3
+            # report sec. 3.3.2; DeepEP's low-latency kernels)
+            copies = (t / layout.tp) * moe.top_k * model.hidden
+            dispatch = copies * (1.0 + 4.0 / 128) if weight_dtype == "fp8" else ACT_BYTES * copies
+            if dec:  # decode and mixed steps: DeepEP's low-latency kernels (SGLang's --deepep-mode auto)
+                per_layer += _all_to_all(dispatch, layout.ep, ep_link, eff) + _all_to_all(
+                    ACT_BYTES * copies, layout.ep, ep_link, eff)
+            else:  # prefill: its normal kernels, a token sent once per node and forwarded there over NVLink
+                per_layer += sum(timed_collective("all_to_all", b, layout.ep, ep_link, eff, moe.top_k)
+                                 for b in (dispatch, ACT_BYTES * copies))
         if layout.etp > 1:  # expert TP: the partial sums of each expert's output
             out = ACT_BYTES * engine_tokens * moe.top_k / layout.ep * model.hidden
             per_layer += _all_reduce(out, layout.etp, etp_link, eff)
