@@ -539,6 +539,7 @@ class EngineState:
     mem_fraction: float = MEM_FRACTION
     transfer_s: float = 0.0  # prefill: a prompt's KV cache to its decode engine
     prompt_s: float = 0.0  # aggregated: an iteration carrying one new prompt's chunk in every attention group
+    decode_s: float = 0.0  # aggregated: an iteration of the decode tokens alone
 
 
 @dataclass(frozen=True)
@@ -582,9 +583,9 @@ def aggregated_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: 
                               moe_imbalance=wl.moe_imbalance, spec_tokens=wl.spec_tokens).seconds
 
     # the steady iteration; one with the whole budget (prompts queued); one with a lone new prompt's chunk,
-    # min(computed ISL, the group's share of the budget), in every attention group
+    # min(computed ISL, the group's share of the budget), in every attention group; one of the decode tokens alone
     return EngineState("aggregated", lay, batch, chunk, step(prefill_per_iter), step(budget), mem, mem_fraction,
-                       prompt_s=step(min(budget, lay.dp * wl.computed_isl)))
+                       prompt_s=step(min(budget, lay.dp * wl.computed_isl)), decode_s=step(0.0))
 
 
 def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, prompts: int,

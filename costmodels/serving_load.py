@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+from statistics import NormalDist
+
 import numpy as np
 
 from meshplan.costmodels.efficiency import Efficiency
@@ -52,47 +54,132 @@ def loaded_points(curve: list[EngineState], wl: ServeWorkload, percentile: Perce
     return out
 
 
-def running_point(curve: list[EngineState], running: float, wl: ServeWorkload, q: float | None) -> PoolPoint | None:
-    """An engine of max_num_seqs curve[-1].batch with `running` sequences running on average, arrivals Poisson;
-    its rate is Little's law, running / (OSL x step). A new request waits for the iteration in progress to end
-    (uniform), for a slot (M/G/c over its attention group's slots), and, aggregated, for the prefill budget its group
-    has beside its decode tokens (M/G/1), then takes ceil(ISL / share) iterations carrying its chunk. TPOT: the step
-    at the percentile of the running sequences. None where a queue is unstable (q: a quantile, None the mean)."""
+def _prompt_iteration(curve: list[EngineState], running: float, prompts: float, wl: ServeWorkload,
+                      budget: float) -> float:
+    """An iteration carrying `prompts` prompts' chunks (one to the whole budget): linear in its prompt tokens
+    between the states' lone-prompt and whole-budget iterations."""
+    lone, full = _at(curve, running, "prompt_s"), _at(curve, running, "full_s")
+    one = min(wl.computed_isl, budget)
+    if budget <= one:
+        return lone
+    return lone + (full - lone) * (min(prompts * one, budget) - one) / (budget - one)
+
+
+def _pace(curve: list[EngineState], running: float, wl: ServeWorkload) -> tuple[float, float, float] | None:
+    """(requests/s of one attention group, prompt iterations per request, seconds of a prompt iteration) with
+    `running` sequences decoding. The scheduler puts the waiting prompts into the next iteration whole, as many as
+    the budget its group has beside the decode tokens holds (vLLM's and SGLang's chunked prefill take all the
+    budget they can): a prompt takes k = ceil(ISL / share) iterations, and one iteration carries the m prompts that
+    arrived during the last (1 <= m <= share / ISL); the other iterations are decode-only. A sequence gains a token
+    per iteration, so Little's law over its OSL tokens gives the rate, n / (OSL x decode_s + n k (prompt - decode_s)
+    / m). Prompts spread thinly over every iteration would ride in the memory-bound decode step nearly free (the
+    roofline's max); taken whole they cost their compute. None when the budget is gone or prompt iterations would
+    take all the time. Decode engines: no prompts."""
     cap = curve[-1]
     lay = cap.layout
-    step = _at(curve, running, "step_s")
-    rate = running / (wl.decode_steps * step) / lay.dp  # requests/s of one attention group
+    group = running / lay.dp
+    if cap.role != "aggregated":
+        return group / (wl.decode_steps * _at(curve, running, "step_s")), 0.0, 0.0
+    budget = cap.chunk - running * (1 + wl.spec_tokens)
+    share = budget / lay.dp
+    if share <= 0:
+        return None
+    k = math.ceil(wl.computed_isl / share)
+    most = max(1.0, math.floor(share / wl.computed_isl)) if k == 1 else 1.0
+    decode = _at(curve, running, "decode_s")
+    # the fewest prompts per prompt iteration that keep up with those arriving in an iteration (1, 2, 4, ... at most
+    # what the budget holds)
+    for batch in sorted({min(most, 2.0 ** i) for i in range(int(math.log2(most)) + 2)}):
+        prompt = _prompt_iteration(curve, running, batch, wl, budget)
+        rate = group / (wl.decode_steps * decode + group * k * max(prompt - decode, 0.0) / batch)
+        busy = rate * k * prompt / batch
+        if busy >= 1.0:
+            continue
+        if rate * _token_interval(curve, running, rate, k / batch, prompt) <= batch:
+            return rate, k / batch, prompt
+    return None
+
+
+def _token_interval(curve: list[EngineState], running: float, rate: float, per_request: float,
+                    prompt: float) -> float:
+    """Mean seconds between a sequence's tokens: 1 / (decode-only iterations + prompt iterations per second);
+    `per_request` prompt iterations of `prompt` seconds each request."""
+    if curve[-1].role != "aggregated":
+        return _at(curve, running, "step_s")
+    decode = _at(curve, running, "decode_s")
+    busy = min(rate * per_request * prompt, 1.0)
+    return 1.0 / ((1.0 - busy) / decode + rate * per_request)
+
+
+def _tpot(curve: list[EngineState], running: float, rate: float, per_request: float, prompt: float,
+          wl: ServeWorkload, q: float | None) -> float:
+    """A request's TPOT at the percentile q of requests: its OSL tokens come from that many iterations, each a
+    prompt iteration with the probability phi that a random one is (the rest decode-only), so the share of prompt
+    iterations in its life is binomial, phi +- z sqrt(phi (1 - phi) / OSL) (normal approximation), at the running
+    sequences' own percentile (Poisson). The mean: the mean interval."""
+    interval = _token_interval(curve, running, rate, per_request, prompt)
+    if q is None:
+        return interval / wl.tokens_per_step
+    busy_n = occupancy_quantile(running, q, curve[-1].batch)
+    mean = _token_interval(curve, busy_n, rate, per_request, prompt)
+    if curve[-1].role != "aggregated" or not per_request:
+        return mean / wl.tokens_per_step
+    decode = _at(curve, busy_n, "decode_s")
+    phi = min(1.0, rate * per_request * mean)  # prompt iterations per second x seconds per iteration
+    z = NormalDist().inv_cdf(q)
+    share = min(1.0, max(0.0, phi + z * math.sqrt(phi * (1.0 - phi) / max(wl.decode_steps, 1.0))))
+    return (decode + (prompt - decode) * share) / wl.tokens_per_step
+
+
+def running_point(curve: list[EngineState], running: float, wl: ServeWorkload, q: float | None) -> PoolPoint | None:
+    """An engine of max_num_seqs curve[-1].batch with `running` sequences running on average, arrivals Poisson, at
+    the rate of _pace. A new request waits for the iteration in progress to end (uniform), for a slot (M/G/c over
+    its attention group's slots), and, aggregated, for the prefill budget its group has beside its decode tokens
+    (M/G/1), then takes ceil(ISL / share) iterations carrying its chunk. TPOT: the token interval at the percentile
+    of the running sequences. None where a queue is unstable (q: a quantile, None the mean)."""
+    cap = curve[-1]
+    lay = cap.layout
+    pace = _pace(curve, running, wl)
+    if pace is None:
+        return None
+    rate, per_request, prompt = pace
+    interval = _token_interval(curve, running, rate, per_request, prompt)
     alone = 0.0
     prefill_wait = NO_WAIT
     if cap.role == "aggregated":
         share = (cap.chunk - running * (1 + wl.spec_tokens)) / lay.dp
-        if share <= 0:
-            return None
         alone = math.ceil(wl.computed_isl / share) * _at(curve, running, "prompt_s")
         # the budget serves queued prompts together: each holds the server ISL / share of a full-budget iteration
         prefill_wait = mgc_wait(1, rate, wl.computed_isl / share * _at(curve, running, "full_s"), wl.isl_cv2)
-    slot_wait = mgc_wait(max(1, cap.batch // lay.dp), rate, wl.decode_steps * step + alone, wl.osl_cv2)
+    slot_wait = mgc_wait(max(1, cap.batch // lay.dp), rate, wl.decode_steps * interval + alone, wl.osl_cv2)
     wait = prefill_wait.quantile(q) + slot_wait.quantile(q)  # a sum of quantiles: at least the sum's quantile
     if not math.isfinite(wait):
         return None
-    residual = step * (0.5 if q is None else q)  # the iteration in progress when the request arrives
-    tpot = _at(curve, occupancy_quantile(running, q, cap.batch), "step_s") / wl.tokens_per_step
+    residual = interval * (0.5 if q is None else q)  # the iteration in progress when the request arrives
+    tpot = _tpot(curve, running, rate, per_request, prompt, wl, q)
     return PoolPoint(cap.role, lay, cap.batch, cap.chunk, residual + alone + wait, tpot, rate * lay.dp, cap.memory,
                      cap.mem_fraction, running / cap.batch)
 
 
 def rate_point(curve: list[EngineState], rate: float, wl: ServeWorkload, q: float | None) -> PoolPoint | None:
-    """The engine at `rate` requests/s (open loop): the mean running sequences n whose Little's-law rate
-    n / (OSL x step(n)) equals it, found by bisection (the rate grows with n); None beyond what the cap serves."""
-    def served(n: float) -> float:
-        return n / (wl.decode_steps * _at(curve, n, "step_s"))
+    """The engine at `rate` requests/s (open loop): the mean running sequences n whose rate (_pace) equals it, found
+    by bisection (the rate grows with n); None beyond what the cap serves."""
+    dp = curve[-1].layout.dp
 
-    lo, hi = 0.0, float(curve[-1].batch)
-    if served(hi * (1 - 1e-9)) <= rate:
+    def served(n: float) -> float | None:
+        pace = _pace(curve, n, wl)
+        return None if pace is None else pace[0] * dp
+
+    # the largest running count whose prompts still leave decode-only iterations (the rate grows with n up to it)
+    hi = next((float(s.batch) for s in reversed(curve) if served(s.batch) is not None), 0.0)
+    top = served(hi) if hi else None
+    if top is None or top <= rate:
         return None
+    lo = 0.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if served(mid) < rate else (lo, mid)
+        got = served(mid)
+        lo, hi = (mid, hi) if got is not None and got < rate else (lo, mid)
     return running_point(curve, max(hi, 1e-9), wl, q)
 
 
@@ -125,20 +212,43 @@ def concurrency_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl:
     state = aggregated_state(model, cluster, lay, wl, fit, chunk, eff, mem_fraction)
     assert state is not None
     share = (chunk - fit * (1 + wl.spec_tokens)) / lay.dp
-    alone = math.ceil(wl.computed_isl / share) * state.prompt_s
-    residual = state.step_s * (0.5 if q is None else q)
-    hold = wl.decode_steps * state.step_s  # a slot's time after its first token
-    ttft = residual + alone
-    for _ in range(30):  # the users' rate and their TTFT set each other: a fixed point (it contracts fast)
-        rate = fit / (ttft + hold) / lay.dp  # requests/s of one attention group
+    k = math.ceil(wl.computed_isl / share)
+    alone = k * state.prompt_s
+    group = fit / lay.dp
+    curve = [state]
+
+    def interval_at(rate: float) -> float:
+        """Closed-loop users arrive smoothly, so each prompt iteration carries about rate x interval prompts."""
+        batch, interval = 1.0, state.decode_s
+        most = max(1.0, math.floor(share / wl.computed_isl)) if k == 1 else 1.0
+        for _ in range(20):
+            prompt = _prompt_iteration(curve, fit, batch, wl, chunk - fit * (1 + wl.spec_tokens))
+            interval = _token_interval(curve, fit, rate, k / batch, prompt)
+            batch = min(most, max(1.0, rate * interval))
+        return interval
+
+    def ttft(rate: float) -> float:
         wait = mgc_wait(1, rate, wl.computed_isl / share * state.full_s, wl.isl_cv2, arrival_cv2=0.0).quantile(q)
-        ttft = residual + alone + wait
-    cycle = ttft + hold
+        return interval_at(rate) * (0.5 if q is None else q) + alone + wait
+
+    # the group's users' rate r solves r (TTFT(r) + OSL x interval(r)) = users, both growing with r, below the
+    # limit of prompts the budget takes, share / ISL per iteration; beyond it the prompts queue and the users wait
+    # that out in TTFT
+    limit = (1.0 - 1e-9) * max(1.0, share / wl.computed_isl) / (k * state.full_s if k == 1 else k * state.prompt_s)
+    lo, hi = 0.0, limit
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        demand = mid * (ttft(mid) + wl.decode_steps * interval_at(mid))
+        lo, hi = (mid, hi) if demand < group else (lo, mid)
+    rate = lo
+    interval = interval_at(rate)
+    first = max(ttft(rate), group / rate - wl.decode_steps * interval) if rate > 0 else math.inf
+    cycle = first + wl.decode_steps * interval
     if fit < users:  # the closed queue: every user cycles through the `fit` slots in turn
-        ttft += (users / fit - 1.0) * cycle
+        first += (users / fit - 1.0) * cycle
         cycle = users / fit * cycle
-    return PoolPoint("aggregated", lay, fit, chunk, ttft, state.step_s / wl.tokens_per_step, users / cycle,
-                     state.memory, mem_fraction, 1.0)
+    return PoolPoint("aggregated", lay, fit, chunk, first, interval / wl.tokens_per_step, users / cycle, state.memory,
+                     mem_fraction, 1.0)
 
 
 def _descending(users: int) -> list[int]:
@@ -151,15 +261,22 @@ def _descending(users: int) -> list[int]:
 
 
 def saturated_point(curve: list[EngineState], wl: ServeWorkload) -> PoolPoint | None:
-    """Every request queued at once (offline): the state of the curve that serves the most requests/s, full."""
-    if not curve:
-        return None
-    best = max(curve, key=lambda s: s.batch / s.step_s)
-    share = (best.chunk - best.batch * (1 + wl.spec_tokens)) / best.layout.dp
-    ttft = (math.ceil(wl.computed_isl / share) * best.full_s if best.role == "aggregated" and share > 0
-            else best.step_s)
-    return PoolPoint(best.role, best.layout, best.batch, best.chunk, ttft, best.step_s / wl.tokens_per_step,
-                     best.batch / (wl.decode_steps * best.step_s), best.memory, best.mem_fraction, 1.0)
+    """Every request queued at once (offline): the state of the curve whose pace (_pace) serves the most
+    requests/s, every slot taken."""
+    best: PoolPoint | None = None
+    for s in curve:
+        pace = _pace(curve[:curve.index(s) + 1], s.batch, wl)
+        if pace is None:
+            continue
+        rate, per_request, prompt = pace
+        interval = _token_interval([s], s.batch, rate, per_request, prompt)
+        share = (s.chunk - s.batch * (1 + wl.spec_tokens)) / s.layout.dp
+        ttft = math.ceil(wl.computed_isl / share) * s.prompt_s if s.role == "aggregated" else s.step_s
+        p = PoolPoint(s.role, s.layout, s.batch, s.chunk, ttft, interval / wl.tokens_per_step, rate * s.layout.dp,
+                      s.memory, s.mem_fraction, 1.0)
+        if best is None or p.requests_per_s > best.requests_per_s:
+            best = p
+    return best
 
 
 def aggregated_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,

@@ -102,19 +102,21 @@ def test_engine_ttft_grows_with_load_and_rate_with_it(percentile):
         assert b.tpot_s >= a.tpot_s
 
 
-def test_prefill_queue_diverges_as_the_budget_fills():
-    """Llama-3.1-8B on one H100 with prompts 40 times their outputs: the prompt tokens that keep pace with the
-    running sequences (running x 40 per iteration) near the budget left beside them, the engine serves barely more
-    requests/s while the mean TTFT runs away; running at the cap itself, the slots' queue is unstable."""
+def test_a_prefill_bound_engine_buys_latency_not_rate():
+    """Llama-3.1-8B on one H100 with prompts 40 times their outputs: the prompts' iterations take most of the time,
+    so more running sequences serve barely more requests/s while TTFT and TPOT grow; the cap itself (every slot
+    taken on average) is unstable."""
     wl = ServeWorkload(isl=1000, osl=25)
     c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1)), 1)
-    states = [aggregated_state(LLAMA8, c, EngineLayout(tp=1), wl, b, 8192) for b in (64, 128, 160, 180, 190)]
-    assert all(s is not None for s in states)  # 190 x 40 = 7,600 prompt tokens of the 8,002 left
-    points = {p.load * p.batch: p for p in loaded_points(states, wl, "mean") if p.batch == 190}
-    assert set(points) == {64, 128, 160, 180}
-    assert points[180].ttft_s > 5 * points[64].ttft_s
-    assert points[180].requests_per_s < 1.1 * points[64].requests_per_s
-    assert running_point(states, states[-1].batch, wl, None) is None
+    states = [aggregated_state(LLAMA8, c, EngineLayout(tp=1), wl, b, 8192) for b in (16, 32, 48, 64, 96, 128, 190)]
+    assert all(s is not None for s in states)
+    points = [running_point(states, n, wl, None) for n in (16, 48, 127)]
+    assert all(p is not None for p in points)
+    low, mid, high = points
+    assert high.requests_per_s < 1.25 * low.requests_per_s and high.requests_per_s < 1.05 * mid.requests_per_s
+    assert low.ttft_s < mid.ttft_s < high.ttft_s and high.ttft_s > 4 * low.ttft_s
+    assert low.tpot_s < mid.tpot_s < high.tpot_s
+    assert running_point(states, 190, wl, None) is None
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -166,10 +168,12 @@ def test_serve_states_its_percentile(capsys, tmp_path):
     assert out["p99"]["ttft_ms"] >= out["p50"]["ttft_ms"] and out["p99"]["tpot_ms"] >= out["p50"]["tpot_ms"]
 
 
-def test_closed_loop_users_run_the_steady_state():
-    """Closed-loop users arrive as fast as they finish and smoothly: the engine runs its steady iteration of N
-    sequences (TPOT), serves N / (TTFT + OSL x TPOT) requests/s, and a prompt waits for no queue of Poisson bursts
-    (D/G/1 with lengths alike: no wait); users beyond the KV cache's slots wait their turn."""
+def test_closed_loop_users_arrive_smoothly():
+    """Closed-loop users send their next request when the last ends: at 128 users of 1,024-token prompts and
+    128-token outputs each iteration carries about one prompt, so TPOT is the steady iteration of 128 sequences with
+    that prompt (31.8 ms here; AIConfigurator measured 31.7 for TensorRT-LLM on an H100, benchmarks/RESULTS.md), the
+    rate is N / (TTFT + OSL x TPOT), and a prompt waits for no queue of Poisson bursts. Users beyond the KV cache's
+    slots wait their turn."""
     from meshplan.costmodels.serving_load import concurrency_point
 
     c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1)), 1)
@@ -177,13 +181,36 @@ def test_closed_loop_users_run_the_steady_state():
     p = concurrency_point(LLAMA8, c, EngineLayout(tp=1), wl, 128, 8192, None)
     state = aggregated_state(LLAMA8, c, EngineLayout(tp=1), wl, 128, 8192)
     assert p is not None and state is not None
-    assert p.tpot_s == state.step_s
-    assert p.requests_per_s == pytest.approx(128 / (p.ttft_s + 128 * state.step_s))
-    assert p.ttft_s == pytest.approx(state.step_s / 2 + state.prompt_s)  # residual + its own chunk, no queue
+    assert p.tpot_s == pytest.approx(state.step_s, rel=0.02)
+    assert p.requests_per_s == pytest.approx(128 / (p.ttft_s + 128 * p.tpot_s))
+    assert p.ttft_s < p.tpot_s / 2 + state.prompt_s + 0.005  # residual + its own chunk: no queue to speak of
     long = ServeWorkload(isl=30000, osl=2000)  # 32,000 tokens a user: far fewer fit than 512 users
     q = concurrency_point(LLAMA8, c, EngineLayout(tp=1), long, 512, 8192, None)
     assert q is not None and q.batch < 512
     assert q.ttft_s > (512 / q.batch - 1) * 2000 * q.tpot_s  # the wait for a slot: whole generations
+
+
+@pytest.mark.parametrize(("isl", "osl"), [(2000, 200), (500, 500)])
+@pytest.mark.parametrize("load", [0.3, 0.6])
+def test_queueing_model_against_the_simulation(isl, osl, load):
+    """The analytic engine at a Poisson rate (rate_point) against a simulation of the same engine, iteration by
+    iteration (costmodels/serving_sim.py): the mean TTFT and TPOT within 20 % at 30 and 60 % of the engine's
+    capacity. (Nearer capacity the analytic means run 10-35 % low and its p90s lower still: benchmarks/RESULTS.md.)"""
+    from meshplan.costmodels.serving_load import _pace, rate_point
+    from meshplan.costmodels.serving_sim import simulate_engine
+
+    c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1)), 1)
+    wl = ServeWorkload(isl=isl, osl=osl)
+    curve = [s for s in (aggregated_state(LLAMA8, c, EngineLayout(tp=1), wl, b, 8192)
+                         for b in (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)) if s is not None]
+    capacity = max((_pace(curve[:i + 1], s.batch, wl) or (0.0,))[0] for i, s in enumerate(curve))
+    rate = load * capacity
+    model = rate_point(curve, rate, wl, None)
+    sim = simulate_engine(curve, wl, rate, requests=1500)
+    assert model is not None
+    assert sim.requests_per_s == pytest.approx(rate, rel=0.1)
+    assert model.ttft_s == pytest.approx(sim.ttft(None), rel=0.2)
+    assert model.tpot_s == pytest.approx(sim.tpot(None), rel=0.2)
 
 
 def test_serving_reference_set_is_valid_and_priced():
