@@ -5,7 +5,7 @@ Usage:  python benchmarks/serving_reference.py [--markdown] [--check] [FILE]
 
 How each load is priced (costmodels/serving_load.py):
 - offline (every request queued at once): the engine's best throughput over batches and budgets that fit;
-- concurrency N (closed loop): aggregated, the wave of N users (concurrency_point); disaggregated, the prefill pool
+- concurrency N (closed loop): aggregated, N users in steady state (concurrency_point); disaggregated, the prefill pool
   at the busy fraction the users' rate gives it and the decode engines at N / engines running sequences;
 - request_rate R (open loop, Poisson): the running sequences whose rate is R (rate_point), means and p99;
 - batch B (a decode engine at a fixed batch): one decode step; prompts K (a prefill engine): one prefill batch.

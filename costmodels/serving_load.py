@@ -5,7 +5,7 @@ Three ways a load reaches an engine, as deployments and benchmarks drive it:
 - open loop (Poisson arrivals at a rate: production traffic, MLPerf's Server scenario, a benchmark's
   --request-rate): `running_point` at a mean of n running sequences below a cap of slots, `rate_point` at a rate;
 - closed loop (a benchmark's fixed concurrency of N users, each sending its next request when the last ends):
-  `concurrency_point`; with every request alike the users move in waves (see there);
+  `concurrency_point`, in steady state (the requests arrive smoothly, at the pace they finish);
 - offline (every request queued at once: MLPerf's Offline scenario, trtllm-bench throughput): `saturated_point`,
   the engine full at the batch that serves the most tokens/s.
 """
@@ -13,7 +13,6 @@ Three ways a load reaches an engine, as deployments and benchmarks drive it:
 from __future__ import annotations
 
 import math
-
 from statistics import NormalDist
 
 import numpy as np
@@ -199,9 +198,10 @@ def concurrency_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl:
                       mem_fraction: float = MEM_FRACTION) -> PoolPoint | None:
     """An aggregated engine driven by `users` closed-loop users (a benchmark's --concurrency: each user sends its
     next request when its last one ends), in steady state. The requests come at the pace they finish, N / (TTFT +
-    OSL x step), and smoothly (interarrival cs^2 0: no burst of a Poisson stream), so the engine runs its steady
-    iteration of N sequences (serving.aggregated_state) and a new prompt waits only for the iteration in progress
-    and while the prefill budget is busy (Kingman's G/G/1 with ca^2 = 0). Users beyond the sequences the KV cache
+    OSL x TPOT), and smoothly (interarrival cs^2 0: no burst of a Poisson stream), so a prompt iteration carries the
+    prompts that arrived during the last one (_pace's two kinds of iteration; at one prompt per iteration the
+    steady iteration of serving.aggregated_state), and a new prompt waits only for the iteration in progress and
+    while the prefill budget is busy (Kingman's G/G/1 with ca^2 = 0). Users beyond the sequences the KV cache
     holds wait for a slot: the B that fit run and each completion admits the next user (the closed queue of B
     servers; each user's cycle is N / the rate). Not modelled: the start-up wave of N prompts arriving together,
     which a benchmark's first requests see. None when no batch fits or prefill cannot keep pace."""

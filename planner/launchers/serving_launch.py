@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from meshplan.planner.launchers.common import ExportedFile, serving_header_lines, shell_lines
 from meshplan.planner.plan import ServingEngine, ServingPlan
 
-__all__ = ["Placement", "place", "max_model_len", "launch_files", "FIRST_PORT", "ROUTER_PORT"]
+__all__ = ["Placement", "place", "max_model_len", "launch_files", "engine_url", "router_argv", "FIRST_PORT",
+           "ROUTER_PORT"]
 
 FIRST_PORT = 8100  # engine i listens on FIRST_PORT + i
 ROUTER_PORT = 8000
@@ -154,3 +155,18 @@ def _router_script(plan: ServingPlan, target: str, placements: list[Placement], 
 
 def engine_url(p: Placement) -> str:
     return f"http://${{HOSTS[{p.nodes[0]}]}}:{p.port}"
+
+
+def router_argv(plan: ServingPlan, program: list[str], pd_flag: str,
+                prefill: Callable[[Placement], list[str]]) -> list[str]:
+    """A router over every engine on ROUTER_PORT: --worker-urls, or `pd_flag` with each prefill engine (`prefill`:
+    its URL and what the router needs besides) and each decode engine."""
+    argv = list(program)
+    placements = place(plan)
+    if plan.mode == "disaggregated":
+        argv.append(pd_flag)
+        for p in placements:
+            argv += ["--prefill", *prefill(p)] if p.engine.role == "prefill" else ["--decode", engine_url(p)]
+    else:
+        argv += ["--worker-urls"] + [engine_url(p) for p in placements]
+    return argv + ["--host", "0.0.0.0", "--port", str(ROUTER_PORT)]

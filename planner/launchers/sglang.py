@@ -15,8 +15,8 @@ import shlex
 
 from meshplan.costmodels.serving import redundant_experts
 from meshplan.planner.launchers.common import Exported, full_ep_only
-from meshplan.planner.launchers.serving_launch import (ROUTER_PORT, Placement, engine_url, launch_files,
-                                                       max_model_len, place)
+from meshplan.planner.launchers.serving_launch import (Placement, engine_url, launch_files, max_model_len,
+                                                       router_argv)
 from meshplan.planner.plan import ServingEngine, ServingPlan
 
 __all__ = ["TARGET", "sglang_args", "export_sglang", "parse_sglang_command"]
@@ -79,18 +79,8 @@ def _bootstrap_port(p: Placement) -> int:
 def _router(plan: ServingPlan) -> list[str]:
     """SGLang's router (sglang-router: python -m sglang_router.launch_router): --worker-urls, or each request to a
     prefill engine (with its bootstrap port) and a decode engine (--pd-disaggregation)."""
-    placements = place(plan)
-    argv = ["python", "-m", "sglang_router.launch_router"]
-    if plan.mode == "disaggregated":
-        argv.append("--pd-disaggregation")
-        for p in placements:
-            if p.engine.role == "prefill":
-                argv += ["--prefill", engine_url(p), str(_bootstrap_port(p))]
-            else:
-                argv += ["--decode", engine_url(p)]
-    else:
-        argv += ["--worker-urls"] + [engine_url(p) for p in placements]
-    return argv + ["--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+    return router_argv(plan, ["python", "-m", "sglang_router.launch_router"], "--pd-disaggregation",
+                       lambda p: [engine_url(p), str(_bootstrap_port(p))])
 
 
 def export_sglang(plan: ServingPlan) -> Exported:

@@ -15,8 +15,8 @@ import shlex
 
 from meshplan.costmodels.serving import redundant_experts
 from meshplan.planner.launchers.common import Exported, full_ep_only, refuse
-from meshplan.planner.launchers.serving_launch import (ROUTER_PORT, Placement, engine_url, launch_files,
-                                                       max_model_len, place)
+from meshplan.planner.launchers.serving_launch import (Placement, engine_url, launch_files, max_model_len,
+                                                       router_argv)
 from meshplan.planner.plan import ServingEngine, ServingPlan
 
 __all__ = ["TARGET", "vllm_args", "export_vllm", "parse_vllm_command"]
@@ -91,15 +91,8 @@ def _ray_setup(plan: ServingPlan, p: Placement, rank: int) -> list[str]:
 def _router(plan: ServingPlan) -> list[str]:
     """vllm-router (github.com/vllm-project/router, `pip install vllm-router`): round robin over the engines, or
     each request to a prefill engine, then a decode engine (--vllm-pd-disaggregation)."""
-    placements = place(plan)
-    argv = ["vllm-router", "--policy", "round_robin"]
-    if plan.mode == "disaggregated":
-        argv.append("--vllm-pd-disaggregation")
-        for p in placements:
-            argv += ["--prefill" if p.engine.role == "prefill" else "--decode", engine_url(p)]
-    else:
-        argv += ["--worker-urls"] + [engine_url(p) for p in placements]
-    return argv + ["--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+    return router_argv(plan, ["vllm-router", "--policy", "round_robin"], "--vllm-pd-disaggregation",
+                       lambda p: [engine_url(p)])
 
 
 def export_vllm(plan: ServingPlan) -> Exported:
