@@ -194,9 +194,20 @@ def serve(
         return
     con = console()
     print_serving(con, spec, cluster, workload, targets, doc, result, alternatives)
+    print_simulated(con, found.simulated, targets.percentile)
     if outputs.out is not None:
         con.print(f"serving plan written to {outputs.out}")
     report_export(con, exported, outputs.export_to, written if outputs.export_out is not None else None)
+
+
+def print_simulated(con: Console, sim: Any, percentile: str) -> None:
+    """The best's engine simulated iteration by iteration beside the analytic figures (planner.serve)."""
+    if sim is None:
+        return
+    verdict = f"misses {sim.misses}" if sim.misses else "meets the targets"
+    con.print(f"checked by simulation (one engine, Poisson arrivals at {sim.rate:.2f} requests/s, iteration by "
+              f"iteration): TTFT {percentile} {sim.ttft_s * 1e3:.0f} ms (model {sim.model_ttft_s * 1e3:.0f}), TPOT "
+              f"{percentile} {sim.tpot_s * 1e3:.1f} ms (model {sim.model_tpot_s * 1e3:.1f}): {verdict}")
 
 
 def print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, targets: Any, doc: Any, result: Any,

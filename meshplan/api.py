@@ -26,7 +26,8 @@ from meshplan.hardware_db.errors import InputError
 from meshplan.planner.builders import build_plan, build_serving_plan
 from meshplan.planner.plan import Plan, ServingPlan, read_any_plan, without_timing
 from meshplan.planner.search import ProgressFn, SearchResult, search
-from meshplan.planner.serve import ServeResult, explain_serving, pinned_deployment, search_serving
+from meshplan.planner.serve import (ServeResult, SimulationCheck, explain_serving, pinned_deployment, search_serving,
+                                   simulate_deployment)
 from meshplan.planner.space import DEFAULT_MAX_MBS
 
 __all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "estimate", "load_plan", "plan",
@@ -67,6 +68,7 @@ class ServingSearch:
     plan: ServingPlan
     result: ServeResult | None
     alternatives: tuple[str, ...]
+    simulated: SimulationCheck | None = None  # the best's engine simulated at its rate, where the simulation models it
 
 
 def _model(model: ModelInput) -> ModelSpec:
@@ -141,7 +143,8 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
             raise InputError(result.why_nothing or "no deployment fits")
         best, alternatives = result.best, tuple(explain_serving(result, targets, workload))
     doc = build_serving_plan(spec, hardware, workload, targets, best, result, objective, list(alternatives))
-    return ServingSearch(plan=doc if timing else without_timing(doc), result=result, alternatives=alternatives)
+    return ServingSearch(plan=doc if timing else without_timing(doc), result=result, alternatives=alternatives,
+                         simulated=simulate_deployment(spec, hardware, workload, targets, best))
 
 
 def serve(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targets: ServeTargets = ServeTargets(),

@@ -463,6 +463,49 @@ def explain_serving(result: ServeResult, targets: ServeTargets, wl: ServeWorkloa
     return out
 
 
+# ---- a check of the best by simulation ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SimulationCheck:
+    """The best deployment's engine simulated iteration by iteration at its rate (costmodels/serving_sim.py) beside
+    the analytic figures the search used, at the targets' percentile."""
+
+    rate: float  # requests/s of one engine
+    ttft_s: float
+    tpot_s: float
+    model_ttft_s: float
+    model_tpot_s: float
+    misses: str  # the targets the simulated figures miss, in words; "" when none
+
+
+def simulate_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
+                        d: Deployment, requests: int = 1000) -> SimulationCheck | None:
+    """An aggregated deployment of one-attention-group engines without speculative decoding, its engine simulated
+    at its rate (Poisson, the lengths' spread, FCFS chunked prefill); None for what the simulation does not model."""
+    from meshplan.costmodels.queueing import PERCENTILES
+    from meshplan.costmodels.serving_sim import simulate_engine
+
+    if d.mode != "aggregated" or wl.spec_tokens:
+        return None
+    (p, _), = d.pools
+    if p.layout.dp != 1:
+        return None
+    c = engine_cluster(cluster, p.layout.gpus)
+    curve = [s for s in (aggregated_state(model, c, p.layout, wl, b, p.chunk, None, p.mem_fraction)
+                         for b in sorted({b for b in BATCHES if b < p.batch} | {p.batch})) if s is not None]
+    if not curve or curve[-1].batch != p.batch:
+        return None
+    sim = simulate_engine(curve, wl, p.requests_per_s, requests=requests)
+    q = PERCENTILES[targets.percentile]
+    ttft, tpot = sim.ttft(q), sim.tpot(q)
+    out = []
+    if targets.ttft_ms is not None and ttft * 1e3 > targets.ttft_ms:
+        out.append(f"TTFT {ttft * 1e3:.0f} ms > {targets.ttft_ms:g}")
+    if targets.tpot_ms is not None and tpot * 1e3 > targets.tpot_ms:
+        out.append(f"TPOT {tpot * 1e3:.1f} ms > {targets.tpot_ms:g}")
+    return SimulationCheck(p.requests_per_s, ttft, tpot, p.ttft_s, p.tpot_s, ", ".join(out))
+
+
 # ---- inputs from the command line ----------------------------------------------------------------------------------
 
 def parse_gpu_range(text: str | None) -> tuple[int, int]:

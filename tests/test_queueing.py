@@ -313,3 +313,23 @@ def test_speculation_in_the_exports_and_its_refusals(capsys, tmp_path):
     ds = export_plan(read_serving_plan(tmp_path / "d.json"), "vllm").files[0].text
     assert "deepseek_mtp" in ds and "DRAFT_MODEL" not in ds
     assert json.loads((tmp_path / "d.json").read_text())["inputs"]["workload"]["accept_rate"] == 0.85
+
+
+def test_serve_checks_its_best_by_simulation(capsys):
+    """An aggregated best is simulated at its rate and printed beside the model's figures; the search's p50s sit
+    within 20 % of the simulated ones here (one engine well below capacity)."""
+    from cli_helpers import run
+
+    from meshplan import api
+    from meshplan.hardware_db.cluster import ClusterSpec as Spec
+
+    found = api.search_deployments("llama3.1-8b", Spec(gpu="h100-sxm", num_gpus=8), ServeWorkload(isl=2000, osl=200),
+                                   api.ServeTargets(ttft_ms=500, tpot_ms=30), disaggregation=False)
+    sim = found.simulated
+    assert sim is not None and found.plan.mode == "aggregated"
+    assert sim.ttft_s == pytest.approx(sim.model_ttft_s, rel=0.2)
+    assert sim.tpot_s == pytest.approx(sim.model_tpot_s, rel=0.2)
+    code, out, err = run(capsys, "serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "2000",
+                         "--osl", "200", "--ttft-ms", "500", "--tpot-ms", "30", "--no-disaggregation")
+    assert code == 0, err
+    assert "checked by simulation" in out and "TTFT p50" in out
