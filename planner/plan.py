@@ -631,7 +631,10 @@ def read_any_plan(path: str | Path, kinds: tuple[str, ...] = ("training", "servi
     try:
         plan = model.model_validate(data)
     except ValidationError as exc:
-        raise InputError(f"{path}: invalid plan: {_pydantic_error(exc)}") from None
+        older = any(e["type"] == "missing" for e in exc.errors())  # a field this version added
+        hint = f"; if an older meshplan wrote it, re-run `meshplan {'plan' if kind == 'training' else 'serve'}`" \
+            if older else ""
+        raise InputError(f"{path}: invalid plan: {_pydantic_error(exc)}{hint}") from None
     problem = _jsonschema_error(data)
     if problem is None and isinstance(plan, Plan):
         problem = layout_problem(plan)

@@ -409,3 +409,15 @@ def test_expert_all_to_all_against_deepep_kernel_times(ep, dispatch_us, combine_
     tolerance = 0.40 if ep <= 8 else 0.15
     assert dispatch == pytest.approx(dispatch_us, rel=tolerance)
     assert combine == pytest.approx(combine_us, rel=tolerance)
+
+
+def test_a_serving_plan_from_before_queueing_is_refused_with_the_fix(tmp_path):
+    """A serving plan without the fields of the queueing model (prediction.percentile, each engine's load) is one
+    error line that says to re-run `meshplan serve`."""
+    data = searched_plan().model_dump(mode="json")
+    del data["prediction"]["percentile"]
+    for engine in data["engines"]:
+        del engine["load"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    with pytest.raises(InputError, match=r"Field required; if an older meshplan wrote it, re-run `meshplan serve`"):
+        read_serving_plan(tmp_path / "old.json")
