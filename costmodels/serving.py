@@ -316,6 +316,22 @@ def _all_to_all(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
     return link.latency_s + max(bytes_ * (k - 1) / n / up, bytes_ * (n - k) / n / link.nic_bytes_per_s)
 
 
+def _expert_exchange(model: ModelSpec, layout: EngineLayout, tokens: float, decoding: bool, fp8: bool, link: Link,
+                     eff: Efficiency) -> float:
+    """Dispatch and combine of one MoE layer: each GPU sends its share of its group's `tokens`, top-k copies of
+    each (GShard); with fp8 weights the dispatch goes in fp8 with a scale per 128 values, the combine in bf16
+    (DeepSeek-V3 report sec. 3.3.2). Steps with decode tokens use DeepEP's low-latency kernels, prefill-only steps
+    its normal kernels, a token sent once per node and forwarded there over NVLink (SGLang's --deepep-mode auto)."""
+    moe = model.moe
+    assert moe is not None
+    copies = (tokens / layout.tp) * moe.top_k * model.hidden
+    dispatch = copies * (1.0 + 4.0 / 128) if fp8 else ACT_BYTES * copies
+    if decoding:
+        return _all_to_all(dispatch, layout.ep, link, eff) + _all_to_all(ACT_BYTES * copies, layout.ep, link, eff)
+    return sum(timed_collective("all_to_all", b, layout.ep, link, eff, moe.top_k)
+               for b in (dispatch, ACT_BYTES * copies))
+
+
 @dataclass(frozen=True)
 class IterationTime:
     """Seconds of one engine iteration: every decode sequence advances one token and the prefill tokens are
@@ -471,17 +487,7 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
         compute += moe_layers * (attention + ops_time(ops))
         per_layer = tp_ar  # the attention output
         if layout.ep > 1:
-            # dispatch and combine: each GPU sends its share of the group's tokens, top-k copies of each (GShard);
-            # with fp8 weights the dispatch goes in fp8 with a scale per 128 values, the combine in bf16 (DeepSeek-V3
-            # report sec. 3.3.2; DeepEP's low-latency kernels)
-            copies = (t / layout.tp) * moe.top_k * model.hidden
-            dispatch = copies * (1.0 + 4.0 / 128) if weight_dtype == "fp8" else ACT_BYTES * copies
-            if dec:  # decode and mixed steps: DeepEP's low-latency kernels (SGLang's --deepep-mode auto)
-                per_layer += _all_to_all(dispatch, layout.ep, ep_link, eff) + _all_to_all(
-                    ACT_BYTES * copies, layout.ep, ep_link, eff)
-            else:  # prefill: its normal kernels, a token sent once per node and forwarded there over NVLink
-                per_layer += sum(timed_collective("all_to_all", b, layout.ep, ep_link, eff, moe.top_k)
-                                 for b in (dispatch, ACT_BYTES * copies))
+            per_layer += _expert_exchange(model, layout, t, bool(dec), weight_dtype == "fp8", ep_link, eff)
         if layout.etp > 1:  # expert TP: the partial sums of each expert's output
             out = ACT_BYTES * engine_tokens * moe.top_k / layout.ep * model.hidden
             per_layer += _all_reduce(out, layout.etp, etp_link, eff)
