@@ -26,8 +26,8 @@ from meshplan.hardware_db.errors import InputError
 from meshplan.planner.builders import build_plan, build_serving_plan
 from meshplan.planner.plan import Plan, ServingPlan, read_any_plan, without_timing
 from meshplan.planner.search import ProgressFn, SearchResult, search
-from meshplan.planner.serve import (ServeResult, SimulationCheck, explain_serving, pinned_deployment, search_serving,
-                                   simulate_deployment)
+from meshplan.planner.serve import (ServeResult, SimulationCheck, checked_by_simulation, explain_serving,
+                                   pinned_deployment, search_serving, simulate_deployment)
 from meshplan.planner.space import DEFAULT_MAX_MBS
 
 __all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "estimate", "load_plan", "plan",
@@ -141,6 +141,8 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
                                 mem_fraction=mem_fraction, time_limit_s=time_limit_s)
         if result.best is None:
             raise InputError(result.why_nothing or "no deployment fits")
+        result = checked_by_simulation(spec, hardware, workload, targets, result)
+        assert result.best is not None
         best, alternatives = result.best, tuple(explain_serving(result, targets, workload))
     doc = build_serving_plan(spec, hardware, workload, targets, best, result, objective, list(alternatives))
     return ServingSearch(plan=doc if timing else without_timing(doc), result=result, alternatives=alternatives,

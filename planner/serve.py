@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -504,6 +504,27 @@ def simulate_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, t
     if targets.tpot_ms is not None and tpot * 1e3 > targets.tpot_ms:
         out.append(f"TPOT {tpot * 1e3:.1f} ms > {targets.tpot_ms:g}")
     return SimulationCheck(p.requests_per_s, ttft, tpot, p.ttft_s, p.tpot_s, ", ".join(out))
+
+
+def checked_by_simulation(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
+                          result: ServeResult, most: int = 12) -> ServeResult:
+    """The search's best, unless the simulation of its engine misses the targets: then the first of the ranked
+    deployments and the Pareto front's others that meet them (in the ranking's order, at most `most` simulated)
+    that the simulation does not contradict or cannot check (disaggregated, attention DP, speculation). The
+    analytic queues are optimistic near capacity (docs/serving.md), so a deployment chosen at the edge of a p90
+    target may miss it. When every candidate misses, the ranking stays as it was."""
+    if result.best is None:
+        return result
+    front = [d for d in result.pareto if meets(d, targets, wl) and d not in result.ranked]
+    order = list(result.ranked) + sorted(front, key=lambda d: -d.tokens_per_s_per_gpu)
+    for d in order[:most]:
+        check = simulate_deployment(model, cluster, wl, targets, d)
+        if check is None or not check.misses:
+            if d is result.best:
+                return result
+            rest = tuple(x for x in result.ranked if x is not d)
+            return replace(result, best=d, ranked=(d,) + rest)
+    return result
 
 
 # ---- inputs from the command line ----------------------------------------------------------------------------------
