@@ -52,17 +52,20 @@ def reduce_scatter(bytes_: float, n: int, link: Link) -> float:
     return _ring("reduce_scatter", bytes_, n, link)
 
 
-def all_to_all(bytes_: float, n: int, link: Link, dedup_top_k: int = 0) -> float:
+def all_to_all(bytes_: float, n: int, link: Link, dedup_top_k: int = 0, at_once: bool = False) -> float:
     """Each rank sends (n-1)/n of its buffer to the others. Inside a node at the all-to-all bus bandwidth (NCCL
     reaches about 0.71 of NVLink with it, against 0.8 for rings: NVIDIA GTC25 S72583, slides 12-13). Across nodes
     it cannot be reduced hierarchically as a ring can: the (n-k)/n for the other nodes leaves through the GPU's own
     NIC while the (k-1)/n for its node's k-1 peers crosses NVLink (48 GB/s all-to-all busbw against 370 for
     all-reduce on 32 DGX H100 GPUs, 8 x 400G NICs; same slides). A token dispatch deduplicated per node (DeepEP,
     `dedup_top_k` copies per token) sends each token once to every other node holding one of its experts and
-    forwards it there over NVLink (DeepSeek-V3 report sec. 3.2.2): node_dedup_share of the off-node bytes."""
+    forwards it there over NVLink (DeepSeek-V3 report sec. 3.2.2): node_dedup_share of the off-node bytes.
+    `at_once`: every rank sends to all its peers together (DeepEP's low-latency kernels), one latency instead of
+    the n-1 pairwise steps."""
     if n <= 1 or bytes_ <= 0:
         return 0.0
     steps, share = ring_shape("all_to_all", n)
+    steps = 1 if at_once else steps
     up = link.a2a_bytes_per_s or link.bus_bytes_per_s
     if not link.crosses_nodes or not link.nic_bytes_per_s:
         return steps * link.latency_s + share * bytes_ / up

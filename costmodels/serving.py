@@ -39,7 +39,8 @@ __all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "Poo
            "kv_bytes_per_token_layer",
            "kv_bytes_per_token", "weight_bytes_per_gpu", "Capacity", "capacity", "IterationTime", "iteration_time",
            "kv_transfer_s", "stage_layer_counts", "redundant_experts",
-           "EngineState", "aggregated_state", "prefill_state", "decode_state"]
+           "EngineState", "aggregated_state", "prefill_state", "decode_state", "EngineGeometry",
+           "engine_geometry"]
 
 
 ServeDtype = Literal["bf16", "fp8"]  # weights and GEMMs, or the KV cache
@@ -300,10 +301,11 @@ def _all_reduce(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
 def _all_to_all(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
     """Expert dispatch or combine: every rank sends to all peers at once (DeepEP's low-latency kernels, NCCL grouped
     send/recv), so one latency, not the training model's pairwise exchange of n-1 steps, which small decode
-    messages would make latency-bound n-1 times over. Across nodes the (n-k)/n of the buffer for the other nodes
-    leaves through the GPU's own NIC while the (k-1)/n for its node's peers crosses NVLink, both at once (DeepEP's
-    low-latency kernels: RDMA, with NVLink inside a node since its PR #173); inside a node (n-1)/n at the link's
-    bus rate. Checked against DeepEP's published kernel times in tests/test_serving.py."""
+    messages would make latency-bound n-1 times over. Across nodes the training model's split (comm.all_to_all):
+    the (n-k)/n of the buffer for the other nodes leaves through the GPU's own NIC while the (k-1)/n for its node's
+    peers crosses NVLink, both at once (DeepEP's low-latency kernels: RDMA, with NVLink inside a node since its PR
+    #173); inside a node (n-1)/n at the link's bus rate. Checked against DeepEP's published kernel times in
+    tests/test_serving.py."""
     if n <= 1 or bytes_ <= 0:
         return 0.0
     fit = eff.collective_fit("all_to_all", n, link)
@@ -311,9 +313,7 @@ def _all_to_all(bytes_: float, n: int, link: Link, eff: Efficiency) -> float:
         return fit[0] + bytes_ / fit[1]
     if not link.crosses_nodes or not link.nic_bytes_per_s:
         return link.latency_s + (n - 1) / n * bytes_ / link.bus_bytes_per_s
-    k = max(1, link.ranks_per_node)
-    up = link.a2a_bytes_per_s or link.bus_bytes_per_s
-    return link.latency_s + max(bytes_ * (k - 1) / n / up, bytes_ * (n - k) / n / link.nic_bytes_per_s)
+    return comm.all_to_all(bytes_, n, link, at_once=True)
 
 
 def _expert_exchange(model: ModelSpec, layout: EngineLayout, tokens: float, decoding: bool, fp8: bool, link: Link,
@@ -416,22 +416,54 @@ def _experts_op(model: ModelSpec, layout: EngineLayout, tokens_engine: float, wd
     return Op("routed_experts", "gemm", flops, io, 0.0, 0.0, gemm_dtype_scale=wdt)
 
 
+@dataclass(frozen=True)
+class EngineGeometry:
+    """What every iteration of one engine layout on one cluster shares, whatever its tokens: the links its groups
+    cross, the layers of its heaviest stage and the efficiency it is timed with. Worked out once per layout
+    (engine_geometry): the search times each layout's iterations by the dozen."""
+
+    eff: Efficiency
+    tp_link: Link
+    ep_link: Link
+    etp_link: Link
+    p2p_link: Link  # between pipeline stages (tp_link when pp is 1)
+    dense_layers: int
+    moe_layers: int
+
+
+def engine_geometry(model: ModelSpec, cluster: Cluster, layout: EngineLayout,
+                    eff: Efficiency | None = None) -> EngineGeometry:
+    tp_link = group_link(cluster, tuple(range(layout.tp)))
+    ep_link = group_link(cluster, tuple(range(layout.ep))) if layout.ep > 1 else tp_link
+    etp_link = group_link(cluster, tuple(range(layout.etp))) if layout.etp > 1 else tp_link
+    stage_ranks = layout.tp * layout.dp
+    p2p_link = tp_link
+    if layout.pp > 1 and cluster.num_gpus > stage_ranks:
+        p2p_link = group_link(cluster, (0, stage_ranks))
+    dense, moe = stage_layer_counts(model, layout.pp)
+    return EngineGeometry(eff or Efficiency.from_gpu(cluster.gpu), tp_link, ep_link, etp_link, p2p_link, dense, moe)
+
+
 def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: float, dec_ctx: float,
                    pre_tokens: float, pre_ctx: float, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                   eff: Efficiency | None = None, moe_imbalance: float = 1.0, spec_tokens: int = 0) -> IterationTime:
+                   eff: Efficiency | None = None, moe_imbalance: float = 1.0, spec_tokens: int = 0,
+                   geometry: EngineGeometry | None = None) -> IterationTime:
     """One iteration of the engine: `dec_seqs` sequences each decode a token at context `dec_ctx`, and
     `pre_tokens` prompt tokens at average context `pre_ctx` are prefilled (chunked prefill batches both, as in
     Sarathi-Serve, Agrawal et al. OSDI'24). With pp > 1 the batch is split into pp micro-batches that keep every
     stage busy (vLLM's virtual engines): the iteration is pp stage-times of a micro-batch plus its transfers.
     With `spec_tokens` k, every decode sequence verifies k draft tokens with its own (k + 1 queries in the
     model's pass) and a drafter proposes them first: k passes of one transformer block and the output head over
-    the decode tokens (an MTP module, DeepSeek-V3 report sec. 2.2; an EAGLE head is one block too)."""
-    step = _step(model, cluster, layout, dec_seqs, dec_ctx, pre_tokens, pre_ctx, weight_dtype, kv_dtype, eff,
+    the decode tokens (an MTP module, DeepSeek-V3 report sec. 2.2; an EAGLE head is one block too).
+    `geometry` (engine_geometry of this model, cluster and layout; its efficiency then stands for `eff`) saves
+    working the links out again."""
+    geo = geometry or engine_geometry(model, cluster, layout, eff)
+    step = _step(model, cluster, layout, dec_seqs, dec_ctx, pre_tokens, pre_ctx, weight_dtype, kv_dtype, geo,
                  moe_imbalance, 1 + spec_tokens)
     if not spec_tokens or not dec_seqs:
         return step
-    one = _step(model, cluster, layout, dec_seqs, dec_ctx, 0, 0, weight_dtype, kv_dtype, eff, moe_imbalance, 1)
-    block = (one.seconds - one.head_s) / sum(stage_layer_counts(model, layout.pp)) + one.head_s
+    one = _step(model, cluster, layout, dec_seqs, dec_ctx, 0, 0, weight_dtype, kv_dtype, geo, moe_imbalance, 1)
+    block = (one.seconds - one.head_s) / (geo.dense_layers + geo.moe_layers) + one.head_s
     draft = spec_tokens * block
     share = one.compute_s / one.seconds
     return IterationTime(step.seconds + draft, step.compute_s + draft * share, step.comm_s + draft * (1 - share),
@@ -439,10 +471,10 @@ def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec
 
 
 def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: float, dec_ctx: float,
-          pre_tokens: float, pre_ctx: float, weight_dtype: str, kv_dtype: str, eff: Efficiency | None,
+          pre_tokens: float, pre_ctx: float, weight_dtype: str, kv_dtype: str, geo: EngineGeometry,
           moe_imbalance: float, queries: int) -> IterationTime:
     """iteration_time's one forward pass, every decode sequence with `queries` tokens."""
-    eff = eff or Efficiency.from_gpu(cluster.gpu)
+    eff = geo.eff
     gpu = cluster.gpu
     wbytes = WEIGHT_BYTES[weight_dtype]
     wdt = 2.0 if weight_dtype == "fp8" else 1.0
@@ -463,15 +495,12 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
                              op.kind, peak, hbm, eff)
         return total
 
-    tp_link = group_link(cluster, tuple(range(layout.tp)))
-    stage_ranks = layout.tp * layout.dp
-    ep_link = group_link(cluster, tuple(range(layout.ep))) if layout.ep > 1 else tp_link
-    etp_link = group_link(cluster, tuple(range(layout.etp))) if layout.etp > 1 else tp_link
+    tp_link, ep_link, etp_link = geo.tp_link, geo.ep_link, geo.etp_link
     tp_ar = _all_reduce(ACT_BYTES * t * model.hidden, layout.tp, tp_link, eff)
 
     attention = ops_time(_attention_ops(model, layout.tp, dec, dec_ctx, pre, pre_ctx, wdt, WEIGHT_BYTES[kv_dtype],
                                         queries))
-    dense_layers, moe_layers = stage_layer_counts(model, layout.pp)
+    dense_layers, moe_layers = geo.dense_layers, geo.moe_layers
     compute = comm = 0.0
     if dense_layers:
         compute += dense_layers * (attention + ops_time(_mlp_ops(model, t, model.ffn_hidden / layout.tp, wdt)))
@@ -506,8 +535,7 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
     stage = compute + comm + head + head_comm  # the heaviest stage: its layers and the LM head (the last stage)
     p2p = 0.0
     if layout.pp > 1:
-        link = group_link(cluster, (0, stage_ranks)) if cluster.num_gpus > stage_ranks else tp_link
-        p2p = timed_collective("p2p", ACT_BYTES * t * model.hidden, 2, link, eff)
+        p2p = timed_collective("p2p", ACT_BYTES * t * model.hidden, 2, geo.p2p_link, eff)
     seconds = micro * (stage + p2p)
     return IterationTime(seconds, micro * (compute + head), micro * (comm + head_comm + p2p),
                          micro * (head + head_comm))
@@ -568,8 +596,8 @@ class PoolPoint:
 # ---- one engine with every slot full ---------------------------------------------------------------------------------
 
 def aggregated_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
-                     chunk: int, eff: Efficiency | None = None,
-                     mem_fraction: float = MEM_FRACTION) -> EngineState | None:
+                     chunk: int, eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION,
+                     geometry: EngineGeometry | None = None) -> EngineState | None:
     """An engine that prefills and decodes, `batch` sequences running; None when they do not fit its memory or
     the budget cannot keep prefill in pace with decode (P = batch x computed ISL / decode steps of a request,
     prompt tokens per iteration)."""
@@ -582,11 +610,12 @@ def aggregated_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: 
     mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, chunk, batch)
     if batch * (wl.isl + wl.osl) > mem.tokens:
         return None
+    geo = geometry or engine_geometry(model, cluster, lay, eff)
 
     def step(prefill: float) -> float:
         return iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, prefill, wl.prompt_context,
-                              weight_dtype=wl.weight_dtype, kv_dtype=wl.kv_dtype, eff=eff,
-                              moe_imbalance=wl.moe_imbalance, spec_tokens=wl.spec_tokens).seconds
+                              weight_dtype=wl.weight_dtype, kv_dtype=wl.kv_dtype, moe_imbalance=wl.moe_imbalance,
+                              spec_tokens=wl.spec_tokens, geometry=geo).seconds
 
     # the steady iteration; one with the whole budget (prompts queued); one with a lone new prompt's chunk,
     # min(computed ISL, the group's share of the budget), in every attention group; one of the decode tokens alone
@@ -595,8 +624,8 @@ def aggregated_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: 
 
 
 def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, prompts: int,
-                  eff: Efficiency | None = None, crosses_nodes: bool = True,
-                  mem_fraction: float = MEM_FRACTION) -> EngineState | None:
+                  eff: Efficiency | None = None, crosses_nodes: bool = True, mem_fraction: float = MEM_FRACTION,
+                  geometry: EngineGeometry | None = None) -> EngineState | None:
     """A prefill engine taking `prompts` prompts per iteration (one attention group each at least); it computes
     the tokens the prefix cache does not hold and sends the whole prompt's KV cache on."""
     if prompts < lay.dp or prompts % lay.dp:
@@ -606,13 +635,14 @@ def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: Ser
     if prompts * wl.isl > mem.tokens:
         return None
     it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.prompt_context, weight_dtype=wl.weight_dtype,
-                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance)
+                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance, geometry=geometry)
     return EngineState("prefill", lay, prompts, math.ceil(tokens), it.seconds, it.seconds, mem, mem_fraction,
                        kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes))
 
 
 def decode_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
-                 eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION) -> EngineState | None:
+                 eff: Efficiency | None = None, mem_fraction: float = MEM_FRACTION,
+                 geometry: EngineGeometry | None = None) -> EngineState | None:
     if batch < lay.dp:
         return None
     mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, batch * (1 + wl.spec_tokens),
@@ -620,5 +650,6 @@ def decode_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: Serv
     if batch * (wl.isl + wl.osl) > mem.tokens:
         return None
     it = iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, 0, 0, weight_dtype=wl.weight_dtype,
-                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance, spec_tokens=wl.spec_tokens)
+                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance, spec_tokens=wl.spec_tokens,
+                        geometry=geometry)
     return EngineState("decode", lay, batch, batch, it.seconds, it.seconds, mem, mem_fraction)

@@ -84,19 +84,26 @@ def _pace(curve: list[EngineState], running: float, wl: ServeWorkload) -> tuple[
     if share <= 0:
         return None
     k = math.ceil(wl.computed_isl / share)
-    most = max(1.0, math.floor(share / wl.computed_isl)) if k == 1 else 1.0
     decode = _at(curve, running, "decode_s")
-    # the fewest prompts per prompt iteration that keep up with those arriving in an iteration (1, 2, 4, ... at most
-    # what the budget holds)
-    for batch in sorted({min(most, 2.0 ** i) for i in range(int(math.log2(most)) + 2)}):
+    for batch in _prompt_ladder(share, wl):
         prompt = _prompt_iteration(curve, running, batch, wl, budget)
         rate = group / (wl.decode_steps * decode + group * k * max(prompt - decode, 0.0) / batch)
-        busy = rate * k * prompt / batch
-        if busy >= 1.0:
-            continue
-        if rate * _token_interval(curve, running, rate, k / batch, prompt) <= batch:
+        if rate * k * prompt / batch < 1.0 and _keeps_up(curve, running, rate, k / batch, prompt, batch):
             return rate, k / batch, prompt
     return None
+
+
+def _prompt_ladder(share: float, wl: ServeWorkload) -> list[float]:
+    """The prompts a prompt iteration may carry, fewest first: 1, 2, 4, ... up to what the group's share of the
+    budget holds (one, when a prompt needs more than one iteration)."""
+    most = max(1.0, math.floor(share / wl.computed_isl)) if wl.computed_isl <= share else 1.0
+    return sorted({min(most, 2.0 ** i) for i in range(int(math.log2(most)) + 2)})
+
+
+def _keeps_up(curve: list[EngineState], running: float, rate: float, per_request: float, prompt: float,
+              batch: float) -> bool:
+    """Prompt iterations of `batch` prompts keep up when no more than that arrive in an iteration."""
+    return rate * _token_interval(curve, running, rate, per_request, prompt) <= batch
 
 
 def _token_interval(curve: list[EngineState], running: float, rate: float, per_request: float,
@@ -111,12 +118,11 @@ def _token_interval(curve: list[EngineState], running: float, rate: float, per_r
 
 
 def _tpot(curve: list[EngineState], running: float, rate: float, per_request: float, prompt: float,
-          wl: ServeWorkload, q: float | None) -> float:
+          wl: ServeWorkload, q: float | None, interval: float) -> float:
     """A request's TPOT at the percentile q of requests: its OSL tokens come from that many iterations, each a
     prompt iteration with the probability phi that a random one is (the rest decode-only), so the share of prompt
     iterations in its life is binomial, phi +- z sqrt(phi (1 - phi) / OSL) (normal approximation), at the running
-    sequences' own percentile (Poisson). The mean: the mean interval."""
-    interval = _token_interval(curve, running, rate, per_request, prompt)
+    sequences' own percentile (Poisson). The mean: the mean `interval`."""
     if q is None:
         return interval / wl.tokens_per_step
     busy_n = occupancy_quantile(running, q, curve[-1].batch)
@@ -134,8 +140,8 @@ def running_point(curve: list[EngineState], running: float, wl: ServeWorkload, q
     """An engine of max_num_seqs curve[-1].batch with `running` sequences running on average, arrivals Poisson, at
     the rate of _pace. A new request waits for the iteration in progress to end (uniform), for a slot (M/G/c over
     its attention group's slots), and, aggregated, for the prefill budget its group has beside its decode tokens
-    (M/G/1), then takes ceil(ISL / share) iterations carrying its chunk. TPOT: the token interval at the percentile
-    of the running sequences. None where a queue is unstable (q: a quantile, None the mean)."""
+    (M/G/1), then takes ceil(ISL / share) iterations carrying its chunk. TPOT: _tpot. None where a queue is
+    unstable (q: a quantile, None the mean)."""
     cap = curve[-1]
     lay = cap.layout
     pace = _pace(curve, running, wl)
@@ -155,7 +161,7 @@ def running_point(curve: list[EngineState], running: float, wl: ServeWorkload, q
     if not math.isfinite(wait):
         return None
     residual = interval * (0.5 if q is None else q)  # the iteration in progress when the request arrives
-    tpot = _tpot(curve, running, rate, per_request, prompt, wl, q)
+    tpot = _tpot(curve, running, rate, per_request, prompt, wl, q, interval)
     return PoolPoint(cap.role, lay, cap.batch, cap.chunk, residual + alone + wait, tpot, rate * lay.dp, cap.memory,
                      cap.mem_fraction, running / cap.batch)
 
@@ -205,26 +211,26 @@ def concurrency_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl:
     holds wait for a slot: the B that fit run and each completion admits the next user (the closed queue of B
     servers; each user's cycle is N / the rate). Not modelled: the start-up wave of N prompts arriving together,
     which a benchmark's first requests see. None when no batch fits or prefill cannot keep pace."""
-    fit = next((b for b in _descending(users) if aggregated_state(model, cluster, lay, wl, b, chunk, eff,
-                                                                    mem_fraction) is not None), None)
-    if fit is None:
+    fit, state = next(((b, st) for b in _descending(users)
+                       for st in [aggregated_state(model, cluster, lay, wl, b, chunk, eff, mem_fraction)]
+                       if st is not None), (0, None))
+    if state is None:
         return None
-    state = aggregated_state(model, cluster, lay, wl, fit, chunk, eff, mem_fraction)
-    assert state is not None
-    share = (chunk - fit * (1 + wl.spec_tokens)) / lay.dp
+    budget = chunk - fit * (1 + wl.spec_tokens)
+    share = budget / lay.dp
     k = math.ceil(wl.computed_isl / share)
     alone = k * state.prompt_s
     group = fit / lay.dp
     curve = [state]
 
     def interval_at(rate: float) -> float:
-        """Closed-loop users arrive smoothly, so each prompt iteration carries about rate x interval prompts."""
-        batch, interval = 1.0, state.decode_s
-        most = max(1.0, math.floor(share / wl.computed_isl)) if k == 1 else 1.0
-        for _ in range(20):
-            prompt = _prompt_iteration(curve, fit, batch, wl, chunk - fit * (1 + wl.spec_tokens))
+        """The fewest prompts per prompt iteration that keep up with the users' rate (as _pace)."""
+        interval = state.decode_s
+        for batch in _prompt_ladder(share, wl):
+            prompt = _prompt_iteration(curve, fit, batch, wl, budget)
             interval = _token_interval(curve, fit, rate, k / batch, prompt)
-            batch = min(most, max(1.0, rate * interval))
+            if rate * interval <= batch:
+                break
         return interval
 
     def ttft(rate: float) -> float:

@@ -28,7 +28,7 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.queueing import Percentile
 from meshplan.costmodels.serving import (MEM_FRACTION, EngineLayout, EngineState, PoolPoint, ServeDtype,
                                          ServeObjective, ServeTargets, ServeWorkload, aggregated_state, decode_state,
-                                         prefill_state)
+                                         engine_geometry, prefill_state)
 from meshplan.costmodels.serving_load import loaded_points
 from meshplan.hardware_db.cluster import Cluster, engine_cluster
 from meshplan.hardware_db.errors import InputError
@@ -239,22 +239,23 @@ def _layout_points(model: ModelSpec, c: Cluster, lay: EngineLayout, wl: ServeWor
     by_chunk: dict[int, list[EngineState]] = {}
     dec: list[EngineState] = []
     pre: list[EngineState] = []
+    geo = engine_geometry(model, c, lay, eff)  # the links and layers every state of the layout shares
     for batch in BATCHES:
         b = batch * lay.dp if model.moe is not None else batch
         for chunk in (ch for ch in CHUNKS if ch - b * (1 + wl.spec_tokens) >= b * wl.computed_isl / wl.decode_steps):
-            s = aggregated_state(model, c, lay, wl, b, chunk, eff, mem_fraction)  # larger chunks: shorter TTFT
+            s = aggregated_state(model, c, lay, wl, b, chunk, eff, mem_fraction, geo)  # larger chunks: shorter TTFT
             if s is None:
                 break
             by_chunk.setdefault(chunk, []).append(s)
         if disaggregation:
-            d = decode_state(model, c, lay, wl, b, eff, mem_fraction)
+            d = decode_state(model, c, lay, wl, b, eff, mem_fraction, geo)
             if d is not None:
                 dec.append(d)
             elif b > lay.dp:
                 break  # a larger batch needs more memory still
     if disaggregation:
         for prompts in (1, 2, 4, 8, 16, 32, 64):
-            p = prefill_state(model, c, lay, wl, prompts * lay.dp, eff, crosses_nodes, mem_fraction)
+            p = prefill_state(model, c, lay, wl, prompts * lay.dp, eff, crosses_nodes, mem_fraction, geo)
             if p is None:
                 break
             pre.append(p)
