@@ -17,6 +17,7 @@ from meshplan.costmodels.serving import ServeTargets, ServeWorkload
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import OutputFile, write_all
+from meshplan.planner.serve import SimulationCheck
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def serve(
     report_export(con, exported, outputs.export_to, written if outputs.export_out is not None else None)
 
 
-def print_simulated(con: Console, sim: Any, percentile: str) -> None:
+def print_simulated(con: Console, sim: SimulationCheck | None, percentile: str) -> None:
     """The best's engine simulated iteration by iteration beside the analytic figures (planner.serve)."""
     if sim is None:
         return

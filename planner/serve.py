@@ -228,7 +228,7 @@ class _LayoutPoints:
     aggregated: list[PoolPoint]
     prefill: list[PoolPoint]
     decode: list[PoolPoint]
-    states: int  # engine states evaluated (each one or two iterations timed)
+    states: int  # engine states evaluated (an aggregated one times four iterations, the others one)
 
 
 def _layout_points(model: ModelSpec, c: Cluster, lay: EngineLayout, wl: ServeWorkload, percentile: Percentile,
@@ -397,7 +397,8 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
             raise InputError(f"an engine of {lay.gpus} GPUs does not fill whole nodes of {per_node}")
     c = engine_cluster(cluster, layout.gpus)
     step = layout.dp if model.moe is not None else 1
-    grid = sorted({b * step for b in BATCHES} | ({batch} if batch is not None else set()))
+    grid = sorted(b for b in {b * step for b in BATCHES} | ({batch} if batch is not None else set())
+                  if batch is None or b <= batch)  # a given cap: no state above it
 
     def pick(candidates: list[Deployment]) -> Deployment:
         if not candidates:
@@ -407,7 +408,7 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
             candidates, key=lambda d: _excess(d, targets, wl))
 
     if prefill_layout is None:
-        curves = [_curve([aggregated_state(model, c, layout, wl, b, ch, eff, mem_fraction) for b in grid], batch)
+        curves = [_fitting([aggregated_state(model, c, layout, wl, b, ch, eff, mem_fraction) for b in grid])
                   for ch in CHUNKS]
         points = [p for curve in curves for p in loaded_points(curve, wl, targets.percentile)
                   if batch is None or p.batch == batch]
@@ -415,8 +416,8 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
         return pick([_aggregated(p, n, wl) for p in points])
     prefill_layout.check(model)
     pc = engine_cluster(cluster, prefill_layout.gpus)
-    dec = [p for p in loaded_points(_curve([decode_state(model, c, layout, wl, b, eff, mem_fraction) for b in grid],
-                                           batch), wl, targets.percentile) if batch is None or p.batch == batch]
+    dec = [p for p in loaded_points(_fitting([decode_state(model, c, layout, wl, b, eff, mem_fraction) for b in grid]),
+                                    wl, targets.percentile) if batch is None or p.batch == batch]
     prompts = [prefill_batch] if prefill_batch is not None else [k * prefill_layout.dp for k in (1, 2, 4, 8, 16)]
     pre = loaded_points([s for k in prompts for s in [prefill_state(model, pc, prefill_layout, wl, k, eff,
                                                                     cluster.num_gpus > per_node, mem_fraction)]
@@ -435,9 +436,9 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
     return pick(candidates)
 
 
-def _curve(states: list[EngineState | None], batch: int | None) -> list[EngineState]:
-    """The states that fit, batch ascending, up to a given cap."""
-    return [s for s in states if s is not None and (batch is None or s.batch <= batch)]
+def _fitting(states: list[EngineState | None]) -> list[EngineState]:
+    """The states that fit (batch ascending, as given)."""
+    return [s for s in states if s is not None]
 
 
 def explain_serving(result: ServeResult, targets: ServeTargets, wl: ServeWorkload, most: int = 4) -> list[str]:
@@ -611,14 +612,14 @@ def workload_from(isl: int | None, osl: int | None, lengths: RequestLengths | No
                          "(DeepSeek-V3 reports 0.85-0.9 for its MTP token, report sec. 5.4.3)")
     if reuse.accept_rate is not None and not reuse.spec_tokens:
         raise InputError("--accept-rate goes with --spec-tokens K (draft tokens per decode step)")
-    wl = ServeWorkload(isl=1, osl=1, weight_dtype=weight_dtype, kv_dtype=kv_dtype, prefix_hit=reuse.prefix_hit,
-                       spec_tokens=reuse.spec_tokens, accept_rate=reuse.accept_rate or 0.0)
+    spread, source = (0.0, 0.0), None
     if lengths is not None:
         if isl is not None or osl is not None:
             raise InputError("give --isl/--osl or --lengths, not both")
-        return wl.model_copy(update={"isl": max(1, round(lengths.isl)), "osl": max(1, round(lengths.osl)),
-                                     "isl_cv2": lengths.isl_cv2, "osl_cv2": lengths.osl_cv2,
-                                     "source": f"means of {lengths.requests} requests"})
+        isl, osl = max(1, round(lengths.isl)), max(1, round(lengths.osl))
+        spread, source = (lengths.isl_cv2, lengths.osl_cv2), f"means of {lengths.requests} requests"
     if isl is None or osl is None:
         raise InputError("say the request lengths: --isl N --osl M, or --lengths requests.csv")
-    return wl.model_copy(update={"isl": isl, "osl": osl})
+    return ServeWorkload(isl=isl, osl=osl, weight_dtype=weight_dtype, kv_dtype=kv_dtype, isl_cv2=spread[0],
+                         osl_cv2=spread[1], prefix_hit=reuse.prefix_hit, spec_tokens=reuse.spec_tokens,
+                         accept_rate=reuse.accept_rate or 0.0, source=source)

@@ -294,6 +294,7 @@ def test_speculation_in_the_exports_and_its_refusals(capsys, tmp_path):
     args = ["serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "2000", "--osl", "200",
             "--layout", "tp1", "--batch", "64", "--spec-tokens", "3"]
     assert_input_error(*run(capsys, *args), "--accept-rate")
+    assert_input_error(*run(capsys, *args[:-2], "--accept-rate", "0.7"), "--accept-rate", "--spec-tokens")
     code, _, err = run(capsys, *args, "--accept-rate", "0.7", "--prefix-hit", "0.5", "--out", str(tmp_path / "p.json"))
     assert code == 0, err
     plan = read_serving_plan(tmp_path / "p.json")
