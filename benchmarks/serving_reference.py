@@ -5,8 +5,11 @@ Usage:  python benchmarks/serving_reference.py [--markdown] [--check] [FILE]
 
 How each load is priced (costmodels/serving_load.py):
 - offline (every request queued at once): the engine's best throughput over batches and budgets that fit;
-- concurrency N (closed loop): aggregated, N users in steady state (concurrency_point); disaggregated, the prefill pool
-  at the busy fraction the users' rate gives it and the decode engines at N / engines running sequences;
+- concurrency N (closed loop): with `rounds` R (a run of N x R requests started from an idle engine, as the entry's
+  client ran it), one attention group per engine: that run simulated iteration by iteration
+  (serving_sim.simulate_benchmark); otherwise aggregated, N users in steady state (concurrency_point);
+  disaggregated, the prefill pool at the busy fraction the users' rate gives it and the decode engines at
+  N / engines running sequences;
 - request_rate R (open loop, Poisson): the running sequences whose rate is R (rate_point), means and p99;
 - batch B (a decode engine at a fixed batch): one decode step; prompts K (a prefill engine): one prefill batch.
 The token budget is the entry's `chunk` or 8,192 (the default of vLLM's online server, SGLang and TensorRT-LLM).
@@ -34,6 +37,7 @@ from meshplan.costmodels.serving import (EngineLayout, EngineState, ServeWorkloa
                                          decode_state, prefill_state)
 from meshplan.costmodels.serving_load import (concurrency_point, prefill_loaded, rate_point,  # noqa: E402
                                               saturated_point)
+from meshplan.costmodels.serving_sim import simulate_benchmark  # noqa: E402
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster  # noqa: E402
 from meshplan.planner.serve import BATCHES, CHUNKS  # noqa: E402
 
@@ -68,6 +72,7 @@ class Load(_Strict):
     request_rate: float | None = Field(default=None, gt=0)
     batch: int | None = Field(default=None, ge=1)
     prompts: int | None = Field(default=None, ge=1)
+    rounds: int | None = Field(default=None, ge=1)  # a closed-loop run from idle: concurrency x rounds requests
 
 
 class Measured(_Strict):
@@ -168,6 +173,8 @@ def price(e: Entry) -> dict[str, float]:
         if best is not None:
             out["output_tokens_per_s"] = e.engines * best.requests_per_s * wl.osl
         return out
+    if e.load.concurrency is not None and e.load.rounds is not None and lay.dp == 1:
+        return _benchmarked(e, model, c, lay, wl, chunk)
     if e.load.concurrency is not None:
         users = max(1, round(e.load.concurrency / e.engines))
         p = concurrency_point(model, c, lay, wl, users, chunk, None)
@@ -184,6 +191,24 @@ def price(e: Entry) -> dict[str, float]:
                        tpot_p99_ms=p99.tpot_s * 1e3, output_tokens_per_s=e.load.request_rate * wl.osl)
         return out
     return out
+
+
+def _benchmarked(e: Entry, model, c: Cluster, lay: EngineLayout, wl: ServeWorkload, chunk: int) -> dict[str, float]:
+    """A closed-loop run from idle as its client measured it (serving_sim.simulate_benchmark): every engine gets
+    its share of the users; the engine holds the largest batch up to that share that fits, the rest wait."""
+    assert e.load.concurrency is not None and e.load.rounds is not None
+    users = max(1, round(e.load.concurrency / e.engines))
+    curve = []
+    for b in sorted({b for b in BATCHES if b < users} | {users}):
+        s = aggregated_state(model, c, lay, wl, b, chunk)
+        if s is None:
+            break
+        curve.append(s)
+    if not curve:
+        return {}
+    run = simulate_benchmark(curve, wl, users, e.load.rounds)
+    return {"ttft_ms": run.ttft(None) * 1e3, "tpot_ms": run.tpot(None) * 1e3,
+            "output_tokens_per_s": e.engines * run.requests_per_s * wl.osl}
 
 
 def _disaggregated(e: Entry, model, whole: Cluster, wl: ServeWorkload) -> dict[str, float]:
@@ -233,7 +258,7 @@ def main() -> int:
     args = ap.parse_args()
     try:
         entries = load_entries(args.file)
-    except (OSError, ValueError, ValidationError) as exc:
+    except (OSError, ValueError, ValidationError, yaml.YAMLError) as exc:
         print(f"error: {args.file}: {exc}".splitlines()[0], file=sys.stderr)
         return 2
     if args.check:

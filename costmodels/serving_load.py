@@ -209,8 +209,9 @@ def concurrency_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl:
     steady iteration of serving.aggregated_state), and a new prompt waits only for the iteration in progress and
     while the prefill budget is busy (Kingman's G/G/1 with ca^2 = 0). Users beyond the sequences the KV cache
     holds wait for a slot: the B that fit run and each completion admits the next user (the closed queue of B
-    servers; each user's cycle is N / the rate). Not modelled: the start-up wave of N prompts arriving together,
-    which a benchmark's first requests see. None when no batch fits or prefill cannot keep pace."""
+    servers; each user's cycle is N / the rate). Not modelled: the start-up wave of N prompts arriving together, and
+    the cohorts it leaves when lengths are fixed (serving_sim.simulate_benchmark runs those). None when no batch
+    fits or prefill cannot keep pace."""
     fit, state = next(((b, st) for b in _descending(users)
                        for st in [aggregated_state(model, cluster, lay, wl, b, chunk, eff, mem_fraction)]
                        if st is not None), (0, None))

@@ -1,8 +1,9 @@
 """A discrete-event simulation of one aggregated engine, iteration by iteration, to check the queueing
-approximations of costmodels/serving_load.py (tests/test_queueing.py) and to report what they leave out: Poisson
-arrivals of requests whose lengths are drawn around their means (gamma with the workload's spread), a cap of running
-sequences, chunked prefill first come first served within the token budget beside the decode tokens
-(Sarathi-Serve's schedule, vLLM's and SGLang's default), and every iteration timed from the engine's states.
+approximations of costmodels/serving_load.py (tests/test_queueing.py), to report what they leave out, and to run a
+closed-loop benchmark as its client does (simulate_benchmark): Poisson or closed-loop arrivals of requests whose
+lengths are drawn around their means (gamma with the workload's spread), a cap of running sequences, chunked
+prefill first come first served within the token budget beside the decode tokens (Sarathi-Serve's schedule, vLLM's
+and SGLang's default), and every iteration timed from the engine's states.
 
 An iteration's time is taken piecewise linear in its prompt tokens through the four iterations its states time at
 the same running sequences (decode alone, the steady pace, a lone prompt's chunk, the whole budget), each
@@ -20,7 +21,7 @@ import numpy as np
 
 from meshplan.costmodels.serving import EngineState, ServeWorkload
 
-__all__ = ["SimulatedLoad", "simulate_engine"]
+__all__ = ["SimulatedLoad", "simulate_benchmark", "simulate_engine"]
 
 
 @dataclass(frozen=True)
@@ -61,63 +62,115 @@ def simulate_engine(curve: list[EngineState], wl: ServeWorkload, rate: float, re
     """`requests` Poisson arrivals at `rate` requests/s to the engine whose states (one layout and budget, batch
     ascending) are `curve`, at most curve[-1].batch running; the first `warmup` share of requests is dropped.
     One attention group (dp 1): the simulation checks the queues, not attention DP."""
-    if curve[-1].layout.dp != 1 or wl.spec_tokens:
-        raise ValueError("simulate_engine models one attention group (dp 1) without speculative decoding")
+    _check(curve, wl)
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, requests))
     prompts = _lengths(rng, wl.computed_isl, wl.isl_cv2, requests)
     outputs = _lengths(rng, wl.osl, wl.osl_cv2, requests)
-    batches = np.array([s.batch for s in curve], dtype=float)
-    times = {name: np.array([getattr(s, name) for s in curve]) for name in ("decode_s", "step_s", "prompt_s",
-                                                                            "full_s")}
-    cap, chunk = curve[-1].batch, curve[-1].chunk
+    engine = _Engine(curve, wl)
+    nxt = 0
+    while len(engine.done) < requests:
+        while nxt < requests and arrivals[nxt] <= engine.now:
+            engine.waiting.append(_Request(float(arrivals[nxt]), int(prompts[nxt]), int(outputs[nxt]), order=nxt))
+            nxt += 1
+        if not engine.step():
+            engine.now = float(arrivals[nxt])
+    return engine.result(warmup * requests)
 
-    def iteration(decoding: int, prompt_tokens: int) -> float:
+
+def simulate_benchmark(curve: list[EngineState], wl: ServeWorkload, users: int, rounds: int = 20,
+                       seed: int = 0) -> SimulatedLoad:
+    """A closed-loop benchmark as its clients run it (aiperf's --concurrency, vLLM's and SGLang's bench_serving
+    --max-concurrency): `users` requests sent together into an idle engine (a drained warm-up leaves it so; aiperf
+    waits for every warm-up response before profiling, its docs/tutorials/warmup.md), then each user sends its next
+    request the moment its last one ends, until users x rounds have been sent; every request is measured. With
+    fixed lengths the first wave's prompts, sliced by the token budget, keep finishing together, so later waves come
+    in cohorts too: a TTFT the steady smooth-arrival model of serving_load.concurrency_point does not see."""
+    _check(curve, wl)
+    rng = np.random.default_rng(seed)
+    total = users * rounds
+    prompts = _lengths(rng, wl.computed_isl, wl.isl_cv2, total)
+    outputs = _lengths(rng, wl.osl, wl.osl_cv2, total)
+    engine = _Engine(curve, wl)
+    sent = 0
+
+    def send(now: float) -> None:
+        nonlocal sent
+        engine.waiting.append(_Request(now, int(prompts[sent]), int(outputs[sent]), order=sent))
+        sent += 1
+
+    for _ in range(min(users, total)):
+        send(0.0)
+    while len(engine.done) < total:
+        finished = len(engine.done)
+        engine.step()
+        for _ in engine.done[finished:]:
+            if sent < total:
+                send(engine.now)
+    return engine.result(0)
+
+
+def _check(curve: list[EngineState], wl: ServeWorkload) -> None:
+    if curve[-1].layout.dp != 1 or wl.spec_tokens:
+        raise ValueError("the engine simulation models one attention group (dp 1) without speculative decoding")
+
+
+class _Engine:
+    """One engine's scheduler and clock: each step() runs one iteration over the running sequences."""
+
+    def __init__(self, curve: list[EngineState], wl: ServeWorkload) -> None:
+        self.wl = wl
+        self.batches = np.array([s.batch for s in curve], dtype=float)
+        self.times = {name: np.array([getattr(s, name) for s in curve])
+                      for name in ("decode_s", "step_s", "prompt_s", "full_s")}
+        self.cap, self.chunk = curve[-1].batch, curve[-1].chunk
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.done: list[tuple[_Request, float]] = []
+        self.now = self.area = 0.0
+
+    def iteration(self, decoding: int, prompt_tokens: int) -> float:
         """Piecewise linear in the prompt tokens through the four iterations the states time at these running
         sequences: none, the steady pace, one prompt's chunk, the whole budget."""
-        n = max(decoding, 1)
-        budget = chunk - n
-        at = {name: float(np.interp(n, batches, values)) for name, values in times.items()}
+        wl, n = self.wl, max(decoding, 1)
+        budget = self.chunk - n
+        at = {name: float(np.interp(n, self.batches, values)) for name, values in self.times.items()}
         points = sorted({0.0: at["decode_s"], min(n * wl.computed_isl / wl.decode_steps, budget): at["step_s"],
                          min(wl.computed_isl, budget): at["prompt_s"], float(budget): at["full_s"]}.items())
         xs, ys = zip(*points, strict=True)
         return float(np.interp(prompt_tokens, xs, ys, right=ys[-1] * prompt_tokens / max(xs[-1], 1.0)))
 
-    waiting: deque[_Request] = deque()
-    running: list[_Request] = []
-    done: list[tuple[_Request, float]] = []
-    now, nxt, area = 0.0, 0, 0.0
-    while len(done) < requests:
-        while nxt < requests and arrivals[nxt] <= now:
-            waiting.append(_Request(float(arrivals[nxt]), int(prompts[nxt]), int(outputs[nxt]), order=nxt))
-            nxt += 1
-        while waiting and len(running) < cap:
-            running.append(waiting.popleft())
-        if not running:
-            now = float(arrivals[nxt])
-            continue
-        decoding = [r for r in running if r.prompt == 0]
-        budget = chunk - len(decoding)
+    def step(self) -> bool:
+        """Admit, run one iteration, retire; False (the clock unmoved) when nothing is running or waiting."""
+        while self.waiting and len(self.running) < self.cap:
+            self.running.append(self.waiting.popleft())
+        if not self.running:
+            return False
+        decoding = [r for r in self.running if r.prompt == 0]
+        budget = self.chunk - len(decoding)
         chunks: list[tuple[_Request, int]] = []
-        for r in running:  # first come first served: the running list keeps admission order
+        for r in self.running:  # first come first served: the running list keeps admission order
             if r.prompt and budget > 0:
                 take = min(r.prompt, budget)
                 chunks.append((r, take))
                 budget -= take
-        dt = iteration(len(decoding), sum(take for _, take in chunks))
-        now += dt
-        area += len(running) * dt
+        dt = self.iteration(len(decoding), sum(take for _, take in chunks))
+        self.now += dt
+        self.area += len(self.running) * dt
         for r in decoding:
             r.made += 1
         for r, take in chunks:
             r.prompt -= take
             if r.prompt == 0:  # its last chunk makes its first token
-                r.first_token, r.made = now, 1
-        for r in [r for r in running if r.made >= r.output]:
-            running.remove(r)
+                r.first_token, r.made = self.now, 1
+        for r in [r for r in self.running if r.made >= r.output]:
+            self.running.remove(r)
             r.made = r.output
-            done.append((r, now))
-    kept = [(r, end) for r, end in done if r.order >= warmup * requests]
-    ttft = np.array([r.first_token - r.arrival for r, _ in kept])
-    tpot = np.array([(end - r.first_token) / max(r.output - 1, 1) for r, end in kept])
-    return SimulatedLoad(ttft, tpot, len(done) / now, area / now)
+            self.done.append((r, self.now))
+        return True
+
+    def result(self, first_kept: float) -> SimulatedLoad:
+        kept = [(r, end) for r, end in self.done if r.order >= first_kept]
+        ttft = np.array([r.first_token - r.arrival for r, _ in kept])
+        tpot = np.array([(end - r.first_token) / max(r.output - 1, 1) for r, end in kept])
+        return SimulatedLoad(ttft, tpot, len(self.done) / self.now, self.area / self.now)

@@ -213,6 +213,46 @@ def test_queueing_model_against_the_simulation(isl, osl, load):
     assert model.tpot_s == pytest.approx(sim.tpot(None), rel=0.2)
 
 
+def _llama8_curve(wl: ServeWorkload, top: int) -> list:
+    c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1)), 1)
+    return [s for s in (aggregated_state(LLAMA8, c, EngineLayout(tp=1), wl, b, 8192)
+                        for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= top) if s is not None]
+
+
+def test_a_closed_loop_run_from_idle_keeps_its_cohorts():
+    """Eight users of fixed 1,024-token prompts sent together into an idle engine: the budget (8,192) takes all
+    eight prompts in one iteration, so they finish together and come back together, round after round; every TTFT
+    is that whole iteration, several times what the smooth steady state (concurrency_point) gives one prompt.
+    Spread lengths break the cohorts: TTFTs differ and their mean falls."""
+    from meshplan.costmodels.serving_load import concurrency_point
+    from meshplan.costmodels.serving_sim import simulate_benchmark
+
+    fixed = ServeWorkload(isl=1024, osl=128)
+    run = simulate_benchmark(_llama8_curve(fixed, 8), fixed, users=8, rounds=5)
+    assert len(run.ttft_s) == 40
+    assert run.ttft_s.max() == pytest.approx(run.ttft_s.min(), rel=1e-9)
+    c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1)), 1)
+    smooth = concurrency_point(LLAMA8, c, EngineLayout(tp=1), fixed, 8, 8192, None)
+    assert smooth is not None and run.ttft(None) > 3 * smooth.ttft_s
+    spread = ServeWorkload(isl=1024, osl=128, isl_cv2=1.0, osl_cv2=1.0)
+    loose = simulate_benchmark(_llama8_curve(spread, 8), spread, users=8, rounds=5)
+    assert loose.ttft_s.max() > 2 * loose.ttft_s.min() and loose.ttft(None) < run.ttft(None)
+
+
+def test_a_closed_loop_run_obeys_littles_law():
+    """N users, each always waiting on one request: the run's rate is N over the mean request time (TTFT + the
+    tokens after the first), within the share of the start and the drain, and the engine never runs more than its
+    cap."""
+    from meshplan.costmodels.serving_sim import simulate_benchmark
+
+    wl = ServeWorkload(isl=700, osl=300, isl_cv2=0.5)
+    curve = _llama8_curve(wl, 32)
+    run = simulate_benchmark(curve, wl, users=32, rounds=20)
+    latency = run.ttft_s + run.tpot_s * (300 - 1)
+    assert run.requests_per_s == pytest.approx(32 / latency.mean(), rel=0.1)
+    assert run.mean_running <= curve[-1].batch
+
+
 def test_serving_reference_set_is_valid_and_priced():
     """benchmarks/serving_reference.yaml: every entry validates (a source URL and the figure quoted) and the
     pricing gives a figure for each measured metric of a few entries of each load."""
@@ -239,6 +279,21 @@ def test_serving_reference_set_is_valid_and_priced():
         for metric in e.measured.model_dump(exclude_none=True):
             if metric != "statistic":
                 assert metric in predicted and predicted[metric] > 0, (e.id, metric)
+
+
+def test_a_malformed_reference_file_gets_one_line(tmp_path):
+    """A data file that is not YAML (a colon-space inside a plain scalar) is refused in one line, exit 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- id: x\n  assumed:\n  - a note: with a colon (load.rounds: 20)\n", encoding="utf-8")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_reference.py"
+    run = subprocess.run([sys.executable, str(script), "--check", str(bad)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("error: ")
 
 
 # ---- speculative decoding and the prefix cache (issue 19 item 2) ------------------------------------------------
