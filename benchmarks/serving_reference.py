@@ -140,8 +140,6 @@ def _curve(model, c: Cluster, lay: EngineLayout, wl: ServeWorkload, chunk: int) 
 
 def price(e: Entry) -> dict[str, float]:
     """The predicted figures of an entry's measured metrics (same keys); {} when it cannot be priced."""
-    if e.weight_dtype == "fp4":
-        return {}
     model = load_model(e.model)
     wl = _workload(e)
     lay = e.engine.engine()

@@ -91,9 +91,9 @@ WORKLOAD_OPTIONS = [
     option("lengths", Annotated[Path | None, typer.Option("--lengths", rich_help_panel=P_MODEL, help=(
         "CSV of request lengths (columns input_tokens,output_tokens, or isl,osl): their means are the "
         "workload."))]),
-    option("weight_dtype", Annotated[Literal["bf16", "fp8"], typer.Option("--weight-dtype", rich_help_panel=P_MODEL,
-                                                                         help="Weights and GEMMs in bf16 or fp8.")],
-           "bf16"),
+    option("weight_dtype", Annotated[Literal["bf16", "fp8", "fp4"], typer.Option(
+        "--weight-dtype", rich_help_panel=P_MODEL,
+        help="Weights and GEMMs in bf16, fp8 or fp4 (NVFP4, from an NVFP4 checkpoint; Blackwell GPUs).")], "bf16"),
     option("kv_dtype", Annotated[Literal["bf16", "fp8"], typer.Option("--kv-dtype", rich_help_panel=P_MODEL,
                                                                      help="KV cache precision.")], "bf16"),
     option("prefix_hit", Annotated[float, typer.Option("--prefix-hit", min=0.0, max=0.99, rich_help_panel=P_MODEL,

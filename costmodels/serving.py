@@ -34,8 +34,9 @@ from meshplan.costmodels.ops import ACT_BYTES, Op, elementwise, gemm, mla_query_
 from meshplan.costmodels.queueing import Percentile
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.gpu import GPUSpec
 
-__all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "PoolPoint", "MEM_FRACTION",
+__all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "WeightDtype", "EngineLayout", "PoolPoint", "MEM_FRACTION",
            "kv_bytes_per_token_layer",
            "kv_bytes_per_token", "weight_bytes_per_gpu", "Capacity", "capacity", "IterationTime", "iteration_time",
            "kv_transfer_s", "stage_layer_counts", "redundant_experts",
@@ -43,7 +44,8 @@ __all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "EngineLayout", "Poo
            "engine_geometry"]
 
 
-ServeDtype = Literal["bf16", "fp8"]  # weights and GEMMs, or the KV cache
+ServeDtype = Literal["bf16", "fp8"]  # the KV cache
+WeightDtype = Literal["bf16", "fp8", "fp4"]  # weights and GEMMs (fp4: NVFP4, Blackwell)
 ServeObjective = Literal["throughput", "min-gpus"]  # most output tokens/s per GPU, or fewest GPUs for a rate
 
 
@@ -53,7 +55,7 @@ class ServeWorkload(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     isl: int = Field(gt=0, description="input (prompt) tokens per request")
     osl: int = Field(gt=0, description="output tokens per request")
-    weight_dtype: ServeDtype = "bf16"
+    weight_dtype: WeightDtype = "bf16"
     kv_dtype: ServeDtype = "bf16"
     moe_imbalance: float = Field(default=1.0, ge=1.0, description="busiest expert rank's load / mean")
     isl_cv2: float = Field(default=0.0, ge=0.0, description="squared coefficient of variation of input lengths")
@@ -106,7 +108,9 @@ class ServeTargets(BaseModel):
 
 
 # bytes per weight / KV element: the serving dtypes, and the reference executor's run dtypes (its checks)
-WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "float32": 4, "float64": 8}
+# fp4 is NVFP4: a 4-bit value and one FP8 (E4M3) scale per 16 values, 4.5 bits (NVIDIA technical blog, "Introducing
+# NVFP4 for Efficient and Accurate Low-Precision Inference", 2025; its per-tensor FP32 scale is negligible)
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp4": 0.5625, "float32": 4, "float64": 8}
 RESERVED_BYTES = 1.0 * 2**30  # CUDA context, NCCL and cuBLAS workspaces (the training model's stated assumption)
 
 
@@ -477,9 +481,10 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
     eff = geo.eff
     gpu = cluster.gpu
     wbytes = WEIGHT_BYTES[weight_dtype]
-    wdt = 2.0 if weight_dtype == "fp8" else 1.0
+    quantised = weight_dtype in ("fp8", "fp4")
+    wdt = 2.0 if quantised else 1.0  # quantised GEMMs run at the low-precision peak
     peak16 = gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16")
-    peak8 = gpu.peak_flops("fp8") if weight_dtype == "fp8" else peak16
+    peak8 = _gemm_peak(gpu, weight_dtype, eff) if quantised else peak16
     hbm = gpu.hbm_bytes_per_s
     micro = layout.pp
     dec = dec_seqs / layout.dp / micro  # per attention group and micro-batch
@@ -516,7 +521,7 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
         compute += moe_layers * (attention + ops_time(ops))
         per_layer = tp_ar  # the attention output
         if layout.ep > 1:
-            per_layer += _expert_exchange(model, layout, t, bool(dec), weight_dtype == "fp8", ep_link, eff)
+            per_layer += _expert_exchange(model, layout, t, bool(dec), quantised, ep_link, eff)
         if layout.etp > 1:  # expert TP: the partial sums of each expert's output
             out = ACT_BYTES * engine_tokens * moe.top_k / layout.ep * model.hidden
             per_layer += _all_reduce(out, layout.etp, etp_link, eff)
@@ -539,6 +544,18 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
     seconds = micro * (stage + p2p)
     return IterationTime(seconds, micro * (compute + head), micro * (comm + head_comm + p2p),
                          micro * (head + head_comm))
+
+
+def _gemm_peak(gpu: GPUSpec, weight_dtype: str, eff: Efficiency) -> float:
+    """The peak a quantised GEMM's op_time divides by. fp8: the FP8 peak (at the BF16 ceiling's share of it, as
+    every serving GEMM). fp4: the FP4 peak scaled so that the BF16 ceiling of it is the NVFP4 kernels' own ceiling
+    (hardware_db efficiency.fp4_gemm_max, default the FP8 ceiling's share)."""
+    peak = gpu.peak_flops(weight_dtype)
+    if weight_dtype != "fp4":
+        return peak
+    d = gpu.efficiency
+    fp4 = d.fp4_gemm_max or d.fp8_gemm_max or 0.88 * d.gemm_max
+    return peak * fp4 / eff.gemm_max
 
 
 def kv_transfer_s(model: ModelSpec, cluster: Cluster, prompt_tokens: float, kv_dtype: str,

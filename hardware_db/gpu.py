@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from meshplan.hardware_db.documents import STRICT, parse_document
 from meshplan.hardware_db.errors import InputError, field_error
 
-DType = Literal["bf16", "fp16", "fp8", "fp32"]
+DType = Literal["bf16", "fp16", "fp8", "fp4", "fp32"]
 
 
 class Sourced(BaseModel):
@@ -40,6 +40,8 @@ class EfficiencyDefaults(BaseModel):
     # 0.88 x gemm_max, the H100 best-shape FP8/BF16 ratio (70.9 % / 80.3 %, stas00/ml-engineering MAMF tables)
     fp8_gemm_max: float | None = Field(default=None, gt=0, le=1)
     fp8_block_factor: float = Field(default=0.81, gt=0, le=1)  # block / row-scaled FP8 kernels vs tensorwise
+    # NVFP4 GEMM ceiling as a fraction of the FP4 peak (serving's fp4 weights); default the FP8 ceiling's fraction
+    fp4_gemm_max: float | None = Field(default=None, gt=0, le=1)
     # FP8 GEMMs in any operand layout (Blackwell; TransformerEngine nvte_is_non_tn_fp8_gemm_supported: sm 10.x and
     # >= 13.0): per-tensor FP8 casts write no transposed copy (costmodels.kernels.QUANT_BYTES_ANY_LAYOUT)
     fp8_any_layout: bool = False

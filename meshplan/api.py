@@ -129,6 +129,10 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
     or the `pinned` one priced. InputError when nothing fits."""
     spec = _model(model)
     hardware = Cluster(cluster)
+    if workload.weight_dtype not in hardware.gpu.peak_tflops:
+        have = ", ".join(d for d in ("bf16", "fp8", "fp4") if d in hardware.gpu.peak_tflops)
+        raise InputError(f"{hardware.gpu.name} has no {workload.weight_dtype} tensor cores; choose --weight-dtype "
+                         f"from {have}")
     result: ServeResult | None = None
     alternatives: tuple[str, ...] = ()
     if pinned is not None:

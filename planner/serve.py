@@ -28,7 +28,7 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.queueing import Percentile
 from meshplan.costmodels.serving import (MEM_FRACTION, EngineLayout, EngineState, PoolPoint, ServeDtype,
                                          ServeObjective, ServeTargets, ServeWorkload, aggregated_state, decode_state,
-                                         engine_geometry, prefill_state)
+                                         WeightDtype, engine_geometry, prefill_state)
 from meshplan.costmodels.serving_load import loaded_points
 from meshplan.hardware_db.cluster import Cluster, engine_cluster
 from meshplan.hardware_db.errors import InputError
@@ -605,7 +605,7 @@ class Reuse:
 
 
 def workload_from(isl: int | None, osl: int | None, lengths: RequestLengths | None,
-                  weight_dtype: ServeDtype, kv_dtype: ServeDtype, reuse: Reuse = Reuse()) -> ServeWorkload:
+                  weight_dtype: WeightDtype, kv_dtype: ServeDtype, reuse: Reuse = Reuse()) -> ServeWorkload:
     """The workload of --isl/--osl (every request alike) or of a lengths file (its means and spread)."""
     if reuse.spec_tokens and reuse.accept_rate is None:
         raise InputError("--spec-tokens needs --accept-rate, the probability that a draft token is accepted "

@@ -273,8 +273,6 @@ def test_serving_reference_set_is_valid_and_priced():
         kind = next(k for k, v in e.load.model_dump().items() if v not in (None, False))
         by_load.setdefault((kind, e.mode), e)
     for e in by_load.values():
-        if e.weight_dtype == "fp4":
-            continue
         predicted = ref.price(e)
         for metric in e.measured.model_dump(exclude_none=True):
             if metric != "statistic":

@@ -421,3 +421,32 @@ def test_a_serving_plan_from_before_queueing_is_refused_with_the_fix(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(data))
     with pytest.raises(InputError, match=r"Field required; if an older meshplan wrote it, re-run `meshplan serve`"):
         read_serving_plan(tmp_path / "old.json")
+
+
+# ---- fp4 (NVFP4) weights on Blackwell ------------------------------------------------------------------------------
+
+def test_fp4_weights_are_four_and_a_half_bits_and_read_faster():
+    """NVFP4 stores a 4-bit value and an FP8 scale per 16 values: 0.5625 bytes per weight, so Llama-3.1-70B's
+    weights on one B200 are 0.5625 / 1 of fp8's and the KV cache holds more; a memory-bound decode step reads
+    fewer bytes (fp4 < fp8 < bf16), and a compute-bound prefill runs at the FP4 peak's NVFP4 ceiling, faster than
+    fp8's ceiling of its peak."""
+    c = cluster("b200", 1)
+    lay = EngineLayout(tp=1)
+    w8, w4 = weight_bytes_per_gpu(LLAMA70, lay, 1), weight_bytes_per_gpu(LLAMA70, lay, 0.5625)
+    assert w4 == pytest.approx(0.5625 * w8)
+    held = {d: capacity(LLAMA70, c, lay, d, "fp8", 0.9, 8192, 256).tokens for d in ("fp8", "fp4")}
+    assert held["fp4"] > held["fp8"]
+    decode = {d: iteration_time(LLAMA70, c, lay, 8, 2000, 0, 0, weight_dtype=d).seconds for d in ("bf16", "fp8", "fp4")}
+    assert decode["fp4"] < decode["fp8"] < decode["bf16"]
+    prefill = {d: iteration_time(LLAMA70, c, lay, 0, 0, 16384, 1000, weight_dtype=d).seconds for d in ("fp8", "fp4")}
+    assert prefill["fp4"] < prefill["fp8"]
+
+
+def test_fp4_needs_fp4_tensor_cores(capsys):
+    """An H100 has no FP4 peak: `serve --weight-dtype fp4` says so in one line and names what it can run."""
+    from cli_helpers import assert_input_error, run
+
+    code, out, err = run(capsys, "serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "1000",
+                         "--osl", "200", "--weight-dtype", "fp4")
+    line = assert_input_error(code, out, err, "fp4")
+    assert "h100-sxm has no fp4 tensor cores; choose --weight-dtype from bf16, fp8" in line

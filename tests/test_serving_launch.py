@@ -156,3 +156,15 @@ def test_scripts_refuse_too_few_hosts(tmp_path):
     done = subprocess.run(["bash", str(script)], env={**os.environ, "MODEL": "x", "HOSTS": "",
                                                       "LOG_DIR": str(tmp_path)}, capture_output=True, text=True)
     assert done.returncode != 0 and "HOSTS" in done.stderr
+
+
+@pytest.mark.parametrize("target", ["vllm", "sglang"])
+@pytest.mark.parametrize(("dtype", "flag"), [("bf16", None), ("fp8", "fp8"), ("fp4", "modelopt_fp4")])
+def test_the_weights_precision_reaches_the_engine(target, dtype, flag):
+    """fp8 weights quantise at load (--quantization fp8); fp4 serves an NVFP4 checkpoint made by NVIDIA's Model
+    Optimizer (--quantization modelopt_fp4, the method name in vLLM's and SGLang's quantization registries)."""
+    plan = _plan(LLAMA8, "b200", 1, ServeWorkload(isl=1000, osl=200, weight_dtype=dtype),
+                 ServeTargets(ttft_ms=2000, tpot_ms=50), layout=parse_engine_layout("tp1"))
+    files = {f.name: f.text for f in export_plan(plan, target).files}
+    (block,) = _blocks(files["node-0.sh"]).values()
+    assert PARSE[target](block)["quantization"] == flag

@@ -45,6 +45,8 @@ def sglang_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
         args += ["--kv-cache-dtype", "fp8_e4m3"]
     if wl.weight_dtype == "fp8":
         args += ["--quantization", "fp8"]
+    elif wl.weight_dtype == "fp4":  # an NVFP4 checkpoint quantised by NVIDIA Model Optimizer (e.g. nvidia/*-FP4)
+        args += ["--quantization", "modelopt_fp4"]
     if engine.role != "aggregated":
         args += ["--disaggregation-mode", engine.role]
     if wl.spec_tokens and engine.role != "prefill":
@@ -98,6 +100,7 @@ def parse_sglang_command(command: str) -> dict[str, object]:
         p.add_argument(flag, type=int)
     p.add_argument("--mem-fraction-static", type=float)
     p.add_argument("--kv-cache-dtype")
+    p.add_argument("--quantization")
     p.add_argument("--disaggregation-mode")
     p.add_argument("--enable-dp-attention", action="store_true")
     a, _ = p.parse_known_args(shlex.split(command.replace("\\\n", " ")))
@@ -105,4 +108,4 @@ def parse_sglang_command(command: str) -> dict[str, object]:
     return {"tp": (a.tp_size or 1) // dp, "dp": dp, "pp": a.pp_size or 1, "ep": a.ep_size or 1,
             "dp_attention": a.enable_dp_attention, "max_num_seqs": a.max_running_requests,
             "max_num_batched_tokens": a.chunked_prefill_size, "gpu_memory_utilization": a.mem_fraction_static,
-            "role": a.disaggregation_mode or "aggregated", "nnodes": a.nnodes or 1}
+            "role": a.disaggregation_mode or "aggregated", "nnodes": a.nnodes or 1, "quantization": a.quantization}

@@ -45,6 +45,8 @@ def vllm_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
         args += ["--kv-cache-dtype", "fp8"]
     if wl.weight_dtype == "fp8":
         args += ["--quantization", "fp8"]
+    elif wl.weight_dtype == "fp4":  # an NVFP4 checkpoint quantised by NVIDIA Model Optimizer (e.g. nvidia/*-FP4)
+        args += ["--quantization", "modelopt_fp4"]
     if engine.role != "aggregated":
         args += ["--kv-transfer-config", KV_TRANSFER]
     if wl.spec_tokens and engine.role != "prefill":
@@ -118,4 +120,5 @@ def parse_vllm_command(command: str) -> dict[str, object]:
     return {"tp": a.tensor_parallel_size or 1, "pp": a.pipeline_parallel_size or 1, "dp": a.data_parallel_size or 1,
             "expert_parallel": a.enable_expert_parallel, "max_num_seqs": a.max_num_seqs,
             "max_num_batched_tokens": a.max_num_batched_tokens, "gpu_memory_utilization": a.gpu_memory_utilization,
-            "kv_cache_dtype": a.kv_cache_dtype, "disaggregated": a.kv_transfer_config is not None}
+            "kv_cache_dtype": a.kv_cache_dtype, "quantization": a.quantization,
+            "disaggregated": a.kv_transfer_config is not None}
