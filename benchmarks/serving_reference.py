@@ -106,6 +106,7 @@ class Entry(_Strict):
     lengths_source: Source | None = None
     load: Load
     chunk: int | None = Field(default=None, ge=1)
+    two_batch_overlap: bool = False
     measured: Measured
     assumed: list[str] = []
 
@@ -124,7 +125,7 @@ def load_entries(path: Path) -> list[Entry]:
 def _workload(e: Entry) -> ServeWorkload:
     spread = 1.0 if e.lengths == "dataset" else 0.0  # a dataset's spread taken as exponential (the entry says so)
     return ServeWorkload(isl=e.isl, osl=e.osl, weight_dtype=e.weight_dtype, kv_dtype=e.kv_dtype, isl_cv2=spread,
-                         osl_cv2=spread)
+                         osl_cv2=spread, two_batch_overlap=e.two_batch_overlap)
 
 
 def _curve(model, c: Cluster, lay: EngineLayout, wl: ServeWorkload, chunk: int) -> list[EngineState]:

@@ -37,11 +37,12 @@ def _serve_gpus(gpu: str | None, gpus: str | None, gpus_per_node: int | None, ni
 
 
 def _serve_workload(isl: int | None, osl: int | None, lengths: Path | None, weight_dtype: str,
-                    kv_dtype: str, prefix_hit: float, spec_tokens: int, accept_rate: float | None) -> ServeWorkload:
+                    kv_dtype: str, prefix_hit: float, spec_tokens: int, accept_rate: float | None,
+                    two_batch_overlap: bool) -> ServeWorkload:
     from meshplan.planner.serve import Reuse, load_lengths, workload_from
 
     return workload_from(isl, osl, load_lengths(lengths) if lengths else None, weight_dtype, kv_dtype,
-                         Reuse(prefix_hit, spec_tokens, accept_rate))
+                         Reuse(prefix_hit, spec_tokens, accept_rate), two_batch_overlap)
 
 
 def _pinned(layout: str | None, prefill_layout: str | None, engines: int | None, prefill_engines: int | None,
@@ -104,7 +105,11 @@ WORKLOAD_OPTIONS = [
         "and keeps (1 - a^(k+1)) / (1 - a) tokens on average."))], 0),
     option("accept_rate", Annotated[float | None, typer.Option("--accept-rate", min=0.01, max=1.0,
                                                                rich_help_panel=P_MODEL, help=(
-        "With --spec-tokens: the probability that a draft token is accepted."))])]
+        "With --spec-tokens: the probability that a draft token is accepted."))]),
+    option("two_batch_overlap", Annotated[bool, typer.Option("--two-batch-overlap", rich_help_panel=P_MODEL, help=(
+        "Engines with expert and attention-DP parallelism run each iteration as two micro-batches, one's "
+        "all-to-all under the other's compute (SGLang --enable-two-batch-overlap, vLLM --enable-dbo), where it "
+        "pays."))], False)]
 TARGET_OPTIONS = [
     option("ttft_ms", Annotated[float | None, typer.Option("--ttft-ms", min=0.001, max=1e9, rich_help_panel=P_PAR,
                                                            help="Time-to-first-token target, ms.")]),

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from meshplan.costmodels import comm
 from meshplan.costmodels.comm import Link
 from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.kernels import CONTENTION_SM
 from meshplan.costmodels.timing import group_link, op_time, timed_collective
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.ops import ACT_BYTES, Op, elementwise, gemm, mla_query_and_latent
@@ -39,7 +40,7 @@ from meshplan.hardware_db.gpu import GPUSpec
 __all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "WeightDtype", "EngineLayout", "PoolPoint", "MEM_FRACTION",
            "kv_bytes_per_token_layer",
            "kv_bytes_per_token", "weight_bytes_per_gpu", "Capacity", "capacity", "IterationTime", "iteration_time",
-           "kv_transfer_s", "stage_layer_counts", "redundant_experts",
+           "kv_transfer_s", "stage_layer_counts", "redundant_experts", "StepOptions",
            "EngineState", "aggregated_state", "prefill_state", "decode_state", "EngineGeometry",
            "engine_geometry"]
 
@@ -64,6 +65,8 @@ class ServeWorkload(BaseModel):
                                                                        "prefix cache (not computed)")
     spec_tokens: int = Field(default=0, ge=0, le=16, description="draft tokens per decode step (MTP, EAGLE)")
     accept_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="probability that a draft token is accepted")
+    two_batch_overlap: bool = Field(default=False, description="EP engines with attention DP run each iteration as "
+                                    "two micro-batches, one's all-to-all under the other's compute")
     source: str | None = Field(default=None, description="where the lengths came from (a CSV's mean), if not given")
 
     @model_validator(mode="after")
@@ -345,6 +348,23 @@ class IterationTime:
     compute_s: float
     comm_s: float
     head_s: float = 0.0  # of seconds: the LM head and its logits' gather
+    head_comm_s: float = 0.0  # of head_s: the logits' gather
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How an engine runs an iteration beyond its layout: the precisions, the busiest expert rank's load over the
+    mean, draft tokens verified per decode step, and two-batch overlap (EP engines with attention DP)."""
+
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    moe_imbalance: float = 1.0
+    spec_tokens: int = 0
+    two_batch_overlap: bool = False
+
+    @classmethod
+    def of(cls, wl: ServeWorkload) -> StepOptions:
+        return cls(wl.weight_dtype, wl.kv_dtype, wl.moe_imbalance, wl.spec_tokens, wl.two_batch_overlap)
 
 
 def _attention_ops(model: ModelSpec, tp: int, dec: float, dec_ctx: float, pre: float, pre_ctx: float,
@@ -449,9 +469,8 @@ def engine_geometry(model: ModelSpec, cluster: Cluster, layout: EngineLayout,
 
 
 def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: float, dec_ctx: float,
-                   pre_tokens: float, pre_ctx: float, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                   eff: Efficiency | None = None, moe_imbalance: float = 1.0, spec_tokens: int = 0,
-                   geometry: EngineGeometry | None = None) -> IterationTime:
+                   pre_tokens: float, pre_ctx: float, options: StepOptions = StepOptions(),
+                   eff: Efficiency | None = None, geometry: EngineGeometry | None = None) -> IterationTime:
     """One iteration of the engine: `dec_seqs` sequences each decode a token at context `dec_ctx`, and
     `pre_tokens` prompt tokens at average context `pre_ctx` are prefilled (chunked prefill batches both, as in
     Sarathi-Serve, Agrawal et al. OSDI'24). With pp > 1 the batch is split into pp micro-batches that keep every
@@ -462,24 +481,48 @@ def iteration_time(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec
     `geometry` (engine_geometry of this model, cluster and layout; its efficiency then stands for `eff`) saves
     working the links out again."""
     geo = geometry or engine_geometry(model, cluster, layout, eff)
-    step = _step(model, cluster, layout, dec_seqs, dec_ctx, pre_tokens, pre_ctx, weight_dtype, kv_dtype, geo,
-                 moe_imbalance, 1 + spec_tokens)
-    if not spec_tokens or not dec_seqs:
+    queries = 1 + options.spec_tokens
+    step = _step(model, cluster, layout, dec_seqs, dec_ctx, pre_tokens, pre_ctx, options, geo, queries)
+    if options.two_batch_overlap and layout.ep > 1 and layout.dp > 1:
+        half = _step(model, cluster, layout, dec_seqs / 2, dec_ctx, pre_tokens / 2, pre_ctx, options, geo, queries)
+        # DeepEP's normal kernels (prefill) hold SMs while they move data; its low-latency ones (decode) issue RDMA
+        # and free every SM (deepseek-ai/profile-data README, "Decoding")
+        slowdown = CONTENTION_SM if geo.eff.physics.contention and pre_tokens else 0.0
+        step = min(step, _overlapped(step, half, slowdown), key=lambda it: it.seconds)
+    if not options.spec_tokens or not dec_seqs:
         return step
-    one = _step(model, cluster, layout, dec_seqs, dec_ctx, 0, 0, weight_dtype, kv_dtype, geo, moe_imbalance, 1)
+    one = _step(model, cluster, layout, dec_seqs, dec_ctx, 0, 0, options, geo, 1)
     block = (one.seconds - one.head_s) / (geo.dense_layers + geo.moe_layers) + one.head_s
-    draft = spec_tokens * block
+    draft = options.spec_tokens * block
     share = one.compute_s / one.seconds
     return IterationTime(step.seconds + draft, step.compute_s + draft * share, step.comm_s + draft * (1 - share),
-                         step.head_s)
+                         step.head_s, step.head_comm_s)
+
+
+def _overlapped(whole: IterationTime, half: IterationTime, slowdown: float) -> IterationTime:
+    """Two-batch overlap (DeepSeek's inference system, "dual micro-batch overlap"; SGLang's TBO, LMSYS large-scale
+    EP post; vLLM's DBO): the batch runs as two micro-batches, each one's communication (the expert dispatch and
+    combine, the TP collectives) under the other's compute, so the layers take twice the larger of a half batch's
+    compute and communication, the compute slowed by `slowdown` per second of communication hidden behind it (the
+    communication kernels' SMs and HBM traffic; kernels.CONTENTION_SM, as training's overlaps); the LM head runs
+    after, on the whole batch. Engines take it only where it pays (vLLM's --dbo-*-token-threshold): the caller
+    keeps the faster of the two."""
+    compute = half.compute_s - (half.head_s - half.head_comm_s)
+    comm = half.comm_s - half.head_comm_s
+    compute += slowdown * min(compute, comm)
+    layers = 2.0 * max(compute, comm)
+    head_compute = whole.head_s - whole.head_comm_s
+    return IterationTime(layers + whole.head_s, 2.0 * compute + head_compute, layers - 2.0 * compute
+                         + whole.head_comm_s, whole.head_s, whole.head_comm_s)
 
 
 def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: float, dec_ctx: float,
-          pre_tokens: float, pre_ctx: float, weight_dtype: str, kv_dtype: str, geo: EngineGeometry,
-          moe_imbalance: float, queries: int) -> IterationTime:
+          pre_tokens: float, pre_ctx: float, options: StepOptions, geo: EngineGeometry,
+          queries: int) -> IterationTime:
     """iteration_time's one forward pass, every decode sequence with `queries` tokens."""
     eff = geo.eff
     gpu = cluster.gpu
+    weight_dtype, kv_dtype = options.weight_dtype, options.kv_dtype
     wbytes = WEIGHT_BYTES[weight_dtype]
     quantised = weight_dtype in ("fp8", "fp4")
     wdt = 2.0 if quantised else 1.0  # quantised GEMMs run at the low-precision peak
@@ -515,7 +558,7 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
         assert moe is not None
         engine_tokens = t * layout.dp
         ops = [gemm("router", t, moe.num_experts, model.hidden, wdt),
-               _experts_op(model, layout, engine_tokens, wdt, moe_imbalance)]
+               _experts_op(model, layout, engine_tokens, wdt, options.moe_imbalance)]
         if moe.num_shared_experts:
             ops += _mlp_ops(model, t, moe.num_shared_experts * moe.shared_hidden / layout.tp, wdt, "shared_")
         compute += moe_layers * (attention + ops_time(ops))
@@ -543,7 +586,7 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
         p2p = timed_collective("p2p", ACT_BYTES * t * model.hidden, 2, geo.p2p_link, eff)
     seconds = micro * (stage + p2p)
     return IterationTime(seconds, micro * (compute + head), micro * (comm + head_comm + p2p),
-                         micro * (head + head_comm))
+                         micro * (head + head_comm), micro * head_comm)
 
 
 def _gemm_peak(gpu: GPUSpec, weight_dtype: str, eff: Efficiency) -> float:
@@ -629,10 +672,11 @@ def aggregated_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: 
         return None
     geo = geometry or engine_geometry(model, cluster, lay, eff)
 
+    options = StepOptions.of(wl)
+
     def step(prefill: float) -> float:
-        return iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, prefill, wl.prompt_context,
-                              weight_dtype=wl.weight_dtype, kv_dtype=wl.kv_dtype, moe_imbalance=wl.moe_imbalance,
-                              spec_tokens=wl.spec_tokens, geometry=geo).seconds
+        return iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, prefill, wl.prompt_context, options,
+                              geometry=geo).seconds
 
     # the steady iteration; one with the whole budget (prompts queued); one with a lone new prompt's chunk,
     # min(computed ISL, the group's share of the budget), in every attention group; one of the decode tokens alone
@@ -651,8 +695,7 @@ def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: Ser
     mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, math.ceil(tokens), prompts)
     if prompts * wl.isl > mem.tokens:
         return None
-    it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.prompt_context, weight_dtype=wl.weight_dtype,
-                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance, geometry=geometry)
+    it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.prompt_context, StepOptions.of(wl), eff, geometry)
     return EngineState("prefill", lay, prompts, math.ceil(tokens), it.seconds, it.seconds, mem, mem_fraction,
                        kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes))
 
@@ -666,7 +709,5 @@ def decode_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: Serv
                    batch)
     if batch * (wl.isl + wl.osl) > mem.tokens:
         return None
-    it = iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, 0, 0, weight_dtype=wl.weight_dtype,
-                        kv_dtype=wl.kv_dtype, eff=eff, moe_imbalance=wl.moe_imbalance, spec_tokens=wl.spec_tokens,
-                        geometry=geometry)
+    it = iteration_time(model, cluster, lay, batch, wl.isl + wl.osl / 2, 0, 0, StepOptions.of(wl), eff, geometry)
     return EngineState("decode", lay, batch, batch, it.seconds, it.seconds, mem, mem_fraction)

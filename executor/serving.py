@@ -197,7 +197,7 @@ def run_serve_check(plan: ServingPlan, scale: str = "tiny", prompt: int | None =
                     inject: str | None = None) -> ServeCheckReport:
     """Every engine of `plan` (pp 1) at a reduced size: its ranks against the reference forward."""
     from meshplan.costmodels.efficiency import EXECUTOR_RUNTIME, Efficiency, calibrated_cluster
-    from meshplan.costmodels.serving import EngineLayout, iteration_time, kv_bytes_per_token
+    from meshplan.costmodels.serving import EngineLayout, StepOptions, iteration_time, kv_bytes_per_token
     from meshplan.executor.launch import run_world
     from meshplan.executor.scale import SCALES, scale_model
     from meshplan.hardware_db.cluster import ClusterSpec, engine_cluster
@@ -243,8 +243,9 @@ def run_serve_check(plan: ServingPlan, scale: str = "tiny", prompt: int | None =
             cluster = engine_cluster(plan.inputs.cluster.cluster(), world)
             eff, dtype, where = Efficiency.from_gpu(cluster.gpu), plan.inputs.workload.weight_dtype, cluster.gpu.name
         kv = "float64" if calibration is not None else plan.inputs.workload.kv_dtype
-        pre = iteration_time(spec, cluster, layout, 0, 0, engine.dp * batch * n_prompt, n_prompt / 2, dtype, kv, eff)
-        dec = iteration_time(spec, cluster, layout, engine.dp * batch, n_prompt + steps / 2, 0, 0, dtype, kv, eff)
+        options = StepOptions(weight_dtype=dtype, kv_dtype=kv)
+        pre = iteration_time(spec, cluster, layout, 0, 0, engine.dp * batch * n_prompt, n_prompt / 2, options, eff)
+        dec = iteration_time(spec, cluster, layout, engine.dp * batch, n_prompt + steps / 2, 0, 0, options, eff)
         held = batch * (n_prompt + steps)
         predicted_cache = None if spec.mla is not None else held * kv_bytes_per_token(spec, layout, 8)
         checks.append(ServeEngineCheck(

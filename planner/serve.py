@@ -605,7 +605,8 @@ class Reuse:
 
 
 def workload_from(isl: int | None, osl: int | None, lengths: RequestLengths | None,
-                  weight_dtype: WeightDtype, kv_dtype: ServeDtype, reuse: Reuse = Reuse()) -> ServeWorkload:
+                  weight_dtype: WeightDtype, kv_dtype: ServeDtype, reuse: Reuse = Reuse(),
+                  two_batch_overlap: bool = False) -> ServeWorkload:
     """The workload of --isl/--osl (every request alike) or of a lengths file (its means and spread)."""
     if reuse.spec_tokens and reuse.accept_rate is None:
         raise InputError("--spec-tokens needs --accept-rate, the probability that a draft token is accepted "
@@ -622,4 +623,4 @@ def workload_from(isl: int | None, osl: int | None, lengths: RequestLengths | No
         raise InputError("say the request lengths: --isl N --osl M, or --lengths requests.csv")
     return ServeWorkload(isl=isl, osl=osl, weight_dtype=weight_dtype, kv_dtype=kv_dtype, isl_cv2=spread[0],
                          osl_cv2=spread[1], prefix_hit=reuse.prefix_hit, spec_tokens=reuse.spec_tokens,
-                         accept_rate=reuse.accept_rate or 0.0, source=source)
+                         accept_rate=reuse.accept_rate or 0.0, two_batch_overlap=two_batch_overlap, source=source)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from meshplan.costmodels.model_io import load_zoo
 from meshplan.costmodels.queueing import erlang_c, mgc_wait, occupancy_quantile
-from meshplan.costmodels.serving import EngineLayout, ServeWorkload, aggregated_state, iteration_time
+from meshplan.costmodels.serving import EngineLayout, ServeWorkload, StepOptions, aggregated_state, iteration_time
 from meshplan.costmodels.serving_load import loaded_points, running_point
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster
 
@@ -130,9 +130,9 @@ def test_mixed_step_between_its_decode_part_and_its_parts_apart(dec, pre, ctx, t
     lay = EngineLayout(tp=tp, dp=8 // tp, ep=8) if spec.moe is not None else EngineLayout(tp=tp)
     c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8)), lay.gpus)
     dtype = "fp8" if spec.moe is not None else "bf16"
-    both = iteration_time(spec, c, lay, dec, ctx, pre, pre / 2, weight_dtype=dtype).seconds
-    decode = iteration_time(spec, c, lay, dec, ctx, 0, 0, weight_dtype=dtype).seconds
-    prefill = iteration_time(spec, c, lay, 0, 0, pre, pre / 2, weight_dtype=dtype).seconds
+    both = iteration_time(spec, c, lay, dec, ctx, pre, pre / 2, StepOptions(weight_dtype=dtype)).seconds
+    decode = iteration_time(spec, c, lay, dec, ctx, 0, 0, StepOptions(weight_dtype=dtype)).seconds
+    prefill = iteration_time(spec, c, lay, 0, 0, pre, pre / 2, StepOptions(weight_dtype=dtype)).seconds
     assert decode <= both * (1 + 1e-9)
     assert both <= (decode + prefill) * 1.001
 

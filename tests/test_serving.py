@@ -15,7 +15,8 @@ from meshplan.costmodels.serving import (EngineLayout, capacity, iteration_time,
                                          kv_bytes_per_token_layer, weight_bytes_per_gpu)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
-from meshplan.costmodels.serving import ServeTargets, ServeWorkload, aggregated_state, decode_state, prefill_state
+from meshplan.costmodels.serving import (ServeTargets, ServeWorkload, StepOptions, aggregated_state, decode_state,
+                                         prefill_state)
 from meshplan.costmodels.serving_load import aggregated_point, decode_point, prefill_point
 from meshplan.planner.serve import engine_layouts, pareto_front, search_serving
 
@@ -99,7 +100,8 @@ def test_decode_is_weight_bound_at_batch_one():
     c = cluster("h100-sxm", 8)
     t = iteration_time(LLAMA70, c, EngineLayout(tp=8), 1, 1000, 0, 0)
     assert t.compute_s >= weight_bytes_per_gpu(LLAMA70, EngineLayout(tp=8), 2) / c.gpu.hbm_bytes_per_s
-    assert iteration_time(LLAMA70, c, EngineLayout(tp=8), 1, 1000, 0, 0, weight_dtype="fp8").compute_s < t.compute_s
+    fp8 = StepOptions(weight_dtype="fp8")
+    assert iteration_time(LLAMA70, c, EngineLayout(tp=8), 1, 1000, 0, 0, fp8).compute_s < t.compute_s
 
 
 def test_prefill_is_compute_bound():
@@ -436,9 +438,11 @@ def test_fp4_weights_are_four_and_a_half_bits_and_read_faster():
     assert w4 == pytest.approx(0.5625 * w8)
     held = {d: capacity(LLAMA70, c, lay, d, "fp8", 0.9, 8192, 256).tokens for d in ("fp8", "fp4")}
     assert held["fp4"] > held["fp8"]
-    decode = {d: iteration_time(LLAMA70, c, lay, 8, 2000, 0, 0, weight_dtype=d).seconds for d in ("bf16", "fp8", "fp4")}
+    decode = {d: iteration_time(LLAMA70, c, lay, 8, 2000, 0, 0, StepOptions(weight_dtype=d)).seconds
+              for d in ("bf16", "fp8", "fp4")}
     assert decode["fp4"] < decode["fp8"] < decode["bf16"]
-    prefill = {d: iteration_time(LLAMA70, c, lay, 0, 0, 16384, 1000, weight_dtype=d).seconds for d in ("fp8", "fp4")}
+    prefill = {d: iteration_time(LLAMA70, c, lay, 0, 0, 16384, 1000, StepOptions(weight_dtype=d)).seconds
+               for d in ("fp8", "fp4")}
     assert prefill["fp4"] < prefill["fp8"]
 
 
@@ -450,3 +454,47 @@ def test_fp4_needs_fp4_tensor_cores(capsys):
                          "--osl", "200", "--weight-dtype", "fp4")
     line = assert_input_error(code, out, err, "fp4")
     assert "h100-sxm has no fp4 tensor cores; choose --weight-dtype from bf16, fp8" in line
+
+
+# ---- two-batch overlap ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("dec", "pre"), [(18432, 0), (0, 32 * 16384), (9216, 32 * 2048)])
+def test_two_batch_overlap_hides_the_smaller_part_and_no_more(dec, pre):
+    """DeepSeek-V3 on 32 H100 (EP32, attention DP32): two micro-batches overlap each one's expert all-to-all with
+    the other's compute. The step is never slower than without, never faster than the larger of its layers'
+    compute and communication (a half batch costs at least half of each), and here, with the all-to-all across
+    nodes as large as the compute, clearly faster. Without EP or without attention DP there is nothing to overlap."""
+    c = cluster("h100-sxm", 32)
+    lay = EngineLayout(tp=1, dp=32, ep=32)
+    plain = iteration_time(DSV3, c, lay, dec, 2000, pre, 2048, StepOptions(weight_dtype="fp8"))
+    tbo = iteration_time(DSV3, c, lay, dec, 2000, pre, 2048, StepOptions(weight_dtype="fp8", two_batch_overlap=True))
+    layers_compute = plain.compute_s - (plain.head_s - plain.head_comm_s)
+    layers_comm = plain.comm_s - plain.head_comm_s
+    assert max(layers_compute, layers_comm) + plain.head_s <= tbo.seconds * (1 + 1e-9)
+    assert tbo.seconds < 0.9 * plain.seconds
+    assert tbo.seconds == pytest.approx(tbo.compute_s + tbo.comm_s)
+    one = cluster("h100-sxm", 8)
+    for other in (EngineLayout(tp=8, ep=8), EngineLayout(tp=1, dp=8)):
+        off = iteration_time(DSV3, one, other, 64, 2000, 0, 0, StepOptions(weight_dtype="fp8"))
+        on = iteration_time(DSV3, one, other, 64, 2000, 0, 0, StepOptions(weight_dtype="fp8", two_batch_overlap=True))
+        assert on == off
+
+
+def test_serve_two_batch_overlap_flag(capsys, tmp_path):
+    """`serve --two-batch-overlap` reaches the plan's workload, and a pinned EP deployment with attention DP gets a
+    step no slower than without it."""
+    import json
+
+    from cli_helpers import run
+
+    tpot = {}
+    for flag in ((), ("--two-batch-overlap",)):
+        path = tmp_path / f"tbo{len(flag)}.json"
+        code, _, err = run(capsys, "serve", "-m", "deepseek-v3", "--gpu", "h200", "--gpus", "16", "--isl", "2000",
+                           "--osl", "500", "--weight-dtype", "fp8", "--layout", "tp1,dp16,ep16", "--batch", "512",
+                           *flag, "--out", str(path))
+        assert code == 0, err
+        doc = json.loads(path.read_text())
+        assert doc["inputs"]["workload"]["two_batch_overlap"] is bool(flag)
+        tpot[bool(flag)] = doc["prediction"]["tpot_ms"]
+    assert tpot[True] < tpot[False]

@@ -168,3 +168,19 @@ def test_the_weights_precision_reaches_the_engine(target, dtype, flag):
     files = {f.name: f.text for f in export_plan(plan, target).files}
     (block,) = _blocks(files["node-0.sh"]).values()
     assert PARSE[target](block)["quantization"] == flag
+
+
+@pytest.mark.parametrize(("target", "flags"), [
+    ("vllm", ["--enable-dbo", "--all2all-backend deepep_low_latency"]),
+    ("sglang", ["--enable-two-batch-overlap", "--moe-a2a-backend deepep", "--deepep-mode auto"])])
+def test_two_batch_overlap_reaches_the_engine(target, flags):
+    """--two-batch-overlap on an EP engine with attention DP: vLLM's dual batch overlap and SGLang's TBO, each over
+    DeepEP's all-to-all; an engine without attention DP gets neither."""
+    wl = ServeWorkload(isl=2000, osl=500, weight_dtype="fp8", two_batch_overlap=True)
+    loose = ServeTargets(ttft_ms=5000, tpot_ms=200)
+    plan = _plan(DSV3, "h200", 16, wl, loose, layout=parse_engine_layout("tp1,dp16,ep16"))
+    text = "\n".join(f.text for f in export_plan(plan, target).files)
+    assert all(flag in text for flag in flags)
+    plain = _plan(DSV3, "h200", 16, wl, loose, layout=parse_engine_layout("tp16,ep16"))
+    text = "\n".join(f.text for f in export_plan(plain, target).files)
+    assert not any(flag.split()[0] in text for flag in flags)

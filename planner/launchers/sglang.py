@@ -47,6 +47,11 @@ def sglang_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
         args += ["--quantization", "fp8"]
     elif wl.weight_dtype == "fp4":  # an NVFP4 checkpoint quantised by NVIDIA Model Optimizer (e.g. nvidia/*-FP4)
         args += ["--quantization", "modelopt_fp4"]
+    if wl.two_batch_overlap and engine.ep > 1 and engine.dp > 1:
+        # SGLang's TBO runs over DeepEP's all-to-all: its normal kernels for prefill, low-latency ones for decode,
+        # chosen per batch when one engine does both (LMSYS large-scale EP post, "Expert Parallelism with DeepEP")
+        mode = {"prefill": "normal", "decode": "low_latency"}.get(engine.role, "auto")
+        args += ["--enable-two-batch-overlap", "--moe-a2a-backend", "deepep", "--deepep-mode", mode]
     if engine.role != "aggregated":
         args += ["--disaggregation-mode", engine.role]
     if wl.spec_tokens and engine.role != "prefill":

@@ -47,6 +47,11 @@ def vllm_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
         args += ["--quantization", "fp8"]
     elif wl.weight_dtype == "fp4":  # an NVFP4 checkpoint quantised by NVIDIA Model Optimizer (e.g. nvidia/*-FP4)
         args += ["--quantization", "modelopt_fp4"]
+    if wl.two_batch_overlap and engine.ep > 1 and engine.dp > 1:
+        # vLLM's dual batch overlap needs DP + EP and DeepEP's all-to-all (vLLM docs, design/dbo.md): low-latency
+        # kernels for decode, high-throughput ones for prefill
+        kernels = "deepep_high_throughput" if engine.role == "prefill" else "deepep_low_latency"
+        args += ["--enable-dbo", "--all2all-backend", kernels]
     if engine.role != "aggregated":
         args += ["--kv-transfer-config", KV_TRANSFER]
     if wl.spec_tokens and engine.role != "prefill":
