@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -361,10 +362,33 @@ class StepOptions:
     moe_imbalance: float = 1.0
     spec_tokens: int = 0
     two_batch_overlap: bool = False
+    context_cv: float = 0.0  # decode sequences' cached context: standard deviation / mean
 
     @classmethod
     def of(cls, wl: ServeWorkload) -> StepOptions:
-        return cls(wl.weight_dtype, wl.kv_dtype, wl.moe_imbalance, wl.spec_tokens, wl.two_batch_overlap)
+        return cls(wl.weight_dtype, wl.kv_dtype, wl.moe_imbalance, wl.spec_tokens, wl.two_batch_overlap,
+                   decode_context_cv(wl))
+
+
+def decode_context_cv(wl: ServeWorkload) -> float:
+    """The spread of a running sequence's context, ISL + its position in the output: in steady state a sequence is
+    anywhere in its output alike, so the position is uniform over [0, OSL], with E[pos^2] = E[OSL^2] / 3; the
+    prompt lengths add their own variance."""
+    mean = wl.isl + wl.osl / 2
+    position = wl.osl ** 2 * (1.0 + wl.osl_cv2) / 3.0 - (wl.osl / 2) ** 2
+    return math.sqrt(wl.isl ** 2 * wl.isl_cv2 + position) / mean
+
+
+def busiest_group_context(dec_ctx: float, seqs_per_group: float, groups: int, cv: float) -> float:
+    """Attention DP: each group holds its own sequences, and the iteration waits for the group whose caches are
+    largest. A group's total context is a sum of n sequences' (mean n mu, deviation sqrt(n) sigma); the largest of
+    d such sums sits at Blom's expected normal maximum, Phi^-1((d - 0.375) / (d + 0.25)) deviations above the mean
+    (Blom 1958, "Statistical Estimates and Transformed Beta-Variables"). Counts per group are taken equal (SGLang's
+    round-robin DP assignment)."""
+    if groups <= 1 or cv <= 0 or seqs_per_group <= 0:
+        return dec_ctx
+    z = NormalDist().inv_cdf((groups - 0.375) / (groups + 0.25))
+    return dec_ctx * (1.0 + z * cv / math.sqrt(max(seqs_per_group, 1.0)))
 
 
 def _attention_ops(model: ModelSpec, tp: int, dec: float, dec_ctx: float, pre: float, pre_ctx: float,
@@ -546,7 +570,8 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
     tp_link, ep_link, etp_link = geo.tp_link, geo.ep_link, geo.etp_link
     tp_ar = _all_reduce(ACT_BYTES * t * model.hidden, layout.tp, tp_link, eff)
 
-    attention = ops_time(_attention_ops(model, layout.tp, dec, dec_ctx, pre, pre_ctx, wdt, WEIGHT_BYTES[kv_dtype],
+    busiest = busiest_group_context(dec_ctx, dec, layout.dp, options.context_cv)
+    attention = ops_time(_attention_ops(model, layout.tp, dec, busiest, pre, pre_ctx, wdt, WEIGHT_BYTES[kv_dtype],
                                         queries))
     dense_layers, moe_layers = geo.dense_layers, geo.moe_layers
     compute = comm = 0.0
