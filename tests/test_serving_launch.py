@@ -94,14 +94,15 @@ def test_every_engine_has_its_gpus_port_and_settings(name, target):
         assert plan.inputs.workload.isl + plan.inputs.workload.osl <= length <= e.kv_tokens // e.dp
         assert f"--{'max-model-len' if target == 'vllm' else 'context-length'} {length}" in block
         assert f"--port {p.port}" in block
-    assert len(files) == len({n for p in placements for n in p.nodes}) + (len(placements) > 1)
+    assert len(files) == len({n for p in placements for n in p.nodes}) + (len(placements) > 1) + 1  # + Dynamo
     if len(placements) > 1:
         router = files["router.sh"]
         for p in placements:
             assert f"http://${{HOSTS[{p.nodes[0]}]}}:{p.port}" in router
     bash = shutil.which("bash")
-    for text in files.values():
-        assert subprocess.run([bash, "-n"], input=text, text=True, capture_output=True).returncode == 0
+    for name, text in files.items():
+        if name.endswith(".sh"):
+            assert subprocess.run([bash, "-n"], input=text, text=True, capture_output=True).returncode == 0
 
 
 def test_max_model_len_fits_the_cache_not_the_models_default():
@@ -133,7 +134,7 @@ def test_scripts_start_every_engine_and_the_router(tmp_path, target):
         f.chmod(0o755)
     env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "MODEL": "/models/x", "LOG_DIR": str(tmp_path),
            "HOSTS": " ".join(f"10.0.0.{i}" for i in range(8))}
-    for f in exported.files:
+    for f in (f for f in exported.files if f.name.endswith(".sh")):
         script = tmp_path / f.name
         script.write_text(f.text)
         done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
@@ -184,3 +185,39 @@ def test_two_batch_overlap_reaches_the_engine(target, flags):
     plain = _plan(DSV3, "h200", 16, wl, loose, layout=parse_engine_layout("tp16,ep16"))
     text = "\n".join(f.text for f in export_plan(plain, target).files)
     assert not any(flag.split()[0] in text for flag in flags)
+
+
+@pytest.mark.parametrize("name", list(plans()))
+@pytest.mark.parametrize("target", ["vllm", "sglang"])
+def test_dynamo_graph_reads_back_to_the_plan(name, target):
+    """dynamo-graph.yaml (a DynamoGraphDeployment, nvidia.com/v1alpha1): YAML that parses; a frontend and one worker
+    service per pool with the pool's engines as replicas, its role as subComponentType, nodeCount x GPUs per pod =
+    the engine's GPUs, and arguments that read back to the engine's layout and settings with the model from the
+    container's environment."""
+    import yaml
+
+    plan = plans()[name]
+    try:
+        files = {f.name: f.text for f in export_plan(plan, target).files}
+    except ExportError:
+        return  # the refusal is test_every_engine_has_its_gpus_port_and_settings's
+    doc = yaml.safe_load(files["dynamo-graph.yaml"])
+    assert (doc["apiVersion"], doc["kind"]) == ("nvidia.com/v1alpha1", "DynamoGraphDeployment")
+    services = doc["spec"]["services"]
+    assert services.pop("Frontend")["componentType"] == "frontend"
+    assert len(services) == len(plan.engines)
+    for e in plan.engines:
+        (svc,) = [s for s in services.values() if s.get("subComponentType", "aggregated") == e.role]
+        assert svc["componentType"] == "worker" and svc["replicas"] == e.engines
+        nodes = svc.get("multinode", {}).get("nodeCount", 1)
+        assert nodes * int(svc["resources"]["limits"]["gpu"]) == e.gpus_per_engine
+        assert int(svc["resources"]["limits"]["gpu"]) <= plan.inputs.cluster.gpus_per_node
+        main = svc["extraPodSpec"]["mainContainer"]
+        assert main["command"] == ["python3", "-m", f"dynamo.{target}"]
+        assert "$(MODEL)" in main["args"] and {"name": "MODEL", "value": "MODEL"} in main["env"]
+        got = PARSE[target](" ".join(main["args"]))
+        assert (got["tp"], got["dp"], got["pp"]) == (e.tp, e.dp, e.pp)
+        assert got["max_num_seqs"] == e.max_num_seqs and got["max_num_batched_tokens"] == e.max_num_batched_tokens
+        if e.role != "aggregated":
+            i = main["args"].index("--disaggregation-mode")
+            assert main["args"][i + 1] == e.role

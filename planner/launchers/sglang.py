@@ -15,6 +15,7 @@ import shlex
 
 from meshplan.costmodels.serving import redundant_experts
 from meshplan.planner.launchers.common import Exported, full_ep_only
+from meshplan.planner.launchers.dynamo import dynamo_graph
 from meshplan.planner.launchers.serving_launch import (Placement, engine_url, launch_files, max_model_len,
                                                        router_argv)
 from meshplan.planner.plan import ServingEngine, ServingPlan
@@ -93,8 +94,13 @@ def _router(plan: ServingPlan) -> list[str]:
 def export_sglang(plan: ServingPlan) -> Exported:
     for e in plan.engines:
         sglang_args(plan, e)  # the refusals, before any file
-    return Exported(TARGET, launch_files(plan, "SGLang", lambda p, rank, nodes: _instance_args(plan, p, rank, nodes),
-                                         _router(plan), head=3))
+    files = launch_files(plan, "SGLang", lambda p, rank, nodes: _instance_args(plan, p, rank, nodes), _router(plan),
+                         head=3)
+    # Dynamo's SGLang worker takes SGLang's server arguments (after `python -m sglang.launch_server`)
+    def worker(e: ServingEngine) -> list[str]:
+        return sglang_args(plan, e)[3:] + ["--context-length", str(max_model_len(plan, e))]
+
+    return Exported(TARGET, files + (dynamo_graph(plan, TARGET, worker),))
 
 
 def parse_sglang_command(command: str) -> dict[str, object]:

@@ -15,6 +15,7 @@ import shlex
 
 from meshplan.costmodels.serving import redundant_experts
 from meshplan.planner.launchers.common import Exported, full_ep_only, refuse
+from meshplan.planner.launchers.dynamo import dynamo_graph
 from meshplan.planner.launchers.serving_launch import (Placement, engine_url, launch_files, max_model_len,
                                                        router_argv)
 from meshplan.planner.plan import ServingEngine, ServingPlan
@@ -107,7 +108,11 @@ def export_vllm(plan: ServingPlan) -> Exported:
         vllm_args(plan, e)  # the refusals, before any file
     files = launch_files(plan, "vLLM", lambda p, rank, nodes: _instance_args(plan, p, rank, nodes), _router(plan),
                          lambda p, rank: _ray_setup(plan, p, rank))
-    return Exported(TARGET, files)
+    # Dynamo's vLLM worker takes vLLM's engine arguments, the model as --model
+    def worker(e: ServingEngine) -> list[str]:
+        return ["--model", "${MODEL}"] + vllm_args(plan, e)[3:] + ["--max-model-len", str(max_model_len(plan, e))]
+
+    return Exported(TARGET, files + (dynamo_graph(plan, TARGET, worker),))
 
 
 def parse_vllm_command(command: str) -> dict[str, object]:
