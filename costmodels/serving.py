@@ -464,6 +464,28 @@ def _experts_op(model: ModelSpec, layout: EngineLayout, tokens_engine: float, wd
     return Op("routed_experts", "gemm", flops, io, 0.0, 0.0, gemm_dtype_scale=wdt)
 
 
+def _tokens_per_expert(model: ModelSpec, layout: EngineLayout, tokens_engine: float, imbalance: float) -> float:
+    """Tokens each local expert reached on the busiest rank computes (as _experts_op counts them)."""
+    moe = model.moe
+    assert moe is not None
+    assignments = tokens_engine * moe.top_k
+    hit = 1.0 - (1.0 - 1.0 / moe.num_experts) ** assignments
+    return assignments * imbalance / layout.ep / max(math.ceil(moe.num_experts / layout.ep) * hit, 1e-9)
+
+
+def _grouped_floor(flops: float, per_expert: float, table: list[list[float]], peak: float) -> float:
+    """The routed experts' time as the GPU's measured grouped FP8 kernel runs them at this many tokens per expert
+    (hardware_db efficiency.fp8_grouped_by_tokens; on Hopper DeepGEMM's masked and contiguous tables): the
+    fraction of peak interpolated in log tokens, held at the table's ends. Below its first point the kernel
+    is bound by reading the experts' weights, which the roofline (op_time) prices; this floor then adds
+    nothing that was not measured."""
+    tokens = min(max(per_expert, table[0][0]), table[-1][0])
+    i = next(i for i in range(1, len(table)) if tokens <= table[i][0]) if len(table) > 1 else 0
+    (m0, f0), (m1, f1) = table[max(i - 1, 0)], table[i]
+    share = f0 if m1 == m0 else f0 + (f1 - f0) * math.log(tokens / m0) / math.log(m1 / m0)
+    return flops / (peak * share)
+
+
 @dataclass(frozen=True)
 class EngineGeometry:
     """What every iteration of one engine layout on one cluster shares, whatever its tokens: the links its groups
@@ -582,11 +604,16 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
         moe = model.moe
         assert moe is not None
         engine_tokens = t * layout.dp
-        ops = [gemm("router", t, moe.num_experts, model.hidden, wdt),
-               _experts_op(model, layout, engine_tokens, wdt, options.moe_imbalance)]
+        experts = _experts_op(model, layout, engine_tokens, wdt, options.moe_imbalance)
+        ops = [gemm("router", t, moe.num_experts, model.hidden, wdt)]
         if moe.num_shared_experts:
             ops += _mlp_ops(model, t, moe.num_shared_experts * moe.shared_hidden / layout.tp, wdt, "shared_")
-        compute += moe_layers * (attention + ops_time(ops))
+        routed = ops_time([experts])
+        table = gpu.efficiency.fp8_grouped_by_tokens
+        if table and weight_dtype == "fp8" and experts.fwd_flops > 0:
+            per_expert = _tokens_per_expert(model, layout, engine_tokens, options.moe_imbalance)
+            routed = max(routed, _grouped_floor(experts.fwd_flops, per_expert, table, gpu.peak_flops("fp8")))
+        compute += moe_layers * (attention + ops_time(ops) + routed)
         per_layer = tp_ar  # the attention output
         if layout.ep > 1:
             per_layer += _expert_exchange(model, layout, t, bool(dec), quantised, ep_link, eff)

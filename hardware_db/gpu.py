@@ -49,6 +49,10 @@ class EfficiencyDefaults(BaseModel):
     # _grouped_mm / Triton fused MoE at 24-50 % of H100 peak: ByteDance-Seed/VeOmni PR #460)
     grouped_gemm_max: float | None = Field(default=None, gt=0, le=1)
     fp8_grouped_gemm_max: float | None = Field(default=None, gt=0, le=1)  # grouped FP8; default 0.5 x the FP8 ceiling
+    # serving's routed experts with fp8 weights: (tokens per expert, achieved fraction of the FP8 peak) of the
+    # grouped kernel, tokens ascending, held at the ends (below the first point the roofline's weight reads
+    # govern). None: the dense ceiling
+    fp8_grouped_by_tokens: list[list[float]] | None = None
     attention_max: float = Field(default=0.55, gt=0, le=1)  # fused (flash) attention core, forward
     # its backward; default 0.86 x forward (FlashAttention-3 on H100 at 16k: ~561 backward / 648 forward TFLOP/s)
     attention_bwd_max: float | None = Field(default=None, gt=0, le=1)
@@ -67,6 +71,17 @@ class EfficiencyDefaults(BaseModel):
     scaleout_latency_us: float = Field(default=15.0, gt=0)  # per collective step across nodes
     kernel_overhead_us: float = Field(default=4.0, ge=0)  # launch + sync per operator
     source: str = Field(min_length=3)
+
+    @field_validator("fp8_grouped_by_tokens")
+    @classmethod
+    def _pairs_ascending(cls, v: list[list[float]] | None) -> list[list[float]] | None:
+        if v is not None:
+            if not v or any(len(p) != 2 or p[0] <= 0 or not 0 < p[1] <= 1 for p in v):
+                raise ValueError("give [tokens per expert, fraction of the FP8 peak] pairs: tokens > 0, "
+                                 "0 < fraction <= 1")
+            if any(a[0] >= b[0] for a, b in zip(v, v[1:], strict=False)):
+                raise ValueError("tokens per expert must ascend")
+        return v
 
 
 class GPUSpec(BaseModel):

@@ -529,3 +529,44 @@ def test_busiest_group_grows_with_groups_and_shrinks_with_sequences(groups, seqs
     assert here > 1000
     assert busiest_group_context(1000, seqs, groups + 1, cv) >= here
     assert busiest_group_context(1000, seqs * 2, groups, cv) <= here
+
+
+def test_grouped_fp8_experts_run_at_deepgemms_measured_rate():
+    """Hopper's routed experts with fp8 weights: the grouped kernel's share of the FP8 peak by tokens per expert
+    (DeepGEMM's masked and contiguous tables, hardware_db): 1 GFLOP at 512 tokens per expert takes 1e9 /
+    (1,979e12 x 0.489); between points the share interpolates in log tokens, beyond the ends it is held. A
+    DeepSeek-V3 prefill iteration on 8 H800 (EP8; thousands of tokens per expert) is slower with the table than
+    with the dense ceiling it replaces (its compute), and never faster anywhere."""
+    from meshplan.costmodels.serving import _grouped_floor
+
+    c = cluster("h800", 8)
+    table = c.gpu.efficiency.fp8_grouped_by_tokens
+    assert table is not None and [m for m, _ in table] == [256, 512, 1024, 4096, 8192]
+    peak = c.gpu.peak_flops("fp8")
+    assert _grouped_floor(1e9, 512, table, peak) == pytest.approx(1e9 / (peak * 0.489))
+    assert _grouped_floor(1e9, 64, table, peak) == _grouped_floor(1e9, 256, table, peak)
+    assert _grouped_floor(1e9, 1e5, table, peak) == _grouped_floor(1e9, 8192, table, peak)
+    assert _grouped_floor(1e9, 2048, table, peak) < _grouped_floor(1e9, 1024, table, peak)
+    plain = cluster("h800", 8)
+    plain.gpu = c.gpu.model_copy(update={"efficiency": c.gpu.efficiency.model_copy(
+        update={"fp8_grouped_by_tokens": None})})
+    lay, fp8 = EngineLayout(tp=1, dp=8, ep=8), StepOptions(weight_dtype="fp8")
+    for dec, pre in ((4096, 0), (64, 0), (0, 8 * 16384)):
+        args = (lay, dec, 2000, pre, 2048, fp8)
+        assert iteration_time(DSV3, c, *args).seconds >= iteration_time(DSV3, plain, *args).seconds
+    assert iteration_time(DSV3, c, lay, 0, 0, 8 * 16384, 2048, fp8).compute_s > 1.05 * iteration_time(
+        DSV3, plain, lay, 0, 0, 8 * 16384, 2048, fp8).compute_s
+
+
+def test_a_grouped_table_out_of_order_is_refused():
+    """hardware_db: a fp8_grouped_by_tokens table whose tokens do not ascend, or a pair out of range, is refused in
+    one line naming the field."""
+    from pathlib import Path
+
+    from meshplan.hardware_db.gpu import parse_gpu
+
+    text = (Path(__file__).resolve().parents[1] / "hardware_db" / "gpus" / "h800.toml").read_text()
+    for bad in ("[[512, 0.489], [256, 0.437]]", "[[256, 1.5]]", "[[256]]"):
+        broken = text.replace("[[256, 0.437], [512, 0.489], [1024, 0.539], [4096, 0.595], [8192, 0.599]]", bad)
+        with pytest.raises(InputError, match="fp8_grouped_by_tokens"):
+            parse_gpu(broken, "h800.toml")
