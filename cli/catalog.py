@@ -190,6 +190,13 @@ def hardware_show(
     eff.add_column("value", justify="right")
     for field, value in g.efficiency:
         if field != "source":  # a field left unset takes its derived default (docs/hardware.md)
-            eff.add_row(field, "derived default" if value is None else f"{value:g}")
+            eff.add_row(field, "derived default" if value is None else _efficiency_value(value))
     con.print(eff)
     con.print(f"efficiency source: {g.efficiency.source}")
+
+
+def _efficiency_value(value: float | bool | list[list[float]]) -> str:
+    """A number, or a table of (tokens per expert, fraction) pairs as `256: 0.437, 512: 0.489, ...`."""
+    if isinstance(value, list):
+        return ", ".join(f"{m:g}: {f:g}" for m, f in value)
+    return f"{value:g}"
