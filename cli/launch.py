@@ -16,7 +16,7 @@ from meshplan.cli.options import (MAX_VERIFY_RANKS, MAX_VERIFY_STEPS, MAX_VERIFY
                                   PerNodeOpt, cluster_of_flags, console, echo_export, one_line, option,
                                   output_targets, packed, print_error)
 from meshplan.cli.serve import print_serving
-from meshplan.cli.train import print_estimate
+from meshplan.cli.train import print_cost, print_estimate
 from meshplan.costmodels.config import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Workload
 from meshplan.costmodels.estimate import simulate_config
 from meshplan.costmodels.model_io import load_model
@@ -186,6 +186,8 @@ def show(
             s = doc.search
             con.print(f"search: rank {s.rank}, {s.status} (gap {100 * s.gap:.2f} %), {s.space_size:,} candidates, "
                       f"{s.evaluated:,} simulated" + ("" if s.seconds is None else f", {s.seconds:.2f} s"))
+        if doc.economics is not None:
+            print_cost(con, doc.economics)
     if trace is not None:
         spec, cluster, wl, cfg, runtime = plan_config(doc)
         write_trace(chrome_trace(simulate_config(spec, cluster, wl, cfg, runtime)), trace)

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from meshplan.costmodels.economics import serving_cost
 from meshplan import api
 from meshplan.cli.options import (P_CLUSTER, P_MODEL, P_OUT, P_PAR, GpuOpt, ModelOpt, NicOpt, NvlinkOpt, PerNodeOpt,
                                   cluster_of_flags, console, option, output_targets, packed, report_export)
@@ -252,6 +253,9 @@ def print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, targ
     con.print(f"best: {doc.mode}, {p.gpus} GPUs: {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
               f"{p.tokens_per_s_per_user:.1f} tokens/s/user, TTFT {p.ttft_ms:.0f} ms, TPOT {p.tpot_ms:.1f} ms, "
               f"{p.requests_per_s:.2f} requests/s" + ("" if p.meets_targets else f" (misses {p.misses})"))
+    cost = serving_cost(p.gpus, cluster.gpu.price_usd_per_hour.value, p.tokens_per_s_per_gpu * p.gpus)
+    con.print(f"cost: ${cost.usd_per_hour:,.2f}/hour at ${cost.usd_per_gpu_hour:g} per GPU-hour (the hardware "
+              f"database's indicative price), ${cost.usd_per_million_output_tokens:,.3f} per million output tokens")
     for e in doc.engines:
         load = f"busy {e.load:.0%}" if e.role == "prefill" else f"{e.load * e.max_num_seqs:,.0f} running on average"
         con.print(f"  {e.engines} x {e.role} engine TP{e.tp} DP{e.dp} PP{e.pp} EP{e.ep} ({e.gpus_per_engine} GPUs): "

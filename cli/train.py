@@ -13,9 +13,10 @@ from rich.table import Table
 from meshplan import api
 from meshplan.cli.options import (P_OUT, P_SEARCHED, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt, console,
                                   option, output_targets, packed, report_export, with_cluster, with_knobs,
-                                  with_workload)
+                                  with_workload, with_budget)
 from meshplan.costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
+from meshplan.costmodels.economics import Budget, TrainingCost
 from meshplan.costmodels.estimate import Estimate
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
@@ -23,17 +24,20 @@ from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import OutputFile, write_all
+from meshplan.planner.plan import Economics
 from meshplan.planner.space import DEFAULT_MAX_MBS
 
 
 @with_workload
 @with_cluster
 @with_knobs(searching=False)
+@with_budget
 def estimate(
     model: ModelOpt,
     workload: Workload,  # --gbs --seq --dtype --fp8-recipe (cli/options.py with_workload)
     cluster: ClusterSpec,  # --gpu --gpus and the link flags, or --cluster (with_cluster)
     config: ParallelConfig,  # one option per knob (with_knobs)
+    budget: Budget,  # --price-per-gpu-hour --tokens and the failure flags (with_budget)
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     calibration: CalibrationOpt = None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
@@ -50,7 +54,9 @@ def estimate(
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
     else:
-        print_estimate(console(), spec, api.calibrated(cluster, calibration, runtime)[0], workload, est)
+        con = console()
+        print_estimate(con, spec, api.calibrated(cluster, calibration, runtime)[0], workload, est)
+        print_cost(con, api.cost_of(spec, cluster, est.tokens_per_s, budget))
 
 
 BREAKDOWN_LABELS = {
@@ -129,6 +135,22 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
                   f"HBM); try more --pp/--tp, --recompute selective|full, a higher --zero or a smaller --mbs")
 
 
+def print_cost(con: Console, cost: TrainingCost | Economics) -> None:
+    """The money and time lines under a plan or an estimate."""
+    con.print(f"cost: ${cost.usd_per_hour:,.2f}/hour at ${cost.usd_per_gpu_hour:g} per GPU-hour, "
+              f"${cost.usd_per_million_tokens:,.3f} and {cost.gpu_hours_per_million_tokens:,.3f} GPU-hours per "
+              f"million training tokens")
+    if cost.tokens is None or cost.ideal_s is None or cost.expected_s is None:
+        return
+    assert cost.mtbf_s is not None and cost.checkpoint_interval_s is not None and cost.checkpoint_s is not None
+    assert cost.total_usd is not None and cost.gpu_hours is not None and cost.goodput is not None
+    con.print(f"time to train {cost.tokens:.3g} tokens: {cost.ideal_s / 86400:,.1f} days without failures, "
+              f"{cost.expected_s / 86400:,.1f} days expected ({cost.goodput:.1%} goodput): a failure every "
+              f"{cost.mtbf_s / 3600:,.1f} h, a checkpoint every {cost.checkpoint_interval_s / 60:,.1f} min "
+              f"({cost.checkpoint_s:,.1f} s to write; Daly's optimum); ${cost.total_usd:,.0f}, "
+              f"{cost.gpu_hours:,.0f} GPU-hours")
+
+
 # ---- plan ----------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -178,12 +200,14 @@ PLAN_OUTPUTS = [
 @with_workload
 @with_cluster
 @with_knobs(searching=True)
+@with_budget
 @packed("outputs", PLAN_OUTPUTS, _plan_outputs)
 def plan(
     model: ModelOpt,
     workload: Workload,  # --gbs --seq --dtype --fp8-recipe (cli/options.py with_workload)
     cluster: ClusterSpec,  # --gpu --gpus and the link flags, or --cluster (with_cluster)
     config: ParallelConfig,  # one option per knob the search takes pinned (with_knobs)
+    budget: Budget,  # --price-per-gpu-hour --tokens and the failure flags (with_budget)
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     calibration: CalibrationOpt = None,
     max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, max=2**17, rich_help_panel=P_SEARCHED,
@@ -210,7 +234,7 @@ def plan(
     spec = load_model(model)
     with _progress(not outputs.as_json) as bar:
         found = api.search_plans(spec, cluster, workload, config, runtime, calibration, top, time_limit,
-                                 outputs.timing, progress=bar, max_mbs=max_mbs)
+                                 outputs.timing, progress=bar, max_mbs=max_mbs, budget=budget)
     doc, result, sim = found.plan, found.result, found.simulated
     exported = export_plan(doc, outputs.export_to) if outputs.export_to is not None else None  # refuses first
     files = [OutputFile(outputs.out, plan_text(doc))] if outputs.out is not None else []
@@ -224,6 +248,8 @@ def plan(
         return
     con = console()
     _print_ranking(con, spec, found.cluster, workload, result)
+    assert doc.economics is not None
+    print_cost(con, doc.economics)
     if outputs.explain:
         for line in explain(result):
             con.print(line)

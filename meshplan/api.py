@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 from meshplan.costmodels.config import ParallelConfig, Workload
+from meshplan.costmodels.economics import Budget, TrainingCost, training_cost
 from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster
 from meshplan.costmodels.estimate import Estimate, Simulated, simulate_config
 from meshplan.costmodels.estimate import estimate as estimate_cost
@@ -24,13 +25,14 @@ from meshplan.hardware_db.calibration import load_calibration
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.builders import build_plan, build_serving_plan
-from meshplan.planner.plan import Plan, ServingPlan, read_any_plan, without_timing
+from meshplan.planner.plan import Economics, Plan, ServingPlan, read_any_plan, without_timing
 from meshplan.planner.search import ProgressFn, SearchResult, search
 from meshplan.planner.serve import (ServeResult, SimulationCheck, checked_by_simulation, explain_serving,
                                    pinned_deployment, search_serving, simulate_deployment)
 from meshplan.planner.space import DEFAULT_MAX_MBS
 
 __all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "estimate", "load_plan", "plan",
+           "cost_of", "priced",
            "search_deployments", "search_plans", "serve"]
 
 # a zoo name, a config file (Hugging Face config.json or meshplan model file), or a spec
@@ -92,13 +94,33 @@ def estimate(model: ModelInput, cluster: ClusterSpec, workload: Workload, config
     return estimate_cost(_model(model), hardware, workload, config, runtime, eff)
 
 
+def cost_of(model: ModelInput, cluster: ClusterSpec, tokens_per_s: float, budget: Budget = Budget()) -> TrainingCost:
+    """Dollars, GPU-hours and, with budget.tokens, the time to train with failures of a plan or estimate making
+    `tokens_per_s` on `cluster`; the price is the hardware database's unless the budget gives one."""
+    price = budget.usd_per_gpu_hour
+    if price is None:
+        price = Cluster(cluster).gpu.price_usd_per_hour.value
+    return training_cost(cluster.num_gpus, price, tokens_per_s, _model(model).total_params(), budget.tokens,
+                         budget.reliability)
+
+
+def priced(doc: Plan, budget: Budget = Budget()) -> Plan:
+    """The plan with its economics section (what it costs; with a token count, its run's time with failures)."""
+    cluster = doc.inputs.cluster
+    price = cluster.gpu_spec.price_usd_per_hour.value if budget.usd_per_gpu_hour is None else budget.usd_per_gpu_hour
+    cost = training_cost(cluster.num_gpus, price, doc.prediction.tokens_per_s, doc.inputs.model_spec().total_params(),
+                         budget.tokens, budget.reliability)
+    fields = {k: v for k, v in vars(cost).items() if k in Economics.model_fields}
+    return doc.model_copy(update={"economics": Economics(**fields)})
+
+
 def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),
                  runtime: str = DEFAULT_RUNTIME, calibration: str | None = None, top: int = 5,
                  time_limit_s: float | None = None, timing: bool = False, progress: ProgressFn | None = None,
-                 max_mbs: int = DEFAULT_MAX_MBS) -> PlanSearch:
+                 max_mbs: int = DEFAULT_MAX_MBS, budget: Budget = Budget()) -> PlanSearch:
     """Search every configuration `config` leaves open (each knob left None is searched, the others are pinned); the
-    best plan (its search time recorded only with `timing`, so the same input makes the same document). InputError
-    when nothing fits, saying why."""
+    best plan (its search time recorded only with `timing`, so the same input makes the same document), priced with
+    `budget` (its economics section). InputError when nothing fits, saying why."""
     spec = _model(model)
     hardware, eff = calibrated(cluster, calibration, runtime)
     result = search(spec, hardware, workload, config, runtime, efficiency=eff, top_k=top, time_limit_s=time_limit_s,
@@ -110,6 +132,7 @@ def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, co
     doc = build_plan(spec, hardware, workload, best.config, sim, runtime, account=result.account, rank=1,
                      bound_s=best.bound_s, partition_status=best.partition_status,
                      calibration=eff.calibration if eff else None)
+    doc = priced(doc, budget)
     return PlanSearch(plan=doc if timing else without_timing(doc), result=result, simulated=sim, cluster=hardware)
 
 

@@ -1,0 +1,129 @@
+"""What a plan costs and how long a training run takes with failures: dollars per hour and per million tokens,
+GPU-hours, and the expected wall time of a run of a given number of tokens when the job is interrupted at random
+and restarts from its last checkpoint (Young 1974, Daly 2006). Small pure functions; the CLI prints them and the
+plan records them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Budget", "Reliability", "TrainingCost", "ServingCost", "young_interval", "daly_interval", "daly_wall_time",
+           "checkpoint_bytes", "training_cost", "serving_cost", "LLAMA3_FAILURES_PER_GPU_HOUR",
+           "LLAMA3_STORAGE_BYTES_PER_S_PER_GPU", "CHECKPOINT_BYTES_PER_PARAM"]
+
+# 419 unexpected interruptions in a 54-day snapshot of Llama 3 405B pre-training on 16,384 H100 GPUs (Dubey et al.,
+# "The Llama 3 Herd of Models", 2024, sec. 3.3.4): 419 / (54 x 24 h x 16,384 GPUs) per GPU-hour
+LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16384)
+# the same paper, sec. 3.3.1: Tectonic sustains 2 TB/s for the 16K-GPU cluster's checkpoints; its share per GPU
+LLAMA3_STORAGE_BYTES_PER_S_PER_GPU = 2e12 / 16384
+# a checkpoint holds BF16 weights and FP32 master weights and Adam's two moments: 2 + 4 + 4 + 4 bytes a parameter
+# (ZeRO, Rajbhandari et al. 2020, sec. 3.1: 2 + 12 bytes of model and optimizer states; gradients are not saved)
+CHECKPOINT_BYTES_PER_PARAM = 14.0
+
+
+@dataclass(frozen=True)
+class Reliability:
+    """How often the job fails and what a failure costs. Defaults: Llama 3's measured interruption rate and storage
+    bandwidth per GPU; the restart (reschedule, reload, warm up) is an assumption, 10 minutes, to be set."""
+
+    failures_per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR
+    checkpoint_bytes_per_s: float | None = None  # aggregate write bandwidth; None: the Llama 3 share per GPU
+    restart_s: float = 600.0
+
+
+def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum compute time between checkpoints: sqrt(2 delta M) (Young, "A first order
+    approximation to the optimum checkpoint interval", CACM 17(9), 1974)."""
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+
+
+def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimum: sqrt(2 delta M) [1 + (1/3) sqrt(delta / 2M) + (1/9) (delta / 2M)] - delta for
+    delta < 2M, else M (Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps", Future
+    Generation Computer Systems 22, 2006; its Figs. 3-5: 117, 57 and 9.1 minutes at M = 24 h, 6 h and 15 min with
+    delta = 5 min)."""
+    if checkpoint_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = checkpoint_s / (2.0 * mtbf_s)
+    return young_interval(checkpoint_s, mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - checkpoint_s
+
+
+def daly_wall_time(solve_s: float, interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float) -> float:
+    """Expected wall time of `solve_s` of computation checkpointed every `interval_s` under Poisson failures of
+    mean time `mtbf_s`, each costing a restart and the work since the last checkpoint (Daly 2006, the complete cost
+    function): M e^(R/M) (e^((tau + delta)/M) - 1) T_s / tau."""
+    m = mtbf_s
+    return m * math.exp(restart_s / m) * math.expm1((interval_s + checkpoint_s) / m) * solve_s / interval_s
+
+
+def checkpoint_bytes(parameters: float) -> float:
+    return CHECKPOINT_BYTES_PER_PARAM * parameters
+
+
+@dataclass(frozen=True)
+class TrainingCost:
+    """A training plan's cost at its predicted throughput, and with `tokens` its run: the ideal time, the expected
+    time with failures at Daly's interval, and what both cost."""
+
+    gpus: int
+    usd_per_gpu_hour: float
+    tokens_per_s: float
+    usd_per_hour: float
+    usd_per_million_tokens: float
+    gpu_hours_per_million_tokens: float
+    tokens: float | None = None
+    ideal_s: float | None = None
+    expected_s: float | None = None  # with failures, checkpoints and restarts
+    goodput: float | None = None  # ideal / expected
+    mtbf_s: float | None = None  # of the whole job
+    checkpoint_s: float | None = None  # one checkpoint's write
+    checkpoint_interval_s: float | None = None  # Daly's optimum compute time between checkpoints
+    total_usd: float | None = None  # at the expected time
+    gpu_hours: float | None = None  # at the expected time
+
+
+def training_cost(gpus: int, usd_per_gpu_hour: float, tokens_per_s: float, parameters: float,
+                  tokens: float | None = None, reliability: Reliability = Reliability()) -> TrainingCost:
+    usd_per_hour = gpus * usd_per_gpu_hour
+    per_million_h = 1e6 / tokens_per_s / 3600.0
+    base = TrainingCost(gpus, usd_per_gpu_hour, tokens_per_s, usd_per_hour, usd_per_hour * per_million_h,
+                        gpus * per_million_h)
+    if tokens is None:
+        return base
+    ideal = tokens / tokens_per_s
+    mtbf = 3600.0 / (reliability.failures_per_gpu_hour * gpus)
+    bandwidth = reliability.checkpoint_bytes_per_s or LLAMA3_STORAGE_BYTES_PER_S_PER_GPU * gpus
+    delta = checkpoint_bytes(parameters) / bandwidth
+    tau = daly_interval(delta, mtbf)
+    expected = daly_wall_time(ideal, tau, delta, reliability.restart_s, mtbf)
+    hours = expected / 3600.0
+    return TrainingCost(gpus, usd_per_gpu_hour, tokens_per_s, usd_per_hour, base.usd_per_million_tokens,
+                        base.gpu_hours_per_million_tokens, tokens, ideal, expected, ideal / expected, mtbf, delta,
+                        tau, usd_per_hour * hours, gpus * hours)
+
+
+@dataclass(frozen=True)
+class ServingCost:
+    """A deployment's cost per hour and per million output tokens at its predicted throughput."""
+
+    gpus: int
+    usd_per_gpu_hour: float
+    usd_per_hour: float
+    usd_per_million_output_tokens: float
+
+
+def serving_cost(gpus: int, usd_per_gpu_hour: float, output_tokens_per_s: float) -> ServingCost:
+    usd_per_hour = gpus * usd_per_gpu_hour
+    return ServingCost(gpus, usd_per_gpu_hour, usd_per_hour, usd_per_hour / (output_tokens_per_s * 3600.0 / 1e6))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the user prices a plan with: the GPU-hour price (None: the hardware database's), the tokens to train
+    on (None: no run), and the failures the run meets."""
+
+    usd_per_gpu_hour: float | None = None
+    tokens: float | None = None
+    reliability: Reliability = Reliability()
