@@ -24,7 +24,6 @@ from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import OutputFile, write_all
-from meshplan.planner.plan import Economics
 from meshplan.planner.space import DEFAULT_MAX_MBS
 
 
@@ -135,7 +134,7 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
                   f"HBM); try more --pp/--tp, --recompute selective|full, a higher --zero or a smaller --mbs")
 
 
-def print_cost(con: Console, cost: TrainingCost | Economics) -> None:
+def print_cost(con: Console, cost: TrainingCost) -> None:
     """The money and time lines under a plan or an estimate."""
     con.print(f"cost: ${cost.usd_per_hour:,.2f}/hour at ${cost.usd_per_gpu_hour:g} per GPU-hour, "
               f"${cost.usd_per_million_tokens:,.3f} and {cost.gpu_hours_per_million_tokens:,.3f} GPU-hours per "

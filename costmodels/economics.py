@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pydantic import BaseModel, ConfigDict, Field
+
 __all__ = ["Budget", "Reliability", "TrainingCost", "ServingCost", "young_interval", "daly_interval", "daly_wall_time",
            "checkpoint_bytes", "training_cost", "serving_cost", "LLAMA3_FAILURES_PER_GPU_HOUR",
            "LLAMA3_STORAGE_BYTES_PER_S_PER_GPU", "CHECKPOINT_BYTES_PER_PARAM"]
@@ -62,34 +64,36 @@ def checkpoint_bytes(parameters: float) -> float:
     return CHECKPOINT_BYTES_PER_PARAM * parameters
 
 
-@dataclass(frozen=True)
-class TrainingCost:
+class TrainingCost(BaseModel):
     """A training plan's cost at its predicted throughput, and with `tokens` its run: the ideal time, the expected
-    time with failures at Daly's interval, and what both cost."""
+    time with failures at Daly's interval, and what both cost. The plan's `economics` section."""
 
-    gpus: int
-    usd_per_gpu_hour: float
-    tokens_per_s: float
-    usd_per_hour: float
-    usd_per_million_tokens: float
-    gpu_hours_per_million_tokens: float
-    tokens: float | None = None
-    ideal_s: float | None = None
-    expected_s: float | None = None  # with failures, checkpoints and restarts
-    goodput: float | None = None  # ideal / expected
-    mtbf_s: float | None = None  # of the whole job
-    checkpoint_s: float | None = None  # one checkpoint's write
-    checkpoint_interval_s: float | None = None  # Daly's optimum compute time between checkpoints
-    total_usd: float | None = None  # at the expected time
-    gpu_hours: float | None = None  # at the expected time
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    gpus: int = Field(gt=0)
+    usd_per_gpu_hour: float = Field(ge=0)
+    tokens_per_s: float = Field(gt=0)
+    usd_per_hour: float = Field(ge=0)
+    usd_per_million_tokens: float = Field(ge=0)
+    gpu_hours_per_million_tokens: float = Field(ge=0)
+    tokens: float | None = Field(default=None, gt=0)
+    ideal_s: float | None = Field(default=None, ge=0, description="tokens / throughput")
+    expected_s: float | None = Field(default=None, ge=0, description="with failures, checkpoints and restarts")
+    goodput: float | None = Field(default=None, ge=0, le=1, description="ideal / expected")
+    mtbf_s: float | None = Field(default=None, gt=0, description="the whole job's mean time between failures")
+    checkpoint_s: float | None = Field(default=None, ge=0, description="one checkpoint's write")
+    checkpoint_interval_s: float | None = Field(default=None, gt=0, description=(
+        "Daly's optimum compute time between checkpoints"))
+    total_usd: float | None = Field(default=None, ge=0, description="at the expected time")
+    gpu_hours: float | None = Field(default=None, ge=0, description="at the expected time")
 
 
 def training_cost(gpus: int, usd_per_gpu_hour: float, tokens_per_s: float, parameters: float,
                   tokens: float | None = None, reliability: Reliability = Reliability()) -> TrainingCost:
     usd_per_hour = gpus * usd_per_gpu_hour
     per_million_h = 1e6 / tokens_per_s / 3600.0
-    base = TrainingCost(gpus, usd_per_gpu_hour, tokens_per_s, usd_per_hour, usd_per_hour * per_million_h,
-                        gpus * per_million_h)
+    base = TrainingCost(gpus=gpus, usd_per_gpu_hour=usd_per_gpu_hour, tokens_per_s=tokens_per_s,
+                        usd_per_hour=usd_per_hour, usd_per_million_tokens=usd_per_hour * per_million_h,
+                        gpu_hours_per_million_tokens=gpus * per_million_h)
     if tokens is None:
         return base
     ideal = tokens / tokens_per_s
@@ -99,9 +103,9 @@ def training_cost(gpus: int, usd_per_gpu_hour: float, tokens_per_s: float, param
     tau = daly_interval(delta, mtbf)
     expected = daly_wall_time(ideal, tau, delta, reliability.restart_s, mtbf)
     hours = expected / 3600.0
-    return TrainingCost(gpus, usd_per_gpu_hour, tokens_per_s, usd_per_hour, base.usd_per_million_tokens,
-                        base.gpu_hours_per_million_tokens, tokens, ideal, expected, ideal / expected, mtbf, delta,
-                        tau, usd_per_hour * hours, gpus * hours)
+    return base.model_copy(update=dict(tokens=tokens, ideal_s=ideal, expected_s=expected, goodput=ideal / expected,
+                                       mtbf_s=mtbf, checkpoint_s=delta, checkpoint_interval_s=tau,
+                                       total_usd=usd_per_hour * hours, gpu_hours=gpus * hours))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from meshplan.hardware_db.calibration import load_calibration
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.builders import build_plan, build_serving_plan
-from meshplan.planner.plan import Economics, Plan, ServingPlan, read_any_plan, without_timing
+from meshplan.planner.plan import Plan, ServingPlan, read_any_plan, without_timing
 from meshplan.planner.search import ProgressFn, SearchResult, search
 from meshplan.planner.serve import (ServeResult, SimulationCheck, checked_by_simulation, explain_serving,
                                    pinned_deployment, search_serving, simulate_deployment)
@@ -110,8 +110,7 @@ def priced(doc: Plan, budget: Budget = Budget()) -> Plan:
     price = cluster.gpu_spec.price_usd_per_hour.value if budget.usd_per_gpu_hour is None else budget.usd_per_gpu_hour
     cost = training_cost(cluster.num_gpus, price, doc.prediction.tokens_per_s, doc.inputs.model_spec().total_params(),
                          budget.tokens, budget.reliability)
-    fields = {k: v for k, v in vars(cost).items() if k in Economics.model_fields}
-    return doc.model_copy(update={"economics": Economics(**fields)})
+    return doc.model_copy(update={"economics": cost})
 
 
 def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),

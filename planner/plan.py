@@ -21,6 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, Vali
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RANK_ORDERS, CpComm, DenseDim, Layout,
                                         ParallelConfig, Recompute, RecomputeModule, Schedule, StagePolicy, Workload,
                                         ZeroStage, rank_order_dims, rank_order_of, resolve)
+from meshplan.costmodels.economics import TrainingCost
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import parse_model_file
 from meshplan.costmodels.runtime import get_runtime
@@ -279,26 +280,6 @@ class SearchInfo(_Frozen):
     partition_status: str | None = None
 
 
-class Economics(_Frozen):
-    """What the plan costs at its predicted throughput (costmodels.economics.TrainingCost), and with a token count its
-    run: the ideal and the expected time with failures, the checkpoint interval that minimises it, the cost."""
-
-    usd_per_gpu_hour: float = Field(ge=0)
-    usd_per_hour: float = Field(ge=0)
-    usd_per_million_tokens: float = Field(ge=0)
-    gpu_hours_per_million_tokens: float = Field(ge=0)
-    tokens: float | None = Field(default=None, gt=0)
-    ideal_s: float | None = Field(default=None, ge=0, description="tokens / throughput")
-    expected_s: float | None = Field(default=None, ge=0, description="with failures, checkpoints and restarts")
-    goodput: float | None = Field(default=None, ge=0, le=1)
-    mtbf_s: float | None = Field(default=None, gt=0, description="the whole job's mean time between failures")
-    checkpoint_s: float | None = Field(default=None, ge=0, description="one checkpoint's write")
-    checkpoint_interval_s: float | None = Field(default=None, gt=0, description="Daly's optimum compute time "
-                                                                                "between checkpoints")
-    total_usd: float | None = Field(default=None, ge=0)
-    gpu_hours: float | None = Field(default=None, ge=0)
-
-
 # ---- the plan ------------------------------------------------------------------------------------------------------
 
 class Plan(_Frozen):
@@ -313,7 +294,7 @@ class Plan(_Frozen):
     memory: Memory
     prediction: Prediction
     search: SearchInfo | None = None
-    economics: Economics | None = None
+    economics: TrainingCost | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
