@@ -446,11 +446,13 @@ def _mlp_ops(model: ModelSpec, tokens: float, ffn_local: float, wdt: float, pref
             gemm(f"{prefix}down_proj", tokens, model.hidden, ffn_local, wdt)]
 
 
-def _experts_op(model: ModelSpec, layout: EngineLayout, tokens_engine: float, wdt: float, imbalance: float) -> Op:
+def _experts_op(model: ModelSpec, layout: EngineLayout, tokens_engine: float, wdt: float,
+                imbalance: float) -> tuple[Op, float]:
     """The routed experts of one MoE layer on one GPU: its E/ep experts, each split etp ways. FLOPs follow the
     tokens routed to them (top-k of every token, the busiest rank `imbalance` times the mean); bytes read the
     weights of the experts at least one token reaches: of E experts and n = tokens x k uniform assignments,
-    E (1 - (1 - 1/E)^n) are hit on average (balls into bins)."""
+    E (1 - (1 - 1/E)^n) are hit on average (balls into bins). With the op, the tokens each local expert reached
+    computes (the grouped kernel's efficiency follows them)."""
     moe = model.moe
     assert moe is not None
     mats = 3 if model.mlp == "swiglu" else 2
@@ -461,16 +463,8 @@ def _experts_op(model: ModelSpec, layout: EngineLayout, tokens_engine: float, wd
     hit = 1.0 - (1.0 - 1.0 / moe.num_experts) ** assignments
     local_experts = math.ceil(moe.num_experts / layout.ep)  # with redundant experts (redundant_experts)
     io = ACT_BYTES * (local_experts * hit * expert_params + local_tokens * model.hidden * 2)  # 16-bit units, as gemm()
-    return Op("routed_experts", "gemm", flops, io, 0.0, 0.0, gemm_dtype_scale=wdt)
-
-
-def _tokens_per_expert(model: ModelSpec, layout: EngineLayout, tokens_engine: float, imbalance: float) -> float:
-    """Tokens each local expert reached on the busiest rank computes (as _experts_op counts them)."""
-    moe = model.moe
-    assert moe is not None
-    assignments = tokens_engine * moe.top_k
-    hit = 1.0 - (1.0 - 1.0 / moe.num_experts) ** assignments
-    return assignments * imbalance / layout.ep / max(math.ceil(moe.num_experts / layout.ep) * hit, 1e-9)
+    per_expert = local_tokens / max(local_experts * hit, 1e-9)
+    return Op("routed_experts", "gemm", flops, io, 0.0, 0.0, gemm_dtype_scale=wdt), per_expert
 
 
 def _grouped_floor(flops: float, per_expert: float, table: list[list[float]], peak: float) -> float:
@@ -604,14 +598,13 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
         moe = model.moe
         assert moe is not None
         engine_tokens = t * layout.dp
-        experts = _experts_op(model, layout, engine_tokens, wdt, options.moe_imbalance)
+        experts, per_expert = _experts_op(model, layout, engine_tokens, wdt, options.moe_imbalance)
         ops = [gemm("router", t, moe.num_experts, model.hidden, wdt)]
         if moe.num_shared_experts:
             ops += _mlp_ops(model, t, moe.num_shared_experts * moe.shared_hidden / layout.tp, wdt, "shared_")
         routed = ops_time([experts])
         table = gpu.efficiency.fp8_grouped_by_tokens
         if table and weight_dtype == "fp8" and experts.fwd_flops > 0:
-            per_expert = _tokens_per_expert(model, layout, engine_tokens, options.moe_imbalance)
             routed = max(routed, _grouped_floor(experts.fwd_flops, per_expert, table, gpu.peak_flops("fp8")))
         compute += moe_layers * (attention + ops_time(ops) + routed)
         per_layer = tp_ar  # the attention output
@@ -648,8 +641,7 @@ def _gemm_peak(gpu: GPUSpec, weight_dtype: str, eff: Efficiency) -> float:
     peak = gpu.peak_flops(weight_dtype)
     if weight_dtype != "fp4":
         return peak
-    d = gpu.efficiency
-    fp4 = d.fp4_gemm_max or d.fp8_gemm_max or 0.88 * d.gemm_max
+    fp4 = gpu.efficiency.fp4_gemm_max or eff.fp8_gemm_max  # the Efficiency's FP8 ceiling, its default derived
     return peak * fp4 / eff.gemm_max
 
 
