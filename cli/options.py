@@ -259,8 +259,9 @@ def with_budget(command: Command) -> Command:
         option("tokens", Annotated[float | None, typer.Option("--tokens", min=1.0, rich_help_panel=P_COST, help=(
             "Tokens to train on (e.g. 15e12): time to train and total cost, with failures, checkpoints and "
             "restarts (Daly's optimum checkpoint interval)."))]),
-        option("failure_rate", Annotated[float, typer.Option("--failure-rate", min=0.0, rich_help_panel=P_COST, help=(
-            "Job interruptions per GPU-hour; default Llama 3's 419 in 54 days on 16,384 GPUs (1.97e-5)."))],
+        option("failure_rate", Annotated[float, typer.Option(
+            "--failure-rate", min=1e-12, max=1.0, rich_help_panel=P_COST,
+            help="Job interruptions per GPU-hour; default Llama 3's 419 in 54 days on 16,384 GPUs (1.97e-5).")],
                LLAMA3_FAILURES_PER_GPU_HOUR),
         option("ckpt_gbps", Annotated[float | None, typer.Option("--ckpt-gbps", min=0.001, rich_help_panel=P_COST,
                                                                  help=("Checkpoint write bandwidth of the whole "

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from meshplan.hardware_db.errors import InputError
+
 __all__ = ["Budget", "Reliability", "TrainingCost", "ServingCost", "young_interval", "daly_interval", "daly_wall_time",
            "checkpoint_bytes", "training_cost", "serving_cost", "LLAMA3_FAILURES_PER_GPU_HOUR",
            "LLAMA3_STORAGE_BYTES_PER_S_PER_GPU", "CHECKPOINT_BYTES_PER_PARAM"]
@@ -101,7 +103,12 @@ def training_cost(gpus: int, usd_per_gpu_hour: float, tokens_per_s: float, param
     bandwidth = reliability.checkpoint_bytes_per_s or LLAMA3_STORAGE_BYTES_PER_S_PER_GPU * gpus
     delta = checkpoint_bytes(parameters) / bandwidth
     tau = daly_interval(delta, mtbf)
-    expected = daly_wall_time(ideal, tau, delta, reliability.restart_s, mtbf)
+    try:
+        expected = daly_wall_time(ideal, tau, delta, reliability.restart_s, mtbf)
+    except OverflowError:
+        raise InputError(f"a failure every {mtbf:,.0f} s with a {reliability.restart_s:,.0f} s restart and a "
+                         f"{delta:,.0f} s checkpoint: the run never finishes; lower --failure-rate or --restart-min, "
+                         "or raise --ckpt-gbps") from None
     hours = expected / 3600.0
     return base.model_copy(update=dict(tokens=tokens, ideal_s=ideal, expected_s=expected, goodput=ideal / expected,
                                        mtbf_s=mtbf, checkpoint_s=delta, checkpoint_interval_s=tau,

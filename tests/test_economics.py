@@ -118,3 +118,15 @@ def test_a_negative_price_is_refused(capsys):
     code, out, err = run(capsys, "estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8",
                          "--price-per-gpu-hour", "-1")
     assert code == 2 and "Traceback" not in err and "--price-per-gpu-hour" in err
+
+
+@pytest.mark.parametrize(("flags", "words"), [(("--failure-rate", "0"), "--failure-rate"),
+                                              (("--failure-rate", "1", "--restart-min", "10000"), "never finishes")])
+def test_failures_the_run_cannot_outlast_are_refused(capsys, flags, words):
+    """No failures at all is not a rate (give a tiny one); failures so frequent that a restart never completes the
+    work make the expected time overflow: both one line, exit 2, no traceback."""
+    from cli_helpers import run
+
+    code, out, err = run(capsys, "estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8",
+                         "--tokens", "1e12", *flags)
+    assert code == 2 and "Traceback" not in err + out and words in err
