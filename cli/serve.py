@@ -8,10 +8,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from meshplan.costmodels.economics import serving_cost
+from meshplan.costmodels.economics import Budget, ServingCost
 from meshplan import api
-from meshplan.cli.options import (P_CLUSTER, P_MODEL, P_OUT, P_PAR, GpuOpt, ModelOpt, NicOpt, NvlinkOpt, PerNodeOpt,
-                                  cluster_of_flags, console, option, output_targets, packed, report_export)
+from meshplan.cli.options import (P_CLUSTER, P_COST, P_MODEL, P_OUT, P_PAR, GpuOpt, ModelOpt, NicOpt, NvlinkOpt,
+                                  PerNodeOpt, cluster_of_flags, console, option, output_targets, packed, report_export)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.serving import ServeTargets, ServeWorkload
@@ -177,6 +177,9 @@ def serve(
         "Stop taking engine layouts (smallest engines first) after about this many seconds, once a deployment "
         "can be formed; the report says how many were left."))] = None,
     outputs: ServeOutputs = ServeOutputs(),  # --out --json --timing --export --export-out
+    price: Annotated[float | None, typer.Option("--price-per-gpu-hour", min=0.0, rich_help_panel=P_COST, help=(
+        "USD per GPU-hour for the cost lines and the plan's economics; default the hardware database's indicative "
+        "price (hardware show)."))] = None,
 ) -> None:
     """Search serving deployments: TP, attention DP, PP and EP per engine, batch and chunk sizes, aggregated or
     disaggregated prefill and decode pools, under TTFT and TPOT targets.
@@ -192,6 +195,8 @@ def serve(
     found = api.search_deployments(spec, gpus.cluster, workload, targets, gpus.low, objective, disaggregation, top,
                                    mem_fraction, time_limit, pinned, outputs.timing)
     doc, result, alternatives = found.plan, found.result, list(found.alternatives)
+    if price is not None:
+        doc = api.priced(doc, Budget(usd_per_gpu_hour=price))
     cluster = Cluster(gpus.cluster)
     exported = export_plan(doc, outputs.export_to) if outputs.export_to is not None else None
     written = export_files(exported, outputs.export_out) if exported and outputs.export_out is not None else []
@@ -205,6 +210,12 @@ def serve(
     if outputs.out is not None:
         con.print(f"serving plan written to {outputs.out}")
     report_export(con, exported, outputs.export_to, written if outputs.export_out is not None else None)
+
+
+def print_serving_cost(con: Console, cost: ServingCost) -> None:
+    con.print(f"cost: ${cost.usd_per_hour:,.2f}/hour at ${cost.usd_per_gpu_hour:g} per GPU-hour, "
+              f"${cost.usd_per_million_output_tokens:,.3f} and {cost.gpu_hours_per_million_output_tokens:,.3f} "
+              "GPU-hours per million output tokens")
 
 
 def print_simulated(con: Console, sim: SimulationCheck | None, percentile: str) -> None:
@@ -253,9 +264,8 @@ def print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, targ
     con.print(f"best: {doc.mode}, {p.gpus} GPUs: {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
               f"{p.tokens_per_s_per_user:.1f} tokens/s/user, TTFT {p.ttft_ms:.0f} ms, TPOT {p.tpot_ms:.1f} ms, "
               f"{p.requests_per_s:.2f} requests/s" + ("" if p.meets_targets else f" (misses {p.misses})"))
-    cost = serving_cost(p.gpus, cluster.gpu.price_usd_per_hour.value, p.tokens_per_s_per_gpu * p.gpus)
-    con.print(f"cost: ${cost.usd_per_hour:,.2f}/hour at ${cost.usd_per_gpu_hour:g} per GPU-hour (the hardware "
-              f"database's indicative price), ${cost.usd_per_million_output_tokens:,.3f} per million output tokens")
+    if doc.economics is not None:
+        print_serving_cost(con, doc.economics)
     for e in doc.engines:
         load = f"busy {e.load:.0%}" if e.role == "prefill" else f"{e.load * e.max_num_seqs:,.0f} running on average"
         con.print(f"  {e.engines} x {e.role} engine TP{e.tp} DP{e.dp} PP{e.pp} EP{e.ep} ({e.gpus_per_engine} GPUs): "

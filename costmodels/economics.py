@@ -115,19 +115,25 @@ def training_cost(gpus: int, usd_per_gpu_hour: float, tokens_per_s: float, param
                                        total_usd=usd_per_hour * hours, gpu_hours=gpus * hours))
 
 
-@dataclass(frozen=True)
-class ServingCost:
-    """A deployment's cost per hour and per million output tokens at its predicted throughput."""
+class ServingCost(BaseModel):
+    """A deployment's cost per hour and per million output tokens at its predicted throughput. The serving plan's
+    `economics` section."""
 
-    gpus: int
-    usd_per_gpu_hour: float
-    usd_per_hour: float
-    usd_per_million_output_tokens: float
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    gpus: int = Field(gt=0)
+    usd_per_gpu_hour: float = Field(ge=0)
+    output_tokens_per_s: float = Field(gt=0)
+    usd_per_hour: float = Field(ge=0)
+    usd_per_million_output_tokens: float = Field(ge=0)
+    gpu_hours_per_million_output_tokens: float = Field(ge=0)
 
 
 def serving_cost(gpus: int, usd_per_gpu_hour: float, output_tokens_per_s: float) -> ServingCost:
     usd_per_hour = gpus * usd_per_gpu_hour
-    return ServingCost(gpus, usd_per_gpu_hour, usd_per_hour, usd_per_hour / (output_tokens_per_s * 3600.0 / 1e6))
+    per_million_h = 1e6 / output_tokens_per_s / 3600.0
+    return ServingCost(gpus=gpus, usd_per_gpu_hour=usd_per_gpu_hour, output_tokens_per_s=output_tokens_per_s,
+                       usd_per_hour=usd_per_hour, usd_per_million_output_tokens=usd_per_hour * per_million_h,
+                       gpu_hours_per_million_output_tokens=gpus * per_million_h)
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 from meshplan.costmodels.config import ParallelConfig, Workload
-from meshplan.costmodels.economics import Budget, TrainingCost, training_cost
+from meshplan.costmodels.economics import Budget, ServingCost, TrainingCost, serving_cost, training_cost
 from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster
 from meshplan.costmodels.estimate import Estimate, Simulated, simulate_config
 from meshplan.costmodels.estimate import estimate as estimate_cost
@@ -37,6 +37,8 @@ __all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "est
 
 # a zoo name, a config file (Hugging Face config.json or meshplan model file), or a spec
 ModelInput: TypeAlias = str | ModelSpec
+# a training or a serving plan, the same kind out as in
+PlanT = TypeVar("PlanT", Plan, ServingPlan)
 
 
 @dataclass(frozen=True)
@@ -104,12 +106,19 @@ def cost_of(model: ModelInput, cluster: ClusterSpec, tokens_per_s: float, budget
                          budget.reliability)
 
 
-def priced(doc: Plan, budget: Budget = Budget()) -> Plan:
-    """The plan with its economics section (what it costs; with a token count, its run's time with failures)."""
+def priced(doc: PlanT, budget: Budget = Budget()) -> PlanT:
+    """The plan with its economics section: a training plan's cost (with budget.tokens, its run's time with
+    failures), a serving plan's cost per hour and per million output tokens. The price is the hardware database's
+    unless the budget gives one."""
     cluster = doc.inputs.cluster
     price = cluster.gpu_spec.price_usd_per_hour.value if budget.usd_per_gpu_hour is None else budget.usd_per_gpu_hour
-    cost = training_cost(cluster.num_gpus, price, doc.prediction.tokens_per_s, doc.inputs.model_spec().total_params(),
-                         budget.tokens, budget.reliability)
+    cost: TrainingCost | ServingCost
+    if isinstance(doc, ServingPlan):
+        p = doc.prediction
+        cost = serving_cost(p.gpus, price, p.output_tokens_per_s)
+    else:
+        cost = training_cost(cluster.num_gpus, price, doc.prediction.tokens_per_s,
+                             doc.inputs.model_spec().total_params(), budget.tokens, budget.reliability)
     return doc.model_copy(update={"economics": cost})
 
 
@@ -170,7 +179,7 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
         result = checked_by_simulation(spec, hardware, workload, targets, result)
         assert result.best is not None
         best, alternatives = result.best, tuple(explain_serving(result, targets, workload))
-    doc = build_serving_plan(spec, hardware, workload, targets, best, result, objective, list(alternatives))
+    doc = priced(build_serving_plan(spec, hardware, workload, targets, best, result, objective, list(alternatives)))
     return ServingSearch(plan=doc if timing else without_timing(doc), result=result, alternatives=alternatives,
                          simulated=simulate_deployment(spec, hardware, workload, targets, best))
 

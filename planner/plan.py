@@ -21,7 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, Vali
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RANK_ORDERS, CpComm, DenseDim, Layout,
                                         ParallelConfig, Recompute, RecomputeModule, Schedule, StagePolicy, Workload,
                                         ZeroStage, rank_order_dims, rank_order_of, resolve)
-from meshplan.costmodels.economics import TrainingCost
+from meshplan.costmodels.economics import ServingCost, TrainingCost
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import parse_model_file
 from meshplan.costmodels.runtime import get_runtime
@@ -501,6 +501,7 @@ class ServingPlan(_Frozen):
     engines: list[ServingEngine]
     prediction: ServingPrediction
     search: ServingSearch | None = None
+    economics: ServingCost | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingPlan:

@@ -130,3 +130,30 @@ def test_failures_the_run_cannot_outlast_are_refused(capsys, flags, words):
     code, out, err = run(capsys, "estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8",
                          "--tokens", "1e12", *flags)
     assert code == 2 and "Traceback" not in err + out and words in err
+
+
+def test_serve_records_its_cost_at_the_given_price(capsys, tmp_path):
+    """`serve --price-per-gpu-hour 2`: the serving plan's economics is the deployment's GPUs at $2 an hour over its
+    predicted output tokens/s, by hand; `show` prints it back; without the flag the database's price."""
+    import json
+
+    from cli_helpers import run
+
+    from meshplan.hardware_db.gpu import load_gpu
+
+    path = tmp_path / "serve.json"
+    args = ("serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "1000", "--osl", "200")
+    code, out, err = run(capsys, *args, "--price-per-gpu-hour", "2", "--out", str(path))
+    assert code == 0, err
+    doc = json.loads(path.read_text())
+    gpus, rate = doc["prediction"]["gpus"], doc["prediction"]["output_tokens_per_s"]
+    econ = doc["economics"]
+    assert econ["usd_per_hour"] == pytest.approx(2.0 * gpus)
+    assert econ["usd_per_million_output_tokens"] == pytest.approx(2.0 * gpus / (rate * 3600 / 1e6))
+    line = f"cost: ${2.0 * gpus:,.2f}/hour at $2 per GPU-hour, ${econ['usd_per_million_output_tokens']:,.3f}"
+    assert line in out
+    code, out, err = run(capsys, "show", str(path))
+    assert code == 0 and line in out
+    code, out, err = run(capsys, *args, "--json")
+    price = load_gpu("h100-sxm").price_usd_per_hour.value
+    assert code == 0 and json.loads(out)["economics"]["usd_per_gpu_hour"] == price
