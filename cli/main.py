@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from meshplan.cli import catalog, launch, serve, train
+from meshplan.cli import catalog, launch, serve, sweep, train
 from meshplan.cli.options import EXIT_INPUT, one_line, print_error
 from meshplan.hardware_db.errors import InputError
 
@@ -64,7 +64,8 @@ def _root(
 
 
 # the commands, in the order --help lists them (one file per group: train, serve, launch, catalog)
-for command, name in ((train.estimate, "estimate"), (train.plan, "plan"), (serve.serve, "serve"),
+for command, name in ((train.estimate, "estimate"), (train.plan, "plan"), (sweep.sweep, "sweep"),
+                      (serve.serve, "serve"),
                       (catalog.profile, "profile"), (launch.export_, "export"), (launch.import_, "import"),
                       (launch.show, "show"), (launch.verify, "verify")):
     app.command(name)(command)

@@ -19,6 +19,7 @@ from meshplan.costmodels.runtime import RUNTIMES, RUNTIME_OPTIONS
 from meshplan.hardware_db.cluster import ClusterSpec, load_cluster_file
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import check_distinct, check_target
+from meshplan.planner.sweep import Objective
 
 
 EXIT_INPUT = 2  # bad input, the same code click uses for usage errors
@@ -98,6 +99,11 @@ CalibrationOpt = Annotated[str | None, typer.Option("--calibration", rich_help_p
     "Calibration file from `meshplan profile` (or a name under hardware_db/calibrations/): the device's measured "
     "GEMM, attention, memory and collective costs replace the GPU's efficiency defaults. A CPU calibration goes "
     "with --gpu cpu."))]
+ObjectiveOpt = Annotated[Objective, typer.Option("--objective", rich_help_panel=P_COST, help=(
+    "Which plan is best. time: the shortest run (with --tokens, expected time with failures; else the highest "
+    "throughput); cost: the cheapest run (with --tokens, expected dollars with failures; else $ per million "
+    "tokens); tokens-per-dollar: the most tokens per dollar at steady state, failures left out."))]
+
 RuntimeOpt = Annotated[str, typer.Option("--runtime", metavar="PRESET[+OPTION...]", rich_help_panel=P_PAR, help=(
     f"Training framework behaviour: what it fuses, which kernels and which overlap it has, which schedules, CP kinds "
     f"and ZeRO stages it runs (docs/cost_model.md): {', '.join(RUNTIMES)}, with options appended as +option "

@@ -17,6 +17,7 @@ from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.serving import ServeTargets, ServeWorkload
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
+from meshplan.planner.report import serving_report
 from meshplan.planner.outputs import OutputFile, write_all
 from meshplan.planner.serve import SimulationCheck
 
@@ -67,17 +68,21 @@ class ServeOutputs:
     timing: bool = False
     export_to: Literal["vllm", "sglang"] | None = None
     export_out: Path | None = None
+    report: Path | None = None
 
 
 def _serve_outputs(**given: Any) -> ServeOutputs:
     """The output options, checked before any work."""
     outputs = ServeOutputs(**given)
-    out, export_out = output_targets(out=outputs.out, export_out=outputs.export_out)
+    out, export_out, report = output_targets(("export_out", "report"), out=outputs.out, export_out=outputs.export_out,
+                                             report=outputs.report)
     if export_out is not None and outputs.export_to is None:
         raise InputError("--export-out needs --export vllm|sglang")
     if outputs.as_json and outputs.export_to is not None and export_out is None:
         raise InputError("--json prints only the plan; give --export-out for the --export files")
-    return replace(outputs, out=out, export_out=export_out)
+    if report is not None and report.exists() and not report.is_dir():
+        raise InputError(f"--report {report} is a file; give a directory for the report")
+    return replace(outputs, out=out, export_out=export_out, report=report)
 
 
 GPU_OPTIONS = [
@@ -150,7 +155,10 @@ OUTPUT_OPTIONS = [
                                                                                  help=(
         "Also export the best deployment's command lines (printed, or written to --export-out)."))]),
     option("export_out", Annotated[Path | None, typer.Option("--export-out", rich_help_panel=P_OUT,
-                                                             help="Where --export writes.")])]
+                                                             help="Where --export writes.")]),
+    option("report", Annotated[Path | None, typer.Option("--report", rich_help_panel=P_OUT, help=(
+        "Directory for the Pareto front's report: serve-pareto.csv, serve-pareto.png and serve.html (one "
+        "self-contained page)."))])]
 
 
 @packed("gpus", GPU_OPTIONS, _serve_gpus)
@@ -192,6 +200,8 @@ def serve(
     from meshplan.planner.plan import plan_text
 
     spec = load_model(model)
+    if outputs.report is not None and pinned is not None:
+        raise InputError("--report draws the search's Pareto front; a pinned --layout has none (drop one of them)")
     found = api.search_deployments(spec, gpus.cluster, workload, targets, gpus.low, objective, disaggregation, top,
                                    mem_fraction, time_limit, pinned, outputs.timing)
     doc, result, alternatives = found.plan, found.result, list(found.alternatives)
@@ -200,7 +210,8 @@ def serve(
     cluster = Cluster(gpus.cluster)
     exported = export_plan(doc, outputs.export_to) if outputs.export_to is not None else None
     written = export_files(exported, outputs.export_out) if exported and outputs.export_out is not None else []
-    write_all(([OutputFile(outputs.out, plan_text(doc))] if outputs.out is not None else []) + written)
+    report = serving_report(doc, outputs.report, f"meshplan serve: {spec.name}") if outputs.report else []
+    write_all(([OutputFile(outputs.out, plan_text(doc))] if outputs.out is not None else []) + written + report)
     if outputs.as_json:
         typer.echo(doc.model_dump_json(indent=2))
         return
@@ -210,6 +221,8 @@ def serve(
     if outputs.out is not None:
         con.print(f"serving plan written to {outputs.out}")
     report_export(con, exported, outputs.export_to, written if outputs.export_out is not None else None)
+    if report:
+        con.print(f"report written to {outputs.report}: " + ", ".join(f.path.name for f in report))
 
 
 def print_serving_cost(con: Console, cost: ServingCost) -> None:

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan import api
-from meshplan.cli.options import (P_OUT, P_SEARCHED, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt, console,
-                                  option, output_targets, packed, report_export, with_cluster, with_knobs,
+from meshplan.cli.options import (P_COST, P_OUT, P_SEARCHED, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt,
+                                  console, option, output_targets, packed, report_export, with_cluster, with_knobs,
                                   with_workload, with_budget)
 from meshplan.costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
@@ -25,6 +25,8 @@ from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import OutputFile, write_all
 from meshplan.planner.space import DEFAULT_MAX_MBS
+from meshplan.planner.sweep import Objective, Sweep, SweepPoint, halvings, usd
+from meshplan.cli.sweep import SweepProgress
 
 
 @with_workload
@@ -209,6 +211,11 @@ def plan(
     budget: Budget,  # --price-per-gpu-hour --tokens and the failure flags (with_budget)
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     calibration: CalibrationOpt = None,
+    objective: Annotated[Objective, typer.Option("--objective", rich_help_panel=P_COST, help=(
+        "time: the fastest plan on --gpus GPUs. cost and tokens-per-dollar take --gpus as the most to use and weigh "
+        "it and its halvings (a smaller job can be cheaper: better MFU, fewer failures): cost picks the cheapest run "
+        "(with --tokens, expected dollars with failures; else $ per million tokens), tokens-per-dollar the most "
+        "tokens per dollar at steady state."))] = "time",
     max_mbs: Annotated[int, typer.Option("--max-mbs", min=1, max=2**17, rich_help_panel=P_SEARCHED,
                                          help="Largest micro-batch size searched.")] = DEFAULT_MAX_MBS,
     top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
@@ -231,6 +238,11 @@ def plan(
     from meshplan.planner.trace import chrome_trace, trace_text
 
     spec = load_model(model)
+    weighed = None
+    if objective != "time":
+        weighed = _rightsized(spec, cluster, workload, config, runtime, calibration, budget, objective,
+                              not outputs.as_json)
+        cluster = cluster.model_copy(update={"num_gpus": weighed.best.gpus})
     with _progress(not outputs.as_json) as bar:
         found = api.search_plans(spec, cluster, workload, config, runtime, calibration, top, time_limit,
                                  outputs.timing, progress=bar, max_mbs=max_mbs, budget=budget)
@@ -249,6 +261,8 @@ def plan(
     _print_ranking(con, spec, found.cluster, workload, result)
     assert doc.economics is not None
     print_cost(con, doc.economics)
+    if weighed is not None:
+        print_weighed(con, weighed)
     if outputs.explain:
         for line in explain(result):
             con.print(line)
@@ -257,6 +271,43 @@ def plan(
     if outputs.trace is not None:
         con.print(f"trace written to {outputs.trace} (open in https://ui.perfetto.dev)")
     report_export(con, exported, outputs.export_to, written if outputs.export_out is not None else None)
+
+
+@dataclass(frozen=True)
+class Weighed:
+    """The GPU counts `plan --objective cost|tokens-per-dollar` weighed, and the one it chose."""
+
+    sweep: Sweep
+    best: SweepPoint
+
+
+def _rightsized(spec: ModelSpec, cluster: ClusterSpec, workload: Workload, config: ParallelConfig, runtime: str,
+                calibration: str | None, budget: Budget, objective: Objective, show: bool) -> Weighed:
+    """The best plan on --gpus and each halving, priced; the one the objective picks."""
+    counts = halvings(cluster.num_gpus, 1)
+    with SweepProgress(show) as bar:
+        sw = api.sweep(spec, [cluster.gpu], counts, workload, cluster, budget, objective, config, runtime, calibration,
+                       progress=bar)
+    if sw.best is None:
+        reasons = "; ".join(f"{p.gpus} GPUs: {p.why}" for p in sw.points[:1])
+        raise InputError(f"no plan fits on {cluster.num_gpus} GPUs or fewer ({reasons})")
+    return Weighed(sw, sw.best)
+
+
+def print_weighed(con: Console, weighed: Weighed) -> None:
+    sw = weighed.sweep
+    parts = []
+    for p in sw.points:
+        parts.append(f"{p.gpus}: does not fit" if p.plan is None else
+                     f"{p.gpus}: {fmt_days(p.cost)}, ${usd(p.cost):,.{0 if p.cost.total_usd else 3}f}"
+                     + ("" if p.cost.total_usd else "/M tokens"))
+    con.print(f"objective {sw.objective}: chose {weighed.best.gpus} of up to {sw.points[0].gpus} GPUs; weighed "
+              + "; ".join(parts))
+
+
+def fmt_days(cost: TrainingCost) -> str:
+    return (f"{cost.expected_s / 86400:,.1f} days" if cost.expected_s is not None
+            else f"{cost.tokens_per_s:,.0f} tokens/s")
 
 
 class _progress:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import TypeAlias, TypeVar
 
 from meshplan.costmodels.config import ParallelConfig, Workload
@@ -24,16 +25,18 @@ from meshplan.costmodels.serving import EngineLayout, ServeObjective, ServeTarge
 from meshplan.hardware_db.calibration import load_calibration
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.gpu import load_gpu
 from meshplan.planner.builders import build_plan, build_serving_plan
 from meshplan.planner.plan import Plan, ServingPlan, read_any_plan, without_timing
 from meshplan.planner.search import ProgressFn, SearchResult, search
 from meshplan.planner.serve import (ServeResult, SimulationCheck, checked_by_simulation, explain_serving,
                                    pinned_deployment, search_serving, simulate_deployment)
 from meshplan.planner.space import DEFAULT_MAX_MBS
+from meshplan.planner.sweep import Objective, Sweep, SweepPoint
 
 __all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "estimate", "load_plan", "plan",
            "cost_of", "priced",
-           "search_deployments", "search_plans", "serve"]
+           "search_deployments", "search_plans", "serve", "sweep"]
 
 # a zoo name, a config file (Hugging Face config.json or meshplan model file), or a spec
 ModelInput: TypeAlias = str | ModelSpec
@@ -142,6 +145,33 @@ def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, co
                      calibration=eff.calibration if eff else None)
     doc = priced(doc, budget)
     return PlanSearch(plan=doc if timing else without_timing(doc), result=result, simulated=sim, cluster=hardware)
+
+
+def sweep(model: ModelInput, gpus: Sequence[str], counts: Sequence[int], workload: Workload,
+          links: ClusterSpec | None = None, budget: Budget = Budget(), objective: Objective = "time",
+          config: ParallelConfig = ParallelConfig(), runtime: str = DEFAULT_RUNTIME, calibration: str | None = None,
+          progress: Callable[[int, int], None] | None = None) -> Sweep:
+    """The best plan on every GPU type x count (the link settings of `links`, when given, on each), priced with
+    `budget`; a count where nothing fits, or that does not fill whole nodes, is kept with why. Unknown GPU names
+    fail before any search."""
+    spec = _model(model)
+    for name in gpus:
+        load_gpu(name)
+    template = links.model_dump(exclude={"gpu", "num_gpus"}) if links is not None else {}
+    points: list[SweepPoint] = []
+    total = len(gpus) * len(counts)
+    for gpu in gpus:
+        for n in counts:
+            try:
+                found = search_plans(spec, ClusterSpec(gpu=gpu, num_gpus=n, **template), workload, config, runtime,
+                                     calibration, top=1, budget=budget)
+            except InputError as exc:
+                points.append(SweepPoint(gpu, n, None, str(exc)))
+            else:
+                points.append(SweepPoint(gpu, n, found.plan))
+            if progress is not None:
+                progress(len(points), total)
+    return Sweep(tuple(points), objective)
 
 
 def plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),

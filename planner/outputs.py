@@ -20,7 +20,7 @@ from meshplan.hardware_db.errors import InputError
 @dataclass(frozen=True)
 class OutputFile:
     path: Path
-    text: str
+    text: str | bytes  # bytes for a picture (PNG)
 
 
 def check_target(path: Path | None, flag: str, directory_ok: bool = False) -> Path | None:
@@ -80,14 +80,14 @@ def write_all(files: list[OutputFile]) -> list[Path]:
     return [f.path for f in files]
 
 
-def stage_text(path: Path, text: str) -> Path:
+def stage_text(path: Path, text: str | bytes) -> Path:
     """`text` in a new hidden temporary file beside `path`, flushed to disk; its path (to os.replace onto `path`).
     On failure nothing is left. planner.plan.write_text_atomic is this and the rename."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides the mode, as open() would
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(fd, "wb") as out:
+            out.write(text.encode("utf-8") if isinstance(text, str) else text)
             out.flush()
             os.fsync(out.fileno())
     except BaseException:
