@@ -102,10 +102,12 @@ def import_(
         "Write the pinned plan as Plan JSON, to `meshplan show`, `export` or compare with `meshplan plan`."))] = None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
         "Print the pinned plan as Plan JSON and nothing else."))] = False,
+    against_best: Annotated[bool, typer.Option("--compare/--no-compare", rich_help_panel=P_OUT, help=(
+        "End with the imported configuration beside the best plan `meshplan plan` finds for the same model, "
+        "cluster, batch and runtime (one more search)."))] = True,
 ) -> None:
-    """Read the launch configuration you run today into a pinned plan and estimate it.
-
-    Compare its step time with `meshplan plan` on the same model, cluster and batch. Arguments meshplan does not
+    """Read the launch configuration you run today into a pinned plan and estimate it, then compare it with the
+    best plan for the same model, cluster and batch. Arguments meshplan does not
     model (data, optimizer, logging) are ignored; ones it cannot represent are refused with the reason. A torchrun
     line's --nproc-per-node is the node size unless --gpus-per-node says otherwise.
     """
@@ -136,15 +138,33 @@ def import_(
         raise InputError(f"the cluster has {cluster.num_gpus} GPUs but the launch configuration runs {world}")
     spec = launch_model(launch, named)
     doc, sim = pinned_plan(launch, spec, cluster, runtime, eff, eff.calibration if eff else None)
+    doc = api.priced(doc)
     if out is not None:
         write_plan(doc, out)
     if as_json:
         typer.echo(doc.model_dump_json(indent=2))
         return
     con = console()
-    print_estimate(con, spec, cluster, Workload(**launch.workload.model_dump()), sim.estimate)
+    workload = Workload(**launch.workload.model_dump())
+    print_estimate(con, spec, cluster, workload, sim.estimate)
     if out is not None:
         con.print(f"pinned plan written to {out}")
+    if against_best:
+        _against_best(con, doc, spec, cluster.spec, workload, runtime, calibration)
+
+
+def _against_best(con: Console, doc: Any, spec: Any, cluster: Any, workload: Workload, runtime: str,
+                  calibration: str | None) -> None:
+    """The imported plan beside the search's best on the same inputs; a search that finds nothing says why."""
+    from meshplan.cli.compare import print_comparison
+    from meshplan.planner.compare import compare_plans
+
+    try:
+        best = api.search_plans(spec, cluster, workload, runtime=runtime, calibration=calibration, top=1).plan
+    except InputError as exc:
+        con.print(f"no plan to compare with: {exc}")
+        return
+    print_comparison(con, compare_plans([doc, best], ["imported", "best plan"]))
 
 
 def show(

@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from meshplan.cli import catalog, launch, serve, sweep, train
+from meshplan.cli import catalog, compare, launch, serve, sweep, train
 from meshplan.cli.options import EXIT_INPUT, one_line, print_error
 from meshplan.hardware_db.errors import InputError
 
@@ -67,7 +67,8 @@ def _root(
 for command, name in ((train.estimate, "estimate"), (train.plan, "plan"), (sweep.sweep, "sweep"),
                       (serve.serve, "serve"),
                       (catalog.profile, "profile"), (launch.export_, "export"), (launch.import_, "import"),
-                      (launch.show, "show"), (launch.verify, "verify")):
+                      (launch.show, "show"), (compare.compare, "compare"),
+                      (launch.verify, "verify")):
     app.command(name)(command)
 models_app.command("list")(catalog.models_list)
 models_app.command("show")(catalog.models_show)
