@@ -31,16 +31,48 @@ class MoESpec(BaseModel):
     shared_ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_WIDTH)
     first_k_dense: int = Field(default=0, ge=0, le=MAX_LAYERS)
     layer_freq: int = Field(default=1, gt=0, le=MAX_LAYERS)
+    # the router, for the launch exports only (the cost model prices the experts' work, not how they were chosen):
+    # gate scores by softmax or sigmoid (DeepSeek-V3), a per-expert bias for auxiliary-loss-free balancing (DeepSeek-V3
+    # sec. 2.1.2), the routed weights' scale, group-limited routing (num_groups, group_topk), the balancing loss
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    expert_bias: bool = False
+    routed_scaling_factor: float | None = Field(default=None, gt=0, le=1e6)
+    num_groups: int | None = Field(default=None, gt=0, le=MAX_EXPERTS)
+    group_topk: int | None = Field(default=None, gt=0, le=MAX_EXPERTS)
+    load_balancing: Literal["aux_loss", "seq_aux_loss", "none"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
         if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k ({self.top_k}) exceeds moe.num_experts ({self.num_experts})")
+        if (self.num_groups is None) != (self.group_topk is None):
+            raise ValueError("moe.num_groups and moe.group_topk go together (group-limited routing)")
+        if self.num_groups is not None and self.group_topk is not None and (
+                self.num_experts % self.num_groups or self.group_topk > self.num_groups):
+            raise ValueError(f"moe.num_groups ({self.num_groups}) must divide moe.num_experts "
+                             f"({self.num_experts}) and be at least moe.group_topk ({self.group_topk})")
         return self
 
     @property
     def shared_hidden(self) -> int:
         return self.shared_ffn_hidden or self.expert_ffn_hidden
+
+
+class RopeScaling(BaseModel):
+    """RoPE frequency scaling for long context, as Hugging Face's rope_scaling block states it: "llama3" (Llama 3.1's
+    banded scaling: factor, low/high_freq_factor, original length) or "yarn" (Peng et al. 2023, arXiv:2309.00071:
+    factor, beta_fast/slow, mscale, mscale_all_dim, original length). Carried to the launch exports only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    kind: Literal["llama3", "yarn"]
+    factor: float = Field(gt=0, le=1e6)
+    original_max_position_embeddings: int = Field(gt=0, le=MAX_SEQ)
+    low_freq_factor: float | None = Field(default=None, gt=0, le=1e6)
+    high_freq_factor: float | None = Field(default=None, gt=0, le=1e6)
+    beta_fast: float | None = Field(default=None, gt=0, le=1e6)
+    beta_slow: float | None = Field(default=None, gt=0, le=1e6)
+    mscale: float | None = Field(default=None, ge=0, le=1e6)
+    mscale_all_dim: float | None = Field(default=None, ge=0, le=1e6)
 
 
 class MLASpec(BaseModel):
@@ -82,6 +114,11 @@ class ModelSpec(BaseModel):
     moe: MoESpec | None = None
     mla: MLASpec | None = None
     num_mtp_layers: int = Field(default=0, ge=0, le=MAX_LAYERS)  # DeepSeek-V3 multi-token-prediction modules
+    # what the model trains with beyond its shape, for the launch exports (None: not stated, the framework's default)
+    rope_theta: float | None = Field(default=None, gt=0, le=1e12)
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float | None = Field(default=None, gt=0, le=1.0)
+    dropout: float | None = Field(default=None, ge=0, lt=1.0)  # hidden and attention dropout probability
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:

@@ -56,6 +56,9 @@ MODEL_FILE_KEYS: dict[str, str] = {
     "learned_positions": "learned_positions",
     "max_seq_len": "max_seq_len",
     "mtp_layers": "num_mtp_layers",
+    "rope_theta": "rope_theta",
+    "norm_eps": "norm_eps",
+    "dropout": "dropout",
 }
 MOE_KEYS: dict[str, str] = {
     "experts": "num_experts",
@@ -65,18 +68,30 @@ MOE_KEYS: dict[str, str] = {
     "shared_ffn_hidden": "shared_ffn_hidden",
     "first_k_dense": "first_k_dense",
     "layer_freq": "layer_freq",
+    "score_function": "score_function",
+    "expert_bias": "expert_bias",
+    "routed_scaling_factor": "routed_scaling_factor",
+    "num_groups": "num_groups",
+    "group_topk": "group_topk",
+    "load_balancing": "load_balancing",
 }
 MLA_KEYS: dict[str, str] = {
     k: k for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 }
+ROPE_SCALING_KEYS: dict[str, str] = {
+    k: k for k in ("kind", "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+                   "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+}
 # top-level keys that are documentation only and never reach ModelSpec
 _DOC_KEYS = ("source",)
-_ALL_TOP_KEYS = (*MODEL_FILE_KEYS, "moe", "mla", *_DOC_KEYS)
+_BLOCKS = (("moe", MOE_KEYS), ("mla", MLA_KEYS), ("rope_scaling", ROPE_SCALING_KEYS))
+_ALL_TOP_KEYS = (*MODEL_FILE_KEYS, *(b for b, _ in _BLOCKS), *_DOC_KEYS)
 
 # ModelSpec error location -> the key the user wrote, for model files
 _FILE_LOC_NAMES: dict[str, str] = {v: k for k, v in MODEL_FILE_KEYS.items()}
 _FILE_LOC_NAMES |= {f"moe.{v}": f"moe.{k}" for k, v in MOE_KEYS.items()}
 _FILE_LOC_NAMES |= {f"mla.{v}": f"mla.{k}" for k, v in MLA_KEYS.items()}
+_FILE_LOC_NAMES |= {f"rope_scaling.{v}": f"rope_scaling.{k}" for k, v in ROPE_SCALING_KEYS.items()}
 
 
 # ---- small helpers ----------------------------------------------------------------------------
@@ -201,7 +216,23 @@ def _common(hf: _HF, *, head_dim_default: int | None = None, tie_default: bool =
         "tied_embeddings": hf.opt_bool("tie_word_embeddings", tie_default),
         "mlp": "swiglu",
         "norm": "rmsnorm",
-    }
+    } | _training_fields(hf)
+
+
+def _training_fields(hf: _HF) -> dict[str, Any]:
+    """rope_theta, rms_norm_eps, attention_dropout and a llama3 or yarn rope_scaling block, as stated (the launch
+    exports carry them); other rope_scaling kinds are not kept (docs/models.md)."""
+    fields: dict[str, Any] = {"rope_theta": hf.opt("rope_theta"), "norm_eps": hf.opt("rms_norm_eps"),
+                              "dropout": hf.opt("attention_dropout")}
+    scaling = hf.opt("rope_scaling")
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type") or scaling.get("type")
+        keys = ("factor", "original_max_position_embeddings") + (
+            ("low_freq_factor", "high_freq_factor") if kind == "llama3" else
+            ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"))
+        if kind in ("llama3", "yarn"):
+            fields["rope_scaling"] = {"kind": kind} | {k: scaling[k] for k in keys if scaling.get(k) is not None}
+    return fields
 
 
 def _llama(hf: _HF) -> _Mapped:
@@ -347,6 +378,14 @@ def _deepseek(hf: _HF) -> _Mapped:
             "num_shared_experts": hf.opt("n_shared_experts", 0),  # DeepSeek's shared MLP = n_shared experts' width
             "first_k_dense": hf.opt("first_k_dense_replace", 0),
             "layer_freq": hf.opt("moe_layer_freq", 1),
+            # DeepSeek-V3's router (its modeling code's MoEGate): sigmoid scores, "noaux_tc" top-k with a
+            # per-expert correction bias, routed_scaling_factor, n_group/topk_group; seq_aux: a per-sequence loss
+            "score_function": hf.opt("scoring_func", "softmax"),
+            "expert_bias": hf.opt("topk_method") == "noaux_tc",
+            "routed_scaling_factor": hf.opt("routed_scaling_factor"),
+            "num_groups": hf.opt("n_group") if hf.opt("topk_group") else None,
+            "group_topk": hf.opt("topk_group") if hf.opt("n_group") else None,
+            "load_balancing": "seq_aux_loss" if hf.opt("seq_aux") else None,
         }
     locs = _BASE_LOCS | {f"mla.{k}": k for k in MLA_KEYS} | {
         "num_mtp_layers": "num_nextn_predict_layers", "moe.num_experts": "n_routed_experts",
@@ -425,7 +464,7 @@ def parse_model_file(data: Any, origin: str, default_name: str | None = None) ->
         if default_name is None:
             raise _fail(origin, "missing 'name'; add a 'name' key naming the model")
         fields["name"] = default_name
-    for block, keys in (("moe", MOE_KEYS), ("mla", MLA_KEYS)):
+    for block, keys in _BLOCKS:
         if data.get(block) is not None:
             fields[block] = _block(data[block], block, keys, origin)
     return _validate(fields, origin, _FILE_LOC_NAMES)
@@ -440,7 +479,7 @@ def to_model_file(spec: ModelSpec, source: str | None = None) -> dict[str, Any]:
     for key, field in MODEL_FILE_KEYS.items():
         if field in dumped and key != "name":
             out[key] = dumped[field]
-    for block, keys in (("moe", MOE_KEYS), ("mla", MLA_KEYS)):
+    for block, keys in _BLOCKS:
         sub = getattr(spec, block)
         if sub is not None:
             d = sub.model_dump(exclude_defaults=True)

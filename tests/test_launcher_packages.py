@@ -106,7 +106,28 @@ def transformer_config_kwargs(argv: list[str]) -> tuple[dict, bool]:
         kw |= dict(q_lora_rank=num.get("--q-lora-rank"), kv_lora_rank=num["--kv-lora-rank"],
                    qk_head_dim=num["--qk-head-dim"], qk_pos_emb_head_dim=num["--qk-pos-emb-head-dim"],
                    v_head_dim=num["--v-head-dim"])
+        # MLATransformerConfig's RoPE fields take the same-named arguments (core_transformer_config_from_args)
+        kw |= {field: real(f.get(flag)) for field, flag in (
+            ("rotary_scaling_factor", "--rotary-scaling-factor"), ("mscale", "--mscale"),
+            ("mscale_all_dim", "--mscale-all-dim"))}
+        kw |= dict(rope_type=f.get("--rope-type"), rotary_base=real(f.get("--rotary-base")))
+    # the training fields: TransformerConfig field names (--norm-epsilon is layernorm_epsilon's argparse name)
+    kw |= {field: real(f.get(flag)) for field, flag in (
+        ("layernorm_epsilon", "--norm-epsilon"), ("hidden_dropout", "--hidden-dropout"),
+        ("attention_dropout", "--attention-dropout"),
+        ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"))}
+    kw |= dict(moe_router_score_function=f.get("--moe-router-score-function"),
+               moe_router_enable_expert_bias=bool(f.get("--moe-router-enable-expert-bias")),
+               moe_router_num_groups=num.get("--moe-router-num-groups"),
+               moe_router_group_topk=num.get("--moe-router-group-topk"),
+               moe_router_load_balancing_type=f.get("--moe-router-load-balancing-type"),
+               moe_token_dispatcher_type=f.get("--moe-token-dispatcher-type"),
+               moe_grouped_gemm=bool(f.get("--moe-grouped-gemm")))
     return {k: v for k, v in kw.items() if v is not None}, mla
+
+
+def real(value: str | bool | None) -> float | None:
+    return None if value is None else float(str(value))
 
 
 def build_transformer_config(kwargs: dict, mla: bool):
@@ -265,3 +286,75 @@ def test_every_target_exports_something_checkable():
     plan = make_plan("llama3.1-8b", "h100-sxm", 16, WL, ParallelConfig(tp=2, zero=3))
     for target in ("megatron", "torchtitan", "torchrun", "nemo"):
         assert export_plan(plan, target).files
+
+
+# ---- the model the export trains: RoPE, norm, dropout, MoE router (issue 20) --------------------------------------
+
+def test_megatron_core_config_carries_llama_31_70b_as_the_model_states_it():
+    """Llama-3.1-70B exported: the TransformerConfig megatron-core builds from the arguments has its norm epsilon
+    and no dropout; the RoPE arguments are GPTModel's (rotary_base, rope_scaling, rope_scaling_factor, by its
+    signature) with the model's base and factor, and megatron-core's fixed Llama 3 bands (its RotaryEmbedding's
+    own defaults) are the model's."""
+    pytest.importorskip("megatron.core")
+    import inspect
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from meshplan.costmodels.model_io import load_zoo
+
+    model = load_zoo("llama3.1-70b")
+    plan = make_plan(model, "h100-sxm", 64, Workload(global_batch=64, seq_len=8192),
+                     ParallelConfig(tp=8, pp=2, mbs=1, zero=1, recompute="none"))
+    argv = megatron_args(plan)
+    config = build_transformer_config(*transformer_config_kwargs(argv))
+    assert config.layernorm_epsilon == model.norm_eps == 1e-5
+    assert config.hidden_dropout == config.attention_dropout == model.dropout == 0.0
+    f = flags(argv)
+    gpt = inspect.signature(GPTModel.__init__).parameters
+    assert {"rotary_base", "rope_scaling", "rope_scaling_factor"} <= set(gpt)
+    assert int(f["--rotary-base"]) == model.rope_theta == 500000
+    assert f["--use-rope-scaling"] is True and float(f["--rope-scaling-factor"]) == model.rope_scaling.factor == 8
+    bands = inspect.signature(RotaryEmbedding._apply_scaling).parameters
+    scaling = model.rope_scaling
+    assert (bands["low_freq_factor"].default, bands["high_freq_factor"].default,
+            bands["original_max_position_embeddings"].default) == (
+        scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_position_embeddings)
+
+
+def test_megatron_core_config_carries_deepseek_v3_router_and_yarn():
+    """DeepSeek-V3 exported: MLATransformerConfig from the arguments has the model's YaRN (factor, mscales; its
+    original length and betas are the config's defaults and equal the model's), norm epsilon, no dropout, and the
+    router: sigmoid scores, expert bias, scaling 2.5, 8 groups top-4, sequence auxiliary loss, all-to-all dispatch;
+    megatron-core's own checks (expert bias needs sigmoid, groups divide the experts) pass."""
+    pytest.importorskip("megatron.core")
+    from meshplan.costmodels.model_io import load_zoo
+
+    model = load_zoo("deepseek-v3")
+    config = build_transformer_config(*transformer_config_kwargs(megatron_args(deepseek_v3())))
+    moe, rope = model.moe, model.rope_scaling
+    assert type(config).__name__ == "MLATransformerConfig"
+    assert (config.rope_type, config.rotary_base, config.rotary_scaling_factor) == ("yarn", model.rope_theta,
+                                                                                   rope.factor)
+    assert (config.mscale, config.mscale_all_dim) == (rope.mscale, rope.mscale_all_dim)
+    assert (config.original_max_position_embeddings, config.beta_fast, config.beta_slow) == (
+        rope.original_max_position_embeddings, rope.beta_fast, rope.beta_slow)
+    assert config.layernorm_epsilon == model.norm_eps == 1e-6
+    assert config.hidden_dropout == config.attention_dropout == 0.0
+    assert (config.moe_router_score_function, config.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert config.moe_router_topk_scaling_factor == moe.routed_scaling_factor == 2.5
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (moe.num_groups, moe.group_topk) == (8, 4)
+    assert config.moe_router_load_balancing_type == "seq_aux_loss"
+    assert config.moe_token_dispatcher_type == "alltoall" and config.moe_grouped_gemm
+    assert config.num_moe_experts == moe.num_experts and config.mtp_num_layers == model.num_mtp_layers
+    from meshplan.planner.launchers.nemo import training_fields
+    nemo = training_fields(deepseek_v3())
+    assert {k: getattr(config, k) for k in nemo} == nemo  # NeMo / Bridge set the same fields to the same values
+
+
+def test_megatron_core_refuses_what_the_router_fields_must_not_be():
+    """The router check is live: expert bias under softmax scores is refused by megatron-core itself."""
+    pytest.importorskip("megatron.core")
+    kwargs, mla = transformer_config_kwargs(megatron_args(deepseek_v3()))
+    with pytest.raises((ValueError, AssertionError), match="sigmoid"):
+        build_transformer_config(kwargs | {"moe_router_score_function": "softmax"}, mla)

@@ -34,7 +34,10 @@ LLAMA_405B_MODEL_FLAGS = [
     "--group-query-attention", "--num-query-groups", "8", "--seq-length", "8192",
     "--max-position-embeddings", "131072", "--swiglu", "--normalization", "RMSNorm",
     "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    "--vocab-size", "128256"]
+    "--vocab-size", "128256",
+    # what it trains with (issue 20): RoPE base 500,000 with Llama 3.1's scaling, RMSNorm eps 1e-5, no dropout
+    "--rotary-base", "500000", "--use-rope-scaling", "--rope-scaling-factor", "8.0", "--norm-epsilon", "1e-05",
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
 
 
 # ---- golden configurations -----------------------------------------------------------------------------------------
@@ -78,7 +81,14 @@ def test_golden_deepseek_v3_megatron():
         "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
         "--vocab-size", "129280", "--num-experts", "256", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "2048",
         "--moe-shared-expert-intermediate-size", "2048", "--moe-layer-freq", "([0]*3+[1]*58)",
-        "--mtp-num-layers", "1"]
+        "--mtp-num-layers", "1",
+        # YaRN x40 on MLA (rope-type yarn), RMSNorm eps 1e-6, no dropout, the sigmoid router with expert bias,
+        # scaling 2.5, 8 groups top-4 and a sequence-wise auxiliary loss, all-to-all dispatch
+        "--rotary-base", "10000", "--rope-type", "yarn", "--rotary-scaling-factor", "40.0", "--mscale", "1.0",
+        "--mscale-all-dim", "1.0", "--norm-epsilon", "1e-06", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "8", "--moe-router-group-topk", "4",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-token-dispatcher-type", "alltoall"]
     text = export_plan(deepseek_v3(), "megatron").files[0].text
     assert "--nnodes 256 \\\n    --nproc-per-node 8" in text
 

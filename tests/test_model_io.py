@@ -280,8 +280,19 @@ def test_hf_deepseek_v3_full_config_matches_zoo() -> None:
            "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
            "vocab_size": 129280, "max_position_embeddings": 163840, "num_nextn_predict_layers": 1,
-           "tie_word_embeddings": False}
+           "tie_word_embeddings": False, "rope_theta": 10000, "rms_norm_eps": 1e-06, "attention_dropout": 0.0,
+           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"},
+           "scoring_func": "sigmoid", "topk_method": "noaux_tc", "routed_scaling_factor": 2.5, "n_group": 8,
+           "topk_group": 4, "seq_aux": True, "norm_topk_prob": True}
     assert from_hf_config(cfg, "deepseek-v3") == load_zoo("deepseek-v3")
+    # a config without the router and RoPE fields is the same shape, priced alike, with nothing to export for them
+    bare = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rms_norm_eps", "attention_dropout",
+                                                      "rope_scaling", "scoring_func", "topk_method",
+                                                      "routed_scaling_factor", "n_group", "topk_group", "seq_aux")}
+    spec = from_hf_config(bare, "deepseek-v3")
+    assert spec.rope_scaling is None and spec.moe.score_function == "softmax" and not spec.moe.expert_bias
+    assert spec.total_params() == load_zoo("deepseek-v3").total_params()
 
 
 def test_every_supported_type_has_a_test() -> None:

@@ -11,14 +11,16 @@ repeat; virtual stage v of pipeline rank r is entry v*pp + r).
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP, RECOMPUTE_MODULES, ParallelConfig,
                                         Recompute, StagePolicy, TrainDtype, Workload, ZeroStage, split_evenly)
-from meshplan.costmodels.model import ModelSpec
+from meshplan.costmodels.model import ModelSpec, RopeScaling
 from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
@@ -135,6 +137,74 @@ def model_settings(model: ModelSpec, seq_len: int) -> list[Setting]:
               ("moe_ffn_hidden_size", moe.expert_ffn_hidden), ("moe_shared_expert_intermediate_size", shared),
               ("moe_layer_freq", moe_layer_freq(model))]
     s.append(("mtp_num_layers", model.num_mtp_layers or None))
+    return s + training_settings(model)
+
+
+# megatron-core's fixed Llama 3.1 bands (models/common/embeddings/rotary_pos_embedding.py, _apply_scaling) and
+# MLATransformerConfig's YaRN defaults (transformer_config.py): the CLI reaches only the factor of the first, and
+# for MLA not the original length or the betas
+MEGATRON_LLAMA3_ORIGINAL, MLA_YARN_ORIGINAL = 8192, 4096
+MEGATRON_LLAMA3_BANDS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": float(MEGATRON_LLAMA3_ORIGINAL)}
+MLA_YARN_DEFAULTS = {"original_max_position_embeddings": float(MLA_YARN_ORIGINAL), "beta_fast": 32.0,
+                     "beta_slow": 1.0}
+
+
+def _rope_settings(model: ModelSpec) -> list[Setting]:
+    """RoPE base and scaling (arguments.py: --rotary-base, --use-rope-scaling/--rope-scaling-factor for Llama 3.1,
+    --position-embedding-type yarn with --rotary-scaling-factor, --mscale, --mscale-all-dim and --yarn-*; MLA reads
+    --rope-type and the unprefixed YaRN flags)."""
+    if model.learned_positions:
+        return []
+    s: list[Setting] = []
+    if model.rope_theta is not None:
+        if not float(model.rope_theta).is_integer():
+            raise refuse(TARGET, f"Megatron's --rotary-base is an integer; {model.name} has rope_theta "
+                         f"{model.rope_theta:g}", "use a model file with an integer rope_theta")
+        s.append(("rotary_base", int(model.rope_theta)))
+    scaling = model.rope_scaling
+    if scaling is None:
+        return s
+    if scaling.kind == "llama3":
+        given = {k: getattr(scaling, k) for k in MEGATRON_LLAMA3_BANDS}
+        if any(v is not None and v != MEGATRON_LLAMA3_BANDS[k] for k, v in given.items()):
+            raise refuse(TARGET, f"megatron-core's Llama 3 RoPE scaling fixes {MEGATRON_LLAMA3_BANDS}; {model.name} "
+                         f"has {given}", "train it with a launcher that takes the bands, or a model file without them")
+        return s + [("use_rope_scaling", True), ("rope_scaling_factor", scaling.factor)]
+    yarn = [("rotary_scaling_factor", scaling.factor),
+            ("mscale", scaling.mscale),
+            ("mscale_all_dim", scaling.mscale_all_dim)]
+    if model.mla is not None:
+        given = {k: getattr(scaling, k) for k in MLA_YARN_DEFAULTS}
+        if any(v is not None and v != MLA_YARN_DEFAULTS[k] for k, v in given.items()):
+            raise refuse(TARGET, f"Megatron's MLA YaRN takes MLATransformerConfig's {MLA_YARN_DEFAULTS} (no flag "
+                         f"sets them); {model.name} has {given}", "set them on the config in your launcher")
+        return s + [("rope_type", "yarn")] + yarn
+    return s + [("position_embedding_type", "yarn")] + yarn + [
+        ("yarn_original_max_position_embeddings", scaling.original_max_position_embeddings),
+        ("yarn_beta_fast", scaling.beta_fast),
+        ("yarn_beta_slow", scaling.beta_slow)]
+
+
+def training_settings(model: ModelSpec) -> list[Setting]:
+    """What the model trains with beyond its shape, where stated and Megatron's default differs: RoPE, the norm's
+    epsilon (TransformerConfig.layernorm_epsilon, --norm-epsilon, default 1e-5), dropout (hidden_dropout and
+    attention_dropout, default 0.1), and the MoE router and dispatcher (TransformerConfig's moe_router_* and
+    moe_token_dispatcher_type fields, their flags the field names)."""
+    s = _rope_settings(model)
+    if model.norm_eps is not None:
+        s.append(("norm_epsilon", model.norm_eps))
+    if model.dropout is not None:
+        s += [("hidden_dropout", model.dropout), ("attention_dropout", model.dropout)]
+    moe = model.moe
+    if moe is not None:
+        s += [("moe_router_score_function", moe.score_function if moe.score_function != "softmax" else None),
+              ("moe_router_enable_expert_bias", moe.expert_bias),
+              ("moe_router_topk_scaling_factor", moe.routed_scaling_factor),
+              ("moe_router_num_groups", moe.num_groups), ("moe_router_group_topk", moe.group_topk),
+              ("moe_router_load_balancing_type", moe.load_balancing),
+              # the all-to-all the cost model prices (ops.py's ep_all_to_all), not Megatron's allgather default
+              ("moe_token_dispatcher_type", "alltoall")]
     return s
 
 
@@ -333,6 +403,17 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _real(text: str) -> float:
+    """A finite decimal number (RoPE factors, epsilons, dropout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or not re.fullmatch(r"[0-9.eE+-]{1,32}", text):
+        raise argparse.ArgumentTypeError(f"{text[:24]!r} is not a finite number")
+    return value
+
+
 # degrees and sizes that must be at least 1 when given (Megatron's own defaults apply only when left out)
 AT_LEAST_ONE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                 "expert_model_parallel_size", "expert_tensor_parallel_size", "micro_batch_size", "global_batch_size",
@@ -351,17 +432,23 @@ def _parser() -> argparse.ArgumentParser:
             "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
             "decoder_last_pipeline_num_layers", "context_parallel_size", "expert_model_parallel_size",
             "expert_tensor_parallel_size", "recompute_num_layers", "micro_batch_size", "global_batch_size",
-            "cpu_offloading_num_layers"]
+            "cpu_offloading_num_layers", "rotary_base", "yarn_original_max_position_embeddings",
+            "moe_router_num_groups", "moe_router_group_topk"]
+    reals = ["rope_scaling_factor", "rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_beta_fast",
+             "yarn_beta_slow", "norm_epsilon", "hidden_dropout", "attention_dropout", "moe_router_topk_scaling_factor"]
     strs = ["normalization", "position_embedding_type", "moe_layer_freq", "pipeline_model_parallel_layout",
             "cp_comm_type", "data_parallel_sharding_strategy", "recompute_granularity", "recompute_method",
-            "fp8_format"]
+            "fp8_format", "rope_type", "moe_router_score_function", "moe_router_load_balancing_type",
+            "moe_token_dispatcher_type"]
     switches = ["group_query_attention", "multi_latent_attention", "swiglu", "squared_relu",
                 "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias", "sequence_parallel",
                 "use_tp_pp_dp_mapping", "use_distributed_optimizer", "use_megatron_fsdp", "use_torch_fsdp2", "bf16",
                 "fp16", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-                "moe_grouped_gemm"]
+                "moe_grouped_gemm", "use_rope_scaling", "moe_router_enable_expert_bias"]
     for name in ints:
         p.add_argument(_flag(name), dest=name, type=_count)
+    for name in reals:
+        p.add_argument(_flag(name), dest=name, type=_real)
     for name in strs:
         p.add_argument(_flag(name), dest=name)
     for name in switches:
@@ -474,7 +561,8 @@ def _model_from(a: argparse.Namespace, name: str) -> ModelSpec | None:
         moe = MoESpec(num_experts=a.num_experts, top_k=a.moe_router_topk or 2,
                       expert_ffn_hidden=a.moe_ffn_hidden_size or ffn,
                       num_shared_experts=1 if a.moe_shared_expert_intermediate_size else 0,
-                      shared_ffn_hidden=a.moe_shared_expert_intermediate_size, first_k_dense=first_k, layer_freq=freq)
+                      shared_ffn_hidden=a.moe_shared_expert_intermediate_size, first_k_dense=first_k, layer_freq=freq,
+                      **_router_from(a))
     mla = None
     if a.multi_latent_attention:
         missing = [f for f in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
@@ -491,7 +579,51 @@ def _model_from(a: argparse.Namespace, name: str) -> ModelSpec | None:
         norm="rmsnorm" if (a.normalization or "LayerNorm") == "RMSNorm" else "layernorm",
         qkv_bias=not a.disable_bias_linear or a.add_qkv_bias, linear_bias=not a.disable_bias_linear,
         learned_positions=(a.position_embedding_type or "learned_absolute") == "learned_absolute",
-        max_seq_len=a.max_position_embeddings, moe=moe, mla=mla, num_mtp_layers=a.mtp_num_layers or 0)
+        max_seq_len=a.max_position_embeddings, moe=moe, mla=mla, num_mtp_layers=a.mtp_num_layers or 0,
+        rope_theta=None if a.rotary_base is None else float(a.rotary_base), rope_scaling=_rope_from(a),
+        norm_eps=a.norm_epsilon, dropout=_dropout_from(a))
+
+
+def _router_from(a: argparse.Namespace) -> dict[str, Any]:
+    """The MoE router fields of the arguments (training_settings' inverse)."""
+    if a.moe_router_score_function not in (None, "softmax", "sigmoid"):
+        raise InputError(f"--moe-router-score-function {a.moe_router_score_function}: meshplan's model files hold "
+                         "softmax or sigmoid")
+    balancing = a.moe_router_load_balancing_type
+    if balancing not in (None, "aux_loss", "seq_aux_loss", "none"):
+        raise InputError(f"--moe-router-load-balancing-type {balancing}: meshplan's model files hold aux_loss, "
+                         "seq_aux_loss or none")
+    return dict(score_function=a.moe_router_score_function or "softmax", expert_bias=a.moe_router_enable_expert_bias,
+                routed_scaling_factor=a.moe_router_topk_scaling_factor, num_groups=a.moe_router_num_groups,
+                group_topk=a.moe_router_group_topk, load_balancing=balancing)
+
+
+def _rope_from(a: argparse.Namespace) -> RopeScaling | None:
+    """RoPE scaling as the arguments set it, with megatron-core's fixed values for what no flag reaches."""
+    if a.use_rope_scaling:
+        return RopeScaling(kind="llama3", factor=a.rope_scaling_factor or 8.0,
+                           original_max_position_embeddings=MEGATRON_LLAMA3_ORIGINAL,
+                           low_freq_factor=MEGATRON_LLAMA3_BANDS["low_freq_factor"],
+                           high_freq_factor=MEGATRON_LLAMA3_BANDS["high_freq_factor"])
+    mla_yarn = a.multi_latent_attention and a.rope_type in (None, "yarn") and a.rotary_scaling_factor is not None
+    if not (mla_yarn or a.position_embedding_type == "yarn"):
+        return None
+    if a.multi_latent_attention:
+        original, fast, slow = MLA_YARN_ORIGINAL, MLA_YARN_DEFAULTS["beta_fast"], MLA_YARN_DEFAULTS["beta_slow"]
+    else:  # megatron-core's YarnRotaryEmbedding defaults for what is left out
+        original = a.yarn_original_max_position_embeddings or MLA_YARN_ORIGINAL
+        fast, slow = a.yarn_beta_fast or 32.0, a.yarn_beta_slow or 1.0
+    return RopeScaling(kind="yarn", factor=a.rotary_scaling_factor or 1.0, original_max_position_embeddings=original,
+                       beta_fast=fast, beta_slow=slow, mscale=a.mscale, mscale_all_dim=a.mscale_all_dim)
+
+
+def _dropout_from(a: argparse.Namespace) -> float | None:
+    if a.hidden_dropout is None and a.attention_dropout is None:
+        return None
+    if a.hidden_dropout != a.attention_dropout:
+        raise InputError(f"--hidden-dropout {a.hidden_dropout} and --attention-dropout {a.attention_dropout}: "
+                         "meshplan's model files hold one dropout probability; give both the same")
+    return a.hidden_dropout
 
 
 def _layer_freq(pattern: list[int], first_k: int) -> int:
@@ -580,16 +712,24 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
                       model_fields=given)
 
 
+# exported with the model but the launch's to choose: a launch that differs is not another model
+NOT_THE_MODEL = ("seq_length", "max_position_embeddings", "moe_token_dispatcher_type", "hidden_dropout",
+                 "attention_dropout")
+
+
 def model_disagreement(launch: LaunchSpec, model: ModelSpec) -> str | None:
     """The first model-shape argument in `launch` that `model` contradicts, as a sentence; None when they agree."""
     expected = dict(model_settings(model, launch.workload.seq_len))
     for name, value in launch.model_fields:
-        if name not in expected or name in ("seq_length", "max_position_embeddings"):
+        if name not in expected or name in NOT_THE_MODEL:
             continue
         want = expected[name]
         if name == "moe_layer_freq":
             if parse_moe_layer_freq(str(value), model.num_layers) != parse_moe_layer_freq(str(want), model.num_layers):
                 return f"{_flag(name)} {value} does not give {model.name}'s MoE layers ({want})"
+        elif isinstance(value, float) and want is not None and not isinstance(want, bool):
+            if value != float(str(want)):
+                return f"{_flag(name)} {value:g} but {model.name} has {want}"
         elif str(value) != str(want) and not (want in (None, False) and value in (None, False)):
             shown = "absent" if want in (None, False) else want
             return f"{_flag(name)} {value} but {model.name} has {shown}"

@@ -10,10 +10,10 @@ renamed, so both exporters refuse the same plans for the same reasons.
 from __future__ import annotations
 
 from meshplan.planner.launchers.common import Exported, ExportedFile, ExportError, header_lines, node_geometry, refuse
-from meshplan.planner.launchers.megatron import parallel_settings
+from meshplan.planner.launchers.megatron import parallel_settings, training_settings
 from meshplan.planner.plan import Plan
 
-__all__ = ["TARGET", "model_parallel_fields", "ddp_fields", "export_nemo"]
+__all__ = ["TARGET", "model_parallel_fields", "ddp_fields", "training_fields", "export_nemo"]
 
 TARGET = "nemo"
 # Megatron argument -> megatron-core config field (megatron/training/arguments.py, core_transformer_config_from_args)
@@ -28,6 +28,12 @@ MODEL_PARALLEL = {"tensor_model_parallel_size", "pipeline_model_parallel_size", 
                   "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
                   "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
                   "moe_grouped_gemm", "cpu_offloading", "cpu_offloading_num_layers"}
+# Megatron argument -> config field for what the model trains with (megatron/training/argument_utils.py,
+# core_transformer_config_from_args and _apply_yarn_config_from_args; GPTModel takes rope_scaling and its factor,
+# which NeMo's GPTConfig and Megatron-Bridge's GPTModelProvider carry as fields of those names)
+TRAINING_RENAMED = {"norm_epsilon": "layernorm_epsilon", "use_rope_scaling": "rope_scaling"}
+YARN_RENAMED = {"rotary_scaling_factor": "yarn_rotary_scaling_factor", "mscale": "yarn_mscale",
+                "mscale_all_dim": "yarn_mscale_all_dim"}  # a non-MLA YaRN model's config (MLA's are unprefixed)
 DDP = {"use_distributed_optimizer", "use_megatron_fsdp", "data_parallel_sharding_strategy"}
 
 
@@ -55,6 +61,13 @@ def model_parallel_fields(plan: Plan) -> dict[str, object]:
     return {k: v for k, v in _settings(plan).items() if k in MODEL_PARALLEL}
 
 
+def training_fields(plan: Plan) -> dict[str, object]:
+    """The model's RoPE, norm epsilon, dropout and MoE router fields (megatron.training_settings, renamed)."""
+    model = plan.inputs.model_spec()
+    renamed = TRAINING_RENAMED | (YARN_RENAMED if model.mla is None else {})
+    return {renamed.get(k, k): v for k, v in training_settings(model) if v is not None and v is not False}
+
+
 def ddp_fields(plan: Plan) -> dict[str, object]:
     """DistributedDataParallelConfig fields (megatron/core/distributed/distributed_data_parallel_config.py)."""
     return {k: v for k, v in _settings(plan).items() if k in DDP}
@@ -67,7 +80,7 @@ STRATEGY = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtu
 
 
 def export_nemo(plan: Plan) -> Exported:
-    mp, ddp = model_parallel_fields(plan), ddp_fields(plan)
+    mp, ddp = model_parallel_fields(plan) | training_fields(plan), ddp_fields(plan)
     pipe, wl = plan.pipeline, plan.inputs.workload
     nodes, per_node = node_geometry(plan)
     precision = "bf16-mixed" if wl.dtype == "bf16" else "16-mixed"
@@ -84,7 +97,8 @@ def export_nemo(plan: Plan) -> Exported:
                f"\n    cfg.model.seq_length = {wl.seq_len}"
                f"\n    cfg.dataset.sequence_length = {wl.seq_len}")
     text = f'''{header}
-# The model comes from your recipe (meshplan planned {plan.inputs.model_spec().name}); these set its parallel layout.
+# The model comes from your recipe (meshplan planned {plan.inputs.model_spec().name}); these set its parallel layout
+# and what it trains with where meshplan's model states it (RoPE, norm epsilon, dropout, MoE router).
 import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from nemo import lightning as nl
