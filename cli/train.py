@@ -23,6 +23,7 @@ from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
+from meshplan.planner.launchers.common import ExportError
 from meshplan.planner.outputs import OutputFile, write_all
 from meshplan.planner.space import DEFAULT_MAX_MBS
 from meshplan.planner.sweep import Objective, Sweep, SweepPoint, halvings, usd
@@ -247,7 +248,12 @@ def plan(
         found = api.search_plans(spec, cluster, workload, config, runtime, calibration, top, time_limit,
                                  outputs.timing, progress=bar, max_mbs=max_mbs, budget=budget)
     doc, result, sim = found.plan, found.result, found.simulated
-    exported = export_plan(doc, outputs.export_to) if outputs.export_to is not None else None  # refuses first
+    exported, refused = None, None
+    if outputs.export_to is not None:
+        try:
+            exported = export_plan(doc, outputs.export_to)
+        except ExportError as exc:  # the plan and its table still come; the best plan the launcher runs follows
+            refused = exc
     files = [OutputFile(outputs.out, plan_text(doc))] if outputs.out is not None else []
     written = export_files(exported, outputs.export_out) if exported and outputs.export_out is not None else []
     files += written
@@ -256,6 +262,8 @@ def plan(
     write_all(files)  # all or none, after every one of them is made
     if outputs.as_json:
         typer.echo(doc.model_dump_json(indent=2))
+        if refused is not None:
+            raise refused
         return
     con = console()
     _print_ranking(con, spec, found.cluster, workload, result)
@@ -271,6 +279,41 @@ def plan(
     if outputs.trace is not None:
         con.print(f"trace written to {outputs.trace} (open in https://ui.perfetto.dev)")
     report_export(con, exported, outputs.export_to, written if outputs.export_out is not None else None)
+    if refused is not None:
+        _name_runnable(con, spec, cluster, workload, config, runtime, calibration, budget, refused, doc)
+        raise refused
+
+
+def _name_runnable(con: Console, spec: ModelSpec, cluster: ClusterSpec, workload: Workload, config: ParallelConfig,
+                   runtime: str, calibration: str | None, budget: Budget, refused: ExportError, best: Any) -> None:
+    """After a launcher refused the best plan: the best plan it runs, found by searching with its refusals' pins,
+    and the flags that ask `plan` for it."""
+    target = refused.target
+    con.print(f"{target} cannot run this plan ({refused.why}); searching the best plan {target} runs ...")
+    runnable = api.runnable_plan(spec, cluster, workload, target, config, runtime, calibration, budget, refused)
+    if runnable is None:
+        con.print(f"no plan within the searches {target} takes; {refused.fix}")
+        return
+    doc = runnable.found.plan
+    lay, p = doc.prediction.layout, doc.prediction
+    slower = p.step_time_s / best.prediction.step_time_s - 1
+    flags = " ".join(_pin_flag(k, v) for k, v in runnable.pins)
+    con.print(f"best plan {target} runs: TP{lay.tp} CP{lay.cp} PP{lay.pp} VPP{lay.vpp} DP{lay.dp} EP{lay.ep} mbs "
+              f"{lay.mbs} ZeRO-{lay.zero} recompute {lay.recompute} {lay.schedule}: step {p.step_time_s:.3f} s, "
+              f"{slower:+.1%} against the best")
+    con.print(f"to plan it, add: {flags}", soft_wrap=True)
+
+
+def _pin_flag(field: str, value: object) -> str:
+    from meshplan.costmodels.config import knob_help
+
+    knob = knob_help(field)
+    flag = knob.flag_name(field) if knob is not None else "--" + field.replace("_", "-")
+    if value is None:
+        return f"(without {flag})"
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag.removeprefix('--')}"
+    return f"{flag} {','.join(map(str, value)) if isinstance(value, tuple) else value}"
 
 
 @dataclass(frozen=True)

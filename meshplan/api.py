@@ -27,6 +27,7 @@ from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import load_gpu
 from meshplan.planner.builders import build_plan, build_serving_plan
+from meshplan.planner.launchers.common import ExportError
 from meshplan.planner.plan import Plan, ServingPlan, read_any_plan, without_timing
 from meshplan.planner.search import ProgressFn, SearchResult, search
 from meshplan.planner.serve import (ServeResult, SimulationCheck, checked_by_simulation, explain_serving,
@@ -36,7 +37,7 @@ from meshplan.planner.sweep import Objective, Sweep, SweepPoint
 
 __all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "estimate", "load_plan", "plan",
            "cost_of", "priced",
-           "search_deployments", "search_plans", "serve", "sweep"]
+           "search_deployments", "search_plans", "serve", "sweep", "runnable_plan", "Runnable"]
 
 # a zoo name, a config file (Hugging Face config.json or meshplan model file), or a spec
 ModelInput: TypeAlias = str | ModelSpec
@@ -172,6 +173,49 @@ def sweep(model: ModelInput, gpus: Sequence[str], counts: Sequence[int], workloa
             if progress is not None:
                 progress(len(points), total)
     return Sweep(tuple(points), objective)
+
+
+@dataclass(frozen=True)
+class Runnable:
+    """The best plan a launcher runs, with the pins that made the search keep to the launcher's rules."""
+
+    found: PlanSearch
+    pins: tuple[tuple[str, object], ...]
+
+
+def runnable_plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, target: str,
+                  config: ParallelConfig = ParallelConfig(), runtime: str = DEFAULT_RUNTIME,
+                  calibration: str | None = None, budget: Budget = Budget(), refused: ExportError | None = None,
+                  max_searches: int = 12) -> Runnable | None:
+    """The fastest plan `target` can launch: search, export, and where the launcher refuses, search again with each
+    alternative its refusal names (ExportError.pins) added to the pins, breadth first, up to `max_searches`
+    searches; None when no search within them gives an exportable plan. `refused`: the unpinned search's refusal,
+    when the caller has it (its search is not repeated)."""
+    from meshplan.planner.launchers import export_plan
+
+    spec = _model(model)
+    queue: list[tuple[tuple[str, object], ...]] = [()]
+    seen: set[tuple[tuple[str, object], ...]] = set()
+    if refused is not None:
+        queue, seen = [tuple(sorted(pins.items())) for pins in refused.pins], {()}
+    best: Runnable | None = None
+    while queue and len(seen) < max_searches:
+        pins = queue.pop(0)
+        if pins in seen:
+            continue
+        seen.add(pins)
+        try:
+            found = search_plans(spec, cluster, workload, config.model_copy(update=dict(pins)), runtime, calibration,
+                                 top=1, budget=budget)
+            export_plan(found.plan, target)
+        except ExportError as refusal:
+            queue += [tuple(sorted((dict(pins) | alternative).items())) for alternative in refusal.pins]
+            continue
+        except InputError:  # nothing fits under these pins
+            continue
+        if best is None or found.plan.prediction.step_time_s < best.found.plan.prediction.step_time_s:
+            best = Runnable(found, pins)
+    return best
 
 
 def plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),

@@ -52,11 +52,13 @@ def export_plan(plan: Plan | ServingPlan, target: str) -> Exported:
         if plan.memory.offload_layers and target not in ("megatron", "nemo"):
             raise ExportError(target, f"the plan offloads {plan.memory.offload_layers} layers' activations to host "
                               f"memory, which only Megatron-LM / NeMo (--cpu-offloading-num-layers) run",
-                              "export it --to megatron or nemo, or re-plan without --offload-layers")
+                              "export it --to megatron or nemo, or re-plan without --offload-layers",
+                              ({"offload_layers": None},))
         if plan.memory.recompute_group > 1 and target not in ("megatron", "nemo"):
             raise ExportError(target, f"the plan recomputes its layers in groups of {plan.memory.recompute_group}, "
                               f"which only Megatron-LM / NeMo (--recompute-method uniform --recompute-num-layers) run",
-                              "export it --to megatron or nemo, or re-plan without --recompute-group")
+                              "export it --to megatron or nemo, or re-plan without --recompute-group",
+                              ({"recompute_group": None},))
         modules = tuple(plan.memory.recompute_modules)
         selective = any(s.recompute.granularity == "selective" for s in plan.pipeline.stages)
         if target not in ("megatron", "nemo") and selective and modules != DEFAULT_RECOMPUTE_MODULES:
@@ -64,7 +66,8 @@ def export_plan(plan: Plan | ServingPlan, target: str) -> Exported:
             # and meshplan's executor: core attention only), so the plan's memory and time would not hold there
             raise ExportError(target, f"the plan's selective recompute re-runs the Megatron-Core modules "
                               f"{', '.join(modules)} (--recompute-modules), which {target} does not have",
-                              "export it --to megatron or nemo, or re-plan without --recompute-modules")
+                              "export it --to megatron or nemo, or re-plan without --recompute-modules",
+                              ({"recompute_modules": DEFAULT_RECOMPUTE_MODULES},))
         return TARGETS[target](plan)
     elif target in SERVING_TARGETS:
         raise InputError(f"{target} serves models; this is a training plan: export it --to "

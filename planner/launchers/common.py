@@ -13,11 +13,14 @@ __all__ = ["ExportError", "ExportedFile", "Exported", "refuse", "header_lines", 
            "shell_lines", "uniform_recompute", "serving_header_lines", "full_ep_only"]
 
 
+Pins = dict[str, object]  # ParallelConfig fields to pin: what a refusal's fix asks for
+
+
 class ExportError(InputError):
     """The plan cannot be expressed in the target launcher; the message says why and what to re-plan with."""
 
-    def __init__(self, target: str, why: str, fix: str) -> None:
-        self.target, self.why, self.fix = target, why, fix
+    def __init__(self, target: str, why: str, fix: str, pins: tuple[Pins, ...] = ()) -> None:
+        self.target, self.why, self.fix, self.pins = target, why, fix, pins
         super().__init__(f"cannot export to {target}: {why}; {fix}")
 
 
@@ -33,8 +36,13 @@ class Exported:
     files: tuple[ExportedFile, ...]
 
 
-def refuse(target: str, why: str, fix: str) -> ExportError:
-    return ExportError(target, why, fix)
+def refuse(target: str, why: str, fix: str, pins: tuple[Pins, ...] = ()) -> ExportError:
+    """`pins`: the alternative ParallelConfig pins, each of which the fix means (a re-plan tries each)."""
+    return ExportError(target, why, fix, pins)
+
+
+# every stage with one recompute policy, each a re-plan alternative
+UNIFORM_RECOMPUTE: tuple[Pins, ...] = ({"recompute": "none"}, {"recompute": "selective"}, {"recompute": "full"})
 
 
 def header_lines(plan: Plan, target: str) -> list[str]:

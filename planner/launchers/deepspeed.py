@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 
-from meshplan.planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
-                                               uniform_recompute)
+from meshplan.planner.launchers.common import (UNIFORM_RECOMPUTE, Exported, ExportedFile, header_lines, refuse,
+                                               shell_lines, torchrun_args, uniform_recompute)
 from meshplan.planner.plan import Plan
 
 __all__ = ["TARGET", "ds_config", "megatron_deepspeed_args", "export_deepspeed"]
@@ -30,19 +30,21 @@ def _check(plan: Plan) -> None:
                      "layers)", "re-plan with --dtype bf16")
     if mesh.pp > 1 and plan.memory.zero >= 2:
         raise refuse(TARGET, f"DeepSpeed's pipeline engine refuses ZeRO-{plan.memory.zero} "
-                     "(deepspeed/runtime/pipe/engine.py)", "re-plan with --zero 0 or --zero 1")
+                     "(deepspeed/runtime/pipe/engine.py)", "re-plan with --zero 0 or --zero 1",
+                     ({"zero": 0}, {"zero": 1}))
     if pipe.vpp > 1 or (mesh.pp > 1 and pipe.schedule != "1f1b"):
         raise refuse(TARGET, f"DeepSpeed's pipeline engine runs one 1F1B schedule without virtual stages (the plan: "
-                     f"{pipe.schedule}, vpp {pipe.vpp})", "re-plan with --schedule 1f1b --vpp 1")
+                     f"{pipe.schedule}, vpp {pipe.vpp})", "re-plan with --schedule 1f1b --vpp 1",
+                     ({"schedule": "1f1b", "vpp": 1},))
     if len({s.num_layers for s in pipe.stages}) > 1:
         raise refuse(TARGET, "Megatron-DeepSpeed partitions layers evenly; the plan's stages hold "
                      f"{[s.num_layers for s in pipe.stages]}", "re-plan with even stages (--pp dividing the layers)")
     if mesh.cp > 1 and mesh.cp_comm != "a2a":
         raise refuse(TARGET, "DeepSpeed's sequence parallelism is Ulysses (all-to-all over heads), not ring attention",
-                     "re-plan with --cp-comm a2a")
+                     "re-plan with --cp-comm a2a", ({"cp_comm": "a2a"}, {"cp": 1}))
     if "-".join(mesh.rank_order) != "tp-cp-dp-pp":
         raise refuse(TARGET, "DeepSpeed's topology is pipe, data, model (model innermost)",
-                     "re-plan with --order tp-cp-dp-pp")
+                     "re-plan with --order tp-cp-dp-pp", ({"rank_order": "tp-cp-dp-pp"},))
     if model.moe is not None:
         raise refuse(TARGET, "this exporter writes dense Megatron-DeepSpeed runs; DeepSpeed-MoE's expert groups are "
                      "not mapped", "use --to megatron for MoE plans")
@@ -82,9 +84,10 @@ def megatron_deepspeed_args(plan: Plan) -> list[str]:
         kind, k = uniform_recompute(plan)
     except ValueError as exc:
         raise refuse(TARGET, f"Megatron-DeepSpeed applies one recompute policy to every stage, but {exc}",
-                     "re-plan with --recompute none, selective or full") from None
+                     "re-plan with --recompute none, selective or full", UNIFORM_RECOMPUTE) from None
     if kind == "full" and k is not None:
-        raise refuse(TARGET, f"the plan recomputes {k} layers per stage", "re-plan with --recompute full")
+        raise refuse(TARGET, f"the plan recomputes {k} layers per stage", "re-plan with --recompute full",
+                     ({"recompute": "full"},))
     if kind == "full":
         args += ["--checkpoint-activations", "--checkpoint-num-layers", "1"]
     elif kind == "selective":

@@ -23,8 +23,8 @@ from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, PP_INSIDE_DP,
 from meshplan.costmodels.model import ModelSpec, RopeScaling
 from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.errors import InputError
-from meshplan.planner.launchers.common import (Exported, ExportedFile, header_lines, refuse, shell_lines, torchrun_args,
-                                               uniform_recompute)
+from meshplan.planner.launchers.common import (UNIFORM_RECOMPUTE, Exported, ExportedFile, header_lines, refuse,
+                                               shell_lines, torchrun_args, uniform_recompute)
 from meshplan.planner.plan import Plan
 
 __all__ = ["TARGET", "Setting", "model_settings", "parallel_settings", "megatron_args", "export_megatron",
@@ -280,7 +280,8 @@ def _pipeline_settings(plan: Plan, mtp_layers: int) -> list[Setting]:
     pipe, pp, vpp = plan.pipeline, plan.mesh.pp, plan.pipeline.vpp
     if pipe.schedule in ("gpipe", "zb"):
         raise refuse(TARGET, f"Megatron-LM has no {pipe.schedule} schedule (megatron/core/pipeline_parallel/"
-                     "schedules.py runs 1F1B, interleaved with virtual stages)", "re-plan with --schedule 1f1b")
+                     "schedules.py runs 1F1B, interleaved with virtual stages)", "re-plan with --schedule 1f1b",
+                     ({"schedule": "1f1b", "vpp": 1}, {"schedule": "interleaved"}))
     s: list[Setting] = [("pipeline_model_parallel_size", pp)]
     if pp == 1:
         return s
@@ -326,7 +327,7 @@ def parallel_settings(plan: Plan) -> list[Setting]:
         kind, k = uniform_recompute(plan)
     except ValueError as exc:
         raise refuse(TARGET, f"Megatron applies one recompute policy to every pipeline stage, but {exc}",
-                     "re-plan with --recompute none, selective or full") from None
+                     "re-plan with --recompute none, selective or full", UNIFORM_RECOMPUTE) from None
     if kind == "selective":
         s.append(("recompute_granularity", "selective"))
         modules = list(plan.memory.recompute_modules)
@@ -338,7 +339,8 @@ def parallel_settings(plan: Plan) -> list[Setting]:
     elif kind == "full":
         if pipe.vpp > 1:
             raise refuse(TARGET, f"--recompute-method block recomputes {k} layers of every virtual stage, the plan "
-                         f"{k} of every pipeline stage", "re-plan with --recompute full or without virtual stages")
+                         f"{k} of every pipeline stage", "re-plan with --recompute full or without virtual stages",
+                         ({"recompute": "full"}, {"vpp": 1}))
         s += [("recompute_granularity", "full"), ("recompute_method", "block"), ("recompute_num_layers", k)]
     # Megatron sets cpu_offloading itself when the count is positive (training/arguments.py)
     s.append(("cpu_offloading_num_layers", plan.memory.offload_layers or None))

@@ -39,13 +39,14 @@ DDP = {"use_distributed_optimizer", "use_megatron_fsdp", "data_parallel_sharding
 
 def _settings(plan: Plan) -> dict[str, object]:
     if "-".join(plan.mesh.rank_order) != "tp-cp-dp-pp":
-        raise refuse(TARGET, "this export writes Megatron's default rank order", "re-plan with --order tp-cp-dp-pp")
+        raise refuse(TARGET, "this export writes Megatron's default rank order", "re-plan with --order tp-cp-dp-pp",
+                     ({"rank_order": "tp-cp-dp-pp"},))
     if plan.inputs.workload.dtype == "fp8":
         raise refuse(TARGET, "NeMo's FP8 recipes are version-specific precision plugins", "re-plan with --dtype bf16")
     try:
         megatron = parallel_settings(plan)
     except ExportError as exc:  # the same limits as Megatron's, said for NeMo
-        raise refuse(TARGET, exc.why, exc.fix) from None
+        raise refuse(TARGET, exc.why, exc.fix, exc.pins) from None
     settings = {RENAMED.get(k, k): v for k, v in megatron if v is not None and v is not False}
     settings.pop("num_layers_per_virtual_pipeline_stage", None)
     if plan.pipeline.vpp > 1:  # the strategy builds vpp chunks; with a layout string megatron-core checks they agree

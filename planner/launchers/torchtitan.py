@@ -26,7 +26,8 @@ from meshplan.costmodels.runtime import get_runtime
 from meshplan.hardware_db.cluster import MAX_GPUS
 from meshplan.hardware_db.documents import parse_document
 from meshplan.hardware_db.errors import InputError, field_error
-from meshplan.planner.launchers.common import Exported, ExportedFile, header_lines, refuse, uniform_recompute
+from meshplan.planner.launchers.common import (UNIFORM_RECOMPUTE, Exported, ExportedFile, header_lines, refuse,
+                                               uniform_recompute)
 from meshplan.planner.launchers.megatron import LaunchSpec
 from meshplan.planner.plan import Plan
 
@@ -74,10 +75,11 @@ def _data_parallel(plan: Plan) -> tuple[int, int, str]:
     zero, dp, cp = plan.memory.zero, plan.mesh.dp, plan.mesh.cp
     if cp > 1 and zero < 2:
         raise refuse(TARGET, f"torchtitan shards parameters with FSDP2 over dp_shard*cp whenever CP is on; the plan "
-                     f"has ZeRO-{zero}", "re-plan with --zero 2 or --zero 3")
+                     f"has ZeRO-{zero}", "re-plan with --zero 2 or --zero 3", ({"zero": 2}, {"zero": 3}))
     if zero == 1 and dp > 1:
         raise refuse(TARGET, "torchtitan has no ZeRO-1 (optimizer-only sharding): it runs DDP or FSDP2",
-                     "re-plan with --zero 0 (DDP), --zero 2 (FSDP2 without resharding) or --zero 3 (FSDP2)")
+                     "re-plan with --zero 0 (DDP), --zero 2 (FSDP2 without resharding) or --zero 3 (FSDP2)",
+                     ({"zero": 0}, {"zero": 2}, {"zero": 3}))
     if dp * cp == 1:
         return 1, 1, "default"  # nothing to replicate or shard over
     if zero == 0:
@@ -104,13 +106,14 @@ def parallelism_fields(plan: Plan, release: str) -> dict[str, object]:
     mesh, pipe = plan.mesh, plan.pipeline
     if "-".join(mesh.rank_order) != DEFAULT_RANK_ORDER:
         raise refuse(TARGET, f"torchtitan's mesh is pp, dp, cp, tp (tp innermost), not {'-'.join(mesh.rank_order)}",
-                     f"re-plan with --order {DEFAULT_RANK_ORDER}")
+                     f"re-plan with --order {DEFAULT_RANK_ORDER}", ({"rank_order": DEFAULT_RANK_ORDER},))
     if mesh.cp > 1 and mesh.cp_comm == "a2a":
         raise refuse(TARGET, "torchtitan's context parallelism exchanges KV shards (ring attention), it has no "
-                     "all-to-all over heads (Ulysses)", "re-plan with --cp-comm ring")
+                     "all-to-all over heads (Ulysses)", "re-plan with --cp-comm ring",
+                     ({"cp_comm": "ring"},))
     if mesh.tp > 1 and not mesh.sp and release == "0.2":
         raise refuse(TARGET, "torchtitan before 0.3 always shards the norms' sequence with TP (SP)",
-                     "re-plan with --sp, or use the 0.3 Python form")
+                     "re-plan with --sp, or use the 0.3 Python form", ({"sp": True},))
     replicate, shard, reshard = _data_parallel(plan)
     fields: dict[str, object] = {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
                                  "fsdp_reshard_after_forward": reshard, "tensor_parallel_degree": mesh.tp}
@@ -119,7 +122,7 @@ def parallelism_fields(plan: Plan, release: str) -> dict[str, object]:
     if mesh.pp > 1:
         if pipe.schedule not in SCHEDULES:
             raise refuse(TARGET, f"torch.distributed.pipelining has no single-stage {pipe.schedule} schedule",
-                         "re-plan with --schedule 1f1b")
+                         "re-plan with --schedule 1f1b", ({"schedule": "1f1b"},))
         fields |= {"pipeline_parallel_degree": mesh.pp, "pipeline_parallel_schedule": SCHEDULES[pipe.schedule],
                    "module_fqns_per_model_part": stage_module_names(plan),
                    "pipeline_parallel_microbatch_size": pipe.micro_batch_size}
@@ -134,13 +137,15 @@ def parallelism_fields(plan: Plan, release: str) -> dict[str, object]:
         etp_one = release == "0.3" or mesh.etp == 1
         if release == "0.3" and mesh.etp != 1:
             raise refuse(TARGET, "torchtitan 0.3 runs experts without tensor parallelism (EP borrows TP ranks)",
-                         "re-plan with --etp 1")
+                         "re-plan with --etp 1", ({"etp": 1},))
         if mesh.etp not in (1, mesh.tp):
-            raise refuse(TARGET, "torchtitan supports expert TP equal to TP or 1", f"re-plan with --etp 1 or {mesh.tp}")
+            raise refuse(TARGET, "torchtitan supports expert TP equal to TP or 1", f"re-plan with --etp 1 or {mesh.tp}",
+                         ({"etp": 1},))
         pool = shard * mesh.cp * (mesh.tp if etp_one else 1)
         if pool % mesh.ep:
             raise refuse(TARGET, f"torchtitan's EP borrows ranks from dp_shard*cp{'*tp' if etp_one else ''} = {pool}, "
-                         f"which ep {mesh.ep} does not divide", "re-plan with FSDP (--zero 2/3) or another --ep")
+                         f"which ep {mesh.ep} does not divide", "re-plan with FSDP (--zero 2/3) or another --ep",
+                         ({"zero": 2}, {"zero": 3}))
         fields["expert_parallel_degree"] = mesh.ep
         if release == "0.2":
             fields["expert_tensor_parallel_degree"] = mesh.etp
@@ -164,10 +169,10 @@ def activation_mode(plan: Plan) -> str:
         kind, k = uniform_recompute(plan)
     except ValueError as exc:
         raise refuse(TARGET, f"torchtitan checkpoints every block alike, but {exc}",
-                     "re-plan with --recompute none, selective or full") from None
+                     "re-plan with --recompute none, selective or full", UNIFORM_RECOMPUTE) from None
     if k is not None:
         raise refuse(TARGET, f"the plan recomputes {k} layers per stage; torchtitan's full checkpointing takes every "
-                     "block", "re-plan with --recompute full")
+                     "block", "re-plan with --recompute full", ({"recompute": "full"},))
     return kind
 
 
