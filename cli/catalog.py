@@ -7,7 +7,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from meshplan.cli.options import console, output_targets
+from meshplan.cli.options import console, output_targets, print_table
 from meshplan.costmodels.model_io import list_zoo, load_model, load_zoo, zoo_source
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, Sourced, list_gpus, load_gpu
@@ -70,9 +70,9 @@ def _print_calibration(con: Console, cal: Any, path: Path) -> None:
     con.print(f"[bold]{cal.device.name}[/] ({cal.device.target}, {cal.device.threads} thread(s)), torch "
               f"{cal.software.torch}, {cal.software.backend}; {m.dtype}")
     t = Table(title="fitted efficiency model", title_justify="left")
-    t.add_column("what")
-    t.add_column("value", justify="right")
-    t.add_column("from")
+    t.add_column("what", overflow="fold")
+    t.add_column("value", justify="right", overflow="fold")
+    t.add_column("from", overflow="fold")
     t.add_row("fastest GEMM", f"{f.peak_flops / 1e9:,.1f} GFLOP/s", f"{len(m.gemms)} GEMMs")
     t.add_row("GEMM curve", f"{len(f.gemm.flops)} points", "time vs FLOPs, non-decreasing")
     t.add_row("attention curve", f"{len(f.attention.flops)} points", f"{len(m.attention)} SDPA shapes, fwd + bwd")
@@ -91,15 +91,14 @@ def _print_calibration(con: Console, cal: Any, path: Path) -> None:
 
 def models_list() -> None:
     """The built-in models: layers, hidden size, heads, total and active parameters (billions)."""
-    t = Table(title="Zoo models (meshplan models show NAME)", title_justify="left")
-    for col in ("name", "layers", "hidden", "heads", "kv heads", "experts (top-k)", "total B", "active B"):
-        t.add_column(col, justify="left" if col == "name" else "right", no_wrap=col == "name")
+    rows = []
     for name in list_zoo():
         m = load_zoo(name)
         experts = f"{m.moe.num_experts} ({m.moe.top_k})" if m.moe else "-"
-        t.add_row(name, str(m.num_layers), str(m.hidden), str(m.num_heads), str(m.kv_heads), experts,
-                  f"{m.total_params() / 1e9:.2f}", f"{m.active_params() / 1e9:.2f}")
-    console().print(t)
+        rows.append((name, str(m.num_layers), str(m.hidden), str(m.num_heads), str(m.kv_heads), experts,
+                     f"{m.total_params() / 1e9:.2f}", f"{m.active_params() / 1e9:.2f}"))
+    print_table(console(), "Zoo models (meshplan models show NAME)",
+                ("name", "layers", "hidden", "heads", "kv", "experts (k)", "total B", "active B"), rows, left=("name",))
 
 
 def _flatten(prefix: str, data: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -115,8 +114,8 @@ def models_show(
     """Every field of one model and its parameter counts."""
     m = load_model(name)
     t = Table(title=f"Model {m.name}", title_justify="left")
-    t.add_column("field")
-    t.add_column("value", justify="right")
+    t.add_column("field", overflow="fold")
+    t.add_column("value", justify="right", overflow="fold")
     for key, value in _flatten("", m.model_dump()):
         t.add_row(key, "-" if value is None else str(value))
     t.add_row("kv heads (effective)", str(m.kv_heads))
@@ -155,16 +154,17 @@ def _peak(g: GPUSpec, dtype: str) -> str:
 
 def hardware_list() -> None:
     """The built-in GPUs: dense peaks, HBM, bandwidths and an indicative price."""
-    t = Table(title="GPUs (meshplan hardware show NAME)", title_justify="left")
-    for col in ("name", "display name", "BF16 TFLOP/s", "FP8 TFLOP/s", "HBM GiB", "HBM TB/s", "scale-up GB/s",
-                "domain", "NIC Gb/s", "$/GPU-h"):
-        t.add_column(col, justify="left" if "name" in col else "right", no_wrap=col == "name")
+    con = console()
+    wide = con.width >= 120  # the display names only where they fit beside the numbers
+    rows = []
     for name in list_gpus():
         g = load_gpu(name)
-        t.add_row(g.name, g.display_name, _peak(g, "bf16"), _peak(g, "fp8"), f"{g.hbm_gib.value:g}",
-                  f"{g.hbm_tb_s.value:g}", f"{g.scaleup_gb_s.value:g}", f"{g.scaleup_domain.value:g}",
-                  f"{g.nic_gb_s.value:g}", f"{g.price_usd_per_hour.value:g}")
-    console().print(t)
+        rows.append((g.name, *([g.display_name] if wide else []), _peak(g, "bf16"), _peak(g, "fp8"),
+                     f"{g.hbm_gib.value:g}", f"{g.hbm_tb_s.value:g}", f"{g.scaleup_gb_s.value:g}",
+                     f"{g.scaleup_domain.value:g}", f"{g.nic_gb_s.value:g}", f"{g.price_usd_per_hour.value:g}"))
+    headers = ("name", *(["display name"] if wide else []), "BF16 TF/s", "FP8 TF/s", "HBM GiB", "HBM TB/s",
+               "NVLink GB/s", "domain", "NIC Gb/s", "$/GPU-h")
+    print_table(con, "GPUs (meshplan hardware show NAME)", headers, rows, left=("name", "display name"))
 
 
 def hardware_show(
@@ -173,10 +173,10 @@ def hardware_show(
     """Every number of one GPU with its source."""
     g = load_gpu(name)
     t = Table(title=f"{g.display_name} ({g.name}, {g.vendor})", title_justify="left")
-    t.add_column("quantity")
-    t.add_column("value", justify="right")
-    t.add_column("unit")
-    t.add_column("source")
+    t.add_column("quantity", overflow="fold")
+    t.add_column("value", justify="right", overflow="fold")
+    t.add_column("unit", overflow="fold")
+    t.add_column("source", overflow="fold")
     for dtype, s in g.peak_tflops.items():
         t.add_row(f"peak {dtype} (dense)", f"{s.value:g}", "TFLOP/s", s.source)
     for field, value in g:
@@ -186,8 +186,8 @@ def hardware_show(
     con = console()
     con.print(t)
     eff = Table(title="Efficiency defaults (achieved fractions of peak)", title_justify="left")
-    eff.add_column("parameter")
-    eff.add_column("value", justify="right")
+    eff.add_column("parameter", overflow="fold")
+    eff.add_column("value", justify="right", overflow="fold")
     for field, value in g.efficiency:
         if field != "source":  # a field left unset takes its derived default (docs/hardware.md)
             eff.add_row(field, "derived default" if value is None else _efficiency_value(value))

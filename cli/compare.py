@@ -37,7 +37,7 @@ def compare(
 
 def print_comparison(con: Console, c: Comparison) -> None:
     table = Table(title="plans side by side")
-    table.add_column("")
+    table.add_column("", overflow="fold")
     for name in c.names:
         table.add_column(name, justify="right", overflow="fold")
     if c.knobs:

@@ -14,7 +14,7 @@ from meshplan import api
 from meshplan.cli.options import (MAX_VERIFY_RANKS, MAX_VERIFY_STEPS, MAX_VERIFY_TIMEOUT_S, P_CLUSTER, P_OUT, P_PAR,
                                   AnyExportTarget, CalibrationOpt, ClusterOpt, GpuOpt, ImportSource, NicOpt, NvlinkOpt,
                                   PerNodeOpt, cluster_of_flags, console, echo_export, one_line, option,
-                                  output_targets, packed, print_error)
+                                  output_targets, packed, print_error, working)
 from meshplan.cli.serve import print_serving
 from meshplan.cli.train import print_cost, print_estimate
 from meshplan.costmodels.config import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Workload
@@ -160,7 +160,8 @@ def _against_best(con: Console, doc: Any, spec: Any, cluster: Any, workload: Wor
     from meshplan.planner.compare import compare_plans
 
     try:
-        best = api.search_plans(spec, cluster, workload, runtime=runtime, calibration=calibration, top=1).plan
+        with working("searching the best plan to compare with"):
+            best = api.search_plans(spec, cluster, workload, runtime=runtime, calibration=calibration, top=1).plan
     except InputError as exc:
         con.print(f"no plan to compare with: {exc}")
         return
@@ -329,7 +330,7 @@ def _verify_serving(doc: Any, scale: str, steps: int, seq: int | None, max_ranks
     table = Table(title=f"serving check: {report.scaled} (of {report.model}), float64, KV cache vs one forward")
     for col in ("engine", "ranks", "batch x (prompt + steps)", "max rel. error", "prefill s (pred.)",
                 "decode step s (pred.)", "KV bytes/rank (pred.)"):
-        table.add_column(col, justify="left" if col == "engine" else "right")
+        table.add_column(col, justify="left" if col == "engine" else "right", overflow="fold")
     for e in report.engines:
         kv = f"{e.cache_bytes:,}" + (f" ({e.predicted_cache_bytes:,.0f})" if e.predicted_cache_bytes is not None
                                      else " (MLA: latent not held)")
@@ -355,7 +356,7 @@ def _print_verify(con: Console, report: Any) -> None:
               f"{report.world} ranks, gbs {report.gbs} x seq {report.seq}, {report.steps} steps, {report.dtype}")
     t = Table(title="numerics vs the single-process run", show_header=True)
     for col in ("quantity", "max relative error", "worst", "tolerance"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     t.add_row("loss (every step)", f"{report.loss_error:.2e}", "", f"{report.tolerance:g}")
     t.add_row("gradients (step 1)", f"{report.grad_error:.2e}", report.worst_grad, f"{report.tolerance:g}")
     t.add_row(f"parameters (after step {report.steps})", f"{report.param_error:.2e}", report.worst_param,
@@ -366,7 +367,7 @@ def _print_verify(con: Console, report: Any) -> None:
                     f"their peak, vs the cost model's elements at the run's dtype; predicted on {report.predicted_on})")
     for col in ("rank", "stage", "params MiB", "grads MiB", "optimizer MiB", "activations MiB", "memory MiB",
                 "predicted MiB", "error", "step s", "predicted s", "error"):
-        m.add_column(col, justify="right")
+        m.add_column(col, justify="right", overflow="fold")
     mib = 2.0 ** 20
     for row, step_s in zip(report.memory, report.measured_step_s, strict=True):
         meas = row.measured

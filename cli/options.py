@@ -1,6 +1,7 @@
 """What the commands share: the options of estimate and plan (one definition, the same help in both), the
 cluster and workload they describe, output paths checked before any work, the console."""
 
+import contextlib
 import functools
 import inspect
 import os
@@ -12,6 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from meshplan.costmodels.config import ParallelConfig, Workload, knob_help
 from meshplan.costmodels.economics import LLAMA3_FAILURES_PER_GPU_HOUR, Budget, Reliability
@@ -47,6 +49,39 @@ def output_targets(directories: tuple[str, ...] = ("export_out",), **flags: Path
                for k, v in flags.items()}
     check_distinct(checked)
     return tuple(checked.values())
+
+
+def print_table(con: Console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
+                left: Sequence[str] = ()) -> None:
+    """A table, or where its natural width exceeds the terminal, one line per row of `header value` pairs, wrapped at
+    the pairs: every cell readable at 80 columns (rich would otherwise fold numbers or cut cells with an ellipsis)."""
+    from rich.measure import Measurement
+    from rich.text import Text
+
+    table = Table(title=title, title_justify="left")
+    for h in headers:
+        table.add_column(h, justify="left" if h in left else "right", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    if Measurement.get(con, con.options.update(max_width=100_000), table).maximum <= con.width:
+        con.print(table)
+        return
+    con.print(Text(title, style="italic"))
+    for row in rows:  # packed by hand: rich would wrap inside a pair
+        line = "  "
+        for pair in (f"{h} {c}".strip() for h, c in zip(headers, row, strict=True) if c):
+            if line.strip() and len(line) + 2 + len(pair) > con.width:
+                con.print(Text(line + ";", no_wrap=True, overflow="fold"))
+                line = "   "
+            line += ("; " if line.strip() else "") + pair
+        con.print(Text(line, no_wrap=True, overflow="fold"))
+
+
+def working(message: str) -> contextlib.AbstractContextManager:
+    """A transient spinner on stderr while a search without its own bar runs (on a terminal only)."""
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    return Console(stderr=True).status(message)
 
 
 def console() -> Console:

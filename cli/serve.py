@@ -6,12 +6,12 @@ from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from meshplan.costmodels.economics import Budget, ServingCost
 from meshplan import api
 from meshplan.cli.options import (P_CLUSTER, P_COST, P_MODEL, P_OUT, P_PAR, GpuOpt, ModelOpt, NicOpt, NvlinkOpt,
-                                  PerNodeOpt, cluster_of_flags, console, option, output_targets, packed, report_export)
+                                  PerNodeOpt, cluster_of_flags, console, option, output_targets, packed, print_table,
+                                  report_export, working)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.serving import ServeTargets, ServeWorkload
@@ -38,13 +38,27 @@ def _serve_gpus(gpu: str | None, gpus: str | None, gpus_per_node: int | None, ni
     return ServeGpus(cluster_of_flags(None, gpu, high, gpus_per_node, nic_gbps, nvlink_gbs), low)
 
 
-def _serve_workload(isl: int | None, osl: int | None, lengths: Path | None, weight_dtype: str,
+@dataclass(frozen=True)
+class WorkloadFlags:
+    """The serving workload as the flags give it; `weight_dtype_given` False: the model's published dtype applies."""
+
+    workload: ServeWorkload
+    weight_dtype_given: bool
+
+    def for_model(self, spec: ModelSpec) -> ServeWorkload:
+        if self.weight_dtype_given or spec.weight_dtype in (None, self.workload.weight_dtype):
+            return self.workload
+        return self.workload.model_copy(update={"weight_dtype": spec.weight_dtype})
+
+
+def _serve_workload(isl: int | None, osl: int | None, lengths: Path | None, weight_dtype: str | None,
                     kv_dtype: str, prefix_hit: float, spec_tokens: int, accept_rate: float | None,
-                    two_batch_overlap: bool) -> ServeWorkload:
+                    two_batch_overlap: bool) -> WorkloadFlags:
     from meshplan.planner.serve import Reuse, load_lengths, workload_from
 
-    return workload_from(isl, osl, load_lengths(lengths) if lengths else None, weight_dtype, kv_dtype,
-                         Reuse(prefix_hit, spec_tokens, accept_rate), two_batch_overlap)
+    workload = workload_from(isl, osl, load_lengths(lengths) if lengths else None, weight_dtype or "bf16", kv_dtype,
+                             Reuse(prefix_hit, spec_tokens, accept_rate), two_batch_overlap)
+    return WorkloadFlags(workload, weight_dtype is not None)
 
 
 def _pinned(layout: str | None, prefill_layout: str | None, engines: int | None, prefill_engines: int | None,
@@ -98,9 +112,10 @@ WORKLOAD_OPTIONS = [
     option("lengths", Annotated[Path | None, typer.Option("--lengths", rich_help_panel=P_MODEL, help=(
         "CSV of request lengths (columns input_tokens,output_tokens, or isl,osl): their means are the "
         "workload."))]),
-    option("weight_dtype", Annotated[Literal["bf16", "fp8", "fp4"], typer.Option(
+    option("weight_dtype", Annotated[Literal["bf16", "fp8", "fp4"] | None, typer.Option(
         "--weight-dtype", rich_help_panel=P_MODEL,
-        help="Weights and GEMMs in bf16, fp8 or fp4 (NVFP4, from an NVFP4 checkpoint; Blackwell GPUs).")], "bf16"),
+        help=("Weights and GEMMs in bf16, fp8 or fp4 (NVFP4, from an NVFP4 checkpoint; Blackwell GPUs); default "
+              "the model's published weights (fp8 for DeepSeek-V3), else bf16."))]),
     option("kv_dtype", Annotated[Literal["bf16", "fp8"], typer.Option("--kv-dtype", rich_help_panel=P_MODEL,
                                                                      help="KV cache precision.")], "bf16"),
     option("prefix_hit", Annotated[float, typer.Option("--prefix-hit", min=0.0, max=0.99, rich_help_panel=P_MODEL,
@@ -162,14 +177,14 @@ OUTPUT_OPTIONS = [
 
 
 @packed("gpus", GPU_OPTIONS, _serve_gpus)
-@packed("workload", WORKLOAD_OPTIONS, _serve_workload)
+@packed("flags", WORKLOAD_OPTIONS, _serve_workload)
 @packed("targets", TARGET_OPTIONS, ServeTargets)
 @packed("pinned", PINNED_OPTIONS, _pinned)
 @packed("outputs", OUTPUT_OPTIONS, _serve_outputs)
 def serve(
     model: ModelOpt,
     gpus: ServeGpus,  # --gpu --gpus N|A-B and the link flags
-    workload: ServeWorkload,  # --isl --osl --lengths --weight-dtype --kv-dtype --prefix-hit --spec-tokens ...
+    flags: WorkloadFlags,  # --isl --osl --lengths --weight-dtype --kv-dtype --prefix-hit --spec-tokens ...
     targets: ServeTargets,  # --ttft-ms --tpot-ms --e2e-ms --request-rate --percentile
     objective: Annotated[Literal["throughput", "min-gpus"], typer.Option("--objective", rich_help_panel=P_PAR,
         help="throughput: most output tokens/s per GPU; min-gpus: fewest GPUs for --request-rate.")
@@ -200,10 +215,12 @@ def serve(
     from meshplan.planner.plan import plan_text
 
     spec = load_model(model)
+    workload = flags.for_model(spec)
     if outputs.report is not None and pinned is not None:
         raise InputError("--report draws the search's Pareto front; a pinned --layout has none (drop one of them)")
-    found = api.search_deployments(spec, gpus.cluster, workload, targets, gpus.low, objective, disaggregation, top,
-                                   mem_fraction, time_limit, pinned, outputs.timing)
+    with working(f"searching deployments of {spec.name} on up to {gpus.cluster.num_gpus} GPUs"):
+        found = api.search_deployments(spec, gpus.cluster, workload, targets, gpus.low, objective, disaggregation,
+                                       top, mem_fraction, time_limit, pinned, outputs.timing)
     doc, result, alternatives = found.plan, found.result, list(found.alternatives)
     if price is not None:
         doc = api.priced(doc, Budget(usd_per_gpu_hour=price))
@@ -250,23 +267,19 @@ def print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, targ
     con.print(f"{spec.name} on up to {cluster.num_gpus} x {cluster.gpu.name}; ISL {wl.isl}, OSL {wl.osl}{src}; "
               f"weights {wl.weight_dtype}, KV {wl.kv_dtype}; targets: {aims}")
     if result is not None:
-        table = Table(title="deployments that meet the targets")
-        for col in ("#", "deployment", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT ms", "TPOT ms", "req/s"):
-            table.add_column(col, justify="left" if col == "deployment" else "right")
-        for i, d in enumerate(result.ranked, 1):
-            table.add_row(str(i), d.label(), str(d.gpus), f"{d.tokens_per_s_per_gpu:,.0f}",
-                          f"{d.tokens_per_s_per_user:.1f}", f"{d.ttft_s * 1e3:.0f}", f"{d.tpot_s * 1e3:.1f}",
-                          f"{d.requests_per_s:.2f}")
-        con.print(table)
+        rows = [(str(i), d.label(), str(d.gpus), f"{d.tokens_per_s_per_gpu:,.0f}", f"{d.tokens_per_s_per_user:.1f}",
+                 f"{d.ttft_s * 1e3:.0f}", f"{d.tpot_s * 1e3:.1f}", f"{d.requests_per_s:.2f}")
+                for i, d in enumerate(result.ranked, 1)]
+        print_table(con, "deployments that meet the targets",
+                    ("#", "deployment", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT ms", "TPOT ms", "req/s"), rows,
+                    left=("deployment",))
     if doc.search is not None:
-        front = Table(title="Pareto front: tokens/s/GPU vs tokens/s/user (every deployment evaluated)")
-        for col in ("deployment", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT ms", "TPOT ms", "meets"):
-            front.add_column(col, justify="left" if col == "deployment" else "right")
-        for d in doc.search.pareto:
-            front.add_row(d.deployment, str(d.gpus), f"{d.tokens_per_s_per_gpu:,.0f}",
-                          f"{d.tokens_per_s_per_user:.1f}", f"{d.ttft_ms:.0f}", f"{d.tpot_ms:.1f}",
-                          "yes" if d.meets_targets else "no")
-        con.print(front)
+        rows = [(d.deployment, str(d.gpus), f"{d.tokens_per_s_per_gpu:,.0f}", f"{d.tokens_per_s_per_user:.1f}",
+                 f"{d.ttft_ms:.0f}", f"{d.tpot_ms:.1f}", "yes" if d.meets_targets else "no")
+                for d in doc.search.pareto]
+        print_table(con, "Pareto front: tokens/s/GPU vs tokens/s/user (every deployment evaluated)",
+                    ("deployment", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT ms", "TPOT ms", "meets"), rows,
+                    left=("deployment",))
         seconds = result.seconds if result is not None else doc.search.seconds  # a plan shown: only with --timing
         con.print(f"search: {doc.search.evaluated:,} engine configurations"
                   + ("" if seconds is None else f" in {seconds:.2f} s"))

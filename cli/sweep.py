@@ -8,11 +8,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from meshplan import api
 from meshplan.cli.options import (P_CLUSTER, P_OUT, ModelOpt, NicOpt, NvlinkOpt, ObjectiveOpt, PerNodeOpt,
-                                  RuntimeOpt, console, output_targets, with_budget, with_workload)
+                                  RuntimeOpt, console, print_table, output_targets, with_budget, with_workload)
 from meshplan.costmodels.config import Workload
 from meshplan.costmodels.economics import Budget
 from meshplan.costmodels.model_io import load_model
@@ -106,21 +105,20 @@ def sweep_lines(sw: Sweep) -> list[str]:
 
 def print_sweep(con: Console, sw: Sweep) -> None:
     with_tokens = any(p.cost.expected_s is not None for p in sw.feasible)
-    table = Table(title="best plan per cluster")
-    for col in ("GPU", "GPUs", "plan", "tok/s", "MFU", "days" if with_tokens else "s/Mtok",
-                "$" if with_tokens else "$/Mtok", ""):
-        table.add_column(col, justify="left" if col in ("GPU", "plan") else "right", overflow="fold")
     best, front = sw.best, {id(p) for p in sw.pareto}
+    rows = []
     for p in sw.points:
         if p.plan is None:
-            table.add_row(p.gpu, str(p.gpus), f"does not fit: {(p.why or '').split(';')[0]}", "", "", "", "", "")
+            rows.append((p.gpu, str(p.gpus), f"does not fit: {(p.why or '').split(';')[0]}", "", "", "", "", ""))
             continue
         lay, c = p.plan.prediction.layout, p.cost
         t = time_s(c) / 86400 if with_tokens else time_s(c)
         mark = ("chosen " if p is best else "") + ("pareto" if id(p) in front else "")
-        table.add_row(p.gpu, str(p.gpus), f"TP{lay.tp} CP{lay.cp} PP{lay.pp} DP{lay.dp} EP{lay.ep}",
-                      f"{c.tokens_per_s:,.0f}", f"{p.plan.prediction.mfu:.1%}", f"{t:,.1f}", f"{usd(c):,.0f}"
-                      if with_tokens else f"{usd(c):.3f}", mark.strip())
-    con.print(table)
+        rows.append((p.gpu, str(p.gpus), f"TP{lay.tp} CP{lay.cp} PP{lay.pp} DP{lay.dp} EP{lay.ep}",
+                     f"{c.tokens_per_s:,.0f}", f"{p.plan.prediction.mfu:.1%}", f"{t:,.1f}",
+                     f"{usd(c):,.0f}" if with_tokens else f"{usd(c):.3f}", mark.strip()))
+    headers = ("GPU", "GPUs", "plan", "tok/s", "MFU", "days" if with_tokens else "s/Mtok",
+               "$" if with_tokens else "$/Mtok", "")
+    print_table(con, "best plan per cluster", headers, rows, left=("GPU", "plan"))
     for line in sweep_lines(sw):
         con.print(line)

@@ -12,8 +12,8 @@ from rich.table import Table
 
 from meshplan import api
 from meshplan.cli.options import (P_COST, P_OUT, P_SEARCHED, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt,
-                                  console, option, output_targets, packed, report_export, with_cluster, with_knobs,
-                                  with_workload, with_budget)
+                                  console, option, output_targets, packed, print_table, report_export, with_budget,
+                                  with_cluster, with_knobs, with_workload, working)
 from meshplan.costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
 from meshplan.costmodels.economics import Budget, TrainingCost
@@ -86,9 +86,9 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
 
     step = est.step_time_s
     t = Table(title="Step time breakdown (critical pipeline rank)", title_justify="left")
-    t.add_column("component")
-    t.add_column("seconds", justify="right")
-    t.add_column("% of step", justify="right")
+    t.add_column("component", overflow="fold")
+    t.add_column("seconds", justify="right", overflow="fold")
+    t.add_column("% of step", justify="right", overflow="fold")
     for key, sec in est.breakdown_s.items():
         label = BREAKDOWN_LABELS.get(key) or f"{key.removesuffix('_comm').upper()} comm (exposed)"
         t.add_row(label, f"{sec:.3f}", f"{100 * sec / step:.1f}")
@@ -96,8 +96,8 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     con.print(t)
 
     t = Table(title="Throughput", title_justify="left")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
+    t.add_column("metric", overflow="fold")
+    t.add_column("value", justify="right", overflow="fold")
     t.add_row("step time", f"{step:.3f} s")
     t.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
     t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.1f}")
@@ -115,11 +115,11 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     if peak["rank"] not in (stages[0]["rank"], stages[-1]["rank"]):
         shown["peak"] = peak  # a middle stage holds the most
     t = Table(title="Memory per GPU (GiB)", title_justify="left")
-    t.add_column("component")
+    t.add_column("component", overflow="fold")
     ranges = stage_ranges(lay)  # with virtual stages a rank holds several separate layer ranges
     for which, s in shown.items():
         spans = ", ".join(f"{a}-{a + n - 1}" for a, n in ranges[s["rank"]] if n)
-        t.add_column(f"{which} stage (rank {s['rank']}, layers {spans})", justify="right")
+        t.add_column(f"{which} stage (rank {s['rank']}, layers {spans})", justify="right", overflow="fold")
     shown = list(shown.values())
     for key in shown[0]["memory_gib"]:
         t.add_row(key, *(f"{s['memory_gib'][key]:.2f}" for s in shown))
@@ -289,8 +289,9 @@ def _name_runnable(con: Console, spec: ModelSpec, cluster: ClusterSpec, workload
     """After a launcher refused the best plan: the best plan it runs, found by searching with its refusals' pins,
     and the flags that ask `plan` for it."""
     target = refused.target
-    con.print(f"{target} cannot run this plan ({refused.why}); searching the best plan {target} runs ...")
-    runnable = api.runnable_plan(spec, cluster, workload, target, config, runtime, calibration, budget, refused)
+    con.print(f"{target} cannot run this plan ({refused.why}); searching the best plan {target} runs")
+    with working(f"searching the best plan {target} runs"):
+        runnable = api.runnable_plan(spec, cluster, workload, target, config, runtime, calibration, budget, refused)
     if runnable is None:
         con.print(f"no plan within the searches {target} takes; {refused.fix}")
         return
@@ -395,12 +396,10 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     moe = spec.moe is not None
     con.print(f"[bold]{spec.name}[/] on {cluster.num_gpus} x {cluster.gpu.display_name} ({cluster.num_nodes} node(s) "
               f"of {cluster.gpus_per_node}); {wl.global_batch} x {wl.seq_len} tokens per step, {wl.dtype}")
-    t = Table(title=f"Best {len(result.plans)} plans (predicted)", title_justify="left")
     orders = any(p.estimate.layout.rank_order != DEFAULT_RANK_ORDER for p in result.plans)  # column only if used
     cols = ["#", "tp", "cp", "pp", "dp"] + (["ep", "etp"] if moe else []) + (["order"] if orders else []) + [
         "mbs", "zero", "sp", "recompute", "schedule", "layers/stage", "step s", "tok/s/GPU", "MFU %", "peak GiB"]
-    for c in cols:
-        t.add_column(c, justify="left" if c in ("order", "recompute", "schedule", "layers/stage") else "right")
+    rows = []
     for n, p in enumerate(result.plans, 1):
         e, lay = p.estimate, p.estimate.layout
         row = [str(n), str(lay.tp), str(lay.cp) + ("" if lay.cp == 1 else f" {lay.cp_comm}"), str(lay.pp), str(lay.dp)]
@@ -411,8 +410,9 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
         row += [str(lay.mbs), str(lay.zero), "on" if lay.sp else "off", _recompute_text(lay), lay.schedule,
                 _stages_text(lay), f"{e.step_time_s:.3f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{100 * e.mfu:.1f}",
                 f"{e.peak_memory_gib:.1f}"]
-        t.add_row(*row)
-    con.print(t)
+        rows.append(row)
+    print_table(con, f"Best {len(result.plans)} plans (predicted)", cols, rows,
+                left=("order", "recompute", "schedule", "layers/stage"))
     pruned = ", ".join(f"{v:,} by {k}" for k, v in sorted(acc.pruned.items(), key=lambda x: -x[1])) or "none"
     infeasible = ", ".join(f"{v:,} {k}" for k, v in sorted(acc.infeasible.items(), key=lambda x: -x[1])) or "none"
     con.print(f"search: {acc.space_size:,} candidates in the space; {acc.evaluated:,} simulated, {acc.bounded:,} "

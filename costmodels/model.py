@@ -119,6 +119,8 @@ class ModelSpec(BaseModel):
     rope_scaling: RopeScaling | None = None
     norm_eps: float | None = Field(default=None, gt=0, le=1.0)
     dropout: float | None = Field(default=None, ge=0, lt=1.0)  # hidden and attention dropout probability
+    # the published checkpoint's weights (DeepSeek-V3 ships FP8): what `serve` loads unless told otherwise
+    weight_dtype: Literal["bf16", "fp8", "fp4"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:

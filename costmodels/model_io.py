@@ -8,6 +8,7 @@ Hugging Face mapping are documented in docs/models.md.
 from __future__ import annotations
 
 import json
+import os
 import re
 from functools import cache
 from importlib import resources
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 
 from meshplan.costmodels.model import MAX_LAYERS, ModelSpec
 from meshplan.hardware_db.documents import read_document
-from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.errors import InputError, did_you_mean
 
 __all__ = [
     "HF_MODEL_TYPES",
@@ -59,6 +60,7 @@ MODEL_FILE_KEYS: dict[str, str] = {
     "rope_theta": "rope_theta",
     "norm_eps": "norm_eps",
     "dropout": "dropout",
+    "weight_dtype": "weight_dtype",
 }
 MOE_KEYS: dict[str, str] = {
     "experts": "num_experts",
@@ -223,7 +225,7 @@ def _training_fields(hf: _HF) -> dict[str, Any]:
     """rope_theta, rms_norm_eps, attention_dropout and a llama3 or yarn rope_scaling block, as stated (the launch
     exports carry them); other rope_scaling kinds are not kept (docs/models.md)."""
     fields: dict[str, Any] = {"rope_theta": hf.opt("rope_theta"), "norm_eps": hf.opt("rms_norm_eps"),
-                              "dropout": hf.opt("attention_dropout")}
+                              "dropout": hf.opt("attention_dropout"), "weight_dtype": _published_dtype(hf)}
     scaling = hf.opt("rope_scaling")
     if isinstance(scaling, dict):
         kind = scaling.get("rope_type") or scaling.get("type")
@@ -233,6 +235,18 @@ def _training_fields(hf: _HF) -> dict[str, Any]:
         if kind in ("llama3", "yarn"):
             fields["rope_scaling"] = {"kind": kind} | {k: scaling[k] for k in keys if scaling.get(k) is not None}
     return fields
+
+
+def _published_dtype(hf: _HF) -> str | None:
+    """The checkpoint's weights: fp8 under a quantization_config of quant_method "fp8" (DeepSeek-V3's block-scaled
+    e4m3), fp4 under ModelOpt's NVFP4 (quant_algo "NVFP4"), else bf16 when torch_dtype (or dtype) says bfloat16."""
+    quant = hf.opt("quantization_config")
+    if isinstance(quant, dict):
+        if quant.get("quant_method") == "fp8":
+            return "fp8"
+        if str(quant.get("quant_algo", "")).upper() == "NVFP4":
+            return "fp4"
+    return "bf16" if (hf.opt("torch_dtype") or hf.opt("dtype")) == "bfloat16" else None
 
 
 def _llama(hf: _HF) -> _Mapped:
@@ -523,7 +537,7 @@ def list_zoo() -> list[str]:
 def _zoo_document(key: str) -> dict[str, Any]:
     if key not in list_zoo():
         raise InputError(
-            f"unknown model '{key}'; zoo models: {', '.join(list_zoo())}; "
+            f"unknown model '{key}';{did_you_mean(key, list_zoo())} zoo models: {', '.join(list_zoo())}; "
             f"or pass a Hugging Face config.json or a meshplan model file (.json/.toml, see {DOCS})"
         )
     origin = f"costmodels/zoo/{key}.json"
@@ -568,6 +582,42 @@ def load_model(name_or_path: str) -> ModelSpec:
         raise _fail(text, "is a directory without a config.json; pass a zoo name or a .json/.toml model file")
     if path.is_file():
         raise _fail(text, "a model file must end in .json or .toml")
+    if HF_REPO_ID.fullmatch(text) and not is_model_file:
+        return _from_hf_cache(text)
     if is_model_file or "/" in text or "\\" in text:
         raise _fail(text, "no such file; check the path, or pass a zoo name instead")
     return load_zoo(key)  # raises the unknown-model error listing the zoo
+
+
+# a Hugging Face Hub model id: owner/name (huggingface_hub's repo id rules: letters, digits, - _ .)
+HF_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def hf_hub_cache() -> Path:
+    """The local Hugging Face Hub cache, as huggingface_hub resolves it (its docs, "Manage huggingface_hub cache-
+    system"): $HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    env = os.environ
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface" / "hub"
+
+
+def _from_hf_cache(repo_id: str) -> ModelSpec:
+    """A Hub id's config.json from the local cache (models--owner--name/snapshots/REV/config.json, the revision
+    refs/main names, else the newest snapshot holding one); the model is named after the repository."""
+    folder = hf_hub_cache() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = folder / "snapshots"
+    main = folder / "refs" / "main"
+    candidates = [snapshots / main.read_text().strip() / "config.json"] if main.is_file() else []
+    if snapshots.is_dir():
+        candidates += sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    found = next((p for p in candidates if p.is_file()), None)
+    if found is None:
+        raise InputError(f"{repo_id}: not a zoo model, a file, or in the Hugging Face cache ({folder}); fetch its "
+                         f"config.json (huggingface-cli download {repo_id} config.json) or pass the file's path")
+    doc, origin = _read_document(found)
+    if not (isinstance(doc, dict) and "model_type" in doc):
+        raise _fail(origin, "the cached config.json has no model_type; pass a meshplan model file instead")
+    return from_hf_config(doc, repo_id.split("/")[1], origin=f"{repo_id} ({found})")

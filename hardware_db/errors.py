@@ -15,3 +15,11 @@ def field_error(exc: Exception) -> str:
     where = ".".join(str(p) for p in first["loc"]) or "(top level)"
     message = " ".join(str(first["msg"]).split()).removeprefix("Value error, ")
     return f"field '{where}': {message}"
+
+
+def did_you_mean(name: str, choices: list[str]) -> str:
+    """' did you mean X?' for the closest of `choices` to a misspelt name (difflib's ratio >= 0.6), else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(name.strip().lower(), choices, n=2, cutoff=0.6)
+    return f" did you mean {' or '.join(close)}?" if close else ""

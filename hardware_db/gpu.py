@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from meshplan.hardware_db.documents import STRICT, parse_document
-from meshplan.hardware_db.errors import InputError, field_error
+from meshplan.hardware_db.errors import InputError, did_you_mean, field_error
 
 DType = Literal["bf16", "fp16", "fp8", "fp4", "fp32"]
 
@@ -174,5 +174,6 @@ def load_gpu(name_or_path: str) -> GPUSpec:
     entry = _gpu_dir() / f"{key}.toml"
     if not entry.is_file():
         known = ", ".join(list_gpus())
-        raise InputError(f"unknown GPU '{name_or_path}'; known GPUs: {known} (or pass a GPU .toml file)")
+        hint = did_you_mean(key, list_gpus())
+        raise InputError(f"unknown GPU '{name_or_path}';{hint} known GPUs: {known} (or pass a GPU .toml file)")
     return parse_gpu(entry.read_text(), f"hardware_db/gpus/{key}.toml")
