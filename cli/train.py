@@ -58,7 +58,7 @@ def estimate(
     else:
         con = console()
         print_estimate(con, spec, api.calibrated(cluster, calibration, runtime)[0], workload, est)
-        print_cost(con, api.cost_of(spec, cluster, est.tokens_per_s, budget))
+        print_cost(con, api.cost_of(spec, cluster, est.tokens_per_s, budget, calibration))
 
 
 BREAKDOWN_LABELS = {
@@ -309,7 +309,9 @@ def _pin_flag(field: str, value: object) -> str:
     from meshplan.costmodels.config import knob_help
 
     knob = knob_help(field)
-    flag = knob.flag_name(field) if knob is not None else "--" + field.replace("_", "-")
+    if knob is None:  # a knob with no command-line flag (the stage split): the Python API's ParallelConfig takes it
+        return f"[ParallelConfig {field}={value!r}, no flag]"
+    flag = knob.flag_name(field)
     if value is None:
         return f"(without {flag})"
     if isinstance(value, bool):

@@ -100,12 +100,14 @@ def estimate(model: ModelInput, cluster: ClusterSpec, workload: Workload, config
     return estimate_cost(_model(model), hardware, workload, config, runtime, eff)
 
 
-def cost_of(model: ModelInput, cluster: ClusterSpec, tokens_per_s: float, budget: Budget = Budget()) -> TrainingCost:
+def cost_of(model: ModelInput, cluster: ClusterSpec, tokens_per_s: float, budget: Budget = Budget(),
+            calibration: str | None = None) -> TrainingCost:
     """Dollars, GPU-hours and, with budget.tokens, the time to train with failures of a plan or estimate making
-    `tokens_per_s` on `cluster`; the price is the hardware database's unless the budget gives one."""
+    `tokens_per_s` on `cluster` (a calibrated one: `--gpu cpu` is a device of the calibration); the price is the
+    hardware database's unless the budget gives one."""
     price = budget.usd_per_gpu_hour
     if price is None:
-        price = Cluster(cluster).gpu.price_usd_per_hour.value
+        price = calibrated(cluster, calibration)[0].gpu.price_usd_per_hour.value
     return training_cost(cluster.num_gpus, price, tokens_per_s, _model(model).total_params(), budget.tokens,
                          budget.reliability)
 

@@ -251,14 +251,7 @@ def test_cli_estimates_and_plans_on_a_calibrated_cpu_and_the_plan_records_it(cap
 
 
 # ---- the profiler and the closed loop (torch) -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def quick_profile(tmp_path_factory):
-    pytest.importorskip("torch")
-    from meshplan.cli.main import main
-
-    out = tmp_path_factory.mktemp("profile") / "cpu.json"
-    assert main(["profile", "--quick", "--out", str(out)]) == 0
-    return out
+# quick_profile: tests/conftest.py (session-scoped; the README example test shares it)
 
 
 def test_profile_quick_writes_a_calibration_of_this_cpu(quick_profile):

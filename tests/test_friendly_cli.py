@@ -63,7 +63,7 @@ def test_a_hub_id_resolves_from_the_local_cache(monkeypatch, tmp_path, capsys):
 
 def test_serve_loads_the_published_weights(capsys):
     """DeepSeek-V3 ships FP8 weights: serve plans them in fp8 unless --weight-dtype says otherwise."""
-    assert load_model("deepseek-v3").weight_dtype == "fp8" and load_model("llama3.1-70b").weight_dtype is None
+    assert load_model("deepseek-v3").weight_dtype == "fp8" and load_model("llama3.1-70b").weight_dtype == "bf16"
     base = ("serve", "--model", "deepseek-v3", "--gpu", "h200", "--gpus", "16", "--isl", "1000", "--osl", "200",
             "--layout", "tp16", "--json")
     code, out, err = run(capsys, *base)

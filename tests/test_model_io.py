@@ -284,7 +284,9 @@ def test_hf_deepseek_v3_full_config_matches_zoo() -> None:
            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                             "original_max_position_embeddings": 4096, "type": "yarn"},
            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "routed_scaling_factor": 2.5, "n_group": 8,
-           "topk_group": 4, "seq_aux": True, "norm_topk_prob": True}
+           "topk_group": 4, "seq_aux": True, "norm_topk_prob": True, "torch_dtype": "bfloat16",
+           "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                   "weight_block_size": [128, 128]}}
     assert from_hf_config(cfg, "deepseek-v3") == load_zoo("deepseek-v3")
     # a config without the router and RoPE fields is the same shape, priced alike, with nothing to export for them
     bare = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rms_norm_eps", "attention_dropout",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from meshplan.planner.launchers.common import (UNIFORM_RECOMPUTE, Exported, ExportedFile, header_lines, refuse,
+from meshplan.planner.launchers.common import (UNIFORM_RECOMPUTE, Exported, Pins, ExportedFile, header_lines, refuse,
                                                shell_lines, torchrun_args, uniform_recompute)
 from meshplan.planner.plan import Plan
 
@@ -37,8 +37,11 @@ def _check(plan: Plan) -> None:
                      f"{pipe.schedule}, vpp {pipe.vpp})", "re-plan with --schedule 1f1b --vpp 1",
                      ({"schedule": "1f1b", "vpp": 1},))
     if len({s.num_layers for s in pipe.stages}) > 1:
+        layers = sum(s.num_layers for s in pipe.stages)
+        even: tuple[Pins, ...] = ({"stage_layers": (layers // mesh.pp,) * mesh.pp},) if layers % mesh.pp == 0 else ()
         raise refuse(TARGET, "Megatron-DeepSpeed partitions layers evenly; the plan's stages hold "
-                     f"{[s.num_layers for s in pipe.stages]}", "re-plan with even stages (--pp dividing the layers)")
+                     f"{[s.num_layers for s in pipe.stages]}", "re-plan with even stages (--pp dividing the layers)",
+                     even + ({"pp": 1},))
     if mesh.cp > 1 and mesh.cp_comm != "a2a":
         raise refuse(TARGET, "DeepSpeed's sequence parallelism is Ulysses (all-to-all over heads), not ring attention",
                      "re-plan with --cp-comm a2a", ({"cp_comm": "a2a"}, {"cp": 1}))
