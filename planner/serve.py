@@ -460,7 +460,12 @@ def explain_serving(result: ServeResult, targets: ServeTargets, wl: ServeWorkloa
         why = misses(d, targets, wl)
         if not why:
             gap = 1 - d.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
-            why = f"{gap:.0%} fewer tokens/s/GPU" if gap > 0 else "as fast per GPU, with more GPUs"
+            if gap >= 0.0005:
+                why = f"{gap:.1%} fewer tokens/s/GPU"
+            elif d.gpus > best.gpus:
+                why = "as fast per GPU, with more GPUs"
+            else:  # within 0.05 %: the ranking keeps the first of equals
+                why = "as fast per GPU on as many GPUs (a tie)"
         out.append(f"{d.label()} ({d.mode}, {d.gpus} GPUs): {why}")
     return out
 
