@@ -66,15 +66,20 @@ def checkpoint_bytes(parameters: float) -> float:
     return CHECKPOINT_BYTES_PER_PARAM * parameters
 
 
-class TrainingCost(BaseModel):
-    """A training plan's cost at its predicted throughput, and with `tokens` its run: the ideal time, the expected
-    time with failures at Daly's interval, and what both cost. The plan's `economics` section."""
+class _Rate(BaseModel):
+    """What a set of GPUs costs an hour: the part every plan's economics section shares."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     gpus: int = Field(gt=0)
     usd_per_gpu_hour: float = Field(ge=0)
-    tokens_per_s: float = Field(gt=0)
     usd_per_hour: float = Field(ge=0)
+
+
+class TrainingCost(_Rate):
+    """A training plan's cost at its predicted throughput, and with `tokens` its run: the ideal time, the expected
+    time with failures at Daly's interval, and what both cost. The plan's `economics` section."""
+
+    tokens_per_s: float = Field(gt=0)
     usd_per_million_tokens: float = Field(ge=0)
     gpu_hours_per_million_tokens: float = Field(ge=0)
     tokens: float | None = Field(default=None, gt=0)
@@ -115,15 +120,11 @@ def training_cost(gpus: int, usd_per_gpu_hour: float, tokens_per_s: float, param
                                        total_usd=usd_per_hour * hours, gpu_hours=gpus * hours))
 
 
-class ServingCost(BaseModel):
+class ServingCost(_Rate):
     """A deployment's cost per hour and per million output tokens at its predicted throughput. The serving plan's
     `economics` section."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-    gpus: int = Field(gt=0)
-    usd_per_gpu_hour: float = Field(ge=0)
     output_tokens_per_s: float = Field(gt=0)
-    usd_per_hour: float = Field(ge=0)
     usd_per_million_output_tokens: float = Field(ge=0)
     gpu_hours_per_million_output_tokens: float = Field(ge=0)
 
