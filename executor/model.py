@@ -55,7 +55,7 @@ def make_norm(spec: ModelSpec, dim: int, dtype: torch.dtype) -> nn.Module:
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (seq, dim) for the given absolute positions (Su et al. 2021, eq. 34 frequencies)."""
-    inv_freq = ROPE_THETA ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv_freq = ROPE_THETA ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)  # rotate-half layout: pair i with i + dim/2
     return angles.cos().to(dtype), angles.sin().to(dtype)

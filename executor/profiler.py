@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -295,7 +297,9 @@ def _memory_op_points(name: str, fn: Callable[[], Any], tokens: int, model_bytes
 def _time_optimizer(model: ModelSpec, opts: ProfileOptions, timer: _Timer,
                     tick: Callable[[str], None]) -> list[OptimizerPoint]:
     """torch's AdamW over the parameters of 1, 2 and 4 layers (plus embedding and head) of the model: on a CPU
-    with the executor's settings (executor/reference.py ADAMW: per-tensor loop), on a GPU fused."""
+    with the executor's settings (executor/reference.py ADAMW: per-tensor loop), on a GPU fused. Below fp32 the step
+    is mixed precision as Megatron's and torchtitan's: AdamW on fp32 master weights (fp32 gradients and moments),
+    then the copy back into the bf16/fp16 weights (Megatron-LM optimizer.py, _copy_main_params_to_model_params)."""
     import torch
 
     from meshplan.executor.model import build_model
@@ -308,12 +312,24 @@ def _time_optimizer(model: ModelSpec, opts: ProfileOptions, timer: _Timer,
                                                         dtype).parameters()]
         count = sum(p.numel() for p in params)
         tick(f"AdamW step over {count / 1e6:.1f} M parameters")
-        params = [torch.nn.Parameter(p.detach()) for p in params]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-4, **settings)
-        points.append(OptimizerPoint(params=count, seconds=timer(opt.step)))
+        weights = [p.detach() for p in params]
+        mixed = dtype.itemsize < 4
+        masters = [torch.nn.Parameter(w.float() if mixed else w) for w in weights]
+        for m in masters:
+            m.grad = torch.randn_like(m)
+        opt = torch.optim.AdamW(masters, lr=1e-4, **settings)
+        step = functools.partial(_adamw_step, opt, weights if mixed else [], masters if mixed else [])
+        points.append(OptimizerPoint(params=count, seconds=timer(step)))
     return points
+
+
+def _adamw_step(opt, weights: list, masters: list) -> None:
+    """One AdamW step, then the fp32 masters copied into the model's lower-precision weights (none: fp32 and up)."""
+    import torch
+
+    opt.step()
+    if weights:
+        torch._foreach_copy_(weights, masters)  # one multi-tensor launch, as Megatron's multi_tensor_applier
 
 
 def _activation_points(model: ModelSpec, opts: ProfileOptions, tick: Callable[[str], None]) -> list[ActivationPoint]:
@@ -559,8 +575,8 @@ def _device_info(opts: ProfileOptions) -> DeviceInfo:
         if not torch.cuda.is_available():
             raise InputError("--device cuda: no CUDA device is visible to torch; use --device cpu")
         name = torch.cuda.get_device_name(0)
-        target = opts.target or _gpu_target(name)
         mem = float(torch.cuda.get_device_properties(0).total_memory)
+        target = opts.target or gpu_target(name, mem)
         return DeviceInfo(kind="cuda", target=target, name=name, threads=1, memory_bytes=mem)
     name = platform.processor() or platform.machine()
     try:
@@ -572,18 +588,34 @@ def _device_info(opts: ProfileOptions) -> DeviceInfo:
     return DeviceInfo(kind="cpu", target="cpu", name=name, threads=torch.get_num_threads(), memory_bytes=mem)
 
 
-def _gpu_target(device_name: str) -> str:
-    """hardware_db GPU name from torch's device name ("NVIDIA H100 80GB HBM3" -> "h100-sxm")."""
-    from meshplan.hardware_db.gpu import list_gpus
+# torch's device names (the driver's, as nvidia-smi and rocm-smi print them) -> hardware_db GPUs, most specific first;
+# None: a device hardware_db has no entry for (its interconnect or memory differs: a PCIe A100 is not the SXM4 part)
+DEVICE_NAMES: tuple[tuple[str, str | None], ...] = (
+    (r"\bgh200\b", None), (r"\bgb300\b", "gb300"), (r"\bgb200\b", "gb200"), (r"\bb300\b", "b300"),
+    (r"\bb200\b", "b200"), (r"\bh200 nvl\b", "h200-nvl"), (r"\bh200\b", "h200"), (r"\bh100 nvl\b", "h100-nvl"),
+    (r"\bh100 pcie\b", "h100-pcie"), (r"\bh100\b.*\b96gb\b", "h100-hbm2e-96gb"), (r"\bh100\b", "h100-sxm"),
+    (r"\bh800 pcie\b", None), (r"\bh800\b", "h800"), (r"\ba100\b.*\bpcie\b", None),
+    (r"\ba100\b.*\b40gb\b", "a100-40gb"), (r"\ba100\b", "a100-80gb"), (r"\bl40s\b", "l40s"), (r"\bl4\b", "l4"),
+    (r"\bmi325x\b", "mi325x"), (r"\bmi300x\b", "mi300x"))
+# torch's total_memory against hardware_db's nominal size: drivers reserve a little (an H100 80GB reports 79.2 GiB)
+MEMORY_RATIO = (0.9, 1.05)
 
-    n = device_name.lower()
-    rules = [("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
-             ("h800", "h800"), ("a100-sxm4-40gb", "a100-40gb"), ("a100", "a100-80gb"), ("mi300x", "mi300x")]
-    for key, target in rules:
-        if key in n and target in list_gpus():
-            return target
-    raise InputError(f"cannot tell which hardware_db GPU '{device_name}' is; pass --gpu NAME "
-                     f"(one of: {', '.join(list_gpus())})")
+
+def gpu_target(device_name: str, memory_bytes: float) -> str:
+    """The hardware_db GPU of a torch device ("NVIDIA H100 80GB HBM3" with 79.2 GiB -> "h100-sxm"), by the name
+    table and then its memory size; anything else is one line asking for --gpu."""
+    from meshplan.hardware_db.gpu import list_gpus, load_gpu
+
+    name = device_name.lower()
+    target = next((t for pattern, t in DEVICE_NAMES if re.search(pattern, name)), None)
+    ask = f"pass --gpu NAME (one of: {', '.join(list_gpus())})"
+    if target is None:
+        raise InputError(f"hardware_db has no entry for '{device_name}'; {ask}, or add its TOML (docs/hardware.md)")
+    gib = memory_bytes / 2**30
+    nominal = load_gpu(target).hbm_gib.value
+    if not MEMORY_RATIO[0] <= gib / nominal <= MEMORY_RATIO[1]:
+        raise InputError(f"'{device_name}' reports {gib:.1f} GiB but hardware_db's {target} has {nominal:g}; {ask}")
+    return target
 
 
 def _software(opts: ProfileOptions) -> Software:

@@ -321,3 +321,45 @@ def test_profile_refuses_more_collective_ranks_than_this_machine_has(capsys, tmp
     assert_input_error(*run(capsys, "profile", "--ranks", "4096", "--out", str(out)), "--ranks 4096",
                        "ranks on this machine")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("name", "gib", "target"), [
+    ("NVIDIA H100 80GB HBM3", 79.2, "h100-sxm"), ("NVIDIA H100 PCIe", 79.2, "h100-pcie"),
+    ("NVIDIA H100 NVL", 93.1, "h100-nvl"), ("NVIDIA H200", 139.8, "h200"), ("NVIDIA H200 NVL", 139.8, "h200-nvl"),
+    ("NVIDIA H800", 79.2, "h800"), ("NVIDIA A100-SXM4-40GB", 39.4, "a100-40gb"),
+    ("NVIDIA A100-SXM4-80GB", 79.2, "a100-80gb"), ("NVIDIA B200", 178.4, "b200"), ("NVIDIA L4", 22.0, "l4"),
+    ("NVIDIA L40S", 44.4, "l40s"), ("AMD Instinct MI325X", 255.9, "mi325x"), ("AMD Instinct MI300X", 191.5, "mi300x"),
+])
+def test_device_names_map_to_hardware_db_by_name_and_memory(name, gib, target):
+    """The review's loose mappings (H200 NVL and GH200 as h200, H100 NVL as h100-sxm, a PCIe A100 as a100-80gb, L4,
+    L40S and MI325X unmapped) are each a table row now, cross-checked with the device's memory."""
+    from meshplan.executor.profiler import gpu_target
+
+    assert gpu_target(name, gib * 2**30) == target
+
+
+@pytest.mark.parametrize(("name", "gib", "words"), [
+    ("NVIDIA GH200 480GB", 95.0, ("no entry", "--gpu")), ("NVIDIA A100-PCIE-40GB", 39.4, ("no entry",)),
+    ("NVIDIA H100 80GB HBM3", 94.5, ("94.5 gib", "h100-sxm has 80")), ("Some New GPU", 80.0, ("no entry",)),
+])
+def test_an_unknown_or_mismatched_device_asks_for_gpu(name, gib, words):
+    from meshplan.executor.profiler import gpu_target
+
+    with pytest.raises(InputError) as info:
+        gpu_target(name, gib * 2**30)
+    assert all(w in str(info.value).lower() for w in words) and "--gpu" in str(info.value)
+
+
+def test_the_optimizer_probe_steps_fp32_masters_below_fp32():
+    """Below fp32 the timed step is Megatron's mixed-precision one: AdamW on fp32 masters, then the masters copied
+    into the bf16 weights; at fp32 and up there is nothing to copy."""
+    torch = pytest.importorskip("torch")
+    from meshplan.executor.profiler import _adamw_step
+
+    weights = [torch.zeros(4, 3, dtype=torch.bfloat16)]
+    masters = [torch.nn.Parameter(torch.full((4, 3), 0.5))]
+    masters[0].grad = torch.ones(4, 3)
+    opt = torch.optim.AdamW(masters, lr=0.1)
+    _adamw_step(opt, weights, masters)
+    assert masters[0].dtype == torch.float32 and float(masters[0].detach()[0, 0]) < 0.5  # stepped in fp32
+    assert torch.equal(weights[0], masters[0].detach().to(torch.bfloat16))  # and copied into the model's weights
