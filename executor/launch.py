@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailure", "WorldEnv", "run_torchrun", "run_world", "world_env"]
+from meshplan.hardware_db.errors import InputError
+
+__all__ = ["RankFailure", "WorldEnv", "bind_device", "check_gpus", "run_torchrun", "run_world", "world_env"]
 
 _GRACE_S = 0.25  # after a first failure, how long to wait for the others' messages (to name the earliest)
 _KILL_WAIT_S = 2.0  # how long terminate() may take before kill()
@@ -82,10 +84,10 @@ def _child(rank: int, world: int, backend: str, init_method: str, timeout_s: flo
     stack_file = open(os.path.join(stack_dir, f"{rank}.stack"), "w")  # noqa: SIM115 - open for the rank's life
     if hasattr(faulthandler, "register"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
-    torch.set_num_threads(1)  # n ranks on a few cores: intra-op threads only oversubscribe (10x slower seen)
     try:
+        device = bind_device(backend, rank)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s), device_id=device)
         result = fn(rank, world, *args)
         payload = pickle.dumps(result)  # plain pickle: tensors travel as bytes, not as shared-memory handles
         conn.send(("ok", payload))
@@ -97,6 +99,30 @@ def _child(rank: int, world: int, backend: str, init_method: str, timeout_s: flo
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a peer that died first can make teardown fail; nothing to save
                 dist.destroy_process_group()
+
+
+def bind_device(backend: str, local_rank: int) -> torch.device | None:
+    """NCCL: this rank's GPU (local rank i on cuda:i, set as the current device before the process group, as NCCL
+    needs one rank per GPU); gloo: none, and one torch thread (n ranks on a few cores: intra-op threads only
+    oversubscribe, 10x slower seen)."""
+    if backend != "nccl":
+        torch.set_num_threads(1)
+        return None
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def check_gpus(backend: str, ranks_here: int) -> None:
+    """NCCL runs one rank per GPU (two on one GPU fail with "Duplicate GPU detected", NVIDIA/nccl#418): refuse, in
+    one line, more ranks on this machine than the GPUs torch sees."""
+    if backend != "nccl":
+        return
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ranks_here > visible:
+        raise InputError(f"NCCL runs one rank per GPU: {ranks_here} ranks on this machine need {ranks_here} GPUs, "
+                         f"torch sees {visible}; lower the world (--max-ranks, a smaller plan) or use --backend "
+                         "gloo")
 
 
 def _stop(procs: list[Any], settle_s: float = 0.0) -> None:
@@ -128,6 +154,7 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str 
         raise ValueError(f"world_size must be positive, got {world_size}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    check_gpus(backend, world_size)
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="meshplan-world-")
     # a file store, not tcp://127.0.0.1:<port>: no free-port race between parallel worlds; gloo itself
@@ -268,12 +295,10 @@ def run_torchrun(fn: Callable[..., Any], *args: Any, backend: str | None = None,
     env = world_env()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
-    else:
-        torch.set_num_threads(1)
+    check_gpus(backend, env.local_rank + 1)
+    device = bind_device(backend, env.local_rank)
     dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s), device_id=device)
     try:
         return fn(env.rank, env.world_size, *args)
     finally:

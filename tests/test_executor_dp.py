@@ -216,6 +216,31 @@ def test_run_world_checks_its_arguments() -> None:
         run_world(2, rank_all_reduce, timeout_s=0)
 
 
+
+def test_nccl_worlds_are_checked_against_the_visible_gpus(monkeypatch) -> None:
+    """NCCL runs one rank per GPU: a world larger than the GPUs torch sees is one InputError before any rank starts
+    (here none: this CPU host sees 0); gloo worlds are not limited."""
+    from meshplan.executor.launch import bind_device, check_gpus
+    from meshplan.hardware_db.errors import InputError
+
+    with pytest.raises(InputError, match=r"2 ranks on this machine need 2 GPUs, torch sees \d+"):
+        run_world(2, rank_all_reduce, backend="nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    check_gpus("nccl", 8)  # one rank per GPU: accepted
+    with pytest.raises(InputError, match="9 ranks"):
+        check_gpus("nccl", 9)
+    check_gpus("gloo", 64)
+    bound: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    assert bind_device("nccl", 3) == torch.device("cuda", 3) and bound == [torch.device("cuda", 3)]
+    threads = torch.get_num_threads()
+    try:
+        assert bind_device("gloo", 3) is None and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)  # the rest of the suite runs in this process
+
+
 def test_world_env_reads_torchrun_variables() -> None:
     env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
     w = world_env(env)
