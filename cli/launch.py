@@ -246,7 +246,8 @@ def verify(
     plan_file: Annotated[Path, typer.Argument(help="A plan written by `meshplan plan --out`.")],
     shape: RunShape = RunShape(),  # --scale --steps --seq --microbatches --dtype
     backend: Annotated[Literal["gloo", "nccl"], typer.Option("--backend", help=(
-        "Process-group backend. gloo: CPU tensors (the executor's only one so far); nccl: GPUs (not yet)."))] = "gloo",
+        "Process-group backend. gloo: CPU tensors; nccl: one GPU per rank (local rank i on cuda:i), the same code "
+        "on another device (training plans; the serving check runs on gloo)."))] = "gloo",
     launcher: Annotated[Literal["spawn", "torchrun"] | None, typer.Option("--launcher", help=(
         "spawn: start the plan's ranks here, one process each. torchrun: this process is one rank of a torchrun "
         "world of the plan's size (rank 0 prints the report). Default: torchrun when RANK is set, else spawn."))
@@ -276,6 +277,9 @@ def verify(
     out, trace = output_targets(out=out, trace=trace)
     doc = read_any_plan(plan_file)
     if isinstance(doc, ServingPlan):
+        if backend != "gloo" or launcher == "torchrun":
+            raise InputError("the serving check spawns its engines' ranks on gloo here; drop --backend nccl and "
+                             "--launcher torchrun (training plans take them)")
         try:
             _verify_serving(doc, shape.scale, shape.steps, shape.seq, max_ranks, timeout, calibration, inject, out)
         except RuntimeError as exc:  # a rank that raised or hung (executor.launch.RankFailure): one line, exit 1

@@ -273,7 +273,8 @@ class ExpertParallelMoE(nn.Module):
         p = self.placement
         picks = [(ids == e).nonzero(as_tuple=True) for e in range(p.num_experts)]  # (token, slot), tokens ascending
         order = [e for dest in range(p.group_size) for e in p.experts_of(dest // p.etp)]  # to every etp shard
-        send = torch.tensor([picks[e][0].numel() for e in order], dtype=torch.int64).view(p.group_size, p.per_rank)
+        send = torch.tensor([picks[e][0].numel() for e in order], dtype=torch.int64,
+                            device=x.device).view(p.group_size, p.per_rank)  # NCCL exchanges device tensors only
         recv = _exchange_counts(send, self.group)
         send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         rows = torch.cat([x.index_select(0, picks[e][0]) for e in order])

@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.costmodels.config import Layout
 
-__all__ = ["DENSE_DIMS", "EXPERT_DIMS", "Meshes", "build_meshes", "group_of", "rank_coords"]
+__all__ = ["DENSE_DIMS", "EXPERT_DIMS", "Meshes", "build_meshes", "group_of", "rank_coords", "rank_device", "wait_for"]
 
 DENSE_DIMS = ("tp", "cp", "dp", "pp")
 EXPERT_DIMS = ("etp", "ep", "edp")
@@ -93,6 +94,21 @@ class Meshes:
         if dim in EXPERT_DIMS:
             return self.expert[dim]
         raise KeyError(dim)
+
+
+def rank_device() -> torch.device:
+    """This rank's device, from its process group's backend: NCCL's current GPU (launch.bind_device set it before
+    the group), gloo's CPU. Called once per rank; the rest of the rank takes it from here."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def wait_for(device: torch.device) -> None:
+    """Wait until the device has run what was queued on it, so a wall-clock reading after it counts that work (CUDA
+    runs kernels asynchronously; the CPU has nothing queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def build_meshes(lay: Layout, device_type: str = "cpu") -> Meshes:

@@ -47,7 +47,7 @@ from meshplan.executor.data_parallel import fsdp_reduction_factor, make_fsdp_sum
 from meshplan.executor.expert_parallel import INJECTIONS as EP_INJECTIONS
 from meshplan.executor.expert_parallel import (apply_expert_parallel, expert_parameters, full_tensors,
                                                reduce_expert_grads)
-from meshplan.executor.mesh import Meshes, build_meshes, rank_coords
+from meshplan.executor.mesh import Meshes, build_meshes, rank_coords, rank_device, wait_for
 from meshplan.executor.model import ModelChunk, token_loss
 from meshplan.executor.pipeline import INJECTIONS as PP_INJECTIONS
 from meshplan.executor.pipeline import (build_chunks, build_pipeline, embedding_group, local_ranges, mean_loss_over,
@@ -130,12 +130,16 @@ def injection_problem(lay: Layout, inject: str | None) -> str | None:
 
 
 # ---- building this rank's model --------------------------------------------------------------------------------
-def _chunks(run: RunSpec, lay: Layout, pp_rank: int, positions: torch.Tensor,
-            inject: str | None) -> list[ModelChunk]:
+def _chunks(run: RunSpec, lay: Layout, pp_rank: int, positions: torch.Tensor, inject: str | None,
+            device: torch.device) -> list[ModelChunk]:
+    """This rank's chunks of the model, on the rank's device before any sharding (the model is drawn on the CPU, from
+    the seed alone, so every device starts from the same parameters as the single-process reference)."""
     model = run.build()
     chunks = build_chunks(model, lay, pp_rank, positions)
     if inject == "shift-stage" and pp_rank == lay.pp - 1:  # injection_problem: it starts at layer 2 or later
         chunks[0] = ModelChunk(model, chunks[0].start - 1, chunks[0].stop, positions)
+    for chunk in chunks:
+        chunk.to(device)
     return chunks  # the full model goes out of scope here: the chunks keep only this stage's modules
 
 
@@ -326,7 +330,6 @@ def _check_world(rank: int, world: int, run: RunSpec, lay: Layout, inject: str |
     n_micro = run.gbs // (lay.dp * lay.mbs)
     if n_micro * lay.dp * lay.mbs != run.gbs or n_micro != lay.num_microbatches:
         raise ValueError(f"gbs {run.gbs} != dp {lay.dp} x mbs {lay.mbs} x {lay.num_microbatches} micro-batches")
-    torch.set_num_threads(1)
     if inject in ("raise", "hang") and rank == world - 1:
         if inject == "raise":
             raise RuntimeError("injected failure (--inject raise)")
@@ -337,12 +340,14 @@ def _check_world(rank: int, world: int, run: RunSpec, lay: Layout, inject: str |
 def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | None = None) -> RankReport:
     """Run `run` under the whole layout `lay` on this rank; collective over the world (lay.world ranks)."""
     n_micro = _check_world(rank, world, run, lay, inject)
+    device = rank_device()  # chosen once: every tensor of this rank is made on it or moved to it here
     notes: list[str] = []
-    meshes = build_meshes(lay)
+    meshes = build_meshes(lay, device.type)
     coords = rank_coords(rank, lay)
     pp_rank, cp_rank = coords["pp"], coords["cp"]
     positions = shard_positions(run.seq, lay.cp, cp_rank, inject) if lay.cp > 1 else torch.arange(run.seq)
-    chunks = _chunks(run, lay, pp_rank, positions, inject)
+    positions = positions.to(device)
+    chunks = _chunks(run, lay, pp_rank, positions, inject, device)
     _shard(chunks, run, lay, meshes, pp_rank, inject)
     if inject == "contiguous-shard":  # the cores keep the load-balanced order they installed; the chunks do not
         for chunk in chunks:
@@ -363,7 +368,8 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | No
     pipe = None
     if lay.pp > 1:
         # torch infers each stage's (local, TP/SP/CP-sharded) shapes by one forward and backward
-        pipe = build_pipeline(chunks, lay, meshes["pp"].get_group(), n_micro, loss_fn=mean_loss_over(n_micro))
+        pipe = build_pipeline(chunks, lay, meshes["pp"].get_group(), n_micro, loss_fn=mean_loss_over(n_micro),
+                              device=device)
     # zb splits each backward into input and weight passes (torch's stage_backward_input): a full backward hook on a
     # middle stage's chunk breaks the first (measured, torch 2.13, pp 4), so zb's timeline shows forwards only
     timeline = _Timeline(chunks, backward=lay.schedule != "zb")
@@ -386,7 +392,7 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | No
         t_sync = time.perf_counter()
         _synchronise(chunks, named, run, lay, meshes, emb_group, experts, inject, fsdp_factor)
         timeline.mark("gradient sync", "sync", t_sync)
-        loss_value = _global_loss(local_loss, meshes)
+        loss_value = _global_loss(local_loss, meshes, device)
         losses.append(loss_value)
         if step == 0:
             grads = _full_named(chunks, named, meshes, lay, experts, "grads")
@@ -394,6 +400,7 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | No
         t_opt = time.perf_counter()
         for opt in opts:
             opt.step()
+        wait_for(device)  # the optimizer's kernels inside the step they belong to
         timeline.mark("optimizer", "optimizer", t_opt)
         step_s.append(time.perf_counter() - t_step)
         if last_step:
@@ -412,7 +419,8 @@ def _forward_backward(chunks: Sequence[ModelChunk], pipe: Any, run: RunSpec, lay
     """Every micro-batch's forward and backward (through the pipeline schedule when pp > 1) on this rank's
     sequence `positions`; this rank's mean loss where it holds the last stage, else None."""
     dp_rank = coords["dp"]
-    parts = micro_batches(*run.batch(step), dp_rank, lay.dp, lay.mbs)
+    device = positions.device
+    parts = [(t.to(device), y.to(device)) for t, y in micro_batches(*run.batch(step), dp_rank, lay.dp, lay.mbs)]
     if lay.cp > 1:  # this cp rank's tokens (cp_shard)
         parts = [(t.index_select(1, positions), y.index_select(1, positions)) for t, y in parts]
     scale = 2.0 if inject == "scale-loss" and dp_rank == lay.dp - 1 else 1.0
@@ -420,7 +428,7 @@ def _forward_backward(chunks: Sequence[ModelChunk], pipe: Any, run: RunSpec, lay
         tokens, labels = torch.cat([t for t, _ in parts]), torch.cat([y for _, y in parts])
         local = pp_train_step(pipe, tokens, labels)
         return None if local is None else local.to(torch.float64) * scale
-    local_loss = torch.zeros((), dtype=torch.float64)
+    local_loss = torch.zeros((), dtype=torch.float64, device=device)
     (chunk,) = chunks
     for tokens, labels in parts:
         with loss_ctx():
@@ -463,8 +471,8 @@ def _synchronise(chunks: Sequence[ModelChunk], named: Sequence[tuple[str, nn.Par
             reduce_expert_grads(chunk, meshes, lay)
 
 
-def _global_loss(local: torch.Tensor | None, meshes: Meshes) -> float:
-    x = torch.zeros((), dtype=torch.float64) if local is None else local.detach().clone()
+def _global_loss(local: torch.Tensor | None, meshes: Meshes, device: torch.device) -> float:
+    x = torch.zeros((), dtype=torch.float64, device=device) if local is None else local.detach().clone()
     if meshes["pp"].size() > 1:
         dist.all_reduce(x, group=meshes["pp"].get_group())  # only the last stage holds the loss
     if meshes["dp_cp"].size() > 1:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from meshplan.costmodels.config import Layout, StagePolicy
 from meshplan.costmodels.model import ModelSpec
 from meshplan.executor.expert_parallel import apply_expert_parallel
-from meshplan.executor.mesh import build_meshes, rank_coords
+from meshplan.executor.mesh import build_meshes, rank_coords, rank_device, wait_for
 from meshplan.executor.model import build_model
 from meshplan.executor.tensor_parallel import apply_tensor_parallel
 
@@ -62,7 +62,8 @@ class KVCacheCore:
         group = q.shape[2] // k.shape[2]
         if group > 1:  # GQA: query head h reads kv head h // group (the cache keeps the kv heads only)
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        mask = torch.arange(k.shape[1])[None, :] <= (past + torch.arange(q.shape[1]))[:, None]
+        keys, queries = torch.arange(k.shape[1], device=q.device), torch.arange(q.shape[1], device=q.device)
+        mask = keys[None, :] <= (past + queries)[:, None]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         return out.transpose(1, 2)
 
@@ -98,7 +99,7 @@ def serve_tokens(spec: ModelSpec, sequences: int, length: int, seed: int) -> tor
 def serve_rank(rank: int, world: int, spec_json: str, tp: int, dp: int, ep: int, batch: int, prompt: int,
                steps: int, seed: int, inject: str | None = None) -> ServeRankReport:
     """One rank of the engine (run by executor.launch.run_world or run_torchrun): prefill, then `steps` decodes."""
-    torch.set_num_threads(1)
+    device = rank_device()  # the model drawn on the CPU from the seed, then moved before sharding
     spec = ModelSpec.model_validate_json(spec_json)
     etp = tp * dp // ep
     # an inference engine's groups: one stage, the experts folded over tp x dp; the training fields unused
@@ -107,8 +108,8 @@ def serve_rank(rank: int, world: int, spec_json: str, tp: int, dp: int, ep: int,
                  stage_layers=(spec.num_layers,), stage_recompute=(StagePolicy(),))
     if lay.world != world:
         raise ValueError(f"the engine needs tp*dp = {lay.world} ranks, the world has {world}")
-    meshes = build_meshes(lay)
-    model = build_model(spec, torch.float64, seed)
+    meshes = build_meshes(lay, device.type)
+    model = build_model(spec, torch.float64, seed).to(device)
     if spec.moe is not None:
         apply_expert_parallel(model, meshes, lay)
     if tp > 1:
@@ -122,21 +123,23 @@ def serve_rank(rank: int, world: int, spec_json: str, tp: int, dp: int, ep: int,
             raise RuntimeError("injected failure (--inject raise)")
         time.sleep(24 * 3600)
     group = rank_coords(rank, lay)["dp"]
-    tokens = serve_tokens(spec, dp * batch, prompt + steps, seed)[group * batch:(group + 1) * batch]
+    tokens = serve_tokens(spec, dp * batch, prompt + steps, seed)[group * batch:(group + 1) * batch].to(device)
     outs, decode_s = [], []
     with torch.no_grad():
         dist.barrier()
         start = time.perf_counter()
-        outs.append(model.logits(tokens[:, :prompt], torch.arange(prompt)))
+        outs.append(model.logits(tokens[:, :prompt], torch.arange(prompt, device=device)))
+        wait_for(device)
         prefill_s = time.perf_counter() - start
         for t in range(steps):
             pos = prompt + t
             dist.barrier()
             start = time.perf_counter()
             at = pos + 1 if inject == "position-offset" else pos
-            outs.append(model.logits(tokens[:, pos:pos + 1], torch.tensor([at])))
+            outs.append(model.logits(tokens[:, pos:pos + 1], torch.tensor([at], device=device)))
+            wait_for(device)
             decode_s.append(time.perf_counter() - start)
-    return ServeRankReport(rank, group, torch.cat(outs, dim=1), prefill_s, tuple(decode_s),
+    return ServeRankReport(rank, group, torch.cat(outs, dim=1).cpu(), prefill_s, tuple(decode_s),
                            sum(c.bytes for c in caches))
 
 

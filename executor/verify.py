@@ -404,9 +404,8 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
     reports and gets the report, the other ranks only the verdict.
     Raises InputError for a plan this machine cannot run, RankFailure when a spawned rank raises or hangs."""
     say = progress or (lambda text: None)
-    if opts.backend != "gloo":
-        raise InputError("--backend nccl is not available yet: the executor's pieces run CPU tensors over gloo "
-                         "(tracked in issue 4); use --backend gloo")
+    if opts.backend not in ("gloo", "nccl"):
+        raise InputError(f"--backend {opts.backend!r}: choose gloo (CPU tensors) or nccl (one GPU per rank)")
     if opts.launcher not in ("spawn", "torchrun"):
         raise InputError(f"--launcher {opts.launcher!r}: choose spawn or torchrun")
     try:
@@ -421,6 +420,10 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
     case = verify_case(plan, opts)
     lay = resolve(case.spec, case.num_gpus, case.workload, case.config)
     _check_runnable(lay, lay.num_microbatches, opts.inject)  # before any rank starts (a rank takes seconds)
+    if opts.launcher == "spawn":
+        from meshplan.executor.launch import check_gpus
+
+        check_gpus(opts.backend, lay.world)  # NCCL: one GPU per rank, here, before the reference run
     _check_memory(case.spec, lay.world if opts.launcher == "spawn" else 1, case.gbs * case.seq, opts)
     run = RunSpec(model=case.spec, gbs=case.gbs, seq=case.seq, steps=opts.steps, seed=opts.seed, dtype=opts.dtype)
     if opts.launcher == "torchrun":

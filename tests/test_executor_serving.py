@@ -89,6 +89,9 @@ def test_cli_verify_serving_plan(capsys, tmp_path):
     assert report["ok"] and engine["cache_bytes"] == engine["predicted_cache_bytes"] == 7680  # the KV formula
     code, out, err = run(capsys, "verify", str(path), "--inject", "position-offset")
     assert code == 1 and "FAILED" in out
+    # the serving check runs on gloo: --backend nccl is refused in one line, not dropped
+    code, out, err = run(capsys, "verify", str(path), "--backend", "nccl")
+    assert code == 2 and err.startswith("error: the serving check") and "Traceback" not in err
 
 
 @pytest.mark.parametrize("inject, extra, words", [

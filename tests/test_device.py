@@ -1,0 +1,79 @@
+"""The GPU path is the CPU path on another device: the executor's model, its KV-cache attention and RoPE make every
+tensor on the device of their inputs. Run on torch's "meta" device (shapes only, no data), a tensor made anywhere
+else (a CPU default, a forgotten device=) either mixes devices and raises, or shows up in the hooks below."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from meshplan.costmodels.model_io import load_zoo  # noqa: E402
+from meshplan.executor.model import build_model, rope_cos_sin  # noqa: E402
+from meshplan.executor.scale import scale_model  # noqa: E402
+from meshplan.executor.serving import KVCacheCore  # noqa: E402
+
+META = torch.device("meta")
+
+
+def _watch(model) -> list[str]:
+    """Every module's outputs that are not on the meta device, by module name."""
+    wrong: list[str] = []
+
+    def check(name):
+        def hook(module, args, out):
+            for t in (out if isinstance(out, tuple) else (out,)):
+                if isinstance(t, torch.Tensor) and t.device != META:
+                    wrong.append(f"{name}: {t.device}")
+        return hook
+
+    for name, module in model.named_modules():
+        module.register_forward_hook(check(name or "model"))
+    return wrong
+
+
+@pytest.fixture()
+def meta_nonzero():
+    """MoE routing asks nonzero() for the tokens of each expert, which has no shape on meta; torch's own switch
+    assumes every element non-zero (shapes only: the values do not matter here)."""
+    import torch.fx.experimental._config as fx_config
+
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+        yield
+
+
+@pytest.mark.parametrize("name", ["llama3.1-8b", "deepseek-v3", "qwen3-30b-a3b", "gpt3-175b"])
+def test_training_step_makes_every_tensor_on_the_inputs_device(name, meta_nonzero):
+    spec = scale_model(load_zoo(name), "tiny")
+    model = build_model(spec, torch.float32).to(META)
+    wrong = _watch(model)
+    tokens = torch.zeros(2, 16, dtype=torch.long, device=META)
+    loss = model(tokens, tokens)
+    loss.backward()
+    assert loss.device == META and not wrong, wrong
+    for pname, p in model.named_parameters():
+        assert p.device == META and p.grad is not None and p.grad.device == META, pname
+    for bname, b in model.named_buffers():
+        assert b.device == META, bname
+
+
+def test_kv_cache_decoding_stays_on_the_device(meta_nonzero):
+    spec = scale_model(load_zoo("llama3.1-8b"), "tiny")
+    model = build_model(spec, torch.float32).to(META)
+    for layer in model.layers:
+        layer.attention.core = KVCacheCore()
+    wrong = _watch(model)
+    tokens = torch.zeros(2, 8, dtype=torch.long, device=META)
+    with torch.no_grad():
+        model.logits(tokens[:, :6], torch.arange(6, device=META))
+        out = model.logits(tokens[:, 6:7], torch.tensor([6], device=META))
+    assert out.device == META and not wrong, wrong
+
+
+def test_the_check_catches_a_tensor_made_on_the_cpu():
+    """The check is live: RoPE with its frequencies on the CPU (the review's finding 1) fails on meta positions."""
+    cos, sin = rope_cos_sin(torch.arange(4, device=META), 8, torch.float32)
+    assert cos.device == META and sin.device == META
+    cpu_freqs = torch.arange(0, 8, 2, dtype=torch.float64)  # what the code did before: no device=
+    with pytest.raises(RuntimeError, match="not on the expected device"):
+        torch.arange(4, device=META).to(torch.float64)[:, None] * cpu_freqs[None, :]
