@@ -41,17 +41,17 @@ def profile(
     write a calibration that `estimate`, `plan` and `verify --calibration` use instead of the efficiency defaults."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from meshplan.executor.profiler import ProfileOptions
+    from meshplan.executor.profiler import ProfileOptions, default_grid
     from meshplan.executor.profiler import profile as run_profile
     from meshplan.hardware_db.calibration import calibration_dir
     from meshplan.planner.plan import write_text_atomic
 
     (out,) = output_targets(out=out)  # before the minutes of measuring
-    quick_opts = dict(repeats=3, warmup=1, seq=(128, 256), tokens=(128, 512, 2048)) if quick else {}
+    grid = default_grid(device, quick)  # the shapes and collective groups for this device
     opts = ProfileOptions(device=device, quick=quick, model=load_model(model) if model else None, target=gpu,
                           dtype=dtype or ("float64" if device == "cpu" else "bfloat16"),
-                          ranks=tuple(ranks) if ranks else ((2,) if device == "cpu" else ()), statistic=statistic,
-                          **({"tp": tuple(tp)} if tp else {}), **quick_opts)
+                          statistic=statistic, **({"tp": tuple(tp)} if tp else {}),
+                          **(grid | ({"ranks": tuple(ranks)} if ranks else {})))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("profiling", total=None)

@@ -365,6 +365,13 @@ def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float64, seed: int =
     return model
 
 
+def probe_model(spec: ModelSpec, dtype: torch.dtype, device: str | torch.device) -> Transformer:
+    """The model's shapes for timing and memory probes: built on `device` with the modules' own initialisation, not
+    build_model's float64 draws on the CPU (minutes for an 8B model; a probe's timings do not depend on values)."""
+    with torch.device(device):
+        return Transformer(spec, dtype)
+
+
 def num_params(model: nn.Module) -> int:
     """Distinct parameters (a tied embedding counts once), the figure ModelSpec.total_params() predicts."""
     return sum(p.numel() for p in model.parameters())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import functools
+import math
 import os
 import platform
 import re
@@ -40,7 +41,7 @@ from meshplan.hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, Activa
                                               MemoryOpPoint, OptimizerPoint, Software, StepOverhead)
 from meshplan.hardware_db.errors import InputError
 
-__all__ = ["ProfileOptions", "Progress", "gemm_shapes", "profile"]
+__all__ = ["ProfileOptions", "Progress", "default_grid", "gemm_shapes", "gpu_target", "profile"]
 
 Progress = Callable[[str, int, int], None]  # (what is running, done, total)
 DEEP = 4  # layers of the whole model whose overhead per layer is measured
@@ -66,6 +67,23 @@ class ProfileOptions:
     warmup: int = 2
     statistic: str = "median"  # of the repetitions; "min" on a shared host whose speed drifts (noisy neighbours)
     timeout_s: float = 120.0
+
+
+def default_grid(device: str, quick: bool) -> dict[str, Any]:
+    """The shapes, repetitions and collective groups a profile takes unless told. A GPU's grid starts where its
+    kernels stop being launch-bound (seq 1k-8k, 2k-32k tokens: below them an H200 times dispatch, not the kernel,
+    and an 8k attention extrapolated from 512 comes out 3-5x slow; the review's finding 3); its collectives run on
+    every visible GPU."""
+    if device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        grid: dict[str, Any] = dict(seq=(1024, 2048, 4096, 8192), overhead_seq=(1024, 4096),
+                                    tokens=(2048, 4096, 8192, 16384, 32768), ranks=(gpus,) if gpus > 1 else ())
+        if quick:
+            grid |= dict(seq=(1024, 4096, 8192), tokens=(2048, 8192, 32768), repeats=5, warmup=3)
+        return grid
+    return dict(repeats=3, warmup=1, seq=(128, 256), tokens=(128, 512, 2048)) if quick else {}
 
 
 # ---- shapes ----------------------------------------------------------------------------------------------------------
@@ -103,17 +121,67 @@ def _sweep(quick: bool, gpu: bool) -> list[tuple[str, int, int, int]]:
 
 
 # ---- timing ----------------------------------------------------------------------------------------------------------
+BURN_IN_S = 1.0  # a GPU idles at a low clock (345 MHz seen on an H200): its first second of work only raises it
+BLOCK_S = 1e-3  # on a GPU, calls run back to back between two events until a block is this long (launches overlap)
+
+
+def back_to_back(seconds: float, most: int = 100) -> int:
+    """How many calls of `seconds` each fill one timed block of BLOCK_S: small kernels are timed as the GPU runs
+    them in a stream, not by the launch latency of one call between two events."""
+    return max(1, min(most, math.ceil(BLOCK_S / max(seconds, 1e-9))))
+
+
 class _Timer:
-    """Median (or fastest) seconds of fn() over `repeats` runs after `warmup`: CUDA events on a GPU, perf_counter
-    on a CPU."""
+    """Median (or fastest) seconds of fn() over `repeats` runs after `warmup`: on a CPU, perf_counter around each
+    call; on a GPU, after a burn-in of BURN_IN_S, CUDA events around a block of back_to_back calls (one call per block
+    where `setup` must run before each)."""
 
     def __init__(self, device: str, repeats: int, warmup: int, statistic: str = "median") -> None:
         self.device, self.repeats, self.warmup = device, repeats, warmup
         self.pick = min if statistic == "min" else statistics.median
+        self.burnt = device != "cuda"
+
+    def _gpu(self, fn: Callable[[], Any]) -> float:
+        """Seconds per call of fn on the GPU: burn-in (once per timer), warm-up, then blocks of back-to-back calls."""
+        import torch
+
+        self._burn(fn)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(max(1, self.warmup)):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        calls = back_to_back(start.elapsed_time(stop) / 1e3 / max(1, self.warmup))
+        times = []
+        for _ in range(self.repeats):
+            start.record()
+            for _ in range(calls):
+                fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3 / calls)
+        return max(self.pick(times), 1e-9)
+
+    def _burn(self, fn: Callable[[], Any], setup: Callable[[], Any] | None = None) -> None:
+        """Once per timer on a GPU: BURN_IN_S of the first probe, so the clock is up before anything is timed."""
+        import torch
+
+        end = time.perf_counter() + (0.0 if self.burnt else BURN_IN_S)
+        while time.perf_counter() < end:
+            if setup is not None:
+                setup()
+            fn()
+            torch.cuda.synchronize()
+        self.burnt = True
 
     def __call__(self, fn: Callable[[], Any], setup: Callable[[], Any] | None = None) -> float:
         import torch
 
+        if self.device == "cuda" and setup is None:
+            return self._gpu(fn)
+        if self.device == "cuda":
+            self._burn(fn, setup)
         times = []
         for i in range(self.warmup + self.repeats):
             if setup is not None:
@@ -302,14 +370,13 @@ def _time_optimizer(model: ModelSpec, opts: ProfileOptions, timer: _Timer,
     then the copy back into the bf16/fp16 weights (Megatron-LM optimizer.py, _copy_main_params_to_model_params)."""
     import torch
 
-    from meshplan.executor.model import build_model
+    from meshplan.executor.model import probe_model
     from meshplan.executor.reference import ADAMW
 
     dtype, points = _torch_dtype(opts.dtype), []
     settings = dict(ADAMW) if opts.device == "cpu" else {**ADAMW, "foreach": False, "fused": True}
     for layers in (1, 2, 4) if opts.quick else (1, 2, 4, 8):
-        params = [p.to(opts.device) for p in build_model(model.model_copy(update={"num_layers": layers}),
-                                                        dtype).parameters()]
+        params = list(probe_model(model.model_copy(update={"num_layers": layers}), dtype, opts.device).parameters())
         count = sum(p.numel() for p in params)
         tick(f"AdamW step over {count / 1e6:.1f} M parameters")
         weights = [p.detach() for p in params]
@@ -345,7 +412,8 @@ def _activation_points(model: ModelSpec, opts: ProfileOptions, tick: Callable[[s
     rt = get_runtime(EXECUTOR_RUNTIME)
     points = []
     for mode in ("none", "selective", "full"):
-        layer = TransformerBlock(model, 0, dtype).to(opts.device)
+        with torch.device(opts.device):  # built where it runs
+            layer = TransformerBlock(model, 0, dtype)
         if mode == "full":
             layer.forward = partial(_recomputed_block, layer.forward)
         elif mode == "selective":
@@ -389,13 +457,13 @@ def _chunk_times(model: ModelSpec, dtype_name: str, device: str, seqs: Sequence[
     """(seq, forward s, backward s) of one micro-batch through the executor's model: layers=0, the middle layer of
     a 3-layer model (TP-sharded over tp_mesh when given, with sequence parallelism if sp: its input and output
     are then this rank's seq/tp tokens); layers=L, a whole L-layer model with its loss."""
-    from meshplan.executor.model import build_model
+    from meshplan.executor.model import probe_model
 
     dtype = _torch_dtype(dtype_name)
     timer = _Timer(device, repeats, warmup, statistic)
     out = []
     for seq in seqs:  # a fresh model each: TP shards a module once, and its chunk's positions are per length
-        full = build_model(model.model_copy(update={"num_layers": layers or 3}), dtype)
+        full = probe_model(model.model_copy(update={"num_layers": layers or 3}), dtype, device)
         out += _chunk_seq_times(full, model, dtype, device, seq, timer, layers, tp_mesh, sp)
     return out
 
@@ -532,7 +600,9 @@ def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int
     import torch
     import torch.distributed as dist
 
-    dev = f"cuda:{rank % max(1, torch.cuda.device_count())}" if device == "cuda" else "cpu"
+    from meshplan.executor.mesh import rank_device
+
+    dev = str(rank_device())  # NCCL: this rank's own GPU (launch.bind_device), not cuda:0 for all
     out = []
     for kind in COLLECTIVES:
         for nbytes in sizes:
@@ -541,14 +611,20 @@ def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int
             times = []
             for i in range(warmup + repeats):
                 dist.barrier()
-                if device == "cuda":
+                if device == "cuda":  # CUDA events on the rank's stream, from an idle device
                     torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                run()
-                if device == "cuda":
+                    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    run()
+                    stop.record()
                     torch.cuda.synchronize()
+                    elapsed = start.elapsed_time(stop) / 1e3
+                else:
+                    t0 = time.perf_counter()
+                    run()
+                    elapsed = time.perf_counter() - t0
                 if i >= warmup:
-                    times.append(time.perf_counter() - t0)
+                    times.append(elapsed)
             out.append((kind, 4 * n, min(times) if statistic == "min" else statistics.median(times)))
     return out
 
@@ -556,7 +632,11 @@ def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int
 def _time_collectives(opts: ProfileOptions, tick: Callable[[str], None]) -> list[CollectivePoint]:
     from meshplan.executor.launch import run_world
 
-    sizes = (4096, 65536, 1 << 20, 4 << 20) if opts.quick else (4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20)
+    if opts.device == "cuda":  # NVLink and NICs reach their bus bandwidth only near a GiB
+        sizes = (65536, 4 << 20, 64 << 20, 1 << 30) if opts.quick else (4096, 65536, 1 << 20, 16 << 20, 256 << 20,
+                                                                       1 << 30)
+    else:
+        sizes = (4096, 65536, 1 << 20, 4 << 20) if opts.quick else (4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20)
     points = []
     for world in opts.ranks:
         tick(f"collectives on {world} ranks ({'nccl' if opts.device == 'cuda' else 'gloo'})")

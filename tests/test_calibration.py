@@ -363,3 +363,21 @@ def test_the_optimizer_probe_steps_fp32_masters_below_fp32():
     _adamw_step(opt, weights, masters)
     assert masters[0].dtype == torch.float32 and float(masters[0].detach()[0, 0]) < 0.5  # stepped in fp32
     assert torch.equal(weights[0], masters[0].detach().to(torch.bfloat16))  # and copied into the model's weights
+
+
+def test_gpu_profiles_leave_the_launch_bound_regime(monkeypatch):
+    """A GPU's default grid (review finding 3): sequences 1k-8k, 2k-32k tokens, collectives on every visible GPU;
+    the CPU's stays small. Blocks of back-to-back calls last about BLOCK_S (finding 4)."""
+    torch = pytest.importorskip("torch")
+    from meshplan.executor.profiler import BLOCK_S, back_to_back, default_grid
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for quick in (True, False):
+        grid = default_grid("cuda", quick)
+        assert min(grid["seq"]) >= 1024 and max(grid["seq"]) == 8192
+        assert min(grid["tokens"]) >= 2048 and max(grid["tokens"]) == 32768 and grid["ranks"] == (8,)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert default_grid("cuda", True)["ranks"] == ()  # one GPU: no collective to profile
+    assert max(default_grid("cpu", True)["seq"]) <= 512 and default_grid("cpu", False) == {}
+    assert back_to_back(10e-6) == 100 and back_to_back(BLOCK_S / 4) == 4 and back_to_back(1.0) == 1
