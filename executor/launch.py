@@ -120,9 +120,8 @@ def check_gpus(backend: str, ranks_here: int) -> None:
         return
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if ranks_here > visible:
-        raise InputError(f"NCCL runs one rank per GPU: {ranks_here} ranks on this machine need {ranks_here} GPUs, "
-                         f"torch sees {visible}; lower the world (--max-ranks, a smaller plan) or use --backend "
-                         "gloo")
+        raise InputError(f"NCCL runs one rank per GPU: {ranks_here} rank(s) here but torch sees {visible} GPU(s); "
+                         "lower the world (--max-ranks, a smaller plan) or use --backend gloo")
 
 
 def _stop(procs: list[Any], settle_s: float = 0.0) -> None:

@@ -36,7 +36,7 @@ from meshplan.costmodels.runtime import DEFAULT_RUNTIME, get_runtime
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.partition import (PartitionProblem, PartitionResult, partitions_below, per_stage_bound,
-                                        per_stage_partitions_below, per_stage_tight_bound, solve_cpsat, solve_dp_pairs,
+                                        per_stage_partitions_below, per_stage_tight_bound, solve_dp_pairs,
                                         solve_rank0_path_sync, solve_stage0_sync)
 from meshplan.planner.search_bounds import SearchCosts
 from meshplan.planner.space import (DEFAULT_MAX_MBS, MEMORY_POLICY, UNIFORM_POLICY, Candidate, Enumeration, Group,
@@ -560,6 +560,8 @@ class _Search(SearchCosts):
         self.cpsat_calls += 1
         limit = CPSAT_TIME_LIMIT_S if remaining is None else min(CPSAT_TIME_LIMIT_S, remaining)
         cutoff = self.best.cutoff()
+        from meshplan.planner.partition.cpsat import solve_cpsat  # OR-Tools, loaded when a search first needs it
+
         res, status = solve_cpsat(prob, "per-stage", time_limit_s=limit,
                                   below_s=None if math.isinf(cutoff) else cutoff)
         if res is None:

@@ -61,6 +61,19 @@ def test_every_planning_module_and_the_cli_import_without_torch():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+def test_the_cli_and_the_executor_import_without_ortools_and_matplotlib():
+    """A GPU image carries only what profile, verify and estimate need (issue 21): OR-Tools loads when a search first
+    calls CP-SAT, matplotlib when a report is drawn; with both missing the CLI, the profiler and verify import, and an
+    estimate runs."""
+    code = ("import sys\nsys.modules['ortools'] = None\nsys.modules['matplotlib'] = None\n"
+            "import meshplan.cli.main, meshplan.executor.verify, meshplan.executor.profiler\n"
+            "from meshplan.cli.main import main\n"
+            "assert main(['estimate', '--model', 'llama3.1-8b', '--gpu', 'h100-sxm', '--gpus', '8']) == 0\n"
+            "print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
 def test_the_plan_schema_imports_no_search():
     """planner/plan.py is the contract the exporters and the executor read: its schema and reading and writing
     only. The builders (planner/builders.py) import the searches; the plan does not."""

@@ -107,7 +107,7 @@ def test_verify_refuses_what_this_machine_cannot_run(tmp_path, capsys):
     small = _write_plan(tmp_path / "q.json", "llama3.1-8b", 2, 4, 8, tp=2, cp=2)
     assert_input_error(*run(capsys, "verify", small, "--seq", "12"), "--seq 12", "multiple of 8")
     # NCCL runs one rank per GPU: this CPU host has none, said before any work
-    assert_input_error(*run(capsys, "verify", small, "--backend", "nccl"), "nccl", "4 ranks", "torch sees 0")
+    assert_input_error(*run(capsys, "verify", small, "--backend", "nccl"), "nccl", "4 rank(s)", "torch sees 0")
     assert_input_error(*run(capsys, "verify", small, "--inject", "bogus"), "--inject", "no-grad-sync")
 
 
