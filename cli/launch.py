@@ -382,6 +382,10 @@ def _print_verify(con: Console, report: Any) -> None:
                   f"{step_s:.4f}", f"{report.predicted_step_s:.4f}",
                   f"{100 * (report.predicted_step_s / step_s - 1):+.1f} %" if calibrated and step_s else "-")
     con.print(m)
+    peaks = [f"rank {row.rank} {row.measured['allocator_peak'] / mib:,.1f}" for row in report.memory
+             if "allocator_peak" in row.measured]
+    if peaks:
+        con.print("allocator peak (torch.cuda.max_memory_allocated, last step), MiB: " + ", ".join(peaks))
     slowest = max(report.measured_step_s, default=0.0)
     if calibrated:
         con.print(f"step time: measured {slowest:.4f} s (slowest rank) vs predicted {report.predicted_step_s:.4f} s "

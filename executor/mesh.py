@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.costmodels.config import Layout
 
-__all__ = ["DENSE_DIMS", "EXPERT_DIMS", "Meshes", "build_meshes", "group_of", "rank_coords", "rank_device", "wait_for"]
+__all__ = ["DENSE_DIMS", "EXPERT_DIMS", "Meshes", "build_meshes", "group_of", "rank_coords", "rank_device", "wait_for",
+           "allocator_peak", "reset_allocator_peak"]
 
 DENSE_DIMS = ("tp", "cp", "dp", "pp")
 EXPERT_DIMS = ("etp", "ep", "edp")
@@ -109,6 +110,16 @@ def wait_for(device: torch.device) -> None:
     runs kernels asynchronously; the CPU has nothing queued)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def reset_allocator_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def allocator_peak(device: torch.device) -> float | None:
+    """The caching allocator's peak bytes since the last reset (CUDA keeps it; the CPU allocator keeps no stats)."""
+    return float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
 def build_meshes(lay: Layout, device_type: str = "cpu") -> Meshes:

@@ -47,7 +47,8 @@ from meshplan.executor.data_parallel import fsdp_reduction_factor, make_fsdp_sum
 from meshplan.executor.expert_parallel import INJECTIONS as EP_INJECTIONS
 from meshplan.executor.expert_parallel import (apply_expert_parallel, expert_parameters, full_tensors,
                                                reduce_expert_grads)
-from meshplan.executor.mesh import Meshes, build_meshes, rank_coords, rank_device, wait_for
+from meshplan.executor.mesh import (Meshes, allocator_peak, build_meshes, rank_coords, rank_device,
+                                    reset_allocator_peak, wait_for)
 from meshplan.executor.model import ModelChunk, token_loss
 from meshplan.executor.pipeline import INJECTIONS as PP_INJECTIONS
 from meshplan.executor.pipeline import (build_chunks, build_pipeline, embedding_group, local_ranges, mean_loss_over,
@@ -381,6 +382,8 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | No
     for step in range(run.steps):
         last_step = step == run.steps - 1
         saved = _SavedBytes([p for _, p in named])
+        if last_step:
+            reset_allocator_peak(device)
         dist.barrier()
         timeline.reset(on=last_step)
         t_step = time.perf_counter()
@@ -406,6 +409,9 @@ def plan_rank(rank: int, world: int, run: RunSpec, lay: Layout, inject: str | No
         if last_step:
             memory = {"parameters": _local_bytes(p for _, p in named), "gradients": grad_bytes,
                       "optimizer": _state_bytes(opts), "activations": float(saved.peak)}
+            peak = allocator_peak(device)  # on a GPU, what the allocator held at most, beside the accounting
+            if peak is not None:
+                memory["allocator_peak"] = peak
     params = _full_named(chunks, named, meshes, lay, experts, "params")
     return RankReport(run=run, losses=tuple(losses), grads=grads, params=params,
                       layout=lay.label(inject), rank=rank, coords=coords,

@@ -144,6 +144,9 @@ def verify_case(plan: Plan, opts: VerifyOptions) -> VerifyCase:
 
 
 # ---- memory and time beside the prediction ---------------------------------------------------------------------------
+MEASURED_PARTS = ("parameters", "gradients", "optimizer", "activations")
+
+
 @dataclass(frozen=True)
 class MemoryRow:
     """One rank's measured peak (torch MemTracker categories) and the cost model's, in bytes at the run's dtype."""
@@ -155,7 +158,8 @@ class MemoryRow:
 
     @property
     def measured_total(self) -> float:
-        return sum(self.measured.values())
+        """The tensor accounting's sum (a GPU's allocator peak, when measured, is reported beside it)."""
+        return sum(v for k, v in self.measured.items() if k in MEASURED_PARTS)
 
     @property
     def predicted_total(self) -> float:

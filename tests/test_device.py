@@ -77,3 +77,16 @@ def test_the_check_catches_a_tensor_made_on_the_cpu():
     cpu_freqs = torch.arange(0, 8, 2, dtype=torch.float64)  # what the code did before: no device=
     with pytest.raises(RuntimeError, match="not on the expected device"):
         torch.arange(4, device=META).to(torch.float64)[:, None] * cpu_freqs[None, :]
+
+
+def test_the_allocator_peak_is_reported_beside_the_accounting_not_in_it():
+    """A GPU's allocator peak (review finding 15) is its own figure: the CPU has none, and the measured total stays
+    the tensor accounting's sum."""
+    from meshplan.executor.mesh import allocator_peak
+    from meshplan.executor.verify import MemoryRow
+
+    assert allocator_peak(torch.device("cpu")) is None
+    row = MemoryRow(rank=0, stage=0, measured={"parameters": 1.0, "gradients": 2.0, "optimizer": 3.0,
+                                               "activations": 4.0, "allocator_peak": 100.0},
+                    predicted={"parameters": 1.0})
+    assert row.measured_total == 10.0
