@@ -91,14 +91,13 @@ class VerifyCase:
     def simulate(self, plan: Plan, calibration: Calibration | None = None,
                  origin: str = "the calibration") -> Simulated:
         """The cost model's prediction of this scaled run: on the plan's GPUs, or with a calibration of this host's
-        CPU on the ranks as they run here (processes on one host, the measured operator and gloo costs)."""
+        device (its CPU over gloo, or its GPUs over NCCL) on the ranks as they run here (one host, the measured
+        operator and collective costs)."""
         if calibration is None:
             _, cluster, _, _, _ = plan_config(plan)
             return simulate_config(self.spec, cluster, self.workload, self.config, self.runtime)
-        if calibration.device.kind != "cpu":
-            raise InputError(f"{origin} is of {calibration.device.target}; verify runs the plan on this host's CPU "
-                             f"over gloo, so it needs a CPU calibration (meshplan profile --device cpu)")
-        spec = ClusterSpec(gpu="cpu", num_gpus=self.num_gpus, gpus_per_node=self.num_gpus)
+        gpu = "cpu" if calibration.device.kind == "cpu" else calibration.device.target
+        spec = ClusterSpec(gpu=gpu, num_gpus=self.num_gpus, gpus_per_node=self.num_gpus)
         cluster, eff = calibrated_cluster(spec, calibration, origin, EXECUTOR_RUNTIME)
         return simulate_config(self.spec, cluster, self.workload, self.config, EXECUTOR_RUNTIME, eff)
 
@@ -401,6 +400,20 @@ def _check_runnable(lay: Any, n_micro: int, inject: str | None) -> None:
                          f"(--recompute-group): verify it as --recompute-group 1 (the same numerics)")
 
 
+def _check_calibration(opts: VerifyOptions) -> None:
+    """A calibration predicts this run only on the device it measured: a CPU's for gloo ranks, a GPU's for NCCL
+    ranks; said before any rank starts."""
+    cal = opts.calibration
+    if cal is None:
+        return
+    wants = "cpu" if opts.backend == "gloo" else "cuda"
+    if cal.device.kind != wants:
+        profile = "--device cpu" if wants == "cpu" else "--device cuda"
+        raise InputError(f"{opts.calibration_origin} is of {cal.device.target} ({cal.device.kind}); this run is "
+                         f"--backend {opts.backend} on the {'CPU' if wants == 'cpu' else 'GPUs'}: give a calibration "
+                         f"of that device (meshplan profile {profile})")
+
+
 def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyOutcome:
     """Verify a plan (see the module docstring).
 
@@ -424,6 +437,7 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
     case = verify_case(plan, opts)
     lay = resolve(case.spec, case.num_gpus, case.workload, case.config)
     _check_runnable(lay, lay.num_microbatches, opts.inject)  # before any rank starts (a rank takes seconds)
+    _check_calibration(opts)
     if opts.launcher == "spawn":
         from meshplan.executor.launch import check_gpus
 
@@ -454,7 +468,8 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
                              predicted=predicted_state_bytes(sim, r.coords["pp"], itemsize))
                    for r in result.reports)
     predicted_on = ("the plan's GPUs" if cal is None else
-                    f"this host's CPU ({opts.calibration_origin}, {cal.device.name})")
+                    f"this host's {'CPU' if cal.device.kind == 'cpu' else 'GPU'} ({opts.calibration_origin}, "
+                    f"{cal.device.name})")
     notes = sorted({n for r in result.reports for n in r.notes})
     if cal is not None and cal.measurements.dtype != opts.dtype:
         notes.append(f"the calibration was measured in {cal.measurements.dtype} and this run is {opts.dtype}: "

@@ -90,3 +90,20 @@ def test_the_allocator_peak_is_reported_beside_the_accounting_not_in_it():
                                                "activations": 4.0, "allocator_peak": 100.0},
                     predicted={"parameters": 1.0})
     assert row.measured_total == 10.0
+
+
+def test_a_calibration_must_be_of_the_device_the_run_uses():
+    """verify takes a GPU's calibration for an NCCL run and a CPU's for a gloo run (review finding 17), and says so
+    before any rank starts."""
+    from meshplan.executor.verify import VerifyOptions, _check_calibration
+    from meshplan.hardware_db.calibration import load_calibration
+    from meshplan.hardware_db.errors import InputError
+
+    cpu = load_calibration("example-cpu")
+    gpu = cpu.model_copy(update={"device": cpu.device.model_copy(update={"kind": "cuda", "target": "h200"})})
+    _check_calibration(VerifyOptions(backend="gloo", calibration=cpu))
+    _check_calibration(VerifyOptions(backend="nccl", calibration=gpu))
+    for opts, words in ((VerifyOptions(backend="gloo", calibration=gpu), "--device cpu"),
+                        (VerifyOptions(backend="nccl", calibration=cpu), "--device cuda")):
+        with pytest.raises(InputError, match=words):
+            _check_calibration(opts)
