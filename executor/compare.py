@@ -38,7 +38,10 @@ __all__ = ["FLOOR", "REPLICA_TOLERANCE", "TINY", "TOLERANCE", "Comparison", "com
 TOLERANCE: Mapping[str, float] = {"float64": 1e-6, "float32": 1e-4}
 FLOOR = 1e-6  # a tensor's scale is at least this times the largest of its kind (see above)
 TINY = 1e-30  # and at least this: an all-zero reference tensor (e.g. an expert no token chose) divides by it
-REPLICA_TOLERANCE = 1e-12  # ranks holding the same tensor ran the same ops in the same order: rounding only
+# ranks holding the same tensor ran the same ops in the same order: on a CPU that is bitwise, so rounding only; on a
+# GPU float32 attention and GEMM backwards reduce in a nondeterministic order (atomics: torch's "Reproducibility"
+# notes), about 1e-7 per reduction, so replicas agree to float32 rounding accumulated, not bitwise
+REPLICA_TOLERANCE: Mapping[str, float] = {"float64": 1e-12, "float32": 1e-6}
 
 
 class _Result(Protocol):
@@ -159,14 +162,17 @@ def compare_to_reference(result: _Result, reference: RunResult | None = None,
 
 
 def merge_reports(results: Sequence[_Result],
-                  tolerance: float = REPLICA_TOLERANCE) -> tuple[RunResult, tuple[str, ...]]:
+                  tolerance: float | None = None) -> tuple[RunResult, tuple[str, ...]]:
     """The ranks' reports as one RunResult, and one line per disagreement between them.
 
     Each gradient and parameter is taken from the lowest rank that reports it; every other rank holding the same
-    name (a replica: dp copies, tp-gathered tensors) must agree within `tolerance` (relative), and so must every
+    name (a replica: dp copies, tp-gathered tensors) must agree within `tolerance` (relative; default
+    REPLICA_TOLERANCE of the run's dtype), and so must every
     rank's losses. A disagreement is a layout bug by itself (a missing all-reduce shows here before the comparison
     with the reference does). Ranks are named by their position in `results` (their rank under run_world)."""
     first = results[0]
+    if tolerance is None:
+        tolerance = REPLICA_TOLERANCE[first.run.dtype]
     problems: list[str] = []
     for r, res in enumerate(results[1:], start=1):
         for i, (a, b) in enumerate(zip(res.losses, first.losses, strict=True)):
