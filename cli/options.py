@@ -42,11 +42,17 @@ ImportSource = Literal["megatron", "torchtitan"]  # planner.launchers.SOURCES
 
 
 
-def output_targets(directories: tuple[str, ...] = ("export_out",), **flags: Path | None) -> tuple[Path | None, ...]:
+def output_targets(directories: tuple[str, ...] = ("export_out",), folders: tuple[str, ...] = (),
+                   **flags: Path | None) -> tuple[Path | None, ...]:
     """The command's output paths (keyword = option name), each checked before any work (planner/outputs.py; those
-    named in `directories` may be a folder), and no two the same file."""
-    checked = {"--" + k.replace("_", "-"): check_target(v, "--" + k.replace("_", "-"), directory_ok=k in directories)
+    named in `directories` may be a folder, those in `folders` must be one: a report's), and no two the same file."""
+    checked = {"--" + k.replace("_", "-"): check_target(v, "--" + k.replace("_", "-"),
+                                                        directory_ok=k in directories or k in folders)
                for k, v in flags.items()}
+    for k in folders:
+        path = flags.get(k)
+        if path is not None and path.exists() and not path.is_dir():
+            raise InputError(f"--{k.replace('_', '-')} {path} is a file; give a directory for the report")
     check_distinct(checked)
     return tuple(checked.values())
 
@@ -75,6 +81,32 @@ def print_table(con: Console, title: str, headers: Sequence[str], rows: Sequence
                 line = "   "
             line += ("; " if line.strip() else "") + pair
         con.print(Text(line, no_wrap=True, overflow="fold"))
+
+
+class ProgressBar:
+    """A transient rich bar on stderr over a long command's steps (only on a terminal): `bar(done, total)` is the
+    progress callback the search (groups) and the sweep (clusters) take."""
+
+    def __init__(self, enabled: bool, label: str, unit: str):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn(label), BarColumn(), TextColumn(f"{{task.completed}}/{{task.total}} {unit}"),
+                            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                            disable=not (enabled and sys.stderr.isatty()))
+        self.task: Any = None
+        self.label = label
+
+    def __enter__(self) -> "ProgressBar":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.__exit__(*exc)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.task is None:
+            self.task = self.bar.add_task(self.label, total=total)
+        self.bar.update(self.task, completed=done, total=total)
 
 
 def working(message: str) -> contextlib.AbstractContextManager:

@@ -88,14 +88,12 @@ class ServeOutputs:
 def _serve_outputs(**given: Any) -> ServeOutputs:
     """The output options, checked before any work."""
     outputs = ServeOutputs(**given)
-    out, export_out, report = output_targets(("export_out", "report"), out=outputs.out, export_out=outputs.export_out,
+    out, export_out, report = output_targets(folders=("report",), out=outputs.out, export_out=outputs.export_out,
                                              report=outputs.report)
     if export_out is not None and outputs.export_to is None:
         raise InputError("--export-out needs --export vllm|sglang")
     if outputs.as_json and outputs.export_to is not None and export_out is None:
         raise InputError("--json prints only the plan; give --export-out for the --export files")
-    if report is not None and report.exists() and not report.is_dir():
-        raise InputError(f"--report {report} is a file; give a directory for the report")
     return replace(outputs, out=out, export_out=export_out, report=report)
 
 

@@ -1,17 +1,16 @@
 """`meshplan sweep`: the best plan on every GPU type x count, priced, with the one an objective picks, the Pareto
 front of time against money, and a report (CSV, PNG, HTML). A library call (meshplan.api.sweep) and its table."""
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from meshplan import api
 from meshplan.cli.options import (P_CLUSTER, P_OUT, ModelOpt, NicOpt, NvlinkOpt, ObjectiveOpt, PerNodeOpt,
-                                  RuntimeOpt, console, print_table, output_targets, with_budget, with_workload)
+                                  ProgressBar, RuntimeOpt, console, output_targets, print_table, with_budget,
+                                  with_workload)
 from meshplan.costmodels.config import Workload
 from meshplan.costmodels.economics import Budget
 from meshplan.costmodels.model_io import load_model
@@ -21,26 +20,6 @@ from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import write_all
 from meshplan.planner.report import sweep_report
 from meshplan.planner.sweep import Sweep, gpu_counts, time_s, usd
-
-class SweepProgress:
-    """A transient rich bar on stderr over the sweep's points (only on a terminal)."""
-
-    def __init__(self, enabled: bool):
-        self.bar = Progress(TextColumn("planning"), BarColumn(), TextColumn("{task.completed}/{task.total} clusters"),
-                            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-                            disable=not (enabled and sys.stderr.isatty()))
-        self.task = self.bar.add_task("sweep", total=None)
-
-    def __enter__(self) -> "SweepProgress":
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.__exit__(None, None, None)
-
-    def __call__(self, done: int, total: int) -> None:
-        self.bar.update(self.task, completed=done, total=total)
-
 
 @with_workload
 @with_budget
@@ -69,13 +48,11 @@ def sweep(
     if not names:
         raise InputError("--gpu is empty; give GPU types, e.g. --gpu h100-sxm,h200")
     counts = gpu_counts(gpus)
-    (out,) = output_targets(("out",), out=out)
-    if out is not None and out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file; give a directory for the report")
+    (out,) = output_targets(folders=("out",), out=out)
     links = ClusterSpec(gpu=names[0], num_gpus=counts[0], gpus_per_node=gpus_per_node, nic_gbps=nic_gbps,
                         nvlink_gb_s=nvlink_gbs)
     spec = load_model(model)
-    with SweepProgress(True) as bar:
+    with ProgressBar(True, "planning", "clusters") as bar:
         sw = api.sweep(spec, names, counts, workload, links, budget, objective, runtime=runtime, progress=bar)
     if sw.best is None:
         last = sw.points[-1]

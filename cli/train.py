@@ -1,7 +1,6 @@
 """`meshplan estimate` and `meshplan plan`: a library call each (meshplan/api.py) and their tables."""
 
 import json
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan import api
-from meshplan.cli.options import (P_COST, P_OUT, P_SEARCHED, CalibrationOpt, ExportTarget, ModelOpt, RuntimeOpt,
-                                  console, option, output_targets, packed, print_table, report_export, with_budget,
-                                  with_cluster, with_knobs, with_workload, working)
+from meshplan.cli.options import (P_COST, P_OUT, P_SEARCHED, CalibrationOpt, ExportTarget, ModelOpt, ProgressBar,
+                                  RuntimeOpt, console, option, output_targets, packed, print_table, report_export,
+                                  with_budget, with_cluster, with_knobs, with_workload, working)
 from meshplan.costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
 from meshplan.costmodels.economics import Budget, TrainingCost
@@ -27,7 +26,6 @@ from meshplan.planner.launchers.common import ExportError
 from meshplan.planner.outputs import OutputFile, write_all
 from meshplan.planner.space import DEFAULT_MAX_MBS
 from meshplan.planner.sweep import Objective, Sweep, SweepPoint, halvings, usd
-from meshplan.cli.sweep import SweepProgress
 
 
 @with_workload
@@ -244,7 +242,7 @@ def plan(
         weighed = _rightsized(spec, cluster, workload, config, runtime, calibration, budget, objective,
                               not outputs.as_json)
         cluster = cluster.model_copy(update={"num_gpus": weighed.best.gpus})
-    with _progress(not outputs.as_json) as bar:
+    with ProgressBar(not outputs.as_json, "searching", "groups") as bar:
         found = api.search_plans(spec, cluster, workload, config, runtime, calibration, top, time_limit,
                                  outputs.timing, progress=bar, max_mbs=max_mbs, budget=budget)
     doc, result, sim = found.plan, found.result, found.simulated
@@ -331,7 +329,7 @@ def _rightsized(spec: ModelSpec, cluster: ClusterSpec, workload: Workload, confi
                 calibration: str | None, budget: Budget, objective: Objective, show: bool) -> Weighed:
     """The best plan on --gpus and each halving, priced; the one the objective picks."""
     counts = halvings(cluster.num_gpus, 1)
-    with SweepProgress(show) as bar:
+    with ProgressBar(show, "planning", "clusters") as bar:
         sw = api.sweep(spec, [cluster.gpu], counts, workload, cluster, budget, objective, config, runtime, calibration,
                        progress=bar)
     if sw.best is None:
@@ -354,30 +352,6 @@ def print_weighed(con: Console, weighed: Weighed) -> None:
 def fmt_days(cost: TrainingCost) -> str:
     return (f"{cost.expected_s / 86400:,.1f} days" if cost.expected_s is not None
             else f"{cost.tokens_per_s:,.0f} tokens/s")
-
-
-class _progress:
-    """A transient rich progress bar on stderr over the search's candidate groups (only on a terminal)."""
-
-    def __init__(self, enabled: bool):
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-        self.enabled = enabled and sys.stderr.isatty()
-        self.bar = Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.completed}/{task.total} groups"),
-                            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-                            disable=not self.enabled)
-        self.task = None
-
-    def __enter__(self):
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.bar.__exit__(*exc)
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.task is None:
-            self.task = self.bar.add_task("search", total=total)
-        self.bar.update(self.task, completed=done, total=total)
 
 
 def _stages_text(lay) -> str:

@@ -208,3 +208,19 @@ def test_plan_objective_cost_weighs_halvings(capsys, tmp_path):
     assert doc["inputs"]["cluster"]["num_gpus"] == sw.best.gpus
     assert doc["economics"]["total_usd"] == pytest.approx(sw.best.cost.total_usd, rel=1e-9)
     assert all(p.plan is None or p.cost.total_usd >= sw.best.cost.total_usd for p in sw.points)
+
+
+def test_report_and_objective_bad_input_is_one_line(capsys, tmp_path):
+    """serve --report naming a file, or with a pinned --layout (no front to draw), and plan --objective cost where
+    no count fits: each one error line, exit 2, nothing written."""
+    target = tmp_path / "f"
+    target.write_text("x")
+    serve = ("serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "512", "--osl", "64")
+    assert_input_error(*run(capsys, *serve, "--report", str(target)), "--report", "is a file")
+    report = tmp_path / "report"
+    assert_input_error(*run(capsys, *serve, "--layout", "tp8", "--report", str(report)), "--report", "--layout")
+    assert not report.exists()
+    plan = tmp_path / "plan.json"
+    assert_input_error(*run(capsys, "plan", "--model", "llama3.1-405b", "--gpu", "h100-sxm", "--gpus", "16",
+                            "--objective", "cost", "--out", str(plan)), "no plan fits on 16 gpus or fewer")
+    assert not plan.exists()
