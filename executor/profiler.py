@@ -121,8 +121,12 @@ def _sweep(quick: bool, gpu: bool) -> list[tuple[str, int, int, int]]:
 
 
 # ---- timing ----------------------------------------------------------------------------------------------------------
-BURN_IN_S = 1.0  # a GPU idles at a low clock (345 MHz seen on an H200): its first second of work only raises it
-BLOCK_S = 1e-3  # on a GPU, calls run back to back between two events until a block is this long (launches overlap)
+# a GPU idles at a low clock (345 MHz seen on the lent H200, ../shared/reviews/gpu_readiness.md finding 4); one second
+# of work to raise it is an assumption, to be checked on the first GPU run
+BURN_IN_S = 1.0
+# calls run back to back between two events until a block is this long, so launches overlap and a ~5-10 us launch
+# latency is under 1 % of it: an assumption of the same kind
+BLOCK_S = 1e-3
 
 
 def back_to_back(seconds: float, most: int = 100) -> int:
