@@ -124,8 +124,8 @@ def _sweep(quick: bool, gpu: bool) -> list[tuple[str, int, int, int]]:
 # a GPU idles at a low clock (345 MHz seen on the lent H200, ../shared/reviews/gpu_readiness.md finding 4); one second
 # of work to raise it is an assumption, to be checked on the first GPU run
 BURN_IN_S = 1.0
-# calls run back to back between two events until a block is this long, so launches overlap and a ~5-10 us launch
-# latency is under 1 % of it: an assumption of the same kind
+# calls run back to back between two events until a block is this long, so launches overlap and one call's launch
+# latency is a small part of it: an assumption of the same kind
 BLOCK_S = 1e-3
 
 
