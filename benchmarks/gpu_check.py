@@ -5,11 +5,12 @@ Usage:  python benchmarks/gpu_check.py --out DIR [--deadline 480]      (benchmar
 
 Phases (docs/calibration.md, "The GPU check"): probe (torch, CUDA, devices, NCCL into probe.json); plans (a dense
 and a MoE model on one GPU, planned); verify-gloo (the dense plan on the CPU: the control, a CPU phase);
-profile (`meshplan profile --device cuda --quick`); verify-dense and verify-moe (`verify --backend nccl` on the GPU,
-float32); estimate (a plan's cost with the new calibration). On a host without CUDA the CUDA phases end in one
-error line each and the rest pass: the dry run. summary.txt gets a line per phase as it ends; summary.json at the
-end; logs/PHASE.log each phase's output (a phase past its limit gets SIGABRT first, so Python's faulthandler writes
-its stack into the log, then SIGKILL).
+profile (`meshplan profile --device cuda --quick`); verify-dense (`verify --backend nccl` on the GPU in bfloat16,
+with that calibration: measured vs calibrated step); verify-moe (the same in float32: the sharper numerics);
+estimate (a plan's cost with the new calibration). On a host without CUDA the CUDA phases end in one error line
+each and the rest pass: the dry run. summary.txt gets a line per phase as it ends; summary.json at the end;
+logs/PHASE.log each phase's output (a phase past its limit gets SIGABRT first, so Python's faulthandler writes its
+stack into the log, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -67,8 +69,13 @@ def phases(out: Path, target: str) -> list[Phase]:
     cal = out / f"{target}.json"
     dense, moe = out / "plan-dense.json", out / "plan-moe.json"
     plan = [*MESHPLAN, "plan", "--gpu", target, "--gpus", "1", "--gbs", "8", "--seq", "1024", "--recompute", "none"]
-    verify = ("verify", "--backend", "nccl", "--scale", "none", "--steps", "2", "--dtype", "float32",
-              "--timeout", "120")
+    verify = ("verify", "--backend", "nccl", "--scale", "none", "--steps", "2", "--timeout", "120")
+    # bfloat16, the calibration's dtype: its predicted step is comparable with the measured one (issue 21, item 4);
+    # without a calibration (the profile failed, or no GPU) the plan's own prediction
+    dense_cmd = " ".join(shlex.quote(a) for a in (*MESHPLAN, *verify, "--dtype", "bfloat16", str(dense), "--out",
+                                                   str(out / "verify-dense.json")))
+    with_cal = f"if [ -f {shlex.quote(str(cal))} ]; then exec {dense_cmd} --calibration {shlex.quote(str(cal))}; " \
+               f"else exec {dense_cmd}; fi"
     return [
         Phase("probe", 60, (sys.executable, "-c", PROBE, str(out / "probe.json")), cuda=False),
         Phase("plans", 60, ("bash", "-c", " && ".join([
@@ -78,9 +85,9 @@ def phases(out: Path, target: str) -> list[Phase]:
                                   str(out / "verify-gloo.json")), cuda=False),
         Phase("profile", 240, (*MESHPLAN, "profile", "--device", "cuda", "--quick", "--gpu", target, "--model",
                                "llama3.1-8b", "--out", str(cal)), cuda=True),
-        Phase("verify-dense", 90, (*MESHPLAN, *verify, str(dense), "--out", str(out / "verify-dense.json")),
-              cuda=True),
-        Phase("verify-moe", 90, (*MESHPLAN, *verify, str(moe), "--out", str(out / "verify-moe.json")), cuda=True),
+        Phase("verify-dense", 90, ("bash", "-c", with_cal), cuda=True),
+        Phase("verify-moe", 90, (*MESHPLAN, *verify, "--dtype", "float32", str(moe), "--out",
+                                 str(out / "verify-moe.json")), cuda=True),
         Phase("estimate", 30, (*MESHPLAN, "estimate", "--model", "llama3.1-8b", "--gpu", target, "--gpus", "8",
                                "--gbs", "64", "--seq", "4096", "--calibration", str(cal)), cuda=True),
     ]

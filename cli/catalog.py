@@ -50,8 +50,8 @@ def profile(
     grid = default_grid(device, quick)  # the shapes and collective groups for this device
     opts = ProfileOptions(device=device, quick=quick, model=load_model(model) if model else None, target=gpu,
                           dtype=dtype or ("float64" if device == "cpu" else "bfloat16"),
-                          statistic=statistic, **({"tp": tuple(tp)} if tp else {}),
-                          **(grid | ({"ranks": tuple(ranks)} if ranks else {})))
+                          statistic=statistic,
+                          **(grid | ({"ranks": tuple(ranks)} if ranks else {}) | ({"tp": tuple(tp)} if tp else {})))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("profiling", total=None)

@@ -72,14 +72,15 @@ class ProfileOptions:
 def default_grid(device: str, quick: bool) -> dict[str, Any]:
     """The shapes, repetitions and collective groups a profile takes unless told. A GPU's grid starts where its
     kernels stop being launch-bound (seq 1k-8k, 2k-32k tokens: below them an H200 times dispatch, not the kernel,
-    and an 8k attention extrapolated from 512 comes out 3-5x slow; the review's finding 3); its collectives run on
-    every visible GPU."""
+    and an 8k attention extrapolated from 512 comes out 3-5x slow; the review's finding 3); its collectives and its
+    TP layer probe run on every visible GPU (with more than one), and TP over all of them joins the sharded shapes."""
     if device == "cuda":
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         grid: dict[str, Any] = dict(seq=(1024, 2048, 4096, 8192), overhead_seq=(1024, 4096),
-                                    tokens=(2048, 4096, 8192, 16384, 32768), ranks=(gpus,) if gpus > 1 else ())
+                                    tokens=(2048, 4096, 8192, 16384, 32768), ranks=(gpus,) if gpus > 1 else (),
+                                    tp=tuple(sorted({1, 2, max(gpus, 1)})))
         if quick:
             grid |= dict(seq=(1024, 4096, 8192), tokens=(2048, 8192, 32768), repeats=5, warmup=3)
         return grid
@@ -141,7 +142,7 @@ class _Timer:
     where `setup` must run before each)."""
 
     def __init__(self, device: str, repeats: int, warmup: int, statistic: str = "median") -> None:
-        self.device, self.repeats, self.warmup = device, repeats, warmup
+        self.device, self.repeats, self.warmup = device.split(":")[0], repeats, warmup  # "cuda:1" times as "cuda"
         self.pick = min if statistic == "min" else statistics.median
         self.burnt = device != "cuda"
 
@@ -500,8 +501,11 @@ def _tp_layer_rank(rank: int, world: int, model: ModelSpec, dtype_name: str, seq
                    warmup: int, sp: bool, statistic: str) -> list[tuple[int, float, float]]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    return _chunk_times(model, dtype_name, "cpu", seqs, repeats, warmup, 0, init_device_mesh("cpu", (world,)), sp,
-                        statistic)
+    from meshplan.executor.mesh import rank_device
+
+    dev = rank_device()  # gloo: the CPU; NCCL: this rank's own GPU (launch.bind_device)
+    return _chunk_times(model, dtype_name, str(dev), seqs, repeats, warmup, 0, init_device_mesh(dev.type, (world,)),
+                        sp, statistic)
 
 
 def _predicted(model: ModelSpec, cal: Calibration, seq: int, tp: int, layers: int,
@@ -556,7 +560,8 @@ def _overheads(model: ModelSpec, cal: Calibration, opts: ProfileOptions, tp_degr
         for sp in (False, True):
             tick(f"one layer on {tp} TP ranks{' with SP' if sp else ''}")
             times = run_world(tp, _tp_layer_rank, model, opts.dtype, tuple(seqs), reps, opts.warmup, sp,
-                              opts.statistic, timeout_s=opts.timeout_s)[0]
+                              opts.statistic, backend="nccl" if opts.device == "cuda" else "gloo",
+                              timeout_s=opts.timeout_s)[0]
             predicted = [_predicted(model, cal, seq, tp, 0, sp) for seq, _, _ in times]
             rf_tp = [f - p[0] for (_, f, _), p in zip(times, predicted, strict=True)]
             rb_tp = [b - p[1] for (_, _, b), p in zip(times, predicted, strict=True)]
@@ -771,9 +776,9 @@ def profile(opts: ProfileOptions, progress: Progress | None = None) -> Calibrati
     cal = Calibration(schema_version=CALIBRATION_SCHEMA_VERSION,
                       created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), device=device,
                       software=_software(opts), measurements=m, fitted=fit_model(m))
-    # What whole layers and models take beyond their operators (TP degrees on the collective ranks, CPU only)
-    tps = [t for t in opts.tp if t > 1 and t in ranks and not (model.num_heads % t or model.kv_heads % t)
-           ] if opts.device == "cpu" else []
+    # What whole layers and models take beyond their operators (TP degrees among the collective ranks: on a GPU
+    # host, up to its GPU count, one GPU per rank)
+    tps = [t for t in opts.tp if t > 1 and t in ranks and not (model.num_heads % t or model.kv_heads % t)]
     layers, step = _overheads(model, cal, opts, tps, tick)
     if progress is not None:
         progress("fitting", total, total)

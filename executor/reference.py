@@ -86,7 +86,8 @@ def train(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 # ---- a whole run, described once for the reference and for every distributed executor --------------
-DTYPES: Mapping[str, torch.dtype] = MappingProxyType({"float64": torch.float64, "float32": torch.float32})
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType({"float64": torch.float64, "float32": torch.float32,
+                                                     "bfloat16": torch.bfloat16})  # bf16: compare.TOLERANCES
 
 
 def as_spec(spec: ModelSpec | str | Mapping[str, Any]) -> ModelSpec:

@@ -46,6 +46,7 @@ from meshplan.planner.plan import Plan, plan_config
 __all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyOutcome", "VerifyReport", "measured_trace",
            "run_layout", "run_verify", "side_by_side", "verify_case"]
 
+DTYPE_BYTES: Mapping[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2}  # executor.reference.DTYPES' sizes
 MAX_RANKS = 16  # ranks this machine runs by default: each is a process with its own copy of the model
 
 # bytes per element the cost model charges per category (costmodels/memory.py model_state_bytes, ops.ACT_BYTES)
@@ -187,7 +188,7 @@ class VerifyReport:
     layout: str
     world: int
     dtype: str
-    tolerance: float
+    tolerance: Any  # executor.compare.Tolerance: per quantity
     steps: int
     gbs: int
     seq: int
@@ -372,7 +373,7 @@ def _check_memory(spec: ModelSpec, ranks: int, tokens: int, opts: VerifyOptions)
     """Refuse, with the estimate, a reduced model this machine cannot hold (`--scale none` on an 8B model would
     build 64 GB and swap or be killed)."""
     available = _available_bytes()
-    itemsize = 8 if opts.dtype == "float64" else 4
+    itemsize = DTYPE_BYTES[opts.dtype]
     need = verify_memory_bytes(spec, ranks, itemsize, tokens, opts.steps)
     if available is not None and need > available:
         gib = 2**30
@@ -380,7 +381,7 @@ def _check_memory(spec: ModelSpec, ranks: int, tokens: int, opts: VerifyOptions)
                          f"({spec.total_params(include_mtp=True) / 1e6:,.0f} M parameters in {opts.dtype}, the "
                          f"reference and {ranks} ranks, {tokens:,} tokens a step); this machine has "
                          f"{available / gib:.1f} GiB available: use a smaller --scale, --seq or --microbatches, "
-                         f"fewer ranks, or --dtype float32")
+                         f"fewer ranks, or --dtype float32 (or bfloat16)")
 
 
 def _check_runnable(lay: Any, n_micro: int, inject: str | None) -> None:
@@ -463,7 +464,7 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
         reference_losses = reference.losses
     cal = opts.calibration
     sim = case.simulate(plan, cal, opts.calibration_origin)
-    itemsize = 8 if opts.dtype == "float64" else 4
+    itemsize = DTYPE_BYTES[opts.dtype]
     memory = tuple(MemoryRow(rank=r.rank, stage=r.coords["pp"], measured=dict(r.memory),
                              predicted=predicted_state_bytes(sim, r.coords["pp"], itemsize))
                    for r in result.reports)

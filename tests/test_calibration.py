@@ -377,7 +377,8 @@ def test_gpu_profiles_leave_the_launch_bound_regime(monkeypatch):
         grid = default_grid("cuda", quick)
         assert min(grid["seq"]) >= 1024 and max(grid["seq"]) == 8192
         assert min(grid["tokens"]) >= 2048 and max(grid["tokens"]) == 32768 and grid["ranks"] == (8,)
+        assert grid["tp"] == (1, 2, 8)  # TP over the node's GPUs: its shapes, and the TP layer probe on 8 GPUs
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert default_grid("cuda", True)["ranks"] == ()  # one GPU: no collective to profile
+    assert default_grid("cuda", True)["ranks"] == () and default_grid("cuda", True)["tp"] == (1, 2)  # one GPU
     assert max(default_grid("cpu", True)["seq"]) <= 512 and default_grid("cpu", False) == {}
     assert back_to_back(10e-6) == 100 and back_to_back(BLOCK_S / 4) == 4 and back_to_back(1.0) == 1

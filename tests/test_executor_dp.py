@@ -288,7 +288,7 @@ def test_dp_matches_the_reference(world: int, case: str, world2, world4) -> None
         assert compare_to_reference(r, reference(first.run)).ok
     cmp = compare_to_reference(first, reference(first.run))
     assert cmp.ok, cmp.summary() + "\n" + "\n".join(cmp.failures())
-    assert cmp.tolerance == TOLERANCE["float64"] == 1e-6
+    assert cmp.tolerance.loss == cmp.tolerance.grad == cmp.tolerance.param == TOLERANCE["float64"] == 1e-6
     assert len(cmp.loss_errors) == 3 and set(cmp.grad_errors) == set(first.grads)
     assert max(cmp.loss_error, cmp.grad_error) < 1e-12  # in fact: only the summation order differs
 
