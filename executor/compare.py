@@ -26,16 +26,17 @@ figures seen are the worst of the 11 composed layouts of tests/test_verify.py (2
 - loss per step: 3e-2 (8u); seen 6.5e-3.
 - each gradient: 1e-1 on a floor of 1e-4 of the largest; seen 3.5e-2. The key biases' exactly-zero
   gradients come out ~2e-6 of the largest in bf16 (~2e-19 in float64), below that floor.
-- each parameter by its update p - p0, norm-wise (||d_run - d_ref|| / ||d_ref||): 0.5; seen 0.29, and a
+- each parameter by its update p - p0, norm-wise (||d_run - d_ref|| / ||d_ref||): 0.5; seen 0.20, and a
   missing update is 1.0. AdamW steps an entry by about lr whatever its gradient's size (Kingma & Ba 2015,
   sec. 2.1), so an entry whose gradient is rounding-sized steps +-lr with a sign of its own in each run:
   compared entry by entry the parameters differ by up to 2 lr x steps. A tensor whose gradient is below
   the floor is judged by its gradient only (its update is that noise's sign).
 - routers and routed experts, together, norm-wise: gradients 3e-1, updates 0.5. A token whose top-k
   scores tie within rounding picks another expert in the other run and moves its gradient from one expert
-  to another: deepseek-v3@tiny, 0.58 on one expert's gradient, 0.09 over all of them; a missing expert
-  gradient sync is 3.0 over all of them, a wrong expert placement 1.4 (ep4, mixtral-8x7b@tiny).
-So a bf16 run finds a layout bug of O(1), not one of 1e-2: float64 is the exact check.
+  to another: deepseek-v3@tiny, 0.58 on one expert's gradient, 0.09 over all of them (updates 0.20); a
+  missing expert gradient sync is 3.0 over all of them, a wrong expert placement 1.4 (ep4, mixtral-8x7b@tiny).
+Six injected faults fail with worst errors of 0.6-3.0 (benchmarks/bf16_numerics.py, RESULTS.md). So a bf16 run
+finds a layout bug of O(1), not one of 1e-2: float64 is the exact check.
 """
 
 from __future__ import annotations
