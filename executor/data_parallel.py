@@ -15,7 +15,9 @@ global-batch mean, i.e. the single-process gradient on the whole batch.
 
 FSDP2's gradient averaging, which summed instead of averaging on gloo in some torch versions, is probed once per
 run (`fsdp_reduction_factor`) and corrected if it sums; `make_fsdp_sum` makes it sum, to test that
-(`meshplan verify --inject fsdp-sums`).
+(`meshplan verify --inject fsdp-sums`). The probe runs on NCCL too (one 2 x dp matrix on the rank's device): gating
+it on the backend would be a GPU-only branch the CPU tests never take, and a release that sums on NCCL is caught the
+same way.
 """
 
 from __future__ import annotations
