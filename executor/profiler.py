@@ -141,10 +141,14 @@ class _Timer:
     call; on a GPU, after a burn-in of BURN_IN_S, CUDA events around a block of back_to_back calls (one call per block
     where `setup` must run before each)."""
 
-    def __init__(self, device: str, repeats: int, warmup: int, statistic: str = "median") -> None:
+    def __init__(self, device: str, repeats: int, warmup: int, statistic: str = "median",
+                 agree: Callable[[int], int] | None = None) -> None:
         self.device, self.repeats, self.warmup = device.split(":")[0], repeats, warmup  # "cuda:1" times as "cuda"
         self.pick = min if statistic == "min" else statistics.median
-        self.burnt = device != "cuda"
+        self.burnt = self.device != "cuda"
+        # ranks whose calls hold collectives (a TP layer) must make as many calls as each other: the burn-in is then
+        # a count every rank agrees on (the largest of theirs), not a time each rank keeps on its own
+        self.agree = agree
 
     def _gpu(self, fn: Callable[[], Any]) -> float:
         """Seconds per call of fn on the GPU: burn-in (once per timer), warm-up, then blocks of back-to-back calls."""
@@ -172,12 +176,24 @@ class _Timer:
         """Once per timer on a GPU: BURN_IN_S of the first probe, so the clock is up before anything is timed."""
         import torch
 
-        end = time.perf_counter() + (0.0 if self.burnt else BURN_IN_S)
-        while time.perf_counter() < end:
+        if self.burnt:
+            return
+
+        def once() -> None:
             if setup is not None:
                 setup()
             fn()
             torch.cuda.synchronize()
+
+        if self.agree is not None:
+            t0 = time.perf_counter()
+            once()
+            for _ in range(self.agree(math.ceil(BURN_IN_S / max(time.perf_counter() - t0, 1e-6)))):
+                once()
+        else:
+            end = time.perf_counter() + BURN_IN_S
+            while time.perf_counter() < end:
+                once()
         self.burnt = True
 
     def __call__(self, fn: Callable[[], Any], setup: Callable[[], Any] | None = None) -> float:
@@ -465,12 +481,24 @@ def _chunk_times(model: ModelSpec, dtype_name: str, device: str, seqs: Sequence[
     from meshplan.executor.model import probe_model
 
     dtype = _torch_dtype(dtype_name)
-    timer = _Timer(device, repeats, warmup, statistic)
+    timer = _Timer(device, repeats, warmup, statistic, agree=_largest_over_ranks if tp_mesh is not None else None)
     out = []
     for seq in seqs:  # a fresh model each: TP shards a module once, and its chunk's positions are per length
         full = probe_model(model.model_copy(update={"num_layers": layers or 3}), dtype, device)
         out += _chunk_seq_times(full, model, dtype, device, seq, timer, layers, tp_mesh, sp)
     return out
+
+
+def _largest_over_ranks(n: int) -> int:
+    """The largest n of every rank in the default group (a collective: every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    from meshplan.executor.mesh import rank_device
+
+    value = torch.tensor([n], dtype=torch.int64, device=rank_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 def _chunk_seq_times(full: Any, model: ModelSpec, dtype: Any, device: str, seq: int, timer: _Timer, layers: int,
