@@ -1,10 +1,10 @@
-"""verify in bfloat16 (issue 21): the errors behind executor/compare.py's bf16 tolerances, reproducible.
+"""verify in bfloat16 and float32 (issue 21): the errors behind executor/compare.py's tolerances, reproducible.
 
-Runs the composed layouts of tests/test_verify.py (CASES: 2 AdamW steps, seq 16, models at "tiny") in bfloat16 on
+Runs the composed layouts of tests/test_verify.py (CASES: 2 AdamW steps, seq 16, models at "tiny") in the dtype on
 gloo ranks, then a few of them with a fault injected, and prints one markdown row each: loss error, the worst
-gradient and the worst parameter update outside the routing group, the routing group's, and the verdict.
+gradient and the worst parameter update outside the routing group, the routing group's (bf16), and the verdict.
 
-Usage:  python benchmarks/bf16_numerics.py [--faults-only]        (about 3 minutes on 2 cores)
+Usage:  python benchmarks/bf16_numerics.py [--dtype bfloat16|float32] [--faults-only]   (about 3 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _worst(errors: dict[str, float], group: str) -> str:
     return f"{rest[name]:.2e} ({name})"
 
 
-def row(case: str, inject: str | None) -> str:
+def row(case: str, inject: str | None, dtype: str) -> str:
     from test_verify import CASES, _layout_case
 
     from meshplan.executor.compare import ROUTING_GROUP
@@ -38,7 +38,7 @@ def row(case: str, inject: str | None) -> str:
 
     model, layers, gbs, knobs = CASES[case]
     run, lay = _layout_case(model, layers, gbs, **dict(knobs))
-    run = dataclasses.replace(run, dtype="bfloat16")
+    run = dataclasses.replace(run, dtype=dtype)
     label = f"{case}{f' + {inject}' if inject else ''}"
     try:
         result = run_layout(run, lay, inject=inject, timeout_s=400)
@@ -54,6 +54,7 @@ def row(case: str, inject: str | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--faults-only", action="store_true", help="only the layouts with a fault injected")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))  # the layouts are the test suite's, so the two cannot drift apart
@@ -64,7 +65,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     cases = [] if args.faults_only else [(case, None) for case in CASES]
     for case, inject in [*cases, *FAULTS]:
-        print(row(case, inject), flush=True)
+        print(row(case, inject, args.dtype), flush=True)
 
 
 if __name__ == "__main__":  # spawned ranks re-import this file

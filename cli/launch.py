@@ -238,9 +238,9 @@ RUN_SHAPE = [
     option("microbatches", Annotated[int | None, typer.Option("--microbatches", min=1, max=MAX_GLOBAL_BATCH, help=(
         "Micro-batches per step (default: the plan's); fewer keeps a big plan's run short."))]),
     option("dtype", Annotated[Literal["float64", "float32", "bfloat16"], typer.Option("--dtype", help=(
-        "float64 checks to 1e-6 (relative), float32 to 1e-4; bfloat16 (what a GPU trains in, and the dtype of its "
-        "calibration) per quantity: loss 3e-2, gradients 1e-1, parameter updates 0.5 norm-wise, so it finds "
-        "only O(1) layout bugs (docs/executor.md)."))], "float64")]
+        "float64 checks everything to 1e-6 (relative); float32 loss and gradients to 1e-4, parameter updates to 1e-2 "
+        "norm-wise; bfloat16 (what a GPU trains in, and the dtype of its calibration) loss 3e-2, gradients 1e-1, "
+        "updates 0.5, so it finds only O(1) layout bugs (docs/executor.md)."))], "float64")]
 
 
 @packed("shape", RUN_SHAPE, RunShape)

@@ -1,6 +1,7 @@
 """bfloat16 runs (issue 21, review finding 17): what a GPU trains in, held to tolerances per quantity
 (executor/compare.py's docstring has them and the figures they rest on). These tests forge a run from the
-single-process one to show each rule passes rounding-sized differences and fails a layout bug's."""
+single-process one to show each rule passes rounding-sized differences and fails a layout bug's; and the rule for
+gradients that are zero in exact arithmetic, which float32 needs as well."""
 
 from __future__ import annotations
 
@@ -108,3 +109,26 @@ def test_a_wrong_loss_fails_at_its_step(moe):
     cmp = compare_to_reference(dataclasses.replace(ref, losses=(ref.losses[0], ref.losses[1] * 1.1)), ref)
     assert not cmp.ok and cmp.failures() == [f"loss at step 2: relative error {cmp.loss_errors[1]:.3g} "
                                              f"(tolerance {TOLERANCES['bfloat16'].loss:g})"]
+
+
+def test_float32_judges_zero_gradients_by_the_gradient_and_parameters_by_their_update():
+    """In float32 AdamW maps the key biases' gradient noise (~1e-11, below its eps) to parameter values 0.2-0.6 apart
+    between correct runs (gpt3-175b@tiny, CP2 x PP2): those parameters are not judged, their gradients are. Every
+    other parameter is judged by its update, to 1e-2: a whole update 10 % short fails."""
+    from meshplan.executor.compare import noise_gradients
+
+    run = dataclasses.replace(_run("gpt3-175b"), dtype="float32")
+    ref = reference_run(run)
+    init = dict(run.build().named_parameters())
+    tol = TOLERANCES["float32"]
+    assert (tol.loss, tol.grad, tol.param, tol.floor, tol.by_update) == (1e-4, 1e-4, 1e-2, 1e-5, True)
+    noise = noise_gradients(ref, tol.floor)
+    assert noise and all(n.endswith("attention.wk.bias") for n in noise), noise
+    apart = {n: ref.params[n] * 1.6 + 1e-6 for n in noise}
+    cmp = compare_to_reference(_forged(ref, params=apart), ref)
+    assert cmp.ok, cmp.failures()
+    assert not noise & set(cmp.param_errors) and set(noise) <= set(cmp.grad_errors)
+    name = "layers.0.attention.wq.weight"
+    for scale, ok in ((1 + 1e-3, True), (0.9, False)):
+        cmp = compare_to_reference(_forged(ref, params={name: _update(ref, init, name, scale)}), ref)
+        assert cmp.ok == ok and cmp.param_errors[name] == pytest.approx(abs(1 - scale), rel=1e-2)
