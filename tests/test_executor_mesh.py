@@ -49,25 +49,35 @@ def test_groups_match_the_cost_model(lay):
         assert sorted(itertools.chain(*seen)) == list(range(ex.world)), dim
 
 
-def _mesh_groups(rank, world, ex):
-    meshes = build_meshes(ex)
-    return {dim: tuple(int(r) for r in meshes[dim].mesh.flatten().tolist()) if dim in ("dp_cp",) else
-            tuple(torch.distributed.get_process_group_ranks(meshes[dim].get_group())) for dim in
-            DENSE_DIMS + ("dp_cp",) + EXPERT_DIMS}
+def _mesh_groups(rank, world, layouts):
+    """Every layout's meshes, built one after another in one world of 8 ranks (one spawn instead of four)."""
+    out = []
+    for ex in layouts:
+        meshes = build_meshes(ex)
+        out.append({dim: tuple(int(r) for r in meshes[dim].mesh.flatten().tolist()) if dim in ("dp_cp",) else
+                    tuple(torch.distributed.get_process_group_ranks(meshes[dim].get_group())) for dim in
+                    DENSE_DIMS + ("dp_cp",) + EXPERT_DIMS})
+    return out
 
 
-@pytest.mark.parametrize("ex", [
-    layout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2),
-    layout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2, rank_order="tp-cp-pp-dp"),
-    layout(tp=2, cp=2, dp=2, ep=2, etp=2, stage_layers=(1,)),
-    layout(cp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2, rank_order="tp-cp-pp-dp"),
-], ids=["tp2dp2pp2", "tp2pp2dp2-order", "tp2cp2dp2-ep2etp2", "cp2pp2dp2-order"])
-def test_device_meshes_hold_those_groups(ex):
-    got = run_world(ex.world, _mesh_groups, ex, timeout_s=120)
-    for rank, groups in enumerate(got):
-        for dim, ranks in groups.items():
-            if dim == "dp_cp":
-                assert rank in ranks and len(ranks) == ex.dp * ex.cp
-                assert tuple(sorted(ranks)) == tuple(sorted(group_of(rank, dim, ex))), (rank, dim)
-            else:
-                assert ranks == group_of(rank, dim, ex), (rank, dim)
+MESH_LAYOUTS = {
+    "tp2dp2pp2": layout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2),
+    "tp2pp2dp2-order": layout(tp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2,
+                              rank_order="tp-cp-pp-dp"),
+    "tp2cp2dp2-ep2etp2": layout(tp=2, cp=2, dp=2, ep=2, etp=2, stage_layers=(1,)),
+    "cp2pp2dp2-order": layout(cp=2, dp=2, pp=2, stage_layers=(1, 1), stage_recompute=(("none", 0),) * 2,
+                              rank_order="tp-cp-pp-dp"),
+}
+
+
+def test_device_meshes_hold_those_groups():
+    assert {ex.world for ex in MESH_LAYOUTS.values()} == {8}
+    got = run_world(8, _mesh_groups, tuple(MESH_LAYOUTS.values()), timeout_s=120)
+    for rank, per_layout in enumerate(got):
+        for (name, ex), groups in zip(MESH_LAYOUTS.items(), per_layout, strict=True):
+            for dim, ranks in groups.items():
+                if dim == "dp_cp":
+                    assert rank in ranks and len(ranks) == ex.dp * ex.cp
+                    assert tuple(sorted(ranks)) == tuple(sorted(group_of(rank, dim, ex))), (name, rank, dim)
+                else:
+                    assert ranks == group_of(rank, dim, ex), (name, rank, dim)
