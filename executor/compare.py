@@ -5,14 +5,15 @@ tensor (per step for the loss), computed in float64. One scale per tensor, not p
 gradient entry that is 1e-20 in a tensor whose largest entry is 1e-3 is judged on the tensor's scale,
 as rounding in a sum of micro-batches or ranks is.
 
-The floor is FLOOR (1e-6) times the largest |b| of any tensor of the same kind (all gradients, or all
-parameters), and at least TINY (1e-30). It is there for gradients that are zero in exact arithmetic,
-whose computed values are rounding noise with an O(1) relative error between any two summation
-orders: an attention key bias's gradient is one (softmax is invariant to adding q.b_k to every score
-of a query), measured at ~2e-20 against a largest gradient of 0.3 in gpt3-175b@tiny, with a relative
-error of 0.25 between dp2 and the reference; AdamW turns that noise into key-bias values of ~4e-15
-after 3 steps, 0.8 apart. Against the floor both are ~2e-14 and ~4e-9. A wrong layout changes whole
-tensors by O(1e-2..1) of their own scale and stays visible unless a tensor is below 1e-6 of the largest.
+The floor is FLOOR (1e-6; float32 1e-5, bfloat16 1e-4: Tolerance.floor) times the largest |b| of any
+tensor of the same kind (all gradients, or all parameters), and at least TINY (1e-30). It is there for
+gradients that are zero in exact arithmetic, whose computed values are rounding noise with an O(1)
+relative error between any two summation orders: an attention key bias's gradient is one (softmax is
+invariant to adding q.b_k to every score of a query), measured at ~2e-20 against a largest gradient of
+0.3 in gpt3-175b@tiny, with a relative error of 0.25 between dp2 and the reference; AdamW turns that
+noise into key-bias values of ~4e-15 after 3 steps, 0.8 apart. Against the floor both are ~2e-14 and
+~4e-9. A wrong layout changes whole tensors by O(1e-2..1) of their own scale and stays visible unless a
+tensor is below 1e-6 of the largest.
 
 Tolerances (TOLERANCES, per dtype and quantity). float64 (issue 4): 1e-6 for everything; the errors seen
 are ~1e-15 (reduction order only), and a real layout bug (a missing all-reduce, a wrong loss scale, a
