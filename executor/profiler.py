@@ -632,37 +632,20 @@ def _collective_call(kind: str, rank: int, world: int, n: int, dev: str) -> Call
 
 
 def _collective_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int, warmup: int,
-                     device: str, statistic: str) -> list[tuple[str, int, float]]:
-    """On every rank: each collective at each size; rank 0's median seconds (a barrier before each run)."""
-    import torch
+                     statistic: str) -> list[tuple[str, int, float]]:
+    """On every rank: each collective at each size, timed by _Timer after a barrier (CUDA events on a GPU, with a
+    burn-in every rank agrees on); rank 0's seconds."""
     import torch.distributed as dist
 
     from meshplan.executor.mesh import rank_device
 
     dev = str(rank_device())  # NCCL: this rank's own GPU (launch.bind_device), not cuda:0 for all
+    timer = _Timer(dev, repeats, warmup, statistic, agree=_largest_over_ranks)
     out = []
     for kind in COLLECTIVES:
         for nbytes in sizes:
             n = max(world, nbytes // 4 // world * world)  # fp32 elements, divisible by the world
-            run = _collective_call(kind, rank, world, n, dev)
-            times = []
-            for i in range(warmup + repeats):
-                dist.barrier()
-                if device == "cuda":  # CUDA events on the rank's stream, from an idle device
-                    torch.cuda.synchronize()
-                    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    run()
-                    stop.record()
-                    torch.cuda.synchronize()
-                    elapsed = start.elapsed_time(stop) / 1e3
-                else:
-                    t0 = time.perf_counter()
-                    run()
-                    elapsed = time.perf_counter() - t0
-                if i >= warmup:
-                    times.append(elapsed)
-            out.append((kind, 4 * n, min(times) if statistic == "min" else statistics.median(times)))
+            out.append((kind, 4 * n, timer(_collective_call(kind, rank, world, n, dev), setup=dist.barrier)))
     return out
 
 
@@ -678,7 +661,7 @@ def _time_collectives(opts: ProfileOptions, tick: Callable[[str], None]) -> list
     for world in opts.ranks:
         tick(f"collectives on {world} ranks ({'nccl' if opts.device == 'cuda' else 'gloo'})")
         backend = "nccl" if opts.device == "cuda" else "gloo"
-        results = run_world(world, _collective_rank, sizes, opts.repeats, opts.warmup, opts.device, opts.statistic,
+        results = run_world(world, _collective_rank, sizes, opts.repeats, opts.warmup, opts.statistic,
                             backend=backend, timeout_s=opts.timeout_s)
         points += [CollectivePoint(kind=kind, ranks=world, bytes=float(b), seconds=t) for kind, b, t in results[0]]
     return points

@@ -46,7 +46,6 @@ from meshplan.planner.plan import Plan, plan_config
 __all__ = ["MAX_RANKS", "LayoutRun", "VerifyCase", "VerifyOptions", "VerifyOutcome", "VerifyReport", "measured_trace",
            "run_layout", "run_verify", "side_by_side", "verify_case"]
 
-DTYPE_BYTES: Mapping[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2}  # executor.reference.DTYPES' sizes
 MAX_RANKS = 16  # ranks this machine runs by default: each is a process with its own copy of the model
 
 # bytes per element the cost model charges per category (costmodels/memory.py model_state_bytes, ops.ACT_BYTES)
@@ -369,11 +368,18 @@ def _available_bytes() -> float | None:
     return None
 
 
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a run dtype (executor.reference.DTYPES; torch is imported by then)."""
+    from meshplan.executor.reference import DTYPES
+
+    return DTYPES[dtype].itemsize
+
+
 def _check_memory(spec: ModelSpec, ranks: int, tokens: int, opts: VerifyOptions) -> None:
     """Refuse, with the estimate, a reduced model this machine cannot hold (`--scale none` on an 8B model would
     build 64 GB and swap or be killed)."""
     available = _available_bytes()
-    itemsize = DTYPE_BYTES[opts.dtype]
+    itemsize = _itemsize(opts.dtype)
     need = verify_memory_bytes(spec, ranks, itemsize, tokens, opts.steps)
     if available is not None and need > available:
         gib = 2**30
@@ -464,7 +470,7 @@ def run_verify(plan: Plan, opts: VerifyOptions, progress: Any = None) -> VerifyO
         reference_losses = reference.losses
     cal = opts.calibration
     sim = case.simulate(plan, cal, opts.calibration_origin)
-    itemsize = DTYPE_BYTES[opts.dtype]
+    itemsize = _itemsize(opts.dtype)
     memory = tuple(MemoryRow(rank=r.rank, stage=r.coords["pp"], measured=dict(r.memory),
                              predicted=predicted_state_bytes(sim, r.coords["pp"], itemsize))
                    for r in result.reports)

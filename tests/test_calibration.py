@@ -282,6 +282,16 @@ def test_verify_reports_the_prediction_for_this_host(quick_profile, tmp_path, ca
     out, err = capsys.readouterr()
     assert code == 0, (out, err)
     assert "on this host's CPU" in out and "step time: measured" in out
+    # a calibration predicts only the device it measured: a GPU's for gloo ranks, a CPU's for NCCL ones, each refused
+    # in one line before any rank starts
+    cal = load_calibration(quick_profile)
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(cal.model_copy(update={"device": cal.device.model_copy(update={"kind": "cuda", "target": "h200"})}
+                                  ).model_dump_json())
+    assert_input_error(*run(capsys, "verify", str(plan), "--calibration", str(gpu)), "--backend gloo",
+                       "profile --device cpu")
+    assert_input_error(*run(capsys, "verify", str(plan), "--calibration", str(quick_profile), "--backend", "nccl"),
+                       "--backend nccl", "profile --device cuda")
 
 
 def test_profile_refuses_a_device_this_machine_does_not_have(capsys, tmp_path):
