@@ -41,6 +41,9 @@ __all__ = ["RankFailure", "WorldEnv", "bind_device", "check_gpus", "run_torchrun
 
 _GRACE_S = 0.25  # after a first failure, how long to wait for the others' messages (to name the earliest)
 _KILL_WAIT_S = 2.0  # how long terminate() may take before kill()
+# the ranks' own process-group timeout beyond run_world's deadline (a CI run under load saw rank 0's gloo connect give
+# up on a rank 1 still starting, at the same 5 s as the deadline, so the wrong failure was named)
+_PG_MARGIN_S = 60.0
 
 
 class RankFailure(RuntimeError):
@@ -144,8 +147,10 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str 
               timeout_s: float = 60.0) -> list[Any]:
     """`fn(rank, world_size, *args)` on `world_size` spawned processes; their return values in rank order.
 
-    Each rank has a process group (`backend`, a file:// store in a temporary directory, the same
-    `timeout_s` for collectives) and one torch thread. Raises RankFailure naming the earliest rank that
+    Each rank has a process group (`backend`, a file:// store in a temporary directory; its own timeout
+    _PG_MARGIN_S past `timeout_s`, so that this launcher, which stops the world at `timeout_s` and names the
+    hung rank, decides before a rank's gloo connect or collective gives up on a slow peer and names itself)
+    and one torch thread. Raises RankFailure naming the earliest rank that
     raised (or died, or, after `timeout_s` in all, one that had not reported), after stopping every rank.
     Return values and `args` must pickle.
     """
@@ -166,8 +171,8 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str 
         for rank in range(world_size):
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"meshplan-rank-{rank}", daemon=True,
-                            args=(rank, world_size, backend, init_method, timeout_s, fn, args, send, os.getpid(),
-                                  tmp))
+                            args=(rank, world_size, backend, init_method, timeout_s + _PG_MARGIN_S, fn, args, send,
+                                  os.getpid(), tmp))
             p.start()
             send.close()  # the child holds the only write end, so its death reads as EOF here
             procs.append(p)
