@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from meshplan.cli.options import console, output_targets, print_table
 from meshplan.costmodels.model_io import list_zoo, load_model, load_zoo, zoo_source
@@ -67,8 +68,8 @@ def profile(
 
 def _print_calibration(con: Console, cal: Any, path: Path) -> None:
     f, m = cal.fitted, cal.measurements
-    con.print(f"[bold]{cal.device.name}[/] ({cal.device.target}, {cal.device.threads} thread(s)), torch "
-              f"{cal.software.torch}, {cal.software.backend}; {m.dtype}")
+    con.print(Text.assemble((cal.device.name, "bold"), f" ({cal.device.target}, {cal.device.threads} thread(s)), "
+                            f"torch {cal.software.torch}, {cal.software.backend}; {m.dtype}"))
     t = Table(title="fitted efficiency model", title_justify="left")
     t.add_column("what", overflow="fold")
     t.add_column("value", justify="right", overflow="fold")
@@ -126,8 +127,8 @@ def models_show(
     if m.moe:
         t.add_row("MoE layers", str(m.num_moe_layers))
     t.add_row("embedding params (B)", f"{m.embedding_params() / 1e9:.3f}")
-    t.add_row("[bold]total params (B)[/]", f"[bold]{m.total_params() / 1e9:.3f}[/]")
-    t.add_row("[bold]active params (B)[/]", f"[bold]{m.active_params() / 1e9:.3f}[/]")
+    t.add_row(Text("total params (B)", "bold"), Text(f"{m.total_params() / 1e9:.3f}", "bold"))
+    t.add_row(Text("active params (B)", "bold"), Text(f"{m.active_params() / 1e9:.3f}", "bold"))
     if m.num_mtp_layers:
         t.add_row("total params incl. MTP (B)", f"{m.total_params(include_mtp=True) / 1e9:.3f}")
     con = console()

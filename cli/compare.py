@@ -12,7 +12,7 @@ from meshplan.cli.options import console
 from meshplan.costmodels.economics import Budget
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.compare import Comparison, compare_plans
-from meshplan.planner.plan import Plan, ServingPlan, read_any_plan
+from meshplan.planner.plan import Plan, ServingPlan
 
 
 def compare(
@@ -24,15 +24,23 @@ def compare(
     """Compare plans: the knobs that differ, predicted step time and each of its terms, memory per stage, cost, and
     why the fastest wins."""
     docs: list[Plan] = []
+    notes: list[str] = []
     for path in plan_files:
-        doc = read_any_plan(path)
+        opened = api.open_plan(path)
+        doc = opened.plan
+        for line in (opened.repriced, opened.note):
+            if line:
+                notes.append(line)
         if isinstance(doc, ServingPlan):
             raise InputError(f"{path} is a serving plan; compare reads training plans")
         docs.append(doc if doc.economics is not None else api.priced(doc, Budget(usd_per_gpu_hour=price)))
     names = [p.stem for p in plan_files]
     if len(set(names)) < len(names):
         names = [str(p) for p in plan_files]
-    print_comparison(console(), compare_plans(docs, names))
+    con = console()
+    for line in notes:
+        con.print(line)
+    print_comparison(con, compare_plans(docs, names))
 
 
 def print_comparison(con: Console, c: Comparison) -> None:

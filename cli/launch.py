@@ -9,11 +9,12 @@ from typing import Annotated, Any, Literal
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from meshplan import api
 from meshplan.cli.options import (MAX_VERIFY_RANKS, MAX_VERIFY_STEPS, MAX_VERIFY_TIMEOUT_S, P_CLUSTER, P_OUT, P_PAR,
                                   AnyExportTarget, CalibrationOpt, ClusterOpt, GpuOpt, ImportSource, NicOpt, NvlinkOpt,
-                                  PerNodeOpt, cluster_of_flags, console, echo_export, one_line, option,
+                                  PerNodeOpt, cluster_of_flags, console, echo_export, note, one_line, option,
                                   output_targets, packed, print_error, working)
 from meshplan.cli.serve import print_serving
 from meshplan.cli.train import print_cost, print_estimate
@@ -22,6 +23,7 @@ from meshplan.costmodels.estimate import simulate_config
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.hardware_db.calibration import load_calibration
+from meshplan.hardware_db.documents import read_text
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.outputs import OutputFile, write_all
 
@@ -43,10 +45,12 @@ def export_(
     place) is refused with the reason and what to re-plan with; it is never silently changed.
     """
     from meshplan.planner.launchers import export_plan, write_export
-    from meshplan.planner.plan import read_any_plan
-
     (out,) = output_targets(directories=("out",), out=out)  # export's --out is a folder when it has several files
-    exported = export_plan(read_any_plan(plan_file), to)
+    opened = api.open_plan(plan_file)
+    for line in (opened.repriced, opened.note):
+        if line:
+            note(line)
+    exported = export_plan(opened.plan, to)
     if out is None:
         echo_export(exported)
         return
@@ -119,12 +123,7 @@ def import_(
     text, origin = source_text, "the arguments"
     path = Path(source_text)
     if source == "torchtitan" or _names_a_file(path):
-        try:
-            text, origin = path.read_text(encoding="utf-8"), str(path)
-        except FileNotFoundError:
-            raise InputError(f"{path}: no such file; pass the torchtitan TOML job config") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"{path}: cannot read the file ({one_line(exc)})") from None
+        text, origin = read_text(path, "a torchtitan TOML job config or a launch script"), str(path)
     named = load_model(model) if model else None
     launch = read_launch(source, text, origin, named.num_layers if named else None)
     runtime = runtime or launch.runtime or DEFAULT_RUNTIME
@@ -174,34 +173,39 @@ def show(
         "Also write the plan's simulated pipeline timeline as a Chrome trace (open in ui.perfetto.dev)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the validated plan as JSON.")] = False,
 ) -> None:
-    """Print a plan file readably (and re-simulate a training plan for --trace); refuses plans of another schema
-    version."""
-    from meshplan.planner.plan import ServingPlan, plan_config, read_any_plan
+    """Print a plan file readably, every figure re-derived from its inputs and layout: an edited figure is refused,
+    a plan of another cost model is re-priced and the difference said. Refuses plans of another schema version."""
+    from meshplan.planner.plan import ServingPlan, plan_config
     from meshplan.planner.trace import chrome_trace, write_trace
 
     (trace,) = output_targets(trace=trace)
-    doc = read_any_plan(plan_file)
-    if isinstance(doc, ServingPlan):
-        if trace is not None:
-            raise InputError("--trace draws a training plan's pipeline; this is a serving plan")
-        if as_json:
-            typer.echo(doc.model_dump_json(indent=2))
-            return
-        con = console()
-        con.print(f"serving plan {plan_file} (schema v{doc.schema_version}, meshplan {doc.meshplan_version})")
-        print_serving(con, doc.inputs.model_spec(), doc.inputs.cluster.cluster(), doc.inputs.workload,
-                       doc.inputs.targets, doc, None, doc.search.alternatives if doc.search else [])
-        return
+    opened = api.open_plan(plan_file)
+    doc = opened.plan
+    if isinstance(doc, ServingPlan) and trace is not None:
+        raise InputError("--trace draws a training plan's pipeline; this is a serving plan")
+    con = console()
     if as_json:
         typer.echo(doc.model_dump_json(indent=2))
     else:
-        spec, cluster, wl, cfg, runtime = plan_config(doc)
-        con = console()
-        con.print(f"plan {plan_file} (schema v{doc.schema_version}, meshplan {doc.meshplan_version})")
-        if doc.inputs.calibration:
-            con.print(f"calibration: {doc.inputs.calibration} (the prediction in the file; the tables below are "
-                      f"re-simulated with the device's efficiency as the plan stores it)")
-        sim = simulate_config(spec, cluster, wl, cfg, runtime)
+        kind = "serving plan" if isinstance(doc, ServingPlan) else "plan"
+        con.print(f"{kind} {plan_file} (schema v{doc.schema_version}, meshplan {doc.meshplan_version}, "
+                  f"cost model {doc.cost_model or 'not recorded'})")
+    for line in (opened.repriced, opened.note):
+        if line:
+            note(line) if as_json else con.print(Text(line, "yellow"))  # beside the JSON, not in it
+    if isinstance(doc, ServingPlan):
+        if not as_json:
+            print_serving(con, doc.inputs.model_spec(), doc.inputs.cluster.cluster(), doc.inputs.workload,
+                          doc.inputs.targets, doc, None, doc.search.alternatives if doc.search else [])
+        return
+    spec, cluster, wl, cfg, runtime = plan_config(doc)
+    # a calibrated plan's curves are not in the file: its tables and trace use the GPU's default efficiency
+    sim = opened.simulated or simulate_config(spec, cluster, wl, cfg, runtime)
+    if not as_json:
+        if opened.simulated is None:
+            con.print(f"the plan's prediction: step {doc.prediction.step_time_s:.3f} s, "
+                      f"{doc.prediction.tokens_per_s_per_gpu:,.1f} tokens/s/GPU; the tables below are simulated with "
+                      f"the GPU's default efficiency")
         print_estimate(con, spec, cluster, wl, sim.estimate)
         if doc.search is not None:
             s = doc.search
@@ -210,10 +214,9 @@ def show(
         if doc.economics is not None:
             print_cost(con, doc.economics)
     if trace is not None:
-        spec, cluster, wl, cfg, runtime = plan_config(doc)
-        write_trace(chrome_trace(simulate_config(spec, cluster, wl, cfg, runtime)), trace)
+        write_trace(chrome_trace(sim), trace)
         if not as_json:
-            console().print(f"trace written to {trace}")
+            con.print(f"trace written to {trace}")
 
 
 @dataclass(frozen=True)
@@ -273,11 +276,11 @@ def verify(
     steps match a single-process run; measured memory and time are shown beside the cost model's prediction.
     Exit code 0: the numerics match; 1: they do not (the report says where); 2: bad input."""
     from meshplan.executor.verify import VerifyOptions, run_verify
-    from meshplan.planner.plan import ServingPlan, read_any_plan
+    from meshplan.planner.plan import ServingPlan
     from meshplan.planner.trace import trace_text
 
     out, trace = output_targets(out=out, trace=trace)
-    doc = read_any_plan(plan_file)
+    doc = api.open_plan(plan_file).plan
     if isinstance(doc, ServingPlan):
         if backend != "gloo" or launcher == "torchrun":
             raise InputError("the serving check spawns its engines' ranks on gloo here; drop --backend nccl and "
@@ -303,7 +306,7 @@ def verify(
                          calibration_origin=calibration or "the calibration")
     con = console()
     try:
-        outcome = run_verify(doc, opts, progress=lambda text: con.print(f"[dim]{text}[/]"))
+        outcome = run_verify(doc, opts, progress=lambda text: con.print(Text(text, "dim")))
     except RuntimeError as exc:  # executor.launch.RankFailure: one line naming the rank that failed or hung
         if type(exc).__name__ != "RankFailure":
             raise
@@ -356,10 +359,9 @@ def _verify_serving(doc: Any, scale: str, steps: int, seq: int | None, max_ranks
 
 
 def _print_verify(con: Console, report: Any) -> None:
-    from rich.markup import escape
-
-    con.print(f"[bold]{escape(report.plan_model)}[/] as {escape(report.scaled_model)}: {escape(report.layout)}, "
-              f"{report.world} ranks, gbs {report.gbs} x seq {report.seq}, {report.steps} steps, {report.dtype}")
+    con.print(Text.assemble((report.plan_model, "bold"), f" as {report.scaled_model}: {report.layout}, "
+                            f"{report.world} ranks, gbs {report.gbs} x seq {report.seq}, {report.steps} steps, "
+                            f"{report.dtype}"))
     t = Table(title="numerics vs the single-process run", show_header=True)
     for col in ("quantity", "max relative error", "worst", "tolerance"):
         t.add_column(col, overflow="fold")
@@ -399,12 +401,12 @@ def _print_verify(con: Console, report: Any) -> None:
                   f"{report.predicted_step_s:.4f} s "
                   f"on the plan's GPUs: not comparable in absolute terms; compare the timelines (--trace), or give "
                   f"--calibration with a profile of this CPU")
-    for note in report.notes:
-        con.print(f"[dim]note: {escape(note)}[/]")
+    for line in report.notes:
+        con.print(Text(f"note: {line}", "dim"))
     if report.ok:
         within = "the tolerances above" if tol.by_update else f"{tol.loss:g}"
-        con.print(f"[green]OK[/]: the layout computes the same training step (within {within})")
+        con.print(Text.assemble(("OK", "green"), f": the layout computes the same training step (within {within})"))
     else:
-        con.print(f"[red]FAIL[/]: {len(report.failures)} problem(s)")
+        con.print(Text.assemble(("FAIL", "red"), f": {len(report.failures)} problem(s)"))
         for line in report.failures[:20]:
-            con.print(f"  {escape(line)}")
+            con.print(f"  {line}")

@@ -4,6 +4,7 @@ cluster and workload they describe, output paths checked before any work, the co
 import contextlib
 import functools
 import inspect
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -118,8 +119,10 @@ def working(message: str) -> contextlib.AbstractContextManager:
 
 def console() -> Console:
     """Rich console; piped output (CI logs, `| less`, tests) gets 140 columns instead of rich's 80 unless COLUMNS
-    says."""
-    return Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=140)
+    says. Markup is off: paths and names the user gave ('[/].json') are printed as they are; styles are rich Text."""
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return Console(markup=False)
+    return Console(width=140, markup=False)
 
 
 # ---- estimate ------------------------------------------------------------------------------------------------------
@@ -316,6 +319,12 @@ def echo_export(exported: Any) -> None:
         typer.echo(f.text, nl=False)
 
 
+def note(message: str) -> None:
+    """A line on stderr beside a command's output (a re-priced plan under an export printed to stdout)."""
+    sys.stderr.write(f"note: {message}\n")
+    sys.stderr.flush()
+
+
 def print_error(message: str) -> None:
     """The one `error:` line, in a single write: ranks under torchrun share stderr, unbuffered (print writes the
     text and the newline apart, and two ranks' lines then interleave)."""
@@ -346,7 +355,18 @@ def with_budget(command: Command) -> Command:
     return packed("budget", options, budget_of_flags)(command)
 
 
+# the budget flags' ranges: beyond these no figure means anything (and the arithmetic overflows to inf)
+BUDGET_BOUNDS = {"--price-per-gpu-hour": (0.0, 1e4), "--tokens": (1.0, 1e18), "--failure-rate": (1e-12, 1.0),
+                 "--ckpt-gbps": (1e-3, 1e6), "--restart-min": (0.0, 7 * 24 * 60.0)}
+
+
 def budget_of_flags(price: float | None, tokens: float | None, failure_rate: float, ckpt_gbps: float | None,
                     restart_min: float) -> Budget:
+    given = {"--price-per-gpu-hour": price, "--tokens": tokens, "--failure-rate": failure_rate,
+             "--ckpt-gbps": ckpt_gbps, "--restart-min": restart_min}
+    for flag, value in given.items():
+        low, high = BUDGET_BOUNDS[flag]
+        if value is not None and not (math.isfinite(value) and low <= value <= high):
+            raise InputError(f"{flag} {value:g}: give a finite number from {low:g} to {high:g}")
     reliability = Reliability(failure_rate, None if ckpt_gbps is None else ckpt_gbps * 1e9, restart_min * 60.0)
     return Budget(price, tokens, reliability)

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from meshplan import api
 from meshplan.cli.options import (P_COST, P_OUT, P_SEARCHED, CalibrationOpt, ExportTarget, ModelOpt, ProgressBar,
@@ -72,9 +73,10 @@ BREAKDOWN_LABELS = {
 
 def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload, est: Estimate) -> None:
     lay = est.layout
-    con.print(f"[bold]{spec.name}[/] ({spec.total_params() / 1e9:.1f} B params, {spec.active_params() / 1e9:.1f} B "
-              f"active) on {cluster.num_gpus} x {cluster.gpu.display_name} ({cluster.num_nodes} node(s) of "
-              f"{cluster.gpus_per_node}), runtime {est.runtime}")
+    con.print(Text.assemble((spec.name, "bold"), f" ({spec.total_params() / 1e9:.1f} B params, "
+                            f"{spec.active_params() / 1e9:.1f} B active) on {cluster.num_gpus} x "
+                            f"{cluster.gpu.display_name} ({cluster.num_nodes} node(s) of {cluster.gpus_per_node}), "
+                            f"runtime {est.runtime}"))
     con.print(f"workload: {wl.global_batch} sequences x {wl.seq_len} tokens = {wl.tokens / 1e6:.2f} M tokens/step, "
               f"{wl.dtype}")
     con.print(f"layout: tp {lay.tp}, pp {lay.pp}, vpp {lay.vpp}, dp {lay.dp}, cp {lay.cp}, ep {lay.ep}, "
@@ -90,7 +92,7 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     for key, sec in est.breakdown_s.items():
         label = BREAKDOWN_LABELS.get(key) or f"{key.removesuffix('_comm').upper()} comm (exposed)"
         t.add_row(label, f"{sec:.3f}", f"{100 * sec / step:.1f}")
-    t.add_row("[bold]step time[/]", f"[bold]{step:.3f}[/]", "100.0")
+    t.add_row(Text("step time", "bold"), Text(f"{step:.3f}", "bold"), "100.0")
     con.print(t)
 
     t = Table(title="Throughput", title_justify="left")
@@ -100,9 +102,9 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     t.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
     t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.1f}")
     t.add_row("TFLOP/s/GPU (model FLOPs)", f"{est.tflops_per_gpu:.1f}")
-    t.add_row(f"MFU (vs {wl.dtype} dense peak)", f"{100 * est.mfu:.1f} %"
-              + (" [bold yellow](above every published run of its class)[/]" if est.realism and est.realism.exceeds
-                 else ""))
+    t.add_row(f"MFU (vs {wl.dtype} dense peak)", Text.assemble(
+        f"{100 * est.mfu:.1f} %", (" (above every published run of its class)", "bold yellow")
+        if est.realism and est.realism.exceeds else ""))
     t.add_row("HFU (with recompute FLOPs)", f"{100 * est.hfu:.1f} %")
     t.add_row("pipeline bubble fraction", f"{100 * est.bubble_fraction:.1f} %")
     con.print(t)
@@ -121,18 +123,20 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     shown = list(shown.values())
     for key in shown[0]["memory_gib"]:
         t.add_row(key, *(f"{s['memory_gib'][key]:.2f}" for s in shown))
-    t.add_row("[bold]total[/]", *(f"[bold]{s['peak_memory_gib']:.2f}[/]" for s in shown))
+    t.add_row(Text("total", "bold"), *(Text(f"{s['peak_memory_gib']:.2f}", "bold") for s in shown))
     t.add_row("HBM", *(f"{est.hbm_gib:.0f}" for _ in shown))
-    t.add_row("fits", *("[green]yes[/]" if s["peak_memory_gib"] <= est.hbm_gib else "[bold red]NO[/]"
+    t.add_row("fits", *(Text("yes", "green") if s["peak_memory_gib"] <= est.hbm_gib else Text("NO", "bold red")
                         for s in shown))
     con.print(t)
     if est.realism is not None:
-        con.print(("[bold yellow]realism:[/] " if est.realism.exceeds else "realism: ") + est.realism.line())
+        con.print(Text.assemble(("realism:", "bold yellow" if est.realism.exceeds else ""), " ", est.realism.line()))
     if est.fits:
-        con.print(f"[green]memory: fits[/] (peak {est.peak_memory_gib:.1f} GiB of {est.hbm_gib:.0f} GiB HBM)")
+        con.print(Text.assemble(("memory: fits", "green"),
+                                f" (peak {est.peak_memory_gib:.1f} GiB of {est.hbm_gib:.0f} GiB HBM)"))
     else:
-        con.print(f"[bold red]memory: does NOT fit[/] (peak {est.peak_memory_gib:.1f} GiB > {est.hbm_gib:.0f} GiB "
-                  f"HBM); try more --pp/--tp, --recompute selective|full, a higher --zero or a smaller --mbs")
+        con.print(Text.assemble(("memory: does NOT fit", "bold red"),
+                                f" (peak {est.peak_memory_gib:.1f} GiB > {est.hbm_gib:.0f} GiB HBM); try more "
+                                f"--pp/--tp, --recompute selective|full, a higher --zero or a smaller --mbs"))
 
 
 def print_cost(con: Console, cost: TrainingCost) -> None:
@@ -370,8 +374,9 @@ def _recompute_text(lay) -> str:
 def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload, result) -> None:
     acc = result.account
     moe = spec.moe is not None
-    con.print(f"[bold]{spec.name}[/] on {cluster.num_gpus} x {cluster.gpu.display_name} ({cluster.num_nodes} node(s) "
-              f"of {cluster.gpus_per_node}); {wl.global_batch} x {wl.seq_len} tokens per step, {wl.dtype}")
+    con.print(Text.assemble((spec.name, "bold"), f" on {cluster.num_gpus} x {cluster.gpu.display_name} "
+                            f"({cluster.num_nodes} node(s) of {cluster.gpus_per_node}); {wl.global_batch} x "
+                            f"{wl.seq_len} tokens per step, {wl.dtype}"))
     orders = any(p.estimate.layout.rank_order != DEFAULT_RANK_ORDER for p in result.plans)  # column only if used
     cols = ["#", "tp", "cp", "pp", "dp"] + (["ep", "etp"] if moe else []) + (["order"] if orders else []) + [
         "mbs", "zero", "sp", "recompute", "schedule", "layers/stage", "step s", "tok/s/GPU", "MFU %", "peak GiB"]
@@ -397,9 +402,10 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     con.print(f"  infeasible: {infeasible}")
     best = result.plans[0].estimate.realism
     if best is not None:
-        con.print(("[bold yellow]realism of plan #1:[/] " if best.exceeds else "realism of plan #1: ") + best.line())
+        con.print(Text.assemble(("realism of plan #1:", "bold yellow" if best.exceeds else ""), " ", best.line()))
     if acc.status == "optimal":
-        con.print("[green]optimal[/]: no candidate in the space is predicted faster (proven by the bounds above)")
+        con.print(Text.assemble(("optimal", "green"),
+                                ": no candidate in the space is predicted faster (proven by the bounds above)"))
     else:
-        con.print(f"[yellow]{acc.status}[/]: the best plan is within {100 * acc.gap:.2f} % of optimal "
-                  f"(no candidate can beat {acc.lower_bound_s:.3f} s)")
+        con.print(Text.assemble((acc.status, "yellow"), f": the best plan is within {100 * acc.gap:.2f} % of optimal "
+                                f"(no candidate can beat {acc.lower_bound_s:.3f} s)"))

@@ -92,6 +92,17 @@ class TrainingCost(_Rate):
         "Daly's optimum compute time between checkpoints"))
     total_usd: float | None = Field(default=None, ge=0, description="at the expected time")
     gpu_hours: float | None = Field(default=None, ge=0, description="at the expected time")
+    restart_s: float | None = Field(default=None, ge=0, description=(
+        "one restart (reschedule, reload, warm up); absent in plans written before it was recorded: 600"))
+
+    def budget(self, parameters: float) -> Budget:
+        """The budget this section was priced with (price, tokens, failures), to price another prediction of the
+        same run: reading a plan re-derives its economics from it."""
+        if self.tokens is None or self.mtbf_s is None or not self.checkpoint_s:
+            return Budget(self.usd_per_gpu_hour)
+        reliability = Reliability(3600.0 / (self.mtbf_s * self.gpus), checkpoint_bytes(parameters) / self.checkpoint_s,
+                                  600.0 if self.restart_s is None else self.restart_s)
+        return Budget(self.usd_per_gpu_hour, self.tokens, reliability)
 
 
 def training_cost(gpus: int, usd_per_gpu_hour: float, tokens_per_s: float, parameters: float,
@@ -110,14 +121,18 @@ def training_cost(gpus: int, usd_per_gpu_hour: float, tokens_per_s: float, param
     tau = daly_interval(delta, mtbf)
     try:
         expected = daly_wall_time(ideal, tau, delta, reliability.restart_s, mtbf)
+        if not math.isfinite(expected):
+            raise OverflowError
     except OverflowError:
         raise InputError(f"a failure every {mtbf:,.0f} s with a {reliability.restart_s:,.0f} s restart and a "
                          f"{delta:,.0f} s checkpoint: the run never finishes; lower --failure-rate or --restart-min, "
                          "or raise --ckpt-gbps") from None
     hours = expected / 3600.0
-    return base.model_copy(update=dict(tokens=tokens, ideal_s=ideal, expected_s=expected, goodput=ideal / expected,
-                                       mtbf_s=mtbf, checkpoint_s=delta, checkpoint_interval_s=tau,
-                                       total_usd=usd_per_hour * hours, gpu_hours=gpus * hours))
+    # validated, not model_copy'd: every figure printed or written is finite and in its range
+    return TrainingCost.model_validate({**base.model_dump(), **dict(
+        tokens=tokens, ideal_s=ideal, expected_s=expected, goodput=ideal / expected, mtbf_s=mtbf, checkpoint_s=delta,
+        checkpoint_interval_s=tau, total_usd=usd_per_hour * hours, gpu_hours=gpus * hours,
+        restart_s=reliability.restart_s)})
 
 
 class ServingCost(_Rate):

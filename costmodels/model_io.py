@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pydantic import ValidationError
 
 from meshplan.costmodels.model import MAX_LAYERS, ModelSpec
-from meshplan.hardware_db.documents import read_document
+from meshplan.hardware_db.documents import read_document, read_text
 from meshplan.hardware_db.errors import InputError, did_you_mean
 
 __all__ = [
@@ -597,11 +597,24 @@ def hf_hub_cache() -> Path:
     """The local Hugging Face Hub cache, as huggingface_hub resolves it (its docs, "Manage huggingface_hub cache-
     system"): $HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
     env = os.environ
-    if env.get("HF_HUB_CACHE"):
-        return Path(env["HF_HUB_CACHE"]).expanduser()
-    if env.get("HF_HOME"):
-        return Path(env["HF_HOME"]).expanduser() / "hub"
-    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface" / "hub"
+    try:
+        if env.get("HF_HUB_CACHE"):
+            return Path(env["HF_HUB_CACHE"]).expanduser()
+        if env.get("HF_HOME"):
+            return Path(env["HF_HOME"]).expanduser() / "hub"
+        return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface" / "hub"
+    except RuntimeError:  # pathlib: a ~user that does not exist, or no home directory at all
+        raise InputError("the Hugging Face cache's folder names a home directory that does not exist; set "
+                         "HF_HUB_CACHE to an existing folder, or pass the config.json's path") from None
+
+
+def _revision(ref: Path) -> str:
+    """The snapshot a cache's refs/main names (huggingface_hub writes a commit hash there): one folder name."""
+    text = read_text(ref, "a Hugging Face cache ref").strip()
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}", text):
+        raise _fail(str(ref), "does not name a snapshot (a commit hash); the Hugging Face cache is damaged: "
+                              "download the config.json again, or pass the file's path")
+    return text
 
 
 def _from_hf_cache(repo_id: str) -> ModelSpec:
@@ -610,7 +623,7 @@ def _from_hf_cache(repo_id: str) -> ModelSpec:
     folder = hf_hub_cache() / ("models--" + repo_id.replace("/", "--"))
     snapshots = folder / "snapshots"
     main = folder / "refs" / "main"
-    candidates = [snapshots / main.read_text().strip() / "config.json"] if main.is_file() else []
+    candidates = [snapshots / _revision(main) / "config.json"] if main.is_file() else []
     if snapshots.is_dir():
         candidates += sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     found = next((p for p in candidates if p.is_file()), None)

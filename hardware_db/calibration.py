@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from meshplan.hardware_db.documents import parse_document
+from meshplan.hardware_db.documents import parse_document, read_text
 from meshplan.hardware_db.errors import InputError, field_error
 from meshplan.hardware_db.gpu import EfficiencyDefaults, GPUSpec, Sourced
 
@@ -269,11 +269,7 @@ def load_calibration(path: str | Path) -> Calibration:
             p = named
         else:
             raise InputError(f"calibration file '{path}' not found; make one with meshplan profile --out {path}")
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read calibration file '{path}': {exc}") from None
-    return parse_calibration(text, str(path))
+    return parse_calibration(read_text(p, "a calibration .json"), str(path))
 
 
 def check_target(cal: Calibration, gpu_name: str, origin: str) -> None:

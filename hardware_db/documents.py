@@ -31,6 +31,22 @@ class _Refused(ValueError):
     pass
 
 
+def read_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of a file: the one place meshplan decodes a file it is given. InputError, naming the file, for a
+    missing, unreadable, non-UTF-8 or directory path; `what` says what the file should be, for the error line."""
+    origin = str(path)
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{origin}: no such file; check the path") from None
+    except IsADirectoryError:
+        raise InputError(f"{origin}: is a directory; give {what} file") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{origin}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
+    except (OSError, RuntimeError) as exc:  # RuntimeError: pathlib cannot expand a ~user that does not exist
+        raise InputError(f"{origin}: cannot read the file ({getattr(exc, 'strerror', None) or exc})") from None
+
+
 def read_document(path: str | Path, what: str, formats: tuple[str, ...] = ("json", "toml")) -> tuple[Any, str]:
     """(the parsed document, its origin) of a .json or .toml file; InputError for a missing, unreadable, non-UTF-8
     or malformed file, or one past the limits above. `what` says what the file should be, for the error line."""
@@ -39,17 +55,7 @@ def read_document(path: str | Path, what: str, formats: tuple[str, ...] = ("json
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in formats:
         raise InputError(f"{origin}: {what} must be a {' or '.join('.' + f for f in formats)} file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{origin}: no such file; check the path") from None
-    except IsADirectoryError:
-        raise InputError(f"{origin}: is a directory; give {what} file") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{origin}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
-    except OSError as exc:
-        raise InputError(f"{origin}: cannot read the file ({exc.strerror or exc})") from None
-    return parse_document(text, fmt, origin), origin  # type: ignore[arg-type]
+    return parse_document(read_text(path, what), fmt, origin), origin  # type: ignore[arg-type]
 
 
 def parse_document(text: str, fmt: Literal["json", "toml"], origin: str) -> Any:
@@ -65,6 +71,11 @@ def parse_document(text: str, fmt: Literal["json", "toml"], origin: str) -> Any:
         raise InputError(f"{origin}: not valid JSON ({exc}); fix the syntax at that position") from None
     except tomllib.TOMLDecodeError as exc:
         raise InputError(f"{origin}: not valid TOML ({exc}); fix the syntax at that position") from None
+    except ValueError as exc:  # tomllib's int() of a literal past Python's 4,300-digit limit (it has no int hook)
+        if "digits" not in str(exc):
+            raise
+        raise InputError(f"{origin}: an integer of thousands of digits; numbers here have at most "
+                         f"{MAX_INT_DIGITS} digits") from None
     except RecursionError:
         raise InputError(f"{origin}: nested too deeply (a meshplan file nests at most {MAX_DEPTH} levels)") from None
     problem = _check_values(doc)

@@ -10,11 +10,12 @@ class InputError(ValueError):
 
 
 def field_error(exc: Exception) -> str:
-    """"field 'a.b': message" of a pydantic ValidationError's first error: the one line a bad file gets."""
+    """"field 'a.b': message" of a pydantic ValidationError's first error: the one line a bad file gets (a rule
+    over several fields names them in its message)."""
     first = exc.errors()[0]  # type: ignore[attr-defined]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    where = ".".join(str(p) for p in first["loc"])
     message = " ".join(str(first["msg"]).split()).removeprefix("Value error, ")
-    return f"field '{where}': {message}"
+    return f"field '{where}': {message}" if where else message
 
 
 def did_you_mean(name: str, choices: list[str]) -> str:

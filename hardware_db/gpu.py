@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from meshplan.hardware_db.documents import STRICT, parse_document
+from meshplan.hardware_db.documents import STRICT, parse_document, read_text
 from meshplan.hardware_db.errors import InputError, did_you_mean, field_error
 
 DType = Literal["bf16", "fp16", "fp8", "fp4", "fp32"]
@@ -169,11 +169,11 @@ def load_gpu(name_or_path: str) -> GPUSpec:
     """A built-in GPU by name (e.g. 'h100-sxm') or a GPU TOML file by path."""
     path = Path(name_or_path)
     if path.suffix == ".toml" and path.exists():
-        return parse_gpu(path.read_text(), str(path))
+        return parse_gpu(read_text(path, "a GPU .toml"), str(path))
     key = name_or_path.strip().lower()
     entry = _gpu_dir() / f"{key}.toml"
     if not entry.is_file():
         known = ", ".join(list_gpus())
         hint = did_you_mean(key, list_gpus())
         raise InputError(f"unknown GPU '{name_or_path}';{hint} known GPUs: {known} (or pass a GPU .toml file)")
-    return parse_gpu(entry.read_text(), f"hardware_db/gpus/{key}.toml")
+    return parse_gpu(entry.read_text(encoding="utf-8"), f"hardware_db/gpus/{key}.toml")

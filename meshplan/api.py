@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeAlias, TypeVar
 
 from meshplan.costmodels.config import ParallelConfig, Workload
-from meshplan.costmodels.economics import Budget, ServingCost, TrainingCost, serving_cost, training_cost
+from meshplan.costmodels.economics import Budget, TrainingCost, training_cost
 from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster
 from meshplan.costmodels.estimate import Estimate, Simulated, simulate_config
 from meshplan.costmodels.estimate import estimate as estimate_cost
@@ -26,16 +26,18 @@ from meshplan.hardware_db.calibration import load_calibration
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import load_gpu
-from meshplan.planner.builders import build_plan, build_serving_plan
+from meshplan.planner.builders import build_plan, build_serving_plan, priced
 from meshplan.planner.launchers.common import ExportError
 from meshplan.planner.plan import Plan, ServingPlan, read_any_plan, without_timing
+from meshplan.planner.rederive import Rederived, rederive
 from meshplan.planner.search import ProgressFn, SearchResult, search
 from meshplan.planner.serve import (ServeResult, SimulationCheck, checked_by_simulation, explain_serving,
                                    pinned_deployment, search_serving, simulate_deployment)
 from meshplan.planner.space import DEFAULT_MAX_MBS
 from meshplan.planner.sweep import Objective, Sweep, SweepPoint
 
-__all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "estimate", "load_plan", "plan",
+__all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "estimate", "load_plan",
+           "open_plan", "plan",
            "cost_of", "priced",
            "search_deployments", "search_plans", "serve", "sweep", "runnable_plan", "Runnable"]
 
@@ -110,22 +112,6 @@ def cost_of(model: ModelInput, cluster: ClusterSpec, tokens_per_s: float, budget
         price = calibrated(cluster, calibration)[0].gpu.price_usd_per_hour.value
     return training_cost(cluster.num_gpus, price, tokens_per_s, _model(model).total_params(), budget.tokens,
                          budget.reliability)
-
-
-def priced(doc: PlanT, budget: Budget = Budget()) -> PlanT:
-    """The plan with its economics section: a training plan's cost (with budget.tokens, its run's time with
-    failures), a serving plan's cost per hour and per million output tokens. The price is the hardware database's
-    unless the budget gives one."""
-    cluster = doc.inputs.cluster
-    price = cluster.gpu_spec.price_usd_per_hour.value if budget.usd_per_gpu_hour is None else budget.usd_per_gpu_hour
-    cost: TrainingCost | ServingCost
-    if isinstance(doc, ServingPlan):
-        p = doc.prediction
-        cost = serving_cost(p.gpus, price, p.output_tokens_per_s)
-    else:
-        cost = training_cost(cluster.num_gpus, price, doc.prediction.tokens_per_s,
-                             doc.inputs.model_spec().total_params(), budget.tokens, budget.reliability)
-    return doc.model_copy(update={"economics": cost})
 
 
 def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),
@@ -267,6 +253,13 @@ def serve(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targ
                               disaggregation=disaggregation).plan
 
 
+def open_plan(path: str | Path, kinds: tuple[str, ...] = ("training", "serving")) -> Rederived:
+    """A plan file of one of `kinds`, validated against this version's schema and re-derived from its own inputs
+    and layout (planner/rederive.py): an edited figure is refused, another cost model's figures are re-priced and
+    the result says so. InputError says what is wrong."""
+    return rederive(read_any_plan(path, kinds), str(path))
+
+
 def load_plan(path: str | Path) -> Plan | ServingPlan:
-    """A plan file (training or serving), validated against this version's schema; InputError says what is wrong."""
-    return read_any_plan(path, ("training", "serving"))
+    """A plan file (training or serving), validated and re-derived (open_plan); InputError says what is wrong."""
+    return open_plan(path).plan

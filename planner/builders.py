@@ -5,8 +5,10 @@ reading and writing only, so that what reads plans (the exporters, the executor)
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar
 
 from meshplan.costmodels.config import ParallelConfig, Workload, resolve
+from meshplan.costmodels.economics import Budget, ServingCost, TrainingCost, serving_cost, training_cost
 from meshplan.costmodels.estimate import Simulated
 from meshplan.costmodels.memory import FRAGMENTATION, GIB, MemoryBreakdown
 from meshplan.costmodels.model import ModelSpec
@@ -15,12 +17,14 @@ from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkl
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryGiB, MemoryStage, ParetoPoint, Plan,
                                    PredictedStage, Prediction, RealismRecord, SearchInfo, ServingEngine, ServingInputs,
-                                   ServingPlan, ServingPrediction, ServingSearch, StageTime, layout_sections,
-                                   meshplan_version)
+                                   ServingPlan, ServingPrediction, ServingSearch, StageTime, cost_model_digest,
+                                   layout_sections, meshplan_version)
 from meshplan.planner.search import SearchAccount
 from meshplan.planner.serve import Deployment, ServeResult, meets, misses
 
-__all__ = ["build_plan", "build_serving_plan"]
+__all__ = ["build_plan", "build_serving_plan", "priced"]
+
+PlanT = TypeVar("PlanT", Plan, ServingPlan)
 
 
 def _stage_times(sim: Simulated) -> list[StageTime]:
@@ -80,7 +84,7 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
                                  breakdown_gib=_gib(s.memory)) for s in est.stages]
     spec_fields = cluster.spec.model_dump() | {"gpus_per_node": cluster.gpus_per_node}
     return Plan(
-        meshplan_version=meshplan_version(),
+        meshplan_version=meshplan_version(), cost_model=cost_model_digest(),
         inputs=Inputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
                       workload=workload, runtime=runtime, calibration=calibration),
         mesh=mesh,
@@ -122,7 +126,23 @@ def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: ServeWorklo
                                pareto=pareto, alternatives=alternatives or [])
     spec_fields = cluster.spec.model_dump() | {"gpus_per_node": cluster.gpus_per_node}
     return ServingPlan(
-        meshplan_version=meshplan_version(),
+        meshplan_version=meshplan_version(), cost_model=cost_model_digest(),
         inputs=ServingInputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
                              workload=workload, targets=targets),
         mode=d.mode, engines=engines, prediction=prediction, search=search)
+
+
+def priced(doc: PlanT, budget: Budget = Budget()) -> PlanT:
+    """The plan with its economics section: a training plan's cost (with budget.tokens, its run's time with
+    failures), a serving plan's cost per hour and per million output tokens. The price is the hardware database's
+    unless the budget gives one."""
+    cluster = doc.inputs.cluster
+    price = cluster.gpu_spec.price_usd_per_hour.value if budget.usd_per_gpu_hour is None else budget.usd_per_gpu_hour
+    cost: TrainingCost | ServingCost
+    if isinstance(doc, ServingPlan):
+        p = doc.prediction
+        cost = serving_cost(p.gpus, price, p.output_tokens_per_s)
+    else:
+        cost = training_cost(cluster.num_gpus, price, doc.prediction.tokens_per_s,
+                             doc.inputs.model_spec().total_params(), budget.tokens, budget.reliability)
+    return doc.model_copy(update={"economics": cost})

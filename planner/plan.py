@@ -9,9 +9,12 @@ search's account. `write_plan` and `read_plan` validate against the pydantic mod
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import json
 import os
-from importlib import metadata
+from functools import cache
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -174,28 +177,33 @@ class Pipeline(_Frozen):
         return self
 
 
+Gib = Annotated[float, Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0)]
+
+
 class MemoryGiB(_Frozen):
     """Bytes per GPU by category, in GiB (costmodels.memory.MemoryBreakdown)."""
 
-    weights: float
-    gradients: float
-    optimizer: float
-    activations: float
-    logits: float
-    buffers: float
-    fragmentation: float
+    weights: Gib
+    gradients: Gib
+    optimizer: Gib
+    activations: Gib
+    logits: Gib
+    buffers: Gib
+    fragmentation: Gib
 
 
 class MemoryStage(_Frozen):
     rank: int = Field(ge=0)
-    peak_gib: float
+    peak_gib: Gib
     in_flight_microbatches: int = Field(ge=0)
     breakdown_gib: MemoryGiB
 
 
 class Memory(_Frozen):
     zero: ZeroStage
-    recompute: str = Field(description="none | selective | full | full:k | per-stage (the layout's summary)")
+    recompute: str = Field(pattern=r"^(none|selective|full|full:[1-9][0-9]{0,3}|per-stage)$",
+                           description="none | selective | full | full:k | per-stage (the layout's summary)")
     recompute_modules: list[RecomputeModule] = Field(
         default_factory=lambda: list(DEFAULT_RECOMPUTE_MODULES),
         description="what selective recomputation re-runs (Megatron-Core --recompute-modules)")
@@ -210,11 +218,11 @@ class Memory(_Frozen):
 # ---- prediction ----------------------------------------------------------------------------------------------------
 
 class PredictedStage(_Frozen):
-    rank: int
-    first_layer: int
-    num_layers: int
-    in_flight_microbatches: int
-    peak_memory_gib: float
+    rank: int = Field(ge=0)
+    first_layer: int = Field(ge=0)
+    num_layers: int = Field(gt=0)
+    in_flight_microbatches: int = Field(ge=0)
+    peak_memory_gib: Gib
     memory_gib: MemoryGiB
 
 
@@ -242,17 +250,17 @@ class Prediction(_Frozen):
     """The estimate (costmodels.estimate.Estimate, memory in GiB) and per-stage pass times; its layout is the cost
     model's own Layout type."""
 
-    step_time_s: float
-    tokens_per_s: float
-    tokens_per_s_per_gpu: float
-    tflops_per_gpu: float
-    mfu: float
-    hfu: float
-    peak_memory_gib: float
-    hbm_gib: float
+    step_time_s: float = Field(gt=0)
+    tokens_per_s: float = Field(gt=0)
+    tokens_per_s_per_gpu: float = Field(gt=0)
+    tflops_per_gpu: float = Field(gt=0)
+    mfu: float = Field(gt=0, le=1)
+    hfu: float = Field(gt=0, le=1)
+    peak_memory_gib: float = Field(gt=0)
+    hbm_gib: float = Field(gt=0)
     fits: bool
-    bubble_fraction: float
-    breakdown_s: dict[str, float]
+    bubble_fraction: float = Field(ge=0, lt=1)
+    breakdown_s: dict[str, Seconds]
     layout: Layout
     runtime: str
     stages: list[PredictedStage]
@@ -270,14 +278,34 @@ class SearchInfo(_Frozen):
     infeasible: dict[str, int]
     seconds: float | None = Field(default=None, ge=0, description=(
         "the search's wall time; written only with --timing, so a plan is byte-identical for the same input"))
-    status: str = Field(description="optimal | gap | time-limit | infeasible")
+    status: Literal["optimal", "gap", "time-limit", "infeasible"]
     gap: float = Field(ge=0, description="proven relative gap of the best plan (0: optimal)")
-    lower_bound_s: float
+    lower_bound_s: float = Field(ge=0)
     domains: dict[str, str]
     cpsat_calls: int = Field(ge=0)
     rank: int = Field(ge=1, description="1 = the best plan found")
-    bound_s: float | None = Field(default=None, description="lower bound on this candidate over all partitions")
-    partition_status: str | None = None
+    bound_s: float | None = Field(default=None, ge=0, description="lower bound on this candidate over all partitions")
+    partition_status: Literal["optimal", "bound gap"] | None = None
+
+
+COST_MODEL_HELP = ("sha256 of the cost model's source that computed the figures: a plan read by the same cost model "
+                   "must reproduce them (else it was edited, and is refused); another cost model re-prices it")
+# the code a plan's figures come from: the cost model, the hardware data's readers, and the plan builders
+COST_MODEL_SOURCES = (("meshplan.costmodels", "*.py"), ("meshplan.hardware_db", "*.py"),
+                      ("meshplan.planner", "builders.py"), ("meshplan.planner", "serve.py"))
+
+
+@cache
+def cost_model_digest() -> str:
+    """'sha256:' and 16 hex digits of the cost model's source (COST_MODEL_SOURCES), the same installed or in a
+    checkout: it changes with any edit there, so a plan knows whether this meshplan made its figures."""
+    h = hashlib.sha256()
+    for package, pattern in COST_MODEL_SOURCES:
+        folder = resources.files(package)
+        for entry in sorted((e for e in folder.iterdir() if fnmatch.fnmatch(e.name, pattern)), key=lambda e: e.name):
+            h.update(f"{package}/{entry.name}\0".encode())
+            h.update(entry.read_bytes())
+    return "sha256:" + h.hexdigest()[:16]
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------------
@@ -288,6 +316,7 @@ class Plan(_Frozen):
     schema_version: Literal[1] = SCHEMA_VERSION
     kind: Literal["training"] = "training"
     meshplan_version: str
+    cost_model: str | None = Field(default=None, description=COST_MODEL_HELP)
     inputs: Inputs
     mesh: Mesh
     pipeline: Pipeline
@@ -317,7 +346,34 @@ class Plan(_Frozen):
         if "-".join(mesh.rank_order) != self.prediction.layout.rank_order:
             raise ValueError(f"mesh.rank_order {mesh.rank_order} != prediction.layout.rank_order "
                              f"{self.prediction.layout.rank_order}")
+        problem = _figures_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
+
+
+def _close(a: float, b: float) -> bool:
+    """Equal beyond the rounding of a float written to JSON and read back (and of a sum in another order)."""
+    return abs(a - b) <= 1e-6 * max(abs(a), abs(b))
+
+
+def _figures_problem(plan: Plan) -> str | None:
+    """The first stored figure that the plan's other figures contradict (what holds whatever the cost model):
+    throughput is the batch over the step, peak memory the largest stage's, fits is peak <= HBM."""
+    p, wl, gpus = plan.prediction, plan.inputs.workload, plan.inputs.cluster.num_gpus
+    derived = (("prediction.runtime", p.runtime, plan.inputs.runtime),
+               ("prediction.hbm_gib", p.hbm_gib, plan.inputs.cluster.gpu_spec.hbm_gib.value),
+               ("prediction.tokens_per_s", p.tokens_per_s, wl.tokens / p.step_time_s),
+               ("prediction.tokens_per_s_per_gpu", p.tokens_per_s_per_gpu, wl.tokens / p.step_time_s / gpus),
+               ("prediction.peak_memory_gib", p.peak_memory_gib, max(s.peak_memory_gib for s in p.stages)),
+               ("prediction.fits", p.fits, p.peak_memory_gib <= p.hbm_gib),
+               *((f"memory.stages[{i}].peak_gib", m.peak_gib, s.peak_memory_gib)
+                 for i, (m, s) in enumerate(zip(plan.memory.stages, p.stages, strict=True))))
+    for field, stored, implied in derived:
+        same = _close(stored, implied) if isinstance(stored, float) else stored == implied
+        if not same:
+            return f"{field} is {stored!r:.24}, but the plan's own figures give {implied!r:.24}"
+    return None
 
 
 def meshplan_version() -> str:
@@ -496,6 +552,7 @@ class ServingPlan(_Frozen):
     schema_version: Literal[1] = SCHEMA_VERSION
     kind: Literal["serving"] = "serving"
     meshplan_version: str
+    cost_model: str | None = Field(default=None, description=COST_MODEL_HELP)
     inputs: ServingInputs
     mode: Literal["aggregated", "disaggregated"]
     engines: list[ServingEngine]

@@ -386,10 +386,11 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
                       layout: EngineLayout, engines: int | None = None, batch: int | None = None,
                       prefill_layout: EngineLayout | None = None, prefill_engines: int | None = None,
                       prefill_batch: int | None = None, eff: Efficiency | None = None,
-                      mem_fraction: float = MEM_FRACTION) -> Deployment:
+                      mem_fraction: float = MEM_FRACTION, chunk: int | None = None) -> Deployment:
     """The deployment of the given engine layouts (aggregated, or disaggregated with `prefill_layout`): batches not
     given are the largest that meet the targets (else the one nearest to them); engine counts not given fill the
-    GPUs (aggregated) or balance the pools. InputError when a layout breaks a rule or nothing fits."""
+    GPUs (aggregated) or balance the pools; an aggregated engine's `chunk` (max_num_batched_tokens) likewise. InputError
+    when a layout breaks a rule or nothing fits."""
     layout.check(model)
     per_node = cluster.gpus_per_node
     for lay in (layout, prefill_layout):
@@ -409,7 +410,7 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
 
     if prefill_layout is None:
         curves = [_fitting([aggregated_state(model, c, layout, wl, b, ch, eff, mem_fraction) for b in grid])
-                  for ch in CHUNKS]
+                  for ch in ((chunk,) if chunk is not None else CHUNKS)]
         points = [p for curve in curves for p in loaded_points(curve, wl, targets.percentile)
                   if batch is None or p.batch == batch]
         n = engines or max(1, cluster.num_gpus // layout.gpus)
