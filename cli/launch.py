@@ -45,7 +45,10 @@ def export_(
     place) is refused with the reason and what to re-plan with; it is never silently changed.
     """
     from meshplan.planner.launchers import export_plan, write_export
-    (out,) = output_targets(directories=("out",), out=out)  # export's --out is a folder when it has several files
+    from meshplan.planner.launchers import EXPORT_NAMES
+
+    # export's --out is a folder when it has several files
+    (out,) = output_targets(directories=("out",), contents={"out": EXPORT_NAMES[to]}, out=out)
     opened = api.open_plan(plan_file)
     for line in (opened.repriced, opened.note):
         if line:

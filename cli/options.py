@@ -21,7 +21,7 @@ from meshplan.costmodels.economics import LLAMA3_FAILURES_PER_GPU_HOUR, Budget, 
 from meshplan.costmodels.runtime import RUNTIMES, RUNTIME_OPTIONS
 from meshplan.hardware_db.cluster import ClusterSpec, load_cluster_file
 from meshplan.hardware_db.errors import InputError
-from meshplan.planner.outputs import check_distinct, check_target
+from meshplan.planner.outputs import check_distinct, check_folder_contents, check_target
 from meshplan.planner.sweep import Objective
 
 
@@ -44,17 +44,23 @@ ImportSource = Literal["megatron", "torchtitan"]  # planner.launchers.SOURCES
 
 
 def output_targets(directories: tuple[str, ...] = ("export_out",), folders: tuple[str, ...] = (),
+                   contents: dict[str, tuple[str, ...]] | None = None,
                    **flags: Path | None) -> tuple[Path | None, ...]:
     """The command's output paths (keyword = option name), each checked before any work (planner/outputs.py; those
-    named in `directories` may be a folder, those in `folders` must be one: a report's), and no two the same file."""
-    checked = {"--" + k.replace("_", "-"): check_target(v, "--" + k.replace("_", "-"),
-                                                        directory_ok=k in directories or k in folders)
+    named in `directories` may be a folder, those in `folders` must be one: a report's), no two the same file, and
+    none of them one that a folder flag writes by its real name (`contents`: option name -> the file names, fnmatch
+    patterns, of an export or a report)."""
+    def flag(k: str) -> str:
+        return "--" + k.replace("_", "-")
+
+    checked = {flag(k): check_target(v, flag(k), directory_ok=k in directories or k in folders)
                for k, v in flags.items()}
     for k in folders:
         path = flags.get(k)
         if path is not None and path.exists() and not path.is_dir():
             raise InputError(f"--{k.replace('_', '-')} {path} is a file; give a directory for the report")
     check_distinct(checked)
+    check_folder_contents(checked, {flag(k): (checked[flag(k)], names) for k, names in (contents or {}).items()})
     return tuple(checked.values())
 
 

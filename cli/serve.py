@@ -87,9 +87,13 @@ class ServeOutputs:
 
 def _serve_outputs(**given: Any) -> ServeOutputs:
     """The output options, checked before any work."""
+    from meshplan.planner.launchers import EXPORT_NAMES
+    from meshplan.planner.report import SERVE_FILES
+
     outputs = ServeOutputs(**given)
-    out, export_out, report = output_targets(folders=("report",), out=outputs.out, export_out=outputs.export_out,
-                                             report=outputs.report)
+    contents = {"report": SERVE_FILES} | ({"export_out": EXPORT_NAMES[outputs.export_to]} if outputs.export_to else {})
+    out, export_out, report = output_targets(folders=("report",), contents=contents, out=outputs.out,
+                                             export_out=outputs.export_out, report=outputs.report)
     if export_out is not None and outputs.export_to is None:
         raise InputError("--export-out needs --export vllm|sglang")
     if outputs.as_json and outputs.export_to is not None and export_out is None:

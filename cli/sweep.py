@@ -48,7 +48,9 @@ def sweep(
     if not names:
         raise InputError("--gpu is empty; give GPU types, e.g. --gpu h100-sxm,h200")
     counts = gpu_counts(gpus)
-    (out,) = output_targets(folders=("out",), out=out)
+    from meshplan.planner.report import SWEEP_FILES
+
+    (out,) = output_targets(folders=("out",), contents={"out": SWEEP_FILES}, out=out)
     links = ClusterSpec(gpu=names[0], num_gpus=counts[0], gpus_per_node=gpus_per_node, nic_gbps=nic_gbps,
                         nvlink_gb_s=nvlink_gbs)
     spec = load_model(model)

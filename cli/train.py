@@ -177,7 +177,11 @@ def _plan_outputs(**given: Any) -> PlanOutputs:
         raise InputError("--export-out needs --export TARGET")
     if outputs.as_json and outputs.export_to is not None and outputs.export_out is None:
         raise InputError("--json prints only the plan; give --export-out for the --export files")
-    out, trace, export_out = output_targets(out=outputs.out, trace=outputs.trace, export_out=outputs.export_out)
+    from meshplan.planner.launchers import EXPORT_NAMES
+
+    contents = {"export_out": EXPORT_NAMES[outputs.export_to]} if outputs.export_to else {}
+    out, trace, export_out = output_targets(contents=contents, out=outputs.out, trace=outputs.trace,
+                                            export_out=outputs.export_out)
     return replace(outputs, out=out, trace=trace, export_out=export_out)
 
 

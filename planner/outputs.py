@@ -9,6 +9,7 @@ fail only if the directory changes under the command, after the checks.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import secrets
 from dataclasses import dataclass
@@ -56,11 +57,40 @@ def check_distinct(targets: dict[str, Path | None]) -> None:
         seen[key] = flag
 
 
+def check_folder_contents(files: dict[str, Path | None], folders: dict[str, tuple[Path | None, tuple[str, ...]]]
+                          ) -> None:
+    """Refuse, before any work, what a folder flag (an export's or a report's) would collide with: another flag's
+    file that is one of the folder's files by its real name (`names`: fnmatch patterns), or a directory standing
+    where the folder writes a file."""
+    for flag, (folder, names) in folders.items():
+        if folder is None:
+            continue
+        for other, path in files.items():
+            if path is None or other == flag or Path(os.path.abspath(path)).parent != Path(os.path.abspath(folder)):
+                continue
+            name = next((n for n in names if fnmatch.fnmatch(path.name, n)), None)
+            if name is not None:
+                raise InputError(f"{other} {path} is a file {flag} {folder} writes; give {other} another name or "
+                                 f"folder")
+        if folder.is_dir():
+            blocked = next((p for p in sorted(folder.iterdir()) if p.is_dir()
+                            and any(fnmatch.fnmatch(p.name, n) for n in names)), None)
+            if blocked is not None:
+                raise InputError(f"{flag} {folder}: {blocked} is a directory where it writes a file; remove it or "
+                                 f"choose another folder")
+
+
 def write_all(files: list[OutputFile]) -> list[Path]:
-    """Stage every file (a temporary file beside its target, flushed), then rename each into place; any failure
-    while staging removes what was staged and the directories made for it, and no target is touched."""
+    """Stage every file (a temporary file beside its target, flushed), then rename each into place, all or none:
+    a failure while staging touches no target; a rename that fails part-way puts back what the earlier renames
+    replaced (kept as hard links until the end) and removes what they created, and the error says so, or names
+    exactly the files it could not put back."""
+    for f in files:
+        if f.path.is_dir():
+            raise InputError(f"cannot write {f.path}: it is a directory; remove it or choose another path")
     staged: list[tuple[Path, Path]] = []
     made: list[Path] = []
+    done: list[tuple[Path, bool, Path | None]] = []  # (target, a file was there, the hard link of it)
     current = None
     try:
         for f in files:
@@ -69,15 +99,57 @@ def write_all(files: list[OutputFile]) -> list[Path]:
             staged.append((stage_text(f.path, f.text), f.path))
         for tmp, path in staged:
             current = path
-            os.replace(tmp, path)
+            existed, backup = path.exists(), _keep(path)
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                if backup is not None:
+                    backup.unlink(missing_ok=True)
+                raise
+            done.append((path, existed, backup))
     except OSError as exc:
+        left = _roll_back(done)
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
         for d in reversed(made):
             with contextlib.suppress(OSError):
                 d.rmdir()
-        raise InputError(f"cannot write {current} ({exc.strerror or exc}); nothing was written") from None
+        written = (f"; written and not undone: {', '.join(map(str, left))}" if left else "; nothing was written")
+        raise InputError(f"cannot write {current} ({exc.strerror or exc}){written}") from None
+    for _, _, backup in done:
+        if backup is not None:
+            backup.unlink(missing_ok=True)
     return [f.path for f in files]
+
+
+def _keep(path: Path) -> Path | None:
+    """A hard link to the file at `path`, to put it back if a later rename fails; None when there is none (no
+    file, or a filesystem without hard links: then that file is named if it cannot be put back)."""
+    if not path.is_file():
+        return None
+    link = path.with_name(f".{path.name}.{secrets.token_hex(4)}.old")
+    try:
+        os.link(path, link)
+    except OSError:
+        return None
+    return link
+
+
+def _roll_back(done: list[tuple[Path, bool, Path | None]]) -> list[Path]:
+    """Undo renames, last first: the replaced file put back, or the new one removed where there was none; the
+    targets that could not be undone (a replaced file with no link kept of it)."""
+    left = []
+    for path, existed, backup in reversed(done):
+        try:
+            if backup is not None:
+                os.replace(backup, path)
+            elif existed:
+                left.append(path)
+            else:
+                path.unlink()
+        except OSError:
+            left.append(path)
+    return left
 
 
 def stage_text(path: Path, text: str | bytes) -> Path:

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["Table", "sweep_report", "serving_report", "html_page"]
 
 MARKERS = "osD^v<>ph*"
+# the files each report may write in its folder (fnmatch patterns): a command checks its other outputs against them
+# before any work (planner.outputs.check_folder_contents)
+SWEEP_FILES = ("sweep.csv", "sweep-*.png", "sweep.html")
+SERVE_FILES = ("serve-pareto.csv", "serve-pareto.png", "serve.html")
 
 
 @dataclass(frozen=True)

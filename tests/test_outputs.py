@@ -119,3 +119,116 @@ def test_export_names_its_own_flag(capsys, tmp_path):
     assert_input_error(*run(capsys, "export", str(plan), "--to", "megatron", "--out", ""), "--out ", "empty")
     assert_input_error(*run(capsys, "export", str(plan), "--to", "megatron", "--out",
                             str(tmp_path / "p.json" / "x")), "--out ", "is a file")
+
+
+# ---- outputs as one transaction (issue 43) --------------------------------------------------------------------------
+
+SERVE = ["serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "1000", "--osl", "100"]
+
+
+@pytest.mark.parametrize("argv,inside", [
+    ([*PLAN, "--zero", "3", "--export", "torchtitan", "--export-out", "{d}/D", "--out", "{d}/D/torchtitan.toml"],
+     "D"),
+    ([*SERVE, "--report", "{d}/R", "--out", "{d}/R/serve.html"], "R"),
+    ([*SERVE, "--export", "vllm", "--export-out", "{d}/V", "--out", "{d}/V/node-0.sh"], "V"),
+    (["sweep", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048",
+      "--out", "{d}/S", "--objective", "time"], None),
+], ids=["plan-export", "serve-report", "serve-export", "sweep-clean"])
+def test_a_file_another_flag_writes_by_its_real_name_is_refused_before_any_work(capsys, tmp_path, argv, inside):
+    """`--out D/torchtitan.toml` beside `--export-out D` used to exit 0 with the export replacing the plan: now
+    the collision is one line before the search (nothing printed, nothing written)."""
+    if inside is not None:
+        (tmp_path / inside).mkdir()
+    args = [a.replace("{d}", str(tmp_path)) for a in argv]
+    code, out, err = run(capsys, *args)
+    if inside is None:  # the control: a report folder of its own writes its files
+        assert code == 0, err
+        assert {p.name for p in (tmp_path / "S").iterdir()} >= {"sweep.csv", "sweep.html"}
+        return
+    assert_input_error(code, out, err, "writes", "another name")
+    assert out == "" and leftovers(tmp_path) == [inside]
+
+
+@pytest.mark.parametrize("command", [
+    ["export", "{plan}", "--to", "torchtitan", "--out", "{d}/D"],
+    [*PLAN, "--zero", "3", "--export", "torchtitan", "--export-out", "{d}/D"],
+    [*SERVE, "--report", "{d}/D"],
+], ids=["export", "plan-export-out", "serve-report"])
+def test_a_directory_where_a_folder_writes_a_file_is_refused_before_any_work(capsys, tmp_path, command):
+    """`mkdir -p D/torchtitan_config.py` then an export into D used to write D/torchtitan.toml and then say
+    "nothing was written": now it is refused before any file is made."""
+    plan = tmp_path / "z3.json"
+    assert run(capsys, *PLAN, "--zero", "3", "--out", str(plan))[0] == 0
+    blocked = "serve.html" if "serve" in command else "torchtitan_config.py"
+    (tmp_path / "D" / blocked).mkdir(parents=True)
+    args = [a.replace("{d}", str(tmp_path)).replace("{plan}", str(plan)) for a in command]
+    assert_input_error(*run(capsys, *args), "is a directory where it writes a file")
+    assert leftovers(tmp_path / "D") == [blocked]
+
+
+def test_every_export_and_report_writes_only_the_names_it_declares(capsys, tmp_path):
+    """EXPORT_NAMES, SWEEP_FILES and SERVE_FILES are what the collision check compares with: each export target's
+    and each report's actual files are held to them."""
+    import fnmatch
+
+    from meshplan.planner.launchers import EXPORT_NAMES, export_plan
+    from meshplan.planner.plan import read_any_plan
+    from meshplan.planner.report import SERVE_FILES, SWEEP_FILES
+
+    plans = {"training": tmp_path / "t.json", "serving": tmp_path / "s.json"}
+    assert run(capsys, *PLAN, "--zero", "3", "--out", str(plans["training"]))[0] == 0
+    assert run(capsys, *SERVE, "--gpus", "16", "--out", str(plans["serving"]), "--report", str(tmp_path / "R"))[0] == 0
+    assert run(capsys, "sweep", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8,16", "--gbs", "16",
+               "--seq", "2048", "--out", str(tmp_path / "S"))[0] == 0
+    for target, names in EXPORT_NAMES.items():
+        doc = read_any_plan(plans["serving" if target in ("vllm", "sglang") else "training"])
+        produced = [f.name for f in export_plan(doc, target).files]
+        assert produced and all(any(fnmatch.fnmatch(n, p) for p in names) for n in produced), (target, produced)
+    for folder, names in ((tmp_path / "R", SERVE_FILES), (tmp_path / "S", SWEEP_FILES)):
+        produced = [p.name for p in folder.iterdir()]
+        assert produced and all(any(fnmatch.fnmatch(n, p) for p in names) for n in produced), produced
+
+
+def test_a_rename_that_fails_part_way_is_rolled_back(tmp_path, monkeypatch):
+    """The third of three renames fails (as when a directory appears at its target after the checks): the first
+    target's old text is back, the second (new) file is gone, and the error says nothing was written."""
+    old = tmp_path / "plan.json"
+    old.write_text("old\n")
+    files = [OutputFile(old, "new\n"), OutputFile(tmp_path / "new.toml", "B"), OutputFile(tmp_path / "c.py", "C")]
+    real, calls = os.replace, []
+
+    def third_fails(src, dst):
+        calls.append(dst)
+        if Path(dst) == tmp_path / "c.py":
+            raise IsADirectoryError(21, "Is a directory")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", third_fails)
+    with pytest.raises(InputError, match="nothing was written"):
+        write_all(files)
+    assert old.read_text() == "old\n"
+    assert leftovers(tmp_path) == ["plan.json"]
+
+
+def test_a_rename_that_cannot_be_undone_is_named(tmp_path, monkeypatch):
+    """Where no hard link could be kept of a replaced file (a filesystem without them), a failure after it names
+    that file as written instead of claiming nothing was."""
+    old = tmp_path / "plan.json"
+    old.write_text("old\n")
+    files = [OutputFile(old, "new\n"), OutputFile(tmp_path / "c.py", "C")]
+    real = os.replace
+
+    def no_links(src, dst):
+        raise OSError(1, "Operation not permitted")
+
+    def second_fails(src, dst):
+        if Path(dst) == tmp_path / "c.py":
+            raise IsADirectoryError(21, "Is a directory")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(os, "replace", second_fails)
+    with pytest.raises(InputError, match=r"written and not undone: .*plan\.json"):
+        write_all(files)
+    assert old.read_text() == "new\n"
+    assert leftovers(tmp_path) == ["plan.json"]

@@ -19,12 +19,13 @@ from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers import deepspeed, megatron, nemo, sglang, torchrun, torchtitan, vllm
 from meshplan.planner.launchers.common import Exported, ExportedFile, ExportError
+from meshplan.planner.launchers.dynamo import DYNAMO_FILE
 from meshplan.planner.launchers.megatron import LaunchSpec
 from meshplan.planner.outputs import OutputFile, write_all
 from meshplan.planner.plan import Plan, ServingPlan
 
-__all__ = ["TARGETS", "SERVING_TARGETS", "Exported", "ExportedFile", "ExportError", "LaunchSpec", "export_plan",
-           "write_export",
+__all__ = ["TARGETS", "SERVING_TARGETS", "EXPORT_NAMES", "Exported", "ExportedFile", "ExportError", "LaunchSpec",
+           "export_plan", "write_export",
            "SOURCES", "read_launch", "launch_model", "launch_world", "pinned_plan"]
 
 TARGETS: dict[str, Callable[[Plan], Exported]] = {
@@ -38,6 +39,12 @@ SERVING_TARGETS: dict[str, Callable[[ServingPlan], Exported]] = {
     "vllm": vllm.export_vllm,
     "sglang": sglang.export_sglang,
 }
+# the names each target's files may take (fnmatch patterns), against which a command checks its other outputs
+# before any work (planner.outputs.check_folder_contents); tests/test_outputs.py holds every export to them
+EXPORT_NAMES: dict[str, tuple[str, ...]] = {
+    "megatron": ("megatron.sh",), "torchtitan": ("torchtitan.toml", "torchtitan_config.py"),
+    "deepspeed": ("ds_config.json", "megatron_deepspeed.sh"), "torchrun": ("torchrun.sh",), "nemo": ("nemo_plan.py",),
+    "vllm": ("node-*.sh", "router.sh", DYNAMO_FILE), "sglang": ("node-*.sh", "router.sh", DYNAMO_FILE)}
 
 
 def export_plan(plan: Plan | ServingPlan, target: str) -> Exported:
