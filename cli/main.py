@@ -31,10 +31,13 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: rich's option tables cut flags and help at 80 columns ("Time-to-first-to…")
+    rich_markup_mode=None,
 )
-models_app = typer.Typer(help="Built-in model zoo and model files (docs/models.md).", no_args_is_help=True)
+models_app = typer.Typer(help="Built-in model zoo and model files (docs/models.md).", no_args_is_help=True,
+                         rich_markup_mode=None)
 hardware_app = typer.Typer(help="Built-in GPU specifications, every number with its source (docs/hardware.md).",
-                           no_args_is_help=True)
+                           no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(models_app, name="models")
 app.add_typer(hardware_app, name="hardware")
 

@@ -149,6 +149,19 @@ def cluster_of_flags(cluster_file: str | None, gpu: str | None, gpus: int | None
 ModelOpt = Annotated[str, typer.Option("--model", "-m", rich_help_panel=P_MODEL, help=(
     "Zoo model name (`meshplan models list`), a Hugging Face config.json, a directory holding one, "
     "or a meshplan model file (.json/.toml, docs/models.md)."))]
+BeyondContextOpt = Annotated[bool, typer.Option("--beyond-context", rich_help_panel=P_MODEL, help=(
+    "Allow sequences longer than the model's context (its max_seq_len), for a model run with its RoPE scaled "
+    "past it."))]
+
+
+def check_context(spec: Any, tokens: int, what: str, beyond: bool) -> None:
+    """Refuse a sequence past the model's context (`models show` gives it) unless --beyond-context says so."""
+    limit = spec.max_seq_len
+    if limit is not None and tokens > limit and not beyond:
+        raise InputError(f"{what} is {tokens:,} tokens, past {spec.name}'s context of {limit:,}; shorten it, or add "
+                         f"--beyond-context for a model whose RoPE is scaled past it")
+
+
 GbsOpt = Annotated[int, typer.Option("--gbs", min=1, rich_help_panel=P_MODEL,
                                      help="Global batch size per optimizer step, in sequences.")]
 SeqOpt = Annotated[int, typer.Option("--seq", min=1, rich_help_panel=P_MODEL, help="Sequence length, in tokens.")]

@@ -9,9 +9,9 @@ from rich.console import Console
 
 from meshplan.costmodels.economics import Budget, ServingCost
 from meshplan import api
-from meshplan.cli.options import (P_CLUSTER, P_COST, P_MODEL, P_OUT, P_PAR, GpuOpt, ModelOpt, NicOpt, NvlinkOpt,
-                                  PerNodeOpt, cluster_of_flags, console, option, output_targets, packed, print_table,
-                                  report_export, working)
+from meshplan.cli.options import (P_CLUSTER, P_COST, P_MODEL, P_OUT, P_PAR, BeyondContextOpt, GpuOpt, ModelOpt, NicOpt,
+                                  NvlinkOpt, PerNodeOpt, check_context, cluster_of_flags, console, option,
+                                  output_targets, packed, print_table, report_export, working)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.serving import ServeTargets, ServeWorkload
@@ -44,8 +44,12 @@ class WorkloadFlags:
 
     workload: ServeWorkload
     weight_dtype_given: bool
+    beyond_context: bool = False
 
     def for_model(self, spec: ModelSpec) -> ServeWorkload:
+        """The workload for `spec`: its published weights unless --weight-dtype says, its requests within its
+        context unless --beyond-context."""
+        check_context(spec, self.workload.isl + self.workload.osl, "a request (--isl + --osl)", self.beyond_context)
         if self.weight_dtype_given or spec.weight_dtype in (None, self.workload.weight_dtype):
             return self.workload
         return self.workload.model_copy(update={"weight_dtype": spec.weight_dtype})
@@ -53,12 +57,12 @@ class WorkloadFlags:
 
 def _serve_workload(isl: int | None, osl: int | None, lengths: Path | None, weight_dtype: str | None,
                     kv_dtype: str, prefix_hit: float, spec_tokens: int, accept_rate: float | None,
-                    two_batch_overlap: bool) -> WorkloadFlags:
+                    two_batch_overlap: bool, beyond_context: bool) -> WorkloadFlags:
     from meshplan.planner.serve import Reuse, load_lengths, workload_from
 
     workload = workload_from(isl, osl, load_lengths(lengths) if lengths else None, weight_dtype or "bf16", kv_dtype,
                              Reuse(prefix_hit, spec_tokens, accept_rate), two_batch_overlap)
-    return WorkloadFlags(workload, weight_dtype is not None)
+    return WorkloadFlags(workload, weight_dtype is not None, beyond_context)
 
 
 def _pinned(layout: str | None, prefill_layout: str | None, engines: int | None, prefill_engines: int | None,
@@ -132,7 +136,8 @@ WORKLOAD_OPTIONS = [
     option("two_batch_overlap", Annotated[bool, typer.Option("--two-batch-overlap", rich_help_panel=P_MODEL, help=(
         "Engines with expert and attention-DP parallelism run each iteration as two micro-batches, one's "
         "all-to-all under the other's compute (SGLang --enable-two-batch-overlap, vLLM --enable-dbo), where it "
-        "pays."))], False)]
+        "pays."))], False),
+    option("beyond_context", BeyondContextOpt, False)]
 TARGET_OPTIONS = [
     option("ttft_ms", Annotated[float | None, typer.Option("--ttft-ms", min=0.001, max=1e9, rich_help_panel=P_PAR,
                                                            help="Time-to-first-token target, ms.")]),
@@ -199,8 +204,8 @@ def serve(
     top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
                                      help="Deployments to rank (at most 100).")] = 5,
     time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
-        "Stop taking engine layouts (smallest engines first) after about this many seconds, once a deployment "
-        "can be formed; the report says how many were left."))] = None,
+        "Stop taking engine layouts (smallest engines first) after about this many seconds of CPU time (the same "
+        "work on a busy machine), once a deployment can be formed; the report says how many were left."))] = None,
     outputs: ServeOutputs = ServeOutputs(),  # --out --json --timing --export --export-out
     price: Annotated[float | None, typer.Option("--price-per-gpu-hour", min=0.0, rich_help_panel=P_COST, help=(
         "USD per GPU-hour for the cost lines and the plan's economics; default the hardware database's indicative "

@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 
 from meshplan import api
-from meshplan.cli.options import (P_CLUSTER, P_OUT, ModelOpt, NicOpt, NvlinkOpt, ObjectiveOpt, PerNodeOpt,
-                                  ProgressBar, RuntimeOpt, console, output_targets, print_table, with_budget,
-                                  with_workload)
+from meshplan.cli.options import (P_CLUSTER, P_OUT, BeyondContextOpt, ModelOpt, NicOpt, NvlinkOpt, ObjectiveOpt,
+                                  PerNodeOpt, ProgressBar, RuntimeOpt, check_context, console, output_targets,
+                                  print_table, with_budget, with_workload)
 from meshplan.costmodels.config import Workload
 from meshplan.costmodels.economics import Budget
 from meshplan.costmodels.model_io import load_model
@@ -36,6 +36,7 @@ def sweep(
     nvlink_gbs: NvlinkOpt = None,
     objective: ObjectiveOpt = "time",
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
+    beyond_context: BeyondContextOpt = False,
     out: Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Directory for the report: sweep.csv, sweep-scaling.png (throughput and MFU against GPUs), sweep-cost.png "
         "(time against money, the Pareto front), sweep-plan.png (the chosen plan's step and memory) and sweep.html "
@@ -54,6 +55,7 @@ def sweep(
     links = ClusterSpec(gpu=names[0], num_gpus=counts[0], gpus_per_node=gpus_per_node, nic_gbps=nic_gbps,
                         nvlink_gb_s=nvlink_gbs)
     spec = load_model(model)
+    check_context(spec, workload.seq_len, "--seq", beyond_context)
     with ProgressBar(True, "planning", "clusters") as bar:
         sw = api.sweep(spec, names, counts, workload, links, budget, objective, runtime=runtime, progress=bar)
     if sw.best is None:

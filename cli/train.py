@@ -11,9 +11,10 @@ from rich.table import Table
 from rich.text import Text
 
 from meshplan import api
-from meshplan.cli.options import (P_COST, P_OUT, P_SEARCHED, CalibrationOpt, ExportTarget, ModelOpt, ProgressBar,
-                                  RuntimeOpt, console, option, output_targets, packed, print_table, report_export,
-                                  with_budget, with_cluster, with_knobs, with_workload, working)
+from meshplan.cli.options import (P_COST, P_OUT, P_SEARCHED, BeyondContextOpt, CalibrationOpt, ExportTarget, ModelOpt,
+                                  ProgressBar, RuntimeOpt, check_context, console, option, output_targets, packed,
+                                  print_table, report_export, with_budget, with_cluster, with_knobs, with_workload,
+                                  working)
 from meshplan.costmodels.config import DEFAULT_RANK_ORDER, ParallelConfig, Workload
 from meshplan.costmodels.context import stage_ranges
 from meshplan.costmodels.economics import Budget, TrainingCost
@@ -41,6 +42,7 @@ def estimate(
     budget: Budget,  # --price-per-gpu-hour --tokens and the failure flags (with_budget)
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
     calibration: CalibrationOpt = None,
+    beyond_context: BeyondContextOpt = False,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=P_OUT, help=(
         "Print the estimate as JSON (step_time_s, tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu, hfu, "
         "peak_memory_gib, fits, breakdown_s, stages, ...) and nothing else."))] = False,
@@ -51,6 +53,7 @@ def estimate(
     sequence parallelism on with TP; schedule interleaved when vpp > 1, else 1f1b.
     """
     spec = load_model(model)
+    check_context(spec, workload.seq_len, "--seq", beyond_context)
     est = api.estimate(spec, cluster, workload, config, runtime, calibration)
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
@@ -228,8 +231,10 @@ def plan(
     top: Annotated[int, typer.Option("--top", min=1, max=100, rich_help_panel=P_OUT,
                                      help="How many of the best plans to rank in the table (at most 100).")] = 5,
     time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.001, rich_help_panel=P_OUT, help=(
-        "Stop after about this many seconds and return the best plan found with its proven optimality gap; a "
-        "quick first plan comes before the exact search, and the limit waits for it."))] = None,
+        "Stop after about this many seconds of CPU time (the same work on a busy machine) and return the best plan "
+        "found with its proven optimality gap; a quick first plan comes before the exact search, and the limit "
+        "waits for it."))] = None,
+    beyond_context: BeyondContextOpt = False,
     outputs: PlanOutputs = PlanOutputs(),  # --out --trace --explain --json --timing --export --export-out
 ) -> None:
     """Search every parallel configuration and return the fastest that fits, proven optimal under the cost model.
@@ -245,6 +250,7 @@ def plan(
     from meshplan.planner.trace import chrome_trace, trace_text
 
     spec = load_model(model)
+    check_context(spec, workload.seq_len, "--seq", beyond_context)
     weighed = None
     if objective != "time":
         weighed = _rightsized(spec, cluster, workload, config, runtime, calibration, budget, objective,

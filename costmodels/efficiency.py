@@ -111,6 +111,15 @@ class Efficiency:
             curve_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"), calibration=label,
             activation_ratios=tuple(sorted(fit.activation_ratios.items())) if runtime == EXECUTOR_RUNTIME else ())
 
+    def highest_ceiling(self) -> float | None:
+        """The largest fraction of its dtype's peak any compute kernel reaches (op_time: ceiling x saturation x
+        shape factors, none above 1), or None where measured curves set the rate instead."""
+        if self.gemm_curve or self.attention_curve or self.gemm_bwd_curve or self.attention_bwd_curve:
+            return None
+        return max(self.gemm_max, self.fp8_gemm_max, self.grouped_gemm_max, self.fp8_grouped_gemm_max,
+                   self.attention_max, self.attention_bwd_max, self.attention_fa2_max, self.attention_fa2_bwd_max,
+                   self.attention_cudnn_max, self.attention_cudnn_bwd_max)
+
     def overhead(self, tp: int, sp: bool) -> tuple[float, float]:
         """The calibrated per-layer (forward, backward) overhead at this TP degree and sequence parallelism (the
         nearest measured degree below, else the smallest; SP as measured where it was); (0, 0) uncalibrated."""

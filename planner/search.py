@@ -27,7 +27,7 @@ import numpy as np
 from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, ParallelConfig, RecomputeModule, StagePolicy,
                                         Workload, resolve, split_evenly)
 from meshplan.costmodels.context import CostContext
-from meshplan.costmodels.deadline import Deadline, TimeLimitReached
+from meshplan.costmodels.deadline import Deadline, TimeLimitReached, cpu_now
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.estimate import Estimate, model_flops_per_step, simulate_config
 from meshplan.costmodels.memory import FRAGMENTATION, GIB
@@ -158,11 +158,11 @@ def search(model: ModelSpec, cluster: Cluster, wl: Workload, pins: ParallelConfi
         raise InputError("--top must be at least 1")
     rt = get_runtime(runtime)
     check_pins(model, cluster.num_gpus, wl, pins, rt)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_now()
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
     enum = enumerate_space(model, cluster.num_gpus, cluster.gpus_per_node, wl, pins, rt, max_mbs)
     s = _Search(model, cluster, wl, rt.name, eff, enum, top_k, pins.recompute_modules)
-    deadline = None if time_limit_s is None else start + time_limit_s
+    deadline = None if time_limit_s is None else cpu_start + time_limit_s  # CPU seconds (costmodels/deadline.py)
     timed_out = s.run(deadline, progress)
     return s.result(time.perf_counter() - start, timed_out)
 
@@ -175,7 +175,7 @@ class _Search(SearchCosts):
                  enum: Enumeration, top_k: int, modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES):
         super().__init__(model, cluster, wl, runtime, eff, enum, modules)
         self.best = _Best(top_k)
-        self.deadline: float | None = None  # the time limit's perf_counter() end (see run and _limit)
+        self.deadline: float | None = None  # the time limit's cpu_now() end (see run and _limit)
         self.pruned: dict[str, int] = {}
         self.infeasible: dict[str, int] = dict(enum.infeasible)
         self.evaluated = self.bounded = self.cpsat_calls = 0
@@ -257,7 +257,7 @@ class _Search(SearchCosts):
 
     def _past(self, deadline: float | None) -> bool:
         """The time limit has passed and a plan is kept (before the first plan the limit waits: see run)."""
-        return deadline is not None and bool(self.best.heap) and time.perf_counter() > deadline
+        return deadline is not None and bool(self.best.heap) and cpu_now() > deadline
 
     def _loop(self, deadline: float | None, progress: ProgressFn | None, live: int,
               until_a_plan: bool = False) -> bool:
@@ -305,10 +305,16 @@ class _Search(SearchCosts):
             progress(live, live)
 
     def _compute_floor(self) -> float:
-        """No plan is faster than the model's FLOPs on every GPU at the chip's highest dense peak: the bound of
-        the groups a time limit left unscored (loose, but it needs no per-group cost)."""
-        peak = max(p.value for p in self.cluster.gpu.peak_tflops.values()) * 1e12
-        return model_flops_per_step(self.model, self.wl) / (self.cluster.num_gpus * peak)
+        """No plan is faster than the model's FLOPs on every GPU at the highest rate any kernel reaches: the
+        workload dtype's dense peak (FP8 runs keep their attention in 16 bits, below it) times the highest kernel
+        ceiling (Efficiency.highest_ceiling; a calibration's curves: the chip's highest peak). The bound of the
+        groups a time limit left unscored (loose, but it needs no per-group cost)."""
+        gpu, ceiling = self.cluster.gpu, self.eff.highest_ceiling()
+        if ceiling is None:
+            rate = max(p.value for p in gpu.peak_tflops.values()) * 1e12
+        else:
+            rate = gpu.peak_flops(self.wl.dtype) * ceiling
+        return model_flops_per_step(self.model, self.wl) / (self.cluster.num_gpus * rate)
 
     def _run_step(self, bound: float, step: Step, payload: tuple) -> None:
         if step is Step.GROUP:
@@ -512,7 +518,7 @@ class _Search(SearchCosts):
                 self._count(self.pruned, "partition bound (cheapest fitting recompute per stage)",
                             len(self.deferred) - n)
                 break
-            remaining = None if deadline is None else deadline - time.perf_counter()
+            remaining = None if deadline is None else deadline - cpu_now()
             if remaining is not None and remaining <= 0:
                 self.unexplored_bound = min(self.unexplored_bound, lower)
                 self._count(self.pruned, "not reached before the time limit", len(self.deferred) - n)
@@ -609,7 +615,7 @@ class _Search(SearchCosts):
         pending = sorted(self.open_bounds, key=lambda x: x[0])
         for n, (bound, c, stage_layers, policies) in enumerate(pending):
             best = self.best.ranked()[0].step_time_s if self.best.heap else math.inf
-            late = deadline is not None and time.perf_counter() > deadline
+            late = deadline is not None and cpu_now() > deadline
             tried = (c, stage_layers, policies) in self.gaps_tried  # a second call takes only the new bounds
             if bound >= best * (1 - REL_TOL) or late or c.vpp > 1 or tried:
                 still_open.append((bound, c, stage_layers, policies))

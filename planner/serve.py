@@ -23,6 +23,7 @@ from typing import Literal
 
 import numpy as np
 
+from meshplan.costmodels.deadline import cpu_now
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.queueing import Percentile
@@ -271,8 +272,9 @@ def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, target
     """Every engine layout, batch and chunk within `cluster.num_gpus` GPUs (deployments using at least
     `min_gpus`), aggregated and disaggregated; the best under the targets by tokens/s/GPU (objective
     throughput) or by fewest GPUs for targets.request_rate (objective min-gpus). time_limit_s: stop taking engine
-    layouts (smallest first) once it has passed and a deployment can be formed; layouts_skipped says how many."""
-    start = time.perf_counter()
+    layouts (smallest first) once it has passed (in CPU seconds: costmodels/deadline.py) and a deployment can be
+    formed; layouts_skipped says how many."""
+    start, cpu_start = time.perf_counter(), cpu_now()
     if objective == "min-gpus" and targets.request_rate is None:
         raise InputError("objective min-gpus needs a request rate (--request-rate)")
     budget, per_node = cluster.num_gpus, cluster.gpus_per_node
@@ -286,7 +288,7 @@ def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, target
     clusters: dict[int, Cluster] = {}
     skipped = 0
     for n, lay in enumerate(layouts):
-        if (time_limit_s is not None and time.perf_counter() - start > time_limit_s
+        if (time_limit_s is not None and cpu_now() - cpu_start > time_limit_s
                 and (agg_points or (pre_points and dec_points))):
             skipped = len(layouts) - n
             break

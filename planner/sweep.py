@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from meshplan.costmodels.economics import TrainingCost
+from meshplan.hardware_db.cluster import MAX_GPUS
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.plan import Plan
 
@@ -104,6 +105,8 @@ def gpu_counts(text: str) -> list[int]:
                          "or one count, all positive") from None
     if len(counts) > MAX_POINTS:
         raise InputError(f"--gpus {text!r} makes more than {MAX_POINTS} counts; give fewer")
+    if max(counts) > MAX_GPUS:  # checked before the first point is planned, not at the point it breaks
+        raise InputError(f"--gpus {text!r} goes up to {max(counts):,} GPUs; a cluster has at most {MAX_GPUS:,}")
     return counts
 
 

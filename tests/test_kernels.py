@@ -933,3 +933,24 @@ def test_torchtitan_eager_rope_moves_five_times_a_fused_kernels_bytes():
     assert get_runtime("torchtitan").memory_kernel("rope") == pytest.approx((2 + 2) / (2 + 4 + 4 + 4 + 4 + 2))
     assert get_runtime("torchtitan+compile").memory_kernel("rope") == 1.0
     assert get_runtime("megatron-core").memory_kernel("rope") == 1.0
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(gpu=st.sampled_from(["h100-sxm", "h200", "b200", "a100-80gb", "h800", "gb200", "mi300x", "l40s"]),
+       kind=st.sampled_from(["gemm", "attention"]), flops=st.floats(1e3, 1e16), backward=st.booleans(),
+       depth=st.sampled_from([0.0, 64.0, 512.0, 8192.0]), groups=st.sampled_from([1.0, 8.0, 64.0]),
+       fp8=st.sampled_from([None, "tensorwise", "blockwise", "mxfp8", "rowwise"]),
+       keys=st.sampled_from([0.0, 512.0, 4096.0, 131072.0]),
+       kernel=st.sampled_from(["fused", "fa2", "sdpa-fa2", "cudnn"]), chunks=st.sampled_from([1.0, 4.0]))
+def test_no_kernel_beats_the_highest_ceiling(gpu, kind, flops, backward, depth, groups, fp8, keys, kernel, chunks):
+    """Efficiency.highest_ceiling is what a time-limited search's floor for unscored groups rests on (FLOPs at the
+    dtype's peak times it): every compute kernel op_time prices, in every shape, takes at least that long."""
+    spec = load_gpu(gpu)
+    eff = Efficiency.from_gpu(spec)
+    dtype = "fp8" if fp8 else "bf16"
+    if dtype not in spec.peak_tflops:
+        return
+    peak = spec.peak_flops(dtype)
+    shape = KernelShape(depth=depth, groups=groups, fp8=fp8, keys=keys, kernel=kernel, chunks=chunks)
+    t = op_time(flops, 0.0, kind, peak, spec.hbm_tb_s.value * 1e12, eff, backward, shape)
+    assert t >= flops / (peak * eff.highest_ceiling()) * (1 - 1e-12)

@@ -460,7 +460,8 @@ def test_a_pipeline_too_long_to_simulate_is_refused_with_its_maximum():
                                                  ("gpt3-175b", 64, "a100-80gb", "bf16")])
 def test_the_compute_floor_is_below_every_searched_plan(name, gpus, gpu, dtype):
     """The bound a time limit gives groups it never scored (_Search._compute_floor: the model's FLOPs over every
-    GPU at the chip's highest peak) is below the plans the full search finds: it is a bound, not a guess."""
+    GPU at the dtype's peak times the highest kernel ceiling, tests/test_kernels.py holds op_time to it) is below
+    the plans the full search finds: it is a bound, not a guess."""
     from meshplan.planner.search import Efficiency, _Search
     model, c = zoo(name), cluster(gpus, gpu)
     wl = Workload(global_batch=64, seq_len=2048, dtype=dtype)

@@ -475,6 +475,8 @@ def _torchrun_geometry(tokens: list[str]) -> tuple[list[str], int | None, int | 
         if value is not None and not re.fullmatch(r"[0-9]+", value):
             raise InputError(f"torchrun {flag} {value!r}: give a number (an elastic range such as 1:4 does not fix "
                              f"the world size; pass --gpus)")
+        if value is not None and (int(value) < 1 or len(value) > 9):  # torch.distributed.run: 0 < nnodes
+            raise InputError(f"torchrun {flag} {value}: torchrun takes 1 to 999,999,999; give the real count")
     nodes = int(launch.nnodes) if launch.nnodes else None
     per_node = int(launch.nproc) if launch.nproc else None
     return tokens[script + 1:], nodes, per_node
@@ -490,6 +492,29 @@ def _check_supported(a: argparse.Namespace) -> None:
         raise InputError(f"--recompute-granularity {a.recompute_granularity}: choose full or selective")
     if a.recompute_method not in (None, "uniform", "block"):
         raise InputError(f"--recompute-method {a.recompute_method}: choose uniform or block")
+
+
+def _check_recompute_layers(a: argparse.Namespace, stage_layers: tuple[int, ...] | None, layers: int | None) -> None:
+    """--recompute-num-layers as Megatron-Core's TransformerConfig takes it (megatron/core/transformer/
+    transformer_config.py __post_init__): with full recomputation a method and a count between 1 and the layers per
+    pipeline rank; with selective none at all."""
+    k = a.recompute_num_layers
+    if a.recompute_granularity == "selective" and k is not None:
+        raise InputError(f"--recompute-num-layers {k} with --recompute-granularity selective: Megatron-Core refuses "
+                         f"it (recompute_num_layers must be None); drop it")
+    if a.recompute_granularity != "full":
+        if k is not None or a.recompute_method is not None:
+            raise InputError("--recompute-num-layers / --recompute-method without --recompute-granularity full: "
+                             "Megatron recomputes nothing with them; add --recompute-granularity full or drop them")
+        return
+    if a.recompute_method is None or k is None:
+        raise InputError("--recompute-granularity full needs --recompute-method uniform|block and "
+                         "--recompute-num-layers (Megatron-Core refuses it without them)")
+    pp = a.pipeline_model_parallel_size or 1
+    per_rank = max(stage_layers) if stage_layers else (layers // pp if layers else None)
+    if per_rank is not None and k > per_rank:
+        raise InputError(f"--recompute-num-layers {k}: Megatron-Core takes 1 to the layers per pipeline rank "
+                         f"({per_rank}); give at most {per_rank}")
 
 
 def _stage_layers(a: argparse.Namespace, num_layers: int | None,
@@ -686,6 +711,7 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
     unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
     if unknown:
         raise InputError(f"--recompute-modules {' '.join(unknown)}: choose from {', '.join(RECOMPUTE_MODULES)}")
+    _check_recompute_layers(a, stage_layers, layers)
     if a.recompute_granularity == "selective":
         recompute = "selective"
     elif a.recompute_granularity == "full":

@@ -16,6 +16,11 @@ from meshplan.planner.partition.problem import (CP_POLICIES, CpPolicies, GRANULA
 from meshplan.planner.partition.terms import _backward_const, _end_pieces, _forward_const, _tables, evaluate
 from meshplan.planner.partition.dynamic import per_stage_bound, solve_dp
 
+# CP-SAT's deterministic time per second of solving on one core: the 405B-like per-stage solve of
+# tests/test_partition.py counts 0.83 units in its 2.1 s on the 2-core dev box (OR-Tools 9.15)
+DETERMINISTIC_PER_S = 0.4
+WALL_BACKSTOP = 10.0  # the wall-clock limit, as a multiple of the time limit: reached only on a stalled machine
+
 
 # ---- CP-SAT ----------------------------------------------------------------------------------------------------------
 
@@ -334,7 +339,10 @@ def _cp_solve(problem: PartitionProblem, policies: str, data: _CpData, time_limi
     # inclusion detection off, or presolve off solve it to 140 ns; probing off is the cheapest (405B-like per-stage
     # solve: 2.1 s default, 2.4 s without probing, 8.2 s without inclusion detection).
     solver.parameters.cp_model_probing_level = 0
-    solver.parameters.max_time_in_seconds = time_limit_s
+    # the limit is CP-SAT's deterministic time (its count of work), so the answer is the same on an idle or a
+    # loaded machine; the wall clock is only a backstop far behind
+    solver.parameters.max_deterministic_time = DETERMINISTIC_PER_S * time_limit_s
+    solver.parameters.max_time_in_seconds = WALL_BACKSTOP * time_limit_s
     code = solver.solve(model)
     if code == cp_model.MODEL_INVALID:
         raise RuntimeError(f"invalid CP-SAT model: {model.validate()}")
@@ -369,7 +377,9 @@ def solve_cpsat(problem: PartitionProblem, policies: CpPolicies = "per-stage",
     The model (named steps as in the OR-Tools samples): boundary variables b_0 = 0 < b_1 < ... < b_p = L; prefix-sum
     tables read with AddElement at b_r, at b_r + k_r (end of the full-recompute part) and at the end of the selective
     part; f_r, b_r, E_r and memory as linear expressions, so the other stages' policies enter F_<r, B_<r and T_>r;
-    J = max_r J_r minimised. One worker and a fixed seed keep it deterministic (up to the time limit). The search
+    J = max_r J_r minimised. One worker, a fixed seed and a limit counted in CP-SAT's deterministic time
+    (time_limit_s seconds of one core's solving, DETERMINISTIC_PER_S) keep it deterministic, whatever else the
+    machine runs. The search
     starts from a hint (solve_dp's plan; for "per-stage" the best of the uniform DPs and a cheapest-fitting-policy
     heuristic), which constrains nothing: CP-SAT still proves the optimum itself, so it stays a check on the DP.
 
