@@ -46,6 +46,8 @@ def export_(
     """
     from meshplan.planner.launchers import export_plan, write_export
     from meshplan.planner.launchers import EXPORT_NAMES
+    from meshplan.planner.launchers.common import runtime_note
+    from meshplan.planner.plan import Plan
 
     # export's --out is a folder when it has several files
     (out,) = output_targets(directories=("out",), contents={"out": EXPORT_NAMES[to]}, out=out)
@@ -54,6 +56,10 @@ def export_(
         if line:
             note(line)
     exported = export_plan(opened.plan, to)
+    if isinstance(opened.plan, Plan):
+        other = runtime_note(opened.plan, to)  # a plan made for another framework, priced under this one's too
+        if other is not None:
+            note(other)
     if out is None:
         echo_export(exported)
         return

@@ -291,6 +291,12 @@ def plan(
     if outputs.trace is not None:
         con.print(f"trace written to {outputs.trace} (open in https://ui.perfetto.dev)")
     report_export(con, exported, outputs.export_to, written if outputs.export_out is not None else None)
+    if exported is not None and outputs.export_to is not None:
+        from meshplan.planner.launchers.common import runtime_note
+
+        other = runtime_note(doc, outputs.export_to)  # planned for another framework: priced under this one's too
+        if other is not None:
+            con.print(other)
     if refused is not None:
         _name_runnable(con, spec, cluster, workload, config, runtime, calibration, budget, refused, doc)
         raise refused

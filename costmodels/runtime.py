@@ -97,6 +97,11 @@ class Runtime(BaseModel):
     # shard and gathers it again in the backward (Korthikanti et al. 2022 sec. 4.2.3)
     sp_saves_gathered_input: bool = False
     zero_stages: tuple[Literal[0, 1, 2, 3], ...] = (0, 1, 2, 3)
+    # recomputation it runs: one policy on every pipeline stage (Megatron's --recompute-granularity and
+    # --recompute-method apply to every stage, megatron/core/transformer/transformer_block.py _checkpointed_forward;
+    # torchtitan's activation_checkpoint.mode wraps every block alike, torchtitan/distributed/activation_checkpoint.py),
+    # or also a policy of each stage's own ("per-stage": meshplan's executor takes the plan's per-stage policies)
+    recomputes: tuple[Literal["none", "selective", "full", "per-stage"], ...] = ("none", "selective", "full")
     # ZeRO-2/3 gradients (sharded): reduce-scattered layer by layer in every micro-batch's backward
     # ("every-microbatch": Megatron-FSDP, "for grads shard mode there will actually always be gradient sync",
     # megatron_fsdp.py no_sync, and docs/user-guide/features/megatron_fsdp.md "accumulated during every backward
@@ -123,8 +128,11 @@ class Runtime(BaseModel):
         return next((f for c, f in self.memory_kernels if c == cls), 1.0)
 
     def lacks(self, schedule: str | None = None, cp: int = 1, cp_comm: str = "ring",
-              zero: int | None = None, recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES) -> str | None:
+              zero: int | None = None, recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES,
+              recompute: str | None = None) -> str | None:
         """Why this framework cannot run these knobs (one clause), or None."""
+        if recompute is not None and recompute not in self.recomputes:
+            return f"{self.name} recomputes every pipeline stage alike (it has no {recompute} recomputation)"
         if schedule is not None and schedule not in self.schedules:
             return f"{self.name} has no {schedule} schedule (it runs {', '.join(self.schedules)})"
         if cp > 1 and not self.cp_comms:
@@ -193,7 +201,7 @@ RUNTIMES: dict[str, Runtime] = {
     "meshplan-executor": Runtime(name="meshplan-executor", flash_attention=True, dropout=False,
                                  overlap_grad_reduce=False, overlap_param_gather=False, tp_overlap="none",
                                  p2p_overlap=False, fused_projections=False, fsdp_copies=True,
-                                 sp_saves_gathered_input=True),
+                                 sp_saves_gathered_input=True, recomputes=("none", "selective", "full", "per-stage")),
 }
 DEFAULT_RUNTIME = "megatron-core"
 

@@ -170,7 +170,7 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
     rt_schedules = runtime.schedules if runtime is not None else SCHEDULES_ALL
     rt_cp_comms = runtime.cp_comms if runtime is not None else ("ring", "a2a")
     zeros = tuple(z for z in _pick(list(ZEROS), pins.zero) if runtime is None or z in runtime.zero_stages)
-    recs = tuple(_pick(list(RECOMPUTES), pins.recompute))
+    recs = tuple(r for r in _pick(list(RECOMPUTES), pins.recompute) if runtime is None or r in runtime.recomputes)
 
     def reject(rule: str, count: int) -> None:
         if count:
@@ -404,6 +404,6 @@ def check_pins(model: ModelSpec, num_gpus: int, wl: Workload, pins: ParallelConf
     if runtime is not None:
         default_comm = runtime.cp_comms[0] if runtime.cp_comms else "ring"
         why = runtime.lacks(schedule=pins.schedule, cp=pins.cp or 1, cp_comm=pins.cp_comm or default_comm,
-                            zero=pins.zero, recompute_modules=pins.recompute_modules)
+                            zero=pins.zero, recompute_modules=pins.recompute_modules, recompute=pins.recompute)
         if why:
             raise InputError(f"{why}: unpin it, or plan for a --runtime that has it")

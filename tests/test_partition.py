@@ -760,10 +760,10 @@ def test_the_dps_built_a_block_at_a_time_with_the_binary_search_give_the_same_an
 
 
 def test_an_expired_deadline_stops_the_dps_and_a_later_one_changes_nothing():
-    from meshplan.costmodels.deadline import Deadline, TimeLimitReached
+    from meshplan.costmodels.deadline import Deadline, TimeLimitReached, cpu_now
     from meshplan.planner.partition import dp_bound, per_stage_bound
     problem = uniform_problem(64, 8, 16, "1f1b", act=1.0, cap=40.0)
-    gone, later = Deadline(time.perf_counter() - 1), Deadline(time.perf_counter() + 3600)
+    gone, later = Deadline(cpu_now() - 1), Deadline(cpu_now() + 3600)
     for solve in (lambda d: solve_dp(problem, "none", deadline=d), lambda d: dp_bound(problem, "full", deadline=d),
                   lambda d: per_stage_bound(problem, deadline=d)):
         with pytest.raises(TimeLimitReached):
@@ -775,13 +775,13 @@ def test_an_expired_deadline_stops_the_dps_and_a_later_one_changes_nothing():
 def test_an_expired_deadline_stops_a_long_simulation(schedule, vpp):
     """The pipeline simulation checks its caller's deadline every CHECK_EVERY_PASSES passes (a time-limited search
     stops inside one), and a deadline not yet reached leaves the timeline as it was."""
-    from meshplan.costmodels.deadline import Deadline, TimeLimitReached
+    from meshplan.costmodels.deadline import Deadline, TimeLimitReached, cpu_now
     from meshplan.costmodels.pipeline import CHECK_EVERY_PASSES, pipeline_passes
     pp, m = 4, 4 * CHECK_EVERY_PASSES // 8
     assert pipeline_passes(schedule, pp, m, vpp) > CHECK_EVERY_PASSES
     times = [[StageTimes(1.0, 1.5, 0.5) for _ in range(vpp)] for _ in range(pp)]
     order = build_schedule(schedule, pp, m, vpp)
     with pytest.raises(TimeLimitReached):
-        simulate(order, times, 0.01, split_weight=schedule == "zb", deadline=Deadline(time.perf_counter() - 1))
-    later = simulate(order, times, 0.01, split_weight=schedule == "zb", deadline=Deadline(time.perf_counter() + 3600))
+        simulate(order, times, 0.01, split_weight=schedule == "zb", deadline=Deadline(cpu_now() - 1))
+    later = simulate(order, times, 0.01, split_weight=schedule == "zb", deadline=Deadline(cpu_now() + 3600))
     assert later == simulate(order, times, 0.01, split_weight=schedule == "zb")

@@ -45,8 +45,46 @@ def refuse(target: str, why: str, fix: str, pins: tuple[Pins, ...] = ()) -> Expo
 UNIFORM_RECOMPUTE: tuple[Pins, ...] = ({"recompute": "none"}, {"recompute": "selective"}, {"recompute": "full"})
 
 
-def header_lines(plan: Plan, target: str) -> list[str]:
-    """The header every exported file carries (as comments): where it came from and what it is predicted to do."""
+# the framework (costmodels.runtime preset) each training launcher runs: a plan made for another is priced again
+# under it (runtime_note); DeepSpeed's own engine has no preset
+LAUNCHER_RUNTIME: dict[str, str | None] = {"megatron": "megatron-core", "nemo": "megatron-core",
+                                           "torchtitan": "torchtitan", "torchrun": "meshplan-executor",
+                                           "deepspeed": None}
+# the launcher of each runtime preset: a plan made for the preset exports to it (tests/test_export_refusal.py)
+RUNTIME_LAUNCHER: dict[str, str] = {"megatron-core": "megatron", "megatron-2022": "megatron",
+                                    "torchtitan": "torchtitan", "meshplan-executor": "torchrun"}
+
+
+def runtime_note(plan: Plan, target: str) -> str | None:
+    """When the plan was made for another framework than `target` runs: the plan re-simulated under the target's
+    runtime preset beside the plan's own figures (None when they are the same framework)."""
+    ours = plan.inputs.runtime.split("+")[0]
+    theirs = LAUNCHER_RUNTIME.get(target, ours)
+    if theirs == ours:
+        return None
+    p = plan.prediction
+    mine = f"the plan's {plan.inputs.runtime} prediction: step {p.step_time_s:.4g} s, peak {p.peak_memory_gib:.1f} GiB"
+    if theirs is None:
+        return f"{target}'s framework is not modelled; {mine}"
+    if plan.inputs.calibration:
+        return f"made for {plan.inputs.runtime} with a calibration the plan does not hold, so not priced under " \
+               f"{theirs}; {mine}"
+    from meshplan.costmodels.estimate import simulate_config
+    from meshplan.planner.plan import plan_config
+
+    model, cluster, workload, config, _ = plan_config(plan)
+    try:
+        est = simulate_config(model, cluster, workload, config, theirs).estimate
+    except InputError as exc:
+        return f"{theirs} cannot run the plan as made ({' '.join(str(exc).split())}); {mine}"
+    fits = "" if est.fits else " (DOES NOT FIT)"
+    return (f"under {theirs}, the framework {target} runs: step {est.step_time_s:.4g} s, peak "
+            f"{est.peak_memory_gib:.1f} GiB{fits}; {mine}")
+
+
+def header_lines(plan: Plan, target: str, launcher: str | None = None) -> list[str]:
+    """The header every exported file carries (as comments): where it came from and what it is predicted to do
+    (`target` names the file's kind; `launcher`, the export target, adds the plan priced under its framework)."""
     p, mesh, wl = plan.prediction, plan.mesh, plan.inputs.workload
     gpu = plan.inputs.cluster.gpu_spec.name
     lines = [
@@ -60,6 +98,9 @@ def header_lines(plan: Plan, target: str) -> list[str]:
     ]
     if plan.inputs.calibration:
         lines.append(f"calibration: {plan.inputs.calibration}")
+    other = runtime_note(plan, launcher) if launcher is not None else None
+    if other is not None:
+        lines.append(other)
     return lines
 
 

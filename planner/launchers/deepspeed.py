@@ -62,7 +62,7 @@ def ds_config(plan: Plan) -> dict[str, object]:
     _check(plan)
     pipe, wl = plan.pipeline, plan.inputs.workload
     config: dict[str, object] = {
-        "_meshplan": header_lines(plan, "DeepSpeed"),
+        "_meshplan": header_lines(plan, "DeepSpeed", TARGET),
         "train_batch_size": wl.global_batch,
         "train_micro_batch_size_per_gpu": pipe.micro_batch_size,
         "gradient_accumulation_steps": pipe.num_microbatches,
@@ -118,7 +118,7 @@ def megatron_deepspeed_args(plan: Plan) -> list[str]:
 
 def export_deepspeed(plan: Plan) -> Exported:
     config = json.dumps(ds_config(plan), indent=2) + "\n"
-    header = "\n".join("# " + line for line in header_lines(plan, "Megatron-DeepSpeed"))
+    header = "\n".join("# " + line for line in header_lines(plan, "Megatron-DeepSpeed", TARGET))
     command = shell_lines(torchrun_args(plan) + [SCRIPT] + megatron_deepspeed_args(plan))
     here = 'MESHPLAN_DIR="$(cd "$(dirname "$0")" && pwd)"'
     script = (f"#!/usr/bin/env bash\n{header}\n# Add your data, tokenizer and optimizer arguments; ds_config.json "

@@ -361,7 +361,7 @@ def megatron_args(plan: Plan) -> list[str]:
 
 
 def export_megatron(plan: Plan) -> Exported:
-    header = "\n".join("# " + line for line in header_lines(plan, "Megatron-LM"))
+    header = "\n".join("# " + line for line in header_lines(plan, "Megatron-LM", TARGET))
     note = ("# Add your data, tokenizer, optimizer and checkpoint arguments. Megatron pads the vocabulary to a "
             "multiple of\n# --make-vocab-size-divisible-by x tp; --vocab-size is read with --tokenizer-type "
             "NullTokenizer.")

@@ -85,7 +85,7 @@ def export_nemo(plan: Plan) -> Exported:
     pipe, wl = plan.pipeline, plan.inputs.workload
     nodes, per_node = node_geometry(plan)
     precision = "bf16-mixed" if wl.dtype == "bf16" else "16-mixed"
-    header = "\n".join("# " + line for line in header_lines(plan, "NeMo 2 / Megatron-Bridge"))
+    header = "\n".join("# " + line for line in header_lines(plan, "NeMo 2 / Megatron-Bridge", TARGET))
     strategy_args = "".join(f"\n    {k}={v!r}," for k, v in mp.items() if k in STRATEGY)
     on_config = "".join(f"\n    {k}={v!r}," for k, v in mp.items() if k not in STRATEGY)
     ddp_args = "".join(f"{k}={v!r}, " for k, v in ddp.items()).rstrip(", ")

@@ -35,7 +35,7 @@ def torchrun_command(plan: Plan, plan_path: str = "${PLAN}") -> list[str]:
 
 def export_torchrun(plan: Plan) -> Exported:
     nodes, per_node = node_geometry(plan)
-    header = "\n".join("# " + line for line in header_lines(plan, "torchrun (meshplan executor)"))
+    header = "\n".join("# " + line for line in header_lines(plan, "torchrun (meshplan executor)", TARGET))
     env = "\n".join(f'export {name}="{value}"  # {why}' for name, value, why in executor_env(plan))
     usage = (f"# Run on each of the {nodes} node(s), {per_node} processes each: bash torchrun.sh plan.json "
              f"[verify options]\n# The executor runs over gloo on CPU tensors until its NCCL backend lands "

@@ -199,7 +199,7 @@ def toml_text(plan: Plan) -> str:
         "activation_checkpoint": {"mode": activation_mode(plan)} | (
             {"selective_ac_option": "op"} if activation_mode(plan) == "selective" else {}),
     }
-    lines = ["# " + line for line in header_lines(plan, "torchtitan (<= 0.2, --job.config_file)")]
+    lines = ["# " + line for line in header_lines(plan, "torchtitan (<= 0.2, --job.config_file)", TARGET)]
     for name, fields in tables.items():
         lines += ["", f"[{name}]"] + [f"{key} = {_toml_value(value)}" for key, value in fields.items()]
     return "\n".join(lines) + "\n"
@@ -213,7 +213,7 @@ def python_text(plan: Plan) -> str | None:
     par, train, mode = parallelism_fields(plan, "0.3"), training_fields(plan), activation_mode(plan)
     train.pop("mixed_precision_param")  # 0.3 sets precision in the registry's model spec
     ac = {"none": "None", "selective": "SelectiveAC.Config()", "full": "FullAC.Config()"}[mode]
-    header = "\n".join("# " + line for line in header_lines(plan, "torchtitan (>= 0.3, config registry)"))
+    header = "\n".join("# " + line for line in header_lines(plan, "torchtitan (>= 0.3, config registry)", TARGET))
     par_args = "".join(f"\n        {k}={v!r}," for k, v in par.items())
     train_sets = "".join(f"\n    config.training.{k} = {v!r}" for k, v in train.items())
     return (f"{header}\n# Put this function in a config_registry.py and run with --module {model.module} "
