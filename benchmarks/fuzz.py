@@ -295,7 +295,7 @@ def run_case(case: Case, timeout: float) -> tuple[str, str]:
             return "accepted (exit 0)", ""
         if left:
             return "file left behind", ", ".join(p.name for p in left)
-        lines = text.strip().splitlines()
+        lines = [x for x in text.strip().splitlines() if not x.startswith("progress: ")]  # a long step's, piped
         if code == 2 and len(lines) == 1 and lines[0].startswith("error: "):
             return "one error line, exit 2", lines[0]
         return f"exit {code}, {len(lines)} stderr lines", text[-300:]

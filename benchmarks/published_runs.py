@@ -1,4 +1,4 @@
-"""The second development set: published training runs beyond ../shared/reference_runs/training_dev.yaml.
+"""The second development set: published training runs beyond benchmarks/training_dev.yaml.
 
 `benchmarks/published_runs.yaml` is meshplan's own data file. Each entry is one run as its authors published it:
 where it was read (URL, the place on the page and the figure itself as printed), the model, the GPUs, the

@@ -1,5 +1,5 @@
-"""Predicted vs published throughput for every run of both development sets: ../shared/reference_runs/
-training_dev.yaml (the first) and benchmarks/published_runs.yaml (the second, meshplan's own data file).
+"""Predicted vs published throughput for every run of both development sets: benchmarks/training_dev.yaml (the
+first, copied from the design's shared/reference_runs) and benchmarks/published_runs.yaml (the second).
 
 Usage:  python benchmarks/reference_runs.py [--yaml PATH] [--runs PATH] [--markdown] [--only-second]
 
@@ -35,7 +35,7 @@ from meshplan.costmodels.model_io import load_model
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.planner.launchers.megatron import parse_layout
 
-DEFAULT_YAML = ROOT.parent / "shared" / "reference_runs" / "training_dev.yaml"
+DEFAULT_YAML = ROOT / "benchmarks" / "training_dev.yaml"  # copied from the design's shared/reference_runs
 
 # Micro-batch size and layers per virtual stage of the SC'21 Table 1 runs: NVIDIA/Megatron-LM
 # examples/sc21/run_table_1.sh (MBS, --num-layers-per-virtual-pipeline-stage), keyed by layer count.

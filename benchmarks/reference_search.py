@@ -1,4 +1,4 @@
-"""The search against published configurations: for every run in ../shared/reference_runs/training_dev.yaml,
+"""The search against published configurations: for every run in benchmarks/training_dev.yaml,
 the best plan `meshplan plan` finds for the run's model, GPUs and global batch, versus the published
 configuration estimated under the same cost model (and found again by a search with every knob pinned); then the
 same free search for every run of the second set (benchmarks/published_runs.yaml), against the run's measured

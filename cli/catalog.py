@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from meshplan.cli.options import console, output_targets, print_table
+from meshplan.cli.options import ProgressBar, console, output_targets, print_table
 from meshplan.costmodels.model_io import list_zoo, load_model, load_zoo, zoo_source
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, Sourced, list_gpus, load_gpu
@@ -40,8 +40,6 @@ def profile(
 ) -> None:
     """Measure this device (GEMMs, attention, memory-bound operators, collectives, a layer's activation memory) and
     write a calibration that `estimate`, `plan` and `verify --calibration` use instead of the efficiency defaults."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from meshplan.executor.profiler import ProfileOptions, default_grid
     from meshplan.executor.profiler import profile as run_profile
     from meshplan.hardware_db.calibration import calibration_dir
@@ -53,11 +51,8 @@ def profile(
                           dtype=dtype or ("float64" if device == "cpu" else "bfloat16"),
                           statistic=statistic,
                           **(grid | ({"ranks": tuple(ranks)} if ranks else {}) | ({"tp": tuple(tp)} if tp else {})))
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("profiling", total=None)
-        cal = run_profile(opts, lambda what, done, total: bar.update(task, description=what[:60], completed=done,
-                                                                     total=total))
+    with ProgressBar(True, "profiling", "measurements") as bar:
+        cal = run_profile(opts, lambda what, done, total: bar(done, total, what))
     target = out if out is not None else calibration_dir() / f"{cal.device.target}.json"
     try:
         write_text_atomic(target, cal.model_dump_json(indent=1) + "\n")

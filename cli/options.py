@@ -2,12 +2,14 @@
 cluster and workload they describe, output paths checked before any work, the console."""
 
 import contextlib
+import threading
+import time
 import functools
 import inspect
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
@@ -90,18 +92,34 @@ def print_table(con: Console, title: str, headers: Sequence[str], rows: Sequence
         con.print(Text(line, no_wrap=True, overflow="fold"))
 
 
+# piped output (CI logs, `| tee`): a plain `progress:` line on stderr once a step has run this many CPU seconds,
+# then every PROGRESS_EVERY_S; CPU time, so a command that is short on an idle machine prints none on a busy one
+PROGRESS_FIRST_S = 5.0
+PROGRESS_EVERY_S = 10.0
+PROGRESS_POLL_S = 1.0  # how often working()'s watcher looks at the clock
+
+
+def progress_line(text: str) -> None:
+    sys.stderr.write(f"progress: {text}\n")
+    sys.stderr.flush()
+
+
 class ProgressBar:
-    """A transient rich bar on stderr over a long command's steps (only on a terminal): `bar(done, total)` is the
-    progress callback the search (groups) and the sweep (clusters) take."""
+    """A long command's steps on stderr: on a terminal a transient rich bar; piped, a plain `progress:` line now
+    and then (PROGRESS_FIRST_S). `bar(done, total)` (or `bar(done, total, what)`) is the progress callback the
+    search (groups), the sweep (clusters) and the profiler (measurements) take."""
 
     def __init__(self, enabled: bool, label: str, unit: str):
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(TextColumn(label), BarColumn(), TextColumn(f"{{task.completed}}/{{task.total}} {unit}"),
-                            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-                            disable=not (enabled and sys.stderr.isatty()))
+        terminal = sys.stderr.isatty()
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                            TextColumn(f"{{task.completed}}/{{task.total}} {unit}"), TimeElapsedColumn(),
+                            console=Console(stderr=True), transient=True, disable=not (enabled and terminal))
+        self.plain = enabled and not terminal
         self.task: Any = None
-        self.label = label
+        self.label, self.unit = label, unit
+        self.start_wall, self.start_cpu, self.next_cpu = time.perf_counter(), time.process_time(), PROGRESS_FIRST_S
 
     def __enter__(self) -> "ProgressBar":
         self.bar.__enter__()
@@ -110,17 +128,44 @@ class ProgressBar:
     def __exit__(self, *exc: Any) -> None:
         self.bar.__exit__(*exc)
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int | None, what: str | None = None) -> None:
         if self.task is None:
             self.task = self.bar.add_task(self.label, total=total)
-        self.bar.update(self.task, completed=done, total=total)
+        self.bar.update(self.task, completed=done, total=total, description=(what or self.label)[:60])
+        used = time.process_time() - self.start_cpu
+        if self.plain and used >= self.next_cpu:
+            self.next_cpu = used + PROGRESS_EVERY_S
+            of = f"/{total:,}" if total else ""
+            progress_line(f"{what or self.label}: {done:,}{of} {self.unit}, "
+                          f"{time.perf_counter() - self.start_wall:.0f} s")
 
 
-def working(message: str) -> contextlib.AbstractContextManager:
-    """A transient spinner on stderr while a search without its own bar runs (on a terminal only)."""
-    if not sys.stderr.isatty():
-        return contextlib.nullcontext()
-    return Console(stderr=True).status(message)
+@contextlib.contextmanager
+def working(message: str) -> Iterator[None]:
+    """A transient spinner on stderr while a search without its own bar runs on a terminal; piped, a plain
+    `progress:` line from a watcher thread once it has run PROGRESS_FIRST_S CPU seconds, then every
+    PROGRESS_EVERY_S."""
+    if sys.stderr.isatty():
+        with Console(stderr=True).status(message):
+            yield
+        return
+    done = threading.Event()
+    start_wall, start_cpu = time.perf_counter(), time.process_time()
+
+    def watch() -> None:
+        due = PROGRESS_FIRST_S
+        while not done.wait(PROGRESS_POLL_S):
+            if time.process_time() - start_cpu >= due:
+                due += PROGRESS_EVERY_S
+                progress_line(f"{message}, {time.perf_counter() - start_wall:.0f} s")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def console() -> Console:

@@ -24,7 +24,7 @@ FAMILIES: dict[str, str] = {
 @dataclass(frozen=True)
 class Published:
     mfu: float
-    run: str  # the run's id in ../shared/reference_runs/training_dev.yaml or benchmarks/published_runs.yaml
+    run: str  # the run's id in benchmarks/training_dev.yaml or benchmarks/published_runs.yaml
     source: str
 
 

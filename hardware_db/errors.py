@@ -19,8 +19,13 @@ def field_error(exc: Exception) -> str:
 
 
 def did_you_mean(name: str, choices: list[str]) -> str:
-    """' did you mean X?' for the closest of `choices` to a misspelt name (difflib's ratio >= 0.6), else ''."""
+    """' did you mean X?' for the closest of `choices` to a misspelt name, else '': the names it begins (h100 ->
+    h100-nvl, h100-sxm, h100-pcie, shortest first), then difflib's two closest (ratio >= 0.6); at most five."""
     import difflib
 
-    close = difflib.get_close_matches(name.strip().lower(), choices, n=2, cutoff=0.6)
-    return f" did you mean {' or '.join(close)}?" if close else ""
+    key = name.strip().lower()
+    prefixed = sorted((c for c in choices if key and c.startswith(key)), key=lambda c: (len(c), c))
+    close = [c for c in difflib.get_close_matches(key, choices, n=2, cutoff=0.6) if c not in prefixed]
+    shown = (prefixed + close)[:5]
+    return f" did you mean {', '.join(shown[:-1]) + ' or ' + shown[-1] if len(shown) > 1 else shown[0]}?" \
+        if shown else ""

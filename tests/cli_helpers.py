@@ -10,8 +10,9 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def assert_input_error(code: int, out: str, err: str, *words: str) -> str:
-    """Exit 2, one `error: ...` line on stderr naming each of `words`, no traceback; returns that line."""
-    lines = err.strip().splitlines()
+    """Exit 2, one `error: ...` line on stderr naming each of `words`, no traceback; returns that line. `progress:`
+    lines (a long step's, piped: cli/options.ProgressBar) may come before it."""
+    lines = [x for x in err.strip().splitlines() if not x.startswith("progress: ")]
     assert code == 2, (code, out, err)
     assert len(lines) == 1, err
     assert lines[0].startswith("error: "), err

@@ -22,6 +22,8 @@ LLAMA_8B_CONFIG = {
     (("--model", "llama3-8b", "--gpu", "h100-sxm"), ("unknown model 'llama3-8b'", "did you mean llama3.1-8b")),
     (("--model", "llama3.1-8b", "--gpu", "h100sxm"), ("unknown gpu 'h100sxm'", "did you mean h100-sxm?")),
     (("--model", "deepseek-v4", "--gpu", "h100-sxm"), ("did you mean deepseek-v3",)),
+    # the names it begins come first: h100 used to suggest "h800 or h200" only
+    (("--model", "llama3.1-8b", "--gpu", "h100"), ("did you mean h100-nvl, h100-sxm, h100-pcie",)),
 ])
 def test_a_misspelt_name_gets_a_suggestion(capsys, args, words):
     assert_input_error(*run(capsys, "estimate", *args, "--gpus", "8"), *words)
@@ -89,3 +91,23 @@ def test_80_columns_cut_no_cell(monkeypatch, capsys, args):
     assert code == 0, err
     assert "…" not in out
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_piped_long_steps_print_plain_progress_lines(capsys, monkeypatch):
+    """Piped output (not a terminal) used to get no progress at all: 89 s of a sweep, 206 s of a profile. Past
+    PROGRESS_FIRST_S CPU seconds a step prints `progress:` lines on stderr (here the threshold is 0, so every
+    step does); the command's own output is unchanged, and a short command prints none at the real threshold."""
+    from meshplan.cli import options
+
+    args = ("sweep", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8,16", "--gbs", "16", "--seq", "2048")
+    code, quiet_out, err = run(capsys, *args)
+    assert code == 0 and "progress:" not in err
+    monkeypatch.setattr(options, "PROGRESS_FIRST_S", 0.0)
+    monkeypatch.setattr(options, "PROGRESS_EVERY_S", 0.0)
+    code, out, err = run(capsys, *args)
+    assert code == 0 and out == quiet_out
+    assert [x for x in err.splitlines() if x.startswith("progress: planning: ")], err
+    monkeypatch.setattr(options, "PROGRESS_POLL_S", 0.001)
+    code, out, err = run(capsys, "serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl",
+                         "1000", "--osl", "100")
+    assert code == 0 and "progress: searching deployments of llama3.1-8b" in err

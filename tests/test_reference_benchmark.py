@@ -15,7 +15,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 REPO = Path(__file__).resolve().parents[1]
-YAML = REPO.parent / "shared" / "reference_runs" / "training_dev.yaml"
+YAML = REPO / "benchmarks" / "training_dev.yaml"
 
 
 def _benchmark():
@@ -26,7 +26,6 @@ def _benchmark():
     return module
 
 
-@pytest.mark.skipif(not YAML.exists(), reason="../shared/reference_runs not present")
 def test_every_reference_run_gets_a_prediction_in_a_sane_band():
     bench = _benchmark()
     entries = yaml.safe_load(YAML.read_text())
