@@ -17,6 +17,8 @@ import argparse
 import contextlib
 import io
 import json
+import math
+import os
 import random
 import re
 import shutil
@@ -25,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +54,9 @@ FLAG_GARBAGE = ["", "-1", "0", "0.5", "inf", "-inf", "nan", "1e400", "x", "\u066
                 str(2**63), "1e12", "8,", "0x10", "--"]
 # fields where JSON null means "absent" (the schema's default): null there is valid
 OPTIONAL = {"kv_heads", "num_key_value_heads", "max_seq_len", "max_position_embeddings", "nic_gbps",
-            "nvlink_gb_s", "activation_ratio", "head_dim", "gpus_per_node"}
+            "nvlink_gb_s", "activation_ratio", "head_dim", "gpus_per_node",
+            # a model file's optional settings (costmodels/model.py: default None, the framework's own default)
+            "norm_eps", "rope_theta", "dropout", "low_freq_factor", "high_freq_factor"}
 
 
 @dataclass
@@ -61,6 +65,8 @@ class Case:
     what: str
     argv: list[str]
     files: dict[str, str | bytes]
+    env: dict[str, str] = field(default_factory=dict)  # environment for the case ({d}: its folder)
+    dirs: tuple[str, ...] = ()  # folders made in the case's folder before it runs
 
 
 def _json(doc) -> str:
@@ -245,6 +251,137 @@ def flag_cases() -> list[Case]:
     return cases
 
 
+# ---- the surfaces added since the first campaign (issue 43) ------------------------------------------------------
+
+ESTIMATE = ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048"]
+BUDGET_FLAGS = {"--tokens": (1.0, 1e18), "--restart-min": (0.0, 10080.0), "--ckpt-gbps": (1e-3, 1e6),
+                "--price-per-gpu-hour": (0.0, 1e4), "--failure-rate": (1e-12, 1.0)}
+
+
+def economics_cases() -> list[Case]:
+    """Each budget flag set to garbage, on estimate and plan (with --tokens so that the run's time is priced): a
+    value in the flag's range is valid and skipped."""
+    cases = []
+    for flag, (low, high) in BUDGET_FLAGS.items():
+        for g in FLAG_GARBAGE:
+            try:
+                value = float(g)
+            except ValueError:
+                value = math.nan
+            if math.isfinite(value) and low <= value <= high:
+                continue
+            for command in ("estimate", "plan"):
+                argv = [command, *ESTIMATE[1:], *(["--max-mbs", "2"] if command == "plan" else [])]
+                if flag != "--tokens":
+                    argv += ["--tokens", "15e12"]
+                cases.append(Case("flags-economics", f"{command} {flag} {g[:20]!r}", [*argv, flag, g], {}))
+    return cases
+
+
+def _leaves(doc, prefix=()):
+    """(path, value) of every scalar leaf, lists whole (not the first three as _paths)."""
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _leaves(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _leaves(v, prefix + (i,))
+    else:
+        yield prefix, doc
+
+
+def plan_edit_cases(plan_doc: dict) -> list[Case]:
+    """Every figure a plan derives (prediction, memory, economics) edited to a plausible wrong value (x1.5, x0.5)
+    or to garbage, read by show, export and compare in turn: a plan this meshplan made reproduces its figures on
+    read, so each edit is refused in one line. The search's account is not re-derived and is left out."""
+    cases, commands = [], (["show", "{d}/p.json"], ["export", "{d}/p.json", "--to", "megatron"],
+                           ["compare", "{d}/p.json", "{d}/q.json"])
+    valid = json.dumps(plan_doc)
+    n = 0
+    for path, original in _leaves(plan_doc):
+        if path[0] not in ("prediction", "memory", "economics") or not _numeric(original) or "layout" in path:
+            continue
+        for value in (original * 1.5, original * 0.5, -1, 0, 1e300, None, "x", True):
+            if _numeric(value) and abs(value - original) <= 1e-12:  # the same number, or a difference of rounding
+                continue
+            argv = commands[n % len(commands)]
+            n += 1
+            cases.append(Case("plan-edit", f"{argv[0]} {'.'.join(map(str, path))} = {value!r:.24}", argv,
+                              {"p.json": _json(_set(plan_doc, path, value)), "q.json": valid}))
+    return cases
+
+
+def compare_cases(plan_doc: dict) -> list[Case]:
+    """compare's own inputs: a serving plan, one plan, the same file twice, a plan of another model's figures."""
+    train, serve = json.dumps(plan_doc), json.dumps(_serving_plan())
+    zero = _json(_set(plan_doc, ("prediction", "tokens_per_s"), 0))
+    return [Case("compare", "a serving plan", ["compare", "{d}/p.json", "{d}/s.json"], {"p.json": train,
+                                                                                     "s.json": serve}),
+            Case("compare", "one plan", ["compare", "{d}/p.json"], {"p.json": train}),
+            Case("compare", "tokens_per_s 0", ["compare", "{d}/p.json", "{d}/z.json"], {"p.json": train,
+                                                                                         "z.json": zero}),
+            Case("compare", "not a plan", ["compare", "{d}/p.json", "{d}/x.json"], {"p.json": train, "x.json": "[]"}),
+            Case("compare", "--price-per-gpu-hour -1", ["compare", "{d}/p.json", "{d}/p.json",
+                                                        "--price-per-gpu-hour", "-1"], {"p.json": train})]
+
+
+def hf_cache_cases() -> list[Case]:
+    """An HF id resolved through a damaged cache: refs/main binary, a path, empty; a snapshot's config.json
+    garbage; the cache folder under a home directory that does not exist."""
+    ref = "{d}/hub/models--owner--name/refs/main"
+    snap = "{d}/hub/models--owner--name/snapshots/abc"
+    cases = []
+    for what, blob in {"binary ref": b"\xff\xfe\x00", "a path as ref": "../../../etc", "empty ref": "",
+                       "ref naming no snapshot": "0" * 40}.items():
+        cases.append(Case("hf-cache", what, ["models", "show", "owner/name"], {ref: blob},
+                          {"HF_HUB_CACHE": "{d}/hub"}))
+    for what, blob in {"config not JSON": "{", "config an array": "[]", "config without model_type": "{}",
+                       "config binary": b"\xff\xfe"}.items():
+        cases.append(Case("hf-cache", what, ["models", "show", "owner/name"],
+                          {ref: "abc", f"{snap}/config.json": blob}, {"HF_HUB_CACHE": "{d}/hub"}))
+    for env in ({"HF_HUB_CACHE": "~nouser-meshplan-fuzz/hub"}, {"HF_HOME": "~nouser-meshplan-fuzz"},
+                {"HF_HUB_CACHE": "{d}/missing"}):
+        cases.append(Case("hf-cache", f"cache {env}", ["models", "show", "owner/name"], {}, env))
+    return cases
+
+
+SERVE = ["serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "1000", "--osl", "100"]
+SWEEP = ["sweep", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048"]
+PLAN_Z3 = ["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048",
+           "--zero", "3", "--max-mbs", "2"]
+
+
+def collision_cases(plan_text: str) -> list[Case]:
+    """Outputs that collide: a flag's file that a report or export folder writes by its real name, a directory
+    where a folder writes a file, a report folder that is a file, two flags on one file. Each is refused before
+    any work, nothing left behind."""
+    cases = []
+    for name in ("serve.html", "serve-pareto.csv", "serve-pareto.png"):
+        cases.append(Case("collisions", f"serve --out R/{name} --report R", [*SERVE, "--report", "{d}/R", "--out",
+                                                                            f"{{d}}/R/{name}"], {}, dirs=("R",)))
+        cases.append(Case("collisions", f"serve --report R with R/{name} a directory", [*SERVE, "--report", "{d}/R"],
+                          {}, dirs=("R", f"R/{name}")))
+    for name in ("torchtitan.toml", "torchtitan_config.py"):
+        cases.append(Case("collisions", f"plan --out D/{name} --export-out D",
+                          [*PLAN_Z3, "--export", "torchtitan", "--export-out", "{d}/D", "--out", f"{{d}}/D/{name}"],
+                          {}, dirs=("D",)))
+        cases.append(Case("collisions", f"plan --trace D/{name} --export-out D",
+                          [*PLAN_Z3, "--export", "torchtitan", "--export-out", "{d}/D", "--trace", f"{{d}}/D/{name}"],
+                          {}, dirs=("D",)))
+        cases.append(Case("collisions", f"export into D with D/{name} a directory",
+                          ["export", "{d}/p.json", "--to", "torchtitan", "--out", "{d}/D"], {"p.json": plan_text},
+                          dirs=("D", f"D/{name}")))
+    for name in ("sweep.csv", "sweep.html", "sweep-scaling.png"):
+        cases.append(Case("collisions", f"sweep --out S with S/{name} a directory", [*SWEEP, "--out", "{d}/S"], {},
+                          dirs=("S", f"S/{name}")))
+    cases.append(Case("collisions", "serve --out F --report F", [*SERVE, "--out", "{d}/F", "--report", "{d}/F"], {}))
+    cases.append(Case("collisions", "sweep --out a file", [*SWEEP, "--out", "{d}/f.txt"], {"f.txt": "x"}))
+    cases.append(Case("collisions", "vllm export D/node-0.sh as --out", [*SERVE, "--export", "vllm", "--export-out",
+                                                                          "{d}/V", "--out", "{d}/V/node-0.sh"],
+                      {}, dirs=("V",)))
+    return cases
+
+
 def verify_flag_cases(plan_text: str) -> list[Case]:
     """verify's flags set to garbage: each is refused before any rank starts (a valid value would run the plan)."""
     cases = []
@@ -261,12 +398,19 @@ class _Hang(Exception):
 
 
 def run_case(case: Case, timeout: float) -> tuple[str, str]:
-    """(outcome, stderr) of one case in a fresh folder."""
+    """(outcome, stderr) of one case in a fresh folder (its files, folders and environment set up first)."""
     d = Path(tempfile.mkdtemp(prefix="fuzz-"))
+    saved = {k: os.environ.get(k) for k in case.env}
     try:
+        for name in case.dirs:
+            (d / name).mkdir(parents=True, exist_ok=True)
         for name, text in case.files.items():
-            (d / name).write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
-        before = set(d.iterdir())
+            path = d / name.replace("{d}/", "")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
+        for k, v in case.env.items():
+            os.environ[k] = v.replace("{d}", str(d))
+        before = set(d.rglob("*"))
         argv = [a.replace("{d}", str(d)) for a in case.argv]
         out, err = io.StringIO(), io.StringIO()
 
@@ -288,7 +432,7 @@ def run_case(case: Case, timeout: float) -> tuple[str, str]:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
         text = err.getvalue()
-        left = set(d.iterdir()) - before
+        left = set(d.rglob("*")) - before
         if "Traceback" in text or "Traceback" in out.getvalue():
             return "traceback", text[-300:]
         if code == 0:
@@ -300,6 +444,11 @@ def run_case(case: Case, timeout: float) -> tuple[str, str]:
             return "one error line, exit 2", lines[0]
         return f"exit {code}, {len(lines)} stderr lines", text[-300:]
     finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -307,7 +456,7 @@ def valid_documents() -> tuple[dict, str, str]:
     """(a Mixtral plan, a small Llama plan for verify, its torchtitan TOML export), written by meshplan itself."""
     d = Path(tempfile.mkdtemp(prefix="fuzz-valid-"))
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert main(["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "4", "--gbs", "8", "--seq",
                          "2048", "--tp", "2", "--pp", "2", "--order", "tp-cp-dp-pp", "--zero", "3",
                          "--out", str(d / "v.json")]) == 0
@@ -317,15 +466,33 @@ def valid_documents() -> tuple[dict, str, str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _serving_plan() -> dict:
+    d = Path(tempfile.mkdtemp(prefix="fuzz-serve-"))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            assert main([*SERVE, "--out", str(d / "s.json")]) == 0
+        return json.loads((d / "s.json").read_text())
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def valid_plan() -> dict:
     d = Path(tempfile.mkdtemp(prefix="fuzz-plan-"))
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert main(["plan", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "16", "--gbs", "64",
                          "--seq", "4096", "--pp", "2", "--tp", "2", "--ep", "8", "--out", str(d / "p.json")]) == 0
         return json.loads((d / "p.json").read_text())
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def all_cases(rng: random.Random, plan_doc: dict, verify_plan: str, titan_toml: str) -> list[Case]:
+    """Every family: the first campaign's (files, flags, torchtitan TOML, verify flags) and issue 43's (economics
+    flags, compare, plan edits of every derived figure, the HF cache, output collisions and reports)."""
+    return (document_cases(rng, plan_doc, titan_toml) + flag_cases() + verify_flag_cases(verify_plan)
+            + economics_cases() + compare_cases(plan_doc) + plan_edit_cases(plan_doc) + hf_cache_cases()
+            + collision_cases(verify_plan))
 
 
 def main_() -> int:
@@ -337,7 +504,7 @@ def main_() -> int:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     plan_doc, verify_plan, titan_toml = valid_documents()
-    cases = document_cases(rng, plan_doc, titan_toml) + flag_cases() + verify_flag_cases(verify_plan)
+    cases = all_cases(rng, plan_doc, verify_plan, titan_toml)
     if args.cases:
         cases = rng.sample(cases, min(args.cases, len(cases)))
     outcomes: Counter = Counter()

@@ -201,7 +201,7 @@ def show(
                   f"cost model {doc.cost_model or 'not recorded'})")
     for line in (opened.repriced, opened.note):
         if line:
-            note(line) if as_json else con.print(Text(line, "yellow"))  # beside the JSON, not in it
+            note(line) if as_json else con.print(Text(line, "yellow"), soft_wrap=True)  # beside the JSON, not in it
     if isinstance(doc, ServingPlan):
         if not as_json:
             print_serving(con, doc.inputs.model_spec(), doc.inputs.cluster.cluster(), doc.inputs.workload,

@@ -117,6 +117,33 @@ CASES = [
     ("torchrun with a non-ASCII process count", {},
      [*MEGATRON, "torchrun --nproc-per-node \u0668 pretrain_gpt.py --num-layers 32" + WORKLOAD],
      ["--nproc-per-node"]),
+    # ---- issue 43's reproducers: the surfaces added since the first campaign
+    ("hardware show of a non-UTF-8 TOML", {"g.toml": b"\xff\xfe"}, ["hardware", "show", "{dir}/g.toml"],
+     ["UTF-8"]),
+    ("a 5,000-digit TOML integer in a model file", {"m.toml": "layers = " + "9" * 5000 + "\n"},
+     ["models", "show", "{dir}/m.toml"], ["digits"]),
+    ("--ckpt-gbps inf", {}, [*EST, "--gbs", "16", "--tokens", "15e12", "--ckpt-gbps", "inf"],
+     ["--ckpt-gbps", "finite"]),
+    ("--tokens inf", {}, [*EST, "--gbs", "16", "--tokens", "inf"], ["--tokens", "finite"]),
+    ("--restart-min inf", {}, [*EST, "--gbs", "16", "--tokens", "15e12", "--restart-min", "inf"],
+     ["--restart-min", "finite"]),
+    ("--price-per-gpu-hour 1e300", {}, [*EST, "--price-per-gpu-hour", "1e300"], ["--price-per-gpu-hour"]),
+    ("failures that never let the run finish", {},
+     [*EST, "--gbs", "16", "--tokens", "1e18", "--failure-rate", "1", "--restart-min", "10000"], ["never finishes"]),
+    ("torchrun --nnodes 0", {}, [*MEGATRON, "torchrun --nnodes 0 --nproc-per-node 8 pretrain_gpt.py --num-layers 32"
+                                 + WORKLOAD], ["--nnodes 0"]),
+    ("--recompute-num-layers past the layers per rank", {},
+     [*MEGATRON, "--num-layers 32 --recompute-granularity full --recompute-method uniform --recompute-num-layers 99"
+      + WORKLOAD], ["--recompute-num-layers 99", "32"]),
+    ("--recompute-granularity full without a method", {},
+     [*MEGATRON, "--num-layers 32 --recompute-granularity full" + WORKLOAD], ["--recompute-method"]),
+    ("serve --isl past the model's context", {},
+     ["serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "1000000", "--osl", "100"],
+     ["131,072", "--beyond-context"]),
+    ("plan --seq past the model's context", {}, [*PLAN[:-1], "4096", "--model", "gpt3-175b"], ["2,048"]),
+    ("sweep --gpus up to 2**62", {},
+     ["sweep", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "1..4611686018427387904", "--gbs", "16",
+      "--seq", "2048"], ["--gpus", "at most 262,144"]),
 ]
 
 
@@ -331,3 +358,116 @@ def test_a_sample_of_the_fuzz_campaign_keeps_the_promise():
             if outcome != "one error line, exit 2":
                 bad.append(f"[{case.family}] {case.what}: {outcome} {detail}")
     assert bad == []
+
+
+# ---- issue 43: the HF cache, paths as markup, plans re-derived on read ------------------------------------------
+
+def test_an_hf_cache_under_a_missing_home_or_with_a_binary_ref_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", "~nouser-meshplan-test/hub")
+    assert_input_error(*run(capsys, "models", "show", "owner/name"), "HF_HUB_CACHE")
+    refs = tmp_path / "hub" / "models--owner--name" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_bytes(b"\xff\xfe\x00")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert_input_error(*run(capsys, "models", "show", "owner/name"), "refs/main", "UTF-8")
+    (refs / "main").write_text("../../../etc")
+    assert_input_error(*run(capsys, "models", "show", "owner/name"), "does not name a snapshot")
+
+
+def test_a_path_that_looks_like_markup_is_printed_as_it_is(capsys, tmp_path):
+    """`meshplan show '[/].json'` was a rich MarkupError traceback: paths and names print as given."""
+    folder = tmp_path / "["
+    folder.mkdir()
+    path = folder / "].json"
+    code, out, err = run(capsys, *PLAN, "--out", str(path))
+    assert code == 0, err
+    assert f"plan written to {path}" in out
+    code, out, err = run(capsys, "show", str(path))
+    assert code == 0 and f"plan {path} (schema" in out, err
+
+
+@pytest.fixture(scope="module")
+def llama_plan(tmp_path_factory) -> dict:
+    from meshplan.cli.main import main
+
+    path = tmp_path_factory.mktemp("llama") / "p.json"
+    assert main([*PLAN, "--tokens", "1e12", "--out", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+FIGURE_EDITS = [  # (edit, words the one line holds): each from the issue's reproducers
+    (lambda d: d["prediction"].update(step_time_s=-5), ["prediction.step_time_s", "greater than 0"]),
+    (lambda d: d["prediction"].update(mfu=2.0), ["prediction.mfu", "1"]),
+    (lambda d: d["prediction"]["stages"][0]["memory_gib"].update(weights=-1.0), ["weights", "0"]),
+    (lambda d: d["inputs"]["cluster"]["gpu_spec"]["hbm_gib"].update(value=1e-300), ["hbm_gib", "1e-300"]),
+    (lambda d: d["inputs"]["workload"].update(seq_len=1), ["tokens_per_s"]),
+    (lambda d: d["memory"].update(recompute="bogus"), ["memory.recompute"]),
+    (lambda d: d["prediction"].update(tokens_per_s=0), ["prediction.tokens_per_s"]),
+    (lambda d: d["memory"]["stages"][0]["breakdown_gib"].update(weights=3.0),
+     ["memory.stages[0].breakdown_gib.weights", "is 3", "give"]),
+    (lambda d: d["economics"].update(total_usd=5.0), ["economics.total_usd", "is 5", "give"]),
+    (lambda d: d["prediction"]["breakdown_s"].update(compute=d["prediction"]["breakdown_s"]["compute"] * 0.9),
+     ["prediction.breakdown_s.compute"]),
+]
+
+
+@pytest.mark.parametrize("edit,words", FIGURE_EDITS, ids=[str(i) for i in range(len(FIGURE_EDITS))])
+@pytest.mark.parametrize("command", [["show"], ["export", "--to", "megatron"], ["compare", "{same}"]])
+def test_a_plan_with_an_edited_figure_is_refused_by_every_reader(capsys, tmp_path, llama_plan, edit, words, command):
+    """A figure a plan derives, edited by hand (or its inputs edited under it), used to be written into a launch
+    script (`# predicted: step -5 s`): this cost model made the plan, so its own inputs and layout must give every
+    figure again, and the first that does not is named in one line."""
+    doc = json.loads(json.dumps(llama_plan))
+    edit(doc)
+    path, same = tmp_path / "edited.json", tmp_path / "same.json"
+    path.write_text(json.dumps(doc))
+    same.write_text(json.dumps(llama_plan))
+    args = [command[0], str(path), *(str(same) if a == "{same}" else a for a in command[1:])]
+    assert_input_error(*run(capsys, *args), "invalid plan", *words)
+
+
+def test_a_serving_plan_whose_engine_the_model_cannot_take_is_refused(capsys, tmp_path):
+    """`ep: 3` on a dense model's serving plan was exported: engines are checked as training layouts are."""
+    path = tmp_path / "s.json"
+    assert run(capsys, "serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "1000",
+               "--osl", "100", "--out", str(path))[0] == 0
+    doc = json.loads(path.read_text())
+    doc["engines"][0]["ep"] = 3
+    path.write_text(json.dumps(doc))
+    for command in (["show"], ["export", "--to", "vllm"]):
+        assert_input_error(*run(capsys, command[0], str(path), *command[1:]), "invalid plan", "ep 3", "no experts")
+
+
+@pytest.mark.parametrize("digest", [None, "sha256:0000000000000000"], ids=["not recorded", "another"])
+def test_a_plan_of_another_cost_model_is_repriced_and_says_so(capsys, tmp_path, llama_plan, digest):
+    """A plan an older meshplan wrote (no digest, or another) is not refused for figures this cost model computes
+    otherwise: they are computed again, and show, export and compare say which figure moved and from what."""
+    doc = json.loads(json.dumps(llama_plan))
+    doc["cost_model"] = digest
+    doc["prediction"]["breakdown_s"]["compute"] *= 0.9  # as an older cost model's figure would differ
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    code, out, err = run(capsys, "show", str(path))
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("re-priced:"))
+    assert "prediction.breakdown_s.compute" in line and "where the file has" in line
+    code, out, err = run(capsys, "export", str(path), "--to", "megatron")
+    assert code == 0 and "note: re-priced:" in err
+    stored = llama_plan["prediction"]["step_time_s"]
+    assert f"step {stored:.4g} s" in out  # the export carries the figures computed again, not the file's
+    code, out, err = run(capsys, "show", str(path), "--json")
+    assert code == 0 and json.loads(out)["prediction"] == llama_plan["prediction"]
+
+
+def test_every_help_is_readable_at_80_columns(capsys, monkeypatch):
+    """At 80 columns rich's option tables cut `--ttft-ms` to "Time-to-first-to…" and broke choice lists mid-word:
+    click's plain help wraps words whole, no line past 80, nothing elided."""
+    monkeypatch.setenv("COLUMNS", "80")
+    for command in (["estimate"], ["plan"], ["sweep"], ["serve"], ["profile"], ["export"], ["import"], ["show"],
+                    ["compare"], ["verify"], ["models", "show"], ["hardware", "show"]):
+        code, out, err = run(capsys, *command, "--help")
+        assert code == 0, (command, err)
+        assert all(len(line) <= 80 for line in out.splitlines()), (command, max(out.splitlines(), key=len))
+        assert "…" not in out, command
+        if command == ["serve"]:
+            assert "Time-to-first-token target, ms." in " ".join(out.split())
