@@ -15,7 +15,8 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import to_model_file
 from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
 from meshplan.hardware_db.cluster import Cluster
-from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryGiB, MemoryStage, ParetoPoint, Plan,
+from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryGiB, MemoryStage, ParetoPoint, PartitionStatus,
+                                   Plan,
                                    PredictedStage, Prediction, RealismRecord, SearchInfo, ServingEngine, ServingInputs,
                                    ServingPlan, ServingPrediction, ServingSearch, StageTime, cost_model_digest,
                                    layout_sections, meshplan_version)
@@ -62,14 +63,14 @@ def _prediction(simulated: Simulated) -> Prediction:
 
 
 def _search_info(account: SearchAccount, rank: int | None, bound_s: float | None,
-                 partition_status: str | None) -> SearchInfo:
+                 partition_status: PartitionStatus | None) -> SearchInfo:
     return SearchInfo(**dataclasses.asdict(account), rank=1 if rank is None else rank, bound_s=bound_s,
                       partition_status=partition_status)
 
 
 def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: ParallelConfig, simulated: Simulated,
                runtime: str, account: SearchAccount | None = None, rank: int | None = None,
-               bound_s: float | None = None, partition_status: str | None = None,
+               bound_s: float | None = None, partition_status: PartitionStatus | None = None,
                calibration: str | None = None) -> Plan:
     """The plan for one simulated configuration; `account` (and this plan's rank, bound and partition status)
     when a search produced it. Raises ValueError when `simulated` was not made from these inputs."""

@@ -178,6 +178,8 @@ class Pipeline(_Frozen):
 
 
 Gib = Annotated[float, Field(ge=0)]
+SearchStatus = Literal["optimal", "gap", "time-limit", "infeasible"]  # planner.search.SearchAccount.status
+PartitionStatus = Literal["optimal", "bound gap"]  # simulated == its partition bound, or not
 Seconds = Annotated[float, Field(ge=0)]
 
 
@@ -278,14 +280,14 @@ class SearchInfo(_Frozen):
     infeasible: dict[str, int]
     seconds: float | None = Field(default=None, ge=0, description=(
         "the search's wall time; written only with --timing, so a plan is byte-identical for the same input"))
-    status: Literal["optimal", "gap", "time-limit", "infeasible"]
+    status: SearchStatus
     gap: float = Field(ge=0, description="proven relative gap of the best plan (0: optimal)")
     lower_bound_s: float = Field(ge=0)
     domains: dict[str, str]
     cpsat_calls: int = Field(ge=0)
     rank: int = Field(ge=1, description="1 = the best plan found")
     bound_s: float | None = Field(default=None, ge=0, description="lower bound on this candidate over all partitions")
-    partition_status: Literal["optimal", "bound gap"] | None = None
+    partition_status: PartitionStatus | None = None
 
 
 COST_MODEL_HELP = ("sha256 of the cost model's source that computed the figures: a plan read by the same cost model "
@@ -370,7 +372,8 @@ def _figures_problem(plan: Plan) -> str | None:
                *((f"memory.stages[{i}].peak_gib", m.peak_gib, s.peak_memory_gib)
                  for i, (m, s) in enumerate(zip(plan.memory.stages, p.stages, strict=True))))
     for field, stored, implied in derived:
-        same = _close(stored, implied) if isinstance(stored, float) else stored == implied
+        same = _close(stored, implied) if isinstance(stored, float) and isinstance(implied, float) else \
+            stored == implied
         if not same:
             return f"{field} is {stored!r:.24}, but the plan's own figures give {implied!r:.24}"
     return None

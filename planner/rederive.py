@@ -43,8 +43,10 @@ class Rederived:
 def rederive(plan: Plan | ServingPlan, origin: str) -> Rederived:
     """The plan with every figure recomputed from its inputs and layout; InputError (one line naming `origin`, the
     field and the recomputed value) when this cost model made the plan and a figure disagrees."""
+    fresh: Plan | ServingPlan
+    simulated: Simulated | None = None
     if isinstance(plan, ServingPlan):
-        fresh, simulated = _serving(plan, origin), None
+        fresh = _serving(plan, origin)
     elif plan.inputs.calibration is not None:
         return Rederived(plan, note=f"made with calibration {plan.inputs.calibration}, which the file does not hold: "
                                     f"its prediction is shown as stored, not re-simulated")

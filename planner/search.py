@@ -38,6 +38,7 @@ from meshplan.hardware_db.errors import InputError
 from meshplan.planner.partition import (PartitionProblem, PartitionResult, partitions_below, per_stage_bound,
                                         per_stage_partitions_below, per_stage_tight_bound, solve_dp_pairs,
                                         solve_rank0_path_sync, solve_stage0_sync)
+from meshplan.planner.plan import PartitionStatus, SearchStatus
 from meshplan.planner.search_bounds import SearchCosts
 from meshplan.planner.space import (DEFAULT_MAX_MBS, MEMORY_POLICY, UNIFORM_POLICY, Candidate, Enumeration, Group,
                                     check_pins, enumerate_space)
@@ -76,7 +77,7 @@ class RankedPlan:
     config: ParallelConfig
     estimate: Estimate
     bound_s: float  # lower bound on this candidate's step time over all partitions
-    partition_status: str  # "optimal" (simulated == bound), or "bound gap"
+    partition_status: PartitionStatus  # "optimal" (simulated == bound), or "bound gap"
 
     @property
     def step_time_s(self) -> float:
@@ -93,7 +94,7 @@ class SearchAccount:
     pruned: dict[str, int]  # candidates pruned, by the bound that pruned them
     infeasible: dict[str, int]  # candidates rejected, by rule (divisibility) or memory
     seconds: float
-    status: str  # "optimal" | "gap" | "time-limit" | "infeasible"
+    status: SearchStatus
     gap: float  # proven relative gap of the best plan (0 when optimal)
     lower_bound_s: float  # no candidate in the space is faster than this
     domains: dict[str, str]
@@ -692,7 +693,7 @@ class _Search(SearchCosts):
             self._note_memory(est.peak_memory_gib * GIB, _describe(c))
             return
         tight = est.step_time_s <= bound * (1 + 1e-6)
-        status = "optimal" if (tight or c.vpp > 1) else "bound gap"
+        status: PartitionStatus = "optimal" if (tight or c.vpp > 1) else "bound gap"
         if not tight and c.vpp == 1 and not another_partition:
             self.open_bounds.append((bound, c, stage_layers, policies))
         kept = self.best.add(RankedPlan(c, cfg, est, bound if c.vpp == 1 else est.step_time_s, status))
@@ -716,10 +717,10 @@ class _Search(SearchCosts):
         lows = [b for b, _, _, _ in self.open_bounds if b < best] + [self.unexplored_bound]
         low = min([best] + lows)
         gap = max(0.0, (best - low) / best)
-        status = "time-limit" if timed_out else ("optimal" if gap <= 1e-6 else "gap")
+        status: SearchStatus = "time-limit" if timed_out else ("optimal" if gap <= 1e-6 else "gap")
         return SearchResult(plans, self._account(seconds, status, gap, low), None)
 
-    def _account(self, seconds: float, status: str, gap: float, low: float) -> SearchAccount:
+    def _account(self, seconds: float, status: SearchStatus, gap: float, low: float) -> SearchAccount:
         return SearchAccount(self.enum.space_size, self.evaluated, self.bounded, dict(self.pruned),
                              dict(self.infeasible), seconds, status, gap, low, dict(self.enum.domains),
                              self.cpsat_calls)
