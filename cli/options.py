@@ -94,7 +94,7 @@ def print_table(con: Console, title: str, headers: Sequence[str], rows: Sequence
 
 # piped output (CI logs, `| tee`): a plain `progress:` line on stderr once a step has run this many CPU seconds,
 # then every PROGRESS_EVERY_S; CPU time, so a command that is short on an idle machine prints none on a busy one
-PROGRESS_FIRST_S = 5.0
+PROGRESS_FIRST_S = 10.0
 PROGRESS_EVERY_S = 10.0
 PROGRESS_POLL_S = 1.0  # how often working()'s watcher looks at the clock
 

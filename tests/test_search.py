@@ -55,9 +55,10 @@ def run(model: str, n: int, gbs: int, seq: int, gpu: str = "h100-sxm", top_k: in
 
 
 def runtime_for(pins: dict) -> str:
-    """The default runtime (megatron-core), or the reference executor's where a pinned schedule needs it (it runs
-    every schedule: runtime.RUNTIMES)."""
-    return "meshplan-executor" if pins.get("schedule") in ("gpipe", "zb") else DEFAULT_RUNTIME
+    """The default runtime (megatron-core), or the reference executor's where a pinned schedule or per-stage
+    recomputation needs it (it runs every schedule and recomputes each stage its own way: runtime.RUNTIMES)."""
+    executor = pins.get("schedule") in ("gpipe", "zb") or pins.get("recompute") == "per-stage"
+    return "meshplan-executor" if executor else DEFAULT_RUNTIME
 
 
 def close(a: float, b: float, rel: float = REL) -> bool:
@@ -206,11 +207,12 @@ ACCOUNT_CASES = [
 def test_account_adds_up(model, n, gbs, seq, gpu, pins):
     """Every candidate of the space is counted exactly once: simulated, pruned (by the bound that pruned it) or
     infeasible (by rule or memory) -- planner/space.py: space size = evaluated + pruned + infeasible."""
-    result = run(model, n, gbs, seq, gpu, 3, (("max_mbs", 2), *pins))
+    runtime = runtime_for(dict(pins))
+    result = run(model, n, gbs, seq, gpu, 3, (("max_mbs", 2), *pins), runtime)
     acc = result.account
     spec = zoo(model)
     enum = enumerate_space(spec, n, cluster(n, gpu).gpus_per_node, Workload(global_batch=gbs, seq_len=seq),
-                           ParallelConfig(**dict(pins)), get_runtime(DEFAULT_RUNTIME), max_mbs=2)
+                           ParallelConfig(**dict(pins)), get_runtime(runtime), max_mbs=2)
     assert acc.space_size == enum.space_size
     assert enum.space_size == sum(g.size() for g in enum.groups) + sum(enum.infeasible.values())
     assert all(v > 0 for v in acc.pruned.values()) and all(v > 0 for v in acc.infeasible.values())
@@ -323,9 +325,10 @@ def test_per_stage_pin_lower_bound_is_sound():
     plan if it is reported optimal."""
     model, c, wl = zoo("llama3.1-8b"), cluster(8), Workload(global_batch=16, seq_len=2048)
     pins = ParallelConfig(pp=2, tp=1, cp=1, recompute="per-stage")
-    result = search(model, c, wl, pins, top_k=3, max_mbs=2)
+    runtime = "meshplan-executor"  # the preset that recomputes each stage its own way
+    result = search(model, c, wl, pins, runtime, top_k=3, max_mbs=2)
     acc = result.account
-    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins, get_runtime(DEFAULT_RUNTIME), max_mbs=2)
+    enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins, get_runtime(runtime), max_mbs=2)
     best, arg = math.inf, None
     for g in enum.groups:
         m = g.mesh
@@ -340,7 +343,7 @@ def test_per_stage_pin_lower_bound_is_sound():
                                              mbs=g.mbs, zero=zero, sp=sp, schedule=schedule,
                                              stage_layers=stage_layers, stage_recompute=policies,
                                              rank_order=m.order)
-                        est = estimate(model, c, wl, cfg)
+                        est = estimate(model, c, wl, cfg, runtime)
                         if est.fits and est.step_time_s < best:
                             best, arg = est.step_time_s, cfg
     assert math.isfinite(best) and result.plans
