@@ -3,6 +3,7 @@ runs is searched (the refusal's alternatives as pins) and named with the flags t
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -23,11 +24,17 @@ ARGS = ("plan", "--model", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "64", 
         "--runtime", EXECUTOR)
 
 
+@functools.cache
+def best_plan(model: str, cluster: ClusterSpec, workload: Workload, runtime: str):
+    """One search per (model, cluster, workload, runtime) for the whole module."""
+    return api.plan(model, cluster, workload, runtime=runtime)
+
+
 @pytest.fixture(scope="module")
 def refused():
     """The best Llama-3.1-70B plan for the executor recomputes per stage, which Megatron refuses (one policy for every
     stage)."""
-    best = api.plan("llama3.1-70b", CLUSTER, WORKLOAD, runtime=EXECUTOR)
+    best = best_plan("llama3.1-70b", CLUSTER, WORKLOAD, EXECUTOR)
     with pytest.raises(ExportError) as info:
         export_plan(best, "megatron")
     assert info.value.pins  # the refusal says which pins would avoid it
@@ -82,7 +89,7 @@ def test_a_plan_made_for_a_runtime_exports_to_its_launcher(runtime, model, clust
     CP kinds): the best plan for each preset exports to that preset's launcher without a refusal. The Quickstart's
     plan used to recompute per stage under megatron-core, which Megatron-LM refuses."""
     assert set(RUNTIME_LAUNCHER) == set(RUNTIMES)
-    doc = api.plan(model, cluster, workload, runtime=runtime)
+    doc = best_plan(model, cluster, workload, runtime)
     exported = export_plan(doc, RUNTIME_LAUNCHER[runtime])
     assert exported.files
     if runtime != "meshplan-executor":
