@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshplan.cli.main import main
+from meshplan.cli.options import BUDGET_BOUNDS
 
 HF_LLAMA = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -254,15 +255,13 @@ def flag_cases() -> list[Case]:
 # ---- the surfaces added since the first campaign (issue 43) ------------------------------------------------------
 
 ESTIMATE = ["estimate", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048"]
-BUDGET_FLAGS = {"--tokens": (1.0, 1e18), "--restart-min": (0.0, 10080.0), "--ckpt-gbps": (1e-3, 1e6),
-                "--price-per-gpu-hour": (0.0, 1e4), "--failure-rate": (1e-12, 1.0)}
 
 
 def economics_cases() -> list[Case]:
     """Each budget flag set to garbage, on estimate and plan (with --tokens so that the run's time is priced): a
     value in the flag's range is valid and skipped."""
     cases = []
-    for flag, (low, high) in BUDGET_FLAGS.items():
+    for flag, (low, high) in BUDGET_BOUNDS.items():
         for g in FLAG_GARBAGE:
             try:
                 value = float(g)

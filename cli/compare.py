@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan import api
-from meshplan.cli.options import console
+from meshplan.cli.options import check_budget, console
 from meshplan.costmodels.economics import Budget
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.compare import Comparison, compare_plans
@@ -23,6 +23,7 @@ def compare(
 ) -> None:
     """Compare plans: the knobs that differ, predicted step time and each of its terms, memory per stage, cost, and
     why the fastest wins."""
+    check_budget("--price-per-gpu-hour", price)
     docs: list[Plan] = []
     notes: list[str] = []
     for path in plan_files:

@@ -2,13 +2,13 @@
 cluster and workload they describe, output paths checked before any work, the console."""
 
 import contextlib
-import threading
-import time
 import functools
 import inspect
 import math
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import UnionType
@@ -100,8 +100,7 @@ PROGRESS_POLL_S = 1.0  # how often working()'s watcher looks at the clock
 
 
 def progress_line(text: str) -> None:
-    sys.stderr.write(f"progress: {text}\n")
-    sys.stderr.flush()
+    stderr_line("progress", text)
 
 
 class ProgressBar:
@@ -383,17 +382,21 @@ def echo_export(exported: Any) -> None:
         typer.echo(f.text, nl=False)
 
 
+def stderr_line(kind: str, message: str) -> None:
+    """`kind: message` on stderr in a single write: ranks under torchrun share stderr, unbuffered (print writes the
+    text and the newline apart, and two ranks' lines then interleave)."""
+    sys.stderr.write(f"{kind}: {message}\n")
+    sys.stderr.flush()
+
+
 def note(message: str) -> None:
     """A line on stderr beside a command's output (a re-priced plan under an export printed to stdout)."""
-    sys.stderr.write(f"note: {message}\n")
-    sys.stderr.flush()
+    stderr_line("note", message)
 
 
 def print_error(message: str) -> None:
-    """The one `error:` line, in a single write: ranks under torchrun share stderr, unbuffered (print writes the
-    text and the newline apart, and two ranks' lines then interleave)."""
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
+    """The one `error:` line."""
+    stderr_line("error", message)
 
 
 def with_budget(command: Command) -> Command:
@@ -424,13 +427,18 @@ BUDGET_BOUNDS = {"--price-per-gpu-hour": (0.0, 1e4), "--tokens": (1.0, 1e18), "-
                  "--ckpt-gbps": (1e-3, 1e6), "--restart-min": (0.0, 7 * 24 * 60.0)}
 
 
+def check_budget(flag: str, value: float | None) -> None:
+    """A budget flag (BUDGET_BOUNDS) finite and in its range, the error naming the flag; None: not given."""
+    low, high = BUDGET_BOUNDS[flag]
+    if value is not None and not (math.isfinite(value) and low <= value <= high):
+        raise InputError(f"{flag} {value:g}: give a finite number from {low:g} to {high:g}")
+
+
 def budget_of_flags(price: float | None, tokens: float | None, failure_rate: float, ckpt_gbps: float | None,
                     restart_min: float) -> Budget:
     given = {"--price-per-gpu-hour": price, "--tokens": tokens, "--failure-rate": failure_rate,
              "--ckpt-gbps": ckpt_gbps, "--restart-min": restart_min}
     for flag, value in given.items():
-        low, high = BUDGET_BOUNDS[flag]
-        if value is not None and not (math.isfinite(value) and low <= value <= high):
-            raise InputError(f"{flag} {value:g}: give a finite number from {low:g} to {high:g}")
+        check_budget(flag, value)
     reliability = Reliability(failure_rate, None if ckpt_gbps is None else ckpt_gbps * 1e9, restart_min * 60.0)
     return Budget(price, tokens, reliability)

@@ -10,7 +10,7 @@ from rich.console import Console
 from meshplan.costmodels.economics import Budget, ServingCost
 from meshplan import api
 from meshplan.cli.options import (P_CLUSTER, P_COST, P_MODEL, P_OUT, P_PAR, BeyondContextOpt, GpuOpt, ModelOpt, NicOpt,
-                                  NvlinkOpt, PerNodeOpt, check_context, cluster_of_flags, console, option,
+                                  NvlinkOpt, PerNodeOpt, check_budget, check_context, cluster_of_flags, console, option,
                                   output_targets, packed, print_table, report_export, working)
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
@@ -218,6 +218,7 @@ def serve(
     --request-rate), the Pareto front of tokens/s/GPU vs tokens/s/user, and why the runners-up lose; when
     nothing meets the targets, the nearest miss and what it misses.
     """
+    check_budget("--price-per-gpu-hour", price)  # before the search, as the training commands
     from meshplan.planner.launchers import export_files, export_plan
     from meshplan.planner.plan import plan_text
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Sequence
-from typing import TypeAlias, TypeVar
+from typing import TypeAlias
 
 from meshplan.costmodels.config import ParallelConfig, Workload
 from meshplan.costmodels.economics import Budget, TrainingCost, training_cost
@@ -43,8 +43,6 @@ __all__ = ["PinnedDeployment", "PlanSearch", "ServingSearch", "calibrated", "est
 
 # a zoo name, a config file (Hugging Face config.json or meshplan model file), or a spec
 ModelInput: TypeAlias = str | ModelSpec
-# a training or a serving plan, the same kind out as in
-PlanT = TypeVar("PlanT", Plan, ServingPlan)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import math
 import os
 from functools import cache
 from importlib import metadata, resources
@@ -423,17 +424,33 @@ def layout_problem(plan: Plan) -> str | None:
     return None
 
 
-def _first_difference(expected: Any, got: Any, where: str = "") -> str:
+def _first_difference(expected: Any, got: Any) -> str:
+    where, stored, derived = first_difference(expected, got) or ("", got, expected)
+    return (f"{where or 'value'} is {_one_line(json.dumps(stored), 40)}, the layout has "
+            f"{_one_line(json.dumps(derived), 40)}")
+
+
+def first_difference(expected: Any, got: Any, where: str = "",
+                     rel_tol: float = 0.0) -> tuple[str, Any, Any] | None:
+    """(dotted field, value in `got`, value in `expected`) of the first field where two JSON values differ, numbers
+    beyond `rel_tol` (0: exactly), or None; fields in `expected`'s order, then those only `got` has."""
     if isinstance(expected, dict) and isinstance(got, dict):
-        for k in expected:
-            if expected[k] != got.get(k):
-                return _first_difference(expected[k], got.get(k), f"{where}.{k}" if where else str(k))
+        for key in [*expected, *(k for k in got if k not in expected)]:
+            found = first_difference(expected.get(key), got.get(key), f"{where}.{key}" if where else str(key),
+                                     rel_tol)
+            if found is not None:
+                return found
+        return None
     if isinstance(expected, list) and isinstance(got, list) and len(expected) == len(got):
-        for i, (a, b) in enumerate(zip(expected, got, strict=False)):
-            if a != b:
-                return _first_difference(a, b, f"{where}[{i}]")
-    shown = _one_line(json.dumps(got), 40)
-    return f"{where or 'value'} is {shown}, the layout has {_one_line(json.dumps(expected), 40)}"
+        for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+            found = first_difference(a, b, f"{where}[{i}]", rel_tol)
+            if found is not None:
+                return found
+        return None
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (expected, got))
+    if numbers and rel_tol and math.isclose(expected, got, rel_tol=rel_tol, abs_tol=1e-12):
+        return None
+    return None if expected == got else (where, got, expected)
 
 
 PlanT = TypeVar("PlanT", "Plan", "ServingPlan")

@@ -13,18 +13,18 @@ the schema (planner/plan.py).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from meshplan.costmodels.economics import Budget
 from meshplan.costmodels.estimate import Simulated, simulate_config
 from meshplan.costmodels.serving import EngineLayout
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.builders import build_plan, build_serving_plan, priced
-from meshplan.planner.plan import Plan, ServingEngine, ServingPlan, cost_model_digest, plan_config
+from meshplan.planner.plan import Plan, ServingEngine, ServingPlan, cost_model_digest, first_difference, plan_config
 from meshplan.planner.serve import pinned_deployment
 
-__all__ = ["Rederived", "rederive", "first_difference"]
+__all__ = ["Rederived", "rederive"]
 
 RELATIVE = 1e-6  # beyond the rounding of a float written to JSON and read back
 
@@ -52,7 +52,7 @@ def rederive(plan: Plan | ServingPlan, origin: str) -> Rederived:
                                     f"its prediction is shown as stored, not re-simulated")
     else:
         fresh, simulated = _training(plan)
-    difference = first_difference(_figures(fresh), _figures(plan))
+    difference = first_difference(_figures(fresh), _figures(plan), rel_tol=RELATIVE)
     if difference is None:
         return Rederived(plan, simulated)
     where, stored, now = difference
@@ -96,8 +96,6 @@ def _serving(plan: ServingPlan, origin: str) -> ServingPlan:
     fresh = plan.model_copy(update={"engines": built.engines, "prediction": built.prediction,
                                     "cost_model": cost_model_digest(), "economics": None})
     if plan.economics is not None:
-        from meshplan.costmodels.economics import Budget
-
         fresh = priced(fresh, Budget(plan.economics.usd_per_gpu_hour))
     return fresh
 
@@ -112,27 +110,6 @@ def _figures(plan: Plan | ServingPlan) -> dict[str, Any]:
         "prediction", "memory", "economics")
     dumped = plan.model_dump(mode="json", include=set(names))
     return {name: dumped.get(name) for name in names}
-
-
-def first_difference(expected: Any, got: Any, where: str = "") -> tuple[str, Any, Any] | None:
-    """(dotted field, stored value, recomputed value) of the first field where `got` (stored) differs from
-    `expected` (recomputed) beyond rounding, or None."""
-    if isinstance(expected, dict) and isinstance(got, dict):
-        for key in [*expected, *(k for k in got if k not in expected)]:  # the schema's order: headline figures first
-            found = first_difference(expected.get(key), got.get(key), f"{where}.{key}" if where else str(key))
-            if found is not None:
-                return found
-        return None
-    if isinstance(expected, list) and isinstance(got, list) and len(expected) == len(got):
-        for i, (a, b) in enumerate(zip(expected, got, strict=True)):
-            found = first_difference(a, b, f"{where}[{i}]")
-            if found is not None:
-                return found
-        return None
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (expected, got))
-    if numbers and math.isclose(expected, got, rel_tol=RELATIVE, abs_tol=1e-12):
-        return None
-    return None if expected == got else (where, got, expected)
 
 
 def _shown(value: Any) -> str:

@@ -128,6 +128,9 @@ CASES = [
     ("--restart-min inf", {}, [*EST, "--gbs", "16", "--tokens", "15e12", "--restart-min", "inf"],
      ["--restart-min", "finite"]),
     ("--price-per-gpu-hour 1e300", {}, [*EST, "--price-per-gpu-hour", "1e300"], ["--price-per-gpu-hour"]),
+    ("serve --price-per-gpu-hour inf", {},
+     ["serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "1000", "--osl", "100",
+      "--price-per-gpu-hour", "inf"], ["--price-per-gpu-hour", "finite"]),
     ("failures that never let the run finish", {},
      [*EST, "--gbs", "16", "--tokens", "1e18", "--failure-rate", "1", "--restart-min", "10000"], ["never finishes"]),
     ("torchrun --nnodes 0", {}, [*MEGATRON, "torchrun --nnodes 0 --nproc-per-node 8 pretrain_gpt.py --num-layers 32"
@@ -471,3 +474,12 @@ def test_every_help_is_readable_at_80_columns(capsys, monkeypatch):
         assert "…" not in out, command
         if command == ["serve"]:
             assert "Time-to-first-token target, ms." in " ".join(out.split())
+
+
+def test_compare_price_is_held_to_the_budget_bounds(capsys, tmp_path, llama_plan):
+    """compare's --price-per-gpu-hour goes through the same bounds as the training commands' (it was unchecked
+    above 0; serve's inf ended in an internal field's name)."""
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(llama_plan))
+    assert_input_error(*run(capsys, "compare", str(path), str(path), "--price-per-gpu-hour", "1e300"),
+                       "--price-per-gpu-hour", "finite")

@@ -361,11 +361,12 @@ def megatron_args(plan: Plan) -> list[str]:
 
 
 def export_megatron(plan: Plan) -> Exported:
+    args = megatron_args(plan)  # its refusals first: the header may price the plan under megatron-core (a simulation)
     header = "\n".join("# " + line for line in header_lines(plan, "Megatron-LM", TARGET))
     note = ("# Add your data, tokenizer, optimizer and checkpoint arguments. Megatron pads the vocabulary to a "
             "multiple of\n# --make-vocab-size-divisible-by x tp; --vocab-size is read with --tokenizer-type "
             "NullTokenizer.")
-    command = shell_lines(torchrun_args(plan) + [MEGATRON_SCRIPT] + megatron_args(plan))
+    command = shell_lines(torchrun_args(plan) + [MEGATRON_SCRIPT] + args)
     text = f"#!/usr/bin/env bash\n{header}\n{note}\nset -euo pipefail\n{command} \\\n    \"$@\"\n"
     return Exported(TARGET, (ExportedFile("megatron.sh", text),))
 
