@@ -1,10 +1,10 @@
 """Running one function on every rank of a torch.distributed world, on this machine or under torchrun.
 
-`run_world(n, fn, *args)` spawns n processes (multiprocessing "spawn": each starts a fresh
-interpreter, so `fn` must be a picklable top-level function), gives each a process group with one
-torch thread, calls `fn(rank, n, *args)` and returns the n return values in rank order. It never
-hangs: a rank that raises ends the whole world with `RankFailure("rank 3: ValueError: ...")`, and
-a world that has not finished after `timeout_s` is killed with `RankFailure("rank 2: no result after
+`run_world(n, fn, *args)` starts n processes (multiprocessing's fork server, which imports torch once, or
+"spawn" where there is none: each rank is a fresh process, so `fn` must be a picklable top-level function),
+gives each a process group with one torch thread, calls `fn(rank, n, *args)` and returns the n return values
+in rank order. It never hangs: a rank that raises ends the whole world with `RankFailure("rank 3: ValueError:
+...")`, and a world that has not finished after `timeout_s` is killed with `RankFailure("rank 2: no result after
 60 s (still running)")`.
 
 On a cluster the same `fn` runs under `torchrun`: `run_torchrun(fn, *args)` reads RANK, WORLD_SIZE,
@@ -44,6 +44,8 @@ _KILL_WAIT_S = 2.0  # how long terminate() may take before kill()
 # the ranks' own process-group timeout beyond run_world's deadline (a CI run under load saw rank 0's gloo connect give
 # up on a rank 1 still starting, at the same 5 s as the deadline, so the wrong failure was named)
 _PG_MARGIN_S = 60.0
+# the executor's modules whose functions run on ranks: the fork server imports them once (_rank_context)
+RANK_MODULES = ("meshplan.executor.plan_run", "meshplan.executor.serving", "meshplan.executor.profiler")
 
 
 class RankFailure(RuntimeError):
@@ -65,16 +67,23 @@ def _one_line(exc: BaseException, limit: int = 500) -> str:
 
 
 def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this rank when its parent dies (prctl PR_SET_PDEATHSIG), so a verify killed by
-    SIGKILL (which runs no cleanup) leaves no rank behind; a parent already gone by now (it died while this rank
-    was still importing) ends the rank here. Elsewhere a no-op: the parent's own cleanup stops the ranks."""
+    """Linux: the kernel kills this rank when the process that forked it dies (prctl PR_SET_PDEATHSIG): the fork
+    server, which itself exits when run_world's process does (CPython's forkserver reads EOF on a pipe only that
+    process holds), so a verify killed by SIGKILL (which runs no cleanup) leaves no rank behind. A run_world process
+    already gone by now (it died while this rank was starting) ends the rank here. Elsewhere a no-op: the parent's
+    own cleanup stops the ranks."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
+    forker = os.getppid()
     pr_set_pdeathsig = 1  # linux/prctl.h
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
+    try:
+        os.kill(parent, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        os._exit(1)
+    if os.getppid() != forker:  # the forker died between fork and prctl
         os._exit(1)
 
 
@@ -145,7 +154,7 @@ def _stop(procs: list[Any], settle_s: float = 0.0) -> None:
 
 def run_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo",
               timeout_s: float = 60.0) -> list[Any]:
-    """`fn(rank, world_size, *args)` on `world_size` spawned processes; their return values in rank order.
+    """`fn(rank, world_size, *args)` on `world_size` new processes (_rank_context); their return values in rank order.
 
     Each rank has a process group (`backend`, a file:// store in a temporary directory; its own timeout
     _PG_MARGIN_S past `timeout_s`, so that this launcher, which stops the world at `timeout_s` and names the
@@ -159,7 +168,7 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str 
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     check_gpus(backend, world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context(fn)
     tmp = tempfile.mkdtemp(prefix="meshplan-world-")
     # a file store, not tcp://127.0.0.1:<port>: no free-port race between parallel worlds; gloo itself
     # still connects the ranks over TCP (set GLOO_SOCKET_IFNAME if the host name does not resolve)
@@ -185,6 +194,22 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str 
         for c in conns:
             c.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _rank_context(fn: Callable[..., Any]) -> Any:
+    """Where multiprocessing offers it (Linux, macOS), a fork server that imports torch once and forks every rank
+    from there: a spawned rank imports torch afresh (about 2 CPU s each, 8 ranks on 2 cores ~8 s of a verify's
+    start). The server starts on first use with this process's environment, sys.path and working directory, and
+    lives until this process ends; the ranks are still fresh processes, not forks of this one (whose threads and
+    CUDA state a fork would copy). Elsewhere, spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # read only when the server starts, once per process (an import that fails there is skipped; the rank then
+    # imports it itself): torch, and every module whose functions run on ranks (plan_run alone pulls in DTensor and
+    # pipelining, about 2.7 CPU s a rank)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__, *RANK_MODULES, fn.__module__])
+    return ctx
 
 
 def _collect(procs: list[Any], conns: list[Connection], timeout_s: float, stack_dir: str) -> dict[int, Any]:

@@ -252,8 +252,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the ranks die with their parent on Linux (prctl)")
 def test_killing_verify_leaves_no_rank_running(tmp_path):
-    """verify killed with SIGKILL (no cleanup runs) mid-run: every rank it spawned dies (a rank left behind would
-    run until its 600 s timeout)."""
+    """verify killed with SIGKILL (no cleanup runs) mid-run: every rank it started dies, and the fork server that
+    forked them (a rank left behind would run until its 600 s timeout)."""
     plan = _write_plan(tmp_path / "p.json", "llama3.1-8b", 2, 2, 4, dp=2, mbs=1)
     proc = subprocess.Popen([sys.executable, "-m", "meshplan.cli.main", "verify", plan, "--inject", "hang",
                              "--timeout", "600"],
@@ -263,19 +263,32 @@ def test_killing_verify_leaves_no_rank_running(tmp_path):
         deadline = time.monotonic() + 240  # imports and spawning the 2 ranks on a busy machine
         while time.monotonic() < deadline and len(ranks) < 2:
             time.sleep(0.5)
-            ranks = [p for p in _children(proc.pid) if "meshplan-rank" in _cmdline(p) or "spawn_main" in _cmdline(p)]
+            ranks = _ranks_of(proc.pid)
         assert len(ranks) >= 2, f"the ranks did not start: children {_children(proc.pid)}"
+        servers = [c for c in _children(proc.pid) if "forkserver" in _cmdline(c)]
         proc.kill()
         proc.wait()
         # a rank past _die_with_parent dies with it at once; one still importing torch (a loaded machine) ends when
         # it gets there: wait for both, generously, rather than guess how long the imports take
         gone_by = time.monotonic() + 180
-        while time.monotonic() < gone_by and any(_alive(r) for r in ranks):
+        while time.monotonic() < gone_by and any(_alive(r) for r in ranks + servers):
             time.sleep(0.5)
-        assert [r for r in ranks if _alive(r)] == []
+        assert [r for r in ranks + servers if _alive(r)] == []
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The ranks a verify process started: the children of its fork server (executor.launch._rank_context), or,
+    where there is no fork server, its spawned children."""
+    ranks = []
+    for child in _children(pid):
+        if "forkserver" in _cmdline(child):
+            ranks += _children(child)
+        elif "spawn_main" in _cmdline(child):
+            ranks.append(child)
+    return ranks
 
 
 def _cmdline(pid: int) -> str:
