@@ -196,3 +196,13 @@ def _efficiency_value(value: float | bool | list[list[float]]) -> str:
     if isinstance(value, list):
         return ", ".join(f"{m:g}: {f:g}" for m, f in value)
     return f"{value:g}"
+
+
+models_app = typer.Typer(help="Built-in model zoo and model files (docs/models.md).", no_args_is_help=True,
+                         rich_markup_mode=None)
+models_app.command("list")(models_list)
+models_app.command("show")(models_show)
+hardware_app = typer.Typer(help="Built-in GPU specifications, every number with its source (docs/hardware.md).",
+                           no_args_is_help=True, rich_markup_mode=None)
+hardware_app.command("list")(hardware_list)
+hardware_app.command("show")(hardware_show)

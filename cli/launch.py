@@ -12,10 +12,11 @@ from rich.table import Table
 from rich.text import Text
 
 from meshplan import api
+from meshplan.cli.lines import note, one_line, print_error
 from meshplan.cli.options import (MAX_VERIFY_RANKS, MAX_VERIFY_STEPS, MAX_VERIFY_TIMEOUT_S, P_CLUSTER, P_OUT, P_PAR,
                                   AnyExportTarget, CalibrationOpt, ClusterOpt, GpuOpt, ImportSource, NicOpt, NvlinkOpt,
-                                  PerNodeOpt, cluster_of_flags, console, echo_export, note, one_line, option,
-                                  output_targets, packed, print_error, working)
+                                  PerNodeOpt, cluster_of_flags, console, echo_export, option, output_targets, packed,
+                                  working)
 from meshplan.cli.serve import print_serving
 from meshplan.cli.train import print_cost, print_estimate
 from meshplan.costmodels.config import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Workload

@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from meshplan.cli.lines import stderr_line
 from meshplan.costmodels.config import ParallelConfig, Workload, knob_help
 from meshplan.costmodels.economics import LLAMA3_FAILURES_PER_GPU_HOUR, Budget, Reliability
 from meshplan.costmodels.runtime import RUNTIMES, RUNTIME_OPTIONS
@@ -27,7 +28,6 @@ from meshplan.planner.outputs import check_distinct, check_folder_contents, chec
 from meshplan.planner.sweep import Objective
 
 
-EXIT_INPUT = 2  # bad input, the same code click uses for usage errors
 MAX_VERIFY_STEPS = 1000  # verify compares parameters after a few steps; the reference draws every step's batch up front
 MAX_VERIFY_TIMEOUT_S = 86_400.0  # a day
 MAX_VERIFY_RANKS = 4096  # one process each, on this host
@@ -359,10 +359,6 @@ def workload_arg(gbs: int, seq: int, dtype: str, fp8_recipe: str) -> Workload:
     return Workload(global_batch=gbs, seq_len=seq, dtype=dtype, fp8_recipe=fp8_recipe)
 
 
-def one_line(text: object) -> str:
-    return " ".join(str(text).split()).replace("Value error, ", "")
-
-
 def report_export(con: Console, exported: Any, target: str | None, written: list[Any] | None) -> None:
     """After a command's tables: where --export wrote (`written`: the files, or None without --export-out), or the
     exported files themselves."""
@@ -380,23 +376,6 @@ def echo_export(exported: Any) -> None:
         if len(exported.files) > 1:
             typer.echo(f"==> {f.name} <==")
         typer.echo(f.text, nl=False)
-
-
-def stderr_line(kind: str, message: str) -> None:
-    """`kind: message` on stderr in a single write: ranks under torchrun share stderr, unbuffered (print writes the
-    text and the newline apart, and two ranks' lines then interleave)."""
-    sys.stderr.write(f"{kind}: {message}\n")
-    sys.stderr.flush()
-
-
-def note(message: str) -> None:
-    """A line on stderr beside a command's output (a re-priced plan under an export printed to stdout)."""
-    stderr_line("note", message)
-
-
-def print_error(message: str) -> None:
-    """The one `error:` line."""
-    stderr_line("error", message)
 
 
 def with_budget(command: Command) -> Command:

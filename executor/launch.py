@@ -67,24 +67,33 @@ def _one_line(exc: BaseException, limit: int = 500) -> str:
 
 
 def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this rank when the process that forked it dies (prctl PR_SET_PDEATHSIG): the fork
-    server, which itself exits when run_world's process does (CPython's forkserver reads EOF on a pipe only that
-    process holds), so a verify killed by SIGKILL (which runs no cleanup) leaves no rank behind. A run_world process
-    already gone by now (it died while this rank was starting) ends the rank here. Elsewhere a no-op: the parent's
-    own cleanup stops the ranks."""
+    """The rank dies with run_world's process (`parent`), even when that one is killed by SIGKILL (no cleanup runs),
+    so a killed verify leaves no rank behind. Linux: the kernel kills the rank when the fork server that forked it
+    dies (prctl PR_SET_PDEATHSIG); but the server outlives the caller while a rank lives (each rank holds a copy of
+    the pipe whose end the server waits for), so a daemon thread also waits on the caller itself (a pidfd: readable
+    when that process ends) and kills the rank then. A caller already gone by now ends the rank here. Elsewhere a
+    no-op: the parent's own cleanup stops the ranks."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
+    import select
+    import threading
 
     forker = os.getppid()
     pr_set_pdeathsig = 1  # linux/prctl.h
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     try:
-        os.kill(parent, 0)  # signal 0: only whether the process exists
+        watched = os.pidfd_open(parent)
     except ProcessLookupError:
         os._exit(1)
     if os.getppid() != forker:  # the forker died between fork and prctl
         os._exit(1)
+
+    def wait_for_the_caller() -> None:
+        select.select([watched], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_for_the_caller, name="meshplan-caller-watch", daemon=True).start()
 
 
 def _child(rank: int, world: int, backend: str, init_method: str, timeout_s: float,

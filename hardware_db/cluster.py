@@ -1,4 +1,9 @@
-"""ClusterSpec and its topology graph: which link a group of ranks must cross follows from where they sit."""
+"""ClusterSpec and its topology graph: which link a group of ranks must cross follows from where they sit.
+
+The fabric is two levels (a scale-up switch per node, a network across them). A group's link is read off those
+levels (Cluster.group_link, for thousands of groups per search); the networkx graph of the same fabric
+(Cluster.graph, networkx imported on first use: 140 ms a command does not pay when it reads no path) gives the
+paths, and tests/test_costmodel.py checks that the two agree on which levels every group crosses."""
 
 from __future__ import annotations
 
@@ -6,13 +11,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import networkx as nx
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from meshplan.hardware_db.documents import STRICT, read_document
 from meshplan.hardware_db.errors import InputError, field_error
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 MAX_GPUS = 2**18  # 262,144: above the largest clusters built (about 200,000 GPUs); the search's work grows with it
 
@@ -90,6 +98,8 @@ class Cluster:
     @cached_property
     def graph(self) -> nx.Graph:
         """GPUs hang off their node's scale-up switch (NVSwitch) and, through their own NIC, off the network switch."""
+        import networkx as nx
+
         g = nx.Graph()
         g.add_node("network", kind="switch")
         for node in range(self.num_nodes):
@@ -113,30 +123,28 @@ class Cluster:
 
     def _group_link(self, ranks: tuple[int, ...], scaleup_fraction: float,
                     scaleout_fraction: float) -> tuple[float, float, bool]:
-        """(bus bandwidth per rank in bytes/s, per-step latency in s, crosses nodes) for a ring over `ranks`,
-        read off the graph: where each rank sits and the bandwidth of the links it would use.
+        """(bus bandwidth per rank in bytes/s, per-step latency in s, crosses nodes) for a ring over `ranks`, from
+        where each rank sits (node_of) and the two levels' links (the graph's edges: `graph`).
 
         Inside one node the ring runs on the scale-up fabric. Across nodes NCCL runs one ring per NIC rail, so the
         k members a node holds share k NICs: bus bandwidth = min(scale-up, k x NIC) (NCCL docs, "Performance":
         inter-node bandwidth is the sum of the NICs the ranks of a node use). The fractions turn line rates into
         achieved rates (the GPU's efficiency defaults or a calibration).
         """
-        g = self.graph
         per_node: dict[int, int] = {}
         for r in ranks:
-            node = g.nodes[f"gpu{r}"]["node"]
+            node = self.node_of(r)
             per_node[node] = per_node.get(node, 0) + 1
-        first = f"gpu{ranks[0]}"
-        up = g.edges[first, f"node{g.nodes[first]['node']}"]
-        scaleup = up["bytes_per_s"] * scaleup_fraction
+        scaleup = self.scaleup.bytes_per_s * scaleup_fraction
         if len(per_node) <= 1:
-            return scaleup, up["latency_s"], False
-        out = g.edges[first, "network"]
+            return scaleup, self.scaleup.latency_s, False
         k = min(per_node.values())
-        return min(scaleup, k * out["bytes_per_s"] * scaleout_fraction), out["latency_s"], True
+        return (min(scaleup, k * self.scaleout.bytes_per_s * scaleout_fraction), self.scaleout.latency_s, True)
 
     def shortest_path_levels(self, a: int, b: int) -> list[str]:
         """The link levels a message from rank a to rank b crosses (from the graph)."""
+        import networkx as nx
+
         path = nx.shortest_path(self.graph, f"gpu{a}", f"gpu{b}")
         return [self.graph.edges[u, v]["level"] for u, v in pairwise(path)]
 

@@ -122,12 +122,14 @@ class Group:
     variants: tuple[tuple[bool, CpComm, Schedule, int], ...]  # (sp, cp_comm, schedule, vpp)
     zeros: tuple[ZeroStage, ...]
     recomputes: tuple[RecomputeChoice, ...]  # per-stage dropped by the search where vpp > 1
+    # how many candidates the group holds (the search counts pruned groups by it, thousands at a time): the
+    # enumeration's count, which must equal candidate_count()
+    count: int
 
     def size(self) -> int:
-        return self._size
+        return self.count
 
-    @cached_property
-    def _size(self) -> int:  # the search counts pruned groups by size: thousands of times
+    def candidate_count(self) -> int:
         flat, virtual = len(self.recomputes_for(1)), len(self.recomputes_for(2))
         return len(self.zeros) * sum(flat if v[3] == 1 else virtual for v in self.variants)
 
@@ -230,7 +232,8 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                             else:
                                 ok.append(v)
                         if ok:
-                            groups.append(Group(mesh, mbs, m, tuple(ok), zeros, recs))
+                            groups.append(Group(mesh, mbs, m, tuple(ok), zeros, recs,
+                                                sum(weight(pp, v[3]) for v in ok)))
     domains = _domains(num_gpus, gpus_per_node, pins, model.moe is not None, zeros, recs, runtime, rt_schedules,
                        max_mbs)
     return Enumeration(groups, size, infeasible, domains)

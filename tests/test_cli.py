@@ -215,6 +215,40 @@ def test_real_process_one_line_error_and_version():
     assert p.returncode == 0 and p.stdout.startswith("meshplan ")
 
 
+def _imported(*args: str) -> set[str]:
+    """The modules a real `meshplan ARGS` process imports (python -X importtime writes one line per module)."""
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "meshplan.cli.main", *args], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return {line.rsplit("|", 1)[1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_a_command_imports_only_what_it_uses():
+    """Start-up (issue 49): `--version` and the command list import no library (no pydantic, numpy or cost model);
+    `plan` imports no networkx (links come from the two levels: hardware_db/cluster.py), OR-Tools, torch or
+    the other commands' modules."""
+    for args in (["--version"], ["--help"]):
+        heavy = {m for m in _imported(*args) if m.split(".")[0] in ("pydantic", "numpy", "networkx", "torch", "rich")
+                 or m.startswith(("meshplan.costmodels", "meshplan.planner", "meshplan.cli.options"))}
+        assert heavy == set(), (args, sorted(heavy)[:10])
+    modules = _imported("plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16")
+    assert "meshplan.planner.search" in modules  # the check sees what it should
+    unused = {m for m in modules if m.split(".")[0] in ("networkx", "ortools", "torch", "matplotlib")
+              or m in ("meshplan.cli.serve", "meshplan.cli.launch", "meshplan.cli.catalog", "meshplan.cli.compare")}
+    assert unused == set(), sorted(unused)[:10]
+
+
+def test_every_listed_command_loads():
+    """The command list in cli/main.py is the app's registration: each entry imports and builds, and its help runs
+    (a command missing from the table would not exist)."""
+    from meshplan.cli.main import COMMANDS, load_command, main
+
+    for name in COMMANDS:
+        command = load_command(name)
+        assert command.name == ("" if name in ("models", "hardware") else name)  # the groups are named by the table
+        assert main([name, "--help"]) == 0, name
+
+
 def test_interleaved_stage_labels_list_every_chunk(capsys, monkeypatch):
     """With virtual stages a rank holds separate layer ranges; the memory table names each of them."""
     monkeypatch.setenv("COLUMNS", "300")  # one line per header cell

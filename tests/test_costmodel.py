@@ -58,6 +58,29 @@ def test_group_bandwidth_follows_placement():
     assert cluster.shortest_path_levels(0, 7) == ["scale-up", "scale-up"]
 
 
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.sampled_from([(8, None), (32, None), (64, 4), (72, 72), (6, None)]), st.data())
+def test_group_links_follow_the_graph(shape, data):
+    """group_link reads the two levels without the graph; the graph's paths between the group's ranks must cross
+    the same levels: scale-out exactly when the group spans nodes, and then with the graph's NIC edge rate and
+    latency, else the scale-up edge's."""
+    gpus, per_node = shape
+    cluster = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=gpus, gpus_per_node=per_node))
+    ranks = tuple(sorted(data.draw(st.sets(st.integers(0, gpus - 1), min_size=1, max_size=8))))
+    bandwidth, latency, crosses = cluster.group_link(ranks)
+    levels = {level for a in ranks for b in ranks if a < b for level in cluster.shortest_path_levels(a, b)}
+    assert crosses == ("scale-out" in levels)
+    g = cluster.graph
+    up = g.edges[f"gpu{ranks[0]}", f"node{cluster.node_of(ranks[0])}"]
+    if crosses:
+        out = g.edges[f"gpu{ranks[0]}", "network"]
+        nodes = [g.nodes[f"gpu{r}"]["node"] for r in ranks]
+        k = min(nodes.count(n) for n in set(nodes))
+        assert (bandwidth, latency) == (min(up["bytes_per_s"], k * out["bytes_per_s"]), out["latency_s"])
+    else:
+        assert (bandwidth, latency) == (up["bytes_per_s"], up["latency_s"])
+
+
 # ---- FLOPs ------------------------------------------------------------------------------------------------------
 
 def test_layer_flops_match_megatron_formula():

@@ -215,6 +215,7 @@ def test_account_adds_up(model, n, gbs, seq, gpu, pins):
                            ParallelConfig(**dict(pins)), get_runtime(runtime), max_mbs=2)
     assert acc.space_size == enum.space_size
     assert enum.space_size == sum(g.size() for g in enum.groups) + sum(enum.infeasible.values())
+    assert all(g.size() == g.candidate_count() for g in enum.groups)  # the enumeration's count is each group's
     assert all(v > 0 for v in acc.pruned.values()) and all(v > 0 for v in acc.infeasible.values())
     for rule, count in enum.infeasible.items():  # the launcher rules' rejections are carried into the account
         assert acc.infeasible.get(rule, 0) >= count, rule
