@@ -165,8 +165,9 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
     tp; the rank order where it moves a group (`rank_orders`); mbs divides the batch up to max_mbs; vpp 2..MAX_VPP;
     ZeRO 0-3; recomputation none, selective, full or per stage; with a runtime, only what its framework has."""
     infeasible: dict[str, int] = {}
-    # a variant's broken rule, by (tp, cp, pp, micro-batches, variant): the rules read nothing else of a mesh
-    knob_rules: dict[tuple, str | None] = {}
+    # by (tp, cp, pp, micro-batches), the variants the rules keep, those they refuse (candidates by rule) and the
+    # candidates kept: the rules read nothing else of a mesh
+    knob_rules: dict[tuple, tuple] = {}
     groups: list[Group] = []
     size = 0
     rt_schedules = runtime.schedules if runtime is not None else SCHEDULES_ALL
@@ -221,19 +222,23 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                             reject(rule.name, per_mbs)
                             continue
                         m = wl.global_batch // (mbs * dp)
-                        ok = []
-                        for v in var:
-                            why = knob_rules.get((tp, cp, pp, m, v), "")  # the same for every ep, etp and order
-                            if why == "":
+                        outcome = knob_rules.get((tp, cp, pp, m))  # the same for every ep, etp and order
+                        if outcome is None:
+                            ok, refusals = [], {}
+                            for v in var:
                                 knobs = Knobs(model, wl, tp, cp, pp, dp, ep, etp, order, mbs, v[1], v[2], v[3])
-                                why = knob_rules[(tp, cp, pp, m, v)] = _knob_rule(knobs, pins.vpp is not None)
-                            if why:
-                                reject(why, weight(pp, v[3]))
-                            else:
-                                ok.append(v)
-                        if ok:
-                            groups.append(Group(mesh, mbs, m, tuple(ok), zeros, recs,
-                                                sum(weight(pp, v[3]) for v in ok)))
+                                why = _knob_rule(knobs, pins.vpp is not None)
+                                if why:
+                                    refusals[why] = refusals.get(why, 0) + weight(pp, v[3])
+                                else:
+                                    ok.append(v)
+                            outcome = knob_rules[(tp, cp, pp, m)] = (
+                                tuple(ok), tuple(refusals.items()), sum(weight(pp, v[3]) for v in ok))
+                        ok_variants, refused_variants, count = outcome
+                        for why, n in refused_variants:
+                            reject(why, n)
+                        if ok_variants:
+                            groups.append(Group(mesh, mbs, m, ok_variants, zeros, recs, count))
     domains = _domains(num_gpus, gpus_per_node, pins, model.moe is not None, zeros, recs, runtime, rt_schedules,
                        max_mbs)
     return Enumeration(groups, size, infeasible, domains)
