@@ -210,14 +210,16 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                 if refused:
                     reject(refused, subtree)
                     continue
+                # the batch rules read only (tp, cp, pp, dp, mbs): once here, not per ep, etp and order
+                batch_rules = [(mbs, broken_rule(BATCH_RULES, Knobs(model, wl, tp, cp, pp, dp, mbs=mbs)))
+                               for mbs in mbs_domain]
                 for ep, etp, order in meshes:
                     rule = broken_rule(EXPERT_RULES, Knobs(model, wl, tp, cp, pp, dp, ep, etp, order))
                     if rule is not None:
                         reject(rule.name, len(mbs_domain) * per_mbs)
                         continue
                     mesh = Mesh(tp, cp, pp, dp, ep, etp, order)
-                    for mbs in mbs_domain:
-                        rule = broken_rule(BATCH_RULES, Knobs(model, wl, tp, cp, pp, dp, mbs=mbs))
+                    for mbs, rule in batch_rules:
                         if rule is not None:
                             reject(rule.name, per_mbs)
                             continue
