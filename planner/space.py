@@ -226,7 +226,8 @@ def enumerate_space(model: ModelSpec, num_gpus: int, gpus_per_node: int, wl: Wor
                         m = wl.global_batch // (mbs * dp)
                         outcome = knob_rules.get((tp, cp, pp, m))  # the same for every ep, etp and order
                         if outcome is None:
-                            ok, refusals = [], {}
+                            ok: list[tuple[bool, CpComm, Schedule, int]] = []
+                            refusals: dict[str, int] = {}
                             for v in var:
                                 knobs = Knobs(model, wl, tp, cp, pp, dp, ep, etp, order, mbs, v[1], v[2], v[3])
                                 why = _knob_rule(knobs, pins.vpp is not None)
