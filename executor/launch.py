@@ -82,15 +82,26 @@ def _die_with_parent(parent: int) -> None:
     forker = os.getppid()
     pr_set_pdeathsig = 1  # linux/prctl.h
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    watched: int | None = None
     try:
         watched = os.pidfd_open(parent)
     except ProcessLookupError:
         os._exit(1)
+    except OSError:  # a kernel before 5.3 has no pidfd: poll instead
+        pass
     if os.getppid() != forker:  # the forker died between fork and prctl
         os._exit(1)
 
     def wait_for_the_caller() -> None:
-        select.select([watched], [], [])
+        if watched is not None:
+            select.select([watched], [], [])
+        else:
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(parent, 0)  # signal 0: only whether the process exists
+                except ProcessLookupError:
+                    break
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=wait_for_the_caller, name="meshplan-caller-watch", daemon=True).start()
@@ -209,8 +220,8 @@ def _rank_context(fn: Callable[..., Any]) -> Any:
     """Where multiprocessing offers it (Linux, macOS), a fork server that imports torch once and forks every rank
     from there: a spawned rank imports torch afresh (about 2 CPU s each, 8 ranks on 2 cores ~8 s of a verify's
     start). The server starts on first use with this process's environment, sys.path and working directory, and
-    lives until this process ends; the ranks are still fresh processes, not forks of this one (whose threads and
-    CUDA state a fork would copy). Elsewhere, spawn."""
+    lives until this process ends; the ranks are forks of that fresh server, never of this process (whose threads
+    and CUDA state a fork would copy). Elsewhere, spawn."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

@@ -9,9 +9,12 @@ Two shared worlds (2 and 4 ranks, module-scoped) run every DP case in one spawn 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import os
+import signal
+import sys
 import time
 
 import pytest
@@ -207,6 +210,59 @@ def test_the_hanging_rank_is_named_not_the_one_waiting_for_it() -> None:
     assert info.value.rank == 1, str(info.value)
     assert "rank_hangs_in_a_collective" in str(info.value) and "ranks 0 wait for it" in str(info.value)
     assert not multiprocessing.active_children()
+
+
+_WATCH_SCRIPT = """
+import os, signal, sys, time
+from meshplan.executor import launch
+caller = os.getpid()
+if os.fork() == 0:  # the forker (a fork server's stand-in): outlives the caller
+    if os.fork() == 0:  # the rank
+        if sys.argv[1] == "no-pidfd":
+            def no_pidfd(pid):
+                raise OSError(38, "Function not implemented")
+            os.pidfd_open = no_pidfd
+        launch._die_with_parent(caller)
+        print(os.getpid(), flush=True)
+        time.sleep(600)
+        os._exit(0)
+    time.sleep(600)
+    os._exit(0)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rank's watch is Linux's (prctl, pidfd)")
+@pytest.mark.parametrize("how", ["pidfd", "no-pidfd"])
+def test_a_rank_dies_with_its_caller_while_its_forker_lives(how) -> None:
+    """A rank forked by a fork server dies when run_world's process does, though the server lives on (it did not,
+    and a hanging rank outlived a killed verify): the pidfd watch, or on a kernel without pidfds the polling one."""
+    import subprocess
+
+    caller = subprocess.Popen([sys.executable, "-c", _WATCH_SCRIPT, how], stdout=subprocess.PIPE, text=True)
+    rank = int(caller.stdout.readline())
+    with open(f"/proc/{rank}/stat", encoding="ascii") as f:
+        forker = int(f.read().rsplit(")", 1)[1].split()[1])
+    try:
+        caller.kill()
+        caller.wait()
+        gone_by = time.monotonic() + 30
+        while time.monotonic() < gone_by and _running(rank):
+            time.sleep(0.1)
+        assert not _running(rank), "the rank outlived its caller"
+        assert _running(forker), "the forker must still be alive for this to test the watch"
+    finally:
+        for pid in (rank, forker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_run_world_checks_its_arguments() -> None:
