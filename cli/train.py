@@ -180,9 +180,11 @@ def _plan_outputs(**given: Any) -> PlanOutputs:
         raise InputError("--export-out needs --export TARGET")
     if outputs.as_json and outputs.export_to is not None and outputs.export_out is None:
         raise InputError("--json prints only the plan; give --export-out for the --export files")
-    from meshplan.planner.launchers import EXPORT_NAMES
+    contents = {}
+    if outputs.export_to:
+        from meshplan.planner.launchers import EXPORT_NAMES  # every launcher: only when exporting
 
-    contents = {"export_out": EXPORT_NAMES[outputs.export_to]} if outputs.export_to else {}
+        contents = {"export_out": EXPORT_NAMES[outputs.export_to]}
     out, trace, export_out = output_targets(contents=contents, out=outputs.out, trace=outputs.trace,
                                             export_out=outputs.export_out)
     return replace(outputs, out=out, trace=trace, export_out=export_out)
@@ -245,7 +247,6 @@ def plan(
     space was, what was pruned by which bound, what was infeasible and why, and whether optimality is proven.
     """
     from meshplan.planner.explain import explain
-    from meshplan.planner.launchers import export_files, export_plan
     from meshplan.planner.plan import plan_text
     from meshplan.planner.trace import chrome_trace, trace_text
 
@@ -260,14 +261,17 @@ def plan(
         found = api.search_plans(spec, cluster, workload, config, runtime, calibration, top, time_limit,
                                  outputs.timing, progress=bar, max_mbs=max_mbs, budget=budget)
     doc, result, sim = found.plan, found.result, found.simulated
-    exported, refused = None, None
+    exported, refused, written = None, None, []
     if outputs.export_to is not None:
+        from meshplan.planner.launchers import export_files, export_plan  # every launcher: only when exporting
+
         try:
             exported = export_plan(doc, outputs.export_to)
         except ExportError as exc:  # the plan and its table still come; the best plan the launcher runs follows
             refused = exc
+        if exported is not None and outputs.export_out is not None:
+            written = export_files(exported, outputs.export_out)
     files = [OutputFile(outputs.out, plan_text(doc))] if outputs.out is not None else []
-    written = export_files(exported, outputs.export_out) if exported and outputs.export_out is not None else []
     files += written
     if outputs.trace is not None:
         files.append(OutputFile(outputs.trace, trace_text(chrome_trace(sim))))
