@@ -239,6 +239,18 @@ def test_a_command_imports_only_what_it_uses():
     assert unused == set(), sorted(unused)[:10]
 
 
+def test_a_bare_command_prints_its_help(capsys):
+    """`meshplan` and `meshplan models` alone print their usage and the commands (exit 0); they printed nothing."""
+    from meshplan.cli.main import COMMANDS, main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Usage: meshplan") and all(name in out for name in COMMANDS)
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage:" in out and "list" in out and "show" in out
+
+
 def test_every_listed_command_loads():
     """The command list in cli/main.py is the app's registration: each entry imports and builds, and its help runs
     (a command missing from the table would not exist)."""
