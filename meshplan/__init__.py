@@ -32,9 +32,18 @@ EXPORTS = {
 __all__ = sorted(EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in EXPORTS:
-        import importlib
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A package's module-level __getattr__ that imports each name of `exports` (name -> module) on first use, so that
+    importing the package, or one light module of it, does not import what the names pull in."""
 
-        return getattr(importlib.import_module(EXPORTS[name]), name)
-    raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
+    def __getattr__(name: str):
+        if name in exports:
+            import importlib
+
+            return getattr(importlib.import_module(exports[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+__getattr__ = lazy_exports(__name__, EXPORTS)

@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist
 from executor_helpers import exec_layout, layout, reference
+from proc_helpers import alive, parent
 
 from meshplan.costmodels.model_io import load_model
 from meshplan.executor.compare import TOLERANCE, compare_to_reference, relative_error
@@ -241,28 +242,19 @@ def test_a_rank_dies_with_its_caller_while_its_forker_lives(how) -> None:
 
     caller = subprocess.Popen([sys.executable, "-c", _WATCH_SCRIPT, how], stdout=subprocess.PIPE, text=True)
     rank = int(caller.stdout.readline())
-    with open(f"/proc/{rank}/stat", encoding="ascii") as f:
-        forker = int(f.read().rsplit(")", 1)[1].split()[1])
+    forker = parent(rank)
     try:
         caller.kill()
         caller.wait()
         gone_by = time.monotonic() + 30
-        while time.monotonic() < gone_by and _running(rank):
+        while time.monotonic() < gone_by and alive(rank):
             time.sleep(0.1)
-        assert not _running(rank), "the rank outlived its caller"
-        assert _running(forker), "the forker must still be alive for this to test the watch"
+        assert not alive(rank), "the rank outlived its caller"
+        assert alive(forker), "the forker must still be alive for this to test the watch"
     finally:
         for pid in (rank, forker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_run_world_checks_its_arguments() -> None:

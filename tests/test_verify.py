@@ -4,7 +4,6 @@ layout fails, a failing or hanging rank ends the run with its message (issue 4's
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from cli_helpers import assert_input_error, run
 from executor_helpers import layout
+from proc_helpers import alive, children, cmdline
 
 from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload
 from meshplan.costmodels.estimate import simulate_config
@@ -227,29 +227,6 @@ def test_verify_under_torchrun_refuses_a_world_of_the_wrong_size(tmp_path):
     assert "Traceback" not in proc.stdout
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the ranks die with their parent on Linux (prctl)")
 def test_killing_verify_leaves_no_rank_running(tmp_path):
     """verify killed with SIGKILL (no cleanup runs) mid-run: every rank it started dies, and the fork server that
@@ -264,16 +241,16 @@ def test_killing_verify_leaves_no_rank_running(tmp_path):
         while time.monotonic() < deadline and len(ranks) < 2:
             time.sleep(0.5)
             ranks = _ranks_of(proc.pid)
-        assert len(ranks) >= 2, f"the ranks did not start: children {_children(proc.pid)}"
-        servers = [c for c in _children(proc.pid) if "forkserver" in _cmdline(c)]
+        assert len(ranks) >= 2, f"the ranks did not start: children {children(proc.pid)}"
+        servers = [c for c in children(proc.pid) if "forkserver" in cmdline(c)]
         proc.kill()
         proc.wait()
         # a rank past _die_with_parent dies with it at once; one still importing torch (a loaded machine) ends when
         # it gets there: wait for both, generously, rather than guess how long the imports take
         gone_by = time.monotonic() + 180
-        while time.monotonic() < gone_by and any(_alive(r) for r in ranks + servers):
+        while time.monotonic() < gone_by and any(alive(r) for r in ranks + servers):
             time.sleep(0.5)
-        assert [r for r in ranks + servers if _alive(r)] == []
+        assert [r for r in ranks + servers if alive(r)] == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -283,20 +260,12 @@ def _ranks_of(pid: int) -> list[int]:
     """The ranks a verify process started: the children of its fork server (executor.launch._rank_context), or,
     where there is no fork server, its spawned children."""
     ranks = []
-    for child in _children(pid):
-        if "forkserver" in _cmdline(child):
-            ranks += _children(child)
-        elif "spawn_main" in _cmdline(child):
+    for child in children(pid):
+        if "forkserver" in cmdline(child):
+            ranks += children(child)
+        elif "spawn_main" in cmdline(child):
             ranks.append(child)
     return ranks
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_a_schedule_the_ranks_would_refuse_is_refused_before_they_start(tmp_path, capsys):

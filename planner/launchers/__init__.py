@@ -9,17 +9,9 @@ The names below live in registry.py, which imports every launcher (torchtitan's 
 are imported on first use, so a command that only catches ExportError (launchers.common) does not pay for them.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
+from meshplan import lazy_exports
 
 __all__ = ["TARGETS", "SERVING_TARGETS", "EXPORT_NAMES", "Exported", "ExportedFile", "ExportError", "LaunchSpec",
            "export_plan", "export_files", "write_export",
            "SOURCES", "read_launch", "launch_model", "launch_world", "pinned_plan"]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module("meshplan.planner.launchers.registry"), name)
+__getattr__ = lazy_exports(__name__, dict.fromkeys(__all__, "meshplan.planner.launchers.registry"))
