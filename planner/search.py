@@ -57,6 +57,7 @@ class Step(Enum):
     """The kinds of entry in the search's queue (_Search), each with the bound that prunes it, for the account."""
 
     GROUP = "work bound (group)"
+    GROUP_FITTED = "work bound of the recomputation that fits (group)"
     CANDIDATE = "work bound"
     CANDIDATE_SHARDED = "work bound with ZeRO-2/3's per-layer DP collectives"
     INTERLEAVED = "pipeline bound (interleaved)"
@@ -237,7 +238,7 @@ class _Search(SearchCosts):
         if self._loop(deadline, progress, live):
             return True
         for _, _, step, payload in self.queue:  # every bound left is at or above the K-th best time
-            self._count(self.pruned, step.pruned_by, payload[0].size() if step is Step.GROUP else 1)
+            self._count(self.pruned, step.pruned_by, _entries(step, payload))
         self.queue.clear()
         # first: the partitions it simulates tighten the cutoff CP-SAT then meets; then the bounds CP-SAT left open
         timed_out = self._close_gaps(deadline) or self._run_cpsat(deadline) or self._close_gaps(deadline)
@@ -248,6 +249,21 @@ class _Search(SearchCosts):
     def _push_groups(self, groups: list[Group]) -> None:
         for g, score in zip(groups, self._group_scores(groups), strict=True):
             self._push(score, Step.GROUP, g)
+
+    def _fit_group(self, bound: float, g: Group) -> None:
+        """A group at the head of the queue: its score again with the recomputations its memory floor allows
+        (_group_scores with memory; a few floors, where expanding it builds every candidate). Where that lifts the
+        bound the group goes back to the queue; where nothing fits it is infeasible; else it is expanded."""
+        score = self._group_scores([g], memory=True)[0]
+        if math.isinf(score):  # no candidate's activations fit under any recomputation or ZeRO stage
+            self._count(self.infeasible, "memory: activations of the micro-batches in flight (floor)", g.size())
+        elif score > bound * (1 + REL_TOL):
+            self._push(score, Step.GROUP_FITTED, g)
+        else:
+            self._expand(g)
+
+    def _expand(self, g: Group) -> None:
+        self._expand_group(g)
 
     def cutoff(self) -> float:
         return self.best.cutoff()
@@ -284,7 +300,7 @@ class _Search(SearchCosts):
             except TimeLimitReached:  # the limit stopped the step midway: its bound is not reached either
                 self.unexplored_bound = min(self.unexplored_bound, bound)
                 self._count(self.pruned, "not reached before the time limit",
-                            payload[0].size() if step is Step.GROUP else 1)
+                            _entries(step, payload))
                 self._stop_for_time(progress, live, [])
                 return True
         return False
@@ -294,7 +310,7 @@ class _Search(SearchCosts):
         the deferred CP-SAT solves', and for groups never scored the space's compute floor) bounds the gap."""
         for bound, _, rest, load in self.queue:
             self.unexplored_bound = min(self.unexplored_bound, bound)
-            self._count(self.pruned, "not reached before the time limit", load[0].size() if rest is Step.GROUP else 1)
+            self._count(self.pruned, "not reached before the time limit", _entries(rest, load))
         self.queue.clear()
         for later, _, _, _ in self.deferred:
             self.unexplored_bound = min(self.unexplored_bound, later)
@@ -320,7 +336,9 @@ class _Search(SearchCosts):
 
     def _run_step(self, bound: float, step: Step, payload: tuple) -> None:
         if step is Step.GROUP:
-            self._expand_group(*payload)
+            self._fit_group(bound, payload[0])
+        elif step is Step.GROUP_FITTED:
+            self._expand(payload[0])
         elif step is Step.CANDIDATE:
             self._step_candidate(bound, payload[0])
         elif step is Step.CANDIDATE_SHARDED:
@@ -774,6 +792,11 @@ def _per_stage_optimum(prob: PartitionProblem) -> tuple[float, tuple[int, ...], 
         return plan.objective, tuple(plan.stage_layers), _policies(plan)
     value, bounds, pols = under[0]  # smallest J first
     return value, tuple(b - a for a, b in pairwise(bounds)), tuple(pols)
+
+
+def _entries(step: Step, payload: tuple) -> int:
+    """How many candidates a queue entry stands for (a group: all of its own)."""
+    return payload[0].size() if step in (Step.GROUP, Step.GROUP_FITTED) else 1
 
 
 def _describe(c: Candidate) -> str:

@@ -56,6 +56,7 @@ class SearchCosts:
         self.dp_results: dict[tuple, tuple[PartitionResult | None, float]] = {}  # (result, solved below)
         self.mesh_links: dict[Mesh, GroupLinks] = {}
         self.states_floors: dict[tuple[Mesh, int], float] = {}
+        self.group_floors: dict[tuple, float] = {}  # _group_floor's, by mesh degrees, mbs, ZeRO stages and policy
         self.hops: dict[tuple[Mesh, int], float] = {}
         self.rank_contents: dict[tuple, tuple] = {}
         self.work_bounds: dict[tuple, list] = {}  # per layer key: the key costs (_key_costs)
@@ -72,6 +73,8 @@ class SearchCosts:
         self.moe_prefix = [0]
         for i in range(model.num_layers):
             self.moe_prefix.append(self.moe_prefix[-1] + int(model.is_moe_layer(i)))
+        self.kind_counts = np.array([self.moe_prefix[-1] if kind else model.num_layers - self.moe_prefix[-1]
+                                     for kind in self.layer_kinds])  # layers of each kind, as layer_kinds
 
 
     # ---- bookkeeping
@@ -458,8 +461,6 @@ class SearchCosts:
         if not cands:
             return np.zeros(0)
         m = cands[0].mesh
-        n_moe = self.moe_prefix[-1]
-        counts = np.array([n_moe if kind else self.model.num_layers - n_moe for kind in self.layer_kinds])
         states, acts, held, fixed = [], [], [], []
         p, mb = m.pp, cands[0].num_microbatches(self.wl.global_batch)
         steady = [min(p - r, mb) for r in range(p)]
@@ -470,23 +471,49 @@ class SearchCosts:
         for c, what in zip(cands, reads, strict=True):
             distinct.setdefault(what, c)
         for c in distinct.values():
-            key = (m, c.zero)
-            if key not in self.state_bytes:  # (bytes per dense, per expert parameter) on one GPU: linear in them
-                lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=c.zero)
-                self.state_bytes[key] = (sum(model_state_bytes(StageParams(1.0, 0.0), lay)),  # type: ignore[arg-type]
-                                         sum(model_state_bytes(StageParams(0.0, 1.0), lay)),  # type: ignore[arg-type]
-                                         buffer_bytes(self.model, c.zero, m.tp))
-            per_dense, per_expert, buffers = self.state_bytes[key]
+            per_dense, per_expert, buffers = self._state_bytes(m, c.zero)
             mode = MEMORY_POLICY[c.recompute]
             rows = [self._layer_memory(c, kind, i, mode) for kind, i in self.layer_kinds.items()]
             states.append([per_dense * dense + per_expert * expert for dense, expert, _ in rows])
             acts.append([act for _, _, act in rows])
             held.append([mb] * p if c.schedule == "gpipe" else steady)
             fixed.append(buffers)
-        floors = memory_floors(counts, np.array(states), np.array(acts), np.array(held), np.array(fixed),
+        floors = memory_floors(self.kind_counts, np.array(states), np.array(acts), np.array(held), np.array(fixed),
                                FRAGMENTATION)
         index = {what: n for n, what in enumerate(distinct)}
         return floors[[index[what] for what in reads]]
+
+    def _state_bytes(self, m: Mesh, zero: int) -> tuple[float, float, float]:
+        """(bytes per dense, per expert parameter on one GPU, buffers) under a mesh and ZeRO stage: the model states
+        are linear in the parameters (memory.model_state_bytes)."""
+        key = (m, zero)
+        found = self.state_bytes.get(key)
+        if found is None:
+            lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=zero)
+            found = self.state_bytes[key] = (sum(model_state_bytes(StageParams(1.0, 0.0), lay)),  # type: ignore[arg-type]
+                                             sum(model_state_bytes(StageParams(0.0, 1.0), lay)),  # type: ignore[arg-type]
+                                             buffer_bytes(self.model, zero, m.tp))
+        return found
+
+    def _group_floor(self, g: Group, sp: bool, gpipe: bool, mode: str) -> float:
+        """The memory floor (memory_floors, as _memory_floors: the activations of the micro-batches in flight) of
+        the group's candidates with this sp, schedule kind and activation policy, at the least over its ZeRO
+        stages: no such candidate of the group fits where it exceeds HBM. Shared by the mesh's rank orders (memory
+        does not depend on where the ranks sit)."""
+        m, p, mb = g.mesh, g.mesh.pp, g.num_microbatches
+        key = (m[:-1], g.mbs, g.zeros, sp, gpipe, mode)
+        found = self.group_floors.get(key)
+        if found is not None:
+            return found
+        c = Candidate(m, g.mbs, sp, g.variants[0][1], g.zeros[0], "1f1b", 1, "none", self.modules)
+        layers = np.array([self._layer_memory(c, kind, i, mode) for kind, i in self.layer_kinds.items()])
+        states = np.array([self._state_bytes(m, z) for z in g.zeros])  # (zeros, 3)
+        held = np.array([mb] * p if gpipe else [min(p - r, mb) for r in range(p)])
+        per_layer = states[:, None, 0] * layers[None, :, 0] + states[:, None, 1] * layers[None, :, 1]
+        floors = memory_floors(self.kind_counts, per_layer, layers[None, :, 2], held[None, :], states[:, 2],
+                               FRAGMENTATION)
+        found = self.group_floors[key] = float(floors.min())
+        return found
 
     def _layer_memory(self, c: Candidate, kind: bool, i: int, mode: str) -> tuple[float, float, float]:
         """(dense, expert parameters on one GPU, activation bytes per micro-batch) of one layer of this kind: they
@@ -537,26 +564,48 @@ class SearchCosts:
         """Whether the O(p L^3) pair and sync DPs stay within about a second."""
         return self._partition_cells(c) * (self.model.num_layers + 1) <= PAIR_DP_MAX_CELLS
 
-    def _group_scores(self, groups: list[Group]) -> list[float]:
-        """A lower bound for every candidate in each group: the work bound with no recomputation (the fastest), the
-        least over the group's variants; all groups' variants in one vectorised call."""
+    def _group_scores(self, groups: list[Group], memory: bool = False) -> list[float]:
+        """A lower bound for every candidate in each group: the least work bound over the group's variants, with no
+        recomputation (the fastest). With memory, each variant's bound is that of the fastest recomputation whose
+        memory floor may fit (_group_floor; where nothing fits the variant has no candidate, and the group scores
+        inf where none of its variants has one). All groups' variants in one vectorised call."""
         rows, owner = [], []
         gbs = self.wl.global_batch
         for n, g in enumerate(groups):
             m, hop, seen = g.mesh, self._hop(g.mesh, g.mbs), set()
             mb = gbs // (g.mbs * m.dp)
             costs: dict = {}
-            for sp, cc, sched, _ in g.variants:
-                if (sp, cc, sched) not in seen:  # the work bound reads vpp only through the schedule
-                    seen.add((sp, cc, sched))
-                    if (sp, cc) not in costs:
-                        costs[(sp, cc)] = self._key_costs(m, g.mbs, sp, cc, "none")
-                    rows.append((costs[(sp, cc)], mb, m.pp, sched, hop))
-                    owner.append(n)
+            floors: dict = {}
+            for sp, cc, sched, vpp in g.variants:
+                work = "none"
+                if memory:  # the fastest recomputation that may fit (work bounds: none <= selective <= full)
+                    allowed = set(g.recomputes_for(vpp))
+                    work = next((w for w, held, r in _BY_WORK if r in allowed
+                                 and self._fits_floor(floors, g, sp, sched == "gpipe", held)), "")
+                    if not work:
+                        continue
+                if (sp, cc, sched, work) in seen:  # the work bound reads vpp only through the schedule
+                    continue
+                seen.add((sp, cc, sched, work))
+                if (sp, cc, work) not in costs:
+                    costs[(sp, cc, work)] = self._key_costs(m, g.mbs, sp, cc, work)
+                rows.append((costs[(sp, cc, work)], mb, m.pp, sched, hop))
+                owner.append(n)
         scores = np.full(len(groups), math.inf)
         if rows:
             np.minimum.at(scores, np.array(owner), self._work_bounds(rows))
         return scores.tolist()
+
+    def _fits_floor(self, floors: dict, g: Group, sp: bool, gpipe: bool, mode: str) -> bool:
+        """Whether the group's memory floor with these settings fits (cached per group in `floors`); a miss is noted
+        (_note_memory) for the "nothing fits" message."""
+        key = (sp, gpipe, mode)
+        if key not in floors:
+            floor = floors[key] = self._group_floor(g, sp, gpipe, mode)
+            if floor > self.cap:
+                self._note_memory(floor, f"tp={g.mesh.tp} cp={g.mesh.cp} pp={g.mesh.pp} dp={g.mesh.dp}"
+                                  + (f" ep={g.mesh.ep}" if g.mesh.ep > 1 else "") + f" mbs={g.mbs}")
+        return floors[key] <= self.cap
 
     def _sp_dominates(self, g: Group, cc: CpComm) -> bool:
         """Sequence parallelism is never slower and never uses more memory than plain TP for this mesh: every
@@ -582,6 +631,12 @@ class SearchCosts:
                 and a.bwd_weight_compute <= b.bwd_weight_compute for a, b in pairs)
         return found
 
+
+
+# recompute choices by their work bound, fastest first: (work bound's recomputation, memory floor's activations,
+# the choice); per-stage may recompute no stage, but its floor holds full recomputation's activations
+_BY_WORK = (("none", "none", "none"), ("none", "full", "per-stage"), ("selective", "selective", "selective"),
+            ("full", "full", "full"))
 
 
 @dataclass(frozen=True)
@@ -620,12 +675,12 @@ def memory_floors(counts: np.ndarray, states: np.ndarray, acts: np.ndarray, held
     held: (candidates, p) micro-batches each stage holds; fixed: buffers. For one kind alone, stage r holds x_r of
     its layers at s + held_r a bytes each, so max_r x_r (s + held_r a) >= n / sum_r 1 / (s + held_r a) (equalising
     the stages, as in pipeline_floor); the other layers only add to it, so the largest over the kinds bounds the
-    whole."""
-    per_layer = states[:, :, None] + held[:, None, :] * acts[:, :, None]  # (candidates, kinds, stages)
-    with np.errstate(divide="ignore"):
-        spread = counts[None, :] / np.sum(1.0 / per_layer, axis=2)
-    spread = np.where((counts[None, :] > 0) & (per_layer.min(axis=2) > 0), spread, 0.0)
-    return (spread.max(axis=1) + fixed) * (1 + fragmentation)
+    whole. Leading dimensions broadcast: states and acts (..., kinds), held (..., stages), fixed (...)."""
+    per_layer = states[..., :, None] + held[..., None, :] * acts[..., :, None]  # (..., kinds, stages)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        spread = counts / np.sum(1.0 / per_layer, axis=-1)
+    spread = np.where((counts > 0) & (per_layer.min(axis=-1) > 0), spread, 0.0)
+    return (spread.max(axis=-1) + fixed) * (1 + fragmentation)
 
 
 def heaviest_stage_floor(layer_times: tuple[float, ...], p: int) -> float:

@@ -570,3 +570,29 @@ def test_sharded_work_bound_is_below_every_partition_and_above_the_plain_one(zer
                                                           stage_layers=layers if pp > 1 else None))
         times.append(est.step_time_s)
     assert bound <= min(times) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name,gpus,gbs,seq", [("llama3.1-70b", 16, 32, 8192), ("mixtral-8x7b", 16, 32, 4096)])
+def test_a_groups_memory_score_bounds_every_candidate_that_may_fit(name, gpus, gbs, seq):
+    """A group at the head of the queue is scored again with the recomputation its memory floor allows
+    (_Search._fit_group): that score must stay below the work bound of every candidate of the group whose own
+    memory floor fits (what expanding it would queue), and a group scored inf must have no such candidate. Both
+    cases are memory-tight: most 70B groups need recomputation or fit nothing at all."""
+    from meshplan.planner import search as S
+    from meshplan.planner.space import Candidate
+
+    model, c, wl = zoo(name), cluster(gpus), Workload(global_batch=gbs, seq_len=seq)
+    enum = S.enumerate_space(model, gpus, c.gpus_per_node, wl, ParallelConfig())
+    s = S._Search(model, c, wl, "megatron-core", S.Efficiency.from_gpu(c.gpu), enum, 1)
+    groups = enum.groups[::3]
+    plain, fitted = s._group_scores(groups), s._group_scores(groups, memory=True)
+    assert sum(f > p * (1 + 1e-6) for p, f in zip(plain, fitted, strict=True)) >= 10  # the lift is exercised
+    for g, low, score in zip(groups, plain, fitted, strict=True):
+        assert score >= low * (1 - REL)
+        cands = [Candidate(g.mesh, g.mbs, sp, cc, zero, sched, vpp, rec, s.modules)
+                 for sp, cc, sched, vpp in g.variants for zero in g.zeros for rec in g.recomputes_for(vpp)]
+        fits = [cand for cand, floor in zip(cands, s._memory_floors(cands).tolist(), strict=True) if floor <= s.cap]
+        if math.isinf(score):
+            assert not fits, f"{g.mesh} mbs={g.mbs} scored inf but {fits[0]} may fit"
+        else:
+            assert fits and min(s.work_bounds_of(fits).tolist()) >= score * (1 - REL), (g.mesh, g.mbs, score)
