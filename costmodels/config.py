@@ -51,7 +51,7 @@ MAX_SEQ_LEN = 2**24
 class Workload(BaseModel):
     """What one training step processes: `global_batch` sequences of `seq_len` tokens."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     global_batch: int = Field(gt=0, le=MAX_GLOBAL_BATCH)
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
     dtype: TrainDtype = "bf16"
@@ -97,7 +97,7 @@ class StagePolicy(BaseModel):
     """Recomputation on one pipeline stage: none, selective (attention core, Korthikanti et al. 2022 sec. 5), or
     full on the stage's first `full_layers` layers (Megatron --recompute-method block --recompute-num-layers k)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     granularity: Recompute = "none"
     full_layers: int = Field(default=0, ge=0)  # "full" only: layers recomputed in full, counted from the stage's first
 
@@ -144,7 +144,7 @@ class ParallelConfig(BaseModel):
     """The parallel configuration, the one type for the knobs. A field left None is searched by `plan` and takes its
     default in `estimate` (resolve fills it: KnobHelp.default says to what). Adding a knob: docs/knobs.md."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     tp: Annotated[Degree, KnobHelp("Tensor-parallel degree", "1", unit="GPUs per group")] = None
     pp: Annotated[Degree, KnobHelp("Pipeline-parallel degree", "1", unit="stages")] = None
     vpp: Annotated[Degree, KnobHelp(
@@ -209,7 +209,7 @@ class Layout:
     """A validated configuration: every degree known and consistent with model, GPU count and batch. A plan embeds
     it as its prediction's layout (planner/plan.py), where pydantic validates it with unknown keys refused."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = ConfigDict(defer_build=True, extra="forbid")
 
     tp: int
     pp: int

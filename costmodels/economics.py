@@ -69,7 +69,7 @@ def checkpoint_bytes(parameters: float) -> float:
 class _Rate(BaseModel):
     """What a set of GPUs costs an hour: the part every plan's economics section shares."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", allow_inf_nan=False)
     gpus: int = Field(gt=0)
     usd_per_gpu_hour: float = Field(ge=0)
     usd_per_hour: float = Field(ge=0)

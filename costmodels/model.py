@@ -22,7 +22,7 @@ class MoESpec(BaseModel):
     """Mixture-of-experts block. Layer i is MoE iff i >= first_k_dense and i % layer_freq == 0
     (the rule of Hugging Face's deepseek_v3 modelling code; Mixtral/Qwen-MoE are first_k_dense=0, layer_freq=1)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no true-as-1 or "4096"
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", strict=True)  # no true-as-1 or "4096"
     num_experts: int = Field(gt=0, le=MAX_EXPERTS)
     top_k: int = Field(gt=0, le=MAX_EXPERTS)
     expert_ffn_hidden: int = Field(gt=0, le=MAX_WIDTH)  # intermediate size of one routed expert
@@ -63,7 +63,7 @@ class RopeScaling(BaseModel):
     banded scaling: factor, low/high_freq_factor, original length) or "yarn" (Peng et al. 2023, arXiv:2309.00071:
     factor, beta_fast/slow, mscale, mscale_all_dim, original length). Carried to the launch exports only."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", strict=True)
     kind: Literal["llama3", "yarn"]
     factor: float = Field(gt=0, le=1e6)
     original_max_position_embeddings: int = Field(gt=0, le=MAX_SEQ)
@@ -78,7 +78,7 @@ class RopeScaling(BaseModel):
 class MLASpec(BaseModel):
     """Multi-head latent attention (DeepSeek-V2 paper, section 2.1)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no true-as-1 or "4096"
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", strict=True)  # no true-as-1 or "4096"
     q_lora_rank: int | None = Field(default=None, gt=0, le=MAX_WIDTH)  # None: queries are not compressed (V2-Lite)
     kv_lora_rank: int = Field(gt=0, le=MAX_WIDTH)
     qk_nope_head_dim: int = Field(gt=0, le=MAX_WIDTH)
@@ -95,7 +95,7 @@ class MLASpec(BaseModel):
 class ModelSpec(BaseModel):
     """A decoder-only transformer. `ffn_hidden` is the dense MLP's intermediate size (dense layers only for MoE)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no true-as-1 or "4096"
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", strict=True)  # no true-as-1 or "4096"
     name: str
     num_layers: int = Field(gt=0, le=MAX_LAYERS)
     hidden: int = Field(gt=0, le=MAX_WIDTH)

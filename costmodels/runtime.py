@@ -18,7 +18,7 @@ class Runtime(BaseModel):
     These are properties of a framework version, not of a run; presets below, each with its source.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     name: str
     flash_attention: bool  # fused attention core (no s^2 activations, causal blocks skipped)
     dropout: bool  # dropout masks stored (Megatron GPT defaults: hidden and attention dropout 0.1)

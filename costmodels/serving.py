@@ -54,7 +54,7 @@ ServeObjective = Literal["throughput", "min-gpus"]  # most output tokens/s per G
 class ServeWorkload(BaseModel):
     """Request lengths (mean input and output tokens) and precisions."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     isl: int = Field(gt=0, description="input (prompt) tokens per request")
     osl: int = Field(gt=0, description="output tokens per request")
     weight_dtype: WeightDtype = "bf16"
@@ -103,7 +103,7 @@ class ServeWorkload(BaseModel):
 class ServeTargets(BaseModel):
     """Latency targets; None: no target."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     ttft_ms: float | None = Field(default=None, gt=0)
     tpot_ms: float | None = Field(default=None, gt=0)
     e2e_ms: float | None = Field(default=None, gt=0, description="TTFT + OSL x TPOT")

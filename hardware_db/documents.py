@@ -21,7 +21,7 @@ from meshplan.hardware_db.errors import InputError
 
 # every schema a file is read into: frozen, no unknown keys, no coercion (true is not 1, "4096" is not 4096, 0.5
 # is not a count), no inf or nan
-STRICT = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+STRICT = ConfigDict(defer_build=True, frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 MAX_DEPTH = 64  # no meshplan document nests deeper than a handful of levels
 MAX_INT_DIGITS = 18  # integers up to 10**18: every count, size and byte figure fits, and stays exact in a float

@@ -16,7 +16,7 @@ from typing import TypeAlias
 from meshplan.costmodels.config import ParallelConfig, Workload
 from meshplan.costmodels.economics import Budget, TrainingCost, training_cost
 from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster
-from meshplan.costmodels.estimate import Estimate, Simulated, simulate_config
+from meshplan.costmodels.estimate import Estimate, Simulated
 from meshplan.costmodels.estimate import estimate as estimate_cost
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
@@ -126,7 +126,7 @@ def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, co
     if not result.plans:
         raise InputError(result.why_nothing_fits or "no plan fits")
     best = result.plans[0]
-    sim = simulate_config(spec, hardware, workload, best.config, runtime, eff)
+    sim = best.simulated  # the search's own simulation (tests/test_search.py: every plan re-estimates exactly)
     doc = build_plan(spec, hardware, workload, best.config, sim, runtime, account=result.account, rank=1,
                      bound_s=best.bound_s, partition_status=best.partition_status,
                      calibration=eff.calibration if eff else None)

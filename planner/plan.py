@@ -63,7 +63,7 @@ MODEL_ORIGIN = "plan inputs.model"
 class _Frozen(BaseModel):
     """Every part of a plan: immutable, no unknown keys, no NaN or infinity (JSON has neither)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ class ClusterInput(ClusterSpec):
     """The ClusterSpec fields plus the GPU's full data, so reading a plan needs no hardware_db lookup.
     gpus_per_node is the resolved node size the plan was made for (never left to a default)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", allow_inf_nan=False)
     gpus_per_node: int = Field(gt=0, description="the node size the plan was made for (build_plan writes it)")
     gpu_spec: GPUSpec = Field(description="the GPU's data with its sources (hardware_db/gpus/*.toml)")
 

@@ -29,7 +29,7 @@ from meshplan.costmodels.config import (DEFAULT_RECOMPUTE_MODULES, ParallelConfi
 from meshplan.costmodels.context import CostContext
 from meshplan.costmodels.deadline import Deadline, TimeLimitReached, cpu_now
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.estimate import Estimate, model_flops_per_step, simulate_config
+from meshplan.costmodels.estimate import Estimate, Simulated, model_flops_per_step, simulate_config
 from meshplan.costmodels.memory import FRAGMENTATION, GIB
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME, get_runtime
@@ -72,13 +72,18 @@ class Step(Enum):
 
 @dataclass(frozen=True)
 class RankedPlan:
-    """One simulated candidate: its knobs, the partitioner's bound for it and the full estimate."""
+    """One simulated candidate: its knobs, the partitioner's bound for it and the full estimate with its timeline
+    (what a plan's trace draws: kept, so the best plan need not be simulated again)."""
 
     candidate: Candidate
     config: ParallelConfig
-    estimate: Estimate
+    simulated: Simulated
     bound_s: float  # lower bound on this candidate's step time over all partitions
     partition_status: PartitionStatus  # "optimal" (simulated == bound), or "bound gap"
+
+    @property
+    def estimate(self) -> Estimate:
+        return self.simulated.estimate
 
     @property
     def step_time_s(self) -> float:
@@ -722,7 +727,7 @@ class _Search(SearchCosts):
         status: PartitionStatus = "optimal" if (tight or c.vpp > 1) else "bound gap"
         if not tight and c.vpp == 1 and not another_partition:
             self.open_bounds.append((bound, c, stage_layers, policies))
-        kept = self.best.add(RankedPlan(c, cfg, est, bound if c.vpp == 1 else est.step_time_s, status))
+        kept = self.best.add(RankedPlan(c, cfg, sim, bound if c.vpp == 1 else est.step_time_s, status))
         if another_partition:
             return
         if kept:

@@ -55,7 +55,8 @@ class SearchCosts:
         self.problems: dict[int, PartitionProblem] = {}
         self.dp_results: dict[tuple, tuple[PartitionResult | None, float]] = {}  # (result, solved below)
         self.mesh_links: dict[Mesh, GroupLinks] = {}
-        self.states_floors: dict[tuple[Mesh, int], float] = {}
+        self.states_floors: dict[tuple, float] = {}  # by mesh degrees and ZeRO stage
+        self.model_params: dict[tuple, StageParams] = {}  # the whole model's on one GPU, by what splits it
         self.group_floors: dict[tuple, float] = {}  # _group_floor's, by mesh degrees, mbs, ZeRO stages and policy
         self.hops: dict[tuple[Mesh, int], float] = {}
         self.rank_contents: dict[tuple, tuple] = {}
@@ -200,13 +201,19 @@ class SearchCosts:
         """Bytes per GPU the model states need at the least (under the highest ZeRO stage searched), averaged over
         stages: no partition can put less on its fullest stage."""
         model, m = self.model, g.mesh
-        key = (m, max(g.zeros))  # groups differ from their mesh's others only in the micro-batch size
-        if key not in self.states_floors:
+        # groups differ from their mesh's others only in the micro-batch size, and memory not with the rank order
+        key = (m[:-1], max(g.zeros))
+        found = self.states_floors.get(key)
+        if found is None:
             # the highest ZeRO stage searched shards the most: the least states any candidate of the group needs
             lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=max(g.zeros))
-            total = stage_params(model, lay, range(model.num_layers), True, True)  # type: ignore[arg-type]
-            self.states_floors[key] = sum(model_state_bytes(total, lay)) / m.pp  # type: ignore[arg-type]
-        return self.states_floors[key]
+            split = (m.tp, m.ep, m.etp, m.pp > 1)  # all stage_params reads of the layout
+            total = self.model_params.get(split)
+            if total is None:
+                total = self.model_params[split] = stage_params(model, lay, range(model.num_layers), True,  # type: ignore[arg-type]
+                                                                True)
+            found = self.states_floors[key] = sum(model_state_bytes(total, lay)) / m.pp  # type: ignore[arg-type]
+        return found
 
     def work_bound(self, cand: Candidate) -> float:
         """A lower bound on the step time of every stage partition of this candidate (see pipeline_floor)."""

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from meshplan.cli.main import main
 from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload, resolve
-from meshplan.costmodels.estimate import estimate
+from meshplan.costmodels.estimate import estimate, simulate_config
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model, load_zoo
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME, RUNTIMES, get_runtime
@@ -175,10 +175,16 @@ def check_plans(model: ModelSpec, c: Cluster, wl: Workload, result: SearchResult
         lay = resolve(model, c.num_gpus, wl, p.config)  # raises InputError if a divisibility rule fails
         assert lay == p.estimate.layout
         assert p.estimate.fits and p.estimate.peak_memory_gib <= c.gpu.hbm_gib.value
-        fresh = estimate(model, c, wl, p.config, p.estimate.runtime)
+        again = simulate_config(model, c, wl, p.config, p.estimate.runtime)
+        fresh = again.estimate
         assert fresh.fits
         assert close(fresh.step_time_s, p.step_time_s), (p.config, fresh.step_time_s, p.step_time_s)
         assert close(fresh.peak_memory_gib, p.estimate.peak_memory_gib, 1e-9)
+        # the kept timeline (what the plan's trace draws) is the one a fresh simulation makes
+        kept = p.simulated.timeline.events
+        assert len(kept) == len(again.timeline.events)
+        assert all(a[:2] == b[:2] and close(a[2], b[2]) and close(a[3], b[3])
+                   for a, b in zip(kept, again.timeline.events, strict=True))
         # the per-candidate bound never exceeds the plan's own simulated time
         assert p.bound_s <= p.step_time_s * (1 + 1e-6), (p.config, p.bound_s, p.step_time_s)
 

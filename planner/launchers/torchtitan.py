@@ -259,7 +259,7 @@ def _stages_from_fqns(parts: list[list[str]], pp: int, num_layers: int) -> tuple
 # The fields meshplan reads from a torchtitan (<= 0.2) job config, typed as torchtitan's config_manager.py declares
 # them; strict (no coercion: true is not 1, "8" is not 8, 1.5 is not a degree) and bounded. A job config holds many
 # more sections and fields (job, optimizer, lr_scheduler, checkpoint, metrics, comm, ...): meshplan leaves those out.
-_TITAN = ConfigDict(frozen=True, extra="ignore", strict=True, allow_inf_nan=False)
+_TITAN = ConfigDict(defer_build=True, frozen=True, extra="ignore", strict=True, allow_inf_nan=False)
 _Degree = Annotated[int, Field(ge=1, le=MAX_GPUS)]
 
 
