@@ -58,7 +58,7 @@ class SearchCosts:
         self.states_floors: dict[tuple, float] = {}  # by mesh degrees and ZeRO stage
         self.model_params: dict[tuple, StageParams] = {}  # the whole model's on one GPU, by what splits it
         self.group_floors: dict[tuple, float] = {}  # _group_floor's, by mesh degrees, mbs, ZeRO stages and policy
-        self.hops: dict[tuple[Mesh, int], float] = {}
+        self.hops: dict[tuple, float] = {}  # by pp link and message (_hop)
         self.rank_contents: dict[tuple, tuple] = {}
         self.work_bounds: dict[tuple, list] = {}  # per layer key: the key costs (_key_costs)
         self.layer_parts: dict[tuple, tuple] = {}  # per layer key: each layer kind's (forward, backward, selective)
@@ -301,12 +301,16 @@ class SearchCosts:
 
     def _hop(self, m: Mesh, mbs: int) -> float:
         """P2P latency between neighbouring stages of this mesh (CostContext.p2p_s, without building a context)."""
-        key = (m, mbs)
-        if key not in self.hops:
+        if m.pp == 1:
+            return 0.0
+        # stage_p2p_s reads the pp link and the message (mbs, cp, tp): meshes with the same pp link share it
+        key = (self._links(m)["pp"], mbs, m.cp, m.tp)
+        found = self.hops.get(key)
+        if found is None:
             lay = _MeshLayout(tp=m.tp, cp=m.cp, dp=m.dp, pp=m.pp, ep=m.ep, etp=m.etp, edp=m.edp, mbs=mbs,
                               rank_order=m.order)
-            self.hops[key] = stage_p2p_s(self.model, self.wl, lay, self._links(m)["pp"], self.eff)  # type: ignore[arg-type]
-        return self.hops[key]
+            found = self.hops[key] = stage_p2p_s(self.model, self.wl, lay, key[0], self.eff)  # type: ignore[arg-type]
+        return found
 
     def _family_bound(self, c: Candidate, prob: PartitionProblem, below: float) -> float:
         """The DP optimum with no memory cap and no DP-sync or optimizer time: a bound for every ZeRO stage of
