@@ -1,0 +1,138 @@
+"""How sure a prediction is. A configuration falls in a *region*: the features the cost model's error has been seen
+to depend on (issue 44: GPU, runtime, dense or MoE, EP across nodes, context parallelism, sequences of 32K tokens
+or more, FP8, TP 8 or more on hidden 4,096 or less). A prediction interval comes from the held-out residuals of
+measured runs in the same region, by split conformal prediction (Lei et al. 2018, "Distribution-Free Predictive
+Inference for Regression", JASA 113(523), sec. 2.2): with n exchangeable residuals, the k-th smallest with
+k = ceil((n + 1)(1 + level) / 2) bounds a new one from above with probability at least (1 + level) / 2, and
+likewise from below. Where a region holds too few runs for that, features are dropped in REGION_BACKOFF order until
+one holds enough; the interval names the region it came from.
+
+A residual is log(predicted throughput / measured throughput): positive where the model is optimistic, and the
+same for a step-time metric (its ratio inverted). The measured throughput then lies in
+[predicted exp(-hi), predicted exp(-lo)].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshplan.costmodels.config import Layout, Workload
+from meshplan.costmodels.model import ModelSpec
+
+LONG_CONTEXT = 32_768  # tokens: issue 44's long-context group (over-predicted by +67 % before calibration)
+WIDE_TP, SMALL_HIDDEN = 8, 4096  # TP 8 or more on a hidden size of 4,096 or less: GEMMs too thin per GPU
+
+
+@dataclass(frozen=True)
+class Region:
+    """The features a run's prediction error is grouped by (issue 44's groups)."""
+
+    gpu: str  # hardware_db name
+    runtime: str  # the preset, without its +options
+    moe: bool
+    ep_across_nodes: bool  # an expert-parallel group spans more than one scale-up domain
+    context_parallel: bool  # cp > 1
+    long_context: bool  # sequence >= LONG_CONTEXT
+    fp8: bool
+    wide_tp: bool  # tp >= WIDE_TP on hidden <= SMALL_HIDDEN
+
+    def labels(self) -> tuple[tuple[str, str], ...]:
+        """(group, value) pairs, for per-group tables."""
+        yes = {True: "yes", False: "no"}
+        return (("gpu", self.gpu), ("runtime", self.runtime), ("experts", "moe" if self.moe else "dense"),
+                ("EP across nodes", yes[self.ep_across_nodes]), ("CP", yes[self.context_parallel]),
+                ("sequence >= 32K", yes[self.long_context]), ("FP8", yes[self.fp8]),
+                ("TP >= 8 on hidden <= 4096", yes[self.wide_tp]))
+
+
+# Features given up first when a region holds too few runs, least telling first: the last ones are the groups
+# where the uncalibrated model errs most (MoE, long context, the GPU generation: issue 44).
+REGION_BACKOFF = ("wide_tp", "fp8", "context_parallel", "ep_across_nodes", "runtime", "gpu", "long_context", "moe")
+
+
+def region_of(model: ModelSpec, lay: Layout, wl: Workload, gpu: str, gpus_per_node: int, runtime: str) -> Region:
+    """The region of a resolved configuration. An EP group's ranks are ep x etp apart at most (Megatron-Core's
+    expert mesh tp-ep-dp inside the dense ranks, megatron/core/parallel_state.py), so it spans nodes when that
+    exceeds a scale-up domain."""
+    return Region(gpu=gpu, runtime=runtime.split("+")[0], moe=model.moe is not None,
+                  ep_across_nodes=model.moe is not None and lay.ep * lay.etp > gpus_per_node,
+                  context_parallel=lay.cp > 1, long_context=wl.seq_len >= LONG_CONTEXT, fp8=wl.dtype == "fp8",
+                  wide_tp=lay.tp >= WIDE_TP and model.hidden <= SMALL_HIDDEN)
+
+
+def min_runs(level: float) -> int:
+    """The fewest residuals that give a finite interval at this level: both order statistics inside 1..n."""
+    _check_level(level)
+    n = 1
+    while _lower_rank(n, level) < 1 or _upper_rank(n, level) > n:
+        n += 1
+    return n
+
+
+def _upper_rank(n: int, level: float) -> int:
+    return math.ceil((n + 1) * (1 + level) / 2 - 1e-9)  # the 1e-9: (n + 1) x 0.9 in floating point
+
+
+def _lower_rank(n: int, level: float) -> int:
+    return math.floor((n + 1) * (1 - level) / 2 + 1e-9)
+
+
+def _check_level(level: float) -> None:
+    if not 0 < level < 1:
+        raise ValueError(f"an interval's level is a fraction between 0 and 1, not {level}")
+
+
+def conformal_bounds(residuals: Sequence[float], level: float) -> tuple[float, float]:
+    """(lo, hi): each a split-conformal bound on a new residual exchangeable with these, so that it falls in
+    [lo, hi] with probability at least `level`; (-inf, inf) with fewer than min_runs(level) residuals. Fewer runs
+    pick more extreme order statistics: the interval widens."""
+    _check_level(level)
+    ordered = sorted(residuals)
+    n = len(ordered)
+    lo_rank, hi_rank = _lower_rank(n, level), _upper_rank(n, level)
+    if n == 0 or lo_rank < 1 or hi_rank > n:
+        return -math.inf, math.inf
+    return ordered[lo_rank - 1], ordered[hi_rank - 1]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A prediction interval on the residual, and where it came from."""
+
+    lo: float  # residual bounds: measured throughput in [predicted exp(-hi), predicted exp(-lo)]
+    hi: float
+    level: float
+    runs: int  # residuals it was computed from
+    dropped: tuple[str, ...]  # region features given up to reach min_runs (REGION_BACKOFF order)
+
+    def throughput(self, predicted: float) -> tuple[float, float]:
+        """The range of the measured throughput for a predicted one."""
+        return predicted * math.exp(-self.hi), predicted * math.exp(-self.lo)
+
+    def step_time(self, predicted: float) -> tuple[float, float]:
+        """The range of the measured step time for a predicted one."""
+        return predicted * math.exp(self.lo), predicted * math.exp(self.hi)
+
+
+def region_interval(target: Region, table: Sequence[tuple[Region, float]], level: float = 0.8) -> Interval:
+    """The interval of `target` from (region, residual) pairs of measured runs: those of its own region when they
+    are at least min_runs(level), else those matching on the features left after dropping REGION_BACKOFF's first
+    ones, one at a time. With every feature dropped, all residuals; with too few of those, an infinite interval."""
+    need = min_runs(level)
+    for k in range(len(REGION_BACKOFF) + 1):
+        kept = [f.name for f in dataclasses.fields(Region) if f.name not in REGION_BACKOFF[:k]]
+        same = [r for region, r in table if all(getattr(region, f) == getattr(target, f) for f in kept)]
+        if len(same) >= need or k == len(REGION_BACKOFF):
+            lo, hi = conformal_bounds(same, level)
+            return Interval(lo, hi, level, len(same), REGION_BACKOFF[:k])
+    raise AssertionError("unreachable: the last step keeps every residual")
+
+
+def residual(predicted_throughput: float, measured_throughput: float) -> float:
+    """log(predicted / measured): the error an interval is made of."""
+    if predicted_throughput <= 0 or measured_throughput <= 0:
+        raise ValueError("throughputs must be positive")
+    return math.log(predicted_throughput / measured_throughput)

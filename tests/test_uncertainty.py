@@ -1,0 +1,128 @@
+"""Prediction intervals (costmodels/uncertainty.py): split-conformal bounds cover what they claim on exchangeable
+residuals, widen with fewer runs, back off to broader regions where a region holds too few runs, and a run's
+region reads the features issue 44 groups errors by. Also the cross-validation's publication keys
+(benchmarks/crossval.py): a page at two commits is one publication."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.costmodels.config import ParallelConfig, Workload, resolve
+from meshplan.costmodels.model_io import load_zoo
+from meshplan.costmodels.uncertainty import (REGION_BACKOFF, Region, conformal_bounds, min_runs, region_interval,
+                                             region_of, residual)
+
+REPO = Path(__file__).resolve().parents[1]
+DENSE_H100 = Region("h100-sxm", "megatron-core", False, False, False, False, False, False)
+
+
+def test_the_bounds_are_the_order_statistics_split_conformal_names():
+    """n = 19 at 80 %: the ceil(20 x 0.9) = 18th smallest above and the floor(20 x 0.1) = 2nd below."""
+    values = [float(v) for v in range(1, 20)]
+    assert conformal_bounds(values[::-1], 0.8) == (2.0, 18.0)
+    assert min_runs(0.8) == 9 and min_runs(0.9) == 19
+    assert conformal_bounds(values[:8], 0.8) == (-math.inf, math.inf)  # 8 runs: too few for 80 %
+    assert conformal_bounds(values[:9], 0.8) == (1.0, 9.0)
+    with pytest.raises(ValueError):
+        conformal_bounds(values, 1.0)
+
+
+def test_intervals_cover_their_level_on_exchangeable_residuals():
+    """Fresh draws from the residuals' own distribution fall inside at least `level` of the time (and not much
+    more: the bounds are tight order statistics), averaged over many calibration sets."""
+    rng = np.random.default_rng(7)
+    for n, level in [(9, 0.8), (30, 0.8), (100, 0.8), (50, 0.9)]:
+        inside = []
+        for _ in range(2000):
+            lo, hi = conformal_bounds(rng.normal(0.05, 0.1, n).tolist(), level)
+            new = rng.normal(0.05, 0.1)
+            inside.append(lo <= new <= hi)
+        assert level - 0.02 <= float(np.mean(inside)) <= level + 0.1, (n, level, np.mean(inside))
+
+
+def test_intervals_widen_with_fewer_runs():
+    rng = np.random.default_rng(11)
+    widths = {}
+    for n in (9, 20, 200):
+        spans = [np.subtract(*conformal_bounds(rng.normal(0, 0.1, n).tolist(), 0.8)[::-1]) for _ in range(500)]
+        widths[n] = float(np.mean(spans))
+    assert widths[9] > widths[20] > widths[200], widths
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(st.lists(st.floats(-2, 2), min_size=9, max_size=60), st.sampled_from([0.5, 0.8, 0.9]))
+def test_bounds_are_members_and_ordered(values, level):
+    lo, hi = conformal_bounds(values, level)
+    if len(values) >= min_runs(level):
+        assert lo in values and hi in values and lo <= hi
+    else:
+        assert (lo, hi) == (-math.inf, math.inf)
+
+
+def test_a_region_with_too_few_runs_borrows_from_a_broader_one():
+    """Eight runs of a wide-TP region are too few for 80 %: the interval drops that feature first and uses the
+    dense H100 runs around it; with nine of its own it keeps them and says nothing was dropped."""
+    wide = Region("h100-sxm", "megatron-core", False, False, False, False, False, True)
+    table = [(wide, 0.3)] * 8 + [(DENSE_H100, 0.0)] * 20
+    got = region_interval(wide, table, 0.8)
+    assert got.dropped == ("wide_tp",) and got.runs == 28 and got.lo == 0.0 and got.hi == 0.3
+    own = region_interval(wide, table + [(wide, 0.3)], 0.8)
+    assert own.dropped == () and own.runs == 9 and own.lo == own.hi == 0.3
+    assert region_interval(wide, [(DENSE_H100, 0.1)] * 3, 0.8).dropped == REGION_BACKOFF  # nothing left to drop
+    assert math.isinf(region_interval(wide, [], 0.8).hi)
+
+
+def test_an_interval_turns_into_throughput_and_step_time_ranges():
+    """A residual is log(predicted / measured): an optimistic model (residual > 0) puts the measured throughput
+    below the prediction and the measured step above it."""
+    got = region_interval(DENSE_H100, [(DENSE_H100, r) for r in np.linspace(-0.1, 0.2, 19).tolist()], 0.8)
+    slow, fast = got.throughput(1000.0)
+    assert slow < 1000.0 < fast and math.isclose(slow, 1000.0 * math.exp(-got.hi))
+    short, long = got.step_time(10.0)
+    assert short < 10.0 < long and math.isclose(long * slow, 10.0 * 1000.0)
+    assert math.isclose(residual(110.0, 100.0), math.log(1.1))
+
+
+def test_a_runs_region_reads_its_features():
+    """DeepSeek-V3 with EP 32 on 8-GPU nodes spans nodes, EP 8 does not; Llama-3.1-8B at TP 8 is thin (hidden
+    4,096); CP, 32K sequences and FP8 are read off the layout and workload."""
+    moe, dense = load_zoo("deepseek-v3"), load_zoo("llama3.1-8b")
+    wl = Workload(global_batch=64, seq_len=4096)
+    wide = resolve(moe, 256, wl, ParallelConfig(tp=1, pp=8, ep=32, dp=32))
+    narrow = resolve(moe, 256, wl, ParallelConfig(tp=1, pp=8, ep=8, dp=32))
+    assert region_of(moe, wide, wl, "h800", 8, "megatron-core+deepep").ep_across_nodes
+    got = region_of(moe, narrow, wl, "h800", 8, "megatron-core+deepep")
+    assert not got.ep_across_nodes and got.moe and got.runtime == "megatron-core"
+    long = Workload(global_batch=8, seq_len=32768, dtype="fp8")
+    lay = resolve(dense, 16, long, ParallelConfig(tp=8, cp=2, pp=1))
+    got = region_of(dense, lay, long, "h100-sxm", 8, "torchtitan+compile")
+    assert got.wide_tp and got.context_parallel and got.long_context and got.fp8 and not got.moe
+
+
+def _crossval():
+    spec = importlib.util.spec_from_file_location("crossval", REPO / "benchmarks" / "crossval.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["crossval"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_page_at_two_commits_is_one_publication():
+    pytest.importorskip("yaml")
+    cv = _crossval()
+    page = "https://github.com/NVIDIA/NeMo/blob/{}/docs/source/performance/performance_long_sequence.md"
+    assert cv.publication_of_url(page.format("9c5c5e9")) == cv.publication_of_url(page.format("14d427f"))
+    round_ = "https://github.com/mlcommons/training_results_v5.0/blob/0fdc28f/{}/results/x/result_0.txt"
+    assert cv.publication_of_url(round_.format("NVIDIA")) == cv.publication_of_url(round_.format("Nebius"))
+    assert cv.publication_of_url("https://arxiv.org/abs/2201.11990") != cv.publication_of_url(
+        "https://arxiv.org/abs/2402.16819")
+    assert cv.publication_of_paper("Korthikanti et al., MLSys'23 (arXiv:2205.05198), text") == \
+        cv.publication_of_paper("Korthikanti et al., 'Reducing Activation Recomputation', MLSys")
