@@ -2,7 +2,7 @@
 out: a run's own paper or page (a GitHub page at any commit, an MLPerf round) is never among the runs its interval
 is made from.
 
-Usage:  python benchmarks/crossval.py [--level 0.8] [--markdown]
+Usage:  python benchmarks/crossval.py [--level 0.8] [--markdown] [--write costmodels/residuals.json]
 
 Setting (a), the defaults: every run predicted with its GPU's default efficiencies (benchmarks/reference_runs.py),
 and an interval for it at --level from the residuals of the other publications' runs in its region
@@ -10,6 +10,8 @@ and an interval for it at --level from the residuals of the other publications' 
 mean signed error, the share of held-out runs inside their interval (the target is 75-85 % for 80 % intervals) and
 the intervals' median width, overall and per group (issue 44's groups). Nothing is fit in setting (a), but the
 defaults' physics was developed with these sets in view: its errors are not strictly held out, its intervals are.
+--write saves every run's region and residual: the table `estimate` and `plan` make their intervals from
+(costmodels/uncertainty.py measured_residuals; a new configuration is no run of the sets, so all of them count).
 Settings (b) (with public kernel tables) and (c) (few-shot: three runs of a page or cluster) need `meshplan
 calibrate`, issue 44's first item, and are not here yet.
 """
@@ -17,6 +19,8 @@ calibrate`, issue 44's first item, and are not here yet.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import sys
 from dataclasses import dataclass
@@ -113,6 +117,24 @@ def held_out(runs: list[Held], level: float) -> list[Held]:
     return out
 
 
+def residual_table(runs: list[Held]) -> dict:
+    """The JSON document of measured_residuals: each run's id, publication, region and residual."""
+    return {"made_by": "benchmarks/crossval.py --write",
+            "residual": "log(predicted / measured throughput) under the default efficiencies",
+            "runs": [{"id": h.row.id, "publication": h.publication, "region": dataclasses.asdict(h.region),
+                      "residual": h.residual} for h in runs]}
+
+
+def write_residuals(runs: list[Held], path: Path) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    doc = residual_table(runs)
+    rows = ",\n".join(" " + json.dumps(run) for run in doc.pop("runs"))  # one run a line: diffs stay readable
+    text = json.dumps(doc, indent=1)[:-2] + ',\n "runs": [\n' + rows + "\n ]\n}\n"
+    json.loads(text)  # the hand-joined document parses
+    temporary.write_text(text, encoding="utf-8")
+    temporary.replace(path)  # whole or not at all
+
+
 def line(label: str, runs: list[Held]) -> tuple[str, int, float, float, float, float]:
     """(group, runs, MAPE, mean signed error, coverage, median width)."""
     return (label, len(runs), statistics.mean(abs(h.row.error) for h in runs),
@@ -132,8 +154,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--level", type=float, default=0.8, help="the intervals' level (default 0.8)")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table for RESULTS.md")
+    ap.add_argument("--write", type=Path, help="also write every run's region and residual to this JSON file")
     args = ap.parse_args()
     runs = held_out(first_set() + second_set(), args.level)
+    if args.write is not None:
+        write_residuals(runs, args.write)
     pubs = {h.publication for h in runs}
     print(f"setting (a), the defaults: {len(runs)} runs from {len(pubs)} publications, "
           f"{100 * args.level:.0f} % intervals left one publication out")

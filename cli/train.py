@@ -101,9 +101,9 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     t = Table(title="Throughput", title_justify="left")
     t.add_column("metric", overflow="fold")
     t.add_column("value", justify="right", overflow="fold")
-    t.add_row("step time", f"{step:.3f} s")
+    t.add_row("step time", f"{step:.3f} s" + _range(est, step_time=True))
     t.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
-    t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.1f}")
+    t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.1f}" + _range(est))
     t.add_row("TFLOP/s/GPU (model FLOPs)", f"{est.tflops_per_gpu:.1f}")
     t.add_row(f"MFU (vs {wl.dtype} dense peak)", Text.assemble(
         f"{100 * est.mfu:.1f} %", (" (above every published run of its class)", "bold yellow")
@@ -133,6 +133,8 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     con.print(t)
     if est.realism is not None:
         con.print(Text.assemble(("realism:", "bold yellow" if est.realism.exceeds else ""), " ", est.realism.line()))
+    if est.interval is not None:
+        con.print(f"uncertainty: {interval_line(est)}")
     if est.fits:
         con.print(Text.assemble(("memory: fits", "green"),
                                 f" (peak {est.peak_memory_gib:.1f} GiB of {est.hbm_gib:.0f} GiB HBM)"))
@@ -140,6 +142,27 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
         con.print(Text.assemble(("memory: does NOT fit", "bold red"),
                                 f" (peak {est.peak_memory_gib:.1f} GiB > {est.hbm_gib:.0f} GiB HBM); try more "
                                 f"--pp/--tp, --recompute selective|full, a higher --zero or a smaller --mbs"))
+
+
+def _range(est: Estimate, step_time: bool = False) -> str:
+    """' (lo-hi)' of the estimate's interval (costmodels/uncertainty.py), or nothing without one."""
+    if est.interval is None:
+        return ""
+    if step_time:
+        lo, hi = est.interval.step_time(est.step_time_s)
+        return f" ({lo:.3g}-{hi:.3g})"
+    lo, hi = est.interval.throughput(est.tokens_per_s_per_gpu)
+    return f" ({lo:,.0f}-{hi:,.0f})"
+
+
+def interval_line(est: Estimate) -> str:
+    """Where the ranges in brackets come from."""
+    interval = est.interval
+    assert interval is not None
+    dropped = ", ".join(d.replace("_", " ") for d in interval.dropped)
+    given_up = f", its own region having too few, regardless of {dropped}" if dropped else ""
+    return (f"the ranges in brackets are {100 * interval.level:.0f} % intervals from how far {interval.runs} published "
+            f"runs of its region measured from their predictions{given_up} (docs/cost_model.md)")
 
 
 def print_cost(con: Console, cost: TrainingCost) -> None:
@@ -409,7 +432,8 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
         if orders:
             row.append(lay.rank_order)
         row += [str(lay.mbs), str(lay.zero), "on" if lay.sp else "off", _recompute_text(lay), lay.schedule,
-                _stages_text(lay), f"{e.step_time_s:.3f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{100 * e.mfu:.1f}",
+                _stages_text(lay), f"{e.step_time_s:.3f}", f"{e.tokens_per_s_per_gpu:,.0f}" + _range(e),
+                f"{100 * e.mfu:.1f}",
                 f"{e.peak_memory_gib:.1f}"]
         rows.append(row)
     print_table(con, f"Best {len(result.plans)} plans (predicted)", cols, rows,
@@ -423,6 +447,8 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     best = result.plans[0].estimate.realism
     if best is not None:
         con.print(Text.assemble(("realism of plan #1:", "bold yellow" if best.exceeds else ""), " ", best.line()))
+    if result.plans[0].estimate.interval is not None:
+        con.print(f"uncertainty of plan #1: {interval_line(result.plans[0].estimate)}")
     if acc.status == "optimal":
         con.print(Text.assemble(("optimal", "green"),
                                 ": no candidate in the space is predicted faster (proven by the bounds above)"))

@@ -9,7 +9,7 @@ from meshplan.costmodels.context import (CostContext, fp8_weight_cast_s, layer_m
                                          stage_memory, stage_params_for, stage_ranges)
 from meshplan.costmodels.deadline import Deadline, check
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.kernels import overlapped_exposed
+from meshplan.costmodels.kernels import Physics, overlapped_exposed
 from meshplan.costmodels.memory import GIB, MemoryBreakdown, stage_params
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.passes import PassTimes
@@ -17,6 +17,7 @@ from meshplan.costmodels.pipeline import StageTimes, Timeline, build_schedule, c
 from meshplan.costmodels.realism import RealismCheck
 from meshplan.costmodels.realism import check as realism_check
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME, Runtime, get_runtime
+from meshplan.costmodels.uncertainty import Interval, prediction_interval, region_of
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 
@@ -52,6 +53,9 @@ class Estimate:
     hbm_gib: float
     bubble_fraction: float
     realism: RealismCheck | None = None  # the MFU beside the best published for its class (costmodels/realism.py)
+    # how far measured runs of its region were from their predictions (costmodels/uncertainty.py); None under a
+    # calibration or with physics switched off, whose errors the shipped residuals do not describe
+    interval: Interval | None = None
 
     @property
     def peak_memory_gib(self) -> float:
@@ -76,6 +80,8 @@ class Estimate:
             "breakdown_s": self.breakdown_s,
             "layout": layout_dict(self.layout),
             "runtime": self.runtime,
+            "interval": None if self.interval is None else interval_dict(self.interval, self.step_time_s,
+                                                                          self.tokens_per_s_per_gpu),
             "realism": None if self.realism is None else {
                 "published_mfu": self.realism.published_mfu, "run": self.realism.run, "source": self.realism.source,
                 "exceeds": self.realism.exceeds},
@@ -86,6 +92,13 @@ class Estimate:
                 for s in self.stages
             ],
         }
+
+
+def interval_dict(interval: Interval, step_time_s: float, tokens_per_s_per_gpu: float) -> dict:
+    """An estimate's interval as the plan JSON and `estimate --json` write it."""
+    return {"level": interval.level, "runs": interval.runs, "dropped": list(interval.dropped),
+            "step_time_s": list(interval.step_time(step_time_s)),
+            "tokens_per_s_per_gpu": list(interval.throughput(tokens_per_s_per_gpu))}
 
 
 def layout_dict(lay: Layout) -> dict:
@@ -152,6 +165,8 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
         bubble_fraction=timeline.bubble_fraction(),
         realism=realism_check(cluster.spec.gpu, model.moe is not None, workload.dtype,
                               model_flops / step / gpus / peak),
+        interval=(prediction_interval(region_of(model, lay, workload, cluster.spec.gpu, cluster.gpus_per_node, rt.name))
+                  if eff.calibration is None and eff.physics == Physics() else None),
     )
     return Simulated(est, timeline, ctx.p2p_s)
 

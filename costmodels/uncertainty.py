@@ -15,13 +15,18 @@ same for a step-time metric (its ratio inverted). The measured throughput then l
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 
 from meshplan.costmodels.config import Layout, Workload
 from meshplan.costmodels.model import ModelSpec
 
+DEFAULT_LEVEL = 0.8  # the intervals estimate and plan show (issue 44: "for example 80 %")
+RESIDUALS_FILE = "residuals.json"  # in this package: written by benchmarks/crossval.py --write
 LONG_CONTEXT = 32_768  # tokens: issue 44's long-context group (over-predicted by +67 % before calibration)
 WIDE_TP, SMALL_HIDDEN = 8, 4096  # TP 8 or more on a hidden size of 4,096 or less: GEMMs too thin per GPU
 
@@ -136,3 +141,17 @@ def residual(predicted_throughput: float, measured_throughput: float) -> float:
     if predicted_throughput <= 0 or measured_throughput <= 0:
         raise ValueError("throughputs must be positive")
     return math.log(predicted_throughput / measured_throughput)
+
+
+@cache
+def measured_residuals() -> tuple[tuple[Region, float], ...]:
+    """(region, residual) of every run of both development sets under the default efficiencies, as shipped in
+    costmodels/residuals.json (benchmarks/crossval.py --write; tests/test_uncertainty.py checks it against the cost
+    model, so it is regenerated whenever a change moves a prediction)."""
+    data = json.loads(resources.files("meshplan.costmodels").joinpath(RESIDUALS_FILE).read_text(encoding="utf-8"))
+    return tuple((Region(**run["region"]), float(run["residual"])) for run in data["runs"])
+
+
+def prediction_interval(region: Region, level: float = DEFAULT_LEVEL) -> Interval:
+    """The interval of a new configuration from every measured run of its region (region_interval)."""
+    return region_interval(region, measured_residuals(), level)

@@ -9,17 +9,16 @@ from typing import TypeVar
 
 from meshplan.costmodels.config import ParallelConfig, Workload, resolve
 from meshplan.costmodels.economics import Budget, ServingCost, TrainingCost, serving_cost, training_cost
-from meshplan.costmodels.estimate import Simulated
+from meshplan.costmodels.estimate import Simulated, interval_dict
 from meshplan.costmodels.memory import FRAGMENTATION, GIB, MemoryBreakdown
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import to_model_file
 from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryGiB, MemoryStage, ParetoPoint, PartitionStatus,
-                                   Plan,
-                                   PredictedStage, Prediction, RealismRecord, SearchInfo, ServingEngine, ServingInputs,
-                                   ServingPlan, ServingPrediction, ServingSearch, StageTime, cost_model_digest,
-                                   layout_sections, meshplan_version)
+                                   Plan, PredictedStage, Prediction, PredictionInterval, RealismRecord, SearchInfo,
+                                   ServingEngine, ServingInputs, ServingPlan, ServingPrediction, ServingSearch,
+                                   StageTime, cost_model_digest, layout_sections, meshplan_version)
 from meshplan.planner.search import SearchAccount
 from meshplan.planner.serve import Deployment, ServeResult, meets, misses
 
@@ -59,7 +58,9 @@ def _prediction(simulated: Simulated) -> Prediction:
                                memory_gib=_gib(s.memory)) for s in est.stages],
         stage_time_s=_stage_times(simulated),
         realism=None if realism is None else RealismRecord(published_mfu=realism.published_mfu, run=realism.run,
-                                                           source=realism.source, exceeds=realism.exceeds))
+                                                           source=realism.source, exceeds=realism.exceeds),
+        interval=None if est.interval is None else PredictionInterval(**interval_dict(
+            est.interval, est.step_time_s, est.tokens_per_s_per_gpu)))
 
 
 def _search_info(account: SearchAccount, rank: int | None, bound_s: float | None,

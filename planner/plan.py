@@ -249,6 +249,18 @@ class RealismRecord(_Frozen):
     exceeds: bool
 
 
+class PredictionInterval(_Frozen):
+    """How far measured runs of the plan's region were from their predictions (costmodels/uncertainty.py): the
+    range the measured step time and throughput fall in at `level`, from `runs` runs of the development sets; the
+    region features given up for want of runs in `dropped`."""
+
+    level: float = Field(gt=0, lt=1)
+    runs: int = Field(ge=0)
+    dropped: list[str]
+    step_time_s: tuple[float, float]
+    tokens_per_s_per_gpu: tuple[float, float]
+
+
 class Prediction(_Frozen):
     """The estimate (costmodels.estimate.Estimate, memory in GiB) and per-stage pass times; its layout is the cost
     model's own Layout type."""
@@ -269,6 +281,7 @@ class Prediction(_Frozen):
     stages: list[PredictedStage]
     stage_time_s: list[StageTime]
     realism: RealismRecord | None = None
+    interval: PredictionInterval | None = None  # none under a calibration (the residuals describe the defaults)
 
 
 class SearchInfo(_Frozen):
@@ -293,9 +306,11 @@ class SearchInfo(_Frozen):
 
 COST_MODEL_HELP = ("sha256 of the cost model's source that computed the figures: a plan read by the same cost model "
                    "must reproduce them (else it was edited, and is refused); another cost model re-prices it")
-# the code a plan's figures come from: the cost model, the hardware data's readers, and the plan builders
-COST_MODEL_SOURCES = (("meshplan.costmodels", "*.py"), ("meshplan.hardware_db", "*.py"),
-                      ("meshplan.planner", "builders.py"), ("meshplan.planner", "serve.py"))
+# the code a plan's figures come from: the cost model and the residuals its intervals read, the hardware data's
+# readers, and the plan builders
+COST_MODEL_SOURCES = (("meshplan.costmodels", "*.py"), ("meshplan.costmodels", "*.json"),
+                      ("meshplan.hardware_db", "*.py"), ("meshplan.planner", "builders.py"),
+                      ("meshplan.planner", "serve.py"))
 
 
 @cache

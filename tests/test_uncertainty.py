@@ -5,7 +5,9 @@ region reads the features issue 44 groups errors by. Also the cross-validation's
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -126,3 +128,39 @@ def test_a_page_at_two_commits_is_one_publication():
         "https://arxiv.org/abs/2402.16819")
     assert cv.publication_of_paper("Korthikanti et al., MLSys'23 (arXiv:2205.05198), text") == \
         cv.publication_of_paper("Korthikanti et al., 'Reducing Activation Recomputation', MLSys")
+
+
+def test_the_shipped_residuals_are_the_cost_models_own():
+    """costmodels/residuals.json is what benchmarks/crossval.py --write makes from this cost model: a change that
+    moves any prediction of the development sets must ship new residuals (else every interval would describe
+    another model)."""
+    pytest.importorskip("yaml")
+    from meshplan.costmodels.uncertainty import measured_residuals
+
+    cv = _crossval()
+    runs = cv.first_set() + cv.second_set()
+    shipped = json.loads((REPO / "costmodels" / "residuals.json").read_text())["runs"]
+    assert [r["id"] for r in shipped] == [h.row.id for h in runs], "regenerate: python benchmarks/crossval.py --write"
+    for h, (region, value), stored in zip(runs, measured_residuals(), shipped, strict=True):
+        assert region == h.region and stored["publication"] == h.publication, h.row.id
+        assert math.isclose(value, h.residual, rel_tol=1e-9, abs_tol=1e-12), (
+            f"{h.row.id}: shipped residual {value}, the cost model now gives {h.residual}; regenerate with "
+            f"python benchmarks/crossval.py --write costmodels/residuals.json")
+
+
+def test_an_estimate_carries_its_interval_and_a_calibrated_one_none():
+    """The default model's estimate has the interval of its region (the measured step time's range around the
+    prediction); one made under a calibration has none: the shipped residuals describe the defaults."""
+    from meshplan.costmodels.efficiency import Efficiency
+    from meshplan.costmodels.estimate import estimate
+    from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+
+    model, cluster = load_zoo("llama3.1-8b"), Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8))
+    wl, cfg = Workload(global_batch=16, seq_len=4096), ParallelConfig(tp=2)
+    est = estimate(model, cluster, wl, cfg)
+    assert est.interval is not None and est.interval.runs >= min_runs(0.8)
+    lo, hi = est.interval.step_time(est.step_time_s)
+    assert lo < est.step_time_s < hi
+    assert est.to_dict()["interval"]["step_time_s"] == [lo, hi]
+    calibrated = dataclasses.replace(Efficiency.from_gpu(cluster.gpu), calibration="test.json sha256:0")
+    assert estimate(model, cluster, wl, cfg, efficiency=calibrated).interval is None
