@@ -152,6 +152,8 @@ def measured_residuals() -> tuple[tuple[Region, float], ...]:
     return tuple((Region(**run["region"]), float(run["residual"])) for run in data["runs"])
 
 
+@cache
 def prediction_interval(region: Region, level: float = DEFAULT_LEVEL) -> Interval:
-    """The interval of a new configuration from every measured run of its region (region_interval)."""
+    """The interval of a new configuration from every measured run of its region (region_interval); cached, as
+    every simulated candidate of a search asks for its region's."""
     return region_interval(region, measured_residuals(), level)
