@@ -51,6 +51,8 @@ MAX_SEQ_LEN = 2**24
 class Workload(BaseModel):
     """What one training step processes: `global_batch` sequences of `seq_len` tokens."""
 
+    # defer_build (here and on every meshplan model): a schema is built on first use, so a command pays at start-up
+    # only for the models it reads (about 0.1 s less for `plan`, benchmarks/RESULTS.md)
     model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     global_batch: int = Field(gt=0, le=MAX_GLOBAL_BATCH)
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)

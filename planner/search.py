@@ -265,10 +265,7 @@ class _Search(SearchCosts):
         elif score > bound * (1 + REL_TOL):
             self._push(score, Step.GROUP_FITTED, g)
         else:
-            self._expand(g)
-
-    def _expand(self, g: Group) -> None:
-        self._expand_group(g)
+            self._expand_group(g)
 
     def cutoff(self) -> float:
         return self.best.cutoff()
@@ -343,7 +340,7 @@ class _Search(SearchCosts):
         if step is Step.GROUP:
             self._fit_group(bound, payload[0])
         elif step is Step.GROUP_FITTED:
-            self._expand(payload[0])
+            self._expand_group(payload[0])
         elif step is Step.CANDIDATE:
             self._step_candidate(bound, payload[0])
         elif step is Step.CANDIDATE_SHARDED:

@@ -497,7 +497,7 @@ class SearchCosts:
     def _state_bytes(self, m: Mesh, zero: int) -> tuple[float, float, float]:
         """(bytes per dense, per expert parameter on one GPU, buffers) under a mesh and ZeRO stage: the model states
         are linear in the parameters (memory.model_state_bytes)."""
-        key = (m, zero)
+        key = (m[:-1], zero)  # not the rank order: memory does not depend on where the ranks sit
         found = self.state_bytes.get(key)
         if found is None:
             lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=zero)
