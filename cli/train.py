@@ -22,6 +22,7 @@ from meshplan.costmodels.estimate import Estimate
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
+from meshplan.costmodels.uncertainty import FEATURE_LABELS
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.common import ExportError
@@ -159,10 +160,13 @@ def interval_line(est: Estimate) -> str:
     """Where the ranges in brackets come from."""
     interval = est.interval
     assert interval is not None
-    dropped = ", ".join(d.replace("_", " ") for d in interval.dropped)
-    given_up = f", its own region having too few, regardless of {dropped}" if dropped else ""
-    return (f"the ranges in brackets are {100 * interval.level:.0f} % intervals from how far {interval.runs} published "
-            f"runs of its region measured from their predictions{given_up} (docs/cost_model.md)")
+    level = f"{100 * interval.level:.0f} %"
+    if not interval.dropped:
+        return (f"{level} ranges in brackets: how {interval.runs} published runs of its region measured against "
+                f"their predictions (docs/cost_model.md)")
+    dropped = ", ".join(FEATURE_LABELS[d] for d in interval.dropped)
+    return (f"{level} ranges in brackets: how {interval.runs} published runs measured against their predictions, "
+            f"runs like it in all but {dropped} (too few match it in everything; docs/cost_model.md)")
 
 
 def print_cost(con: Console, cost: TrainingCost) -> None:

@@ -47,10 +47,15 @@ class Region:
     def labels(self) -> tuple[tuple[str, str], ...]:
         """(group, value) pairs, for per-group tables."""
         yes = {True: "yes", False: "no"}
-        return (("gpu", self.gpu), ("runtime", self.runtime), ("experts", "moe" if self.moe else "dense"),
-                ("EP across nodes", yes[self.ep_across_nodes]), ("CP", yes[self.context_parallel]),
-                ("sequence >= 32K", yes[self.long_context]), ("FP8", yes[self.fp8]),
-                ("TP >= 8 on hidden <= 4096", yes[self.wide_tp]))
+        return tuple((FEATURE_LABELS[f.name], value if isinstance(value, str) else
+                      {"moe": {True: "moe", False: "dense"}}.get(f.name, yes)[value])
+                     for f in dataclasses.fields(self) for value in [getattr(self, f.name)])
+
+
+# how each feature reads in tables and lines
+FEATURE_LABELS = {"gpu": "gpu", "runtime": "runtime", "moe": "experts", "ep_across_nodes": "EP across nodes",
+                  "context_parallel": "CP", "long_context": "sequence >= 32K", "fp8": "FP8",
+                  "wide_tp": "TP >= 8 on hidden <= 4096"}
 
 
 # Features given up first when a region holds too few runs, least telling first: the last ones are the groups
