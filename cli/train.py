@@ -1,6 +1,7 @@
 """`meshplan estimate` and `meshplan plan`: a library call each (meshplan/api.py) and their tables."""
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,7 +23,7 @@ from meshplan.costmodels.estimate import Estimate
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
-from meshplan.costmodels.uncertainty import FEATURE_LABELS
+from meshplan.costmodels.uncertainty import DEFAULT_LEVEL, FEATURE_LABELS, layout_lead_bound, lead_is_significant
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.common import ExportError
@@ -167,6 +168,16 @@ def interval_line(est: Estimate) -> str:
     dropped = ", ".join(FEATURE_LABELS[d] for d in interval.dropped)
     return (f"{level} ranges in brackets: how {interval.runs} published runs measured against their predictions, "
             f"runs like it in all but {dropped} (too few match it in everything; docs/cost_model.md)")
+
+
+def lead_line(faster: float, slower: float, first: str, second: str) -> str:
+    """Whether a lead in predicted throughput between two layouts on one cluster is more than the model's error on
+    such a pair (costmodels/uncertainty.py layout_lead_bound)."""
+    bound, pairs = layout_lead_bound()
+    verdict = "a significant difference" if lead_is_significant(faster, slower) else "not a significant difference"
+    return (f"lead of {first} over {second}: {faster / slower - 1:.1%} in tokens/s; the model misjudges two layouts "
+            f"on one cluster by up to {math.exp(bound) - 1:.0%} ({100 * DEFAULT_LEVEL:.0f} % of {pairs} pairs of "
+            f"published runs): {verdict}")
 
 
 def print_cost(con: Console, cost: TrainingCost) -> None:
@@ -453,6 +464,9 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
         con.print(Text.assemble(("realism of plan #1:", "bold yellow" if best.exceeds else ""), " ", best.line()))
     if result.plans[0].estimate.interval is not None:
         con.print(f"uncertainty of plan #1: {interval_line(result.plans[0].estimate)}")
+        if len(result.plans) > 1:
+            con.print(lead_line(result.plans[0].estimate.tokens_per_s, result.plans[1].estimate.tokens_per_s,
+                                "plan #1", "#2"))
     if acc.status == "optimal":
         con.print(Text.assemble(("optimal", "green"),
                                 ": no candidate in the space is predicted faster (proven by the bounds above)"))

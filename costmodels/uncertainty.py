@@ -148,13 +148,57 @@ def residual(predicted_throughput: float, measured_throughput: float) -> float:
     return math.log(predicted_throughput / measured_throughput)
 
 
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A run of the development sets as the intervals read it."""
+
+    id: str
+    publication: str  # a paper, a page at any commit, or an MLPerf round (benchmarks/crossval.py)
+    region: Region
+    residual: float
+
+
 @cache
-def measured_residuals() -> tuple[tuple[Region, float], ...]:
-    """(region, residual) of every run of both development sets under the default efficiencies, as shipped in
-    costmodels/residuals.json (benchmarks/crossval.py --write; tests/test_uncertainty.py checks it against the cost
-    model, so it is regenerated whenever a change moves a prediction)."""
+def measured_runs() -> tuple[MeasuredRun, ...]:
+    """Every run of both development sets under the default efficiencies, as shipped in costmodels/residuals.json
+    (benchmarks/crossval.py --write; tests/test_uncertainty.py checks it against the cost model, so it is
+    regenerated whenever a change moves a prediction)."""
     data = json.loads(resources.files("meshplan.costmodels").joinpath(RESIDUALS_FILE).read_text(encoding="utf-8"))
-    return tuple((Region(**run["region"]), float(run["residual"])) for run in data["runs"])
+    return tuple(MeasuredRun(run["id"], run["publication"], Region(**run["region"]), float(run["residual"]))
+                 for run in data["runs"])
+
+
+def measured_residuals() -> tuple[tuple[Region, float], ...]:
+    """(region, residual) of every measured run."""
+    return tuple((run.region, run.residual) for run in measured_runs())
+
+
+def lead_bound(runs: Sequence[MeasuredRun], level: float = DEFAULT_LEVEL) -> tuple[float, int]:
+    """(bound, pairs): how far the model misjudges the ratio of two layouts on one cluster. Over every pair of runs
+    of one publication on one GPU (one team's cluster and software, two layouts), |r_i - r_j| is the error of the
+    predicted throughput ratio; the bound is the ceil((n + 1) level)-th smallest of the n pairs' (as
+    conformal_bounds, one-sided; pairs sharing a run are not independent, so it is an empirical quantile more
+    than a guarantee). inf with too few pairs."""
+    _check_level(level)
+    by_cluster: dict[tuple[str, str], list[float]] = {}
+    for run in runs:
+        by_cluster.setdefault((run.publication, run.region.gpu), []).append(run.residual)
+    gaps = sorted(abs(a - b) for values in by_cluster.values()
+                  for n, a in enumerate(values) for b in values[n + 1:])
+    rank = math.ceil((len(gaps) + 1) * level - 1e-9)
+    return (gaps[rank - 1] if 1 <= rank <= len(gaps) else math.inf), len(gaps)
+
+
+@cache
+def layout_lead_bound(level: float = DEFAULT_LEVEL) -> tuple[float, int]:
+    """lead_bound over the shipped runs."""
+    return lead_bound(measured_runs(), level)
+
+
+def lead_is_significant(faster: float, slower: float, level: float = DEFAULT_LEVEL) -> bool:
+    """Whether one layout's predicted throughput leads another's on the same cluster by more than the model
+    misjudges two layouts (layout_lead_bound): below it the ranking may be the model's error."""
+    return math.log(faster / slower) > layout_lead_bound(level)[0]
 
 
 @cache

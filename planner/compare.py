@@ -4,8 +4,11 @@ the fastest wins (the breakdown terms that differ most). Training plans only; ea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from meshplan.costmodels.uncertainty import DEFAULT_LEVEL, layout_lead_bound, lead_is_significant
 
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.plan import Plan
@@ -113,8 +116,19 @@ def _verdict(docs: Sequence[Plan], names: Sequence[str]) -> tuple[str, ...]:
         same = _inputs(d) == _inputs(docs[win])
         lines.append(f"{names[win]} makes {slower:.1%} more tokens/s than {names[i]}"
                      + (f"; per step {names[i]} spends {why}" if why and same else "")
-                     + ("" if same else " (their inputs differ: see the rows above)"))
+                     + ("" if same else " (their inputs differ: see the rows above)")
+                     + (_noise(best.tokens_per_s, p.tokens_per_s) if same else ""))
     return (f"fastest: {names[win]}",) + tuple(lines)
+
+
+def _noise(faster: float, slower: float) -> str:
+    """Where a lead between two layouts of the same inputs is within the model's error on such a pair
+    (costmodels/uncertainty.py layout_lead_bound)."""
+    if lead_is_significant(faster, slower):
+        return ""
+    bound, _ = layout_lead_bound()
+    return (f"; within how far the model misjudges two layouts on one cluster ({math.exp(bound) - 1:.0%} at "
+            f"{100 * DEFAULT_LEVEL:.0f} %): not a significant difference")
 
 
 def compare_plans(docs: Sequence[Plan], names: Sequence[str]) -> Comparison:

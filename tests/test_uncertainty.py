@@ -164,3 +164,38 @@ def test_an_estimate_carries_its_interval_and_a_calibrated_one_none():
     assert est.to_dict()["interval"]["step_time_s"] == [lo, hi]
     calibrated = dataclasses.replace(Efficiency.from_gpu(cluster.gpu), calibration="test.json sha256:0")
     assert estimate(model, cluster, wl, cfg, efficiency=calibrated).interval is None
+
+
+def test_the_lead_bound_reads_pairs_of_one_cluster_only():
+    """Two layouts' error ratio is read off runs of one publication on one GPU: runs of another page or GPU never
+    pair up. Ten pairs at 80 %: the ceil(11 x 0.8) = 9th smallest gap."""
+    from meshplan.costmodels.uncertainty import MeasuredRun, lead_bound
+
+    def run(pub: str, gpu: str, r: float) -> MeasuredRun:
+        return MeasuredRun(f"{pub}-{r}", pub, dataclasses.replace(DENSE_H100, gpu=gpu), r)
+
+    # page a on h100: five runs with residuals 0 .. 0.4: ten pairs, gaps 0.1 (x4), 0.2 (x3), 0.3 (x2), 0.4
+    runs = [run("a", "h100-sxm", r / 10) for r in range(5)] + [run("b", "h100-sxm", 5.0), run("a", "b200", -5.0)]
+    bound, pairs = lead_bound(runs, 0.8)
+    assert pairs == 10 and math.isclose(bound, 0.3)
+    assert lead_bound(runs[:2], 0.8) == (math.inf, 1)  # one pair: too few for 80 %
+
+
+def test_a_lead_inside_the_models_error_is_called_so(tmp_path, capsys):
+    """plan prints whether plan #1's lead over #2 is more than the model's error on two layouts of one cluster;
+    compare says so of two plans of the same inputs whose throughputs are close."""
+    from meshplan.cli.main import main
+    from meshplan.costmodels.uncertainty import layout_lead_bound
+
+    bound, pairs = layout_lead_bound()
+    assert pairs > 100 and 0 < bound < 1
+    args = ["plan", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "4096"]
+    assert main([*args, "--top", "2", "--out", str(tmp_path / "a.json")]) in (0, None)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "lead of plan #1 over #2:" in out and "not a significant difference" in out  # #2 is within 1 %
+    assert main([*args, "--tp", "2", "--out", str(tmp_path / "b.json")]) in (0, None)
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) in (0, None)
+    verdict = " ".join(capsys.readouterr().out.split())
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text())["prediction"]["tokens_per_s"] for n in "ab")
+    assert ("not a significant difference" in verdict) == (math.log(max(a, b) / min(a, b)) <= bound), verdict
