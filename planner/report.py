@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshplan.planner.outputs import OutputFile
-from meshplan.planner.sweep import Sweep, sweep_csv, time_s, usd
+from meshplan.planner.sweep import Sweep, SweepPoint, sweep_csv, time_s, usd
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -68,8 +68,11 @@ def _scaling_figure(sw: Sweep) -> Figure:
         if not pts:
             continue
         xs = [p.gpus for p in pts]
-        ax_tput.plot(xs, [p.cost.tokens_per_s for p in pts], marker=MARKERS[i % len(MARKERS)], label=gpu,
-                     gid=f"throughput-{gpu}")
+        line, = ax_tput.plot(xs, [p.cost.tokens_per_s for p in pts], marker=MARKERS[i % len(MARKERS)], label=gpu,
+                             gid=f"throughput-{gpu}")
+        ranges = [(p.gpus, *r) for p in pts if (r := _throughput_range(p)) is not None]
+        if ranges:
+            ax_tput.vlines(*zip(*ranges, strict=True), colors=line.get_color(), alpha=0.6, gid=f"interval-{gpu}")
         ax_mfu.plot(xs, [100 * p.plan.prediction.mfu for p in pts if p.plan], marker=MARKERS[i % len(MARKERS)],
                     label=gpu, gid=f"mfu-{gpu}")
     for ax, label in ((ax_tput, "tokens/s"), (ax_mfu, "MFU, %")):
@@ -83,6 +86,15 @@ def _scaling_figure(sw: Sweep) -> Figure:
     ax_mfu.set_ylim(bottom=0)
     ax_tput.legend()
     return fig
+
+
+def _throughput_range(point: SweepPoint) -> tuple[float, float] | None:
+    """(low, high) tokens/s of a point's 80 % range (costmodels/uncertainty.py): its throughput over the step
+    time's interval; None without one."""
+    if point.plan is None or point.plan.prediction.interval is None:
+        return None
+    step, (fast, slow) = point.plan.prediction.step_time_s, point.plan.prediction.interval.step_time_s
+    return point.cost.tokens_per_s * step / slow, point.cost.tokens_per_s * step / fast
 
 
 def _cost_figure(sw: Sweep) -> Figure:

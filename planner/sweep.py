@@ -121,18 +121,22 @@ def halvings(gpus: int, smallest: int) -> list[int]:
 def sweep_csv(sw: Sweep) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
-    w.writerow(["gpu", "gpus", "fits", "tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "zero", "recompute", "step_s",
-                "tokens_per_s", "mfu", "peak_memory_gib", "usd_per_hour", "usd_per_million_tokens",
-                "gpu_hours_per_million_tokens", "expected_days", "goodput", "total_usd", "pareto", "chosen", "why"])
+    # step_s_low / step_s_high: the prediction's interval (costmodels/uncertainty.py; empty under a calibration)
+    header = ["gpu", "gpus", "fits", "tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "zero", "recompute", "step_s",
+              "step_s_low", "step_s_high", "tokens_per_s", "mfu", "peak_memory_gib", "usd_per_hour",
+              "usd_per_million_tokens", "gpu_hours_per_million_tokens", "expected_days", "goodput", "total_usd",
+              "pareto", "chosen", "why"]
+    w.writerow(header)
     best, front = sw.best, set(map(id, sw.pareto))
     for p in sw.points:
         if p.plan is None:
-            w.writerow([p.gpu, p.gpus, "no"] + [""] * 21 + [p.why or ""])
+            w.writerow([p.gpu, p.gpus, "no"] + [""] * (len(header) - 4) + [p.why or ""])
             continue
         lay, pred, c = p.plan.prediction.layout, p.plan.prediction, p.cost
         days = "" if c.expected_s is None else f"{c.expected_s / 86400:.3f}"
+        low, high = (f"{t:.6g}" for t in pred.interval.step_time_s) if pred.interval else ("", "")
         w.writerow([p.gpu, p.gpus, "yes", lay.tp, lay.cp, lay.pp, lay.vpp, lay.dp, lay.ep, lay.mbs, lay.zero,
-                    lay.recompute, f"{pred.step_time_s:.6g}", f"{pred.tokens_per_s:.6g}", f"{pred.mfu:.4f}",
+                    lay.recompute, f"{pred.step_time_s:.6g}", low, high, f"{pred.tokens_per_s:.6g}", f"{pred.mfu:.4f}",
                     f"{pred.peak_memory_gib:.2f}", f"{c.usd_per_hour:.2f}", f"{c.usd_per_million_tokens:.5g}",
                     f"{c.gpu_hours_per_million_tokens:.5g}", days, "" if c.goodput is None else f"{c.goodput:.4f}",
                     "" if c.total_usd is None else f"{c.total_usd:.0f}", "yes" if id(p) in front else "no",

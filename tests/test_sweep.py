@@ -114,6 +114,7 @@ def test_sweep_plans_every_point_and_writes_the_report(sweep_report):
     fastest = min(fits, key=lambda r: float(r["expected_days"]))
     assert fastest["chosen"] == "yes"  # --objective time by default
     for r in fits:  # every point's cost is its own GPUs x the database's price over its own throughput
+        assert float(r["step_s_low"]) < float(r["step_s"]) < float(r["step_s_high"])  # its interval
         gpus, tps = int(r["gpus"]), float(r["tokens_per_s"])
         assert float(r["gpu_hours_per_million_tokens"]) == pytest.approx(gpus * 1e6 / tps / 3600, rel=1e-3)
     for name in ("sweep-scaling.png", "sweep-cost.png", "sweep-plan.png"):
@@ -167,7 +168,8 @@ def _chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                     reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_sweep_page_renders_in_headless_chromium_with_its_points(sweep_report, tmp_path):
     """The page Chromium built from sweep.html: each GPU type's throughput and MFU lines carry one marker per point
-    that fits, the time-money plot one per point, the chosen star one; the screenshot is not blank."""
+    that fits and the throughput one 80 % range per point, the time-money plot one marker per point, the chosen star
+    one; the screenshot is not blank."""
     assert CHROMIUM is not None, "CI installs chromium (.ci/run)"
     code, out, _ = sweep_report
     page = (out / "sweep.html").resolve().as_uri()
@@ -181,6 +183,7 @@ def test_sweep_page_renders_in_headless_chromium_with_its_points(sweep_report, t
         assert fit > 0
         for figure in ("throughput", "mfu", "cost"):
             assert groups.uses.get(f"{figure}-{gpu}") == fit, (figure, gpu, groups.uses)
+        assert groups.paths.get(f"interval-{gpu}") == fit, (gpu, groups.paths)  # a range per point
     assert groups.uses.get("chosen") == 1
     assert "pareto" in groups.paths
     assert any(k.startswith("step-") for k in groups.paths) and any(k.startswith("memory-") for k in groups.paths)
