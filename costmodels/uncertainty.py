@@ -46,10 +46,14 @@ class Region:
 
     def labels(self) -> tuple[tuple[str, str], ...]:
         """(group, value) pairs, for per-group tables."""
-        yes = {True: "yes", False: "no"}
-        return tuple((FEATURE_LABELS[f.name], value if isinstance(value, str) else
-                      {"moe": {True: "moe", False: "dense"}}.get(f.name, yes)[value])
-                     for f in dataclasses.fields(self) for value in [getattr(self, f.name)])
+        def shown(name: str, value: str | bool) -> str:
+            if isinstance(value, str):
+                return value
+            if name == "moe":
+                return "moe" if value else "dense"
+            return "yes" if value else "no"
+
+        return tuple((FEATURE_LABELS[f.name], shown(f.name, getattr(self, f.name))) for f in dataclasses.fields(self))
 
 
 # how each feature reads in tables and lines
