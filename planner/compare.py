@@ -70,7 +70,9 @@ def _metrics(docs: Sequence[Plan]) -> tuple[Row, ...]:
         return Row(label, tuple("-" if v is None else format(v, fmt) for v in values))
 
     preds = [d.prediction for d in docs]
-    rows = [row("step time, s", ".3f", [p.step_time_s for p in preds]),
+    ranges = Row(f"  {100 * DEFAULT_LEVEL:.0f} % range, s", tuple("-" if p.interval is None else
+                                          "-".join(f"{t:.3f}" for t in p.interval.step_time_s) for p in preds))
+    rows = [row("step time, s", ".3f", [p.step_time_s for p in preds]), ranges,
             row("tokens/s", ",.0f", [p.tokens_per_s for p in preds]),
             row("tokens/s/GPU", ",.0f", [p.tokens_per_s_per_gpu for p in preds]),
             row("MFU, %", ".1f", [100 * p.mfu for p in preds]),

@@ -37,6 +37,9 @@ def test_comparison_lists_the_differing_knobs_and_names_the_faster(two_plans):
     assert "gpu" not in knobs and "model" not in knobs  # the same in both: not listed
     metrics = {r.label: r.values for r in c.metrics}
     assert metrics["step time, s"] == (f"{tp8.prediction.step_time_s:.3f}", f"{best.prediction.step_time_s:.3f}")
+    # each plan's 80 % range (costmodels/uncertainty.py), as its file records it
+    assert metrics["  80 % range, s"] == tuple("-".join(f"{t:.3f}" for t in d.prediction.interval.step_time_s)
+                                               for d in (tp8, best))
     assert metrics["$/hour"] == (f"{16 * tp8.economics.usd_per_gpu_hour:,.2f}",) * 2
     faster = best.prediction.tokens_per_s / tp8.prediction.tokens_per_s - 1
     assert c.verdict[0] == "fastest: best"
