@@ -173,8 +173,15 @@ def main() -> int:
             print(f"{label:36s} {n:4d} runs  MAPE {100 * mape:5.1f}%  mean {100 * signed:+6.1f}%  "
                   f"inside {100 * covered:4.0f}%  width {100 * width:4.0f}%")
     backed = sum(bool(h.interval and h.interval.dropped) for h in runs)
-    print(f"{backed} of {len(runs)} intervals came from a broader region than the run's own (too few runs there); "
-          f"{sum(not h.row.fits for h in runs)} published layouts predicted not to fit")
+    print(f"{backed} of {len(runs)} intervals came from a broader region than the run's own (too few runs there)")
+    refused = [h.row.id for h in runs if not h.row.fits]
+    print(f"published layouts predicted not to fit: {len(refused)}" + (f" ({', '.join(refused)})" if refused else ""))
+    memory = [h.row for h in runs if h.row.published_gib]
+    if memory:  # nothing is fit to memory either: these errors are the defaults' (issue 44 item 5)
+        errors = [r.peak_gib / r.published_gib - 1 for r in memory if r.published_gib]
+        print(f"peak memory where the source gives it ({len(memory)} runs): MAPE "
+              f"{100 * statistics.mean(abs(e) for e in errors):.1f}%, mean {100 * statistics.mean(errors):+.1f}% "
+              f"(predicted / published - 1), worst {100 * min(errors, key=lambda e: -abs(e)):+.1f}%")
     return 0
 
 
