@@ -2,7 +2,7 @@
 out: a run's own paper or page (a GitHub page at any commit, an MLPerf round) is never among the runs its interval
 is made from.
 
-Usage:  python benchmarks/crossval.py [--level 0.8] [--markdown] [--write costmodels/residuals.json]
+Usage:  python benchmarks/crossval.py [--level 0.8] [--markdown] [--write costmodels/residuals.json] [--few-shot]
 
 Setting (a), the defaults: every run predicted with its GPU's default efficiencies (benchmarks/reference_runs.py),
 and an interval for it at --level from the residuals of the other publications' runs in its region
@@ -27,27 +27,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from published_runs import DEFAULT_FILE, Run, load_runs
+from published_runs import DEFAULT_FILE, load_runs
 from reference_runs import (DEFAULT_YAML, Row, configure, evaluate, evaluate_run, megatron_gpt, run_cluster,
                             run_config, run_model, run_runtime, run_workload)
 
 from meshplan.costmodels.config import resolve
+from meshplan.costmodels.fit import MeasuredStep, fit, predicted_steps
 from meshplan.costmodels.uncertainty import Interval, Region, region_interval, region_of, residual
+from meshplan.hardware_db.gpu import load_gpu
+
+FEW_SHOTS = 3  # setting (c): runs of a cluster calibrated on (issue 44)
 
 
 @dataclass(frozen=True)
 class Held:
-    """One run: its prediction, region, publication, and the interval the other publications give it."""
+    """One run: its prediction, region, publication, what it measured, and the interval the other publications
+    give it."""
 
     row: Row
     region: Region
     publication: str
+    step: MeasuredStep
     interval: Interval | None = None
 
     @property
@@ -91,21 +98,23 @@ def first_set(path: Path = DEFAULT_YAML) -> list[Held]:
         model = megatron_gpt(entry)
         lay = resolve(model, cluster.num_gpus, wl, cfg)
         region = region_of(model, lay, wl, cluster.spec.gpu, cluster.gpus_per_node, runtime)
-        out.append(Held(evaluate(entry), region, publication_of_paper(entry["source"]["primary"])))
+        row = evaluate(entry)
+        step = MeasuredStep(model, cluster.spec, wl, cfg, runtime, row.measured_step_s)
+        out.append(Held(row, region, publication_of_paper(entry["source"]["primary"]), step))
     return out
 
 
 def second_set(path: Path = DEFAULT_FILE) -> list[Held]:
     out = []
     for run in load_runs(path):
-        out.append(Held(evaluate_run(run), region_of_run(run), publication_of_url(run.source.url)))
+        model, cluster, wl = run_model(run), run_cluster(run), run_workload(run)
+        cfg, runtime = run_config(run, model), run_runtime(run)
+        lay = resolve(model, cluster.num_gpus, wl, cfg)
+        row = evaluate_run(run)
+        out.append(Held(row, region_of(model, lay, wl, run.gpu, cluster.gpus_per_node, runtime),
+                        publication_of_url(run.source.url),
+                        MeasuredStep(model, cluster.spec, wl, cfg, runtime, row.measured_step_s)))
     return out
-
-
-def region_of_run(run: Run) -> Region:
-    model, cluster, wl = run_model(run), run_cluster(run), run_workload(run)
-    lay = resolve(model, cluster.num_gpus, wl, run_config(run, model))
-    return region_of(model, lay, wl, run.gpu, cluster.gpus_per_node, run_runtime(run))
 
 
 def held_out(runs: list[Held], level: float) -> list[Held]:
@@ -113,7 +122,28 @@ def held_out(runs: list[Held], level: float) -> list[Held]:
     out = []
     for h in runs:
         others = [(o.region, o.residual) for o in runs if o.publication != h.publication]
-        out.append(Held(h.row, h.region, h.publication, region_interval(h.region, others, level)))
+        out.append(dataclasses.replace(h, interval=region_interval(h.region, others, level)))
+    return out
+
+
+def few_shot(runs: list[Held], shots: int = FEW_SHOTS) -> list[tuple[str, int, float, float]]:
+    """Setting (c): per publication and GPU with more runs than `shots`, calibrate on its first `shots` runs (file
+    order; costmodels/fit.py, default priors) and predict its other runs: (cluster, runs predicted, MAPE with the
+    defaults, MAPE calibrated), throughput errors of the runs the fit never saw."""
+    clusters: dict[tuple[str, str], list[Held]] = {}
+    for h in runs:
+        clusters.setdefault((h.publication, h.region.gpu), []).append(h)
+    out = []
+    for (publication, gpu), members in clusters.items():
+        if len(members) <= shots:
+            continue
+        calibrated = fit([h.step for h in members[:shots]])
+        rest = members[shots:]
+        factors = dict(zip(calibrated.parameters, calibrated.log_factors, strict=True))
+        predicted = predicted_steps([h.step for h in rest], load_gpu(rest[0].step.cluster.gpu), factors)
+        after = [h.step.step_time_s / p - 1 for h, p in zip(rest, predicted.tolist(), strict=True)]
+        out.append((f"{publication} on {gpu}", len(rest), statistics.mean(abs(h.row.error) for h in rest),
+                    statistics.mean(abs(e) for e in after)))
     return out
 
 
@@ -155,6 +185,8 @@ def main() -> int:
     ap.add_argument("--level", type=float, default=0.8, help="the intervals' level (default 0.8)")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table for RESULTS.md")
     ap.add_argument("--write", type=Path, help="also write every run's region and residual to this JSON file")
+    ap.add_argument("--few-shot", action="store_true",
+                    help=f"also setting (c): calibrate on {FEW_SHOTS} runs of each cluster, predict its others")
     args = ap.parse_args()
     runs = held_out(first_set() + second_set(), args.level)
     if args.write is not None:
@@ -182,6 +214,19 @@ def main() -> int:
         print(f"peak memory where the source gives it ({len(memory)} runs): MAPE "
               f"{100 * statistics.mean(abs(e) for e in errors):.1f}%, mean {100 * statistics.mean(errors):+.1f}% "
               f"(predicted / published - 1), worst {100 * min(errors, key=lambda e: -abs(e)):+.1f}%")
+    if args.few_shot:
+        rows = few_shot(runs)
+        print(f"\nsetting (c), few-shot: calibrated on the first {FEW_SHOTS} runs of each publication and GPU, "
+              f"the others predicted ({sum(n for _, n, _, _ in rows)} runs of {len(rows)} clusters)")
+        if args.markdown:
+            print("| cluster | runs predicted | MAPE, defaults | MAPE, calibrated |")
+            print("| --- | ---: | ---: | ---: |")
+        for label, n, before, after in rows:
+            print(f"| {label} | {n} | {100 * before:.1f}% | {100 * after:.1f}% |" if args.markdown else
+                  f"{label[-70:]:70s} {n:4d} runs  defaults {100 * before:5.1f}%  calibrated {100 * after:5.1f}%")
+        weights = [n for _, n, _, _ in rows]
+        print(f"all: defaults {100 * np.average([b for _, _, b, _ in rows], weights=weights):.1f}%, calibrated "
+              f"{100 * np.average([a for _, _, _, a in rows], weights=weights):.1f}% (MAPE over the runs predicted)")
     return 0
 
 
