@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "sweep": ("meshplan.cli.sweep", "sweep", "Plan every GPU type x count and say which to rent."),
     "serve": ("meshplan.cli.serve", "serve", "Search serving deployments under latency targets."),
     "profile": ("meshplan.cli.catalog", "profile", "Measure this device into a calibration file."),
+    "calibrate": ("meshplan.cli.calibrate", "calibrate", "Fit the cost model's factors to step times you measured."),
     "export": ("meshplan.cli.launch", "export_", "Turn a plan into a launcher's configuration."),
     "import": ("meshplan.cli.launch", "import_", "Read the launch configuration you run today into a plan."),
     "show": ("meshplan.cli.launch", "show", "Print a plan file, every figure re-derived."),

@@ -4,13 +4,15 @@ calibration), and the calibrated cluster a calibration file stands for."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 from dataclasses import dataclass
 
 from meshplan.costmodels import comm
 from meshplan.costmodels.kernels import FA2_BACKWARD_OVER_FORWARD, Physics
 from meshplan.costmodels.ops import memory_class
-from meshplan.hardware_db.calibration import (Calibration, Curve, LayerOverhead, StepOverhead, calibrated_gpu,
-                                              cpu_device_spec, digest)
+from meshplan.hardware_db.calibration import (Calibration, Curve, FactorCalibration, LayerOverhead, StepOverhead,
+                                              calibrated_gpu, cpu_device_spec, digest)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
@@ -154,6 +156,39 @@ class Efficiency:
             if k == kind and ranks == n:
                 return alpha, bw
         return None
+
+
+GEMM_CEILINGS = ("gemm_max", "fp8_gemm_max", "grouped_gemm_max", "fp8_grouped_gemm_max")
+ATTENTION_CEILINGS = ("attention_max", "attention_bwd_max", "attention_fa2_max", "attention_fa2_bwd_max",
+                      "attention_cudnn_max", "attention_cudnn_bwd_max")
+NETWORK_SHARES = ("scaleup_bandwidth", "scaleup_a2a_bandwidth", "scaleout_bandwidth")
+
+
+def scaled(gpu: GPUSpec, eff: Efficiency, log_factors: dict[str, float]) -> tuple[GPUSpec, Efficiency]:
+    """The GPU spec and efficiency model with each factor applied to its defaults (shares and ceilings at most 1)."""
+    def factor(name: str) -> float:
+        return math.exp(log_factors.get(name, 0.0))
+
+    network = {f: None if v is None else min(v * factor("network"), 1.0)
+               for f in NETWORK_SHARES for v in [getattr(gpu.efficiency, f)]}
+    gpu = gpu.model_copy(update={"efficiency": gpu.efficiency.model_copy(update=network)})
+    update: dict[str, float] = {f: min(getattr(eff, f) * factor("gemm"), 1.0) for f in GEMM_CEILINGS}
+    update |= {f: min(getattr(eff, f) * factor("attention"), 1.0) for f in ATTENTION_CEILINGS}
+    update["memory_bandwidth"] = min(eff.memory_bandwidth * factor("memory"), 1.0)
+    update["kernel_overhead_s"] = eff.kernel_overhead_s * factor("overhead")
+    return gpu, dataclasses.replace(eff, **update)  # type: ignore[arg-type]
+
+
+def factor_cluster(spec: ClusterSpec, cal: FactorCalibration, origin: str) -> tuple[Cluster, Efficiency]:
+    """The cluster and efficiency model under factors fit to measured runs (meshplan calibrate): the GPU's defaults
+    scaled (scaled), for the GPU type the runs ran on."""
+    if cal.gpu != spec.gpu:
+        raise InputError(f"{origin} was fit to runs on {cal.gpu}, not on {spec.gpu}: calibrate on runs of {spec.gpu} "
+                         f"or plan without --calibration")
+    gpu = load_gpu(spec.gpu)
+    gpu, eff = scaled(gpu, Efficiency.from_gpu(gpu), cal.log_factors())
+    label = f"{origin.rsplit('/', 1)[-1]} sha256:{hashlib.sha256(cal.model_dump_json().encode()).hexdigest()[:12]}"
+    return Cluster(spec, gpu=gpu), dataclasses.replace(eff, calibration=label)
 
 
 def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str,

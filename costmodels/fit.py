@@ -18,7 +18,6 @@ the Jacobian by forward differences. The posterior spread of each parameter is t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.costmodels.config import ParallelConfig, Workload
-from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.efficiency import Efficiency, scaled
 from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.model import ModelSpec
+from meshplan.hardware_db.calibration import CALIBRATION_SCHEMA_VERSION, FactorCalibration, FittedFactor
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
@@ -41,11 +41,8 @@ PARAMETERS = ("gemm", "attention", "memory", "network", "overhead")
 PRIOR_SD = {"gemm": 0.1, "attention": 0.15, "memory": 0.1, "network": 0.3, "overhead": 0.7}
 NOISE_SD = 0.1  # a measured step against the model's, log: the development sets' cross-validated error (~10 %)
 STEP = 0.01  # forward-difference step, in log factor
+FOLDS = 5  # the held-out error's folds (fewer runs: leave one out)
 
-GEMM_CEILINGS = ("gemm_max", "fp8_gemm_max", "grouped_gemm_max", "fp8_grouped_gemm_max")
-ATTENTION_CEILINGS = ("attention_max", "attention_bwd_max", "attention_fa2_max", "attention_fa2_bwd_max",
-                      "attention_cudnn_max", "attention_cudnn_bwd_max")
-NETWORK_SHARES = ("scaleup_bandwidth", "scaleup_a2a_bandwidth", "scaleout_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -72,21 +69,6 @@ class Fit:
 
     def factor(self, name: str) -> float:
         return math.exp(self.log_factors[self.parameters.index(name)])
-
-
-def scaled(gpu: GPUSpec, eff: Efficiency, log_factors: dict[str, float]) -> tuple[GPUSpec, Efficiency]:
-    """The GPU spec and efficiency model with each factor applied to its defaults (shares and ceilings at most 1)."""
-    def factor(name: str) -> float:
-        return math.exp(log_factors.get(name, 0.0))
-
-    network = {f: None if v is None else min(v * factor("network"), 1.0)
-               for f in NETWORK_SHARES for v in [getattr(gpu.efficiency, f)]}
-    gpu = gpu.model_copy(update={"efficiency": gpu.efficiency.model_copy(update=network)})
-    update: dict[str, float] = {f: min(getattr(eff, f) * factor("gemm"), 1.0) for f in GEMM_CEILINGS}
-    update |= {f: min(getattr(eff, f) * factor("attention"), 1.0) for f in ATTENTION_CEILINGS}
-    update["memory_bandwidth"] = min(eff.memory_bandwidth * factor("memory"), 1.0)
-    update["kernel_overhead_s"] = eff.kernel_overhead_s * factor("overhead")
-    return gpu, dataclasses.replace(eff, **update)  # type: ignore[arg-type]
 
 
 def predicted_steps(steps: Sequence[MeasuredStep], gpu: GPUSpec, log_factors: dict[str, float]) -> np.ndarray:
@@ -143,3 +125,32 @@ def fit(steps: Sequence[MeasuredStep], parameters: Sequence[str] = PARAMETERS,
     posterior = np.linalg.inv(jacobian.T @ jacobian / noise_sd ** 2 + np.diag(1 / sd ** 2))
     return Fit(tuple(parameters), tuple(theta.tolist()), tuple(np.sqrt(np.diag(posterior)).tolist()),
                tuple(before.tolist()), tuple(r.tolist()))
+
+
+def calibration_from_runs(steps: Sequence[MeasuredStep], sources: Sequence[str],
+                          parameters: Sequence[str] = PARAMETERS, created: str = "") -> FactorCalibration:
+    """The calibration file's content: the factors fit to every run, their error on the runs before and after, and
+    the held-out error: each of up to FOLDS folds of the runs predicted by a fit to the others (None with one
+    run)."""
+    fitted = fit(steps, parameters)
+    folds = min(len(steps), FOLDS)
+    held_before: list[float] = []
+    held_after: list[float] = []
+    for k in range(folds if folds > 1 else 0):
+        test = list(steps[k::folds])
+        train = [s for n, s in enumerate(steps) if n % folds != k]
+        part = fit(train, parameters)
+        predicted = predicted_steps(test, load_gpu(test[0].cluster.gpu),
+                                    dict(zip(part.parameters, part.log_factors, strict=True)))
+        defaults = predicted_steps(test, load_gpu(test[0].cluster.gpu), {})
+        held_after += [abs(s.step_time_s / p - 1) for s, p in zip(test, predicted.tolist(), strict=True)]
+        held_before += [abs(s.step_time_s / p - 1) for s, p in zip(test, defaults.tolist(), strict=True)]
+    return FactorCalibration(
+        kind="factors", schema_version=CALIBRATION_SCHEMA_VERSION, created=created, gpu=steps[0].cluster.gpu,
+        runtimes=sorted({s.runtime for s in steps}), runs=len(steps), sources=list(sources),
+        factors={name: FittedFactor(factor=math.exp(value), log_sd=sd)  # type: ignore[misc]
+                 for name, value, sd in zip(fitted.parameters, fitted.log_factors, fitted.log_sd, strict=True)},
+        error_before=float(np.mean([abs(math.exp(-r) - 1) for r in fitted.before])),
+        error_after=float(np.mean([abs(math.exp(-r) - 1) for r in fitted.after])),
+        held_out_before=float(np.mean(held_before)) if held_before else None,
+        held_out_after=float(np.mean(held_after)) if held_after else None)

@@ -1,4 +1,7 @@
-"""Calibration files: what `meshplan profile` measured on one device, and the efficiency model fitted to it.
+"""Calibration files, of two kinds that `--calibration` takes alike:
+- what `meshplan profile` measured on one device, and the efficiency model fitted to it (`Calibration`);
+- factors on a GPU's defaults fit to measured runs by `meshplan calibrate --runs` (`FactorCalibration`, `"kind":
+  "factors"`; costmodels/fit.py).
 
 A calibration is data (this package computes no costs): the device it was measured on, the software, the raw
 measurements (every timed GEMM, attention call, memory-bound operator, collective and the activation memory of a
@@ -10,6 +13,7 @@ with one line that says what to do.
 from __future__ import annotations
 
 import hashlib
+import math
 from importlib import resources
 from itertools import pairwise
 from pathlib import Path
@@ -230,6 +234,34 @@ class Calibration(_Frozen):
         return next((c for c in self.fitted.collectives if c.kind == kind and c.ranks == ranks), None)
 
 
+FactorName = Literal["gemm", "attention", "memory", "network", "overhead"]  # costmodels/efficiency.scaled
+
+
+class FittedFactor(_Frozen):
+    factor: float = Field(gt=0, description="the default's multiplier")
+    log_sd: float = Field(ge=0, description="posterior spread of log(factor)")
+
+
+class FactorCalibration(_Frozen):
+    """Factors on a GPU type's defaults, fit to measured runs (meshplan calibrate --runs; costmodels/fit.py)."""
+
+    kind: Literal["factors"]
+    schema_version: int
+    created: str
+    gpu: str  # the hardware_db GPU the runs ran on
+    runtimes: list[str]  # the runs' runtimes
+    runs: int = Field(ge=1)
+    sources: list[str]  # the runs files
+    factors: dict[FactorName, FittedFactor]
+    error_before: float = Field(ge=0, description="MAPE of the runs' step times with the defaults")
+    error_after: float = Field(ge=0, description="the same with the factors (runs the fit saw)")
+    held_out_before: float | None = Field(default=None, ge=0, description="MAPE of runs left out of the fit")
+    held_out_after: float | None = Field(default=None, ge=0)
+
+    def log_factors(self) -> dict[str, float]:
+        return {name: math.log(f.factor) for name, f in self.factors.items()}
+
+
 def calibration_dir() -> Path:
     return Path(str(resources.files("meshplan.hardware_db.calibrations")))
 
@@ -239,9 +271,32 @@ def digest(cal: Calibration) -> str:
     return hashlib.sha256(cal.model_dump_json().encode()).hexdigest()[:12]
 
 
+def parse_any_calibration(text: str, origin: str) -> Calibration | FactorCalibration:
+    """Either kind of calibration document (the module docstring); InputError, one line, otherwise."""
+    data = parse_document(text, "json", origin)
+    if isinstance(data, dict) and data.get("kind") == "factors":
+        version = data.get("schema_version")
+        if version != CALIBRATION_SCHEMA_VERSION:
+            raise InputError(f"{origin}: calibration schema v{version!r} is not the v{CALIBRATION_SCHEMA_VERSION} "
+                             f"this meshplan reads; run meshplan calibrate again")
+        try:
+            return FactorCalibration.model_validate_json(text, strict=True)
+        except ValidationError as exc:
+            raise InputError(f"{origin}: {field_error(exc)}; run meshplan calibrate again") from None
+    return parse_calibration(text, origin)
+
+
+def load_any_calibration(path: str | Path) -> Calibration | FactorCalibration:
+    """A calibration of either kind by path, or by name under hardware_db/calibrations/."""
+    return parse_any_calibration(read_text(_calibration_path(path), "a calibration .json"), str(path))
+
+
 def parse_calibration(text: str, origin: str) -> Calibration:
     """Validate a calibration document; every failure is one InputError line naming `origin` and the fix."""
     data = parse_document(text, "json", origin)
+    if isinstance(data, dict) and data.get("kind") == "factors":
+        raise InputError(f"{origin} holds factors fit to measured runs (meshplan calibrate); this needs the kernels "
+                         f"measured on a device: make one with meshplan profile")
     if not isinstance(data, dict) or "schema_version" not in data:
         raise InputError(f"{origin}: not a calibration file (no schema_version); make one with meshplan profile")
     version = data["schema_version"]
@@ -262,14 +317,18 @@ def parse_calibration(text: str, origin: str) -> Calibration:
 
 def load_calibration(path: str | Path) -> Calibration:
     """A calibration file by path, or by name under hardware_db/calibrations/ (with or without .json)."""
+    return parse_calibration(read_text(_calibration_path(path), "a calibration .json"), str(path))
+
+
+def _calibration_path(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         named = calibration_dir() / (p.name if p.suffix == ".json" else f"{p.name}.json")
         if p.parent == Path(".") and named.exists():
-            p = named
-        else:
-            raise InputError(f"calibration file '{path}' not found; make one with meshplan profile --out {path}")
-    return parse_calibration(read_text(p, "a calibration .json"), str(path))
+            return named
+        raise InputError(f"calibration file '{path}' not found; make one with meshplan profile --out {path} or "
+                         f"meshplan calibrate --runs RUNS --out {path}")
+    return p
 
 
 def check_target(cal: Calibration, gpu_name: str, origin: str) -> None:

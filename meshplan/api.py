@@ -15,14 +15,14 @@ from typing import TypeAlias
 
 from meshplan.costmodels.config import ParallelConfig, Workload
 from meshplan.costmodels.economics import Budget, TrainingCost, training_cost
-from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster
+from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster, factor_cluster
 from meshplan.costmodels.estimate import Estimate, Simulated
 from meshplan.costmodels.estimate import estimate as estimate_cost
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.costmodels.serving import EngineLayout, ServeObjective, ServeTargets, ServeWorkload
-from meshplan.hardware_db.calibration import load_calibration
+from meshplan.hardware_db.calibration import FactorCalibration, load_any_calibration
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import load_gpu
@@ -85,11 +85,15 @@ def _model(model: ModelInput) -> ModelSpec:
 
 def calibrated(cluster: ClusterSpec, calibration: str | None = None,
                runtime: str = DEFAULT_RUNTIME) -> tuple[Cluster, Efficiency | None]:
-    """The cluster, and with a calibration (a file from `meshplan profile` or a name under hardware_db/calibrations)
-    its device as measured and the efficiency model fitted to it (None: the GPU's defaults)."""
+    """The cluster, and with a calibration (a file from `meshplan profile` or a name under hardware_db/calibrations;
+    or factors from `meshplan calibrate --runs`) its device as measured and the efficiency model fitted to it (None:
+    the GPU's defaults)."""
     if calibration is None:
         return Cluster(cluster), None
-    return calibrated_cluster(cluster, load_calibration(calibration), calibration, runtime)
+    cal = load_any_calibration(calibration)
+    if isinstance(cal, FactorCalibration):
+        return factor_cluster(cluster, cal, calibration)
+    return calibrated_cluster(cluster, cal, calibration, runtime)
 
 
 def estimate(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),

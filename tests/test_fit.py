@@ -9,7 +9,8 @@ import pytest
 
 from meshplan.costmodels.config import ParallelConfig, Workload
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.fit import MeasuredStep, fit, predicted_steps, scaled
+from meshplan.costmodels.efficiency import scaled
+from meshplan.costmodels.fit import MeasuredStep, fit, predicted_steps
 from meshplan.costmodels.model_io import load_zoo
 from meshplan.hardware_db.cluster import ClusterSpec
 from meshplan.hardware_db.errors import InputError
@@ -78,3 +79,73 @@ def test_bad_runs_are_one_line():
         fit([runs[0], other])
     with pytest.raises(InputError, match="unknown parameter 'gemmm'"):
         fit(runs, ("gemmm",))
+
+
+def _runs_toml(runs: list[MeasuredStep]) -> str:
+    """The runs in the runs-file format (costmodels/measured_runs.py)."""
+    out = []
+    for r in runs:
+        out += ["[[run]]", f'model = "{r.model.name}"', f'gpu = "{r.cluster.gpu}"', f"gpus = {r.cluster.num_gpus}",
+                f"global_batch = {r.workload.global_batch}", f"seq_len = {r.workload.seq_len}",
+                f'runtime = "{r.runtime}"', f"step_time_s = {r.step_time_s!r}", "[run.layout]"]
+        out += [f"{k} = {v}" for k, v in r.config.model_dump(exclude_defaults=True).items()]
+    return "\n".join(out) + "\n"
+
+
+def test_calibrate_writes_a_calibration_that_estimate_takes(tmp_path, capsys):
+    """`meshplan calibrate --runs` on runs the model made with known factors writes a factors file; `estimate
+    --calibration` with it predicts what those factors predict, with no interval (the shipped residuals describe
+    the defaults); the held-out error is printed."""
+    import json
+
+    from cli_helpers import run
+
+    true = {"gemm": -0.1, "network": -0.3}
+    runs = _runs(true)
+    (tmp_path / "runs.toml").write_text(_runs_toml(runs))
+    code, out, err = run(capsys, "calibrate", "--runs", str(tmp_path / "runs.toml"), "--out", str(tmp_path / "c.json"),
+                         "--parameters", "gemm,network")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "8 run(s) on h100-sxm" in text and "error on runs left out of the fit" in text
+    cal = json.loads((tmp_path / "c.json").read_text())
+    assert cal["kind"] == "factors" and set(cal["factors"]) == {"gemm", "network"}
+    assert cal["error_after"] < cal["error_before"] / 3  # the priors keep it from fitting all of it
+    probe = runs[4]  # the 70B pipeline
+    args = ("estimate", "-m", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "64", "--gbs", "64", "--seq", "4096",
+            "--tp", "8", "--pp", "4", "--json")
+    code, out, err = run(capsys, *args, "--calibration", str(tmp_path / "c.json"))
+    assert code == 0, err
+    calibrated = json.loads(out)
+    default = json.loads(run(capsys, *args)[1])
+    assert calibrated["interval"] is None and default["interval"] is not None
+    miss = abs(calibrated["step_time_s"] / probe.step_time_s - 1)
+    assert miss < abs(default["step_time_s"] / probe.step_time_s - 1) / 3 and miss < 0.03
+
+
+def test_bad_runs_files_are_one_line(tmp_path, capsys):
+    from cli_helpers import assert_input_error, run
+
+    good = _runs_toml(_runs({})[:1])
+    cases = {
+        "no runs": ("# nothing\n", "no runs"),
+        "two measurements": (good.replace("[run.layout]", "tokens_per_s_per_gpu = 100.0\n[run.layout]"),
+                             "exactly one of step_time_s"),
+        "no such model": (good.replace('"llama3.1-8b"', '"llama9"'), "run 1"),
+        "degrees": (good.replace("tp = 1", "tp = 3"), "run 1"),
+        "unknown knob": (good.replace("tp = 1", "tpp = 1"), "tpp"),
+    }
+    for name, (text, word) in cases.items():
+        path = tmp_path / f"{name}.toml"
+        path.write_text(text)
+        out_file = tmp_path / f"{name}.json"
+        assert_input_error(*run(capsys, "calibrate", "--runs", str(path), "--out", str(out_file)), word)
+        assert not out_file.exists(), name
+    factors = tmp_path / "f.json"
+    (tmp_path / "ok.toml").write_text(good)
+    assert run(capsys, "calibrate", "--runs", str(tmp_path / "ok.toml"), "--out", str(factors))[0] == 0
+    assert_input_error(*run(capsys, "estimate", "-m", "llama3.1-8b", "--gpu", "a100-80gb", "--gpus", "8",
+                            "--calibration", str(factors)), "fit to runs on h100-sxm")
+    from meshplan.hardware_db.calibration import load_calibration
+    with pytest.raises(InputError, match="meshplan profile"):
+        load_calibration(factors)  # what verify reads: kernels measured on a device

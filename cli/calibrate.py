@@ -1,0 +1,60 @@
+"""`meshplan calibrate`: fit the cost model's few physical factors to step times a team measured."""
+
+from datetime import date
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.text import Text
+
+from meshplan.cli.options import console, output_targets, print_table
+from meshplan.hardware_db.errors import InputError
+
+PARAMETER_HELP = {"gemm": "every GEMM kernel ceiling", "attention": "every attention kernel ceiling",
+                  "memory": "memory-bound kernels' share of HBM bandwidth",
+                  "network": "the collectives' share of the link rates", "overhead": "the launch cost per operator"}
+
+
+def calibrate(
+    runs: Annotated[list[Path], typer.Option("--runs", help=(
+        "Runs file (TOML or JSON, one [[run]] per measured run: model, gpu, gpus, global_batch, seq_len, runtime, "
+        "step_time_s or tokens_per_s_per_gpu, and a [run.layout] of the knobs; docs/calibration.md). "
+        "Repeatable; every run on one GPU type."))],
+    out: Annotated[Path, typer.Option("--out", help=(
+        "Calibration file to write (atomically); plan, estimate and sweep take it with --calibration."))],
+    parameters: Annotated[str, typer.Option("--parameters", help=(
+        "Factors to fit, comma-separated: gemm, attention, memory, network, overhead (default: all five; each "
+        "keeps its prior where the runs cannot tell it)."))] = "gemm,attention,memory,network,overhead",
+) -> None:
+    """Fit the cost model's physical factors (GEMM and attention ceilings, memory and network efficiency, launch cost)
+    to measured step times, each held near its default by a prior; never a factor per run.
+
+    Prints each factor as fitted with its spread, the error on the runs before and after, and the error on runs
+    left out of the fit (5 folds, or one run at a time when there are fewer).
+    """
+    from meshplan.costmodels.fit import calibration_from_runs
+    from meshplan.costmodels.measured_runs import read_runs
+    from meshplan.planner.plan import write_text_atomic
+
+    (out,) = output_targets(out=out)
+    names = tuple(p.strip() for p in parameters.split(",") if p.strip())
+    steps = [step for path in runs for step in read_runs(path)]
+    cal = calibration_from_runs(steps, [str(p) for p in runs], names, created=date.today().isoformat())
+    try:
+        write_text_atomic(out, cal.model_dump_json(indent=1) + "\n")
+    except OSError as exc:
+        raise InputError(f"cannot write {out}: {exc.strerror}; choose a writable --out") from None
+    con = console()
+    con.print(Text.assemble((f"{cal.runs} run(s)", "bold"), f" on {cal.gpu} ({', '.join(cal.runtimes)})"))
+    rows = [[name, PARAMETER_HELP[name], f"x {f.factor:.3f}", f"{100 * f.log_sd:.0f} %"]
+            for name, f in cal.factors.items()]
+    print_table(con, "factors on the GPU's defaults", ["factor", "what it scales", "fitted", "spread (1 sd)"], rows,
+                left=("factor", "what it scales"))
+    con.print(f"error on these runs: {100 * cal.error_before:.1f} % with the defaults, {100 * cal.error_after:.1f} % "
+              f"calibrated (mean absolute, throughput)")
+    if cal.held_out_before is not None and cal.held_out_after is not None:
+        con.print(f"error on runs left out of the fit: {100 * cal.held_out_before:.1f} % with the defaults, "
+                  f"{100 * cal.held_out_after:.1f} % calibrated")
+    else:
+        con.print("one run: no run is left to check the fit on; measure more layouts")
+    con.print(f"calibration written to {out}; use it with --calibration {out}")
