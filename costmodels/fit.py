@@ -44,7 +44,6 @@ STEP = 0.01  # forward-difference step, in log factor
 FOLDS = 5  # the held-out error's folds (fewer runs: leave one out)
 
 
-
 @dataclass(frozen=True)
 class MeasuredStep:
     """A run as measured: its configuration and step time."""
