@@ -17,7 +17,7 @@ import math
 from importlib import resources
 from itertools import pairwise
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -26,6 +26,7 @@ from meshplan.hardware_db.errors import InputError, field_error
 from meshplan.hardware_db.gpu import EfficiencyDefaults, GPUSpec, Sourced
 
 CALIBRATION_SCHEMA_VERSION = 1
+DocumentT = TypeVar("DocumentT", bound=BaseModel)
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
 
 
@@ -275,14 +276,7 @@ def parse_any_calibration(text: str, origin: str) -> Calibration | FactorCalibra
     """Either kind of calibration document (the module docstring); InputError, one line, otherwise."""
     data = parse_document(text, "json", origin)
     if isinstance(data, dict) and data.get("kind") == "factors":
-        version = data.get("schema_version")
-        if version != CALIBRATION_SCHEMA_VERSION:
-            raise InputError(f"{origin}: calibration schema v{version!r} is not the v{CALIBRATION_SCHEMA_VERSION} "
-                             f"this meshplan reads; run meshplan calibrate again")
-        try:
-            return FactorCalibration.model_validate_json(text, strict=True)
-        except ValidationError as exc:
-            raise InputError(f"{origin}: {field_error(exc)}; run meshplan calibrate again") from None
+        return _validated(FactorCalibration, data, text, origin, "run meshplan calibrate again")
     return parse_calibration(text, origin)
 
 
@@ -299,20 +293,26 @@ def parse_calibration(text: str, origin: str) -> Calibration:
                          f"measured on a device: make one with meshplan profile")
     if not isinstance(data, dict) or "schema_version" not in data:
         raise InputError(f"{origin}: not a calibration file (no schema_version); make one with meshplan profile")
-    version = data["schema_version"]
+    return _validated(Calibration, data, text, origin, "re-run meshplan profile")
+
+
+def _validated(kind: type[DocumentT], data: Any, text: str, origin: str, remedy: str) -> DocumentT:
+    """The document as `kind` once its schema version is this meshplan's; one InputError line ending in `remedy`
+    otherwise."""
+    version = data.get("schema_version") if isinstance(data, dict) else None
     if not isinstance(version, int) or isinstance(version, bool):
         raise InputError(f"{origin}: schema_version must be an integer, got {version!r}")
     if version > CALIBRATION_SCHEMA_VERSION:
         raise InputError(f"{origin}: calibration schema v{version} is newer than this meshplan reads "
-                         f"(v{CALIBRATION_SCHEMA_VERSION}); upgrade meshplan or re-run meshplan profile")
+                         f"(v{CALIBRATION_SCHEMA_VERSION}); upgrade meshplan or {remedy}")
     if version < CALIBRATION_SCHEMA_VERSION:
         raise InputError(f"{origin}: calibration schema v{version} is older than this meshplan reads "
-                         f"(v{CALIBRATION_SCHEMA_VERSION}); re-run meshplan profile")
+                         f"(v{CALIBRATION_SCHEMA_VERSION}); {remedy}")
     try:
         # a file: no coercion (hardware_db/documents.STRICT); JSON mode, where arrays are tuples
-        return Calibration.model_validate_json(text, strict=True)
+        return kind.model_validate_json(text, strict=True)
     except ValidationError as exc:
-        raise InputError(f"{origin}: {field_error(exc)}; re-run meshplan profile") from None
+        raise InputError(f"{origin}: {field_error(exc)}; {remedy}") from None
 
 
 def load_calibration(path: str | Path) -> Calibration:
