@@ -36,7 +36,8 @@ from meshplan.hardware_db.errors import InputError, field_error
 class RunEntry(BaseModel):
     """One measured run (the module docstring)."""
 
-    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", allow_inf_nan=False)
+    # strict, as every file meshplan reads (hardware_db/documents.STRICT): no "8" for 8 or true for 1
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
     model: str = Field(min_length=1)
     gpu: str = Field(min_length=1)
     gpus: int = Field(gt=0)

@@ -134,6 +134,7 @@ def test_bad_runs_files_are_one_line(tmp_path, capsys):
         "no such model": (good.replace('"llama3.1-8b"', '"llama9"'), "run 1"),
         "degrees": (good.replace("tp = 1", "tp = 3"), "run 1"),
         "unknown knob": (good.replace("tp = 1", "tpp = 1"), "tpp"),
+        "a count as text": (good.replace("gpus = 8", 'gpus = "8"'), "gpus"),  # strict, as every file read
     }
     for name, (text, word) in cases.items():
         path = tmp_path / f"{name}.toml"
