@@ -42,6 +42,7 @@ from meshplan.costmodels.config import resolve
 from meshplan.costmodels.fit import MeasuredStep, fit, predicted_steps
 from meshplan.costmodels.uncertainty import Interval, Region, region_interval, region_of, residual
 from meshplan.hardware_db.gpu import load_gpu
+from meshplan.planner.plan import write_text_atomic
 
 FEW_SHOTS = 3  # setting (c): runs of a cluster calibrated on (issue 44)
 
@@ -156,13 +157,11 @@ def residual_table(runs: list[Held]) -> dict:
 
 
 def write_residuals(runs: list[Held], path: Path) -> None:
-    temporary = path.with_name(path.name + ".tmp")
     doc = residual_table(runs)
     rows = ",\n".join(" " + json.dumps(run) for run in doc.pop("runs"))  # one run a line: diffs stay readable
     text = json.dumps(doc, indent=1)[:-2] + ',\n "runs": [\n' + rows + "\n ]\n}\n"
     json.loads(text)  # the hand-joined document parses
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(path)  # whole or not at all
+    write_text_atomic(path, text)
 
 
 def line(label: str, runs: list[Held]) -> tuple[str, int, float, float, float, float]:

@@ -1,7 +1,6 @@
 """`meshplan estimate` and `meshplan plan`: a library call each (meshplan/api.py) and their tables."""
 
 import json
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,7 +22,7 @@ from meshplan.costmodels.estimate import Estimate
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
-from meshplan.costmodels.uncertainty import DEFAULT_LEVEL, FEATURE_LABELS, layout_lead_bound, lead_is_significant
+from meshplan.costmodels.uncertainty import FEATURE_LABELS, lead_note
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.common import ExportError
@@ -172,12 +171,8 @@ def interval_line(est: Estimate) -> str:
 
 def lead_line(faster: float, slower: float, first: str, second: str) -> str:
     """Whether a lead in predicted throughput between two layouts on one cluster is more than the model's error on
-    such a pair (costmodels/uncertainty.py layout_lead_bound)."""
-    bound, pairs = layout_lead_bound()
-    verdict = "a significant difference" if lead_is_significant(faster, slower) else "not a significant difference"
-    return (f"lead of {first} over {second}: {faster / slower - 1:.1%} in tokens/s; the model misjudges two layouts "
-            f"on one cluster by up to {math.exp(bound) - 1:.0%} ({100 * DEFAULT_LEVEL:.0f} % of {pairs} pairs of "
-            f"published runs): {verdict}")
+    such a pair (costmodels/uncertainty.py lead_note)."""
+    return f"lead of {first} over {second}: {faster / slower - 1:.1%} in tokens/s; {lead_note(faster, slower)}"
 
 
 def print_cost(con: Console, cost: TrainingCost) -> None:

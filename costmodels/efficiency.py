@@ -4,7 +4,6 @@ calibration), and the calibrated cluster a calibration file stands for."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -187,7 +186,7 @@ def factor_cluster(spec: ClusterSpec, cal: FactorCalibration, origin: str) -> tu
                          f"or plan without --calibration")
     gpu = load_gpu(spec.gpu)
     gpu, eff = scaled(gpu, Efficiency.from_gpu(gpu), cal.log_factors())
-    label = f"{origin.rsplit('/', 1)[-1]} sha256:{hashlib.sha256(cal.model_dump_json().encode()).hexdigest()[:12]}"
+    label = f"{origin.rsplit('/', 1)[-1]} sha256:{digest(cal)}"
     return Cluster(spec, gpu=gpu), dataclasses.replace(eff, calibration=label)
 
 

@@ -205,6 +205,16 @@ def lead_is_significant(faster: float, slower: float, level: float = DEFAULT_LEV
     return math.log(faster / slower) > layout_lead_bound(level)[0]
 
 
+def lead_note(faster: float, slower: float, level: float = DEFAULT_LEVEL) -> str:
+    """The sentence `plan` and `compare` print of a lead between two layouts on one cluster: the model's error on
+    such a pair (layout_lead_bound) and whether the lead exceeds it."""
+    bound, pairs = layout_lead_bound(level)
+    verdict = "a significant difference" if lead_is_significant(faster, slower, level) else \
+        "not a significant difference"
+    return (f"the model misjudges two layouts on one cluster by up to {math.exp(bound) - 1:.0%} ({100 * level:.0f} % "
+            f"of {pairs} pairs of published runs): {verdict}")
+
+
 @cache
 def prediction_interval(region: Region, level: float = DEFAULT_LEVEL) -> Interval:
     """The interval of a new configuration from every measured run of its region (region_interval); cached, as

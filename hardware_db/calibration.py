@@ -267,7 +267,7 @@ def calibration_dir() -> Path:
     return Path(str(resources.files("meshplan.hardware_db.calibrations")))
 
 
-def digest(cal: Calibration) -> str:
+def digest(cal: Calibration | FactorCalibration) -> str:
     """A short content hash: a plan records the calibration by file name and this, so a changed file shows."""
     return hashlib.sha256(cal.model_dump_json().encode()).hexdigest()[:12]
 

@@ -4,11 +4,10 @@ the fastest wins (the breakdown terms that differ most). Training plans only; ea
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshplan.costmodels.uncertainty import DEFAULT_LEVEL, layout_lead_bound, lead_is_significant
+from meshplan.costmodels.uncertainty import DEFAULT_LEVEL, lead_is_significant, lead_note
 
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.plan import Plan
@@ -125,12 +124,8 @@ def _verdict(docs: Sequence[Plan], names: Sequence[str]) -> tuple[str, ...]:
 
 def _noise(faster: float, slower: float) -> str:
     """Where a lead between two layouts of the same inputs is within the model's error on such a pair
-    (costmodels/uncertainty.py layout_lead_bound)."""
-    if lead_is_significant(faster, slower):
-        return ""
-    bound, _ = layout_lead_bound()
-    return (f"; within how far the model misjudges two layouts on one cluster ({math.exp(bound) - 1:.0%} at "
-            f"{100 * DEFAULT_LEVEL:.0f} %): not a significant difference")
+    (costmodels/uncertainty.py lead_note)."""
+    return "" if lead_is_significant(faster, slower) else f"; {lead_note(faster, slower)}"
 
 
 def compare_plans(docs: Sequence[Plan], names: Sequence[str]) -> Comparison:

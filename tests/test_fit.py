@@ -150,3 +150,14 @@ def test_bad_runs_files_are_one_line(tmp_path, capsys):
     from meshplan.hardware_db.calibration import load_calibration
     with pytest.raises(InputError, match="meshplan profile"):
         load_calibration(factors)  # what verify reads: kernels measured on a device
+    assert_input_error(*run(capsys, "calibrate", "--runs", str(tmp_path / "ok.toml"), "--out", str(tmp_path / "p.json"),
+                            "--parameters", "gemm,gemmm"), "unknown parameter 'gemmm'")
+    assert not (tmp_path / "p.json").exists()
+    import json
+    doc = json.loads(factors.read_text())
+    estimate = ("estimate", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--calibration")
+    for name, edit, word in [("newer", {"schema_version": 2}, "schema v2"),
+                             ("bad field", {"runs": 0}, "runs")]:
+        broken = tmp_path / f"{name}.json"
+        broken.write_text(json.dumps(doc | edit))
+        assert_input_error(*run(capsys, *estimate, str(broken)), word, "meshplan calibrate")
