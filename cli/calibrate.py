@@ -18,7 +18,8 @@ PARAMETER_HELP = {"gemm": "every GEMM kernel ceiling", "attention": "every atten
 def calibrate(
     runs: Annotated[list[Path], typer.Option("--runs", help=(
         "Runs file (TOML or JSON, one [[run]] per measured run: model, gpu, gpus, global_batch, seq_len, runtime, "
-        "step_time_s or tokens_per_s_per_gpu, and a [run.layout] of the knobs; docs/calibration.md). "
+        "step_time_s or tokens_per_s_per_gpu, and a [run.layout] of the knobs; or log = FILE with format = megatron "
+        "or torchtitan (and config = its TOML), gpu, and what else the log does not say; docs/calibration.md). "
         "Repeatable; every run on one GPU type."))],
     out: Annotated[Path, typer.Option("--out", help=(
         "Calibration file to write (atomically); plan, estimate and sweep take it with --calibration."))],
@@ -32,8 +33,8 @@ def calibrate(
     Prints each factor as fitted with its spread, the error on the runs before and after, and the error on runs
     left out of the fit (5 folds, or one run at a time when there are fewer).
     """
-    from meshplan.costmodels.fit import calibration_from_runs
-    from meshplan.costmodels.measured_runs import read_runs
+    from meshplan.costmodels.fit import calibration_from_runs, memory_errors
+    from meshplan.planner.measured_runs import read_runs
     from meshplan.planner.plan import write_text_atomic
 
     (out,) = output_targets(out=out)
@@ -57,4 +58,9 @@ def calibrate(
                   f"{100 * cal.held_out_after:.1f} % calibrated")
     else:
         con.print("one run: no run is left to check the fit on; measure more layouts")
+    memory = memory_errors(steps)
+    if memory:
+        kinds = ", ".join(sorted({s.memory_kind for s, _ in memory}))
+        errors = ", ".join(f"{100 * e:+.1f} %" for _, e in memory)
+        con.print(f"peak memory, predicted against measured ({kinds}; not calibrated): {errors}")
     con.print(f"calibration written to {out}; use it with --calibration {out}")

@@ -54,6 +54,8 @@ class MeasuredStep:
     config: ParallelConfig
     runtime: str
     step_time_s: float
+    peak_memory_gib: float | None = None  # where the run reports it
+    memory_kind: str = "peak"  # what that counts: "allocated" (Megatron's log), "reserved" (torchtitan's)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,17 @@ def predicted_steps(steps: Sequence[MeasuredStep], gpu: GPUSpec, log_factors: di
     g, eff = scaled(gpu, Efficiency.from_gpu(gpu), log_factors)
     return np.array([estimate(s.model, Cluster(s.cluster, gpu=g), s.workload, s.config, s.runtime, eff).step_time_s
                      for s in steps])
+
+
+def memory_errors(steps: Sequence[MeasuredStep]) -> list[tuple[MeasuredStep, float]]:
+    """(run, predicted / measured - 1) of peak memory for the runs that report it. Nothing here is fit to memory:
+    the factors move time only."""
+    out = []
+    for s in steps:
+        if s.peak_memory_gib is not None:
+            predicted = estimate(s.model, Cluster(s.cluster), s.workload, s.config, s.runtime).peak_memory_gib
+            out.append((s, predicted / s.peak_memory_gib - 1))
+    return out
 
 
 def fit(steps: Sequence[MeasuredStep], parameters: Sequence[str] = PARAMETERS,

@@ -82,7 +82,7 @@ def test_bad_runs_are_one_line():
 
 
 def _runs_toml(runs: list[MeasuredStep]) -> str:
-    """The runs in the runs-file format (costmodels/measured_runs.py)."""
+    """The runs in the runs-file format (planner/measured_runs.py)."""
     out = []
     for r in runs:
         out += ["[[run]]", f'model = "{r.model.name}"', f'gpu = "{r.cluster.gpu}"', f"gpus = {r.cluster.num_gpus}",

@@ -29,7 +29,7 @@ from meshplan.planner.plan import Plan
 
 __all__ = ["TARGET", "Setting", "model_settings", "parallel_settings", "megatron_args", "export_megatron",
            "pipeline_layout", "parse_layout", "moe_layer_freq", "parse_moe_layer_freq", "LaunchSpec",
-           "parse_megatron_args", "model_disagreement", "MEGATRON_SCRIPT"]
+           "parse_megatron_args", "parser_names", "model_disagreement", "MEGATRON_SCRIPT"]
 
 TARGET = "megatron"
 MEGATRON_SCRIPT = "pretrain_gpt.py"
@@ -458,6 +458,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(_flag(name), dest=name, action="store_true")
     p.add_argument("--recompute-modules", dest="recompute_modules", nargs="*")
     return p
+
+
+def parser_names() -> tuple[frozenset[str], frozenset[str]]:
+    """(the switches, every argument) meshplan reads, by Megatron's argument names: what a log's arguments block
+    (planner/framework_logs.py) is turned back into flags for."""
+    actions = _parser()._actions
+    return (frozenset(a.dest for a in actions if a.nargs == 0), frozenset(a.dest for a in actions))
 
 
 def _torchrun_geometry(tokens: list[str]) -> tuple[list[str], int | None, int | None]:

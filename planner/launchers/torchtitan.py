@@ -319,6 +319,22 @@ class _TitanFloat8(BaseModel):
     recipe_name: str | None = None
 
 
+class _TitanCompile(BaseModel):  # torchtitan 0.2: a section of its own (job_config.py Compile)
+    model_config = _TITAN
+    enable: bool = False
+    components: list[str] = ["model", "loss"]
+
+
+class _TitanQuantizeLinear(BaseModel):  # torchtitan 0.2: [quantize.linear.float8] (job_config.py Float8Linear)
+    model_config = _TITAN
+    float8: _TitanFloat8 = _TitanFloat8()
+
+
+class _TitanQuantize(BaseModel):
+    model_config = _TITAN
+    linear: _TitanQuantizeLinear = _TitanQuantizeLinear()
+
+
 class _TitanExperimental(BaseModel):
     model_config = _TITAN
     context_parallel_rotate_method: str | None = None  # before 2025; under parallelism since
@@ -333,11 +349,43 @@ class TorchtitanJob(BaseModel):
     parallelism: _TitanParallelism = _TitanParallelism()
     activation_checkpoint: _TitanActivationCheckpoint = _TitanActivationCheckpoint()
     float8: _TitanFloat8 = _TitanFloat8()
+    compile: _TitanCompile = _TitanCompile()
+    quantize: _TitanQuantize = _TitanQuantize()
     experimental: _TitanExperimental = _TitanExperimental()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _before_2025_03(cls, data: Any) -> Any:
+        """torchtitan until 2025-03 kept the batch and the DP/TP degrees under [training] (`batch_size` for the local
+        batch) and the CP/PP degrees under [experimental] (train_configs/llama3_8b.toml at 37c4b81, 2025-02): read
+        them as the [parallelism] section they became, and refuse a file that gives one setting in both places."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+        moves = [("training", "batch_size", "training", "local_batch_size")]
+        moves += [("training", f, "parallelism", f) for f in ("data_parallel_replicate_degree",
+                                                              "data_parallel_shard_degree", "tensor_parallel_degree")]
+        moves += [("experimental", f, "parallelism", f) for f in ("context_parallel_degree",
+                                                                  "pipeline_parallel_degree",
+                                                                  "pipeline_parallel_schedule")]
+        for old, name, new, target in moves:
+            section = data.get(old)
+            if not isinstance(section, dict) or name not in section:
+                continue
+            into = data.setdefault(new, {})
+            if not isinstance(into, dict):
+                continue
+            if target in into:
+                raise ValueError(f"{old}.{name} and {new}.{target} both given (the first is torchtitan's name before "
+                                 f"2025-03); keep one")
+            into[target] = section.pop(name)
+        return data
 
-def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple[LaunchSpec, str]:
-    """A torchtitan (<= 0.2) TOML job config as a LaunchSpec and the zoo name of its model."""
+
+def parse_torchtitan_toml(text: str, origin: str = "torchtitan config",
+                          world_size: int | None = None) -> tuple[LaunchSpec, str]:
+    """A torchtitan (<= 0.2) TOML job config as a LaunchSpec and the zoo name of its model. `world_size`: the GPUs
+    the job ran on (its log says), which resolves data_parallel_shard_degree -1."""
     try:
         job = TorchtitanJob.model_validate(parse_document(text, "toml", origin))
     except ValidationError as exc:
@@ -351,6 +399,11 @@ def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple
     model = load_zoo(zoo)
     rep, shard = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
     tp, pp, cp = par.tensor_parallel_degree, par.pipeline_parallel_degree, par.context_parallel_degree
+    if shard == -1 and world_size is not None:  # torchtitan parallel_dims.py: dp_shard = world / (the others)
+        shard, left = divmod(world_size, rep * tp * pp * cp)
+        if left or shard == 0:
+            raise InputError(f"{origin}: {world_size} GPUs are not a multiple of the other degrees "
+                             f"({rep * tp * pp * cp}); data_parallel_shard_degree -1 cannot fill them")
     if shard == -1:
         raise InputError(f"{origin}: data_parallel_shard_degree -1 (fill the world) needs the world size; write "
                          f"the degree")
@@ -400,11 +453,11 @@ def parse_torchtitan_toml(text: str, origin: str = "torchtitan config") -> tuple
 
 def _runtime(job: TorchtitanJob, origin: str) -> str:
     """The torchtitan runtime with the options the config turns on (torchtitan config_manager.py of 0.1-0.2:
-    training.compile, parallelism.enable_async_tensor_parallel, the CP rotate method under parallelism or, before
-    2025, experimental)."""
+    training.compile, or 0.2's compile section (job_config.py Compile), parallelism.enable_async_tensor_parallel,
+    the CP rotate method under parallelism or, before 2025, experimental)."""
     par = job.parallelism
     options = []
-    if job.training.compile:
+    if job.training.compile or (job.compile.enable and "model" in job.compile.components):
         options.append("compile")
     if par.enable_async_tensor_parallel:
         options.append("async-tp")
@@ -420,9 +473,11 @@ def _runtime(job: TorchtitanJob, origin: str) -> str:
 def _float8(job: TorchtitanJob, origin: str) -> tuple[TrainDtype, Fp8Recipe]:
     """(dtype, FP8 recipe): float8 training when model.converters holds "float8" (or, before 2025, the float8
     section's enable_float8_linear), with float8.recipe_name (unset: torchao's tensorwise default)."""
-    if not ("float8" in job.model.converters or job.float8.enable_float8_linear):
+    # 0.2 registers it as "quantize.linear.float8" (components/quantization/float8.py register_model_converter)
+    converters = {c.removeprefix("quantize.linear.") for c in job.model.converters}
+    if not ("float8" in converters or job.float8.enable_float8_linear):
         return "bf16", "tensorwise"
-    recipe = job.float8.recipe_name or "tensorwise"
+    recipe = job.float8.recipe_name or job.quantize.linear.float8.recipe_name or "tensorwise"
     if recipe not in ("tensorwise", "rowwise"):
         raise InputError(f"{origin}: float8 recipe_name {recipe!r:.40}: meshplan models tensorwise and rowwise")
     return "fp8", one_of(recipe, get_args(Fp8Recipe), "float8 recipe_name")
