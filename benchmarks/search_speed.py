@@ -82,6 +82,18 @@ def run_overruns() -> list[tuple[str, float, float, str, float]]:
     return rows
 
 
+def realism(best) -> str:
+    """The best plan's MFU beside the best published of its class (costmodels/realism.py), with its interval."""
+    r = best.realism
+    if r is None or r.published_mfu is None:
+        return "no published class"
+    if not r.exceeds:
+        return f"within (best published {100 * r.published_mfu:.1f}%)"
+    low = "" if r.slow_end_mfu is None else f", slow end {100 * r.slow_end_mfu:.1f}%"
+    verdict = "inside the model's error" if r.within_error else "BEYOND the model's error"
+    return f"above {100 * r.published_mfu:.1f}%{low}: {verdict}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true")
@@ -100,19 +112,24 @@ def main() -> int:
         rows.append((label, wall, target, acc, plan, best))
     if args.markdown:
         print("| case | wall s (median) | target s | status | gap | space | simulated | bounds solved | best plan "
-              "| step s | MFU |")
-        print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+              "| step s | MFU | realism |")
+        print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |")
         for label, wall, target, acc, plan, best in rows:
             print(f"| {label} | {wall:.2f} | {target:g} | {acc.status} | {100 * acc.gap:.2f}% | {acc.space_size:,} | "
-                  f"{acc.evaluated:,} | {acc.bounded:,} | {plan} | {best.step_time_s:.2f} | {100 * best.mfu:.1f}% |")
+                  f"{acc.evaluated:,} | {acc.bounded:,} | {plan} | {best.step_time_s:.2f} | {100 * best.mfu:.1f}% | "
+                  f"{realism(best)} |")
     else:
         for label, wall, target, acc, plan, best in rows:
             ok = "ok" if wall <= target and acc.status == "optimal" else "MISS"
             print(f"{label:32s} {wall:6.2f} s (target {target:g})  {acc.status} gap {100 * acc.gap:.2f}%  "
                   f"space {acc.space_size:,} simulated {acc.evaluated:,} bounds {acc.bounded:,}  [{ok}]")
-            print(f"    best: {plan}  {best.step_time_s:.2f} s/step  MFU {100 * best.mfu:.1f}%")
+            print(f"    best: {plan}  {best.step_time_s:.2f} s/step  MFU {100 * best.mfu:.1f}%  realism: "
+                  f"{realism(best)}")
             print(f"    pruned: {acc.pruned}")
             print(f"    infeasible: {acc.infeasible}")
+    beyond = [label for label, _, _, _, _, best in rows if best.realism and best.realism.within_error is False]
+    print(f"\nbest plans above the best published MFU of their class with their interval's slow end above it too "
+          f"(issue 44: none): {len(beyond)}" + (f" ({', '.join(beyond)})" if beyond else ""))
     optimum = {label: best.step_time_s for label, _, _, _, _, best in rows}
     seconds, res = run_anytime(args.repeat)
     label, target = ANYTIME[0], ANYTIME[-1]

@@ -22,7 +22,7 @@ from meshplan.costmodels.estimate import Estimate
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
-from meshplan.costmodels.uncertainty import FEATURE_LABELS, lead_note
+from meshplan.costmodels.uncertainty import DEFAULT_RANK, FEATURE_LABELS, RankKind, lead_note
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.common import ExportError
@@ -269,6 +269,11 @@ def plan(
         "Stop after about this many seconds of CPU time (the same work on a busy machine) and return the best plan "
         "found with its proven optimality gap; a quick first plan comes before the exact search, and the limit "
         "waits for it."))] = None,
+    rank: Annotated[RankKind, typer.Option("--rank", rich_help_panel=P_OUT, help=(
+        "What 'best' means. expected: the shortest predicted step. conservative: the shortest slow end of the "
+        "plan's 80 % range (the step its region's cross-validated errors say is exceeded one time in ten), so a "
+        "layout the model has often over-predicted pays for it. Not with --calibration (its predictions carry no "
+        "range)."))] = DEFAULT_RANK,
     beyond_context: BeyondContextOpt = False,
     outputs: PlanOutputs = PlanOutputs(),  # --out --trace --explain --json --timing --export --export-out
 ) -> None:
@@ -292,7 +297,7 @@ def plan(
         cluster = cluster.model_copy(update={"num_gpus": weighed.best.gpus})
     with ProgressBar(not outputs.as_json, "searching", "groups") as bar:
         found = api.search_plans(spec, cluster, workload, config, runtime, calibration, top, time_limit,
-                                 outputs.timing, progress=bar, max_mbs=max_mbs, budget=budget)
+                                 outputs.timing, progress=bar, max_mbs=max_mbs, budget=budget, rank=rank)
     doc, result, sim = found.plan, found.result, found.simulated
     exported, refused, written = None, None, []
     if outputs.export_to is not None:
@@ -446,7 +451,8 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
                 f"{100 * e.mfu:.1f}",
                 f"{e.peak_memory_gib:.1f}"]
         rows.append(row)
-    print_table(con, f"Best {len(result.plans)} plans (predicted)", cols, rows,
+    ranked = ", ranked by the slow end of their range" if acc.ranking == "conservative" else ""
+    print_table(con, f"Best {len(result.plans)} plans (predicted{ranked})", cols, rows,
                 left=("order", "recompute", "schedule", "layers/stage"))
     pruned = ", ".join(f"{v:,} by {k}" for k, v in sorted(acc.pruned.items(), key=lambda x: -x[1])) or "none"
     infeasible = ", ".join(f"{v:,} {k}" for k, v in sorted(acc.infeasible.items(), key=lambda x: -x[1])) or "none"
@@ -457,14 +463,19 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     best = result.plans[0].estimate.realism
     if best is not None:
         con.print(Text.assemble(("realism of plan #1:", "bold yellow" if best.exceeds else ""), " ", best.line()))
-    if result.plans[0].estimate.interval is not None:
-        con.print(f"uncertainty of plan #1: {interval_line(result.plans[0].estimate)}")
-        if len(result.plans) > 1:
-            con.print(lead_line(result.plans[0].estimate.tokens_per_s, result.plans[1].estimate.tokens_per_s,
-                                "plan #1", "#2"))
+    first = result.plans[0]
+    if first.estimate.interval is not None:
+        con.print(f"uncertainty of plan #1: {interval_line(first.estimate)}")
+        if len(result.plans) > 1 and first.estimate.tokens_per_s >= result.plans[1].estimate.tokens_per_s:
+            con.print(lead_line(first.estimate.tokens_per_s, result.plans[1].estimate.tokens_per_s, "plan #1", "#2"))
+    conservative = acc.ranking == "conservative"
+    if conservative:
+        con.print(f"ranked by the slow end of each plan's range (--rank conservative): plan #1 takes at most "
+                  f"{first.ranked_s:.3f} s a step (predicted {first.step_time_s:.3f} s)")
     if acc.status == "optimal":
-        con.print(Text.assemble(("optimal", "green"),
-                                ": no candidate in the space is predicted faster (proven by the bounds above)"))
+        con.print(Text.assemble(("optimal", "green"), ": no candidate in the space " + (
+            "has a lower slow end" if conservative else "is predicted faster") + " (proven by the bounds above)"))
     else:
         con.print(Text.assemble((acc.status, "yellow"), f": the best plan is within {100 * acc.gap:.2f} % of optimal "
-                                f"(no candidate can beat {acc.lower_bound_s:.3f} s)"))
+                                f"(no candidate can beat {acc.lower_bound_s:.3f} s"
+                                f"{' at its slow end' if conservative else ''})"))

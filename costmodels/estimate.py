@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 
 from meshplan.costmodels.config import Layout, ParallelConfig, Workload, resolve
@@ -84,7 +86,7 @@ class Estimate:
                                                                           self.tokens_per_s_per_gpu),
             "realism": None if self.realism is None else {
                 "published_mfu": self.realism.published_mfu, "run": self.realism.run, "source": self.realism.source,
-                "exceeds": self.realism.exceeds},
+                "exceeds": self.realism.exceeds, "within_error": self.realism.within_error},
             "stages": [
                 {"rank": s.rank, "first_layer": s.layers[0], "num_layers": s.layers[1],
                  "in_flight_microbatches": s.in_flight, "peak_memory_gib": s.peak_gib,
@@ -157,16 +159,18 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     hw_flops = model_flops + recompute_flops_per_step(model, workload, modes, lay.recompute_modules)
     gpus = cluster.num_gpus
     peak = ctx.peak_fp8 if workload.dtype == "fp8" else ctx.peak16
+    mfu = model_flops / step / gpus / peak
+    interval = (prediction_interval(region_of(model, lay, workload, cluster.spec.gpu, cluster.gpus_per_node, rt.name))
+                if eff.calibration is None and eff.physics == Physics() else None)
     est = Estimate(
         layout=lay, runtime=rt.name, step_time_s=step, tokens_per_s=tokens / step,
         tokens_per_s_per_gpu=tokens / step / gpus, tflops_per_gpu=model_flops / step / gpus / 1e12,
-        mfu=model_flops / step / gpus / peak, hfu=hw_flops / step / gpus / peak, breakdown_s=breakdown,
+        mfu=mfu, hfu=hw_flops / step / gpus / peak, breakdown_s=breakdown,
         stages=tuple(end.report for end in ends), hbm_gib=cluster.gpu.hbm_gib.value,
         bubble_fraction=timeline.bubble_fraction(),
-        realism=realism_check(cluster.spec.gpu, model.moe is not None, workload.dtype,
-                              model_flops / step / gpus / peak),
-        interval=(prediction_interval(region_of(model, lay, workload, cluster.spec.gpu, cluster.gpus_per_node, rt.name))
-                  if eff.calibration is None and eff.physics == Physics() else None),
+        realism=realism_check(cluster.spec.gpu, model.moe is not None, workload.dtype, mfu,
+                              None if interval is None else mfu * math.exp(-interval.hi)),
+        interval=interval,
     )
     return Simulated(est, timeline, ctx.p2p_s)
 

@@ -60,32 +60,51 @@ BEST_PUBLISHED: dict[tuple[str, str, str], Published] = {
 
 @dataclass(frozen=True)
 class RealismCheck:
-    """A predicted MFU beside the best published one of its class (None where no run of the class is known)."""
+    """A predicted MFU beside the best published one of its class (None where no run of the class is known), and
+    the MFU at the slow end of the prediction's interval (None without one: under a calibration)."""
 
     predicted_mfu: float
     published_mfu: float | None
     run: str | None
     source: str | None
+    slow_end_mfu: float | None = None
 
     @property
     def exceeds(self) -> bool:
         return self.published_mfu is not None and self.predicted_mfu > self.published_mfu
 
+    @property
+    def within_error(self) -> bool | None:
+        """Above the best published, but the interval reaches down to it (issue 44: the realism line is part of the
+        interval); None where nothing is exceeded or there is no interval."""
+        if not self.exceeds or self.slow_end_mfu is None:
+            return None
+        assert self.published_mfu is not None
+        return self.slow_end_mfu <= self.published_mfu
+
     def line(self) -> str:
         if self.published_mfu is None:
             return "no published run of this GPU family, model class and precision to compare the MFU with"
+        best = f"the best published for this class ({100 * self.published_mfu:.1f} %, {self.run}: {self.source})"
+        if self.exceeds and self.slow_end_mfu is not None and self.within_error:
+            return (f"MFU {100 * self.predicted_mfu:.1f} % is above {best}, but the slow end of its range "
+                    f"({100 * self.slow_end_mfu:.1f} %) is below it: within the model's error, not yet a measured "
+                    f"result")
+        if self.exceeds and self.slow_end_mfu is not None:
+            return (f"MFU {100 * self.predicted_mfu:.1f} % is above {best}, and so is the slow end of its range "
+                    f"({100 * self.slow_end_mfu:.1f} %): more likely a gap in the cost model than a real plan; "
+                    f"verify before relying on it")
         if self.exceeds:
-            return (f"MFU {100 * self.predicted_mfu:.1f} % is above the best published for this class "
-                    f"({100 * self.published_mfu:.1f} %, {self.run}: {self.source}): more likely a gap in the cost "
-                    f"model than a real plan; verify before relying on it")
+            return (f"MFU {100 * self.predicted_mfu:.1f} % is above {best}: more likely a gap in the cost model than "
+                    f"a real plan; verify before relying on it")
         return (f"within what has been published for this class (best {100 * self.published_mfu:.1f} %, "
                 f"{self.run})")
 
 
-def check(gpu: str, moe: bool, dtype: str, mfu: float) -> RealismCheck:
+def check(gpu: str, moe: bool, dtype: str, mfu: float, slow_end_mfu: float | None = None) -> RealismCheck:
     fam = gpu_family(gpu)
     dt = "bf16" if dtype == "fp16" else dtype
     best = BEST_PUBLISHED.get((fam, "moe" if moe else "dense", dt)) if fam else None
     if best is None:
-        return RealismCheck(mfu, None, None, None)
-    return RealismCheck(mfu, best.mfu, best.run, best.source)
+        return RealismCheck(mfu, None, None, None, slow_end_mfu)
+    return RealismCheck(mfu, best.mfu, best.run, best.source, slow_end_mfu)

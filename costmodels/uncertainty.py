@@ -15,12 +15,14 @@ same for a step-time metric (its ratio inverted). The measured throughput then l
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from typing import Literal
 
 from meshplan.costmodels.config import Layout, Workload
 from meshplan.costmodels.model import ModelSpec
@@ -75,6 +77,13 @@ def region_of(model: ModelSpec, lay: Layout, wl: Workload, gpu: str, gpus_per_no
                   ep_across_nodes=model.moe is not None and lay.ep * lay.etp > gpus_per_node,
                   context_parallel=lay.cp > 1, long_context=wl.seq_len >= LONG_CONTEXT, fp8=wl.dtype == "fp8",
                   wide_tp=lay.tp >= WIDE_TP and model.hidden <= SMALL_HIDDEN)
+
+
+def inputs_region(model: ModelSpec, wl: Workload, gpu: str, runtime: str) -> Region:
+    """The region of these inputs with every layout feature (LAYOUT_FEATURES) off: what a search's candidates share."""
+    return Region(gpu=gpu, runtime=runtime.split("+")[0], moe=model.moe is not None, ep_across_nodes=False,
+                  context_parallel=False, long_context=wl.seq_len >= LONG_CONTEXT, fp8=wl.dtype == "fp8",
+                  wide_tp=False)
 
 
 def min_runs(level: float) -> int:
@@ -220,3 +229,35 @@ def prediction_interval(region: Region, level: float = DEFAULT_LEVEL) -> Interva
     """The interval of a new configuration from every measured run of its region (region_interval); cached, as
     every simulated candidate of a search asks for its region's."""
     return region_interval(region, measured_residuals(), level)
+
+
+RankKind = Literal["expected", "conservative"]
+RANK_KINDS: tuple[RankKind, ...] = ("expected", "conservative")
+DEFAULT_RANK: RankKind = "expected"  # benchmarks/reference_search.py --rank both (RESULTS.md) chose it
+# the region features a search's candidates differ in; the others are the inputs' (GPU, runtime, model, workload)
+LAYOUT_FEATURES = ("ep_across_nodes", "context_parallel", "wide_tp")
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """What a search minimises (issue 44 item 4): the predicted step time ("expected"), or the slow end of its
+    interval ("conservative": the step time its region's held-out residuals say a run exceeds with probability at
+    most (1 - level) / 2), so a layout whose region the model has often over-predicted pays for it."""
+
+    kind: RankKind = DEFAULT_RANK
+    level: float = DEFAULT_LEVEL
+    residuals: tuple[tuple[Region, float], ...] | None = None  # None: the shipped runs' (measured_residuals)
+
+    def factor(self, region: Region) -> float:
+        """The ranked quantity over the predicted step time: 1, or the interval's exp(hi)."""
+        if self.kind == "expected":
+            return 1.0
+        if self.residuals is None:
+            return math.exp(prediction_interval(region, self.level).hi)
+        return math.exp(region_interval(region, self.residuals, self.level).hi)
+
+    def floor(self, inputs: Region) -> float:
+        """The smallest factor over every region a search with these inputs can reach (its layouts differ only in
+        LAYOUT_FEATURES): a time bound times it bounds the ranked quantity, so the search's pruning stays exact."""
+        return min(self.factor(dataclasses.replace(inputs, ep_across_nodes=ep, context_parallel=cp, wide_tp=wide))
+                   for ep, cp, wide in itertools.product((False, True), repeat=len(LAYOUT_FEATURES)))

@@ -58,7 +58,8 @@ def _prediction(simulated: Simulated) -> Prediction:
                                memory_gib=_gib(s.memory)) for s in est.stages],
         stage_time_s=_stage_times(simulated),
         realism=None if realism is None else RealismRecord(published_mfu=realism.published_mfu, run=realism.run,
-                                                           source=realism.source, exceeds=realism.exceeds),
+                                                           source=realism.source, exceeds=realism.exceeds,
+                                                           within_error=realism.within_error),
         interval=None if est.interval is None else PredictionInterval(**interval_dict(
             est.interval, est.step_time_s, est.tokens_per_s_per_gpu)))
 

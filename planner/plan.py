@@ -30,6 +30,7 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import parse_model_file
 from meshplan.costmodels.runtime import get_runtime
 from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
+from meshplan.costmodels.uncertainty import RankKind
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.documents import read_document
 from meshplan.hardware_db.errors import InputError, field_error
@@ -247,6 +248,9 @@ class RealismRecord(_Frozen):
     run: str | None
     source: str | None
     exceeds: bool
+    within_error: bool | None = Field(default=None, description=(
+        "where it exceeds: whether the slow end of the prediction's interval reaches down to the best published "
+        "(None: nothing exceeded, or no interval)"))
 
 
 class PredictionInterval(_Frozen):
@@ -295,10 +299,14 @@ class SearchInfo(_Frozen):
     seconds: float | None = Field(default=None, ge=0, description=(
         "the search's wall time; written only with --timing, so a plan is byte-identical for the same input"))
     status: SearchStatus
-    gap: float = Field(ge=0, description="proven relative gap of the best plan (0: optimal)")
-    lower_bound_s: float = Field(ge=0)
+    gap: float = Field(ge=0, description="proven relative gap of the best plan (0: optimal), in what was ranked")
+    lower_bound_s: float = Field(ge=0, description=(
+        "no candidate ranks below this: a step time, or under the conservative ranking the slow end of one"))
     domains: dict[str, str]
     cpsat_calls: int = Field(ge=0)
+    ranking: RankKind = Field(default="expected", description=(
+        "what the search ranked by: the predicted step time (expected) or the slow end of its interval "
+        "(conservative)"))
     rank: int = Field(ge=1, description="1 = the best plan found")
     bound_s: float | None = Field(default=None, ge=0, description="lower bound on this candidate over all partitions")
     partition_status: PartitionStatus | None = None

@@ -33,6 +33,7 @@ from meshplan.costmodels.estimate import Estimate, Simulated, model_flops_per_st
 from meshplan.costmodels.memory import FRAGMENTATION, GIB
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME, get_runtime
+from meshplan.costmodels.uncertainty import RankKind, Ranking, inputs_region, region_of
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.partition import (PartitionProblem, PartitionResult, partitions_below, per_stage_bound,
@@ -80,6 +81,7 @@ class RankedPlan:
     simulated: Simulated
     bound_s: float  # lower bound on this candidate's step time over all partitions
     partition_status: PartitionStatus  # "optimal" (simulated == bound), or "bound gap"
+    ranked_s: float = math.nan  # what the search ranked it by: its step time, or under --rank conservative its slow end
 
     @property
     def estimate(self) -> Estimate:
@@ -101,10 +103,11 @@ class SearchAccount:
     infeasible: dict[str, int]  # candidates rejected, by rule (divisibility) or memory
     seconds: float
     status: SearchStatus
-    gap: float  # proven relative gap of the best plan (0 when optimal)
-    lower_bound_s: float  # no candidate in the space is faster than this
+    gap: float  # proven relative gap of the best plan (0 when optimal), in what was ranked
+    lower_bound_s: float  # no candidate in the space ranks below this (its step time, or its slow end)
     domains: dict[str, str]
     cpsat_calls: int
+    ranking: RankKind = "expected"
 
 
 @dataclass(frozen=True)
@@ -119,14 +122,17 @@ ProgressFn = Callable[[int, int], None]  # (done, total) over candidate groups
 
 @dataclass
 class _Best:
-    """The K best simulated plans (a max-heap on time) and the cutoff a bound must beat."""
+    """The K best simulated plans (a max-heap on the ranked quantity) and the cutoff a step-time bound must beat:
+    under a ranking whose factor is at least `floor` everywhere, a bound b ranks at least b x floor, so the cutoff
+    is the K-th best ranked value over the floor (1 when ranking by time)."""
 
     k: int
+    floor: float = 1.0
     heap: list[tuple] = field(default_factory=list)
     counter: int = 0
 
     def cutoff(self) -> float:
-        return -self.heap[0][0] if len(self.heap) >= self.k else math.inf
+        return -self.heap[0][0] / self.floor if len(self.heap) >= self.k else math.inf
 
     def add(self, plan: RankedPlan) -> bool:
         """Keep the plan if it is among the k best; a plan that ties one already kept and differs from it only
@@ -139,12 +145,12 @@ class _Best:
             o = other.candidate
             if ((o.mesh, o.mbs, o.sp, o.cp_comm, o.schedule, o.vpp, other.estimate.layout.stage_layers,
                  other.estimate.layout.stage_recompute) == twin
-                    and abs(other.step_time_s - plan.step_time_s) <= REL_TOL * plan.step_time_s):
+                    and abs(other.ranked_s - plan.ranked_s) <= REL_TOL * plan.ranked_s):
                 return False
         self.counter += 1
         lay = plan.estimate.layout
-        # ties (equal predicted time) go to the simpler plan: no CP, lower ZeRO, then less memory
-        item = (-plan.step_time_s, -lay.cp, -lay.zero, -plan.estimate.peak_memory_gib, -self.counter, plan)
+        # ties (equal ranked value) go to the simpler plan: no CP, lower ZeRO, then less memory
+        item = (-plan.ranked_s, -lay.cp, -lay.zero, -plan.estimate.peak_memory_gib, -self.counter, plan)
         if len(self.heap) < self.k:
             heapq.heappush(self.heap, item)
         elif item[:-1] > self.heap[0][:-1]:
@@ -158,9 +164,10 @@ class _Best:
 def search(model: ModelSpec, cluster: Cluster, wl: Workload, pins: ParallelConfig = ParallelConfig(),
            runtime: str = DEFAULT_RUNTIME, efficiency: Efficiency | None = None, top_k: int = 10,
            time_limit_s: float | None = None, progress: ProgressFn | None = None,
-           max_mbs: int = DEFAULT_MAX_MBS) -> SearchResult:
-    """The top_k plans by predicted step time, and the account of the search (see the module docstring). `pins`:
-    the knobs fixed; each one left None is searched (`max_mbs`: the largest micro-batch size tried)."""
+           max_mbs: int = DEFAULT_MAX_MBS, ranking: Ranking = Ranking()) -> SearchResult:
+    """The top_k plans by predicted step time (or by what `ranking` ranks: the slow end of each plan's interval),
+    and the account of the search (see the module docstring). `pins`: the knobs fixed; each one left None is
+    searched (`max_mbs`: the largest micro-batch size tried)."""
     if top_k < 1:
         raise InputError("--top must be at least 1")
     rt = get_runtime(runtime)
@@ -168,7 +175,7 @@ def search(model: ModelSpec, cluster: Cluster, wl: Workload, pins: ParallelConfi
     start, cpu_start = time.perf_counter(), cpu_now()
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
     enum = enumerate_space(model, cluster.num_gpus, cluster.gpus_per_node, wl, pins, rt, max_mbs)
-    s = _Search(model, cluster, wl, rt.name, eff, enum, top_k, pins.recompute_modules)
+    s = _Search(model, cluster, wl, rt.name, eff, enum, top_k, pins.recompute_modules, ranking)
     deadline = None if time_limit_s is None else cpu_start + time_limit_s  # CPU seconds (costmodels/deadline.py)
     timed_out = s.run(deadline, progress)
     return s.result(time.perf_counter() - start, timed_out)
@@ -179,9 +186,15 @@ class _Search(SearchCosts):
     account."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, runtime: str, eff: Efficiency,
-                 enum: Enumeration, top_k: int, modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES):
+                 enum: Enumeration, top_k: int, modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES,
+                 ranking: Ranking = Ranking()):
         super().__init__(model, cluster, wl, runtime, eff, enum, modules)
-        self.best = _Best(top_k)
+        self.ranking = ranking
+        floor = ranking.floor(inputs_region(model, wl, cluster.spec.gpu, runtime))
+        if not math.isfinite(floor) or floor <= 0:
+            raise InputError(f"--rank {ranking.kind}: no measured run bounds a {cluster.spec.gpu} prediction at the "
+                             f"{100 * ranking.level:.0f} % level; use --rank expected")
+        self.best = _Best(top_k, floor)
         self.deadline: float | None = None  # the time limit's cpu_now() end (see run and _limit)
         self.pruned: dict[str, int] = {}
         self.infeasible: dict[str, int] = dict(enum.infeasible)
@@ -724,7 +737,10 @@ class _Search(SearchCosts):
         status: PartitionStatus = "optimal" if (tight or c.vpp > 1) else "bound gap"
         if not tight and c.vpp == 1 and not another_partition:
             self.open_bounds.append((bound, c, stage_layers, policies))
-        kept = self.best.add(RankedPlan(c, cfg, sim, bound if c.vpp == 1 else est.step_time_s, status))
+        region = region_of(self.model, est.layout, self.wl, self.cluster.spec.gpu, self.cluster.gpus_per_node,
+                           self.runtime)
+        kept = self.best.add(RankedPlan(c, cfg, sim, bound if c.vpp == 1 else est.step_time_s, status,
+                                        est.step_time_s * self.ranking.factor(region)))
         if another_partition:
             return
         if kept:
@@ -741,8 +757,8 @@ class _Search(SearchCosts):
                                              f"raise --time-limit or pin more knobs")
             acc = self._account(seconds, "infeasible", math.nan, math.nan)
             return SearchResult((), acc, self._why_nothing_fits())
-        best = plans[0].step_time_s
-        lows = [b for b, _, _, _ in self.open_bounds if b < best] + [self.unexplored_bound]
+        best, floor = plans[0].ranked_s, self.best.floor
+        lows = [b * floor for b, _, _, _ in self.open_bounds if b * floor < best] + [self.unexplored_bound * floor]
         low = min([best] + lows)
         gap = max(0.0, (best - low) / best)
         status: SearchStatus = "time-limit" if timed_out else ("optimal" if gap <= 1e-6 else "gap")
@@ -751,7 +767,7 @@ class _Search(SearchCosts):
     def _account(self, seconds: float, status: SearchStatus, gap: float, low: float) -> SearchAccount:
         return SearchAccount(self.enum.space_size, self.evaluated, self.bounded, dict(self.pruned),
                              dict(self.infeasible), seconds, status, gap, low, dict(self.enum.domains),
-                             self.cpsat_calls)
+                             self.cpsat_calls, self.ranking.kind)
 
     def _why_nothing_fits(self) -> str:
         model, n = self.model, self.cluster.num_gpus

@@ -199,3 +199,57 @@ def test_a_lead_inside_the_models_error_is_called_so(tmp_path, capsys):
     verdict = " ".join(capsys.readouterr().out.split())
     a, b = (json.loads((tmp_path / f"{n}.json").read_text())["prediction"]["tokens_per_s"] for n in "ab")
     assert ("not a significant difference" in verdict) == (math.log(max(a, b) / min(a, b)) <= bound), verdict
+
+
+def test_plan_ranks_by_the_slow_end_on_request(tmp_path, capsys):
+    """plan --rank conservative: the JSON says what was ranked, the table is ordered by the slow end of each plan's
+    range, plan #1's slow end is no later than the expected winner's, and a calibration (no range) is refused."""
+    from cli_helpers import assert_input_error, run
+
+    args = ["plan", "-m", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "64", "--gbs", "128", "--seq", "8192"]
+    docs = {}
+    for rank in ("expected", "conservative"):
+        code, out, err = run(capsys, *args, "--rank", rank, "--json")
+        assert code == 0, err
+        docs[rank] = json.loads(out)
+        assert docs[rank]["search"]["ranking"] == rank
+    slow = {rank: doc["prediction"]["interval"]["step_time_s"][1] for rank, doc in docs.items()}
+    assert slow["conservative"] <= slow["expected"] * (1 + 1e-9)
+    assert docs["conservative"]["prediction"]["step_time_s"] >= docs["expected"]["prediction"]["step_time_s"] * (
+        1 - 1e-9)
+    code, out, err = run(capsys, *args, "--rank", "conservative", "--top", "4")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "ranked by the slow end of their range" in text and "no candidate in the space has a lower slow end" in text
+    (tmp_path / "runs.toml").write_text(
+        '[[run]]\nmodel = "llama3.1-8b"\ngpu = "h100-sxm"\ngpus = 8\nglobal_batch = 16\nseq_len = 4096\n'
+        'step_time_s = 1.5\n')
+    assert run(capsys, "calibrate", "--runs", str(tmp_path / "runs.toml"), "--out", str(tmp_path / "c.json"))[0] == 0
+    assert_input_error(*run(capsys, *args, "--rank", "conservative", "--calibration", str(tmp_path / "c.json")),
+                       "--rank conservative", "--rank expected")
+
+
+def test_the_realism_line_reads_the_interval():
+    """A predicted MFU above the best published for its class is called a likely model gap only when even the slow
+    end of its interval is above it; where the interval reaches down to it, the plan is within the model's error
+    (issue 44: the realism line becomes part of the interval); without an interval the line is as before."""
+    from meshplan.costmodels.estimate import estimate
+    from meshplan.costmodels.realism import check
+    from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+
+    best = 0.471  # H100/H200, dense, bf16
+    assert check("h100-sxm", False, "bf16", 0.45, 0.40).within_error is None
+    assert "within what has been published" in check("h100-sxm", False, "bf16", 0.45, 0.40).line()
+    inside = check("h100-sxm", False, "bf16", 0.52, 0.45)
+    assert inside.exceeds and inside.within_error and "within the model's error" in inside.line()
+    beyond = check("h100-sxm", False, "bf16", 0.60, best + 0.01)
+    assert beyond.exceeds and beyond.within_error is False and "more likely a gap" in beyond.line()
+    assert "and so is the slow end" in beyond.line()
+    bare = check("h100-sxm", False, "bf16", 0.52)
+    assert bare.within_error is None and "more likely a gap" in bare.line()
+    est = estimate(load_zoo("llama3.1-70b"), Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=64)),
+                   Workload(global_batch=128, seq_len=8192), ParallelConfig(tp=4, pp=4, cp=2, vpp=5, mbs=1,
+                                                                            schedule="interleaved"))
+    assert est.interval is not None and est.realism is not None
+    assert est.realism.slow_end_mfu == pytest.approx(est.mfu * math.exp(-est.interval.hi))
+    assert est.realism.exceeds and est.realism.within_error  # 70B on 64 H100: above 47.1 %, its range reaches down
