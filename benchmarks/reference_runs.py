@@ -284,6 +284,8 @@ def run_runtime(run: Run) -> str:
         options.append("sp-regather")
     if "native-gqa" in f:
         options.append("native-gqa")
+    if "bf16-grads" in f:
+        options.append("bf16-grads")
     options += [opt for feature, opt in kernels.items() if feature in f]
     return "+".join([run.runtime, *options])
 

@@ -176,9 +176,10 @@ class CostContext:
     @cached_property
     def sync(self) -> SyncCoefficients:
         """Megatron reduces fp32 gradients when training in bf16 (--accumulate-allreduce-grads-in-fp32,
-        arguments.py); ZeRO-0 all-reduces, ZeRO >= 1 reduce-scatters gradients and all-gathers the updated 16-bit
-        weights (Megatron-LM docs, distrib_optimizer.md). ZeRO-3 / FSDP gathers each layer's weights for every
-        micro-batch's forward and backward instead (CostContext.fsdp_gather, in the stage times), not after the step."""
+        arguments.py; Runtime.grad_bytes, bf16 under the "bf16-grads" option); ZeRO-0 all-reduces, ZeRO >= 1
+        reduce-scatters gradients and all-gathers the updated 16-bit weights (Megatron-LM docs,
+        distrib_optimizer.md). ZeRO-3 / FSDP gathers each layer's weights for every micro-batch's forward and
+        backward instead (CostContext.fsdp_gather, in the stage times), not after the step."""
         lay = self.lay
         coef: dict[str, float] = {}
         for kind, dim in (("dense", "dp_cp"), ("expert", "edp")):
@@ -188,7 +189,7 @@ class CostContext:
                 # alpha-beta ring (comm.py): all-reduce 2(n-1) steps / 2(n-1)/n of the bytes, RS and AG half of that;
                 # calibrated: the measured alpha and 1/beta of that collective (timed_collective).
                 reduce_kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
-                ra, rb = self._alpha_beta(reduce_kind, n, link, 4)
+                ra, rb = self._alpha_beta(reduce_kind, n, link, self.rt.grad_bytes)
                 if lay.zero in (1, 2):
                     ga, gb = self._alpha_beta("all_gather", n, link, 2)
             coef.update({f"reduce_alpha_{kind}": ra, f"reduce_beta_{kind}": rb, f"gather_alpha_{kind}": ga,
@@ -208,9 +209,10 @@ class CostContext:
 
     @cached_property
     def grad_scatter(self) -> tuple[float, float, float, float]:
-        """ZeRO-2/3: (alpha, seconds per parameter) of one reduce-scatter of fp32 gradients over dp x cp (dense)
-        and over the expert-DP group (experts), run in every micro-batch's backward (reduce_in_backward)."""
-        return self._dp_collective("reduce_scatter", 4)
+        """ZeRO-2/3: (alpha, seconds per parameter) of one reduce-scatter of gradients (Runtime.grad_bytes) over
+        dp x cp (dense) and over the expert-DP group (experts), run in every micro-batch's backward
+        (reduce_in_backward)."""
+        return self._dp_collective("reduce_scatter", self.rt.grad_bytes)
 
     def _dp_collective(self, kind: str, bytes_per_param: float) -> tuple[float, float, float, float]:
         """(alpha, seconds per parameter) of one collective over dp x cp, then over the expert-DP group."""
@@ -316,7 +318,7 @@ def stage_params_for(ctx: CostContext, chunks: list[tuple[int, int]], modes: tup
 def stage_memory(ctx: CostContext, rank: int, chunks: list[tuple[int, int]], params: StageParams,
                   timeline: Timeline, modes: tuple[str, ...]) -> MemoryBreakdown:
     model, lay, wl, rt = ctx.model, ctx.lay, ctx.wl, ctx.rt
-    weights, grads, optim = model_state_bytes(params, lay, rt.holds_unsharded_grads(lay.zero, lay.pp))
+    weights, grads, optim = model_state_bytes(params, lay, rt.holds_unsharded_grads(lay.zero, lay.pp), rt.grad_bytes)
     acts = 0.0
     group = lay.recompute_group
     for c, (first, count) in enumerate(chunks):

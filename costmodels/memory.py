@@ -1,9 +1,9 @@
 """Memory per GPU on one pipeline stage: model states, activations, logits, buffers, fragmentation allowance.
 
-Model states under mixed-precision Adam: 16-bit weights (2 B/param), fp32 gradient buffer (4), fp32 master weights
-and two Adam moments (12) (Rajbhandari et al., "ZeRO", SC'20, sec. 3.1, K=12; Megatron-LM docs
-distrib_optimizer.md: 6 + 12/d bytes per parameter with the distributed optimizer). ZeRO-2 also shards gradients,
-ZeRO-3 / FSDP also the weights.
+Model states under mixed-precision Adam: 16-bit weights (2 B/param), fp32 gradient buffer (4; 2 where a recipe
+reduces gradients in bf16, Runtime.grad_bytes), fp32 master weights and two Adam moments (12) (Rajbhandari et al.,
+"ZeRO", SC'20, sec. 3.1, K=12; Megatron-LM docs distrib_optimizer.md: 6 + 12/d bytes per parameter with the
+distributed optimizer). ZeRO-2 also shards gradients, ZeRO-3 / FSDP also the weights.
 """
 
 from __future__ import annotations
@@ -79,9 +79,11 @@ def stage_params(model: ModelSpec, lay: Layout, layers: range, first: bool, last
     return StageParams(dense, expert)
 
 
-def model_state_bytes(params: StageParams, lay: Layout, unsharded_grads: bool = False) -> tuple[float, float, float]:
+def model_state_bytes(params: StageParams, lay: Layout, unsharded_grads: bool = False,
+                      grad_bytes: float = 4.0) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per GPU under the layout's ZeRO stage; `unsharded_grads`: ZeRO-2/3
-    gradients accumulated whole between micro-batches (Runtime.holds_unsharded_grads)."""
+    gradients accumulated whole between micro-batches (Runtime.holds_unsharded_grads); `grad_bytes`: the gradient
+    buffer's element size (Runtime.grad_bytes)."""
     dp_dense = lay.dp * lay.cp  # Megatron shards the distributed optimizer over DP x CP
     dp_expert = lay.edp
 
@@ -89,7 +91,7 @@ def model_state_bytes(params: StageParams, lay: Layout, unsharded_grads: bool = 
         return n / d if lay.zero >= stage_needed else n
 
     weights = 2 * (shard(params.dense, dp_dense, 3) + shard(params.expert, dp_expert, 3))
-    grads = 4 * ((params.dense + params.expert) if unsharded_grads
+    grads = grad_bytes * ((params.dense + params.expert) if unsharded_grads
                  else shard(params.dense, dp_dense, 2) + shard(params.expert, dp_expert, 2))
     optim = 12 * (shard(params.dense, dp_dense, 1) + shard(params.expert, dp_expert, 1))
     return weights, grads, optim

@@ -109,6 +109,13 @@ class Runtime(BaseModel):
     # schedule, accumulated unsharded in fp32 and reduced after the last micro-batch only ("pipeline-defers":
     # torch.distributed.pipelining stage.py backward_maybe_with_nosync, FSDPParam.to_accumulated_grad_if_needed)
     sharded_grad_reduce: Literal["every-microbatch", "pipeline-defers"] = "every-microbatch"
+    # bytes per gradient element in the gradient buffer and the DP reduce: fp32 (Megatron-LM trains bf16 with
+    # --accumulate-allreduce-grads-in-fp32, which validate_args turns on for bf16: "bfloat16 requires gradient
+    # accumulation and all-reduce to be done in fp32", megatron/training/arguments.py; PyTorch FSDP2's
+    # MixedPrecisionPolicy(reduce_dtype=float32) in torchtitan), or 2 where a recipe reduces in bf16 (the
+    # "bf16-grads" option: Megatron-Core's buffer takes param.dtype without grad_reduce_in_fp32,
+    # param_and_grad_buffer.py)
+    grad_bytes: float = 4.0
 
     def reduces_each_microbatch(self, zero: int, pp: int) -> bool:
         """Whether each micro-batch's backward reduce-scatters its gradients (sharded gradients, not deferred)."""
@@ -259,6 +266,12 @@ RUNTIME_OPTIONS: dict[str, RuntimeOption] = {
     "cp-alltoall": RuntimeOption("ring CP rotating K,V one chunk per attention step (torch context_parallel "
                                  "set_rotate_method('alltoall'); torchtitan context_parallel_rotate_method)",
                                  (("cp_rotate", "p2p"),)),
+    # Megatron-Bridge's performance recipes set ddp.grad_reduce_in_fp32 = False for every model family since
+    # v0.1.0rc3 (scripts/performance/configs/*/..._llm_pretrain.yaml "grad_reduce_in_fp32: false"; at 067f987
+    # src/megatron/bridge/perf_recipes/_common.py _benchmark_common), so gradients are bf16 in the buffer and the
+    # DP reduce-scatter
+    "bf16-grads": RuntimeOption("gradients kept and reduced in bf16 (grad_reduce_in_fp32 off)",
+                                (("grad_bytes", 2.0),)),
     "deepep": RuntimeOption("DeepEP / HybridEP token dispatch: each token crosses the NIC once per node (Megatron-Core "
                             "--moe-token-dispatcher-type flex)", (("ep_dispatch", "deepep"),)),
 }

@@ -133,7 +133,7 @@ class SearchCosts:
             per_type[kind] = (
                 base.forward, base.backward_input + base.bwd_weight_compute,
                 ctx.layer_times(i, "selective").recompute, ctx.layer_times(i, "full").recompute,
-                sum(model_state_bytes(params, lay, unsharded)), ctx.layer_activation(i, "none"),
+                sum(model_state_bytes(params, lay, unsharded, rt.grad_bytes)), ctx.layer_activation(i, "none"),
                 ctx.layer_activation(i, "selective"), ctx.layer_activation(i, "full"), params.dense, params.expert)
         rows = [per_type[kind] for kind in self.layer_kind_list]
         columns = (tuple(col) for col in zip(*rows, strict=True))
@@ -149,10 +149,10 @@ class SearchCosts:
             layer_act_selective=tuple(a_sel), layer_act_full=tuple(a_full), layer_params_dense=tuple(p_dense),
             layer_params_expert=tuple(p_expert),
             first_forward=emb.forward, first_backward=emb.backward_input + emb.bwd_weight_compute,
-            first_state_bytes=sum(model_state_bytes(first, lay, unsharded)),
+            first_state_bytes=sum(model_state_bytes(first, lay, unsharded, rt.grad_bytes)),
             first_act_bytes=embedding_activation_bytes(model, lay, wl, rt), first_params_dense=first.dense,
             last_forward=head.forward, last_backward=head.backward_input + head.bwd_weight_compute,
-            last_state_bytes=sum(model_state_bytes(last, lay, unsharded)),
+            last_state_bytes=sum(model_state_bytes(last, lay, unsharded, rt.grad_bytes)),
             last_fixed_bytes=logits_bytes(model, lay, wl, rt) + mtp_activation_bytes(model, lay, wl, rt),
             last_params_dense=last.dense,
             stage_forward_extra=ctx.blocking_p2p_s, stage_backward_extra=ctx.blocking_p2p_s, hop_s=ctx.p2p_s,
@@ -212,7 +212,8 @@ class SearchCosts:
             if total is None:
                 total = self.model_params[split] = stage_params(model, lay, range(model.num_layers), True,  # type: ignore[arg-type]
                                                                 True)
-            found = self.states_floors[key] = sum(model_state_bytes(total, lay)) / m.pp  # type: ignore[arg-type]
+            found = self.states_floors[key] = sum(model_state_bytes(total, lay, False,  # type: ignore[arg-type]
+                                                                    self.rt.grad_bytes)) / m.pp
         return found
 
     def work_bound(self, cand: Candidate) -> float:
@@ -447,8 +448,8 @@ class SearchCosts:
         dense, expert, act = self._rank_contents(c, ctx, mode)
         # model_state_bytes is linear in the parameter counts: its bytes per dense and per expert parameter
         unsharded = self.rt.holds_unsharded_grads(lay.zero, lay.pp)
-        per_dense = sum(model_state_bytes(StageParams(1.0, 0.0), lay, unsharded))
-        per_expert = sum(model_state_bytes(StageParams(0.0, 1.0), lay, unsharded))
+        per_dense = sum(model_state_bytes(StageParams(1.0, 0.0), lay, unsharded, self.rt.grad_bytes))
+        per_expert = sum(model_state_bytes(StageParams(0.0, 1.0), lay, unsharded, self.rt.grad_bytes))
         r = np.arange(lay.pp)
         held = np.minimum((lay.pp - r - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, lay.num_microbatches * lay.vpp)
         logits = np.where(r == lay.pp - 1, logits_bytes(self.model, lay, self.wl, self.rt)
@@ -501,8 +502,11 @@ class SearchCosts:
         found = self.state_bytes.get(key)
         if found is None:
             lay = _FloorLayout(tp=m.tp, pp=m.pp, dp=m.dp, cp=m.cp, ep=m.ep, etp=m.etp, edp=m.edp, zero=zero)
-            found = self.state_bytes[key] = (sum(model_state_bytes(StageParams(1.0, 0.0), lay)),  # type: ignore[arg-type]
-                                             sum(model_state_bytes(StageParams(0.0, 1.0), lay)),  # type: ignore[arg-type]
+            grad = self.rt.grad_bytes
+            found = self.state_bytes[key] = (sum(model_state_bytes(StageParams(1.0, 0.0), lay,  # type: ignore[arg-type]
+                                                                   False, grad)),
+                                             sum(model_state_bytes(StageParams(0.0, 1.0), lay,  # type: ignore[arg-type]
+                                                                   False, grad)),
                                              buffer_bytes(self.model, zero, m.tp))
         return found
 

@@ -325,6 +325,21 @@ def test_search_matches_exhaustive_enumeration(name, layers, gpu, n, gbs, seq, p
             assert close(best.step_time_s, truth), (best.step_time_s, truth, arg)
 
 
+def test_bf16_gradients_keep_the_memory_floors_sound():
+    """Under "bf16-grads" the gradient buffer is half as large; the search's state floors read the same element size,
+    so on a memory-bound space (40 GiB) it still finds the exhaustive optimum; the same plan with fp32 gradients
+    needs more memory."""
+    model, c = shrunk("llama3.1-8b", 8), cluster(8, "a100-40gb")
+    wl, pins = Workload(global_batch=16, seq_len=4096), ParallelConfig(cp=1, zero=1)
+    runtime = "megatron-core+bf16-grads"
+    result = search(model, c, wl, pins, runtime, top_k=3, max_mbs=2)
+    truth, arg, count = exhaustive_minimum(model, c, wl, pins, 2, runtime)
+    assert result.account.status == "optimal" and result.plans, describe(result)
+    assert close(result.plans[0].step_time_s, truth), (result.plans[0].config, arg)
+    fp32 = estimate(model, c, wl, result.plans[0].config, "megatron-core")
+    assert fp32.peak_memory_gib > result.plans[0].estimate.peak_memory_gib
+
+
 def test_conservative_ranking_matches_exhaustive_enumeration_of_the_slow_end():
     """--rank conservative minimises the slow end of each plan's interval, and proves it: on a tiny space, with a
     residual table in which the expected winner's region errs upward by 50-72 % and every other region by 0-22 %, the

@@ -102,3 +102,25 @@ def test_more_microbatches_never_cost_less_dp_time_per_microbatch(mb, accumulati
     assert many >= one * (1 - 1e-9)
     per_layer_share = many - one
     assert per_layer_share >= (accumulation - 1) * (dp_time(2) - one) * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_bf16_gradients_halve_the_gradient_buffer_and_the_dp_reduce(zero):
+    """The "bf16-grads" option (Megatron-Bridge's grad_reduce_in_fp32 = False): the gradient buffer holds 2 bytes a
+    parameter instead of 4, the DP reduce (all-reduce, or reduce-scatter under ZeRO) moves half the bytes, and the
+    weights, optimizer and activations stay as they are; the search's memory floors agree with the estimate."""
+    cfg = ParallelConfig(tp=2, dp=16, mbs=1, zero=zero)
+    fp32, bf16 = context(cfg), context(cfg, "megatron-core+bf16-grads")
+    params = StageParams(1.0e9, 0.0)
+    w32, g32, o32 = model_state_bytes(params, fp32.lay, False, fp32.rt.grad_bytes)
+    w16, g16, o16 = model_state_bytes(params, bf16.lay, False, bf16.rt.grad_bytes)
+    assert (w16, o16) == (w32, o32) and g16 == pytest.approx(g32 / 2)
+    assert bf16.sync.reduce_beta_dense == pytest.approx(fp32.sync.reduce_beta_dense / 2)
+    assert bf16.sync.gather_beta_dense == fp32.sync.gather_beta_dense
+    a = estimate(MODEL, CLUSTER, WL, cfg, "megatron-core")
+    b = estimate(MODEL, CLUSTER, WL, cfg, "megatron-core+bf16-grads")
+    for sa, sb in zip(a.stages, b.stages, strict=True):
+        assert sb.memory.gradients == pytest.approx(sa.memory.gradients / 2)
+        assert (sb.memory.weights, sb.memory.optimizer, sb.memory.activations) == (
+            sa.memory.weights, sa.memory.optimizer, sa.memory.activations)
+    assert b.step_time_s <= a.step_time_s
