@@ -109,8 +109,8 @@ def import_(
     runtime: Annotated[str | None, typer.Option("--runtime", metavar="PRESET[+OPTION...]", rich_help_panel=P_PAR,
                                                    help=(
         "Training framework behaviour, as for `plan`. Default: what the configuration implies (torchtitan: "
-        "torchtitan with +compile, +async-tp, +cp-alltoall as its TOML turns them on), else "
-        f"{DEFAULT_RUNTIME}."))] = None,
+        "torchtitan with +compile, +async-tp, +cp-alltoall as its TOML turns them on; megatron: +bf16-grads with "
+        f"--grad-reduce-in-bf16), else {DEFAULT_RUNTIME}."))] = None,
     calibration: CalibrationOpt = None,
     out: Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Write the pinned plan as Plan JSON, to `meshplan show`, `export` or compare with `meshplan plan`."))] = None,

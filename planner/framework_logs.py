@@ -84,6 +84,8 @@ def megatron_arguments(text: str, origin: str) -> dict[str, str]:
 def _argument_tokens(args: dict[str, str], switches: frozenset[str], known: frozenset[str]) -> list[str]:
     """The printed arguments as the command-line flags that give them (what parse_megatron_args reads)."""
     tokens: list[str] = []
+    if args.get("bf16") == "True" and args.get("accumulate_allreduce_grads_in_fp32") == "False":
+        tokens.append("--grad-reduce-in-bf16")  # what validate_args leaves when gradients stay bf16
     if args.get("add_bias_linear") == "False":
         tokens.append("--disable-bias-linear")
     if args.get("vocab_size") in (None, "None") and "padded_vocab_size" in args:

@@ -163,3 +163,22 @@ def test_bad_log_runs_are_one_line(tmp_path, capsys):
         out = tmp_path / f"{name}.json"
         assert_input_error(*run(capsys, "calibrate", "--runs", str(path), "--out", str(out)), word, "run 1")
         assert not out.exists(), name
+
+
+def test_bf16_gradients_travel_through_the_export_the_import_and_the_log():
+    """A plan priced with bf16 gradients exports --grad-reduce-in-bf16 (and NeMo's grad_reduce_in_fp32 = False),
+    which reads back as the bf16-grads runtime; so does a log whose arguments block shows fp32 accumulation off."""
+    from meshplan.planner.launchers.nemo import ddp_fields
+
+    wl = Workload(global_batch=16, seq_len=4096)
+    plan = make_plan("llama3.1-8b", "h100-sxm", 8, wl, ParallelConfig(tp=2, zero=1), "megatron-core+bf16-grads")
+    argv = megatron_args(plan)
+    assert "--grad-reduce-in-bf16" in argv and parse_megatron_args(argv).runtime == "megatron-core+bf16-grads"
+    assert ddp_fields(plan)["grad_reduce_in_fp32"] is False
+    fp32 = make_plan("llama3.1-8b", "h100-sxm", 8, wl, ParallelConfig(tp=2, zero=1))
+    assert "--grad-reduce-in-bf16" not in megatron_args(fp32)
+    assert parse_megatron_args(megatron_args(fp32)).runtime is None
+    text = (LOGS / "megatron-gpt3-7b-tp4-pp1-h100.log").read_text()
+    flipped = text.replace("  bf16 ....", "  accumulate_allreduce_grads_in_fp32 .............. False\n  bf16 ....", 1)
+    assert read_megatron_log(flipped, "log").launch.runtime == "megatron-core+bf16-grads"
+    assert read_megatron_log(text, "log").launch.runtime is None

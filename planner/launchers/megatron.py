@@ -351,6 +351,9 @@ def parallel_settings(plan: Plan) -> list[Setting]:
     s += [("overlap_grad_reduce", runtime.overlap_grad_reduce and mesh.dp > 1),
           ("overlap_param_gather", runtime.overlap_param_gather and mesh.dp > 1 and zero >= 1),
           ("tp_comm_overlap", runtime.tp_overlap == "userbuffers" and mesh.tp > 1 and mesh.sp)]
+    # priced with bf16 gradients (runtime option bf16-grads): Megatron keeps them fp32 for bf16 unless told
+    # (--grad-reduce-in-bf16, megatron/training/arguments.py validate_args)
+    s.append(("grad_reduce_in_bf16", runtime.grad_bytes == 2 and wl.dtype in ("bf16", "fp8")))
     return s
 
 
@@ -447,7 +450,7 @@ def _parser() -> argparse.ArgumentParser:
                 "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias", "sequence_parallel",
                 "use_tp_pp_dp_mapping", "use_distributed_optimizer", "use_megatron_fsdp", "use_torch_fsdp2", "bf16",
                 "fp16", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-                "moe_grouped_gemm", "use_rope_scaling", "moe_router_enable_expert_bias"]
+                "moe_grouped_gemm", "use_rope_scaling", "moe_router_enable_expert_bias", "grad_reduce_in_bf16"]
     for name in ints:
         p.add_argument(_flag(name), dest=name, type=_count)
     for name in reals:
@@ -745,7 +748,7 @@ def parse_megatron_args(args: str | list[str], model_name: str = "megatron-impor
     num_gpus = (nodes or 1) * per_node if per_node else None
     given = tuple((k, v) for k, v in vars(a).items() if v not in (None, False))
     return LaunchSpec(config=config, workload=workload, num_gpus=num_gpus, gpus_per_node=per_node, model=model,
-                      model_fields=given)
+                      model_fields=given, runtime="megatron-core+bf16-grads" if a.grad_reduce_in_bf16 else None)
 
 
 # exported with the model but the launch's to choose: a launch that differs is not another model

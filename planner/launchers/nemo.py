@@ -34,7 +34,7 @@ MODEL_PARALLEL = {"tensor_model_parallel_size", "pipeline_model_parallel_size", 
 TRAINING_RENAMED = {"norm_epsilon": "layernorm_epsilon", "use_rope_scaling": "rope_scaling"}
 YARN_RENAMED = {"rotary_scaling_factor": "yarn_rotary_scaling_factor", "mscale": "yarn_mscale",
                 "mscale_all_dim": "yarn_mscale_all_dim"}  # a non-MLA YaRN model's config (MLA's are unprefixed)
-DDP = {"use_distributed_optimizer", "use_megatron_fsdp", "data_parallel_sharding_strategy"}
+DDP = {"use_distributed_optimizer", "use_megatron_fsdp", "data_parallel_sharding_strategy", "grad_reduce_in_fp32"}
 
 
 def _settings(plan: Plan) -> dict[str, object]:
@@ -54,6 +54,8 @@ def _settings(plan: Plan) -> dict[str, object]:
     settings.setdefault("sequence_parallel", False)
     if settings.get("cpu_offloading_num_layers"):  # TransformerConfig needs the switch too (Megatron's CLI sets it)
         settings["cpu_offloading"] = True
+    if settings.pop("grad_reduce_in_bf16", False):  # DistributedDataParallelConfig's own name for it
+        settings["grad_reduce_in_fp32"] = False
     return settings
 
 
