@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -128,7 +129,8 @@ def held_out(runs: list[Held], level: float) -> list[Held]:
     return out
 
 
-def few_shot(runs: list[Held], shots: int = FEW_SHOTS) -> list[tuple[str, int, float, float]]:
+def few_shot(runs: list[Held], shots: int = FEW_SHOTS,
+             kernel_priors: bool = False) -> list[tuple[str, int, float, float]]:
     """Setting (c): per publication and GPU with more runs than `shots`, calibrate on its first `shots` runs (file
     order; costmodels/fit.py, default priors) and predict its other runs: (cluster, runs predicted, MAPE with the
     defaults, MAPE calibrated), throughput errors of the runs the fit never saw."""
@@ -139,7 +141,13 @@ def few_shot(runs: list[Held], shots: int = FEW_SHOTS) -> list[tuple[str, int, f
     for (publication, gpu), members in clusters.items():
         if len(members) <= shots:
             continue
-        calibrated = fit([h.step for h in members[:shots]])
+        centre = None
+        if kernel_priors:  # the GEMM prior centred on the AIConfigurator table of this GPU and dtype, where one is
+            from meshplan.costmodels.kernel_tables import SYSTEMS, gemm_factors
+            if gpu in SYSTEMS:
+                found = gemm_factors(gpu).get("fp8" if members[0].region.fp8 else "bf16")
+                centre = None if found is None else {"gemm": found.log_factor}
+        calibrated = fit([h.step for h in members[:shots]], prior_mean=centre)
         rest = members[shots:]
         factors = dict(zip(calibrated.parameters, calibrated.log_factors, strict=True))
         predicted = predicted_steps([h.step for h in rest], load_gpu(rest[0].step.cluster.gpu), factors)
@@ -147,6 +155,29 @@ def few_shot(runs: list[Held], shots: int = FEW_SHOTS) -> list[tuple[str, int, f
         out.append((f"{publication} on {gpu}", len(rest), statistics.mean(abs(h.row.error) for h in rest),
                     statistics.mean(abs(e) for e in after)))
     return out
+
+
+def kernel_tables(runs: list[Held]) -> tuple[list[tuple[str, int, float, float]], list[str]]:
+    """Setting (b): each run on a GPU with an AIConfigurator GEMM table predicted with that table's GEMM factor for
+    its dtype (costmodels/kernel_tables.py; kernel timings only, no run is fit): (group, runs, MAPE with the
+    defaults, MAPE with the table) by GPU and dtype, and the tables read."""
+    from meshplan.costmodels.kernel_tables import SYSTEMS, gemm_factors
+
+    factors = {gpu: gemm_factors(gpu) for gpu in sorted({h.region.gpu for h in runs} & set(SYSTEMS))}
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for h in runs:
+        found = factors.get(h.region.gpu, {}).get("fp8" if h.region.fp8 else "bf16")
+        if found is None:
+            continue
+        step = predicted_steps([h.step], load_gpu(h.step.cluster.gpu), {"gemm": found.log_factor})[0]
+        pair = (abs(h.row.error), abs(h.step.step_time_s / float(step) - 1))
+        for key in ("all", f"{h.region.gpu} {'fp8' if h.region.fp8 else 'bf16'}"):
+            groups.setdefault(key, []).append(pair)
+    rows = [(key, len(pairs), statistics.mean(a for a, _ in pairs), statistics.mean(b for _, b in pairs))
+            for key, pairs in sorted(groups.items(), key=lambda kv: (kv[0] != "all", kv[0]))]
+    sources = [f"{f.gpu} {f.dtype}: x {math.exp(f.log_factor):.3f} (1 sd {f.log_sd:.2f}, {f.rows} GEMMs; {f.source})"
+               for found in factors.values() for f in found.values()]
+    return rows, sources
 
 
 def residual_table(runs: list[Held]) -> dict:
@@ -185,6 +216,8 @@ def main() -> int:
     ap.add_argument("--level", type=float, default=0.8, help="the intervals' level (default 0.8)")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table for RESULTS.md")
     ap.add_argument("--write", type=Path, help="also write every run's region and residual to this JSON file")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also setting (b): the GEMM factor of AIConfigurator's tables (needs meshplan[aic])")
     ap.add_argument("--few-shot", action="store_true",
                     help=f"also setting (c): calibrate on {FEW_SHOTS} runs of each cluster, predict its others")
     args = ap.parse_args()
@@ -222,8 +255,19 @@ def main() -> int:
         print(f"peak memory where the source gives it ({len(memory)} runs): MAPE "
               f"{100 * statistics.mean(abs(e) for e in errors):.1f}%, mean {100 * statistics.mean(errors):+.1f}% "
               f"(predicted / published - 1), worst {100 * min(errors, key=lambda e: -abs(e)):+.1f}%")
+    if args.kernels:
+        kernel_rows, sources = kernel_tables(runs)
+        print("\nsetting (b), the defaults with AIConfigurator's measured GEMMs (each run's GPU and dtype):")
+        for line_ in sources:
+            print(f"  {line_}")
+        if args.markdown:
+            print("| group | runs | MAPE, defaults | MAPE, GEMM tables |")
+            print("| --- | ---: | ---: | ---: |")
+        for label, n, before, after in kernel_rows:
+            print(f"| {label} | {n} | {100 * before:.1f}% | {100 * after:.1f}% |" if args.markdown else
+                  f"{label:24s} {n:4d} runs  defaults {100 * before:5.1f}%  tables {100 * after:5.1f}%")
     if args.few_shot:
-        rows = few_shot(runs)
+        rows = few_shot(runs, kernel_priors=args.kernels)
         print(f"\nsetting (c), few-shot: calibrated on the first {FEW_SHOTS} runs of each publication and GPU, "
               f"the others predicted ({sum(n for _, n, _, _ in rows)} runs of {len(rows)} clusters)")
         if args.markdown:

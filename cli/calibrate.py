@@ -1,8 +1,9 @@
 """`meshplan calibrate`: fit the cost model's few physical factors to step times a team measured."""
 
+import math
 from datetime import date
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.text import Text
@@ -26,6 +27,9 @@ def calibrate(
     parameters: Annotated[str, typer.Option("--parameters", help=(
         "Factors to fit, comma-separated: gemm, attention, memory, network, overhead (default: all five; each "
         "keeps its prior where the runs cannot tell it)."))] = "gemm,attention,memory,network,overhead",
+    kernels: Annotated[Literal["none", "aiconfigurator"], typer.Option("--kernels", help=(
+        "aiconfigurator: centre the GEMM factor's prior on NVIDIA AIConfigurator's measured GEMMs of the runs' GPU "
+        "and precision (the extra meshplan[aic]; docs/calibration.md) instead of on the default."))] = "none",
 ) -> None:
     """Fit the cost model's physical factors (GEMM and attention ceilings, memory and network efficiency, launch cost)
     to measured step times, each held near its default by a prior; never a factor per run.
@@ -40,13 +44,28 @@ def calibrate(
     (out,) = output_targets(out=out)
     names = tuple(p.strip() for p in parameters.split(",") if p.strip())
     steps = [step for path in runs for step in read_runs(path)]
-    cal = calibration_from_runs(steps, [str(p) for p in runs], names, created=date.today().isoformat())
+    centre, table = None, None
+    if kernels == "aiconfigurator" and steps:
+        from meshplan.costmodels.kernel_tables import gemm_factors
+
+        dtypes = [s.workload.dtype for s in steps]
+        dtype = "fp8" if dtypes.count("fp8") > len(dtypes) / 2 else "bf16"
+        table = gemm_factors(steps[0].cluster.gpu).get(dtype)
+        if table is None:
+            raise InputError(f"AIConfigurator's table for {steps[0].cluster.gpu} has no {dtype} GEMMs; use "
+                             f"--kernels none")
+        centre = {"gemm": table.log_factor}
+    cal = calibration_from_runs(steps, [str(p) for p in runs], names, created=date.today().isoformat(),
+                                prior_mean=centre)
     try:
         write_text_atomic(out, cal.model_dump_json(indent=1) + "\n")
     except OSError as exc:
         raise InputError(f"cannot write {out}: {exc.strerror}; choose a writable --out") from None
     con = console()
     con.print(Text.assemble((f"{cal.runs} run(s)", "bold"), f" on {cal.gpu} ({', '.join(cal.runtimes)})"))
+    if table is not None:
+        con.print(f"GEMM prior centred on {table.source}: x {math.exp(table.log_factor):.3f} on the default "
+                  f"({table.rows:,} {table.dtype} GEMMs, 1 sd {100 * table.log_sd:.0f} %)")
     rows = [[name, PARAMETER_HELP[name], f"x {f.factor:.3f}", f"{100 * f.log_sd:.0f} %"]
             for name, f in cal.factors.items()]
     print_table(con, "factors on the GPU's defaults", ["factor", "what it scales", "fitted", "spread (1 sd)"], rows,

@@ -91,9 +91,11 @@ def memory_errors(steps: Sequence[MeasuredStep]) -> list[tuple[MeasuredStep, flo
 
 
 def fit(steps: Sequence[MeasuredStep], parameters: Sequence[str] = PARAMETERS,
-        prior_sd: dict[str, float] | None = None, noise_sd: float = NOISE_SD, iterations: int = 12) -> Fit:
-    """The factors that best explain the measured step times under their priors (module docstring). All runs on
-    one GPU type (a calibration is of one device)."""
+        prior_sd: dict[str, float] | None = None, noise_sd: float = NOISE_SD, iterations: int = 12,
+        prior_mean: dict[str, float] | None = None) -> Fit:
+    """The factors that best explain the measured step times under their priors (module docstring), each prior
+    centred on the default (log factor 0) or on `prior_mean` (a measured centre: costmodels/kernel_tables.py). All
+    runs on one GPU type (a calibration is of one device)."""
     if not steps:
         raise InputError("no measured runs to calibrate on")
     kinds = {s.cluster.gpu for s in steps}
@@ -104,6 +106,7 @@ def fit(steps: Sequence[MeasuredStep], parameters: Sequence[str] = PARAMETERS,
     if unknown:
         raise InputError(f"unknown parameter {unknown[0]!r}; choose from {', '.join(PARAMETERS)}")
     sd = np.array([(prior_sd or PRIOR_SD)[p] for p in parameters])
+    mu = np.array([(prior_mean or {}).get(p, 0.0) for p in parameters])
     gpu = load_gpu(steps[0].cluster.gpu)
     measured = np.log([s.step_time_s for s in steps])
 
@@ -111,10 +114,11 @@ def fit(steps: Sequence[MeasuredStep], parameters: Sequence[str] = PARAMETERS,
         return np.log(predicted_steps(steps, gpu, dict(zip(parameters, theta.tolist(), strict=True)))) - measured
 
     def objective(theta: np.ndarray, r: np.ndarray) -> float:
-        return float(np.sum((r / noise_sd) ** 2) + np.sum((theta / sd) ** 2))
+        return float(np.sum((r / noise_sd) ** 2) + np.sum(((theta - mu) / sd) ** 2))
 
-    theta = np.zeros(len(parameters))
-    r = before = residuals(theta)
+    theta = mu.copy()
+    r = residuals(theta)
+    before = residuals(np.zeros(len(parameters))) if mu.any() else r  # the defaults' residuals
     damping = 1e-3
     jacobian = np.zeros((len(steps), len(parameters)))
     for _ in range(iterations):
@@ -123,7 +127,7 @@ def fit(steps: Sequence[MeasuredStep], parameters: Sequence[str] = PARAMETERS,
             step[j] += STEP
             jacobian[:, j] = (residuals(step) - r) / STEP
         normal = jacobian.T @ jacobian / noise_sd ** 2 + np.diag(1 / sd ** 2)
-        gradient = jacobian.T @ r / noise_sd ** 2 + theta / sd ** 2
+        gradient = jacobian.T @ r / noise_sd ** 2 + (theta - mu) / sd ** 2
         moved = 0.0
         while damping < 1e6:  # a step that lowers the objective, shortened (damped) until one does
             delta = np.linalg.solve(normal + damping * np.diag(np.diag(normal)), -gradient)
@@ -140,18 +144,19 @@ def fit(steps: Sequence[MeasuredStep], parameters: Sequence[str] = PARAMETERS,
 
 
 def calibration_from_runs(steps: Sequence[MeasuredStep], sources: Sequence[str],
-                          parameters: Sequence[str] = PARAMETERS, created: str = "") -> FactorCalibration:
+                          parameters: Sequence[str] = PARAMETERS, created: str = "",
+                          prior_mean: dict[str, float] | None = None) -> FactorCalibration:
     """The calibration file's content: the factors fit to every run, their error on the runs before and after, and
     the held-out error: each of up to FOLDS folds of the runs predicted by a fit to the others (None with one
     run)."""
-    fitted = fit(steps, parameters)
+    fitted = fit(steps, parameters, prior_mean=prior_mean)
     folds = min(len(steps), FOLDS)
     held_before: list[float] = []
     held_after: list[float] = []
     for k in range(folds if folds > 1 else 0):
         test = list(steps[k::folds])
         train = [s for n, s in enumerate(steps) if n % folds != k]
-        part = fit(train, parameters)
+        part = fit(train, parameters, prior_mean=prior_mean)
         predicted = predicted_steps(test, load_gpu(test[0].cluster.gpu),
                                     dict(zip(part.parameters, part.log_factors, strict=True)))
         defaults = predicted_steps(test, load_gpu(test[0].cluster.gpu), {})

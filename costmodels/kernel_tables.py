@@ -1,0 +1,132 @@
+"""Measured kernel tables (issue 44, setting (b)): NVIDIA AIConfigurator's GEMM measurements (Apache-2.0, shipped in
+the `aiconfigurator-core` wheel, the optional extra `meshplan[aic]`), read to give the cost model's GEMM factor a
+measured centre and spread for a GPU. Nothing here is fit to training runs: a table's factor comes from kernel
+timings alone, so predictions under it are held out from every published run.
+
+A table row is one GEMM (dtype, m, n, k) and its latency in milliseconds (`systems/data/<system>/gemm/<framework>/
+<version>/gemm_perf.parquet`, columns m, n, k, gemm_dtype, latency; the `torch_flow` rows time torch's matmul, i.e.
+cuBLAS, the library Megatron-Core and torchtitan call for dense GEMMs). Only training shapes are read (TRAINING_M
+tokens or more, both weight dimensions TRAINING_NK or more): inference's small-m GEMMs sit on another part of the
+efficiency curve. The factor is exp(median log(predicted / measured)) over those rows, in BF16 and per-tensor FP8;
+its spread is the rows' scaled median absolute deviation (1.4826 MAD: the standard deviation of a normal).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.timing import KernelShape, op_time
+from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.gpu import GPUSpec, load_gpu
+
+EXTRA = "pip install 'meshplan[aic]'"  # the optional extra that brings aiconfigurator-core (pyproject.toml)
+PACKAGE = "aiconfigurator_core"
+# meshplan GPU -> AIConfigurator system (aiconfigurator_core/systems/<system>.yaml): the same part and memory
+SYSTEMS = {"a100-80gb": "a100_sxm", "h100-sxm": "h100_sxm", "h200": "h200_sxm", "b200": "b200_sxm",
+           "b300": "b300_sxm", "gb200": "gb200", "gb300": "gb300"}
+FRAMEWORK = "trtllm"  # its GEMM rows are torch matmul (cuBLAS), as training frameworks call
+TRAINING_M, TRAINING_NK = 2048, 1024
+DTYPES = {"bfloat16": None, "fp8": "tensorwise"}  # table dtype -> meshplan FP8 recipe (None: BF16)
+PRECISION = {"bfloat16": "bf16", "fp8": "fp8"}  # table dtype -> the workload dtype it stands for
+MAD_TO_SD = 1.4826  # a normal's standard deviation over its median absolute deviation
+
+
+@dataclass(frozen=True)
+class GemmPoint:
+    dtype: str  # the table's gemm_dtype
+    m: int
+    n: int
+    k: int
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class KernelFactor:
+    """A measured GEMM factor for one GPU and precision: the centre and spread of log(predicted / measured) over a
+    table's rows (a factor above 1: the table's kernels are faster than the cost model's defaults)."""
+
+    gpu: str
+    dtype: str  # "bf16" or "fp8" (per-tensor FP8 rows)
+    source: str  # system / framework / version of the table
+    log_factor: float
+    log_sd: float
+    rows: int
+
+
+def _package() -> Any:
+    try:
+        return resources.files(PACKAGE)
+    except ModuleNotFoundError:
+        raise InputError(f"AIConfigurator's kernel tables come with the optional extra: {EXTRA}") from None
+
+
+def gemm_table_path(gpu: str) -> tuple[Any, str]:
+    """The newest GEMM table of FRAMEWORK for this GPU, and where it is from."""
+    system = SYSTEMS.get(gpu)
+    if system is None:
+        raise InputError(f"AIConfigurator has no GEMM table for {gpu}; it covers {', '.join(sorted(SYSTEMS))}")
+    folder = _package().joinpath("systems", "data", system, "gemm", FRAMEWORK)
+    if not folder.is_dir():
+        raise InputError(f"the installed aiconfigurator-core has no {FRAMEWORK} GEMM table for {system} ({gpu}); "
+                         f"upgrade it ({EXTRA})")
+    from packaging.version import InvalidVersion, Version
+
+    def order(name: str) -> tuple[int, Any]:
+        try:
+            return 1, Version(name)
+        except InvalidVersion:
+            return 0, name
+
+    versions = sorted((v.name for v in folder.iterdir() if v.joinpath("gemm_perf.parquet").is_file()), key=order)
+    if not versions:
+        raise InputError(f"the installed aiconfigurator-core has no {FRAMEWORK} GEMM table for {system} ({gpu})")
+    newest = versions[-1]
+    return folder.joinpath(newest, "gemm_perf.parquet"), f"aiconfigurator-core {system}/{FRAMEWORK}/{newest}"
+
+
+def gemm_points(gpu: str) -> tuple[list[GemmPoint], str]:
+    """The table's training-shape rows for this GPU (BF16 and per-tensor FP8), and where they are from."""
+    path, source = gemm_table_path(gpu)
+    import pyarrow.parquet as pq  # a dependency of aiconfigurator-core
+
+    with resources.as_file(path) as local:
+        table = pq.read_table(local, columns=["gemm_dtype", "m", "n", "k", "latency"]).to_pydict()
+    points = [GemmPoint(d, m, n, k, lat / 1e3) for d, m, n, k, lat in zip(
+        table["gemm_dtype"], table["m"], table["n"], table["k"], table["latency"], strict=True)
+        if d in DTYPES and m >= TRAINING_M and n >= TRAINING_NK and k >= TRAINING_NK and lat > 0]
+    if not points:
+        raise InputError(f"{source} holds no training-shape GEMM (m >= {TRAINING_M}, n and k >= {TRAINING_NK})")
+    return points, source
+
+
+def predicted_gemm_s(p: GemmPoint, gpu: GPUSpec, eff: Efficiency) -> float:
+    """The cost model's time for one table GEMM: 2mnk FLOPs, its operands and output read and written once in
+    16 bits (timing.op_time), at the inner dimension k."""
+    recipe = DTYPES[p.dtype]
+    peak = gpu.peak_flops("fp8" if recipe else "bf16")
+    element = 1 if recipe else 2
+    bytes_ = element * (p.m * p.k + p.k * p.n) + 2 * p.m * p.n
+    return op_time(2.0 * p.m * p.n * p.k, bytes_, "gemm", peak, gpu.hbm_bytes_per_s, eff,
+                   shape=KernelShape(depth=p.k, fp8=recipe))
+
+
+def gemm_factors(gpu_name: str) -> dict[str, KernelFactor]:
+    """The measured GEMM factors of a GPU, by workload dtype (module docstring). BF16 and FP8 are apart: on every
+    table their medians differ by 25-45 %, so one factor for both would fit neither."""
+    points, source = gemm_points(gpu_name)
+    gpu = load_gpu(gpu_name)
+    eff = Efficiency.from_gpu(gpu)
+    logs: dict[str, list[float]] = {}
+    for p in points:
+        logs.setdefault(PRECISION[p.dtype], []).append(math.log(predicted_gemm_s(p, gpu, eff) / p.latency_s))
+    out = {}
+    for dtype, xs in logs.items():
+        centre = statistics.median(xs)
+        out[dtype] = KernelFactor(gpu_name, dtype, source, centre,
+                                  MAD_TO_SD * statistics.median(abs(x - centre) for x in xs), len(xs))
+    return out
