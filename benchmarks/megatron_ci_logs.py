@@ -3,12 +3,13 @@ Megatron-LM log, in the real format).
 
 Megatron-LM's functional tests keep, per test case, the arguments (`model_config.yaml`, MODEL_ARGS) and the values
 its CI measured on each platform (`golden_values_dev_dgx_h100.json`: iteration-time in seconds and
-mem-max-allocated-bytes per step); the recipe (`tests/test_utils/recipes/h100/gpt.yaml`) runs them on one DGX H100
-node of 8 GPUs. This script renders those as the rank-0 stdout Megatron prints: the arguments block of
-`megatron/training/arguments.py` `_print_args` and the iteration lines of `megatron/training/training.py`
-`training_log`, with `report_memory`'s line. Only what the test case states is printed: the block holds MODEL_ARGS
-(as argparse names) and the world size, and the lines leave out what the golden values lack (timestamps, learning
-rate, throughput, grad norm). The files say so in their first lines.
+mem-max-allocated-bytes per step); the recipes run them on one DGX H100 node of 8 GPUs
+(`tests/test_utils/recipes/h100/gpt.yaml`) and on two GB200 trays of 4 (`recipes/gb200/gpt.yaml`). This script
+renders those as the rank-0 stdout Megatron prints: the arguments block of `megatron/training/arguments.py`
+`_print_args` and the iteration lines of `megatron/training/training.py` `training_log`, with `report_memory`'s
+line. Only what the test case states is printed: the block holds MODEL_ARGS (as argparse names) and the world size,
+and the lines leave out what the golden values lack (timestamps, learning rate, throughput, grad norm). The files
+say so in their first lines.
 
     python benchmarks/megatron_ci_logs.py --megatron /path/to/Megatron-LM [--commit d98e8a6...]
 """
@@ -25,11 +26,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"  # NVIDIA/Megatron-LM main, 2026-08-22
-CASES = {  # test case -> the log file it becomes
-    "gpt3_7b_tp4_pp1_memory_speed": "megatron-gpt3-7b-tp4-pp1-h100.log",
-    "gpt3_7b_tp1_pp4_memory_speed": "megatron-gpt3-7b-tp1-pp4-vpp8-h100.log",
+CASES = {  # test case -> the log file it becomes (with the platform)
+    "gpt3_7b_tp4_pp1_memory_speed": "megatron-gpt3-7b-tp4-pp1-{platform}.log",
+    "gpt3_7b_tp1_pp4_memory_speed": "megatron-gpt3-7b-tp1-pp4-vpp8-{platform}.log",
 }
-WORLD = 8  # tests/test_utils/recipes/h100/gpt.yaml: nodes 1, gpus 8, platform dgx_h100
+# platform -> (golden values suffix, where the recipe runs it); 8 GPUs on both
+PLATFORMS = {"h100": ("dgx_h100", "one DGX H100 node of 8 GPUs (tests/test_utils/recipes/h100/gpt.yaml)"),
+             "gb200": ("dgx_gb200", "two GB200 trays of 4 GPUs (tests/test_utils/recipes/gb200/gpt.yaml)")}
+WORLD = 8
 MB = 2**20
 
 
@@ -82,21 +86,24 @@ def main() -> None:
     parser.add_argument("--commit", default=COMMIT)
     parser.add_argument("--out", type=Path, default=ROOT / "examples" / "logs")
     a = parser.parse_args()
-    for case, name in CASES.items():
-        base = f"tests/functional_tests/test_cases/gpt/{case}"
-        config = yaml.safe_load(git_show(a.megatron, a.commit, f"{base}/model_config.yaml"))
-        golden = json.loads(git_show(a.megatron, a.commit, f"{base}/golden_values_dev_dgx_h100.json"))
-        header = [
-            f"# meshplan examples/logs: rendered by benchmarks/megatron_ci_logs.py in Megatron-LM's stdout format "
-            f"(training.py training_log, arguments.py _print_args at {a.commit[:7]})",
-            f"# from the values NVIDIA's CI measured: https://github.com/NVIDIA/Megatron-LM/tree/{a.commit}/{base} "
-            f"(model_config.yaml, golden_values_dev_dgx_h100.json), one DGX H100 node of {WORLD} GPUs",
-            "# (tests/test_utils/recipes/h100/gpt.yaml). The arguments block holds MODEL_ARGS only; the iteration "
-            "lines leave out what the golden values lack.",
-        ]
-        text = "\n".join(header + argument_block(config["MODEL_ARGS"]) + iteration_lines(golden, config["MODEL_ARGS"]))
-        (a.out / name).write_text(text + "\n", encoding="utf-8")
-        print(f"wrote {a.out / name}")
+    for platform, (suffix, where) in PLATFORMS.items():
+        for case, name in CASES.items():
+            base = f"tests/functional_tests/test_cases/gpt/{case}"
+            config = yaml.safe_load(git_show(a.megatron, a.commit, f"{base}/model_config.yaml"))
+            golden = json.loads(git_show(a.megatron, a.commit, f"{base}/golden_values_dev_{suffix}.json"))
+            header = [
+                f"# meshplan examples/logs: rendered by benchmarks/megatron_ci_logs.py in Megatron-LM's stdout "
+                f"format (training.py training_log, arguments.py _print_args at {a.commit[:7]})",
+                f"# from the values NVIDIA's CI measured: https://github.com/NVIDIA/Megatron-LM/tree/{a.commit}/{base} "
+                f"(model_config.yaml, golden_values_dev_{suffix}.json), {where}.",
+                "# The arguments block holds MODEL_ARGS only; the iteration lines leave out what the golden values "
+                "lack.",
+            ]
+            text = "\n".join(header + argument_block(config["MODEL_ARGS"])
+                             + iteration_lines(golden, config["MODEL_ARGS"]))
+            path = a.out / name.format(platform=platform)
+            path.write_text(text + "\n", encoding="utf-8")
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ def _elapsed_ms(path: Path) -> list[float]:
 
 
 def test_the_megatron_examples_read_back_to_their_layout_and_median_step():
-    for name, (tp, pp, vpp, mbs) in {"megatron-gpt3-7b-tp4-pp1-h100.log": (4, 1, 1, 2),
-                                      "megatron-gpt3-7b-tp1-pp4-vpp8-h100.log": (1, 4, 8, 1)}.items():
+    cases = {f"megatron-gpt3-7b-{layout}-{platform}.log": knobs for platform in ("h100", "gb200")
+             for layout, knobs in (("tp4-pp1", (4, 1, 1, 2)), ("tp1-pp4-vpp8", (1, 4, 8, 1)))}
+    for name, (tp, pp, vpp, mbs) in cases.items():
         path = LOGS / name
         run_ = read_megatron_log(path.read_text(), str(path))
         c = run_.launch.config
