@@ -211,6 +211,17 @@ def table(runs: list[Held]) -> list[tuple[str, int, float, float, float, float]]
     return [line("all", runs)] + [line(f"{k}: {v}", rs) for (k, v), rs in sorted(groups.items())]
 
 
+def before_after(rows: list[tuple[str, int, float, float]], names: tuple[str, str], markdown: bool,
+                 width: int) -> None:
+    """(label, runs, MAPE with the defaults, MAPE after) rows as a table; names: (first column, what "after" is)."""
+    if markdown:
+        print(f"| {names[0]} | runs | MAPE, defaults | MAPE, {names[1]} |")
+        print("| --- | ---: | ---: | ---: |")
+    for label, n, before, after in rows:
+        print(f"| {label} | {n} | {100 * before:.1f}% | {100 * after:.1f}% |" if markdown else
+              f"{label[-width:]:{width}s} {n:4d} runs  defaults {100 * before:5.1f}%  {names[1]} {100 * after:5.1f}%")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--level", type=float, default=0.8, help="the intervals' level (default 0.8)")
@@ -260,22 +271,12 @@ def main() -> int:
         print("\nsetting (b), the defaults with AIConfigurator's measured GEMMs (each run's GPU and dtype):")
         for line_ in sources:
             print(f"  {line_}")
-        if args.markdown:
-            print("| group | runs | MAPE, defaults | MAPE, GEMM tables |")
-            print("| --- | ---: | ---: | ---: |")
-        for label, n, before, after in kernel_rows:
-            print(f"| {label} | {n} | {100 * before:.1f}% | {100 * after:.1f}% |" if args.markdown else
-                  f"{label:24s} {n:4d} runs  defaults {100 * before:5.1f}%  tables {100 * after:5.1f}%")
+        before_after(kernel_rows, ("group", "GEMM tables"), args.markdown, 24)
     if args.few_shot:
         rows = few_shot(runs, kernel_priors=args.kernels)
         print(f"\nsetting (c), few-shot: calibrated on the first {FEW_SHOTS} runs of each publication and GPU, "
               f"the others predicted ({sum(n for _, n, _, _ in rows)} runs of {len(rows)} clusters)")
-        if args.markdown:
-            print("| cluster | runs predicted | MAPE, defaults | MAPE, calibrated |")
-            print("| --- | ---: | ---: | ---: |")
-        for label, n, before, after in rows:
-            print(f"| {label} | {n} | {100 * before:.1f}% | {100 * after:.1f}% |" if args.markdown else
-                  f"{label[-70:]:70s} {n:4d} runs  defaults {100 * before:5.1f}%  calibrated {100 * after:5.1f}%")
+        before_after(rows, ("cluster", "calibrated"), args.markdown, 70)
         weights = [n for _, n, _, _ in rows]
         print(f"all: defaults {100 * np.average([b for _, _, b, _ in rows], weights=weights):.1f}%, calibrated "
               f"{100 * np.average([a for _, _, _, a in rows], weights=weights):.1f}% (MAPE over the runs predicted)")

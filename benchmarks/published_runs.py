@@ -27,7 +27,8 @@ Feature = Literal[
     "async-tp",  # TP all-gather / reduce-scatter decomposed and overlapped with the GEMMs (PyTorch async TP)
     "tp-comm-overlap",  # Megatron / TransformerEngine userbuffers TP overlap
     "fp8-param-gather",  # FSDP / distributed optimizer gathers fp8 weights
-    "bf16-grads",  # gradients kept and reduced in bf16 (Megatron-Bridge perf recipes: grad_reduce_in_fp32 false)
+    "bf16-grads",  # gradients kept and reduced in bf16 (Megatron-Bridge perf recipes, NeMo 2 MLPerf pretrain.py:
+    # grad_reduce_in_fp32 false; NeMo 1: optim.grad_sync_dtype bf16)
     "cuda-graphs",  # CUDA graphs around layers or the whole step
     "deepep",  # DeepEP all-to-all dispatcher
     "fp8-dispatch",  # EP dispatch in FP8, combine in BF16 (DeepSeek-V3 report sec. 3.3.3)
