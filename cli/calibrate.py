@@ -44,19 +44,13 @@ def calibrate(
     (out,) = output_targets(out=out)
     names = tuple(p.strip() for p in parameters.split(",") if p.strip())
     steps = [step for path in runs for step in read_runs(path)]
-    centre, table = None, None
+    table = None
     if kernels == "aiconfigurator" and steps:
-        from meshplan.costmodels.kernel_tables import gemm_factors
+        from meshplan.costmodels.kernel_tables import gemm_prior
 
-        dtypes = [s.workload.dtype for s in steps]
-        dtype = "fp8" if dtypes.count("fp8") > len(dtypes) / 2 else "bf16"
-        table = gemm_factors(steps[0].cluster.gpu).get(dtype)
-        if table is None:
-            raise InputError(f"AIConfigurator's table for {steps[0].cluster.gpu} has no {dtype} GEMMs; use "
-                             f"--kernels none")
-        centre = {"gemm": table.log_factor}
+        table = gemm_prior(steps[0].cluster.gpu, [s.workload.dtype for s in steps])
     cal = calibration_from_runs(steps, [str(p) for p in runs], names, created=date.today().isoformat(),
-                                prior_mean=centre)
+                                prior_mean=None if table is None else {"gemm": table.log_factor})
     try:
         write_text_atomic(out, cal.model_dump_json(indent=1) + "\n")
     except OSError as exc:

@@ -470,7 +470,7 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
             con.print(lead_line(first.estimate.tokens_per_s, result.plans[1].estimate.tokens_per_s, "plan #1", "#2"))
     conservative = acc.ranking == "conservative"
     if conservative:
-        con.print(f"ranked by the slow end of each plan's range (--rank conservative): plan #1 takes at most "
+        con.print(f"ranked by the slow end of each plan's range (--rank conservative): plan #1's is "
                   f"{first.ranked_s:.3f} s a step (predicted {first.step_time_s:.3f} s)")
     if acc.status == "optimal":
         con.print(Text.assemble(("optimal", "green"), ": no candidate in the space " + (

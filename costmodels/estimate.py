@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass
 
 from meshplan.costmodels.config import Layout, ParallelConfig, Workload, resolve

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
 
 PARAMETERS = ("gemm", "attention", "memory", "network", "overhead")
+MemoryKind = Literal["peak", "allocated", "reserved"]
 # Prior spread of each log factor: how far a default may plausibly be off. Stated assumptions, not measured spreads
 # (issue 44 wants them from AIConfigurator's kernel tables next): kernel ceilings and HBM share about 10 %; attention
 # more, as its kernels differ between versions (FA2, FA3, cuDNN); the network's achieved share depends on the fabric
@@ -55,7 +57,8 @@ class MeasuredStep:
     runtime: str
     step_time_s: float
     peak_memory_gib: float | None = None  # where the run reports it
-    memory_kind: str = "peak"  # what that counts: "allocated" (Megatron's log), "reserved" (torchtitan's)
+    # what that counts: "allocated" (Megatron's log), "reserved" (torchtitan's, the allocator's cache included)
+    memory_kind: MemoryKind = "peak"
 
 
 @dataclass(frozen=True)

@@ -130,3 +130,13 @@ def gemm_factors(gpu_name: str) -> dict[str, KernelFactor]:
         out[dtype] = KernelFactor(gpu_name, dtype, source, centre,
                                   MAD_TO_SD * statistics.median(abs(x - centre) for x in xs), len(xs))
     return out
+
+
+def gemm_prior(gpu_name: str, dtypes: list[str]) -> KernelFactor:
+    """The table factor a calibration's GEMM prior centres on: the GPU's, for the precision most of the runs
+    trained in (`dtypes`, their workloads'; FP8 recipes share the per-tensor FP8 rows)."""
+    dtype = "fp8" if dtypes.count("fp8") > len(dtypes) / 2 else "bf16"
+    found = gemm_factors(gpu_name).get(dtype)
+    if found is None:
+        raise InputError(f"AIConfigurator's table for {gpu_name} has no {dtype} GEMMs; use --kernels none")
+    return found

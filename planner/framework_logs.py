@@ -30,6 +30,7 @@ import re
 import statistics
 from dataclasses import dataclass
 
+from meshplan.costmodels.fit import MemoryKind
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.megatron import LaunchSpec, parse_megatron_args, parser_names
 from meshplan.planner.launchers.torchtitan import parse_torchtitan_toml
@@ -46,7 +47,7 @@ class LoggedRun:
     num_gpus: int
     step_times_s: tuple[float, ...]  # one per logged interval kept (after the warm-up ones)
     peak_memory_gib: float | None  # the largest peak any rank printed, or None where the log prints none
-    memory_kind: str  # what the peak counts: "allocated" (Megatron) or "reserved" (torchtitan, allocator included)
+    memory_kind: MemoryKind  # what the peak counts: "allocated" (Megatron), "reserved" (torchtitan: the cache too)
 
     @property
     def step_time_s(self) -> float:

@@ -752,7 +752,7 @@ class _Search(SearchCosts):
         plans = tuple(self.best.ranked())
         if not plans:
             if timed_out:
-                acc = self._account(seconds, "time-limit", math.nan, self.unexplored_bound)
+                acc = self._account(seconds, "time-limit", math.nan, self.unexplored_bound * self.best.floor)
                 return SearchResult((), acc, f"no plan was evaluated within the time limit ({seconds:.2f} s); "
                                              f"raise --time-limit or pin more knobs")
             acc = self._account(seconds, "infeasible", math.nan, math.nan)
