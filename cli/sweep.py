@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 
 from meshplan import api
-from meshplan.cli.options import (P_CLUSTER, P_OUT, BeyondContextOpt, ModelOpt, NicOpt, NvlinkOpt, ObjectiveOpt,
-                                  PerNodeOpt, ProgressBar, RuntimeOpt, check_context, console, output_targets,
-                                  print_table, with_budget, with_workload)
+from meshplan.cli.options import (P_CLUSTER, P_OUT, BeyondContextOpt, CalibrationOpt, ModelOpt, NicOpt, NvlinkOpt,
+                                  ObjectiveOpt, PerNodeOpt, ProgressBar, RuntimeOpt, check_context, console,
+                                  output_targets, print_table, with_budget, with_workload)
 from meshplan.costmodels.config import Workload
 from meshplan.costmodels.economics import Budget
 from meshplan.costmodels.model_io import load_model
@@ -36,6 +36,7 @@ def sweep(
     nvlink_gbs: NvlinkOpt = None,
     objective: ObjectiveOpt = "time",
     runtime: RuntimeOpt = DEFAULT_RUNTIME,
+    calibration: CalibrationOpt = None,
     beyond_context: BeyondContextOpt = False,
     out: Annotated[Path | None, typer.Option("--out", rich_help_panel=P_OUT, help=(
         "Directory for the report: sweep.csv, sweep-scaling.png (throughput and MFU against GPUs), sweep-cost.png "
@@ -57,7 +58,8 @@ def sweep(
     spec = load_model(model)
     check_context(spec, workload.seq_len, "--seq", beyond_context)
     with ProgressBar(True, "planning", "clusters") as bar:
-        sw = api.sweep(spec, names, counts, workload, links, budget, objective, runtime=runtime, progress=bar)
+        sw = api.sweep(spec, names, counts, workload, links, budget, objective, runtime=runtime,
+                       calibration=calibration, progress=bar)
     if sw.best is None:
         last = sw.points[-1]
         raise InputError(f"no plan fits at any point of the sweep; at {last.gpus} x {last.gpu}: {last.why}")

@@ -183,3 +183,18 @@ def test_bf16_gradients_travel_through_the_export_the_import_and_the_log():
     flipped = text.replace("  bf16 ....", "  accumulate_allreduce_grads_in_fp32 .............. False\n  bf16 ....", 1)
     assert read_megatron_log(flipped, "log").launch.runtime == "megatron-core+bf16-grads"
     assert read_megatron_log(text, "log").launch.runtime is None
+
+
+def test_sweep_takes_a_calibration_for_its_gpu_and_says_so_for_the_others(tmp_path, capsys):
+    """`sweep --calibration` prices the calibration's GPU type with it; a point on another GPU carries the reason."""
+    cal = tmp_path / "h100.json"
+    assert run(capsys, "calibrate", "--runs", str(LOGS / "megatron-h100.toml"), "--out", str(cal))[0] == 0
+    args = ["sweep", "-m", "llama3.1-8b", "--gpu", "h100-sxm,h200", "--gpus", "8", "--gbs", "16", "--seq", "4096"]
+    code, plain, err = run(capsys, *args)
+    assert code == 0, err
+    code, calibrated, err = run(capsys, *args, "--calibration", str(cal))
+    assert code == 0, err
+    text = " ".join(calibrated.split())
+    assert "fit to runs on h100-sxm, not on h200" in text
+    h100 = [line for line in calibrated.splitlines() if "h100-sxm; GPUs 8" in line]
+    assert h100 and h100[0] not in plain  # the calibrated figures differ from the defaults'
