@@ -202,8 +202,9 @@ def test_a_lead_inside_the_models_error_is_called_so(tmp_path, capsys):
 
 
 def test_plan_ranks_by_the_slow_end_on_request(tmp_path, capsys):
-    """plan --rank conservative: the JSON says what was ranked, the table is ordered by the slow end of each plan's
-    range, plan #1's slow end is no later than the expected winner's, and a calibration (no range) is refused."""
+    """plan --rank conservative: the JSON says what was ranked, the table says it is ranked by the slow end (its
+    order is tests/test_search.py's), plan #1's slow end is no later than the expected winner's, and a calibration
+    (no range) is refused."""
     from cli_helpers import assert_input_error, run
 
     args = ["plan", "-m", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "64", "--gbs", "128", "--seq", "8192"]
