@@ -92,7 +92,7 @@ def print_sweep(con: Console, sw: Sweep) -> None:
     rows = []
     for p in sw.points:
         if p.plan is None:
-            rows.append((p.gpu, str(p.gpus), f"does not fit: {(p.why or '').split(';')[0]}", "", "", "", "", ""))
+            rows.append((p.gpu, str(p.gpus), f"no plan: {(p.why or '').split(';')[0]}", "", "", "", "", ""))
             continue
         lay, c = p.plan.prediction.layout, p.cost
         t = time_s(c) / 86400 if with_tokens else time_s(c)

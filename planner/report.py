@@ -170,7 +170,7 @@ def _sweep_table(sw: Sweep) -> Table:
     rows = []
     for p in sw.points:
         if p.plan is None:
-            rows.append((p.gpu, str(p.gpus), "does not fit", "", "", "", p.why or ""))
+            rows.append((p.gpu, str(p.gpus), "no plan", "", "", "", p.why or ""))
             continue
         c, lay = p.cost, p.plan.prediction.layout
         days = "" if c.expected_s is None else f"{c.expected_s / 86400:,.1f}"
