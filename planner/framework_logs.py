@@ -7,14 +7,14 @@ layout priced is the one that ran:
   iteration lines of `megatron/training/training.py` `training_log` (`iteration N/ M | ... | elapsed time per
   iteration (ms): T | ... | global batch size: B |`); peak memory from `report_memory` (utils.py:
   `[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: X | ...`). Formats as of
-  NVIDIA/Megatron-LM d98e8a6 (2026-08), unchanged in these fields since core_r0.5 (2024).
+  NVIDIA/Megatron-LM d98e8a6 (2026-08); the same fields are in core_r0.8.0 (2024).
 - torchtitan: the job's TOML beside its log (read as `meshplan import` reads it), the step lines of
-  `torchtitan/components/metrics.py` (`step: N  loss: ...  memory: X GiB(p%)  tps: T  ...`, with ANSI colours;
-  before 2024-10 `wps:`), the mesh line of `distributed/parallel_dims.py` (`Building device mesh with parallelism:
-  pp=.., dp_replicate=.., dp_shard=.., cp=.., tp=..` in 0.2, `Building N-D device mesh with [names], [degrees]`
-  before), and train.py's `Trainer is initialized with local batch size L, global batch size G, ...` (`Training
-  starts at step 1, with local batch size L, ...` before 2025-03). Formats as of pytorch/torchtitan v0.2.2 (73a0e69,
-  2026-02) and 37c4b81 (2025-02).
+  `torchtitan/components/metrics.py` (`step: N loss: ... memory: X GiB(p%) tps: T ...`, with ANSI colours; `wps:`
+  before 4d182a1 of 2024-11-25), the mesh line of `distributed/parallel_dims.py` (`Building device mesh with
+  parallelism: pp=.., dp_replicate=.., dp_shard=.., cp=.., tp=..` in 0.2, `Building N-D device mesh with [names],
+  [degrees]` before), and train.py's `Trainer is initialized with local batch size L, global batch size G, ...`
+  (`Training starts at step 1, with local batch size L, ...` before 2025-03). Formats as of pytorch/torchtitan v0.2.2
+  (73a0e69, 2026-02) and 37c4b81 (2025-02).
 
 Not read yet: NeMo 2 and Megatron-Bridge, which print Megatron's iteration lines but their configuration as a
 recipe (YAML), not as an arguments block.
@@ -31,12 +31,11 @@ import statistics
 from dataclasses import dataclass
 
 from meshplan.costmodels.fit import MemoryKind
+from meshplan.costmodels.memory import GIB
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.megatron import LaunchSpec, parse_megatron_args, parser_names
 from meshplan.planner.launchers.torchtitan import parse_torchtitan_toml
 
-MIB = 2**20
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def read_megatron_log(text: str, origin: str, skip: int = 1) -> LoggedRun:
     kept = [t for _, t, b in lines if b is None or int(b) == batch]  # a batch ramp-up's smaller steps are left out
     times = _after_warm_up(kept, skip, origin, "iteration lines ('elapsed time per iteration (ms)')")
     peaks = [float(m.group(1)) for m in _MEMORY.finditer(text)]
-    return LoggedRun(launch, int(world), times, max(peaks) * MIB / GIB if peaks else None, "allocated")
+    return LoggedRun(launch, int(world), times, max(peaks) * 2**20 / GIB if peaks else None, "allocated")  # MiB
 
 
 def _after_warm_up(times: list[float], skip: int, origin: str, what: str) -> tuple[float, ...]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from meshplan.costmodels.config import ParallelConfig, TrainDtype, Workload, resolve
 from meshplan.costmodels.fit import MeasuredStep
@@ -39,12 +39,10 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME, get_runtime
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
-from meshplan.hardware_db.documents import parse_document, read_text
+from meshplan.hardware_db.documents import STRICT, parse_document, read_text
 from meshplan.hardware_db.errors import InputError, field_error
 from meshplan.planner.framework_logs import LoggedRun, read_megatron_log, read_torchtitan_log
 from meshplan.planner.launchers.megatron import model_disagreement
-
-STRICT = ConfigDict(defer_build=True, frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class RunEntry(BaseModel):

@@ -737,10 +737,11 @@ class _Search(SearchCosts):
         status: PartitionStatus = "optimal" if (tight or c.vpp > 1) else "bound gap"
         if not tight and c.vpp == 1 and not another_partition:
             self.open_bounds.append((bound, c, stage_layers, policies))
-        region = region_of(self.model, est.layout, self.wl, self.cluster.spec.gpu, self.cluster.gpus_per_node,
-                           self.runtime)
-        kept = self.best.add(RankedPlan(c, cfg, sim, bound if c.vpp == 1 else est.step_time_s, status,
-                                        est.step_time_s * self.ranking.factor(region)))
+        ranked = est.step_time_s
+        if self.ranking.kind != "expected":  # the slow end: the step time times its region's factor
+            ranked *= self.ranking.factor(region_of(self.model, est.layout, self.wl, self.cluster.spec.gpu,
+                                                    self.cluster.gpus_per_node, self.runtime))
+        kept = self.best.add(RankedPlan(c, cfg, sim, bound if c.vpp == 1 else est.step_time_s, status, ranked))
         if another_partition:
             return
         if kept:
