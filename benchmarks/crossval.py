@@ -40,11 +40,17 @@ from reference_runs import (DEFAULT_YAML, Row, configure, evaluate, evaluate_run
                             run_config, run_model, run_runtime, run_workload)
 
 from meshplan.costmodels.config import resolve
+from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.fit import MeasuredStep, fit, predicted_steps
-from meshplan.costmodels.uncertainty import Interval, Region, region_interval, region_of, residual
+from meshplan.costmodels.uncertainty import (MEMORY_LEVEL, Interval, MemoryRun, Region, memory_interval_of,
+                                             region_interval, region_of, residual)
+from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.gpu import load_gpu
+from meshplan.planner.measured_runs import read_runs
 from meshplan.planner.plan import write_text_atomic
 
+LOGS = ROOT / "examples" / "logs"
+LOG_RUNS = ("megatron-h100.toml", "megatron-gb200.toml", "torchtitan-h200.toml")  # runs files of the example logs
 FEW_SHOTS = 3  # setting (c): runs of a cluster calibrated on (issue 44)
 OVERALL_MAPE, GROUP_MAPE, GROUP_MIN_RUNS = 0.10, 0.15, 5  # issue 44's targets: overall, and in every group of >= 5 runs
 
@@ -180,20 +186,54 @@ def kernel_tables(runs: list[Held]) -> tuple[list[tuple[str, int, float, float]]
     return rows, sources
 
 
-def residual_table(runs: list[Held]) -> dict:
-    """The JSON document of measured_residuals: each run's id, publication, region and residual."""
+def memory_runs(runs: list[Held], logs: Path = LOGS, files: tuple[str, ...] = LOG_RUNS) -> list[MemoryRun]:
+    """Every measured peak memory beside the predicted peak of the same stage (with its fragmentation allowance):
+    the sets' published peaks (torchtitan's pages: the allocator's max reserved) and the example logs' (Megatron's
+    max allocated, torchtitan's max reserved). Residual log(measured / predicted). Nothing is fit to memory."""
+    out = [MemoryRun(h.row.id, h.publication, "reserved", math.log(h.row.published_gib / h.row.peak_gib))
+           for h in runs if h.row.published_gib]
+    for path in (logs / name for name in files):
+        for n, step in enumerate(read_runs(path)):
+            if step.peak_memory_gib is None or step.memory_kind not in ("reserved", "allocated"):
+                continue
+            predicted = estimate(step.model, Cluster(step.cluster), step.workload, step.config,
+                                 step.runtime).peak_memory_gib
+            out.append(MemoryRun(f"{path.stem}#{n + 1}", f"examples/logs/{path.name}", step.memory_kind,
+                                 math.log(step.peak_memory_gib / predicted)))
+    return out
+
+
+def residual_table(runs: list[Held], memory: list[MemoryRun]) -> dict:
+    """The JSON document of measured_residuals and measured_memory_runs: each run's id, publication, region and
+    residual; each measured peak memory's id, publication, kind and residual."""
     return {"made_by": "benchmarks/crossval.py --write",
             "residual": "log(predicted / measured throughput) under the default efficiencies",
+            "memory_residual": "log(measured / predicted peak memory), the prediction with its fragmentation allowance",
             "runs": [{"id": h.row.id, "publication": h.publication, "region": dataclasses.asdict(h.region),
-                      "residual": h.residual} for h in runs]}
+                      "residual": h.residual} for h in runs],
+            "memory": [dataclasses.asdict(m) for m in memory]}
 
 
-def write_residuals(runs: list[Held], path: Path) -> None:
-    doc = residual_table(runs)
-    rows = ",\n".join(" " + json.dumps(run) for run in doc.pop("runs"))  # one run a line: diffs stay readable
-    text = json.dumps(doc, indent=1)[:-2] + ',\n "runs": [\n' + rows + "\n ]\n}\n"
+def write_residuals(runs: list[Held], memory: list[MemoryRun], path: Path) -> None:
+    doc = residual_table(runs, memory)
+    lists = {key: ",\n".join(" " + json.dumps(row) for row in doc.pop(key)) for key in ("runs", "memory")}
+    # one run a line, so diffs stay readable
+    text = json.dumps(doc, indent=1)[:-2] + "".join(f',\n "{key}": [\n{rows}\n ]' for key, rows in lists.items()) \
+        + "\n}\n"
     json.loads(text)  # the hand-joined document parses
     write_text_atomic(path, text)
+
+
+def memory_check(memory: list[MemoryRun], level: float = MEMORY_LEVEL) -> tuple[int, int, int]:
+    """(runs with a finite bound, of those inside it, runs) for the memory interval's high end, each run's bound
+    made from the other publications' runs (leave one publication out, as the throughput intervals)."""
+    finite = inside = 0
+    for m in memory:
+        interval = memory_interval_of([o for o in memory if o.publication != m.publication], level)
+        if math.isfinite(interval.hi):
+            finite += 1
+            inside += m.residual <= interval.hi
+    return finite, inside, len(memory)
 
 
 def line(label: str, runs: list[Held]) -> tuple[str, int, float, float, float, float]:
@@ -222,6 +262,27 @@ def before_after(rows: list[tuple[str, int, float, float]], names: tuple[str, st
               f"{label[-width:]:{width}s} {n:4d} runs  defaults {100 * before:5.1f}%  {names[1]} {100 * after:5.1f}%")
 
 
+def print_memory(runs: list[Held], memory: list[MemoryRun]) -> None:
+    """Issue 44's memory checks: published layouts refused, with the memory interval's verdict on each; the error of
+    the predicted peak where a source measures it; the interval's held-out coverage."""
+    interval = memory_interval_of(memory)
+    over = [(h.row.id, interval.verdict(h.row.fullest_gib, h.row.hbm_gib)) for h in runs if not h.row.fits]
+    refused = [f"{name} ({verdict})" for name, verdict in over]
+    print(f"published layouts over the HBM at the estimate: {len(over)}" + (f" ({', '.join(refused)})" if over else "")
+          + f"; predicted not to fit with {100 * interval.level:.0f} % confidence: "
+          f"{sum(verdict == 'does not fit' for _, verdict in over)}")
+    errors = [math.exp(-m.residual) - 1 for m in memory]  # predicted / measured - 1
+    print(f"peak memory where measured ({len(memory)} runs: {sum(m.kind == 'reserved' for m in memory)} max reserved, "
+          f"{sum(m.kind == 'allocated' for m in memory)} max allocated): MAPE "
+          f"{100 * statistics.mean(abs(e) for e in errors):.1f}%, mean {100 * statistics.mean(errors):+.1f}% "
+          f"(predicted / measured - 1), worst {100 * max(errors, key=abs):+.1f}%; nothing is fit to memory")
+    low, high = interval.peak_gib(1.0)
+    finite, inside, n = memory_check(memory)
+    print(f"memory interval ({100 * interval.level:.0f} %, one-sided each end, {interval.runs} runs): the measured "
+          f"peak is {100 * (low - 1):+.1f}% to {100 * (high - 1):+.1f}% of the predicted; left one publication out, "
+          f"{finite} of {n} runs get a finite high end and {inside} of those are under it")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--level", type=float, default=0.8, help="the intervals' level (default 0.8)")
@@ -233,8 +294,9 @@ def main() -> int:
                     help=f"also setting (c): calibrate on {FEW_SHOTS} runs of each cluster, predict its others")
     args = ap.parse_args()
     runs = held_out(first_set() + second_set(), args.level)
+    memory = memory_runs(runs)
     if args.write is not None:
-        write_residuals(runs, args.write)
+        write_residuals(runs, memory, args.write)
     pubs = {h.publication for h in runs}
     print(f"setting (a), the defaults: {len(runs)} runs from {len(pubs)} publications, "
           f"{100 * args.level:.0f} % intervals left one publication out")
@@ -258,14 +320,7 @@ def main() -> int:
           f"{100 * GROUP_MAPE:.0f}% MAPE: {len(wide)}" + (f" ({'; '.join(wide)})" if wide else ""))
     backed = sum(bool(h.interval and h.interval.dropped) for h in runs)
     print(f"{backed} of {len(runs)} intervals came from a broader region than the run's own (too few runs there)")
-    refused = [h.row.id for h in runs if not h.row.fits]
-    print(f"published layouts predicted not to fit: {len(refused)}" + (f" ({', '.join(refused)})" if refused else ""))
-    memory = [h.row for h in runs if h.row.published_gib]
-    if memory:  # nothing is fit to memory either: these errors are the defaults' (issue 44 item 5)
-        errors = [r.peak_gib / r.published_gib - 1 for r in memory if r.published_gib]
-        print(f"peak memory where the source gives it ({len(memory)} runs): MAPE "
-              f"{100 * statistics.mean(abs(e) for e in errors):.1f}%, mean {100 * statistics.mean(errors):+.1f}% "
-              f"(predicted / published - 1), worst {100 * min(errors, key=lambda e: -abs(e)):+.1f}%")
+    print_memory(runs, memory)
     if args.kernels:
         kernel_rows, sources = kernel_tables(runs)
         print("\nsetting (b), the defaults with AIConfigurator's measured GEMMs (each run's GPU and dtype):")

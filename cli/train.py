@@ -22,7 +22,8 @@ from meshplan.costmodels.estimate import Estimate
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
-from meshplan.costmodels.uncertainty import DEFAULT_RANK, FEATURE_LABELS, RankKind, lead_note
+from meshplan.costmodels.uncertainty import (DEFAULT_MEMORY_RULE, DEFAULT_RANK, FEATURE_LABELS, MemoryRule, RankKind,
+                                             lead_note)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.common import ExportError
@@ -136,13 +137,22 @@ def print_estimate(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
         con.print(Text.assemble(("realism:", "bold yellow" if est.realism.exceeds else ""), " ", est.realism.line()))
     if est.interval is not None:
         con.print(f"uncertainty: {interval_line(est)}")
-    if est.fits:
-        con.print(Text.assemble(("memory: fits", "green"),
-                                f" (peak {est.peak_memory_gib:.1f} GiB of {est.hbm_gib:.0f} GiB HBM)"))
-    else:
-        con.print(Text.assemble(("memory: does NOT fit", "bold red"),
-                                f" (peak {est.peak_memory_gib:.1f} GiB > {est.hbm_gib:.0f} GiB HBM); try more "
-                                f"--pp/--tp, --recompute selective|full, a higher --zero or a smaller --mbs"))
+    print_memory_verdict(con, est)
+
+
+def print_memory_verdict(con: Console, est: Estimate) -> None:
+    """The memory line: at the estimate, and how sure (costmodels/uncertainty.py memory_interval)."""
+    advice = "; try more --pp/--tp, --recompute selective|full, a higher --zero or a smaller --mbs"
+    verdict = est.memory_verdict
+    if verdict is None or est.memory_interval is None:
+        con.print(Text.assemble(("memory: fits", "green") if est.fits else ("memory: does NOT fit", "bold red"),
+                                f" (peak {est.peak_memory_gib:.1f} GiB of {est.hbm_gib:.0f} GiB HBM)"
+                                + ("" if est.fits else advice)))
+        return
+    style = {"fits": "green", "fits at the estimate": "yellow", "over at the estimate": "yellow",
+             "does not fit": "bold red"}[verdict]
+    con.print(Text.assemble(("memory: ", style), (est.memory_interval.line(est.peak_memory_gib, est.hbm_gib), style),
+                            advice if verdict in ("over at the estimate", "does not fit") else ""))
 
 
 def _range(est: Estimate, step_time: bool = False) -> str:
@@ -274,6 +284,10 @@ def plan(
         "plan's 80 % range (the step its region's cross-validated errors say is exceeded one time in ten), so a "
         "layout the model has often over-predicted pays for it. Not with --calibration (its predictions carry no "
         "range)."))] = DEFAULT_RANK,
+    memory: Annotated[MemoryRule, typer.Option("--memory", rich_help_panel=P_OUT, help=(
+        "What fits. estimate: the predicted peak memory within the HBM. sure: the high end of its 95 % range "
+        "(from the model's error on measured peaks, docs/cost_model.md) within the HBM, so the plan fits with "
+        "95 % confidence; it leaves part of the HBM unused."))] = DEFAULT_MEMORY_RULE,
     beyond_context: BeyondContextOpt = False,
     outputs: PlanOutputs = PlanOutputs(),  # --out --trace --explain --json --timing --export --export-out
 ) -> None:
@@ -297,7 +311,8 @@ def plan(
         cluster = cluster.model_copy(update={"num_gpus": weighed.best.gpus})
     with ProgressBar(not outputs.as_json, "searching", "groups") as bar:
         found = api.search_plans(spec, cluster, workload, config, runtime, calibration, top, time_limit,
-                                 outputs.timing, progress=bar, max_mbs=max_mbs, budget=budget, rank=rank)
+                                 outputs.timing, progress=bar, max_mbs=max_mbs, budget=budget, rank=rank,
+                                 memory=memory)
     doc, result, sim = found.plan, found.result, found.simulated
     exported, refused, written = None, None, []
     if outputs.export_to is not None:
@@ -468,6 +483,13 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
         con.print(f"uncertainty of plan #1: {interval_line(first.estimate)}")
         if len(result.plans) > 1 and first.estimate.tokens_per_s >= result.plans[1].estimate.tokens_per_s:
             con.print(lead_line(first.estimate.tokens_per_s, result.plans[1].estimate.tokens_per_s, "plan #1", "#2"))
+    memory = first.estimate.memory_interval
+    if memory is not None:
+        con.print(f"memory of plan #1: {memory.line(first.estimate.peak_memory_gib, first.estimate.hbm_gib)}")
+        unsure = [f"#{n}" for n, p in enumerate(result.plans[1:], 2) if p.estimate.memory_verdict != "fits"]
+        if unsure:
+            con.print(f"  plans {', '.join(unsure)} fit at the estimate, not with "
+                      f"{100 * memory.level:.0f} % confidence")
     conservative = acc.ranking == "conservative"
     if conservative:
         con.print(f"ranked by the slow end of each plan's range (--rank conservative): plan #1's is "

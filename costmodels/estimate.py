@@ -18,7 +18,8 @@ from meshplan.costmodels.pipeline import StageTimes, Timeline, build_schedule, c
 from meshplan.costmodels.realism import RealismCheck
 from meshplan.costmodels.realism import check as realism_check
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME, Runtime, get_runtime
-from meshplan.costmodels.uncertainty import Interval, prediction_interval, region_of
+from meshplan.costmodels.uncertainty import (Interval, MemoryInterval, MemoryVerdict, memory_interval,
+                                             prediction_interval, region_of)
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 
@@ -57,6 +58,9 @@ class Estimate:
     # how far measured runs of its region were from their predictions (costmodels/uncertainty.py); None under a
     # calibration or with physics switched off, whose errors the shipped residuals do not describe
     interval: Interval | None = None
+    # how far measured peak memory was from its prediction (costmodels/uncertainty.py memory_interval): memory is not
+    # calibrated, so a calibrated estimate has it too
+    memory_interval: MemoryInterval | None = None
 
     @property
     def peak_memory_gib(self) -> float:
@@ -64,7 +68,14 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
+        """At the estimate: what the search keeps. memory_verdict says how sure that is."""
         return self.peak_memory_gib <= self.hbm_gib
+
+    @property
+    def memory_verdict(self) -> MemoryVerdict | None:
+        if self.memory_interval is None:
+            return None
+        return self.memory_interval.verdict(self.peak_memory_gib, self.hbm_gib)
 
     def to_dict(self) -> dict:
         return {
@@ -83,6 +94,8 @@ class Estimate:
             "runtime": self.runtime,
             "interval": None if self.interval is None else interval_dict(self.interval, self.step_time_s,
                                                                           self.tokens_per_s_per_gpu),
+            "memory_range": None if self.memory_interval is None else memory_interval_dict(
+                self.memory_interval, self.peak_memory_gib, self.hbm_gib),
             "realism": None if self.realism is None else {
                 "published_mfu": self.realism.published_mfu, "run": self.realism.run, "source": self.realism.source,
                 "exceeds": self.realism.exceeds, "within_error": self.realism.within_error},
@@ -100,6 +113,12 @@ def interval_dict(interval: Interval, step_time_s: float, tokens_per_s_per_gpu: 
     return {"level": interval.level, "runs": interval.runs, "dropped": list(interval.dropped),
             "step_time_s": list(interval.step_time(step_time_s)),
             "tokens_per_s_per_gpu": list(interval.throughput(tokens_per_s_per_gpu))}
+
+
+def memory_interval_dict(interval: MemoryInterval, peak_gib: float, hbm_gib: float) -> dict:
+    """An estimate's memory interval as the plan JSON and `estimate --json` write it."""
+    return {"level": interval.level, "runs": interval.runs, "peak_gib": list(interval.peak_gib(peak_gib)),
+            "verdict": interval.verdict(peak_gib, hbm_gib)}
 
 
 def layout_dict(lay: Layout) -> dict:
@@ -170,6 +189,7 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
         realism=realism_check(cluster.spec.gpu, model.moe is not None, workload.dtype, mfu,
                               None if interval is None else mfu * math.exp(-interval.hi)),
         interval=interval,
+        memory_interval=memory_interval(),
     )
     return Simulated(est, timeline, ctx.p2p_s)
 

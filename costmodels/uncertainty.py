@@ -28,6 +28,7 @@ from meshplan.costmodels.config import Layout, Workload
 from meshplan.costmodels.model import ModelSpec
 
 DEFAULT_LEVEL = 0.8  # the intervals estimate and plan show (issue 44: "for example 80 %")
+MEMORY_LEVEL = 0.95  # the memory verdict's confidence (issue 44: "fits with 95 % confidence")
 RESIDUALS_FILE = "residuals.json"  # in this package: written by benchmarks/crossval.py --write
 LONG_CONTEXT = 32_768  # tokens: issue 44's long-context group (over-predicted by +67 % before calibration)
 WIDE_TP, SMALL_HIDDEN = 8, 4096  # TP 8 or more on a hidden size of 4,096 or less: GEMMs too thin per GPU
@@ -261,3 +262,108 @@ class Ranking:
         LAYOUT_FEATURES): a time bound times it bounds the ranked quantity, so the search's pruning stays exact."""
         return min(self.factor(dataclasses.replace(inputs, ep_across_nodes=ep, context_parallel=cp, wide_tp=wide))
                    for ep, cp, wide in itertools.product((False, True), repeat=len(LAYOUT_FEATURES)))
+
+
+MemoryVerdict = Literal["fits", "fits at the estimate", "over at the estimate", "does not fit"]
+MEMORY_VERDICTS: tuple[MemoryVerdict, ...] = ("fits", "fits at the estimate", "over at the estimate", "does not fit")
+
+
+@dataclass(frozen=True)
+class MemoryRun:
+    """A measured peak memory beside its prediction, as the memory interval reads it."""
+
+    id: str
+    publication: str
+    kind: Literal["reserved", "allocated"]  # the allocator's max reserved, or max allocated (fit.MemoryKind)
+    residual: float  # log(measured / predicted): positive where the model under-counts
+
+
+def one_sided_bounds(residuals: Sequence[float], level: float) -> tuple[float, float]:
+    """(lo, hi): a new exchangeable residual is >= lo with probability at least `level`, and <= hi likewise (each
+    bound one-sided: split conformal, Lei et al. 2018 sec. 2.2, the ceil((n + 1) level)-th smallest for hi and the
+    floor((n + 1)(1 - level))-th for lo); -inf or inf where the residuals are too few for that bound."""
+    _check_level(level)
+    ordered = sorted(residuals)
+    n = len(ordered)
+    hi_rank = math.ceil((n + 1) * level - 1e-9)
+    lo_rank = math.floor((n + 1) * (1 - level) + 1e-9)
+    hi = ordered[hi_rank - 1] if 1 <= hi_rank <= n else math.inf
+    lo = ordered[lo_rank - 1] if 1 <= lo_rank <= n else -math.inf
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class MemoryInterval:
+    """How far measured peak memory was from the prediction: the measured peak is at most predicted x exp(hi) with
+    probability `level`, and at least predicted x exp(lo) likewise."""
+
+    lo: float
+    hi: float
+    level: float
+    runs: int
+
+    def peak_gib(self, predicted_gib: float) -> tuple[float, float]:
+        """The (low, high) ends of the measured peak for a predicted one."""
+        return predicted_gib * math.exp(self.lo), predicted_gib * math.exp(self.hi)
+
+    def verdict(self, predicted_gib: float, hbm_gib: float) -> MemoryVerdict:
+        """'fits' only when the high end fits; 'does not fit' only when the low end does not; in between, which
+        side of the HBM the estimate itself is on."""
+        low, high = self.peak_gib(predicted_gib)
+        if high <= hbm_gib:
+            return "fits"
+        if low > hbm_gib:
+            return "does not fit"
+        return "fits at the estimate" if predicted_gib <= hbm_gib else "over at the estimate"
+
+    def line(self, predicted_gib: float, hbm_gib: float) -> str:
+        """The sentence `estimate` and `plan` print."""
+        low, high = self.peak_gib(predicted_gib)
+        verdict = self.verdict(predicted_gib, hbm_gib)
+        confidence = f"{100 * self.level:.0f} %"
+        span = (f"peak {predicted_gib:.1f} GiB of {hbm_gib:.0f} GiB HBM; the model's error on {self.runs} measured "
+                f"peaks puts it at {low:.1f}-{high:.1f} GiB")
+        if verdict == "fits":
+            return f"fits with {confidence} confidence ({span})"
+        if verdict == "does not fit":
+            return f"does not fit with {confidence} confidence ({span})"
+        if verdict == "fits at the estimate":
+            return f"fits at the estimate, not with {confidence} confidence ({span})"
+        return f"over at the estimate, but inside the memory model's error: it may fit ({span})"
+
+
+@cache
+def measured_memory_runs() -> tuple[MemoryRun, ...]:
+    """Every measured peak memory beside the default model's prediction, as shipped in costmodels/residuals.json
+    (benchmarks/crossval.py --write)."""
+    data = json.loads(resources.files("meshplan.costmodels").joinpath(RESIDUALS_FILE).read_text(encoding="utf-8"))
+    return tuple(MemoryRun(run["id"], run["publication"], run["kind"], float(run["residual"]))
+                 for run in data.get("memory", []))
+
+
+def memory_interval_of(runs: Sequence[MemoryRun], level: float = MEMORY_LEVEL) -> MemoryInterval:
+    """The memory interval from these runs' residuals, pooled: too few runs measure memory to split them by region."""
+    lo, hi = one_sided_bounds([r.residual for r in runs], level)
+    return MemoryInterval(lo, hi, level, len(runs))
+
+
+@cache
+def memory_interval(level: float = MEMORY_LEVEL) -> MemoryInterval:
+    """memory_interval_of the shipped runs."""
+    return memory_interval_of(measured_memory_runs(), level)
+
+
+MemoryRule = Literal["estimate", "sure"]
+MEMORY_RULES: tuple[MemoryRule, ...] = ("estimate", "sure")
+DEFAULT_MEMORY_RULE: MemoryRule = "estimate"
+
+
+def memory_share(rule: MemoryRule) -> float:
+    """The share of the HBM a plan's predicted peak may take: all of it ("estimate"), or so much that the high end
+    of the memory interval still fits ("sure": the verdict 'fits', exp(-hi))."""
+    if rule == "estimate":
+        return 1.0
+    hi = memory_interval().hi
+    if not math.isfinite(hi):
+        raise ValueError("too few measured peaks for a 95 % memory bound")
+    return math.exp(-hi)

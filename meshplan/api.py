@@ -22,7 +22,8 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.costmodels.serving import EngineLayout, ServeObjective, ServeTargets, ServeWorkload
-from meshplan.costmodels.uncertainty import DEFAULT_RANK, RankKind, Ranking
+from meshplan.costmodels.uncertainty import (DEFAULT_MEMORY_RULE, DEFAULT_RANK, MemoryRule, RankKind, Ranking,
+                                             memory_share)
 from meshplan.hardware_db.calibration import FactorCalibration, load_any_calibration
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
@@ -121,18 +122,19 @@ def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, co
                  runtime: str = DEFAULT_RUNTIME, calibration: str | None = None, top: int = 5,
                  time_limit_s: float | None = None, timing: bool = False, progress: ProgressFn | None = None,
                  max_mbs: int = DEFAULT_MAX_MBS, budget: Budget = Budget(),
-                 rank: RankKind = DEFAULT_RANK) -> PlanSearch:
+                 rank: RankKind = DEFAULT_RANK, memory: MemoryRule = DEFAULT_MEMORY_RULE) -> PlanSearch:
     """Search every configuration `config` leaves open (each knob left None is searched, the others are pinned); the
     best plan (its search time recorded only with `timing`, so the same input makes the same document), priced with
     `budget` (its economics section). `rank`: what "best" means, the predicted step time or the slow end of its
-    interval (costmodels/uncertainty.py Ranking). InputError when nothing fits, saying why."""
+    interval (costmodels/uncertainty.py Ranking). `memory`: what fits, the predicted peak in the HBM or, "sure", the
+    high end of its memory interval. InputError when nothing fits, saying why."""
     spec = _model(model)
     if rank != "expected" and calibration is not None:
         raise InputError(f"--rank {rank} ranks by the intervals of the uncalibrated model (its cross-validated "
                          f"errors), and a calibrated prediction has none; use --rank expected with --calibration")
     hardware, eff = calibrated(cluster, calibration, runtime)
     result = search(spec, hardware, workload, config, runtime, efficiency=eff, top_k=top, time_limit_s=time_limit_s,
-                    progress=progress, max_mbs=max_mbs, ranking=Ranking(rank))
+                    progress=progress, max_mbs=max_mbs, ranking=Ranking(rank), memory_share=memory_share(memory))
     if not result.plans:
         raise InputError(result.why_nothing_fits or "no plan fits")
     best = result.plans[0]
@@ -216,11 +218,11 @@ def runnable_plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, t
 
 def plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: ParallelConfig = ParallelConfig(),
          runtime: str = DEFAULT_RUNTIME, calibration: str | None = None, time_limit_s: float | None = None,
-         rank: RankKind = DEFAULT_RANK) -> Plan:
+         rank: RankKind = DEFAULT_RANK, memory: MemoryRule = DEFAULT_MEMORY_RULE) -> Plan:
     """The fastest configuration that fits (the knobs set in `config` pinned; `rank`: or the one whose slow end is
-    the least), as the Plan document `meshplan plan --out` writes."""
+    the least; `memory`: fits at the estimate, or surely), as the Plan document `meshplan plan --out` writes."""
     return search_plans(model, cluster, workload, config, runtime, calibration, time_limit_s=time_limit_s,
-                        rank=rank).plan
+                        rank=rank, memory=memory).plan
 
 
 def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targets: ServeTargets,

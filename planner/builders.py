@@ -9,16 +9,16 @@ from typing import TypeVar
 
 from meshplan.costmodels.config import ParallelConfig, Workload, resolve
 from meshplan.costmodels.economics import Budget, ServingCost, TrainingCost, serving_cost, training_cost
-from meshplan.costmodels.estimate import Simulated, interval_dict
+from meshplan.costmodels.estimate import Simulated, interval_dict, memory_interval_dict
 from meshplan.costmodels.memory import FRAGMENTATION, GIB, MemoryBreakdown
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import to_model_file
 from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
 from meshplan.hardware_db.cluster import Cluster
-from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryGiB, MemoryStage, ParetoPoint, PartitionStatus,
-                                   Plan, PredictedStage, Prediction, PredictionInterval, RealismRecord, SearchInfo,
-                                   ServingEngine, ServingInputs, ServingPlan, ServingPrediction, ServingSearch,
-                                   StageTime, cost_model_digest, layout_sections, meshplan_version)
+from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryGiB, MemoryRange, MemoryStage, ParetoPoint,
+                                   PartitionStatus, Plan, PredictedStage, Prediction, PredictionInterval, RealismRecord,
+                                   SearchInfo, ServingEngine, ServingInputs, ServingPlan, ServingPrediction,
+                                   ServingSearch, StageTime, cost_model_digest, layout_sections, meshplan_version)
 from meshplan.planner.search import SearchAccount
 from meshplan.planner.serve import Deployment, ServeResult, meets, misses
 
@@ -61,7 +61,9 @@ def _prediction(simulated: Simulated) -> Prediction:
                                                            source=realism.source, exceeds=realism.exceeds,
                                                            within_error=realism.within_error),
         interval=None if est.interval is None else PredictionInterval(**interval_dict(
-            est.interval, est.step_time_s, est.tokens_per_s_per_gpu)))
+            est.interval, est.step_time_s, est.tokens_per_s_per_gpu)),
+        memory_range=None if est.memory_interval is None else MemoryRange(**memory_interval_dict(
+            est.memory_interval, est.peak_memory_gib, est.hbm_gib)))
 
 
 def _search_info(account: SearchAccount, rank: int | None, bound_s: float | None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshplan.costmodels.uncertainty import DEFAULT_LEVEL, lead_is_significant, lead_note
+from meshplan.costmodels.uncertainty import DEFAULT_LEVEL, MEMORY_LEVEL, lead_is_significant, lead_note
 
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.plan import Plan
@@ -80,6 +80,12 @@ def _metrics(docs: Sequence[Plan]) -> tuple[Row, ...]:
     terms = list(dict.fromkeys(k for p in preds for k in p.breakdown_s))
     rows += [row(f"  {t}, s", ".3f", [p.breakdown_s.get(t, 0.0) for p in preds]) for t in terms]
     rows.append(row("peak memory, GiB", ".1f", [p.peak_memory_gib for p in preds]))
+    if any(p.memory_range is not None for p in preds):  # plans written before the memory range have none
+        rows.append(Row(f"  {100 * MEMORY_LEVEL:.0f} % range, GiB", tuple("-" if p.memory_range is None else
+                                                     "-".join(f"{g:.1f}" for g in p.memory_range.peak_gib)
+                                                     for p in preds)))
+        rows.append(Row("  memory verdict", tuple("-" if p.memory_range is None else p.memory_range.verdict
+                                                  for p in preds)))
     stages = max(len(d.memory.stages) for d in docs)
     rows += [row(f"  stage {i}, GiB", ".1f", [d.memory.stages[i].peak_gib if i < len(d.memory.stages) else None
                                                for d in docs]) for i in range(stages)]

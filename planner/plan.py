@@ -30,7 +30,7 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import parse_model_file
 from meshplan.costmodels.runtime import get_runtime
 from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
-from meshplan.costmodels.uncertainty import RankKind
+from meshplan.costmodels.uncertainty import MemoryVerdict, RankKind
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.documents import read_document
 from meshplan.hardware_db.errors import InputError, field_error
@@ -265,6 +265,17 @@ class PredictionInterval(_Frozen):
     tokens_per_s_per_gpu: tuple[float, float]
 
 
+class MemoryRange(_Frozen):
+    """How far measured peak memory was from its prediction (costmodels/uncertainty.py memory_interval): the range
+    the plan's measured peak falls in, each end one-sided at `level`, from `runs` measured peaks; and the verdict
+    that range gives against the HBM."""
+
+    level: float = Field(gt=0, lt=1)
+    runs: int = Field(ge=0)
+    peak_gib: tuple[float, float]
+    verdict: MemoryVerdict
+
+
 class Prediction(_Frozen):
     """The estimate (costmodels.estimate.Estimate, memory in GiB) and per-stage pass times; its layout is the cost
     model's own Layout type."""
@@ -286,6 +297,7 @@ class Prediction(_Frozen):
     stage_time_s: list[StageTime]
     realism: RealismRecord | None = None
     interval: PredictionInterval | None = None  # none under a calibration (the residuals describe the defaults)
+    memory_range: MemoryRange | None = None
 
 
 class SearchInfo(_Frozen):
@@ -307,6 +319,9 @@ class SearchInfo(_Frozen):
     ranking: RankKind = Field(default="expected", description=(
         "what the search ranked by: the predicted step time (expected) or the slow end of its interval "
         "(conservative)"))
+    memory_share: float = Field(default=1.0, gt=0, description=(
+        "the share of the HBM a plan's predicted peak was allowed: 1 (--memory estimate), or less so that the memory "
+        "interval's high end fits (--memory sure)"))
     rank: int = Field(ge=1, description="1 = the best plan found")
     bound_s: float | None = Field(default=None, ge=0, description="lower bound on this candidate over all partitions")
     partition_status: PartitionStatus | None = None

@@ -108,6 +108,7 @@ class SearchAccount:
     domains: dict[str, str]
     cpsat_calls: int
     ranking: RankKind = "expected"
+    memory_share: float = 1.0  # the share of the HBM a plan's predicted peak was allowed
 
 
 @dataclass(frozen=True)
@@ -164,18 +165,21 @@ class _Best:
 def search(model: ModelSpec, cluster: Cluster, wl: Workload, pins: ParallelConfig = ParallelConfig(),
            runtime: str = DEFAULT_RUNTIME, efficiency: Efficiency | None = None, top_k: int = 10,
            time_limit_s: float | None = None, progress: ProgressFn | None = None,
-           max_mbs: int = DEFAULT_MAX_MBS, ranking: Ranking = Ranking()) -> SearchResult:
+           max_mbs: int = DEFAULT_MAX_MBS, ranking: Ranking = Ranking(), memory_share: float = 1.0) -> SearchResult:
     """The top_k plans by predicted step time (or by what `ranking` ranks: the slow end of each plan's interval),
     and the account of the search (see the module docstring). `pins`: the knobs fixed; each one left None is
-    searched (`max_mbs`: the largest micro-batch size tried)."""
+    searched (`max_mbs`: the largest micro-batch size tried). `memory_share`: the share of the HBM a plan's
+    predicted peak may take (uncertainty.memory_share)."""
     if top_k < 1:
         raise InputError("--top must be at least 1")
+    if not (math.isfinite(memory_share) and memory_share > 0):
+        raise InputError(f"the share of HBM a plan may use must be positive, not {memory_share}")
     rt = get_runtime(runtime)
     check_pins(model, cluster.num_gpus, wl, pins, rt)
     start, cpu_start = time.perf_counter(), cpu_now()
     eff = efficiency or Efficiency.from_gpu(cluster.gpu)
     enum = enumerate_space(model, cluster.num_gpus, cluster.gpus_per_node, wl, pins, rt, max_mbs)
-    s = _Search(model, cluster, wl, rt.name, eff, enum, top_k, pins.recompute_modules, ranking)
+    s = _Search(model, cluster, wl, rt.name, eff, enum, top_k, pins.recompute_modules, ranking, memory_share)
     deadline = None if time_limit_s is None else cpu_start + time_limit_s  # CPU seconds (costmodels/deadline.py)
     timed_out = s.run(deadline, progress)
     return s.result(time.perf_counter() - start, timed_out)
@@ -187,8 +191,8 @@ class _Search(SearchCosts):
 
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, runtime: str, eff: Efficiency,
                  enum: Enumeration, top_k: int, modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES,
-                 ranking: Ranking = Ranking()):
-        super().__init__(model, cluster, wl, runtime, eff, enum, modules)
+                 ranking: Ranking = Ranking(), memory_share: float = 1.0):
+        super().__init__(model, cluster, wl, runtime, eff, enum, modules, memory_share)
         self.ranking = ranking
         floor = ranking.floor(inputs_region(model, wl, cluster.spec.gpu, runtime))
         if not math.isfinite(floor) or floor <= 0:
@@ -728,9 +732,10 @@ class _Search(SearchCosts):
         sim = simulate_config(self.model, self.cluster, self.wl, cfg, self.runtime, self.eff, context=ctx,
                               timelines=self.timelines, deadline=self._limit())
         est = sim.estimate
-        if not est.fits:
+        if est.peak_memory_gib * GIB > self.cap:
             if not another_partition:
-                self._count(self.infeasible, "memory: simulated peak over HBM")
+                self._count(self.infeasible, "memory: simulated peak over HBM" if self.memory_share == 1 else
+                            f"memory: simulated peak over {100 * self.memory_share:.0f} % of HBM")
             self._note_memory(est.peak_memory_gib * GIB, _describe(c))
             return
         tight = est.step_time_s <= bound * (1 + 1e-6)
@@ -768,7 +773,7 @@ class _Search(SearchCosts):
     def _account(self, seconds: float, status: SearchStatus, gap: float, low: float) -> SearchAccount:
         return SearchAccount(self.enum.space_size, self.evaluated, self.bounded, dict(self.pruned),
                              dict(self.infeasible), seconds, status, gap, low, dict(self.enum.domains),
-                             self.cpsat_calls, self.ranking.kind)
+                             self.cpsat_calls, self.ranking.kind, self.memory_share)
 
     def _why_nothing_fits(self) -> str:
         model, n = self.model, self.cluster.num_gpus
@@ -789,7 +794,10 @@ class _Search(SearchCosts):
         else:
             advice = (f"{states}, which {n} GPUs could hold fully sharded, so the activations are what does not fit: "
                       f"use a smaller --seq or --gbs, more GPUs, or unpin --mbs/--recompute/--zero/--pp")
-        return f"nothing fits in {hbm:g} GiB per GPU on {n} GPUs{closest}; {advice}"
+        room = f"{hbm:g} GiB" if self.memory_share == 1 else (
+            f"{hbm * self.memory_share:.1f} GiB ({100 * self.memory_share:.0f} % of {hbm:g}, so that the memory "
+            f"model's high end fits: --memory sure; --memory estimate allows all of it)")
+        return f"nothing fits in {room} per GPU on {n} GPUs{closest}; {advice}"
 
 
 def _policies(res: PartitionResult) -> tuple[StagePolicy, ...]:

@@ -40,11 +40,13 @@ class SearchCosts:
     bounds. The search supplies the cutoff the DPs solve below and the time limit they check (cutoff, _limit)."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, wl: Workload, runtime: str, eff: Efficiency,
-                 enum: Enumeration, modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES):
+                 enum: Enumeration, modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES,
+                 memory_share: float = 1.0):
         self.model, self.cluster, self.wl, self.runtime, self.eff, self.enum = model, cluster, wl, runtime, eff, enum
         self.modules = modules  # what selective recomputation re-runs (ParallelConfig.recompute_modules)
         self.rt = get_runtime(runtime)
-        self.cap = cluster.gpu.hbm_gib.value * GIB
+        self.memory_share = memory_share  # of the HBM, that a candidate's predicted peak may take
+        self.cap = cluster.gpu.hbm_gib.value * memory_share * GIB
         self.contexts: dict[tuple, CostContext] = {}
         self.state_bytes: dict[tuple, tuple[float, float, float]] = {}
         self.fits: dict[tuple, bool] = {}

@@ -58,7 +58,7 @@ def test_estimate_knobs_reach_the_model(capsys):
 def test_estimate_not_fitting_is_reported(capsys):
     code, out, _ = run(capsys, "estimate", "--model", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "8")
     assert code == 0
-    assert "NOT fit" in out
+    assert "memory: does not fit with 95 % confidence" in " ".join(out.split())
     code, out, _ = run(capsys, "estimate", "--model", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "8", "--json")
     assert json.loads(out)["fits"] is False
 

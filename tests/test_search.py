@@ -245,10 +245,10 @@ def compositions(total: int, parts: int):
 
 def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: ParallelConfig, max_mbs: int,
                        runtime: str = DEFAULT_RUNTIME, key: Callable[[Estimate], float] | None = None,
-                       ) -> tuple[float, ParallelConfig | None, int]:
+                       memory_share: float = 1.0) -> tuple[float, ParallelConfig | None, int]:
     """The fastest fitting configuration of the search space with uniform recomputation (or the one least by
-    `key`): every candidate of enumerate_space, every stage partition when vpp == 1 (with virtual stages every split
-    of space.interleaved_chunks), each estimated."""
+    `key`; fitting in `memory_share` of the HBM): every candidate of enumerate_space, every stage partition when
+    vpp == 1 (with virtual stages every split of space.interleaved_chunks), each estimated."""
     enum = enumerate_space(model, c.num_gpus, c.gpus_per_node, wl, pins, get_runtime(runtime), max_mbs)
     best, arg, count = math.inf, None, 0
     for g in enum.groups:
@@ -270,7 +270,7 @@ def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: Paralle
                         est = estimate(model, c, wl, cfg, runtime)
                         count += 1
                         value = est.step_time_s if key is None else key(est)
-                        if est.fits and value < best:
+                        if est.peak_memory_gib <= est.hbm_gib * memory_share and value < best:
                             best, arg = value, cfg
     return best, arg, count
 
@@ -373,6 +373,32 @@ def test_conservative_ranking_matches_exhaustive_enumeration_of_the_slow_end():
     assert region(best.estimate) != home
     assert best.step_time_s >= expected.plans[0].step_time_s * (1 - REL)
     assert best.ranked_s <= slow_end(expected.plans[0].estimate) * (1 + REL)
+
+
+def test_a_memory_share_is_the_exhaustive_optimum_within_that_share():
+    """With part of the HBM kept free (--memory sure's share), the search's best is the exhaustive optimum among the
+    configurations whose predicted peak fits in that share, proven; it is slower than with the whole HBM on a
+    memory-bound space, and every ranked plan keeps within the share."""
+    model, c, wl = shrunk("llama3.1-8b", 8), cluster(8, "a100-40gb"), Workload(global_batch=16, seq_len=4096)
+    pins = ParallelConfig(cp=1)
+    whole = search(model, c, wl, pins, top_k=3, max_mbs=2)
+    share = 0.5
+    result = search(model, c, wl, pins, top_k=3, max_mbs=2, memory_share=share)
+    truth, arg, count = exhaustive_minimum(model, c, wl, pins, 2, memory_share=share)
+    acc = result.account
+    assert count > 100 and acc.status == "optimal" and acc.memory_share == share, describe(result)
+    assert close(result.plans[0].step_time_s, truth), (result.plans[0].config, arg)
+    assert all(p.estimate.peak_memory_gib <= 40 * share for p in result.plans)
+    assert whole.plans[0].estimate.peak_memory_gib > 40 * share  # the share binds here
+    assert result.plans[0].step_time_s > whole.plans[0].step_time_s
+    def over(account) -> int:
+        return sum(n for reason, n in account.infeasible.items() if reason.startswith("memory"))
+
+    assert over(acc) > over(whole.account), (acc.infeasible, whole.account.infeasible)
+    with pytest.raises(InputError, match="positive"):
+        search(model, c, wl, pins, memory_share=0.0)
+    nothing = search(model, c, wl, pins, max_mbs=2, memory_share=0.01)
+    assert not nothing.plans and "--memory sure" in (nothing.why_nothing_fits or "")
 
 
 def per_stage_menu(layers: int) -> list[StagePolicy]:

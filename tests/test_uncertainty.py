@@ -1,7 +1,7 @@
 """Prediction intervals (costmodels/uncertainty.py): split-conformal bounds cover what they claim on exchangeable
 residuals, widen with fewer runs, back off to broader regions where a region holds too few runs, and a run's
-region reads the features issue 44 groups errors by. Also the cross-validation's publication keys
-(benchmarks/crossval.py): a page at two commits is one publication."""
+region reads the features issue 44 groups errors by. The memory interval's verdicts. Also the cross-validation's
+publication keys (benchmarks/crossval.py): a page at two commits is one publication."""
 
 from __future__ import annotations
 
@@ -146,6 +146,14 @@ def test_the_shipped_residuals_are_the_cost_models_own():
         assert math.isclose(value, h.residual, rel_tol=1e-9, abs_tol=1e-12), (
             f"{h.row.id}: shipped residual {value}, the cost model now gives {h.residual}; regenerate with "
             f"python benchmarks/crossval.py --write costmodels/residuals.json")
+    from meshplan.costmodels.uncertainty import measured_memory_runs
+
+    now = cv.memory_runs(runs)
+    assert [m.id for m in measured_memory_runs()] == [m.id for m in now], "regenerate the memory residuals"
+    for shipped_run, run in zip(measured_memory_runs(), now, strict=True):
+        assert shipped_run.kind == run.kind and math.isclose(shipped_run.residual, run.residual, rel_tol=1e-9), (
+            f"{run.id}: shipped memory residual {shipped_run.residual}, the cost model now gives {run.residual}; "
+            f"regenerate with python benchmarks/crossval.py --write costmodels/residuals.json")
 
 
 def test_an_estimate_carries_its_interval_and_a_calibrated_one_none():
@@ -164,6 +172,84 @@ def test_an_estimate_carries_its_interval_and_a_calibrated_one_none():
     assert est.to_dict()["interval"]["step_time_s"] == [lo, hi]
     calibrated = dataclasses.replace(Efficiency.from_gpu(cluster.gpu), calibration="test.json sha256:0")
     assert estimate(model, cluster, wl, cfg, efficiency=calibrated).interval is None
+
+
+def test_one_sided_memory_bounds_are_the_order_statistics_they_name():
+    """n = 19 at 95 %: the ceil(20 x 0.95) = 19th smallest above and the floor(20 x 0.05) = 1st below; 18 runs give
+    neither bound."""
+    from meshplan.costmodels.uncertainty import one_sided_bounds
+
+    values = [float(v) for v in range(19)]
+    assert one_sided_bounds(values[::-1], 0.95) == (0.0, 18.0)
+    assert one_sided_bounds(values[:18], 0.95) == (-math.inf, math.inf)
+    assert one_sided_bounds(values, 0.8) == (3.0, 15.0)  # floor(20 x 0.2) = 4th, ceil(20 x 0.8) = 16th smallest
+
+
+def test_the_memory_verdict_needs_the_whole_range_on_one_side():
+    """Measured peaks 10 % under to 20 % over the prediction: on 80 GiB, 60 GiB fits surely (72 at the high end),
+    70 fits only at the estimate (84), 85 is over at the estimate but may fit (76.5 at the low end), 90 does not
+    (81). Too few runs for the level: never sure either way."""
+    from meshplan.costmodels.uncertainty import MemoryInterval
+
+    interval = MemoryInterval(math.log(0.9), math.log(1.2), 0.95, 25)
+    assert [interval.verdict(p, 80.0) for p in (60.0, 70.0, 85.0, 90.0)] == [
+        "fits", "fits at the estimate", "over at the estimate", "does not fit"]
+    assert "fits with 95 % confidence" in interval.line(60.0, 80.0)
+    assert "it may fit" in interval.line(85.0, 80.0)
+    unsure = MemoryInterval(-math.inf, math.inf, 0.95, 3)
+    assert [unsure.verdict(p, 80.0) for p in (1.0, 80.0, 81.0, 1e6)] == [
+        "fits at the estimate", "fits at the estimate", "over at the estimate", "over at the estimate"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-0.5, 0.5), min_size=1, max_size=40), st.floats(1.0, 200.0), st.floats(1.0, 200.0))
+def test_the_memory_verdict_only_worsens_as_the_peak_grows(residuals, peak, hbm):
+    """A larger predicted peak never gets a surer 'fits' (the verdicts in MEMORY_VERDICTS order)."""
+    from meshplan.costmodels.uncertainty import MEMORY_VERDICTS, MemoryRun, memory_interval_of
+
+    interval = memory_interval_of([MemoryRun(str(n), "p", "reserved", r) for n, r in enumerate(residuals)])
+    order = [MEMORY_VERDICTS.index(interval.verdict(peak * k, hbm)) for k in (0.5, 0.9, 1.0, 1.1, 2.0)]
+    assert order == sorted(order)
+    assert (interval.verdict(peak, hbm) in ("fits", "fits at the estimate")) == (peak <= hbm)
+
+
+def test_an_estimate_and_a_plan_carry_the_memory_verdict(tmp_path, capsys):
+    """Every estimate has the memory interval, a calibrated one too (calibration moves time, not memory); the plan
+    JSON records the range and verdict; `estimate` prints the verdict line."""
+    from meshplan.cli.main import main
+    from meshplan.costmodels.efficiency import Efficiency
+    from meshplan.costmodels.estimate import estimate
+    from meshplan.costmodels.uncertainty import MEMORY_LEVEL, memory_interval
+    from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+
+    model, cluster = load_zoo("llama3.1-8b"), Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8))
+    wl, cfg = Workload(global_batch=16, seq_len=4096), ParallelConfig(tp=2)
+    est = estimate(model, cluster, wl, cfg)
+    shipped = memory_interval()
+    assert est.memory_interval == shipped and shipped.level == MEMORY_LEVEL and shipped.runs >= 19
+    assert math.isfinite(shipped.lo) and math.isfinite(shipped.hi) and shipped.lo < 0 < shipped.hi
+    low, high = shipped.peak_gib(est.peak_memory_gib)
+    assert est.to_dict()["memory_range"] == {"level": MEMORY_LEVEL, "runs": shipped.runs, "peak_gib": [low, high],
+                                                "verdict": est.memory_verdict}
+    calibrated = dataclasses.replace(Efficiency.from_gpu(cluster.gpu), calibration="test.json sha256:0")
+    assert estimate(model, cluster, wl, cfg, efficiency=calibrated).memory_interval == shipped
+    args = ["-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "4096", "--tp", "2"]
+    assert main(["plan", *args, "--out", str(tmp_path / "p.json")]) in (0, None)
+    record = json.loads((tmp_path / "p.json").read_text())["prediction"]
+    assert record["memory_range"]["verdict"] == shipped.verdict(record["peak_memory_gib"], record["hbm_gib"])
+    assert "memory of plan #1: " in " ".join(capsys.readouterr().out.split())
+    assert main(["compare", str(tmp_path / "p.json"), str(tmp_path / "p.json")]) in (0, None)
+    compared = " ".join(capsys.readouterr().out.split())
+    assert "memory verdict" in compared and record["memory_range"]["verdict"] in compared
+    wide = ["plan", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "64", "--seq", "8192"]
+    assert main([*wide, "--memory", "sure", "--out", str(tmp_path / "sure.json")]) in (0, None)
+    sure = json.loads((tmp_path / "sure.json").read_text())
+    assert sure["prediction"]["memory_range"]["verdict"] == "fits"
+    assert sure["search"]["memory_share"] == pytest.approx(math.exp(-shipped.hi))
+    assert "memory of plan #1: fits with 95 % confidence" in " ".join(capsys.readouterr().out.split())
+    assert main(["estimate", *args, "--recompute", "full", "--mbs", "1"]) in (0, None)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "memory: fits with 95 % confidence" in out, out[-400:]
 
 
 def test_the_lead_bound_reads_pairs_of_one_cluster_only():
