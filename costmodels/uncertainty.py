@@ -26,6 +26,7 @@ from typing import Literal
 
 from meshplan.costmodels.config import Layout, Workload
 from meshplan.costmodels.model import ModelSpec
+from meshplan.hardware_db.errors import InputError
 
 DEFAULT_LEVEL = 0.8  # the intervals estimate and plan show (issue 44: "for example 80 %")
 MEMORY_LEVEL = 0.95  # the memory verdict's confidence (issue 44: "fits with 95 % confidence")
@@ -354,7 +355,6 @@ def memory_interval(level: float = MEMORY_LEVEL) -> MemoryInterval:
 
 
 MemoryRule = Literal["estimate", "sure"]
-MEMORY_RULES: tuple[MemoryRule, ...] = ("estimate", "sure")
 DEFAULT_MEMORY_RULE: MemoryRule = "estimate"
 
 
@@ -365,5 +365,6 @@ def memory_share(rule: MemoryRule) -> float:
         return 1.0
     hi = memory_interval().hi
     if not math.isfinite(hi):
-        raise ValueError("too few measured peaks for a 95 % memory bound")
+        raise InputError(f"--memory sure needs a {100 * MEMORY_LEVEL:.0f} % bound on the memory model's error, and "
+                         f"the shipped measured peaks are too few for one; use --memory estimate")
     return math.exp(-hi)

@@ -783,7 +783,7 @@ class _Search(SearchCosts):
             if not rules:
                 return f"no configuration of {n} GPUs passes the divisibility rules with these pins; unpin some"
             return f"no configuration of {n} GPUs passes the divisibility rules: {rules}"
-        need = _gpus_needed(model, hbm, self.cluster.gpus_per_node)
+        need = _gpus_needed(model, hbm * self.memory_share, self.cluster.gpus_per_node)
         closest = ""
         if self.closest_memory is not None:
             closest = f"; the closest candidate ({self.closest_memory[1]}) needs {self.closest_memory[0] / GIB:.1f} GiB"
