@@ -35,7 +35,8 @@ def calibrate(
     to measured step times, each held near its default by a prior; never a factor per run.
 
     Prints each factor as fitted with its spread, the error on the runs before and after, and the error on runs
-    left out of the fit (5 folds, or one run at a time when there are fewer).
+    left out of the fit (5 folds, or one run at a time when there are fewer). Where the runs report their peak
+    memory, a factor on the layers' activations is fit to it the same way.
     """
     from meshplan.costmodels.fit import calibration_from_runs, memory_errors
     from meshplan.planner.measured_runs import read_runs
@@ -72,8 +73,12 @@ def calibrate(
     else:
         con.print("one run: no run is left to check the fit on; measure more layouts")
     memory = memory_errors(steps)
-    if memory:
+    if memory and cal.activations is not None and cal.memory_error_before is not None:
         kinds = ", ".join(sorted({s.memory_kind for s, _ in memory}))
-        errors = ", ".join(f"{100 * e:+.1f} %" for _, e in memory)
-        con.print(f"peak memory, predicted against measured ({kinds}; not calibrated): {errors}")
+        con.print(f"peak memory ({cal.memory_runs} run(s), {kinds}): activations x {cal.activations.factor:.3f} "
+                  f"(1 sd {100 * cal.activations.log_sd:.0f} %); error {100 * cal.memory_error_before:.1f} % with the "
+                  f"defaults, {100 * (cal.memory_error_after or 0.0):.1f} % calibrated")
+        if cal.memory_held_out_before is not None and cal.memory_held_out_after is not None:
+            con.print(f"peak memory left out of the fit: {100 * cal.memory_held_out_before:.1f} % with the defaults, "
+                      f"{100 * cal.memory_held_out_after:.1f} % calibrated")
     con.print(f"calibration written to {out}; use it with --calibration {out}")

@@ -43,6 +43,7 @@ class Efficiency:
     optimizer_s_per_param: float | None = None  # measured optimizer step per local parameter
     curve_peak: float = 0.0  # the 16-bit peak the curves were measured against (fp8 GEMMs: half the time)
     activation_ratios: tuple[tuple[str, float], ...] = ()  # (recompute mode, measured / formula activations)
+    activation_factor: float = 1.0  # on every layer's activations: fit to measured peak memory (fit.fit_memory)
     calibration: str | None = None  # "file name sha256:..." of the calibration, for the plan's record
     # kernel ceilings beyond the BF16 GEMM (hardware_db.gpu.EfficiencyDefaults; kernels.py states the physics)
     gemm_k_half: float = 0.0
@@ -134,7 +135,7 @@ class Efficiency:
 
     def activation_ratio(self, mode: str) -> float:
         """Measured / formula activation bytes of a layer under this recompute mode (1 where not calibrated)."""
-        return next((r for m, r in self.activation_ratios if m == mode), 1.0)
+        return self.activation_factor * next((r for m, r in self.activation_ratios if m == mode), 1.0)
 
     def memory_op_time(self, name: str, bytes_: float) -> float | None:
         """A memory-bound operator's measured alpha + bytes / rate for its class, None without a calibration."""
@@ -187,7 +188,8 @@ def factor_cluster(spec: ClusterSpec, cal: FactorCalibration, origin: str) -> tu
     gpu = load_gpu(spec.gpu)
     gpu, eff = scaled(gpu, Efficiency.from_gpu(gpu), cal.log_factors())
     label = f"{origin.rsplit('/', 1)[-1]} sha256:{digest(cal)}"
-    return Cluster(spec, gpu=gpu), dataclasses.replace(eff, calibration=label)
+    activations = 1.0 if cal.activations is None else cal.activations.factor
+    return Cluster(spec, gpu=gpu), dataclasses.replace(eff, calibration=label, activation_factor=activations)
 
 
 def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str,

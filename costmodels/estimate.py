@@ -58,8 +58,9 @@ class Estimate:
     # how far measured runs of its region were from their predictions (costmodels/uncertainty.py); None under a
     # calibration or with physics switched off, whose errors the shipped residuals do not describe
     interval: Interval | None = None
-    # how far measured peak memory was from its prediction (costmodels/uncertainty.py memory_interval): memory is not
-    # calibrated, so a calibrated estimate has it too
+    # how far measured peak memory was from its prediction (costmodels/uncertainty.py memory_interval); None where a
+    # calibration moved the activations (the shipped errors describe the default memory model), kept under one that
+    # moved time only
     memory_interval: MemoryInterval | None = None
 
     @property
@@ -189,7 +190,7 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
         realism=realism_check(cluster.spec.gpu, model.moe is not None, workload.dtype, mfu,
                               None if interval is None else mfu * math.exp(-interval.hi)),
         interval=interval,
-        memory_interval=memory_interval(),
+        memory_interval=memory_interval() if eff.activation_factor == 1.0 and not eff.activation_ratios else None,
     )
     return Simulated(est, timeline, ctx.p2p_s)
 

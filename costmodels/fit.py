@@ -18,6 +18,7 @@ the Jacobian by forward differences. The posterior spread of each parameter is t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import numpy as np
 from meshplan.costmodels.config import ParallelConfig, Workload
 from meshplan.costmodels.efficiency import Efficiency, scaled
 from meshplan.costmodels.estimate import estimate
+from meshplan.costmodels.memory import GIB
 from meshplan.costmodels.model import ModelSpec
 from meshplan.hardware_db.calibration import CALIBRATION_SCHEMA_VERSION, FactorCalibration, FittedFactor
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
@@ -41,6 +43,12 @@ MemoryKind = Literal["peak", "allocated", "reserved"]
 # more, as its kernels differ between versions (FA2, FA3, cuDNN); the network's achieved share depends on the fabric
 # and NCCL's tuning, tens of percent between clusters of one GPU; the launch cost (4 us) is a rough assumption.
 PRIOR_SD = {"gemm": 0.1, "attention": 0.15, "memory": 0.1, "network": 0.3, "overhead": 0.7}
+# Memory: one factor on the layers' activations (the term the memory model derives, where frameworks differ most:
+# what each saves for the backward; the model states are exact counts). Its prior spread and a measured peak's
+# noise, log: stated assumptions. The development sets' peaks sit within -9..+9 % of the defaults but for
+# torchtitan's pipelined 405B runs (benchmarks/RESULTS.md), so 0.2 lets a framework's own saving habits show.
+ACTIVATION_PRIOR_SD = 0.2
+MEMORY_NOISE_SD = 0.05
 NOISE_SD = 0.1  # a measured step against the model's, log: the development sets' cross-validated error (~10 %)
 STEP = 0.01  # forward-difference step, in log factor
 FOLDS = 5  # the held-out error's folds (fewer runs: leave one out)
@@ -80,6 +88,58 @@ def predicted_steps(steps: Sequence[MeasuredStep], gpu: GPUSpec, log_factors: di
     g, eff = scaled(gpu, Efficiency.from_gpu(gpu), log_factors)
     return np.array([estimate(s.model, Cluster(s.cluster, gpu=g), s.workload, s.config, s.runtime, eff).step_time_s
                      for s in steps])
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """The fitted log factor on activation memory with its posterior spread, and each run's residual
+    log(predicted / measured peak) before and after."""
+
+    log_factor: float
+    log_sd: float
+    before: tuple[float, ...]
+    after: tuple[float, ...]
+
+
+def predicted_peaks(steps: Sequence[MeasuredStep], log_activation: float) -> np.ndarray:
+    """Each run's predicted peak memory (GiB) in what its measurement counts, with the activations scaled: the
+    fullest stage's total with its fragmentation allowance for a reserved or unspecified peak, without it for
+    Megatron's max allocated (the allocator's blocks, not its cache)."""
+    out = []
+    for s in steps:
+        gpu = load_gpu(s.cluster.gpu)
+        eff = dataclasses.replace(Efficiency.from_gpu(gpu), activation_factor=math.exp(log_activation))
+        est = estimate(s.model, Cluster(s.cluster, gpu=gpu), s.workload, s.config, s.runtime, eff)
+        top = max(est.stages, key=lambda stage: stage.peak_gib)
+        out.append(top.peak_gib - (top.memory.fragmentation / GIB if s.memory_kind == "allocated" else 0.0))
+    return np.array(out)
+
+
+def fit_memory(steps: Sequence[MeasuredStep], prior_sd: float = ACTIVATION_PRIOR_SD,
+               noise_sd: float = MEMORY_NOISE_SD, iterations: int = 12) -> MemoryFit | None:
+    """The activation factor that best explains the runs' measured peaks under its prior (centred on 1), as fit()
+    does for step times: Gauss-Newton in log space, one parameter. None without a measured peak."""
+    measured_runs = [s for s in steps if s.peak_memory_gib is not None]
+    if not measured_runs:
+        return None
+    measured = np.log([s.peak_memory_gib or 0.0 for s in measured_runs])
+
+    def residuals(theta: float) -> np.ndarray:
+        return np.log(predicted_peaks(measured_runs, theta)) - measured
+
+    theta, r = 0.0, residuals(0.0)
+    before = r
+    slope = np.zeros(len(measured_runs))
+    for _ in range(iterations):
+        slope = (residuals(theta + STEP) - r) / STEP
+        normal = float(slope @ slope) / noise_sd ** 2 + 1 / prior_sd ** 2
+        delta = -(float(slope @ r) / noise_sd ** 2 + theta / prior_sd ** 2) / normal
+        theta += delta
+        r = residuals(theta)
+        if abs(delta) < 1e-4:
+            break
+    spread = (float(slope @ slope) / noise_sd ** 2 + 1 / prior_sd ** 2) ** -0.5
+    return MemoryFit(theta, spread, tuple(before.tolist()), tuple(r.tolist()))
 
 
 def memory_errors(steps: Sequence[MeasuredStep]) -> list[tuple[MeasuredStep, float]]:
@@ -173,4 +233,33 @@ def calibration_from_runs(steps: Sequence[MeasuredStep], sources: Sequence[str],
         error_before=float(np.mean([abs(math.exp(-r) - 1) for r in fitted.before])),
         error_after=float(np.mean([abs(math.exp(-r) - 1) for r in fitted.after])),
         held_out_before=float(np.mean(held_before)) if held_before else None,
-        held_out_after=float(np.mean(held_after)) if held_after else None)
+        held_out_after=float(np.mean(held_after)) if held_after else None,
+        **memory_calibration(steps))
+
+
+def memory_calibration(steps: Sequence[MeasuredStep]) -> dict:
+    """The calibration's memory fields: the activation factor fit to every run with a measured peak, its error on
+    them before and after, and held out (each of up to FOLDS folds predicted by a fit to the others); nothing
+    without a measured peak."""
+    measured = [s for s in steps if s.peak_memory_gib is not None]
+    fitted = fit_memory(measured)
+    if fitted is None:
+        return {}
+    folds = min(len(measured), FOLDS)
+    held_before: list[float] = []
+    held_after: list[float] = []
+    for k in range(folds if folds > 1 else 0):
+        test = measured[k::folds]
+        part = fit_memory([s for n, s in enumerate(measured) if n % folds != k])
+        assert part is not None
+        for s, defaults, after in zip(test, predicted_peaks(test, 0.0).tolist(),
+                                      predicted_peaks(test, part.log_factor).tolist(), strict=True):
+            assert s.peak_memory_gib is not None
+            held_before.append(abs(defaults / s.peak_memory_gib - 1))
+            held_after.append(abs(after / s.peak_memory_gib - 1))
+    return {"activations": FittedFactor(factor=math.exp(fitted.log_factor), log_sd=fitted.log_sd),
+            "memory_runs": len(measured),
+            "memory_error_before": float(np.mean([abs(math.exp(r) - 1) for r in fitted.before])),
+            "memory_error_after": float(np.mean([abs(math.exp(r) - 1) for r in fitted.after])),
+            "memory_held_out_before": float(np.mean(held_before)) if held_before else None,
+            "memory_held_out_after": float(np.mean(held_after)) if held_after else None}

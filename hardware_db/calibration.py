@@ -258,6 +258,14 @@ class FactorCalibration(_Frozen):
     error_after: float = Field(ge=0, description="the same with the factors (runs the fit saw)")
     held_out_before: float | None = Field(default=None, ge=0, description="MAPE of runs left out of the fit")
     held_out_after: float | None = Field(default=None, ge=0)
+    # memory, where the runs report their peak (costmodels/fit.py fit_memory): one factor on the layers' activations
+    activations: FittedFactor | None = Field(default=None, description=(
+        "factor on every layer's predicted activation memory, fit to the runs' measured peaks"))
+    memory_runs: int = Field(default=0, ge=0, description="runs with a measured peak memory")
+    memory_error_before: float | None = Field(default=None, ge=0, description="MAPE of those peaks, defaults")
+    memory_error_after: float | None = Field(default=None, ge=0, description="the same with the factor")
+    memory_held_out_before: float | None = Field(default=None, ge=0, description="MAPE of peaks left out of the fit")
+    memory_held_out_after: float | None = Field(default=None, ge=0)
 
     def log_factors(self) -> dict[str, float]:
         return {name: math.log(f.factor) for name, f in self.factors.items()}

@@ -133,6 +133,9 @@ def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, co
         raise InputError(f"--rank {rank} ranks by the intervals of the uncalibrated model (its cross-validated "
                          f"errors), and a calibrated prediction has none; use --rank expected with --calibration")
     hardware, eff = calibrated(cluster, calibration, runtime)
+    if memory == "sure" and eff is not None and (eff.activation_factor != 1.0 or eff.activation_ratios):
+        raise InputError(f"--memory sure reads the default memory model's error on measured peaks, and {calibration} "
+                         f"moves the activations; use --memory estimate with it")
     result = search(spec, hardware, workload, config, runtime, efficiency=eff, top_k=top, time_limit_s=time_limit_s,
                     progress=progress, max_mbs=max_mbs, ranking=Ranking(rank), memory_share=memory_share(memory))
     if not result.plans:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from meshplan.costmodels.config import ParallelConfig, TrainDtype, Workload, resolve
-from meshplan.costmodels.fit import MeasuredStep
+from meshplan.costmodels.fit import MeasuredStep, MemoryKind
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME, get_runtime
@@ -63,6 +63,9 @@ class RunEntry(BaseModel):
     step_time_s: float | None = Field(default=None, gt=0)
     tokens_per_s_per_gpu: float | None = Field(default=None, gt=0)
     peak_memory_gib: float | None = Field(default=None, gt=0)  # optional: the largest peak any GPU reached
+    # what that peak counts: "allocated" (the allocator's blocks: Megatron's max allocated), "reserved" (its cache
+    # too: torchtitan's max reserved), or "peak" (not said; compared as reserved)
+    memory_kind: MemoryKind = "peak"
     source: str = ""
     layout: dict[str, Any] = Field(default_factory=dict)
 
@@ -96,7 +99,7 @@ class LogEntry(BaseModel):
 
 
 FROM_THE_LOG = ("gpus", "global_batch", "seq_len", "dtype", "fp8_recipe", "step_time_s", "tokens_per_s_per_gpu",
-                "peak_memory_gib", "layout")
+                "peak_memory_gib", "memory_kind", "layout")
 
 
 def read_runs(path: str | Path) -> list[MeasuredStep]:
@@ -187,4 +190,4 @@ def _step(entry: Any, where: str) -> MeasuredStep:
     if step is None:
         assert run.tokens_per_s_per_gpu is not None
         step = workload.tokens / (run.tokens_per_s_per_gpu * run.gpus)
-    return MeasuredStep(model, spec, workload, config, run.runtime, step, run.peak_memory_gib)
+    return MeasuredStep(model, spec, workload, config, run.runtime, step, run.peak_memory_gib, run.memory_kind)

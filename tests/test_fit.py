@@ -123,6 +123,56 @@ def test_calibrate_writes_a_calibration_that_estimate_takes(tmp_path, capsys):
     assert miss < abs(default["step_time_s"] / probe.step_time_s - 1) / 3 and miss < 0.03
 
 
+def test_peaks_made_with_a_known_activation_factor_give_it_back():
+    """Peak memory the model predicts with the layers' activations x 1.3 (three kinds of run: data parallel, TP 8,
+    a 70B pipeline; allocated and reserved peaks) gives 1.3 back under a wide prior, and part of the way under the
+    default one; with no peak there is nothing to fit."""
+    import dataclasses
+
+    from meshplan.costmodels.fit import fit_memory, predicted_peaks
+
+    runs = [r for n, r in enumerate(_runs({})) if n in (0, 1, 4)]
+    kinds = ("allocated", "reserved", "peak")
+    true = math.log(1.3)
+    peaks = predicted_peaks([dataclasses.replace(r, memory_kind=k) for r, k in zip(runs, kinds, strict=True)], true)
+    measured = [dataclasses.replace(r, peak_memory_gib=float(p), memory_kind=k)
+                for r, p, k in zip(runs, peaks, kinds, strict=True)]
+    got = fit_memory(measured, prior_sd=3.0)  # a prior that holds nothing
+    assert got is not None and abs(got.log_factor - true) < 0.01
+    assert max(abs(r) for r in got.after) < 0.002 < 0.03 < max(abs(r) for r in got.before)
+    held = fit_memory(measured)  # the default prior: activations are part of a peak, so it pulls towards 1
+    assert held is not None and 0 < held.log_factor < true and held.log_sd < got.log_sd  # the prior informs too
+    assert fit_memory(runs) is None
+    defaults = predicted_peaks(measured, 0.0)
+    assert all(p < q for p, q in zip(defaults, peaks, strict=True))  # the factor raises every peak
+
+
+def test_a_calibration_with_peaks_moves_memory_and_drops_the_memory_range(tmp_path, capsys):
+    """Runs with measured peaks give the calibration an activation factor; `estimate --calibration` then predicts
+    a peak scaled by it, with no memory range (the shipped errors describe the default memory model), and `plan
+    --memory sure` with it is one error line."""
+    import json
+
+    from cli_helpers import assert_input_error, run
+
+    runs = _runs({})[:2]
+    text = _runs_toml(runs).replace("[run.layout]", "peak_memory_gib = 60.0\nmemory_kind = \"reserved\"\n[run.layout]")
+    (tmp_path / "runs.toml").write_text(text)
+    code, out, err = run(capsys, "calibrate", "--runs", str(tmp_path / "runs.toml"), "--out", str(tmp_path / "c.json"))
+    assert code == 0, err
+    assert "peak memory (2 run(s), reserved): activations x" in " ".join(out.split())
+    cal = json.loads((tmp_path / "c.json").read_text())
+    assert cal["memory_runs"] == 2 and cal["activations"]["factor"] > 1  # 60 GiB is above both predictions
+    args = ("estimate", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "64", "--seq", "4096",
+            "--json")
+    calibrated = json.loads(run(capsys, *args, "--calibration", str(tmp_path / "c.json"))[1])
+    default = json.loads(run(capsys, *args)[1])
+    assert calibrated["memory_range"] is None and default["memory_range"] is not None
+    assert calibrated["peak_memory_gib"] > default["peak_memory_gib"]
+    assert_input_error(*run(capsys, "plan", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--memory", "sure",
+                            "--calibration", str(tmp_path / "c.json")), "--memory estimate")
+
+
 def test_bad_runs_files_are_one_line(tmp_path, capsys):
     from cli_helpers import assert_input_error, run
 

@@ -127,9 +127,11 @@ def test_calibrate_takes_the_logs_and_plan_takes_the_calibration(tmp_path, capsy
         out = tmp_path / f"{gpu}.json"
         code, text, err = run(capsys, "calibrate", "--runs", str(LOGS / runs), "--out", str(out))
         assert code == 0, err
-        assert "peak memory, predicted against measured" in text
+        assert "peak memory (" in text and "activations x" in text
         cal = json.loads(out.read_text())
         assert cal["kind"] == "factors" and cal["gpu"] == gpu and cal["error_after"] < cal["error_before"]
+        assert cal["memory_runs"] == len(read_runs(LOGS / runs))
+        assert cal["memory_error_after"] <= cal["memory_error_before"]
         code, text, err = run(capsys, "plan", "-m", "llama3.1-8b", "--gpu", gpu, "--gpus", "8", "--gbs", "8", "--seq",
                               "8192", "--runtime", runtime, "--calibration", str(out), "--json")
         assert code == 0, err

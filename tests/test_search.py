@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from meshplan.cli.main import main
 from meshplan.costmodels.config import ParallelConfig, StagePolicy, Workload, resolve
+from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.estimate import Estimate, estimate, simulate_config
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model, load_zoo
@@ -245,7 +246,8 @@ def compositions(total: int, parts: int):
 
 def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: ParallelConfig, max_mbs: int,
                        runtime: str = DEFAULT_RUNTIME, key: Callable[[Estimate], float] | None = None,
-                       memory_share: float = 1.0) -> tuple[float, ParallelConfig | None, int]:
+                       memory_share: float = 1.0, efficiency: Efficiency | None = None,
+                       ) -> tuple[float, ParallelConfig | None, int]:
     """The fastest fitting configuration of the search space with uniform recomputation (or the one least by
     `key`; fitting in `memory_share` of the HBM): every candidate of enumerate_space, every stage partition when
     vpp == 1 (with virtual stages every split of space.interleaved_chunks), each estimated."""
@@ -267,7 +269,7 @@ def exhaustive_minimum(model: ModelSpec, c: Cluster, wl: Workload, pins: Paralle
                                              etp=m.etp, mbs=g.mbs, zero=zero, recompute=rec, sp=sp,
                                              schedule=schedule, stage_layers=stage_layers, chunk_layers=chunks,
                                              rank_order=m.order)
-                        est = estimate(model, c, wl, cfg, runtime)
+                        est = estimate(model, c, wl, cfg, runtime, efficiency)
                         count += 1
                         value = est.step_time_s if key is None else key(est)
                         if est.peak_memory_gib <= est.hbm_gib * memory_share and value < best:
@@ -399,6 +401,22 @@ def test_a_memory_share_is_the_exhaustive_optimum_within_that_share():
         search(model, c, wl, pins, memory_share=0.0)
     nothing = search(model, c, wl, pins, max_mbs=2, memory_share=0.01)
     assert not nothing.plans and "--memory sure" in (nothing.why_nothing_fits or "")
+
+
+def test_a_calibrated_activation_factor_keeps_the_memory_bounds_sound():
+    """Under a calibration's activation factor (fit.fit_memory) the search's memory floors read the same scaled
+    activations as the estimate: on a memory-bound space it finds the exhaustive optimum, which needs more memory
+    relief than at factor 1."""
+    import dataclasses
+
+    model, c, wl = shrunk("llama3.1-8b", 8), cluster(8, "a100-40gb"), Workload(global_batch=16, seq_len=4096)
+    pins = ParallelConfig(cp=1)
+    eff = dataclasses.replace(Efficiency.from_gpu(c.gpu), activation_factor=1.6)
+    result = search(model, c, wl, pins, efficiency=eff, top_k=3, max_mbs=2)
+    truth, arg, count = exhaustive_minimum(model, c, wl, pins, 2, efficiency=eff)
+    assert count > 100 and result.account.status == "optimal", describe(result)
+    assert close(result.plans[0].step_time_s, truth), (result.plans[0].config, arg)
+    assert result.plans[0].step_time_s >= search(model, c, wl, pins, top_k=1, max_mbs=2).plans[0].step_time_s
 
 
 def per_stage_menu(layers: int) -> list[StagePolicy]:
