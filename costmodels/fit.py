@@ -1,5 +1,6 @@
 """Calibration from measured runs (issue 44, item 1): a few physical parameters of the cost model, each a factor on
-its sourced default, fit to measured step times. Never a per-run factor: every run shares the same few.
+its sourced default, fit to measured step times; and, where the runs give their peak memory, one factor on the
+layers' activations fit to it (fit_memory). Never a per-run factor: every run shares the same few.
 
 Each parameter is the log of a factor on defaults the hardware database states (hardware_db/gpus/*.toml):
 - gemm: every GEMM kernel ceiling (BF16, FP8, grouped);
@@ -143,8 +144,8 @@ def fit_memory(steps: Sequence[MeasuredStep], prior_sd: float = ACTIVATION_PRIOR
 
 
 def memory_errors(steps: Sequence[MeasuredStep]) -> list[tuple[MeasuredStep, float]]:
-    """(run, predicted / measured - 1) of peak memory for the runs that report it. Nothing here is fit to memory:
-    the factors move time only."""
+    """(run, predicted / measured - 1) of peak memory with the defaults, for the runs that report it (fit_memory
+    fits the activation factor; the time factors move time only)."""
     out = []
     for s in steps:
         if s.peak_memory_gib is not None:
