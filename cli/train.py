@@ -307,7 +307,7 @@ def plan(
     weighed = None
     if objective != "time":
         weighed = _rightsized(spec, cluster, workload, config, runtime, calibration, budget, objective,
-                              not outputs.as_json)
+                              not outputs.as_json, rank, memory)
         cluster = cluster.model_copy(update={"num_gpus": weighed.best.gpus})
     with ProgressBar(not outputs.as_json, "searching", "groups") as bar:
         found = api.search_plans(spec, cluster, workload, config, runtime, calibration, top, time_limit,
@@ -403,12 +403,14 @@ class Weighed:
 
 
 def _rightsized(spec: ModelSpec, cluster: ClusterSpec, workload: Workload, config: ParallelConfig, runtime: str,
-                calibration: str | None, budget: Budget, objective: Objective, show: bool) -> Weighed:
-    """The best plan on --gpus and each halving, priced; the one the objective picks."""
+                calibration: str | None, budget: Budget, objective: Objective, show: bool,
+                rank: RankKind = DEFAULT_RANK, memory: MemoryRule = DEFAULT_MEMORY_RULE) -> Weighed:
+    """The best plan on --gpus and each halving (by --rank, fitting as --memory says), priced; the one the objective
+    picks."""
     counts = halvings(cluster.num_gpus, 1)
     with ProgressBar(show, "planning", "clusters") as bar:
         sw = api.sweep(spec, [cluster.gpu], counts, workload, cluster, budget, objective, config, runtime, calibration,
-                       progress=bar)
+                       progress=bar, rank=rank, memory=memory)
     if sw.best is None:
         reasons = "; ".join(f"{p.gpus} GPUs: {p.why}" for p in sw.points[:1])
         raise InputError(f"no plan fits on {cluster.num_gpus} GPUs or fewer ({reasons})")

@@ -152,10 +152,11 @@ def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, co
 def sweep(model: ModelInput, gpus: Sequence[str], counts: Sequence[int], workload: Workload,
           links: ClusterSpec | None = None, budget: Budget = Budget(), objective: Objective = "time",
           config: ParallelConfig = ParallelConfig(), runtime: str = DEFAULT_RUNTIME, calibration: str | None = None,
-          progress: Callable[[int, int], None] | None = None) -> Sweep:
+          progress: Callable[[int, int], None] | None = None, rank: RankKind = DEFAULT_RANK,
+          memory: MemoryRule = DEFAULT_MEMORY_RULE) -> Sweep:
     """The best plan on every GPU type x count (the link settings of `links`, when given, on each), priced with
-    `budget`; a count where nothing fits, or that does not fill whole nodes, is kept with why. Unknown GPU names
-    fail before any search."""
+    `budget`, "best" and "fits" as search_plans' `rank` and `memory` say; a count where nothing fits, or that does
+    not fill whole nodes, is kept with why. Unknown GPU names fail before any search."""
     spec = _model(model)
     for name in gpus:
         load_gpu(name)
@@ -166,7 +167,7 @@ def sweep(model: ModelInput, gpus: Sequence[str], counts: Sequence[int], workloa
         for n in counts:
             try:
                 found = search_plans(spec, ClusterSpec(gpu=gpu, num_gpus=n, **template), workload, config, runtime,
-                                     calibration, top=1, budget=budget)
+                                     calibration, top=1, budget=budget, rank=rank, memory=memory)
             except InputError as exc:
                 points.append(SweepPoint(gpu, n, None, str(exc)))
             else:

@@ -247,6 +247,13 @@ def test_an_estimate_and_a_plan_carry_the_memory_verdict(tmp_path, capsys):
     assert sure["prediction"]["memory_range"]["verdict"] == "fits"
     assert sure["search"]["memory_share"] == pytest.approx(math.exp(-shipped.hi))
     assert "memory of plan #1: fits with 95 % confidence" in " ".join(capsys.readouterr().out.split())
+    from meshplan import api  # the sweep under --objective cost keeps the same rule
+
+    swept = api.sweep("llama3.1-8b", ["h100-sxm"], [8], Workload(global_batch=64, seq_len=8192), memory="sure")
+    point = swept.points[0].plan
+    assert point is not None and point.search is not None
+    assert point.search.memory_share == pytest.approx(math.exp(-shipped.hi))
+    assert point.prediction.memory_range is not None and point.prediction.memory_range.verdict == "fits"
     assert main(["estimate", *args, "--recompute", "full", "--mbs", "1"]) in (0, None)
     out = " ".join(capsys.readouterr().out.split())
     assert "memory: fits with 95 % confidence" in out, out[-400:]
