@@ -3,6 +3,7 @@ out: a run's own paper or page (a GitHub page at any commit, an MLPerf round) is
 is made from.
 
 Usage:  python benchmarks/crossval.py [--level 0.8] [--markdown] [--write costmodels/residuals.json] [--few-shot]
+                                     [--kernels]
 
 Setting (a), the defaults: every run predicted with its GPU's default efficiencies (benchmarks/reference_runs.py),
 and an interval for it at --level from the residuals of the other publications' runs in its region
@@ -11,9 +12,11 @@ mean signed error, the share of held-out runs inside their interval (the target 
 the intervals' median width, overall and per group (issue 44's groups). Nothing is fit in setting (a), but the
 defaults' physics was developed with these sets in view: its errors are not strictly held out, its intervals are.
 --write saves every run's region and residual: the table `estimate` and `plan` make their intervals from
-(costmodels/uncertainty.py measured_residuals; a new configuration is no run of the sets, so all of them count).
-Settings (b) (with public kernel tables) and (c) (few-shot: three runs of a page or cluster) need `meshplan
-calibrate`, issue 44's first item, and are not here yet.
+(costmodels/uncertainty.py measured_residuals; a new configuration is no run of the sets, so all of them count), and
+every measured peak memory's residual (the sets' and the example logs'), which the memory range is made from
+(uncertainty.memory_interval). Also printed: the memory checks (layouts over the HBM and their verdicts, the peaks'
+error, the range's held-out coverage). --kernels adds setting (b), AIConfigurator's measured GEMMs (meshplan[aic]);
+--few-shot setting (c), calibrated on three runs of a page and GPU, its other runs predicted.
 """
 
 from __future__ import annotations
