@@ -43,11 +43,9 @@ from reference_runs import (DEFAULT_YAML, Row, configure, evaluate, evaluate_run
                             run_config, run_model, run_runtime, run_workload)
 
 from meshplan.costmodels.config import resolve
-from meshplan.costmodels.estimate import estimate
-from meshplan.costmodels.fit import MeasuredStep, fit, predicted_steps
+from meshplan.costmodels.fit import MeasuredStep, fit, memory_errors, predicted_steps
 from meshplan.costmodels.uncertainty import (MEMORY_LEVEL, Interval, MemoryRun, Region, memory_interval_of,
                                              region_interval, region_of, residual)
-from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.gpu import load_gpu
 from meshplan.planner.measured_runs import read_runs
 from meshplan.planner.plan import write_text_atomic
@@ -196,13 +194,10 @@ def memory_runs(runs: list[Held], logs: Path = LOGS, files: tuple[str, ...] = LO
     out = [MemoryRun(h.row.id, h.publication, "reserved", math.log(h.row.published_gib / h.row.peak_gib))
            for h in runs if h.row.published_gib]
     for path in (logs / name for name in files):
-        for n, step in enumerate(read_runs(path)):
-            if step.peak_memory_gib is None or step.memory_kind not in ("reserved", "allocated"):
-                continue
-            predicted = estimate(step.model, Cluster(step.cluster), step.workload, step.config,
-                                 step.runtime).peak_memory_gib
-            out.append(MemoryRun(f"{path.stem}#{n + 1}", f"examples/logs/{path.name}", step.memory_kind,
-                                 math.log(step.peak_memory_gib / predicted)))
+        for n, (step, error) in enumerate(memory_errors(read_runs(path))):  # error: predicted / measured - 1
+            if step.memory_kind in ("reserved", "allocated"):
+                out.append(MemoryRun(f"{path.stem}#{n + 1}", f"examples/logs/{path.name}", step.memory_kind,
+                                     -math.log1p(error)))
     return out
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshplan.costmodels import comm
-from meshplan.costmodels.kernel_tables import SYSTEMS, _package
+from meshplan.costmodels.kernel_tables import SYSTEMS, aic_package
 from meshplan.costmodels.timing import group_link
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 
@@ -46,7 +46,7 @@ def table_rows(system: str) -> tuple[list[dict], str]:
     import pyarrow.parquet as pq
     from packaging.version import Version
 
-    folder = _package().joinpath("systems", "data", system, "comm", "sglang")
+    folder = aic_package().joinpath("systems", "data", system, "comm", "sglang")
     if not folder.is_dir():
         return [], ""
     versions = sorted((v.name for v in folder.iterdir() if v.joinpath(TABLE).is_file()), key=Version, reverse=True)

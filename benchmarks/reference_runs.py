@@ -54,11 +54,15 @@ class Row:
     step_time_s: float
     mfu: float
     groups: tuple[tuple[str, str], ...] = ()  # (group kind, value): gpu, experts, precision, framework, sequence
-    fits: bool = True
     peak_gib: float = 0.0  # predicted peak memory where the source measures it (torchtitan: rank 0's stage)
     published_gib: float | None = None  # the source's peak memory per GPU, where it gives one
     fullest_gib: float = 0.0  # predicted peak memory of the fullest stage: what `fits` compares with the HBM
     hbm_gib: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        """The estimate's own test (Estimate.fits): the fullest stage within the HBM."""
+        return self.fullest_gib <= self.hbm_gib
 
     @property
     def error(self) -> float:
@@ -139,15 +143,15 @@ def evaluate(entry: dict, efficiency: Efficiency | None = None, physics: Physics
               ("framework", runtime), ("sequence", ">= 32K" if wl.seq_len >= 32768 else "< 32K"))
     if metric.get("iteration_time_s"):
         return Row(entry["id"], "iteration s", metric["iteration_time_s"], est.step_time_s, est.step_time_s, est.mfu,
-                   groups, est.fits, fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib)
+                   groups, fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib)
     if metric.get("tflops_per_gpu"):
         counts_recompute = "Eq.3" in str(metric.get("flops_accounting", ""))
         flops = megatron_flops(entry, wl.global_batch, counts_recompute)
         return Row(entry["id"], "TFLOP/s/GPU", metric["tflops_per_gpu"], flops / est.step_time_s / gpus / 1e12,
-                   est.step_time_s, est.mfu, groups, est.fits, fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib)
+                   est.step_time_s, est.mfu, groups, fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib)
     peak = entry["hardware"]["peak_tflops_bf16_dense"] * 1e12
     mfu = megatron_flops(entry, wl.global_batch, False) / est.step_time_s / gpus / peak
-    return Row(entry["id"], "MFU", metric["mfu"], mfu, est.step_time_s, est.mfu, groups, est.fits,
+    return Row(entry["id"], "MFU", metric["mfu"], mfu, est.step_time_s, est.mfu, groups,
                fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib)
 
 
@@ -253,8 +257,8 @@ def evaluate_run(run: Run, efficiency: Efficiency | None = None, physics: Physic
     # torchtitan's published memory is rank 0's log line (run_train.sh LOG_RANK=0; the allocator's max_reserved):
     # the first pipeline stage; other sources state the peak over the job
     memory = est.stages[0].peak_gib if run.runtime == "torchtitan" else max(s.peak_gib for s in est.stages)
-    return Row(run.id, label, run.value, predicted, est.step_time_s, est.mfu, groups, est.fits, memory,
-               run.memory_gib, est.peak_memory_gib, est.hbm_gib)
+    return Row(run.id, label, run.value, predicted, est.step_time_s, est.mfu, groups, memory, run.memory_gib,
+               est.peak_memory_gib, est.hbm_gib)
 
 
 def run_cluster(run: Run) -> Cluster:

@@ -58,7 +58,7 @@ class KernelFactor:
     rows: int
 
 
-def _package() -> Any:
+def aic_package() -> Any:
     try:
         return resources.files(PACKAGE)
     except ModuleNotFoundError:
@@ -70,7 +70,7 @@ def gemm_table_path(gpu: str) -> tuple[Any, str]:
     system = SYSTEMS.get(gpu)
     if system is None:
         raise InputError(f"AIConfigurator has no GEMM table for {gpu}; it covers {', '.join(sorted(SYSTEMS))}")
-    folder = _package().joinpath("systems", "data", system, "gemm", FRAMEWORK)
+    folder = aic_package().joinpath("systems", "data", system, "gemm", FRAMEWORK)
     if not folder.is_dir():
         raise InputError(f"the installed aiconfigurator-core has no {FRAMEWORK} GEMM table for {system} ({gpu}); "
                          f"upgrade it ({EXTRA})")
