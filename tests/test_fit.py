@@ -185,6 +185,8 @@ def test_bad_runs_files_are_one_line(tmp_path, capsys):
         "degrees": (good.replace("tp = 1", "tp = 3"), "run 1"),
         "unknown knob": (good.replace("tp = 1", "tpp = 1"), "tpp"),
         "a count as text": (good.replace("gpus = 8", 'gpus = "8"'), "gpus"),  # strict, as every file read
+        "a memory kind": (good.replace("[run.layout]", 'peak_memory_gib = 50.0\nmemory_kind = "cached"\n[run.layout]'),
+                          "memory_kind"),
     }
     for name, (text, word) in cases.items():
         path = tmp_path / f"{name}.toml"

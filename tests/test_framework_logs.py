@@ -152,6 +152,7 @@ def test_bad_log_runs_are_one_line(tmp_path, capsys):
     titan = '[[run]]\nlog = "t.log"\nformat = "torchtitan"\nconfig = "t.toml"\ngpu = "h200"\n'
     cases = {
         "layout given": (entry + "gpus = 8\n", "gpus is read from the log"),
+        "memory kind given": (entry + 'memory_kind = "reserved"\n', "memory_kind is read from the log"),
         "no block": (entry.replace("m.log", "cut.log"), "end of arguments"),
         "no such log": (entry.replace("m.log", "none.log"), "none.log"),
         "one interval": (entry.replace("m.log", "short.log"), "warm-up"),
