@@ -28,6 +28,7 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -234,6 +235,21 @@ def memory_check(memory: list[MemoryRun], level: float = MEMORY_LEVEL) -> tuple[
     return finite, inside, len(memory)
 
 
+COMM_BINS = (0.0, 0.05, 0.10, 0.20, 0.30, math.inf)  # exposed communication over the predicted step
+
+
+def comm_spread(runs: list[Held]) -> list[tuple[str, int, float, float]]:
+    """(share of the step waiting on communication, runs, mean residual, its standard deviation): how the model's
+    error grows with the exposed communication it predicts (reference_runs.exposed_comm_share)."""
+    out = []
+    for lo, hi in pairwise(COMM_BINS):
+        residuals = [h.residual for h in runs if lo <= h.row.comm_share < hi]
+        if len(residuals) >= 2:
+            label = f">= {100 * lo:.0f} %" if math.isinf(hi) else f"{100 * lo:.0f}-{100 * hi:.0f} %"
+            out.append((label, len(residuals), statistics.mean(residuals), statistics.stdev(residuals)))
+    return out
+
+
 def line(label: str, runs: list[Held]) -> tuple[str, int, float, float, float, float]:
     """(group, runs, MAPE, mean signed error, coverage, median width)."""
     return (label, len(runs), statistics.mean(abs(h.row.error) for h in runs),
@@ -316,6 +332,9 @@ def main() -> int:
           f"{'met' if overall <= OVERALL_MAPE else 'NOT met'}; {100 * coverage:.0f}% inside the intervals, "
           f"75-85%: {'met' if 0.75 <= coverage <= 0.85 else 'NOT met'}; groups of >= {GROUP_MIN_RUNS} runs above "
           f"{100 * GROUP_MAPE:.0f}% MAPE: {len(wide)}" + (f" ({'; '.join(wide)})" if wide else ""))
+    print("residuals by the predicted step's exposed communication (not a region feature: RESULTS.md, stop 47):")
+    for label, n, mean, sd in comm_spread(runs):
+        print(f"  {label:>9s}: {n:3d} runs, mean {mean:+.3f}, sd {sd:.3f}")
     backed = sum(bool(h.interval and h.interval.dropped) for h in runs)
     print(f"{backed} of {len(runs)} intervals came from a broader region than the run's own (too few runs there)")
     print_memory(runs, memory)

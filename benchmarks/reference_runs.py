@@ -58,6 +58,7 @@ class Row:
     published_gib: float | None = None  # the source's peak memory per GPU, where it gives one
     fullest_gib: float = 0.0  # predicted peak memory of the fullest stage: what `fits` compares with the HBM
     hbm_gib: float = 0.0
+    comm_share: float = 0.0  # the prediction's exposed communication over its step (exposed_comm_share)
 
     @property
     def fits(self) -> bool:
@@ -139,20 +140,28 @@ def evaluate(entry: dict, efficiency: Efficiency | None = None, physics: Physics
     est = estimate(megatron_gpt(entry), cluster, wl, cfg, runtime=runtime, efficiency=efficiency)
     metric = entry["metric"]
     gpus = cluster.num_gpus
+    comm = exposed_comm_share(est.breakdown_s, est.step_time_s)
     groups = (("set", "first"), ("gpu", cluster.spec.gpu), ("experts", "dense"), ("precision", "bf16"),
               ("framework", runtime), ("sequence", ">= 32K" if wl.seq_len >= 32768 else "< 32K"))
     if metric.get("iteration_time_s"):
         return Row(entry["id"], "iteration s", metric["iteration_time_s"], est.step_time_s, est.step_time_s, est.mfu,
-                   groups, fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib)
+                   groups, fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib, comm_share=comm)
     if metric.get("tflops_per_gpu"):
         counts_recompute = "Eq.3" in str(metric.get("flops_accounting", ""))
         flops = megatron_flops(entry, wl.global_batch, counts_recompute)
         return Row(entry["id"], "TFLOP/s/GPU", metric["tflops_per_gpu"], flops / est.step_time_s / gpus / 1e12,
-                   est.step_time_s, est.mfu, groups, fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib)
+                   est.step_time_s, est.mfu, groups, fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib,
+                   comm_share=comm)
     peak = entry["hardware"]["peak_tflops_bf16_dense"] * 1e12
     mfu = megatron_flops(entry, wl.global_batch, False) / est.step_time_s / gpus / peak
     return Row(entry["id"], "MFU", metric["mfu"], mfu, est.step_time_s, est.mfu, groups,
-               fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib)
+               fullest_gib=est.peak_memory_gib, hbm_gib=est.hbm_gib, comm_share=comm)
+
+
+def exposed_comm_share(breakdown_s: dict[str, float], step_time_s: float) -> float:
+    """The share of a predicted step spent waiting on communication: the breakdown's exposed collectives,
+    point-to-point and host copies (the "*_comm" entries of costmodels.estimate._breakdown)."""
+    return sum(v for k, v in breakdown_s.items() if k.endswith("_comm")) / step_time_s
 
 
 # ---- the second set (benchmarks/published_runs.yaml) ------------------------------------------------------------
@@ -258,7 +267,7 @@ def evaluate_run(run: Run, efficiency: Efficiency | None = None, physics: Physic
     # the first pipeline stage; other sources state the peak over the job
     memory = est.stages[0].peak_gib if run.runtime == "torchtitan" else max(s.peak_gib for s in est.stages)
     return Row(run.id, label, run.value, predicted, est.step_time_s, est.mfu, groups, memory, run.memory_gib,
-               est.peak_memory_gib, est.hbm_gib)
+               est.peak_memory_gib, est.hbm_gib, exposed_comm_share(est.breakdown_s, est.step_time_s))
 
 
 def run_cluster(run: Run) -> Cluster:

@@ -130,6 +130,29 @@ def test_a_page_at_two_commits_is_one_publication():
         cv.publication_of_paper("Korthikanti et al., 'Reducing Activation Recomputation', MLSys")
 
 
+def test_the_residual_spread_by_exposed_communication_bins_every_run_once():
+    """crossval's table of the residuals by the predicted step's exposed communication (RESULTS.md, stop 47): each
+    run in the one bin its share falls in, the bin's mean and spread of exactly those runs; the share counts the
+    breakdown's collectives, P2P and host copies, not compute, recompute, the bubble or the optimizer."""
+    pytest.importorskip("yaml")
+    from types import SimpleNamespace
+
+    cv = _crossval()
+    from reference_runs import exposed_comm_share
+
+    breakdown = {"compute": 5.0, "recompute": 1.0, "tp_comm": 0.5, "dp_comm": 0.75, "pp_comm": 0.25,
+                 "offload_comm": 0.5, "pipeline_bubble": 1.5, "optimizer": 0.5}
+    assert exposed_comm_share(breakdown, 10.0) == pytest.approx(0.2)
+    shares = [0.0, 0.04, 0.05, 0.12, 0.2, 0.25, 0.31, 0.9]
+    residuals = [0.1, 0.3, -0.1, 0.2, 0.0, 0.4, -0.2, -0.4]
+    runs = [SimpleNamespace(residual=r, row=SimpleNamespace(comm_share=s))
+            for s, r in zip(shares, residuals, strict=True)]
+    rows = cv.comm_spread(runs)
+    assert [(label, n) for label, n, _, _ in rows] == [("0-5 %", 2), ("20-30 %", 2), (">= 30 %", 2)]
+    assert rows[0][2] == pytest.approx(0.2) and rows[0][3] == pytest.approx(0.1 * math.sqrt(2))
+    assert rows[2][2] == pytest.approx(-0.3)
+
+
 def test_the_shipped_residuals_are_the_cost_models_own():
     """costmodels/residuals.json is what benchmarks/crossval.py --write makes from this cost model: a change that
     moves any prediction of the development sets must ship new residuals (else every interval would describe
