@@ -44,7 +44,8 @@ from reference_runs import (DEFAULT_YAML, Row, configure, evaluate, evaluate_run
                             run_config, run_model, run_runtime, run_workload)
 
 from meshplan.costmodels.config import resolve
-from meshplan.costmodels.fit import MeasuredStep, fit, memory_errors, predicted_steps
+from meshplan.costmodels.fit import (NOISE_SD, PARAMETERS, PRIOR_SD, STEP, MeasuredStep, fit, memory_errors,
+                                     predicted_steps)
 from meshplan.costmodels.uncertainty import (MEMORY_LEVEL, Interval, MemoryRun, Region, memory_interval_of,
                                              region_interval, region_of, residual)
 from meshplan.hardware_db.gpu import load_gpu
@@ -137,11 +138,12 @@ def held_out(runs: list[Held], level: float) -> list[Held]:
     return out
 
 
-def few_shot(runs: list[Held], shots: int = FEW_SHOTS,
-             kernel_priors: bool = False) -> list[tuple[str, int, float, float]]:
+def few_shot(runs: list[Held], shots: int = FEW_SHOTS, kernel_priors: bool = False,
+             centres: dict[tuple[str, str], dict[str, float]] | None = None) -> list[tuple[str, int, float, float]]:
     """Setting (c): per publication and GPU with more runs than `shots`, calibrate on its first `shots` runs (file
     order; costmodels/fit.py, default priors) and predict its other runs: (cluster, runs predicted, MAPE with the
-    defaults, MAPE calibrated), throughput errors of the runs the fit never saw."""
+    defaults, MAPE calibrated), throughput errors of the runs the fit never saw. `centres`: each prior centred on
+    the cluster's calibration from the other publications (setting (d)), where it has one."""
     clusters: dict[tuple[str, str], list[Held]] = {}
     for h in runs:
         clusters.setdefault((h.publication, h.region.gpu), []).append(h)
@@ -155,6 +157,8 @@ def few_shot(runs: list[Held], shots: int = FEW_SHOTS,
             if gpu in SYSTEMS:
                 found = gemm_factors(gpu).get("fp8" if members[0].region.fp8 else "bf16")
                 centre = None if found is None else {"gemm": found.log_factor}
+        if centres is not None and (publication, gpu) in centres:
+            centre = centres[(publication, gpu)]
         calibrated = fit([h.step for h in members[:shots]], prior_mean=centre)
         rest = members[shots:]
         factors = dict(zip(calibrated.parameters, calibrated.log_factors, strict=True))
@@ -162,6 +166,59 @@ def few_shot(runs: list[Held], shots: int = FEW_SHOTS,
         after = [h.step.step_time_s / p - 1 for h, p in zip(rest, predicted.tolist(), strict=True)]
         out.append((f"{publication} on {gpu}", len(rest), statistics.mean(abs(h.row.error) for h in rest),
                     statistics.mean(abs(e) for e in after)))
+    return out
+
+
+def step_sensitivities(runs: list[Held]) -> tuple[np.ndarray, np.ndarray]:
+    """Each run's residual log(predicted / measured step) with the defaults, and its derivative in each of fit.py's
+    log factors (forward differences of fit.STEP, as fit.fit takes them)."""
+    base = np.zeros(len(runs))
+    jacobian = np.zeros((len(runs), len(PARAMETERS)))
+    for i, h in enumerate(runs):
+        gpu = load_gpu(h.step.cluster.gpu)
+        p0 = float(predicted_steps([h.step], gpu, {})[0])
+        base[i] = math.log(p0 / h.step.step_time_s)
+        for j, name in enumerate(PARAMETERS):
+            jacobian[i, j] = math.log(float(predicted_steps([h.step], gpu, {name: STEP})[0]) / p0) / STEP
+    return base, jacobian
+
+
+def other_publication_fits(runs: list[Held], min_runs: int = FEW_SHOTS) -> dict[tuple[str, str], dict[str, float]]:
+    """Setting (d)'s calibrations: for each publication and GPU, fit.py's five log factors fit to the *other*
+    publications' runs on that GPU (where there are at least `min_runs`), under fit.py's priors and noise. The fit
+    is one Gauss-Newton step from the defaults on each run's sensitivities (step_sensitivities): the factors move by
+    a few percent, where the log step is close to linear in them."""
+    base, jacobian = step_sensitivities(runs)
+    fits: dict[tuple[str, str], dict[str, float]] = {}
+    for publication, gpu in {(h.publication, h.step.cluster.gpu) for h in runs}:
+        train = [i for i, o in enumerate(runs) if o.step.cluster.gpu == gpu and o.publication != publication]
+        if len(train) >= min_runs:
+            fits[(publication, gpu)] = ridge_step(base[train], jacobian[train])
+    # and each GPU's factors from all its runs (what a shipped calibration would be), under the key ("", gpu)
+    for gpu in {h.step.cluster.gpu for h in runs}:
+        every = [i for i, o in enumerate(runs) if o.step.cluster.gpu == gpu]
+        if len(every) >= min_runs:
+            fits[("", gpu)] = ridge_step(base[every], jacobian[every])
+    return fits
+
+
+def ridge_step(base: np.ndarray, jacobian: np.ndarray) -> dict[str, float]:
+    """One Gauss-Newton step from the defaults under fit.py's priors (centred on 0) and noise: the log factors
+    that minimise |base + J theta|^2 / noise^2 + sum (theta / prior_sd)^2."""
+    prior = np.diag([1 / PRIOR_SD[name] ** 2 for name in PARAMETERS])
+    theta = np.linalg.solve(jacobian.T @ jacobian / NOISE_SD ** 2 + prior, -jacobian.T @ base / NOISE_SD ** 2)
+    return dict(zip(PARAMETERS, theta.tolist(), strict=True))
+
+
+def other_publications(runs: list[Held], fits: dict[tuple[str, str], dict[str, float]]) -> list[tuple[Held, float]]:
+    """Setting (d): each run with a calibration from the other publications (other_publication_fits) predicted
+    exactly under it: its throughput error (predicted / measured - 1), as Row.error."""
+    out = []
+    for h in runs:
+        factors = fits.get((h.publication, h.step.cluster.gpu))
+        if factors is not None:
+            predicted = float(predicted_steps([h.step], load_gpu(h.step.cluster.gpu), factors)[0])
+            out.append((h, h.step.step_time_s / predicted - 1))
     return out
 
 
@@ -297,6 +354,32 @@ def print_memory(runs: list[Held], memory: list[MemoryRun]) -> None:
           f"{finite} of {n} runs get a finite high end and {inside} of those are under it")
 
 
+def print_other_publications(runs: list[Held], fits: dict[tuple[str, str], dict[str, float]], markdown: bool) -> None:
+    """Setting (d) beside (a), per issue 44 group: MAPE and mean signed error of the runs that have other
+    publications' runs on their GPU to calibrate on."""
+    scored = other_publications(runs, fits)
+    print("\neach GPU's factors fit to all its runs (x default): " + "; ".join(
+        f"{gpu} " + " ".join(f"{name} {math.exp(v):.3f}" for name, v in factors.items())
+        for (publication, gpu), factors in sorted(fits.items()) if not publication))
+    print(f"setting (d): each run calibrated on the other publications' runs on its GPU (>= {FEW_SHOTS}; "
+          f"{len(scored)} of {len(runs)} runs have them)")
+    groups: dict[str, list[tuple[Held, float]]] = {"all": scored}
+    for h, e in scored:
+        for kind, value in h.region.labels():
+            groups.setdefault(f"{kind}: {value}", []).append((h, e))
+    if markdown:
+        print("| group | runs | MAPE, defaults | MAPE, other publications | mean signed, defaults | mean signed, other "
+              "publications |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for label, members in [("all", scored)] + sorted((k, v) for k, v in groups.items() if k != "all"):
+        before = [h.row.error for h, _ in members]
+        after = [e for _, e in members]
+        cells = (len(members), 100 * statistics.mean(map(abs, before)), 100 * statistics.mean(map(abs, after)),
+                 100 * statistics.mean(before), 100 * statistics.mean(after))
+        print("| {} | {} | {:.1f}% | {:.1f}% | {:+.1f}% | {:+.1f}% |".format(label, *cells) if markdown else
+              "{:36s} {:4d} runs  MAPE {:5.1f}% -> {:5.1f}%  mean {:+6.1f}% -> {:+6.1f}%".format(label, *cells))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--level", type=float, default=0.8, help="the intervals' level (default 0.8)")
@@ -304,6 +387,9 @@ def main() -> int:
     ap.add_argument("--write", type=Path, help="also write every run's region and residual to this JSON file")
     ap.add_argument("--kernels", action="store_true",
                     help="also setting (b): the GEMM factor of AIConfigurator's tables (needs meshplan[aic])")
+    ap.add_argument("--other-publications", action="store_true",
+                    help="also setting (d): each run calibrated on the other publications' runs on its GPU (with "
+                         "--few-shot: setting (c)'s priors centred on that calibration)")
     ap.add_argument("--few-shot", action="store_true",
                     help=f"also setting (c): calibrate on {FEW_SHOTS} runs of each cluster, predict its others")
     args = ap.parse_args()
@@ -344,10 +430,14 @@ def main() -> int:
         for line_ in sources:
             print(f"  {line_}")
         before_after(kernel_rows, ("group", "GEMM tables"), args.markdown, 24)
+    fits = other_publication_fits(runs) if args.other_publications else None
+    if fits is not None:
+        print_other_publications(runs, fits, args.markdown)
     if args.few_shot:
-        rows = few_shot(runs, kernel_priors=args.kernels)
+        rows = few_shot(runs, kernel_priors=args.kernels, centres=fits)
         print(f"\nsetting (c), few-shot: calibrated on the first {FEW_SHOTS} runs of each publication and GPU, "
-              f"the others predicted ({sum(n for _, n, _, _ in rows)} runs of {len(rows)} clusters)")
+              f"the others predicted ({sum(n for _, n, _, _ in rows)} runs of {len(rows)} clusters)"
+              + ("; priors centred on setting (d)'s calibration where the GPU has one" if fits else ""))
         before_after(rows, ("cluster", "calibrated"), args.markdown, 70)
         weights = [n for _, n, _, _ in rows]
         print(f"all: defaults {100 * np.average([b for _, _, b, _ in rows], weights=weights):.1f}%, calibrated "

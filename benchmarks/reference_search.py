@@ -33,13 +33,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from crossval import publication_of_url
 from published_runs import DEFAULT_FILE, load_runs
 from reference_runs import (DEFAULT_YAML, configure, evaluate_run, megatron_gpt, run_cluster, run_config, run_model,
                             run_runtime, run_workload)
 
 from meshplan.costmodels.config import ParallelConfig
+from meshplan.costmodels.efficiency import Efficiency, scaled
 from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.uncertainty import RANK_KINDS, Ranking, measured_runs, region_interval, region_of
+from meshplan.hardware_db.cluster import Cluster
+from meshplan.hardware_db.gpu import load_gpu
 from meshplan.planner.search import search
 
 
@@ -58,6 +62,9 @@ def main() -> int:
     ap.add_argument("--only", default=None)
     ap.add_argument("--runs", type=Path, default=DEFAULT_FILE, help="the second set")
     ap.add_argument("--only-second", action="store_true")
+    ap.add_argument("--other-publications", action="store_true",
+                    help="the second set under each GPU's calibration from the other publications' runs "
+                         "(crossval.py setting (d))")
     ap.add_argument("--rank", choices=(*RANK_KINDS, "both"), default="expected",
                     help="the second set's ranking (both: each, and a comparison)")
     args = ap.parse_args()
@@ -128,7 +135,15 @@ def second_set(args) -> None:
 
 def second_set_ranked(args, kind: str) -> tuple[list[float], int]:
     """second_set under one ranking: (measured / best predicted step of each tuned run, how many of those
-    measured steps fall inside the winner's interval)."""
+    measured steps fall inside the winner's interval). With --other-publications each run is predicted and searched
+    under its GPU's calibration from the other publications' runs (crossval.py setting (d)); such a prediction
+    carries no interval (the shipped residuals are the defaults'), so the coverage counts the others only."""
+    fits = None
+    if args.other_publications:
+        from crossval import first_set, held_out, other_publication_fits
+        from crossval import second_set as crossval_second_set
+
+        fits = other_publication_fits(held_out(first_set() + crossval_second_set(), 0.8))
     rows = []
     inside = 0
     for run in load_runs(args.runs):
@@ -136,16 +151,22 @@ def second_set_ranked(args, kind: str) -> tuple[list[float], int]:
             continue
         model, cluster, wl = run_model(run), run_cluster(run), run_workload(run)
         runtime = run_runtime(run)
-        published = estimate(model, cluster, wl, run_config(run, model), runtime=runtime)
+        eff = None
+        if fits is not None:  # setting (d): the GPU's factors fit to the other publications' runs, where it has them
+            factors = fits.get((publication_of_url(run.source.url), run.gpu))
+            if factors is not None:
+                gpu, eff = scaled(load_gpu(run.gpu), Efficiency.from_gpu(load_gpu(run.gpu)), factors)
+                cluster = Cluster(cluster.spec, gpu=gpu)
+        published = estimate(model, cluster, wl, run_config(run, model), runtime=runtime, efficiency=eff)
         measured_s = evaluate_run(run).measured_step_s
         t0 = time.perf_counter()
         ranking = held_out_ranking(kind, run.id)
-        free = search(model, cluster, wl, ParallelConfig(), runtime, top_k=1, time_limit_s=args.time_limit,
+        free = search(model, cluster, wl, ParallelConfig(), runtime, eff, top_k=1, time_limit_s=args.time_limit,
                       max_mbs=max(16, published.layout.mbs), ranking=ranking)
         elapsed = time.perf_counter() - t0
         best = free.plans[0].estimate if free.plans else None
         rows.append((run, published, best, measured_s, free.account, elapsed))
-        if best is not None and run.tuned:
+        if best is not None and run.tuned and eff is None:
             low, high = _interval(ranking, held_region(best, model, wl, cluster, runtime)).step_time(best.step_time_s)
             inside += low <= measured_s <= high
         if not args.markdown:
