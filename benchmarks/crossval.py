@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import statistics
@@ -48,6 +49,7 @@ from meshplan.costmodels.fit import (NOISE_SD, PARAMETERS, PRIOR_SD, STEP, Measu
                                      predicted_steps)
 from meshplan.costmodels.uncertainty import (MEMORY_LEVEL, Interval, MemoryRun, Region, memory_interval_of,
                                              region_interval, region_of, residual)
+from meshplan.hardware_db.calibration import CALIBRATION_SCHEMA_VERSION, FactorCalibration, FittedFactor
 from meshplan.hardware_db.gpu import load_gpu
 from meshplan.planner.measured_runs import read_runs
 from meshplan.planner.plan import write_text_atomic
@@ -183,31 +185,74 @@ def step_sensitivities(runs: list[Held]) -> tuple[np.ndarray, np.ndarray]:
     return base, jacobian
 
 
-def other_publication_fits(runs: list[Held], min_runs: int = FEW_SHOTS) -> dict[tuple[str, str], dict[str, float]]:
+def other_publication_fits(runs: list[Held], min_runs: int = FEW_SHOTS,
+                           sensitivities: tuple[np.ndarray, np.ndarray] | None = None
+                           ) -> dict[tuple[str, str], dict[str, float]]:
     """Setting (d)'s calibrations: for each publication and GPU, fit.py's five log factors fit to the *other*
     publications' runs on that GPU (where there are at least `min_runs`), under fit.py's priors and noise. The fit
-    is one Gauss-Newton step from the defaults on each run's sensitivities (step_sensitivities): the factors move by
-    a few percent, where the log step is close to linear in them."""
-    base, jacobian = step_sensitivities(runs)
+    is one Gauss-Newton step from the defaults on each run's sensitivities (step_sensitivities, or those given).
+    Also each GPU's factors from all its runs (what a public calibration ships), under the key ("", gpu)."""
+    base, jacobian = sensitivities or step_sensitivities(runs)
     fits: dict[tuple[str, str], dict[str, float]] = {}
     for publication, gpu in {(h.publication, h.step.cluster.gpu) for h in runs}:
         train = [i for i, o in enumerate(runs) if o.step.cluster.gpu == gpu and o.publication != publication]
         if len(train) >= min_runs:
-            fits[(publication, gpu)] = ridge_step(base[train], jacobian[train])
-    # and each GPU's factors from all its runs (what a shipped calibration would be), under the key ("", gpu)
+            fits[(publication, gpu)] = ridge_step(base[train], jacobian[train])[0]
     for gpu in {h.step.cluster.gpu for h in runs}:
         every = [i for i, o in enumerate(runs) if o.step.cluster.gpu == gpu]
         if len(every) >= min_runs:
-            fits[("", gpu)] = ridge_step(base[every], jacobian[every])
+            fits[("", gpu)] = ridge_step(base[every], jacobian[every])[0]
     return fits
 
 
-def ridge_step(base: np.ndarray, jacobian: np.ndarray) -> dict[str, float]:
+def ridge_step(base: np.ndarray, jacobian: np.ndarray) -> tuple[dict[str, float], dict[str, float]]:
     """One Gauss-Newton step from the defaults under fit.py's priors (centred on 0) and noise: the log factors
-    that minimise |base + J theta|^2 / noise^2 + sum (theta / prior_sd)^2."""
-    prior = np.diag([1 / PRIOR_SD[name] ** 2 for name in PARAMETERS])
-    theta = np.linalg.solve(jacobian.T @ jacobian / NOISE_SD ** 2 + prior, -jacobian.T @ base / NOISE_SD ** 2)
-    return dict(zip(PARAMETERS, theta.tolist(), strict=True))
+    that minimise |base + J theta|^2 / noise^2 + sum (theta / prior_sd)^2, and their posterior spreads (the
+    Laplace approximation, as fit.fit gives them)."""
+    normal = jacobian.T @ jacobian / NOISE_SD ** 2 + np.diag([1 / PRIOR_SD[name] ** 2 for name in PARAMETERS])
+    theta = np.linalg.solve(normal, -jacobian.T @ base / NOISE_SD ** 2)
+    spread = np.sqrt(np.diag(np.linalg.inv(normal)))
+    return dict(zip(PARAMETERS, theta.tolist(), strict=True)), dict(zip(PARAMETERS, spread.tolist(), strict=True))
+
+
+def public_calibrations(runs: list[Held], created: str, min_runs: int = FEW_SHOTS) -> dict[str, FactorCalibration]:
+    """One calibration per GPU with at least `min_runs` runs in the sets: fit.py's factors fit to all of them (one
+    Gauss-Newton step, as setting (d)), in `meshplan calibrate`'s format. Its held-out error is setting (d)'s: each
+    publication's runs predicted by the factors of the other publications' runs alone."""
+    sensitivities = step_sensitivities(runs)
+    base, jacobian = sensitivities
+    fits = other_publication_fits(runs, min_runs, sensitivities)
+    held = {id(h): e for h, e in other_publications(runs, fits)}
+    out = {}
+    for gpu in sorted({h.step.cluster.gpu for h in runs}):
+        members = [i for i, h in enumerate(runs) if h.step.cluster.gpu == gpu]
+        if len(members) < min_runs:
+            continue
+        theta, spread = ridge_step(base[members], jacobian[members])
+        mine = [runs[i] for i in members]
+        predicted = predicted_steps([h.step for h in mine], load_gpu(gpu), theta)
+        after = [abs(h.step.step_time_s / p - 1) for h, p in zip(mine, predicted.tolist(), strict=True)]
+        scored = [h for h in mine if id(h) in held]
+        out[gpu] = FactorCalibration(
+            kind="factors", schema_version=CALIBRATION_SCHEMA_VERSION, created=created, gpu=gpu,
+            runtimes=sorted({h.step.runtime for h in mine}), runs=len(mine),
+            sources=sorted({h.publication for h in mine}),
+            factors={name: FittedFactor(factor=math.exp(theta[name]), log_sd=spread[name])  # type: ignore[misc]
+                     for name in PARAMETERS},
+            error_before=statistics.mean(abs(h.row.error) for h in mine), error_after=statistics.mean(after),
+            held_out_before=statistics.mean(abs(h.row.error) for h in scored) if scored else None,
+            held_out_after=statistics.mean(abs(held[id(h)]) for h in scored) if scored else None)
+    return out
+
+
+def write_public(runs: list[Held], folder: Path, created: str) -> list[Path]:
+    """public_calibrations as hardware_db/calibrations/public-<gpu>.json (written atomically)."""
+    paths = []
+    for gpu, cal in public_calibrations(runs, created).items():
+        path = folder / f"public-{gpu}.json"
+        write_text_atomic(path, cal.model_dump_json(indent=1) + "\n")
+        paths.append(path)
+    return paths
 
 
 def other_publications(runs: list[Held], fits: dict[tuple[str, str], dict[str, float]]) -> list[tuple[Held, float]]:
@@ -387,6 +432,9 @@ def main() -> int:
     ap.add_argument("--write", type=Path, help="also write every run's region and residual to this JSON file")
     ap.add_argument("--kernels", action="store_true",
                     help="also setting (b): the GEMM factor of AIConfigurator's tables (needs meshplan[aic])")
+    ap.add_argument("--write-public", type=Path, metavar="FOLDER",
+                    help="also write each GPU's public calibration (public-<gpu>.json, fit to all its runs) there: "
+                         "hardware_db/calibrations")
     ap.add_argument("--other-publications", action="store_true",
                     help="also setting (d): each run calibrated on the other publications' runs on its GPU (with "
                          "--few-shot: setting (c)'s priors centred on that calibration)")
@@ -430,6 +478,9 @@ def main() -> int:
         for line_ in sources:
             print(f"  {line_}")
         before_after(kernel_rows, ("group", "GEMM tables"), args.markdown, 24)
+    if args.write_public is not None:
+        for path in write_public(runs, args.write_public, datetime.date.today().isoformat()):
+            print(f"wrote {path}")
     fits = other_publication_fits(runs) if args.other_publications else None
     if fits is not None:
         print_other_publications(runs, fits, args.markdown)

@@ -231,8 +231,9 @@ ClusterOpt = Annotated[str | None, typer.Option("--cluster", rich_help_panel=P_C
 CalibrationOpt = Annotated[str | None, typer.Option("--calibration", rich_help_panel=P_CLUSTER, help=(
     "Calibration file from `meshplan profile` (or a name under hardware_db/calibrations/): the device's measured "
     "GEMM, attention, memory and collective costs replace the GPU's efficiency defaults; or from `meshplan "
-    "calibrate`: factors on them fit to your runs, for the GPU type they ran on. A CPU calibration goes with "
-    "--gpu cpu."))]
+    "calibrate`: factors on them fit to your runs, for the GPU type they ran on; or `public`: such factors fit to "
+    "every published run of the GPU in meshplan's development sets (no range is shown under a calibration). A CPU "
+    "calibration goes with --gpu cpu."))]
 ObjectiveOpt = Annotated[Objective, typer.Option("--objective", rich_help_panel=P_COST, help=(
     "Which plan is best. time: the shortest run (with --tokens, expected time with failures; else the highest "
     "throughput); cost: the cheapest run (with --tokens, expected dollars with failures; else $ per million "

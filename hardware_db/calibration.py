@@ -275,6 +275,22 @@ def calibration_dir() -> Path:
     return Path(str(resources.files("meshplan.hardware_db.calibrations")))
 
 
+PUBLIC = "public"  # --calibration public: the GPU's calibration from the development sets' published runs
+
+
+def public_calibration(gpu: str) -> str:
+    """The name of `gpu`'s public calibration under hardware_db/calibrations (factors fit to every published run of
+    that GPU in meshplan's development sets: benchmarks/crossval.py --write-public); one error line where the sets
+    hold too few runs on it."""
+    name = f"public-{gpu}"
+    if not (calibration_dir() / f"{name}.json").exists():
+        have = sorted(p.stem.removeprefix("public-") for p in calibration_dir().glob("public-*.json"))
+        raise InputError(f"no public calibration for {gpu}: the development sets hold too few published runs on it "
+                         f"(there is one for {', '.join(have)}); plan without --calibration, or fit one to your own "
+                         f"runs with meshplan calibrate --runs")
+    return name
+
+
 def digest(cal: Calibration | FactorCalibration) -> str:
     """A short content hash: a plan records the calibration by file name and this, so a changed file shows."""
     return hashlib.sha256(cal.model_dump_json().encode()).hexdigest()[:12]

@@ -24,7 +24,7 @@ from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.costmodels.serving import EngineLayout, ServeObjective, ServeTargets, ServeWorkload
 from meshplan.costmodels.uncertainty import (DEFAULT_MEMORY_RULE, DEFAULT_RANK, MemoryRule, RankKind, Ranking,
                                              memory_share)
-from meshplan.hardware_db.calibration import FactorCalibration, load_any_calibration
+from meshplan.hardware_db.calibration import PUBLIC, FactorCalibration, load_any_calibration, public_calibration
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import load_gpu
@@ -88,10 +88,12 @@ def _model(model: ModelInput) -> ModelSpec:
 def calibrated(cluster: ClusterSpec, calibration: str | None = None,
                runtime: str = DEFAULT_RUNTIME) -> tuple[Cluster, Efficiency | None]:
     """The cluster, and with a calibration (a file from `meshplan profile` or a name under hardware_db/calibrations;
-    or factors from `meshplan calibrate --runs`) its device as measured and the efficiency model fitted to it (None:
-    the GPU's defaults)."""
+    factors from `meshplan calibrate --runs`; or "public", the GPU's factors fit to the published runs) its device as
+    measured and the efficiency model fitted to it (None: the GPU's defaults)."""
     if calibration is None:
         return Cluster(cluster), None
+    if calibration == PUBLIC:
+        calibration = public_calibration(cluster.gpu)
     cal = load_any_calibration(calibration)
     if isinstance(cal, FactorCalibration):
         return factor_cluster(cluster, cal, calibration)

@@ -197,6 +197,47 @@ def test_calibrating_on_other_publications_moves_each_prediction_toward_a_shared
         assert abs(default) > 0.05 and abs(error) <= 0.5 * abs(default), (h.step.config, default, error)
 
 
+def test_the_shipped_public_calibrations_are_the_development_sets_own():
+    """hardware_db/calibrations/public-<gpu>.json is what crossval.py --write-public fits to the sets' runs of that
+    GPU (checked on the two GPUs with the fewest runs, whose fits use no other GPU's runs), with setting (d)'s
+    held-out error; every shipped one is for a GPU of the sets."""
+    pytest.importorskip("yaml")
+    from meshplan.hardware_db.calibration import calibration_dir, load_any_calibration
+
+    cv = _crossval()
+    runs = cv.first_set() + cv.second_set()
+    shipped = {p.stem.removeprefix("public-") for p in calibration_dir().glob("public-*.json")}
+    assert shipped and shipped <= {h.step.cluster.gpu for h in runs}
+    now = cv.public_calibrations([h for h in runs if h.step.cluster.gpu in ("h200", "b300")], "today")
+    assert set(now) == {"h200", "b300"}
+    for gpu, cal in now.items():
+        stored = load_any_calibration(f"public-{gpu}")
+        assert stored.runs == cal.runs and stored.sources == cal.sources, "regenerate: crossval.py --write-public"
+        for name, factor in cal.factors.items():
+            assert math.isclose(stored.factors[name].factor, factor.factor, rel_tol=1e-9), (
+                f"{gpu} {name}: regenerate with python benchmarks/crossval.py --write-public hardware_db/calibrations")
+        assert stored.held_out_after == pytest.approx(cal.held_out_after, rel=1e-9)
+
+
+def test_plan_takes_the_gpus_public_calibration_by_name(capsys):
+    """--calibration public: the GPU's public calibration, recorded by its file's name in the plan; a GPU the sets
+    hold too few runs on is one error line naming the ones there are."""
+    from cli_helpers import assert_input_error, run
+
+    args = ["estimate", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "4096",
+            "--json"]
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    default = json.loads(out)
+    code, out, err = run(capsys, *args, "--calibration", "public")
+    assert code == 0, err
+    public = json.loads(out)
+    assert public["interval"] is None and default["interval"] is not None
+    assert public["step_time_s"] > default["step_time_s"]  # the published H100 runs are slower than the defaults say
+    assert_input_error(*run(capsys, "estimate", "-m", "llama3.1-8b", "--gpu", "l4", "--gpus", "8", "--gbs", "16",
+                            "--seq", "4096", "--calibration", "public"), "no public calibration for l4", "h100-sxm")
+
+
 def test_the_shipped_residuals_are_the_cost_models_own():
     """costmodels/residuals.json is what benchmarks/crossval.py --write makes from this cost model: a change that
     moves any prediction of the development sets must ship new residuals (else every interval would describe
