@@ -215,11 +215,12 @@ def ridge_step(base: np.ndarray, jacobian: np.ndarray) -> tuple[dict[str, float]
     return dict(zip(PARAMETERS, theta.tolist(), strict=True)), dict(zip(PARAMETERS, spread.tolist(), strict=True))
 
 
-def public_calibrations(runs: list[Held], created: str, min_runs: int = FEW_SHOTS) -> dict[str, FactorCalibration]:
+def public_calibrations(runs: list[Held], created: str, min_runs: int = FEW_SHOTS,
+                        sensitivities: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, FactorCalibration]:
     """One calibration per GPU with at least `min_runs` runs in the sets: fit.py's factors fit to all of them (one
     Gauss-Newton step, as setting (d)), in `meshplan calibrate`'s format. Its held-out error is setting (d)'s: each
     publication's runs predicted by the factors of the other publications' runs alone."""
-    sensitivities = step_sensitivities(runs)
+    sensitivities = sensitivities or step_sensitivities(runs)
     base, jacobian = sensitivities
     fits = other_publication_fits(runs, min_runs, sensitivities)
     held = {id(h): e for h, e in other_publications(runs, fits)}
@@ -245,10 +246,11 @@ def public_calibrations(runs: list[Held], created: str, min_runs: int = FEW_SHOT
     return out
 
 
-def write_public(runs: list[Held], folder: Path, created: str) -> list[Path]:
+def write_public(runs: list[Held], folder: Path, created: str,
+                 sensitivities: tuple[np.ndarray, np.ndarray] | None = None) -> list[Path]:
     """public_calibrations as hardware_db/calibrations/public-<gpu>.json (written atomically)."""
     paths = []
-    for gpu, cal in public_calibrations(runs, created).items():
+    for gpu, cal in public_calibrations(runs, created, sensitivities=sensitivities).items():
         path = folder / f"public-{gpu}.json"
         write_text_atomic(path, cal.model_dump_json(indent=1) + "\n")
         paths.append(path)
@@ -304,20 +306,26 @@ def memory_runs(runs: list[Held], logs: Path = LOGS, files: tuple[str, ...] = LO
     return out
 
 
-def residual_table(runs: list[Held], memory: list[MemoryRun]) -> dict:
+def residual_table(runs: list[Held], memory: list[MemoryRun], public: list[tuple[Held, float]]) -> dict:
     """The JSON document of measured_residuals and measured_memory_runs: each run's id, publication, region and
-    residual; each measured peak memory's id, publication, kind and residual."""
+    residual, under the defaults and (public_runs) under setting (d)'s calibration (`public`: the runs that have one,
+    with their throughput error); each measured peak memory's id, publication, kind and residual."""
     return {"made_by": "benchmarks/crossval.py --write",
             "residual": "log(predicted / measured throughput) under the default efficiencies",
+            "public_residual": "the same under the factors the run's GPU gets from the other publications' runs "
+                               "(setting (d): what --calibration public's intervals are made of)",
             "memory_residual": "log(measured / predicted peak memory), the prediction with its fragmentation allowance",
             "runs": [{"id": h.row.id, "publication": h.publication, "region": dataclasses.asdict(h.region),
                       "residual": h.residual} for h in runs],
+            "public_runs": [{"id": h.row.id, "publication": h.publication, "region": dataclasses.asdict(h.region),
+                             "residual": residual(1 + error, 1.0)} for h, error in public],
             "memory": [dataclasses.asdict(m) for m in memory]}
 
 
-def write_residuals(runs: list[Held], memory: list[MemoryRun], path: Path) -> None:
-    doc = residual_table(runs, memory)
-    lists = {key: ",\n".join(" " + json.dumps(row) for row in doc.pop(key)) for key in ("runs", "memory")}
+def write_residuals(runs: list[Held], memory: list[MemoryRun], public: list[tuple[Held, float]], path: Path) -> None:
+    doc = residual_table(runs, memory, public)
+    lists = {key: ",\n".join(" " + json.dumps(row) for row in doc.pop(key))
+             for key in ("runs", "public_runs", "memory")}
     # one run a line, so diffs stay readable
     text = json.dumps(doc, indent=1)[:-2] + "".join(f',\n "{key}": [\n{rows}\n ]' for key, rows in lists.items()) \
         + "\n}\n"
@@ -399,10 +407,19 @@ def print_memory(runs: list[Held], memory: list[MemoryRun]) -> None:
           f"{finite} of {n} runs get a finite high end and {inside} of those are under it")
 
 
-def print_other_publications(runs: list[Held], fits: dict[tuple[str, str], dict[str, float]], markdown: bool) -> None:
+def print_other_publications(runs: list[Held], fits: dict[tuple[str, str], dict[str, float]], level: float,
+                             markdown: bool) -> None:
     """Setting (d) beside (a), per issue 44 group: MAPE and mean signed error of the runs that have other
-    publications' runs on their GPU to calibrate on."""
+    publications' runs on their GPU to calibrate on; and the coverage of setting (d)'s intervals, each run's from the
+    other publications' setting (d) residuals in its region (as --calibration public's are made)."""
     scored = other_publications(runs, fits)
+    table = [(h.region, residual(1 + e, 1.0), h.publication) for h, e in scored]
+    inside, widths = [], []
+    for h, e in scored:
+        interval = region_interval(h.region, [(reg, r) for reg, r, pub in table if pub != h.publication], level)
+        inside.append(interval.lo <= residual(1 + e, 1.0) <= interval.hi)
+        low, high = interval.throughput(1.0)
+        widths.append(high - low)
     print("\neach GPU's factors fit to all its runs (x default): " + "; ".join(
         f"{gpu} " + " ".join(f"{name} {math.exp(v):.3f}" for name, v in factors.items())
         for (publication, gpu), factors in sorted(fits.items()) if not publication))
@@ -423,6 +440,9 @@ def print_other_publications(runs: list[Held], fits: dict[tuple[str, str], dict[
                  100 * statistics.mean(before), 100 * statistics.mean(after))
         print("| {} | {} | {:.1f}% | {:.1f}% | {:+.1f}% | {:+.1f}% |".format(label, *cells) if markdown else
               "{:36s} {:4d} runs  MAPE {:5.1f}% -> {:5.1f}%  mean {:+6.1f}% -> {:+6.1f}%".format(label, *cells))
+    print(f"setting (d)'s {100 * level:.0f} % intervals, left one publication out: "
+          f"{100 * statistics.mean(inside):.0f}% of {len(inside)} runs inside, median width "
+          f"{100 * statistics.median(widths):.0f}%")
 
 
 def main() -> int:
@@ -443,8 +463,12 @@ def main() -> int:
     args = ap.parse_args()
     runs = held_out(first_set() + second_set(), args.level)
     memory = memory_runs(runs)
+    setting_d = args.write is not None or args.write_public is not None or args.other_publications
+    sensitivities = step_sensitivities(runs) if setting_d else None
+    fits = other_publication_fits(runs, sensitivities=sensitivities) if setting_d else None
     if args.write is not None:
-        write_residuals(runs, memory, args.write)
+        assert fits is not None
+        write_residuals(runs, memory, other_publications(runs, fits), args.write)
     pubs = {h.publication for h in runs}
     print(f"setting (a), the defaults: {len(runs)} runs from {len(pubs)} publications, "
           f"{100 * args.level:.0f} % intervals left one publication out")
@@ -479,13 +503,13 @@ def main() -> int:
             print(f"  {line_}")
         before_after(kernel_rows, ("group", "GEMM tables"), args.markdown, 24)
     if args.write_public is not None:
-        for path in write_public(runs, args.write_public, datetime.date.today().isoformat()):
+        for path in write_public(runs, args.write_public, datetime.date.today().isoformat(), sensitivities):
             print(f"wrote {path}")
-    fits = other_publication_fits(runs) if args.other_publications else None
-    if fits is not None:
-        print_other_publications(runs, fits, args.markdown)
+    if args.other_publications:
+        assert fits is not None
+        print_other_publications(runs, fits, args.level, args.markdown)
     if args.few_shot:
-        rows = few_shot(runs, kernel_priors=args.kernels, centres=fits)
+        rows = few_shot(runs, kernel_priors=args.kernels, centres=fits if args.other_publications else None)
         print(f"\nsetting (c), few-shot: calibrated on the first {FEW_SHOTS} runs of each publication and GPU, "
               f"the others predicted ({sum(n for _, n, _, _ in rows)} runs of {len(rows)} clusters)"
               + ("; priors centred on setting (d)'s calibration where the GPU has one" if fits else ""))

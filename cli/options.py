@@ -232,8 +232,8 @@ CalibrationOpt = Annotated[str | None, typer.Option("--calibration", rich_help_p
     "Calibration file from `meshplan profile` (or a name under hardware_db/calibrations/): the device's measured "
     "GEMM, attention, memory and collective costs replace the GPU's efficiency defaults; or from `meshplan "
     "calibrate`: factors on them fit to your runs, for the GPU type they ran on; or `public`: such factors fit to "
-    "every published run of the GPU in meshplan's development sets (no range is shown under a calibration). A CPU "
-    "calibration goes with --gpu cpu."))]
+    "every published run of the GPU in meshplan's development sets, its ranges from their held-out errors (no "
+    "other calibration shows a range). A CPU calibration goes with --gpu cpu."))]
 ObjectiveOpt = Annotated[Objective, typer.Option("--objective", rich_help_panel=P_COST, help=(
     "Which plan is best. time: the shortest run (with --tokens, expected time with failures; else the highest "
     "throughput); cost: the cheapest run (with --tokens, expected dollars with failures; else $ per million "

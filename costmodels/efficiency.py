@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from meshplan.costmodels import comm
 from meshplan.costmodels.kernels import FA2_BACKWARD_OVER_FORWARD, Physics
@@ -45,6 +46,7 @@ class Efficiency:
     activation_ratios: tuple[tuple[str, float], ...] = ()  # (recompute mode, measured / formula activations)
     activation_factor: float = 1.0  # on every layer's activations: fit to measured peak memory (fit.fit_memory)
     calibration: str | None = None  # "file name sha256:..." of the calibration, for the plan's record
+    public: bool = False  # the calibration is --calibration public's, whose errors residuals.json holds too
     # kernel ceilings beyond the BF16 GEMM (hardware_db.gpu.EfficiencyDefaults; kernels.py states the physics)
     gemm_k_half: float = 0.0
     fp8_gemm_k_half: float = 0.0  # 0: gemm_k_half
@@ -112,6 +114,14 @@ class Efficiency:
             optimizer_s_per_param=1.0 / fit.optimizer.params_per_s if fit.optimizer else None,
             curve_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"), calibration=label,
             activation_ratios=tuple(sorted(fit.activation_ratios.items())) if runtime == EXECUTOR_RUNTIME else ())
+
+    @property
+    def residual_table(self) -> Literal["defaults", "public"] | None:
+        """The shipped residuals that describe this model's errors (costmodels/uncertainty.py): the defaults', the
+        public calibration's, or none (any other calibration)."""
+        if self.calibration is None:
+            return "defaults"
+        return "public" if self.public else None
 
     def highest_ceiling(self) -> float | None:
         """The largest fraction of its dtype's peak any compute kernel reaches (op_time: ceiling x saturation x

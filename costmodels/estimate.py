@@ -179,8 +179,9 @@ def simulate_config(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     gpus = cluster.num_gpus
     peak = ctx.peak_fp8 if workload.dtype == "fp8" else ctx.peak16
     mfu = model_flops / step / gpus / peak
-    interval = (prediction_interval(region_of(model, lay, workload, cluster.spec.gpu, cluster.gpus_per_node, rt.name))
-                if eff.calibration is None and eff.physics == Physics() else None)
+    table = eff.residual_table
+    interval = (prediction_interval(region_of(model, lay, workload, cluster.spec.gpu, cluster.gpus_per_node, rt.name),
+                                    table=table) if table is not None and eff.physics == Physics() else None)
     est = Estimate(
         layout=lay, runtime=rt.name, step_time_s=step, tokens_per_s=tokens / step,
         tokens_per_s_per_gpu=tokens / step / gpus, tflops_per_gpu=model_flops / step / gpus / 1e12,

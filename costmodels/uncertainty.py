@@ -173,19 +173,27 @@ class MeasuredRun:
     residual: float
 
 
+# Which model's errors a residual table holds: the GPU's defaults ("runs"), or --calibration public ("public_runs":
+# each run predicted by the factors its GPU gets from the other publications' runs, benchmarks/crossval.py setting
+# (d)), as costmodels/residuals.json keeps them.
+ResidualTable = Literal["defaults", "public"]
+RESIDUAL_KEYS: dict[str, str] = {"defaults": "runs", "public": "public_runs"}
+
+
 @cache
-def measured_runs() -> tuple[MeasuredRun, ...]:
-    """Every run of both development sets under the default efficiencies, as shipped in costmodels/residuals.json
+def measured_runs(table: ResidualTable = "defaults") -> tuple[MeasuredRun, ...]:
+    """Every run of both development sets under the default efficiencies (or, for "public", every run with other
+    publications on its GPU under setting (d)'s calibration), as shipped in costmodels/residuals.json
     (benchmarks/crossval.py --write; tests/test_uncertainty.py checks it against the cost model, so it is
     regenerated whenever a change moves a prediction)."""
     data = json.loads(resources.files("meshplan.costmodels").joinpath(RESIDUALS_FILE).read_text(encoding="utf-8"))
     return tuple(MeasuredRun(run["id"], run["publication"], Region(**run["region"]), float(run["residual"]))
-                 for run in data["runs"])
+                 for run in data[RESIDUAL_KEYS[table]])
 
 
-def measured_residuals() -> tuple[tuple[Region, float], ...]:
-    """(region, residual) of every measured run."""
-    return tuple((run.region, run.residual) for run in measured_runs())
+def measured_residuals(table: ResidualTable = "defaults") -> tuple[tuple[Region, float], ...]:
+    """(region, residual) of every measured run of that table."""
+    return tuple((run.region, run.residual) for run in measured_runs(table))
 
 
 def lead_bound(runs: Sequence[MeasuredRun], level: float = DEFAULT_LEVEL) -> tuple[float, int]:
@@ -227,10 +235,10 @@ def lead_note(faster: float, slower: float, level: float = DEFAULT_LEVEL) -> str
 
 
 @cache
-def prediction_interval(region: Region, level: float = DEFAULT_LEVEL) -> Interval:
-    """The interval of a new configuration from every measured run of its region (region_interval); cached, as
-    every simulated candidate of a search asks for its region's."""
-    return region_interval(region, measured_residuals(), level)
+def prediction_interval(region: Region, level: float = DEFAULT_LEVEL, table: ResidualTable = "defaults") -> Interval:
+    """The interval of a new configuration from every measured run of its region (region_interval), in the table of
+    the model that predicts it; cached, as every simulated candidate of a search asks for its region's."""
+    return region_interval(region, measured_residuals(table), level)
 
 
 RankKind = Literal["expected", "conservative"]
@@ -249,13 +257,14 @@ class Ranking:
     kind: RankKind = DEFAULT_RANK
     level: float = DEFAULT_LEVEL
     residuals: tuple[tuple[Region, float], ...] | None = None  # None: the shipped runs' (measured_residuals)
+    table: ResidualTable = "defaults"  # which shipped table, with residuals None: that of the model ranked
 
     def factor(self, region: Region) -> float:
         """The ranked quantity over the predicted step time: 1, or the interval's exp(hi)."""
         if self.kind == "expected":
             return 1.0
         if self.residuals is None:
-            return math.exp(prediction_interval(region, self.level).hi)
+            return math.exp(prediction_interval(region, self.level, self.table).hi)
         return math.exp(region_interval(region, self.residuals, self.level).hi)
 
     def floor(self, inputs: Region) -> float:

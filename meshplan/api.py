@@ -8,6 +8,7 @@ simulated timeline). Bad input raises `InputError` with the one line the CLI pri
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Sequence
@@ -92,11 +93,13 @@ def calibrated(cluster: ClusterSpec, calibration: str | None = None,
     measured and the efficiency model fitted to it (None: the GPU's defaults)."""
     if calibration is None:
         return Cluster(cluster), None
-    if calibration == PUBLIC:
+    public = calibration == PUBLIC
+    if public:
         calibration = public_calibration(cluster.gpu)
     cal = load_any_calibration(calibration)
     if isinstance(cal, FactorCalibration):
-        return factor_cluster(cluster, cal, calibration)
+        hardware, eff = factor_cluster(cluster, cal, calibration)
+        return hardware, dataclasses.replace(eff, public=public)
     return calibrated_cluster(cluster, cal, calibration, runtime)
 
 
@@ -131,15 +134,17 @@ def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, co
     interval (costmodels/uncertainty.py Ranking). `memory`: what fits, the predicted peak in the HBM or, "sure", the
     high end of its memory interval. InputError when nothing fits, saying why."""
     spec = _model(model)
-    if rank != "expected" and calibration is not None:
-        raise InputError(f"--rank {rank} ranks by the intervals of the uncalibrated model (its cross-validated "
-                         f"errors), and a calibrated prediction has none; use --rank expected with --calibration")
     hardware, eff = calibrated(cluster, calibration, runtime)
+    table = "defaults" if eff is None else eff.residual_table
+    if rank != "expected" and table is None:
+        raise InputError(f"--rank {rank} ranks by the intervals of the uncalibrated model or of --calibration public "
+                         f"(their cross-validated errors), and {calibration} has none; use --rank expected with it")
     if memory == "sure" and eff is not None and (eff.activation_factor != 1.0 or eff.activation_ratios):
         raise InputError(f"--memory sure reads the default memory model's error on measured peaks, and {calibration} "
                          f"moves the activations; use --memory estimate with it")
+    ranking = Ranking(rank) if table is None else Ranking(rank, table=table)  # table None: expected, no interval read
     result = search(spec, hardware, workload, config, runtime, efficiency=eff, top_k=top, time_limit_s=time_limit_s,
-                    progress=progress, max_mbs=max_mbs, ranking=Ranking(rank), memory_share=memory_share(memory))
+                    progress=progress, max_mbs=max_mbs, ranking=ranking, memory_share=memory_share(memory))
     if not result.plans:
         raise InputError(result.why_nothing_fits or "no plan fits")
     best = result.plans[0]

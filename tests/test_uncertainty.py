@@ -217,11 +217,22 @@ def test_the_shipped_public_calibrations_are_the_development_sets_own():
             assert math.isclose(stored.factors[name].factor, factor.factor, rel_tol=1e-9), (
                 f"{gpu} {name}: regenerate with python benchmarks/crossval.py --write-public hardware_db/calibrations")
         assert stored.held_out_after == pytest.approx(cal.held_out_after, rel=1e-9)
+    # the residuals --calibration public's intervals are made of: setting (d)'s, for every run whose GPU has at
+    # least three runs of other publications (recomputed on the same two GPUs)
+    from meshplan.costmodels.uncertainty import measured_runs
+
+    public = {r.id: r for r in measured_runs("public")}
+    assert set(public) == {h.row.id for h in runs if sum(o.step.cluster.gpu == h.step.cluster.gpu
+                                                         and o.publication != h.publication for o in runs) >= 3}
+    few = [h for h in runs if h.step.cluster.gpu in ("h200", "b300")]
+    for h, error in cv.other_publications(few, cv.other_publication_fits(few)):
+        assert public[h.row.id].residual == pytest.approx(residual(1 + error, 1.0), rel=1e-9, abs=1e-12), h.row.id
 
 
 def test_plan_takes_the_gpus_public_calibration_by_name(capsys):
-    """--calibration public: the GPU's public calibration, recorded by its file's name in the plan; a GPU the sets
-    hold too few runs on is one error line naming the ones there are."""
+    """--calibration public: the GPU's public calibration, with a range from setting (d)'s held-out residuals, and
+    --rank conservative takes it; a GPU the sets hold too few runs on is one error line naming the ones there
+    are."""
     from cli_helpers import assert_input_error, run
 
     args = ["estimate", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "4096",
@@ -232,8 +243,14 @@ def test_plan_takes_the_gpus_public_calibration_by_name(capsys):
     code, out, err = run(capsys, *args, "--calibration", "public")
     assert code == 0, err
     public = json.loads(out)
-    assert public["interval"] is None and default["interval"] is not None
     assert public["step_time_s"] > default["step_time_s"]  # the published H100 runs are slower than the defaults say
+    # its range comes from setting (d)'s held-out residuals, not the defaults'
+    assert public["interval"]["runs"] >= min_runs(0.8) and public["interval"] != default["interval"]
+    lo, hi = public["interval"]["step_time_s"]
+    assert lo < public["step_time_s"] < hi
+    code, out, err = run(capsys, "plan", *args[1:-1], "--calibration", "public", "--rank", "conservative", "--top", "2")
+    assert code == 0, err
+    assert "ranked by the slow end" in " ".join(out.split())
     assert_input_error(*run(capsys, "estimate", "-m", "llama3.1-8b", "--gpu", "l4", "--gpus", "8", "--gbs", "16",
                             "--seq", "4096", "--calibration", "public"), "no public calibration for l4", "h100-sxm")
 
