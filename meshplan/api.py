@@ -93,9 +93,10 @@ def calibrated(cluster: ClusterSpec, calibration: str | None = None,
     measured and the efficiency model fitted to it (None: the GPU's defaults)."""
     if calibration is None:
         return Cluster(cluster), None
-    public = calibration == PUBLIC
-    if public:
+    if calibration == PUBLIC:
         calibration = public_calibration(cluster.gpu)
+    # the shipped public calibration, by "public" or by its name (a file of that name here would be someone's own)
+    public = Path(calibration).stem == f"public-{cluster.gpu}" and not Path(calibration).exists()
     cal = load_any_calibration(calibration)
     if isinstance(cal, FactorCalibration):
         hardware, eff = factor_cluster(cluster, cal, calibration)

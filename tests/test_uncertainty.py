@@ -248,6 +248,9 @@ def test_plan_takes_the_gpus_public_calibration_by_name(capsys):
     assert public["interval"]["runs"] >= min_runs(0.8) and public["interval"] != default["interval"]
     lo, hi = public["interval"]["step_time_s"]
     assert lo < public["step_time_s"] < hi
+    code, out, err = run(capsys, *args, "--calibration", "public-h100-sxm")  # the same file by its name
+    assert code == 0, err
+    assert json.loads(out)["interval"] == public["interval"]
     code, out, err = run(capsys, "plan", *args[1:-1], "--calibration", "public", "--rank", "conservative", "--top", "2")
     assert code == 0, err
     assert "ranked by the slow end" in " ".join(out.split())
