@@ -3,7 +3,7 @@ out: a run's own paper or page (a GitHub page at any commit, an MLPerf round) is
 is made from.
 
 Usage:  python benchmarks/crossval.py [--level 0.8] [--markdown] [--write costmodels/residuals.json] [--few-shot]
-                                     [--kernels]
+                                     [--kernels] [--other-publications] [--write-public hardware_db/calibrations]
 
 Setting (a), the defaults: every run predicted with its GPU's default efficiencies (benchmarks/reference_runs.py),
 and an interval for it at --level from the residuals of the other publications' runs in its region
@@ -17,6 +17,10 @@ every measured peak memory's residual (the sets' and the example logs'), which t
 (uncertainty.memory_interval). Also printed: the memory checks (layouts over the HBM and their verdicts, the peaks'
 error, the range's held-out coverage). --kernels adds setting (b), AIConfigurator's measured GEMMs (meshplan[aic]);
 --few-shot setting (c), calibrated on three runs of a page and GPU, its other runs predicted.
+--other-publications adds setting (d): each run predicted under the factors its GPU gets from the *other*
+publications' runs (fit.py's five, one Gauss-Newton step from the defaults), with that setting's held-out intervals;
+--write then also saves setting (d)'s residuals, which `--calibration public`'s intervals are made from, and
+--write-public the public calibrations themselves (each GPU's factors fit to all its runs).
 """
 
 from __future__ import annotations
@@ -512,7 +516,8 @@ def main() -> int:
         rows = few_shot(runs, kernel_priors=args.kernels, centres=fits if args.other_publications else None)
         print(f"\nsetting (c), few-shot: calibrated on the first {FEW_SHOTS} runs of each publication and GPU, "
               f"the others predicted ({sum(n for _, n, _, _ in rows)} runs of {len(rows)} clusters)"
-              + ("; priors centred on setting (d)'s calibration where the GPU has one" if fits else ""))
+              + ("; priors centred on setting (d)'s calibration where the GPU has one" if args.other_publications
+                 else ""))
         before_after(rows, ("cluster", "calibrated"), args.markdown, 70)
         weights = [n for _, n, _, _ in rows]
         print(f"all: defaults {100 * np.average([b for _, _, b, _ in rows], weights=weights):.1f}%, calibrated "
