@@ -41,7 +41,8 @@ from reference_runs import (DEFAULT_YAML, configure, evaluate_run, megatron_gpt,
 from meshplan.costmodels.config import ParallelConfig
 from meshplan.costmodels.efficiency import Efficiency, scaled
 from meshplan.costmodels.estimate import estimate
-from meshplan.costmodels.uncertainty import RANK_KINDS, Ranking, measured_runs, region_interval, region_of
+from meshplan.costmodels.uncertainty import (RANK_KINDS, Ranking, ResidualTable, measured_runs, region_interval,
+                                             region_of)
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.gpu import load_gpu
 from meshplan.planner.search import search
@@ -112,10 +113,11 @@ def main() -> int:
     return 0
 
 
-def held_out_ranking(kind: str, run_id: str) -> Ranking:
-    """The ranking of one run's search, its intervals from the other publications' runs only."""
-    shipped = measured_runs()
-    own = {r.publication for r in shipped if r.id == run_id}
+def held_out_ranking(kind: str, run_id: str, table: ResidualTable = "defaults") -> Ranking:
+    """The ranking of one run's search, its intervals from the other publications' runs only (in the residual table
+    of the model that predicts it: the defaults', or setting (d)'s under --other-publications)."""
+    shipped = measured_runs(table)
+    own = {r.publication for r in measured_runs() if r.id == run_id}
     return Ranking(kind, residuals=tuple((r.region, r.residual) for r in shipped if r.publication not in own))
 
 
@@ -136,8 +138,8 @@ def second_set(args) -> None:
 def second_set_ranked(args, kind: str) -> tuple[list[float], int]:
     """second_set under one ranking: (measured / best predicted step of each tuned run, how many of those
     measured steps fall inside the winner's interval). With --other-publications each run is predicted and searched
-    under its GPU's calibration from the other publications' runs (crossval.py setting (d)); such a prediction
-    carries no interval (the shipped residuals are the defaults'), so the coverage counts the others only."""
+    under its GPU's calibration from the other publications' runs (crossval.py setting (d)), and ranked and
+    covered by setting (d)'s residuals of the other publications (residuals.json public_runs)."""
     fits = None
     if args.other_publications:
         from crossval import first_set, held_out, other_publication_fits
@@ -160,13 +162,13 @@ def second_set_ranked(args, kind: str) -> tuple[list[float], int]:
         published = estimate(model, cluster, wl, run_config(run, model), runtime=runtime, efficiency=eff)
         measured_s = evaluate_run(run).measured_step_s
         t0 = time.perf_counter()
-        ranking = held_out_ranking(kind, run.id)
+        ranking = held_out_ranking(kind, run.id, "defaults" if eff is None else "public")
         free = search(model, cluster, wl, ParallelConfig(), runtime, eff, top_k=1, time_limit_s=args.time_limit,
                       max_mbs=max(16, published.layout.mbs), ranking=ranking)
         elapsed = time.perf_counter() - t0
         best = free.plans[0].estimate if free.plans else None
         rows.append((run, published, best, measured_s, free.account, elapsed))
-        if best is not None and run.tuned and eff is None:
+        if best is not None and run.tuned:
             low, high = _interval(ranking, held_region(best, model, wl, cluster, runtime)).step_time(best.step_time_s)
             inside += low <= measured_s <= high
         if not args.markdown:
