@@ -5,7 +5,7 @@ same free search for every run of the second set (benchmarks/published_runs.yaml
 step time.
 
 Usage:  python benchmarks/reference_search.py [--markdown] [--time-limit S] [--only ID] [--only-second]
-                                              [--rank expected|conservative|both]
+                                              [--rank expected|conservative|both] [--other-publications]
 
 Expectations (issues 3 and 16): the search's best is predicted at least as fast as the published configuration,
 the pinned search returns the published configuration itself (its layout, with the partitioner's stage split),
@@ -16,6 +16,9 @@ at most 1.10x faster than what the team measured (a larger factor is a cost-mode
 slow end of each plan's 80 % interval (conservative), or both, and prints for each how the winner's predicted step
 compares with what the team measured. The intervals a run's search ranks by come from the other publications' runs
 only (its own page or paper left out, as in benchmarks/crossval.py), so no run is ranked with its own error.
+
+`--other-publications` predicts, searches, ranks and covers each second-set run under its GPU's calibration from the
+other publications' runs (crossval.py setting (d), what `--calibration public` ships fit to all of them).
 """
 
 from __future__ import annotations
