@@ -291,6 +291,13 @@ def public_calibration(gpu: str) -> str:
     return name
 
 
+def is_public(cal: FactorCalibration) -> bool:
+    """Whether these are the shipped public factors of their GPU (by content, wherever the file was read from):
+    the calibration whose held-out errors costmodels/residuals.json holds."""
+    shipped = calibration_dir() / f"public-{cal.gpu}.json"
+    return shipped.exists() and digest(load_any_calibration(shipped)) == digest(cal)
+
+
 def digest(cal: Calibration | FactorCalibration) -> str:
     """A short content hash: a plan records the calibration by file name and this, so a changed file shows."""
     return hashlib.sha256(cal.model_dump_json().encode()).hexdigest()[:12]

@@ -25,7 +25,8 @@ from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.costmodels.serving import EngineLayout, ServeObjective, ServeTargets, ServeWorkload
 from meshplan.costmodels.uncertainty import (DEFAULT_MEMORY_RULE, DEFAULT_RANK, MemoryRule, RankKind, Ranking,
                                              memory_share)
-from meshplan.hardware_db.calibration import PUBLIC, FactorCalibration, load_any_calibration, public_calibration
+from meshplan.hardware_db.calibration import (PUBLIC, FactorCalibration, is_public, load_any_calibration,
+                                              public_calibration)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import load_gpu
@@ -95,12 +96,10 @@ def calibrated(cluster: ClusterSpec, calibration: str | None = None,
         return Cluster(cluster), None
     if calibration == PUBLIC:
         calibration = public_calibration(cluster.gpu)
-    # the shipped public calibration, by "public" or by its name (a file of that name here would be someone's own)
-    public = Path(calibration).stem == f"public-{cluster.gpu}" and not Path(calibration).exists()
     cal = load_any_calibration(calibration)
     if isinstance(cal, FactorCalibration):
         hardware, eff = factor_cluster(cluster, cal, calibration)
-        return hardware, dataclasses.replace(eff, public=public)
+        return hardware, dataclasses.replace(eff, public=is_public(cal))
     return calibrated_cluster(cluster, cal, calibration, runtime)
 
 

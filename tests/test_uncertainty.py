@@ -229,7 +229,7 @@ def test_the_shipped_public_calibrations_are_the_development_sets_own():
         assert public[h.row.id].residual == pytest.approx(residual(1 + error, 1.0), rel=1e-9, abs=1e-12), h.row.id
 
 
-def test_plan_takes_the_gpus_public_calibration_by_name(capsys):
+def test_plan_takes_the_gpus_public_calibration_by_name(tmp_path, capsys):
     """--calibration public: the GPU's public calibration, with a range from setting (d)'s held-out residuals, and
     --rank conservative takes it; a GPU the sets hold too few runs on is one error line naming the ones there
     are."""
@@ -251,6 +251,20 @@ def test_plan_takes_the_gpus_public_calibration_by_name(capsys):
     code, out, err = run(capsys, *args, "--calibration", "public-h100-sxm")  # the same file by its name
     assert code == 0, err
     assert json.loads(out)["interval"] == public["interval"]
+    # recognised by content: a copy elsewhere is the public calibration, an edited copy is someone's own (no range)
+    from meshplan.hardware_db.calibration import calibration_dir
+
+    shipped = (calibration_dir() / "public-h100-sxm.json").read_text()
+    (tmp_path / "copy.json").write_text(shipped)
+    code, out, err = run(capsys, *args, "--calibration", str(tmp_path / "copy.json"))
+    assert code == 0, err
+    assert json.loads(out)["interval"] == public["interval"]
+    edited = json.loads(shipped)
+    edited["factors"]["gemm"]["factor"] *= 0.99
+    (tmp_path / "mine.json").write_text(json.dumps(edited))
+    code, out, err = run(capsys, *args, "--calibration", str(tmp_path / "mine.json"))
+    assert code == 0, err
+    assert json.loads(out)["interval"] is None
     code, out, err = run(capsys, "plan", *args[1:-1], "--calibration", "public", "--rank", "conservative", "--top", "2")
     assert code == 0, err
     assert "ranked by the slow end" in " ".join(out.split())
