@@ -5,22 +5,28 @@ is made from.
 Usage:  python benchmarks/crossval.py [--level 0.8] [--markdown] [--write costmodels/residuals.json] [--few-shot]
                                      [--kernels] [--other-publications] [--write-public hardware_db/calibrations]
 
-Setting (a), the defaults: every run predicted with its GPU's default efficiencies (benchmarks/reference_runs.py),
-and an interval for it at --level from the residuals of the other publications' runs in its region
-(costmodels/uncertainty.py: split conformal, regions with too few runs backing off to broader ones). Printed: MAPE,
+The default setting, what `plan` predicts without --calibration: each GPU's public calibration (fit.py's five factors
+fit to its published runs), held out: every run predicted under the factors its GPU gets from the *other*
+publications' runs (setting (d), one Gauss-Newton step from the defaults), with an interval from the other
+publications' setting (d) residuals in its region (costmodels/uncertainty.py: split conformal, regions with too few
+runs backing off to broader ones); a run whose GPU has too few runs elsewhere, under the defaults. Printed: MAPE,
 mean signed error, the share of held-out runs inside their interval (the target is 75-85 % for 80 % intervals) and
-the intervals' median width, overall and per group (issue 44's groups). Nothing is fit in setting (a), but the
-defaults' physics was developed with these sets in view: its errors are not strictly held out, its intervals are.
---write saves every run's region and residual: the table `estimate` and `plan` make their intervals from
-(costmodels/uncertainty.py measured_residuals; a new configuration is no run of the sets, so all of them count), and
-every measured peak memory's residual (the sets' and the example logs'), which the memory range is made from
-(uncertainty.memory_interval). Also printed: the memory checks (layouts over the HBM and their verdicts, the peaks'
-error, the range's held-out coverage). --kernels adds setting (b), AIConfigurator's measured GEMMs (meshplan[aic]);
---few-shot setting (c), calibrated on three runs of a page and GPU, its other runs predicted.
---other-publications adds setting (d): each run predicted under the factors its GPU gets from the *other*
-publications' runs (fit.py's five, one Gauss-Newton step from the defaults), with that setting's held-out intervals;
---write then also saves setting (d)'s residuals, which `--calibration public`'s intervals are made from, and
---write-public the public calibrations themselves (each GPU's factors fit to all its runs).
+the intervals' median width, overall and per group (issue 44's groups).
+
+Setting (a), uncalibrated (--calibration none): every run predicted with its GPU's default efficiencies
+(benchmarks/reference_runs.py), its interval from the other publications' residuals. Nothing is fit in setting (a),
+but the defaults' physics was developed with these sets in view: its errors are not strictly held out, its
+intervals are.
+
+--write saves every run's region and residual under (a) and under (d) (public_runs): the tables `estimate` and
+`plan` make their intervals from (costmodels/uncertainty.py measured_residuals; a new configuration is no run of the
+sets, so all of them count), and every measured peak memory's residual (the sets' and the example logs'), which the
+memory range is made from (uncertainty.memory_interval). --write-public writes the public calibrations themselves
+(each GPU's factors fit to all its runs). Also printed: the memory checks (layouts over the HBM and their verdicts,
+the peaks' error, the range's held-out coverage). --kernels adds setting (b), AIConfigurator's measured GEMMs
+(meshplan[aic]); --few-shot setting (c), calibrated on three runs of a page and GPU with the priors centred on
+setting (d)'s factors (as `meshplan calibrate` centres them on the public calibration), its other runs predicted;
+--other-publications prints setting (d) beside (a) per group.
 """
 
 from __future__ import annotations
@@ -74,10 +80,17 @@ class Held:
     publication: str
     step: MeasuredStep
     interval: Interval | None = None
+    calibrated: float | None = None  # the throughput error under setting (d)'s calibration, in the default setting
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured throughput, minus one: under setting (d)'s calibration where the run has one in
+        the default setting (default_setting), else under the defaults (Row.error)."""
+        return self.row.error if self.calibrated is None else self.calibrated
 
     @property
     def residual(self) -> float:
-        return residual(1 + self.row.error, 1.0)
+        return residual(1 + self.error, 1.0)
 
     @property
     def covered(self) -> bool:
@@ -273,6 +286,22 @@ def other_publications(runs: list[Held], fits: dict[tuple[str, str], dict[str, f
     return out
 
 
+def default_setting(runs: list[Held], fits: dict[tuple[str, str], dict[str, float]], level: float) -> list[Held]:
+    """What `plan` predicts without --calibration, held out: the GPU's public calibration, so each run under its
+    GPU's factors from the *other* publications' runs (setting (d)) with an interval from their setting (d)
+    residuals; a run whose GPU has too few runs elsewhere (no public calibration without its own publication) under
+    the defaults, with its setting (a) interval."""
+    scored = dict((h.row.id, e) for h, e in other_publications(runs, fits))
+    public = [(h.region, residual(1 + scored[h.row.id], 1.0), h.publication) for h in runs if h.row.id in scored]
+    out = []
+    for h in runs:
+        if h.row.id in scored:
+            others = [(region, r) for region, r, pub in public if pub != h.publication]
+            h = dataclasses.replace(h, calibrated=scored[h.row.id], interval=region_interval(h.region, others, level))
+        out.append(h)
+    return out
+
+
 def kernel_tables(runs: list[Held]) -> tuple[list[tuple[str, int, float, float]], list[str]]:
     """Setting (b): each run on a GPU with an AIConfigurator GEMM table predicted with that table's GEMM factor for
     its dtype (costmodels/kernel_tables.py; kernel timings only, no run is fit): (group, runs, MAPE with the
@@ -366,8 +395,8 @@ def comm_spread(runs: list[Held]) -> list[tuple[str, int, float, float]]:
 
 def line(label: str, runs: list[Held]) -> tuple[str, int, float, float, float, float]:
     """(group, runs, MAPE, mean signed error, coverage, median width)."""
-    return (label, len(runs), statistics.mean(abs(h.row.error) for h in runs),
-            statistics.mean(h.row.error for h in runs), statistics.mean(h.covered for h in runs),
+    return (label, len(runs), statistics.mean(abs(h.error) for h in runs),
+            statistics.mean(h.error for h in runs), statistics.mean(h.covered for h in runs),
             statistics.median(h.width for h in runs))
 
 
@@ -449,39 +478,13 @@ def print_other_publications(runs: list[Held], fits: dict[tuple[str, str], dict[
           f"{100 * statistics.median(widths):.0f}%")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--level", type=float, default=0.8, help="the intervals' level (default 0.8)")
-    ap.add_argument("--markdown", action="store_true", help="print a markdown table for RESULTS.md")
-    ap.add_argument("--write", type=Path, help="also write every run's region and residual to this JSON file")
-    ap.add_argument("--kernels", action="store_true",
-                    help="also setting (b): the GEMM factor of AIConfigurator's tables (needs meshplan[aic])")
-    ap.add_argument("--write-public", type=Path, metavar="FOLDER",
-                    help="also write each GPU's public calibration (public-<gpu>.json, fit to all its runs) there: "
-                         "hardware_db/calibrations")
-    ap.add_argument("--other-publications", action="store_true",
-                    help="also setting (d): each run calibrated on the other publications' runs on its GPU (with "
-                         "--few-shot: setting (c)'s priors centred on that calibration)")
-    ap.add_argument("--few-shot", action="store_true",
-                    help=f"also setting (c): calibrate on {FEW_SHOTS} runs of each cluster, predict its others")
-    args = ap.parse_args()
-    runs = held_out(first_set() + second_set(), args.level)
-    memory = memory_runs(runs)
-    setting_d = args.write is not None or args.write_public is not None or args.other_publications
-    sensitivities = step_sensitivities(runs) if setting_d else None
-    fits = other_publication_fits(runs, sensitivities=sensitivities) if setting_d else None
-    if args.write is not None:
-        assert fits is not None
-        write_residuals(runs, memory, other_publications(runs, fits), args.write)
-    pubs = {h.publication for h in runs}
-    print(f"setting (a), the defaults: {len(runs)} runs from {len(pubs)} publications, "
-          f"{100 * args.level:.0f} % intervals left one publication out")
-    if args.markdown:
+def print_table(rows: list[tuple[str, int, float, float, float, float]], markdown: bool) -> None:
+    """table()'s rows, and issue 44's checks on them."""
+    if markdown:
         print("| group | runs | MAPE | mean signed | inside interval | median width |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    rows = table(runs)
     for label, n, mape, signed, covered, width in rows:
-        if args.markdown:
+        if markdown:
             print(f"| {label} | {n} | {100 * mape:.1f}% | {100 * signed:+.1f}% | {100 * covered:.0f}% | "
                   f"{100 * width:.0f}% |")
         else:
@@ -494,6 +497,40 @@ def main() -> int:
           f"{'met' if overall <= OVERALL_MAPE else 'NOT met'}; {100 * coverage:.0f}% inside the intervals, "
           f"75-85%: {'met' if 0.75 <= coverage <= 0.85 else 'NOT met'}; groups of >= {GROUP_MIN_RUNS} runs above "
           f"{100 * GROUP_MAPE:.0f}% MAPE: {len(wide)}" + (f" ({'; '.join(wide)})" if wide else ""))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--level", type=float, default=0.8, help="the intervals' level (default 0.8)")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table for RESULTS.md")
+    ap.add_argument("--write", type=Path, help="also write every run's region and residual to this JSON file")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also setting (b): the GEMM factor of AIConfigurator's tables (needs meshplan[aic])")
+    ap.add_argument("--write-public", type=Path, metavar="FOLDER",
+                    help="also write each GPU's public calibration (public-<gpu>.json, fit to all its runs) there: "
+                         "hardware_db/calibrations")
+    ap.add_argument("--other-publications", action="store_true",
+                    help="also setting (d) beside (a) per group, on the runs that have other publications' runs on "
+                         "their GPU, and each GPU's factors fit to all its runs")
+    ap.add_argument("--few-shot", action="store_true",
+                    help=f"also setting (c): calibrate on {FEW_SHOTS} runs of each cluster, predict its others")
+    args = ap.parse_args()
+    runs = held_out(first_set() + second_set(), args.level)
+    assert len({h.row.id for h in runs}) == len(runs), "run ids name one run each"
+    memory = memory_runs(runs)
+    sensitivities = step_sensitivities(runs)
+    fits = other_publication_fits(runs, sensitivities=sensitivities)
+    if args.write is not None:
+        write_residuals(runs, memory, other_publications(runs, fits), args.write)
+    pubs = {h.publication for h in runs}
+    default = default_setting(runs, fits, args.level)
+    print(f"the default (plan without --calibration: each GPU's public calibration, here fit to the other "
+          f"publications' runs, setting (d); the defaults where a GPU has too few of them: "
+          f"{sum(h.calibrated is None for h in default)} runs): {len(runs)} runs from {len(pubs)} publications, "
+          f"{100 * args.level:.0f} % intervals left one publication out")
+    print_table(table(default), args.markdown)
+    print("\nsetting (a), uncalibrated (--calibration none): the GPUs' default efficiencies")
+    print_table(table(runs), args.markdown)
     print("residuals by the predicted step's exposed communication (not a region feature: RESULTS.md, stop 47):")
     for label, n, mean, sd in comm_spread(runs):
         print(f"  {label:>9s}: {n:3d} runs, mean {mean:+.3f}, sd {sd:.3f}")
@@ -510,14 +547,13 @@ def main() -> int:
         for path in write_public(runs, args.write_public, datetime.date.today().isoformat(), sensitivities):
             print(f"wrote {path}")
     if args.other_publications:
-        assert fits is not None
         print_other_publications(runs, fits, args.level, args.markdown)
     if args.few_shot:
-        rows = few_shot(runs, kernel_priors=args.kernels, centres=fits if args.other_publications else None)
+        rows = few_shot(runs, kernel_priors=args.kernels, centres=fits)
         print(f"\nsetting (c), few-shot: calibrated on the first {FEW_SHOTS} runs of each publication and GPU, "
               f"the others predicted ({sum(n for _, n, _, _ in rows)} runs of {len(rows)} clusters)"
-              + ("; priors centred on setting (d)'s calibration where the GPU has one" if args.other_publications
-                 else ""))
+              + "; priors centred on setting (d)'s calibration where the GPU has one (as meshplan calibrate centres "
+                "them on the public calibration)")
         before_after(rows, ("cluster", "calibrated"), args.markdown, 70)
         weights = [n for _, n, _, _ in rows]
         print(f"all: defaults {100 * np.average([b for _, _, b, _ in rows], weights=weights):.1f}%, calibrated "

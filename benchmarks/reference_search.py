@@ -5,7 +5,7 @@ same free search for every run of the second set (benchmarks/published_runs.yaml
 step time.
 
 Usage:  python benchmarks/reference_search.py [--markdown] [--time-limit S] [--only ID] [--only-second]
-                                              [--rank expected|conservative|both] [--other-publications]
+                                              [--rank expected|conservative|both] [--uncalibrated]
 
 Expectations (issues 3 and 16): the search's best is predicted at least as fast as the published configuration,
 the pinned search returns the published configuration itself (its layout, with the partitioner's stage split),
@@ -17,8 +17,11 @@ slow end of each plan's 80 % interval (conservative), or both, and prints for ea
 compares with what the team measured. The intervals a run's search ranks by come from the other publications' runs
 only (its own page or paper left out, as in benchmarks/crossval.py), so no run is ranked with its own error.
 
-`--other-publications` predicts, searches, ranks and covers each second-set run under its GPU's calibration from the
-other publications' runs (crossval.py setting (d), what `--calibration public` ships fit to all of them).
+The second set is predicted, searched, ranked and covered as `plan` does without --calibration, held out: each run
+under its GPU's calibration from the other publications' runs (crossval.py setting (d); the public calibration
+`plan` uses is the same fit to all of them), or the defaults where its GPU has too few runs elsewhere.
+`--uncalibrated` uses the GPUs' default efficiencies instead (--calibration none). The first set compares the
+search with the published configuration under one model, the defaults.
 """
 
 from __future__ import annotations
@@ -66,9 +69,9 @@ def main() -> int:
     ap.add_argument("--only", default=None)
     ap.add_argument("--runs", type=Path, default=DEFAULT_FILE, help="the second set")
     ap.add_argument("--only-second", action="store_true")
-    ap.add_argument("--other-publications", action="store_true",
-                    help="the second set under each GPU's calibration from the other publications' runs "
-                         "(crossval.py setting (d))")
+    ap.add_argument("--uncalibrated", action="store_true",
+                    help="the second set under the GPUs' default efficiencies (--calibration none) instead of the "
+                         "default: each GPU's calibration from the other publications' runs (crossval.py setting (d))")
     ap.add_argument("--rank", choices=(*RANK_KINDS, "both"), default="expected",
                     help="the second set's ranking (both: each, and a comparison)")
     args = ap.parse_args()
@@ -118,7 +121,8 @@ def main() -> int:
 
 def held_out_ranking(kind: str, run_id: str, table: ResidualTable = "defaults") -> Ranking:
     """The ranking of one run's search, its intervals from the other publications' runs only (in the residual table
-    of the model that predicts it: the defaults', or setting (d)'s under --other-publications)."""
+    of the model that predicts it: setting (d)'s, or the defaults' where the run has no setting (d) calibration or
+    under --uncalibrated)."""
     shipped = measured_runs(table)
     own = {r.publication for r in measured_runs() if r.id == run_id}
     return Ranking(kind, residuals=tuple((r.region, r.residual) for r in shipped if r.publication not in own))
@@ -140,11 +144,12 @@ def second_set(args) -> None:
 
 def second_set_ranked(args, kind: str) -> tuple[list[float], int]:
     """second_set under one ranking: (measured / best predicted step of each tuned run, how many of those
-    measured steps fall inside the winner's interval). With --other-publications each run is predicted and searched
-    under its GPU's calibration from the other publications' runs (crossval.py setting (d)), and ranked and
-    covered by setting (d)'s residuals of the other publications (residuals.json public_runs)."""
+    measured steps fall inside the winner's interval). Each run is predicted and searched under its GPU's
+    calibration from the other publications' runs (crossval.py setting (d)), where it has one, and ranked
+    and covered by setting (d)'s residuals of the other publications (residuals.json public_runs); with
+    --uncalibrated, under the defaults and their residuals."""
     fits = None
-    if args.other_publications:
+    if not args.uncalibrated:
         from crossval import first_set, held_out, other_publication_fits
         from crossval import second_set as crossval_second_set
 

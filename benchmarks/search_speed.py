@@ -4,7 +4,8 @@ Usage:  python benchmarks/search_speed.py [--markdown] [--repeat N] [--overrun]
 
 Targets (benchmarks/RESULTS.md): each case <= 5 s wall on a 2-core machine, Llama-3.1-70B <= 1 s, optimality
 proven. The wall time is the median of --repeat runs of planner.search.search() in one process (imports and the
-model load excluded; the cluster graph is rebuilt every run).
+model load excluded; the cluster graph is rebuilt every run). Each case is searched as `plan` searches it, under
+its GPU's public calibration where one ships (--calibration none: the defaults).
 
 Anytime (issue 17): DeepSeek-V3 on 2,048 H800 with a 0.5 s limit returns a plan with a finite gap within 1.5 s of
 search (the same median of --repeat runs), printed after the table with its distance from the unlimited optimum.
@@ -24,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshplan.costmodels.config import Workload
 from meshplan.costmodels.model_io import load_model
+from meshplan.api import calibrated
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.planner.search import search
 
@@ -35,14 +37,16 @@ CASES = [  # (label, model, gpu, gpus, global batch, seq, target seconds)
 ]
 
 
-def run_case(model: str, gpu: str, gpus: int, gbs: int, seq: int, repeat: int):
+def run_case(model: str, gpu: str, gpus: int, gbs: int, seq: int, repeat: int, calibration: str | None = None):
+    """The case searched as `plan` searches it: under the GPU's public calibration where one ships (the default),
+    or `calibration` ("none": the defaults)."""
     spec = load_model(model)
     wl = Workload(global_batch=gbs, seq_len=seq)
     times, result = [], None
     for _ in range(repeat):
-        cluster = Cluster(ClusterSpec(gpu=gpu, num_gpus=gpus))
+        cluster, eff = calibrated(ClusterSpec(gpu=gpu, num_gpus=gpus), calibration)
         t0 = time.perf_counter()
-        result = search(spec, cluster, wl, top_k=5)
+        result = search(spec, cluster, wl, top_k=5, efficiency=eff)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), result
 
@@ -99,10 +103,12 @@ def main() -> int:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--overrun", action="store_true", help="also: how far past --time-limit 0.5/1/2 searches end")
+    ap.add_argument("--calibration", default=None,
+                    help="as plan takes it (default: each GPU's public calibration where one ships; none: defaults)")
     args = ap.parse_args()
     rows = []
     for label, model, gpu, gpus, gbs, seq, target in CASES:
-        wall, res = run_case(model, gpu, gpus, gbs, seq, args.repeat)
+        wall, res = run_case(model, gpu, gpus, gbs, seq, args.repeat, args.calibration)
         acc = res.account
         best = res.plans[0].estimate if res.plans else None
         lay = best.layout if best else None

@@ -30,6 +30,10 @@ def calibrate(
     kernels: Annotated[Literal["none", "aiconfigurator"], typer.Option("--kernels", help=(
         "aiconfigurator: centre the GEMM factor's prior on NVIDIA AIConfigurator's measured GEMMs of the runs' GPU "
         "and precision (the extra meshplan[aic]; docs/calibration.md) instead of on the default."))] = "none",
+    prior: Annotated[Literal["public", "defaults"], typer.Option("--prior", help=(
+        "Where each factor's prior is centred. public: on the GPU's public calibration (the factors fit to every "
+        "published run on it, what plan uses without --calibration), where meshplan ships one, else the defaults; "
+        "defaults: on the GPU's efficiency defaults."))] = "public",
 ) -> None:
     """Fit the cost model's physical factors (GEMM and attention ceilings, memory and network efficiency, launch cost)
     to measured step times, each held near its default by a prior; never a factor per run.
@@ -38,20 +42,22 @@ def calibrate(
     left out of the fit (5 folds, or one run at a time when there are fewer). Where the runs report their peak
     memory, a factor on the layers' activations is fit to it the same way.
     """
-    from meshplan.costmodels.fit import calibration_from_runs, memory_errors
+    from meshplan.costmodels.fit import calibration_from_runs, memory_errors, prior_centre
     from meshplan.planner.measured_runs import read_runs
     from meshplan.planner.plan import write_text_atomic
 
     (out,) = output_targets(out=out)
     names = tuple(p.strip() for p in parameters.split(",") if p.strip())
     steps = [step for path in runs for step in read_runs(path)]
+    centre, label = prior_centre(steps, prior)
     table = None
     if kernels == "aiconfigurator" and steps:
         from meshplan.costmodels.kernel_tables import gemm_prior
 
         table = gemm_prior(steps[0].cluster.gpu, [s.workload.dtype for s in steps])
+        centre, label = {**centre, "gemm": table.log_factor}, f"{label}; GEMM: {table.source}"
     cal = calibration_from_runs(steps, [str(p) for p in runs], names, created=date.today().isoformat(),
-                                prior_mean=None if table is None else {"gemm": table.log_factor})
+                                prior_mean=centre or None, prior=label)
     try:
         write_text_atomic(out, cal.model_dump_json(indent=1) + "\n")
     except OSError as exc:
@@ -65,8 +71,11 @@ def calibrate(
             for name, f in cal.factors.items()]
     print_table(con, "factors on the GPU's defaults", ["factor", "what it scales", "fitted", "spread (1 sd)"], rows,
                 left=("factor", "what it scales"))
-    con.print(f"error on these runs: {100 * cal.error_before:.1f} % with the defaults, {100 * cal.error_after:.1f} % "
-              f"calibrated (mean absolute, throughput)")
+    if cal.error_prior is not None and cal.prior.startswith("public"):
+        con.print(f"priors centred on {cal.prior.split(';')[0]} (each factor's spread as with the defaults)")
+    centred = "" if cal.error_prior is None else f", {100 * cal.error_prior:.1f} % at the priors' centre"
+    con.print(f"error on these runs: {100 * cal.error_before:.1f} % with the defaults{centred}, "
+              f"{100 * cal.error_after:.1f} % calibrated (mean absolute, throughput)")
     if cal.held_out_before is not None and cal.held_out_after is not None:
         con.print(f"error on runs left out of the fit: {100 * cal.held_out_before:.1f} % with the defaults, "
                   f"{100 * cal.held_out_after:.1f} % calibrated")
@@ -82,3 +91,4 @@ def calibrate(
             con.print(f"peak memory left out of the fit: {100 * cal.memory_held_out_before:.1f} % with the defaults, "
                       f"{100 * cal.memory_held_out_after:.1f} % calibrated")
     con.print(f"calibration written to {out}; use it with --calibration {out}")
+

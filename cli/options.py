@@ -229,11 +229,12 @@ ClusterOpt = Annotated[str | None, typer.Option("--cluster", rich_help_panel=P_C
     "Cluster file (TOML or JSON) with gpu, num_gpus and optional gpus_per_node, nic_gbps, nvlink_gb_s; "
     "instead of --gpu/--gpus. Example: examples/clusters/dgx-h100-64.toml."))]
 CalibrationOpt = Annotated[str | None, typer.Option("--calibration", rich_help_panel=P_CLUSTER, help=(
-    "Calibration file from `meshplan profile` (or a name under hardware_db/calibrations/): the device's measured "
-    "GEMM, attention, memory and collective costs replace the GPU's efficiency defaults; or from `meshplan "
-    "calibrate`: factors on them fit to your runs, for the GPU type they ran on; or `public`: such factors fit to "
-    "every published run of the GPU in meshplan's development sets, its ranges from their held-out errors (no "
-    "other calibration shows a range). A CPU calibration goes with --gpu cpu."))]
+    "Default: the GPU's public calibration where meshplan ships one (its factors fit to every published run on that "
+    "GPU in meshplan's development sets, its ranges from their held-out errors; `public` asks for it and fails "
+    "where there is none), else the GPU's efficiency defaults; `none`: the defaults, uncalibrated. Or a file from "
+    "`meshplan calibrate` (factors fit to your runs, for the GPU type they ran on, centred on the public ones), or "
+    "from `meshplan profile` (or a name under hardware_db/calibrations/): the device's measured GEMM, attention, "
+    "memory and collective costs replace the defaults. A CPU calibration goes with --gpu cpu."))]
 ObjectiveOpt = Annotated[Objective, typer.Option("--objective", rich_help_panel=P_COST, help=(
     "Which plan is best. time: the shortest run (with --tokens, expected time with failures; else the highest "
     "throughput); cost: the cheapest run (with --tokens, expected dollars with failures; else $ per million "

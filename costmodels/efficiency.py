@@ -12,7 +12,7 @@ from meshplan.costmodels import comm
 from meshplan.costmodels.kernels import FA2_BACKWARD_OVER_FORWARD, Physics
 from meshplan.costmodels.ops import memory_class
 from meshplan.hardware_db.calibration import (Calibration, Curve, FactorCalibration, LayerOverhead, StepOverhead,
-                                              calibrated_gpu, cpu_device_spec, digest)
+                                              calibrated_gpu, cpu_device_spec, digest, is_public)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
@@ -199,7 +199,8 @@ def factor_cluster(spec: ClusterSpec, cal: FactorCalibration, origin: str) -> tu
     gpu, eff = scaled(gpu, Efficiency.from_gpu(gpu), cal.log_factors())
     label = f"{origin.rsplit('/', 1)[-1]} sha256:{digest(cal)}"
     activations = 1.0 if cal.activations is None else cal.activations.factor
-    return Cluster(spec, gpu=gpu), dataclasses.replace(eff, calibration=label, activation_factor=activations)
+    return Cluster(spec, gpu=gpu), dataclasses.replace(eff, calibration=label, activation_factor=activations,
+                                                       public=is_public(cal))
 
 
 def calibrated_cluster(spec: ClusterSpec, cal: Calibration, origin: str,

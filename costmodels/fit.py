@@ -32,7 +32,8 @@ from meshplan.costmodels.efficiency import Efficiency, scaled
 from meshplan.costmodels.estimate import estimate
 from meshplan.costmodels.memory import GIB
 from meshplan.costmodels.model import ModelSpec
-from meshplan.hardware_db.calibration import CALIBRATION_SCHEMA_VERSION, FactorCalibration, FittedFactor
+from meshplan.hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, FactorCalibration, FittedFactor,
+                                              default_calibration, public_log_factors)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
@@ -79,9 +80,16 @@ class Fit:
     log_sd: tuple[float, ...]
     before: tuple[float, ...]  # log(predicted / measured) with the defaults
     after: tuple[float, ...]  # with the fitted factors
+    centred: tuple[float, ...] = ()  # with the factors the priors centre on (prior_mean), where not the defaults
+
+    held: tuple[tuple[str, float], ...] = ()  # factors not fit, held at their prior's centre (name, log factor)
 
     def factor(self, name: str) -> float:
         return math.exp(self.log_factors[self.parameters.index(name)])
+
+    def all_log_factors(self) -> dict[str, float]:
+        """Every factor the predictions used: the fitted ones and those held at their prior's centre."""
+        return {**dict(self.held), **dict(zip(self.parameters, self.log_factors, strict=True))}
 
 
 def predicted_steps(steps: Sequence[MeasuredStep], gpu: GPUSpec, log_factors: dict[str, float]) -> np.ndarray:
@@ -174,15 +182,20 @@ def fit(steps: Sequence[MeasuredStep], parameters: Sequence[str] = PARAMETERS,
     gpu = load_gpu(steps[0].cluster.gpu)
     measured = np.log([s.step_time_s for s in steps])
 
+    held = {name: value for name, value in (prior_mean or {}).items() if name not in parameters}
+
     def residuals(theta: np.ndarray) -> np.ndarray:
-        return np.log(predicted_steps(steps, gpu, dict(zip(parameters, theta.tolist(), strict=True)))) - measured
+        factors = {**held, **dict(zip(parameters, theta.tolist(), strict=True))}
+        return np.log(predicted_steps(steps, gpu, factors)) - measured
 
     def objective(theta: np.ndarray, r: np.ndarray) -> float:
         return float(np.sum((r / noise_sd) ** 2) + np.sum(((theta - mu) / sd) ** 2))
 
     theta = mu.copy()
     r = residuals(theta)
-    before = residuals(np.zeros(len(parameters))) if mu.any() else r  # the defaults' residuals
+    centred = tuple(r.tolist()) if prior_mean else ()
+    before = r if not prior_mean else (  # the defaults' residuals
+        np.log(predicted_steps(steps, gpu, {})) - measured)
     damping = 1e-3
     jacobian = np.zeros((len(steps), len(parameters)))
     for _ in range(iterations):
@@ -204,15 +217,24 @@ def fit(steps: Sequence[MeasuredStep], parameters: Sequence[str] = PARAMETERS,
             break
     posterior = np.linalg.inv(jacobian.T @ jacobian / noise_sd ** 2 + np.diag(1 / sd ** 2))
     return Fit(tuple(parameters), tuple(theta.tolist()), tuple(np.sqrt(np.diag(posterior)).tolist()),
-               tuple(before.tolist()), tuple(r.tolist()))
+               tuple(before.tolist()), tuple(r.tolist()), centred, tuple(sorted(held.items())))
+
+
+def prior_centre(steps: Sequence[MeasuredStep], prior: Literal["public", "defaults"]) -> tuple[dict[str, float], str]:
+    """The log factors a calibration's priors centre on, and their name: with "public", the runs' GPU's public
+    calibration where meshplan ships one (what plan uses without --calibration), so a few runs refine it rather
+    than start from the defaults again; else the defaults (empty)."""
+    gpu = steps[0].cluster.gpu if steps else ""
+    found = public_log_factors(gpu) if prior == "public" and steps else None
+    return (found, str(default_calibration(gpu))) if found else ({}, "defaults")
 
 
 def calibration_from_runs(steps: Sequence[MeasuredStep], sources: Sequence[str],
                           parameters: Sequence[str] = PARAMETERS, created: str = "",
-                          prior_mean: dict[str, float] | None = None) -> FactorCalibration:
+                          prior_mean: dict[str, float] | None = None, prior: str = "defaults") -> FactorCalibration:
     """The calibration file's content: the factors fit to every run, their error on the runs before and after, and
     the held-out error: each of up to FOLDS folds of the runs predicted by a fit to the others (None with one
-    run)."""
+    run). `prior` names where `prior_mean` comes from (the public calibration, a kernel table), for the record."""
     fitted = fit(steps, parameters, prior_mean=prior_mean)
     folds = min(len(steps), FOLDS)
     held_before: list[float] = []
@@ -222,17 +244,21 @@ def calibration_from_runs(steps: Sequence[MeasuredStep], sources: Sequence[str],
         train = [s for n, s in enumerate(steps) if n % folds != k]
         part = fit(train, parameters, prior_mean=prior_mean)
         predicted = predicted_steps(test, load_gpu(test[0].cluster.gpu),
-                                    dict(zip(part.parameters, part.log_factors, strict=True)))
+                                    part.all_log_factors())
         defaults = predicted_steps(test, load_gpu(test[0].cluster.gpu), {})
         held_after += [abs(s.step_time_s / p - 1) for s, p in zip(test, predicted.tolist(), strict=True)]
         held_before += [abs(s.step_time_s / p - 1) for s, p in zip(test, defaults.tolist(), strict=True)]
     return FactorCalibration(
         kind="factors", schema_version=CALIBRATION_SCHEMA_VERSION, created=created, gpu=steps[0].cluster.gpu,
         runtimes=sorted({s.runtime for s in steps}), runs=len(steps), sources=list(sources),
-        factors={name: FittedFactor(factor=math.exp(value), log_sd=sd)  # type: ignore[misc]
-                 for name, value, sd in zip(fitted.parameters, fitted.log_factors, fitted.log_sd, strict=True)},
+        factors={**{name: FittedFactor(factor=math.exp(value), log_sd=PRIOR_SD[name])  # type: ignore[misc]
+                    for name, value in fitted.held},  # held at the prior's centre, with the prior's spread
+                 **{name: FittedFactor(factor=math.exp(value), log_sd=sd)  # type: ignore[misc]
+                    for name, value, sd in zip(fitted.parameters, fitted.log_factors, fitted.log_sd, strict=True)}},
         error_before=float(np.mean([abs(math.exp(-r) - 1) for r in fitted.before])),
         error_after=float(np.mean([abs(math.exp(-r) - 1) for r in fitted.after])),
+        prior=prior,
+        error_prior=float(np.mean([abs(math.exp(-r) - 1) for r in fitted.centred])) if fitted.centred else None,
         held_out_before=float(np.mean(held_before)) if held_before else None,
         held_out_after=float(np.mean(held_after)) if held_after else None,
         **memory_calibration(steps))

@@ -256,6 +256,10 @@ class FactorCalibration(_Frozen):
     factors: dict[FactorName, FittedFactor]
     error_before: float = Field(ge=0, description="MAPE of the runs' step times with the defaults")
     error_after: float = Field(ge=0, description="the same with the factors (runs the fit saw)")
+    prior: str = Field(default="defaults", description=(
+        "where the priors are centred: the GPU's defaults, its public calibration, a kernel table"))
+    error_prior: float | None = Field(default=None, ge=0, description=(
+        "MAPE of the runs' step times with the factors the priors centre on, where not the defaults"))
     held_out_before: float | None = Field(default=None, ge=0, description="MAPE of runs left out of the fit")
     held_out_after: float | None = Field(default=None, ge=0)
     # memory, where the runs report their peak (costmodels/fit.py fit_memory): one factor on the layers' activations
@@ -276,6 +280,24 @@ def calibration_dir() -> Path:
 
 
 PUBLIC = "public"  # --calibration public: the GPU's calibration from the development sets' published runs
+NONE = "none"  # --calibration none: the GPU's efficiency defaults as the hardware database states them, uncalibrated
+
+
+def public_log_factors(gpu: str) -> dict[str, float] | None:
+    """The log factors of `gpu`'s public calibration (where `meshplan calibrate` centres its priors), or None where
+    meshplan ships none."""
+    name = default_calibration(gpu)
+    if name is None:
+        return None
+    cal = load_any_calibration(name)
+    return cal.log_factors() if isinstance(cal, FactorCalibration) else None
+
+
+def default_calibration(gpu: str) -> str | None:
+    """What a command without --calibration uses: the GPU's public calibration where meshplan ships one (its factors
+    fit to the published runs on that GPU, its ranges from their held-out errors), else None (the GPU's defaults)."""
+    name = f"public-{gpu}"
+    return name if (calibration_dir() / f"{name}.json").exists() else None
 
 
 def public_calibration(gpu: str) -> str:
@@ -296,6 +318,18 @@ def is_public(cal: FactorCalibration) -> bool:
     the calibration whose held-out errors costmodels/residuals.json holds."""
     shipped = calibration_dir() / f"public-{cal.gpu}.json"
     return shipped.exists() and digest(load_any_calibration(shipped)) == digest(cal)
+
+
+def shipped_calibration(label: str) -> FactorCalibration | None:
+    """The public calibration a plan records by `label` ("public-<gpu> sha256:<digest>", Efficiency.calibration),
+    where this meshplan ships that very file, so a reader re-simulates the plan under it; None otherwise (another
+    calibration, or another version of the public one)."""
+    name, _, recorded = label.partition(" sha256:")
+    path = calibration_dir() / f"{name}.json"
+    if not name.startswith("public-") or not path.exists():
+        return None
+    cal = load_any_calibration(path)
+    return cal if isinstance(cal, FactorCalibration) and digest(cal) == recorded else None
 
 
 def digest(cal: Calibration | FactorCalibration) -> str:

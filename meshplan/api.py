@@ -8,7 +8,6 @@ simulated timeline). Bad input raises `InputError` with the one line the CLI pri
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Sequence
@@ -25,8 +24,8 @@ from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.costmodels.serving import EngineLayout, ServeObjective, ServeTargets, ServeWorkload
 from meshplan.costmodels.uncertainty import (DEFAULT_MEMORY_RULE, DEFAULT_RANK, MemoryRule, RankKind, Ranking,
                                              memory_share)
-from meshplan.hardware_db.calibration import (PUBLIC, FactorCalibration, is_public, load_any_calibration,
-                                              public_calibration)
+from meshplan.hardware_db.calibration import (NONE, PUBLIC, FactorCalibration, default_calibration,
+                                              load_any_calibration, public_calibration)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import load_gpu
@@ -91,15 +90,17 @@ def calibrated(cluster: ClusterSpec, calibration: str | None = None,
                runtime: str = DEFAULT_RUNTIME) -> tuple[Cluster, Efficiency | None]:
     """The cluster, and with a calibration (a file from `meshplan profile` or a name under hardware_db/calibrations;
     factors from `meshplan calibrate --runs`; or "public", the GPU's factors fit to the published runs) its device as
-    measured and the efficiency model fitted to it (None: the GPU's defaults)."""
+    measured and the efficiency model fitted to it. Without one, the GPU's public calibration where meshplan ships
+    one; "none" (or no public calibration): the GPU's defaults, and None for the efficiency."""
     if calibration is None:
+        calibration = default_calibration(cluster.gpu)
+    if calibration is None or calibration == NONE:
         return Cluster(cluster), None
     if calibration == PUBLIC:
         calibration = public_calibration(cluster.gpu)
     cal = load_any_calibration(calibration)
     if isinstance(cal, FactorCalibration):
-        hardware, eff = factor_cluster(cluster, cal, calibration)
-        return hardware, dataclasses.replace(eff, public=is_public(cal))
+        return factor_cluster(cluster, cal, calibration)
     return calibrated_cluster(cluster, cal, calibration, runtime)
 
 

@@ -6,8 +6,9 @@ Two outcomes when a stored figure disagrees beyond rounding:
   the plan is refused in one line naming the field and the value its inputs give;
 - another cost model made it (an older meshplan, or a plan without the digest): it is re-priced, and the caller
   says so beside both figures.
-A calibrated training plan's efficiency curves are not in the file, so its prediction is not re-simulated; what
-holds whatever the cost model (throughput from the step, peak memory from the stages, fits) is still checked, by
+A calibrated training plan's efficiency curves are not in the file, so its prediction is not re-simulated, unless
+the calibration is the GPU's public one this meshplan ships (what `plan` uses by default); what holds whatever the
+cost model (throughput from the step, peak memory from the stages, fits) is still checked, by
 the schema (planner/plan.py).
 """
 
@@ -17,14 +18,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshplan.costmodels.economics import Budget
+from meshplan.costmodels.efficiency import Efficiency, factor_cluster
 from meshplan.costmodels.estimate import Simulated, simulate_config
 from meshplan.costmodels.serving import EngineLayout
+from meshplan.hardware_db.calibration import shipped_calibration
+from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.builders import build_plan, build_serving_plan, priced
 from meshplan.planner.plan import Plan, ServingEngine, ServingPlan, cost_model_digest, first_difference, plan_config
 from meshplan.planner.serve import pinned_deployment
 
-__all__ = ["Rederived", "rederive"]
+__all__ = ["Rederived", "planned_hardware", "rederive"]
 
 RELATIVE = 1e-6  # beyond the rounding of a float written to JSON and read back
 
@@ -47,7 +51,7 @@ def rederive(plan: Plan | ServingPlan, origin: str) -> Rederived:
     simulated: Simulated | None = None
     if isinstance(plan, ServingPlan):
         fresh = _serving(plan, origin)
-    elif plan.inputs.calibration is not None:
+    elif planned_hardware(plan) is None:
         return Rederived(plan, note=f"made with calibration {plan.inputs.calibration}, which the file does not hold: "
                                     f"its prediction is shown as stored, not re-simulated")
     else:
@@ -66,10 +70,25 @@ def rederive(plan: Plan | ServingPlan, origin: str) -> Rederived:
         f"where the file has {_shown(stored)}"))
 
 
+def planned_hardware(plan: Plan) -> tuple[Cluster, Efficiency | None] | None:
+    """The plan's cluster and efficiency model as it was planned: the GPU's defaults, or the public calibration it
+    records (shipped with meshplan, so not in the file); None under any other calibration, which the file does not
+    hold."""
+    cluster = plan.inputs.cluster.cluster()
+    if plan.inputs.calibration is None:
+        return cluster, None
+    shipped = shipped_calibration(plan.inputs.calibration)
+    return None if shipped is None else factor_cluster(cluster.spec, shipped, f"public-{shipped.gpu}")
+
+
 def _training(plan: Plan) -> tuple[Plan, Simulated]:
-    model, cluster, workload, config, runtime = plan_config(plan)
-    sim = simulate_config(model, cluster, workload, config, runtime)
-    built = build_plan(model, cluster, workload, config, sim, runtime)
+    """The plan simulated again, under the public calibration it records (shipped, so not in the file) if any."""
+    model, _, workload, config, runtime = plan_config(plan)
+    hardware = planned_hardware(plan)
+    assert hardware is not None, "rederive re-simulates only plans whose calibration it holds"
+    cluster, eff = hardware
+    sim = simulate_config(model, cluster, workload, config, runtime, eff)
+    built = build_plan(model, cluster, workload, config, sim, runtime, calibration=eff.calibration if eff else None)
     fresh = plan.model_copy(update={"memory": built.memory, "prediction": built.prediction,
                                     "cost_model": cost_model_digest(), "economics": None})
     if plan.economics is not None:

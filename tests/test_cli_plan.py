@@ -17,14 +17,22 @@ from cli_helpers import assert_input_error, run
 from meshplan.cli.main import main
 from meshplan.costmodels.config import Workload
 from meshplan.costmodels.model_io import load_zoo
-from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.api import calibrated
+from meshplan.hardware_db.cluster import ClusterSpec
 from meshplan.planner.explain import explain
 from meshplan.planner.plan import SCHEMA_VERSION, Plan, read_plan
-from meshplan.planner.search import search
+from meshplan.planner.search import SearchResult, search
 
 PLAN = ["plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048",
         "--max-mbs", "2"]
 ROW = re.compile(r"^\s*[│|]\s*(\d+)\s*[│|]")  # a ranking row: "│ 1 │ ..."
+
+
+def default_search() -> SearchResult:
+    """The library search PLAN runs, under what plan uses without --calibration (the GPU's public calibration)."""
+    hardware, eff = calibrated(ClusterSpec(gpu="h100-sxm", num_gpus=8))
+    return search(load_zoo("llama3.1-8b"), hardware, Workload(global_batch=16, seq_len=2048), efficiency=eff,
+                  top_k=5, max_mbs=2)
 
 
 def flat(text: str) -> str:
@@ -68,8 +76,7 @@ def test_plan_json_is_the_searchs_best_plan(capsys):
     code, out, err = run(capsys, *PLAN, "--json")
     assert code == 0, err
     plan = Plan.model_validate_json(out)
-    result = search(load_zoo("llama3.1-8b"), Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8)),
-                    Workload(global_batch=16, seq_len=2048), top_k=5, max_mbs=2)
+    result = default_search()
     best = result.plans[0]
     assert plan.prediction.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
     lay = best.estimate.layout
@@ -140,8 +147,7 @@ def test_show_trace_rewrites_the_same_timeline(capsys, tmp_path):
 def test_explain_prints_the_explanation(capsys):
     code, out, err = run(capsys, *PLAN, "--explain")
     assert code == 0, err
-    result = search(load_zoo("llama3.1-8b"), Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=8)),
-                    Workload(global_batch=16, seq_len=2048), top_k=5, max_mbs=2)
+    result = default_search()
     lines = explain(result)
     assert len(lines) >= 3
     text = flat(out)

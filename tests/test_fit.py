@@ -104,7 +104,7 @@ def test_calibrate_writes_a_calibration_that_estimate_takes(tmp_path, capsys):
     runs = _runs(true)
     (tmp_path / "runs.toml").write_text(_runs_toml(runs))
     code, out, err = run(capsys, "calibrate", "--runs", str(tmp_path / "runs.toml"), "--out", str(tmp_path / "c.json"),
-                         "--parameters", "gemm,network")
+                         "--parameters", "gemm,network", "--prior", "defaults")
     assert code == 0, err
     text = " ".join(out.split())
     assert "8 run(s) on h100-sxm" in text and "error on runs left out of the fit" in text
@@ -117,10 +117,37 @@ def test_calibrate_writes_a_calibration_that_estimate_takes(tmp_path, capsys):
     code, out, err = run(capsys, *args, "--calibration", str(tmp_path / "c.json"))
     assert code == 0, err
     calibrated = json.loads(out)
-    default = json.loads(run(capsys, *args)[1])
+    default = json.loads(run(capsys, *args, "--calibration", "none")[1])
     assert calibrated["interval"] is None and default["interval"] is not None
     miss = abs(calibrated["step_time_s"] / probe.step_time_s - 1)
     assert miss < abs(default["step_time_s"] / probe.step_time_s - 1) / 3 and miss < 0.03
+
+
+def test_calibrate_centres_its_priors_on_the_public_calibration(tmp_path, capsys):
+    """By default the priors are centred on the GPU's public calibration: the factors not fit keep its values, so
+    the file holds all five; the error at that centre is printed; `--prior defaults` centres them on 1."""
+    import json
+
+    from cli_helpers import run
+
+    from meshplan.hardware_db.calibration import public_log_factors
+
+    (tmp_path / "runs.toml").write_text(_runs_toml(_runs({"gemm": -0.1})))
+    centre = public_log_factors("h100-sxm")
+    assert centre is not None and abs(centre["network"]) > 0.05  # a centre that differs from the defaults
+    written = {}
+    for prior in ("public", "defaults"):
+        code, out, err = run(capsys, "calibrate", "--runs", str(tmp_path / "runs.toml"), "--out",
+                             str(tmp_path / f"{prior}.json"), "--parameters", "gemm", "--prior", prior)
+        assert code == 0, err
+        written[prior] = json.loads((tmp_path / f"{prior}.json").read_text())
+        assert ("at the priors' centre" in " ".join(out.split())) == (prior == "public")
+    public, defaults = written["public"], written["defaults"]
+    assert set(public["factors"]) == {"gemm", "attention", "memory", "network", "overhead"}
+    for name in ("attention", "memory", "network", "overhead"):
+        assert math.log(public["factors"][name]["factor"]) == pytest.approx(centre[name], abs=1e-12)
+    assert public["prior"] == "public-h100-sxm" and public["error_prior"] is not None
+    assert set(defaults["factors"]) == {"gemm"} and defaults["prior"] == "defaults" and defaults["error_prior"] is None
 
 
 def test_peaks_made_with_a_known_activation_factor_give_it_back():

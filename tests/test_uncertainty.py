@@ -237,7 +237,7 @@ def test_plan_takes_the_gpus_public_calibration_by_name(tmp_path, capsys):
 
     args = ["estimate", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "4096",
             "--json"]
-    code, out, err = run(capsys, *args)
+    code, out, err = run(capsys, *args, "--calibration", "none")
     assert code == 0, err
     default = json.loads(out)
     code, out, err = run(capsys, *args, "--calibration", "public")
@@ -270,6 +270,32 @@ def test_plan_takes_the_gpus_public_calibration_by_name(tmp_path, capsys):
     assert "ranked by the slow end" in " ".join(out.split())
     assert_input_error(*run(capsys, "estimate", "-m", "llama3.1-8b", "--gpu", "l4", "--gpus", "8", "--gbs", "16",
                             "--seq", "4096", "--calibration", "public"), "no public calibration for l4", "h100-sxm")
+
+
+def test_without_calibration_a_gpu_gets_its_public_one_and_none_gets_the_defaults(tmp_path, capsys):
+    """The default is the GPU's public calibration where one ships (estimate, plan and its plan file say so, and a
+    reader re-simulates that plan under it), the defaults where none ships; `--calibration none` is the defaults."""
+    from cli_helpers import run
+
+    args = ["estimate", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "4096",
+            "--json"]
+    default, public, none = (json.loads(run(capsys, *args, *extra)[1])
+                             for extra in ((), ("--calibration", "public"), ("--calibration", "none")))
+    assert default["step_time_s"] == public["step_time_s"] != none["step_time_s"]
+    assert default["interval"] == public["interval"] != none["interval"]
+    l4 = ["estimate", "-m", "llama3.1-8b", "--gpu", "l4", "--gpus", "8", "--gbs", "8", "--seq", "1024", "--tp", "8",
+          "--json"]
+    assert json.loads(run(capsys, *l4)[1]) == json.loads(run(capsys, *l4, "--calibration", "none")[1])
+    path = tmp_path / "p.json"
+    code, _, err = run(capsys, "plan", *args[1:-1], "--top", "1", "--out", str(path))
+    assert code == 0, err
+    assert json.loads(path.read_text())["inputs"]["calibration"].startswith("public-h100-sxm sha256:")
+    code, out, err = run(capsys, "show", str(path))
+    assert code == 0 and "not re-simulated" not in out, err  # the shipped calibration is re-applied, not trusted
+    doc = json.loads(path.read_text())
+    doc["prediction"]["breakdown_s"]["compute"] *= 0.9
+    path.write_text(json.dumps(doc))
+    assert run(capsys, "show", str(path))[0] == 2  # and so an edited figure is caught
 
 
 def test_the_shipped_residuals_are_the_cost_models_own():

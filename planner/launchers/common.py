@@ -66,15 +66,17 @@ def runtime_note(plan: Plan, target: str) -> str | None:
     mine = f"the plan's {plan.inputs.runtime} prediction: step {p.step_time_s:.4g} s, peak {p.peak_memory_gib:.1f} GiB"
     if theirs is None:
         return f"{target}'s framework is not modelled; {mine}"
-    if plan.inputs.calibration:
-        return f"made for {plan.inputs.runtime} with a calibration the plan does not hold, so not priced under " \
-               f"{theirs}; {mine}"
     from meshplan.costmodels.estimate import simulate_config
     from meshplan.planner.plan import plan_config
+    from meshplan.planner.rederive import planned_hardware
 
-    model, cluster, workload, config, _ = plan_config(plan)
+    hardware = planned_hardware(plan)
+    if hardware is None:
+        return f"made for {plan.inputs.runtime} with a calibration the plan does not hold, so not priced under " \
+               f"{theirs}; {mine}"
+    model, _, workload, config, _ = plan_config(plan)
     try:
-        est = simulate_config(model, cluster, workload, config, theirs).estimate
+        est = simulate_config(model, hardware[0], workload, config, theirs, hardware[1]).estimate
     except InputError as exc:
         return f"{theirs} cannot run the plan as made ({' '.join(str(exc).split())}); {mine}"
     fits = "" if est.fits else " (DOES NOT FIT)"
