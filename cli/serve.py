@@ -210,6 +210,11 @@ def serve(
     price: Annotated[float | None, typer.Option("--price-per-gpu-hour", min=0.0, rich_help_panel=P_COST, help=(
         "USD per GPU-hour for the cost lines and the plan's economics; default the hardware database's indicative "
         "price (hardware show)."))] = None,
+    calibration: Annotated[str | None, typer.Option("--calibration", rich_help_panel=P_CLUSTER, help=(
+        "A calibration of the GPU (a file from `meshplan calibrate` or `meshplan profile`, or `public`: the "
+        "factors fit to the published training runs on it): its factors scale the engine's kernels and collectives. "
+        "Default: the GPU's efficiency defaults (no calibration is checked against measured deployments yet; "
+        "docs/calibration.md)."))] = None,
 ) -> None:
     """Search serving deployments: TP, attention DP, PP and EP per engine, batch and chunk sizes, aggregated or
     disaggregated prefill and decode pools, under TTFT and TPOT targets.
@@ -228,7 +233,7 @@ def serve(
         raise InputError("--report draws the search's Pareto front; a pinned --layout has none (drop one of them)")
     with working(f"searching deployments of {spec.name} on up to {gpus.cluster.num_gpus} GPUs"):
         found = api.search_deployments(spec, gpus.cluster, workload, targets, gpus.low, objective, disaggregation,
-                                       top, mem_fraction, time_limit, pinned, outputs.timing)
+                                       top, mem_fraction, time_limit, pinned, outputs.timing, calibration)
     doc, result, alternatives = found.plan, found.result, list(found.alternatives)
     if price is not None:
         doc = api.priced(doc, Budget(usd_per_gpu_hour=price))

@@ -61,7 +61,9 @@ def estimate(
         typer.echo(json.dumps(est.to_dict(), indent=2))
     else:
         con = console()
-        print_estimate(con, spec, api.calibrated(cluster, calibration, runtime)[0], workload, est)
+        hardware, eff = api.calibrated(cluster, calibration, runtime)
+        print_estimate(con, spec, hardware, workload, est)
+        con.print(calibration_line(eff.calibration if eff else None))
         print_cost(con, api.cost_of(spec, cluster, est.tokens_per_s, budget, calibration))
 
 
@@ -179,6 +181,17 @@ def interval_line(est: Estimate) -> str:
             f"runs like it in all but {dropped} (too few match it in everything; docs/cost_model.md)")
 
 
+def calibration_line(label: str | None) -> str:
+    """Which efficiencies priced the predictions (Efficiency.calibration's label, None: the GPU's defaults)."""
+    if label is None:
+        return "calibration: none, the GPU's efficiency defaults (meshplan ships public calibrations for some GPUs)"
+    name = label.split(" sha256:")[0]
+    if name.startswith("public-"):
+        return (f"calibration: {name}, the GPU's factors fit to its published runs (the default; --calibration none: "
+                f"the uncalibrated defaults)")
+    return f"calibration: {label}"
+
+
 def lead_line(faster: float, slower: float, first: str, second: str) -> str:
     """Whether a lead in predicted throughput between two layouts on one cluster is more than the model's error on
     such a pair (costmodels/uncertainty.py lead_note)."""
@@ -282,8 +295,8 @@ def plan(
     rank: Annotated[RankKind, typer.Option("--rank", rich_help_panel=P_OUT, help=(
         "What 'best' means. expected: the shortest predicted step. conservative: the shortest slow end of the "
         "plan's 80 % range (the step its region's cross-validated errors say is exceeded one time in ten), so a "
-        "layout the model has often over-predicted pays for it. Not with --calibration (its predictions carry no "
-        "range)."))] = DEFAULT_RANK,
+        "layout the model has often over-predicted pays for it. With the default calibration or --calibration none, "
+        "not with your own (its predictions carry no range)."))] = DEFAULT_RANK,
     memory: Annotated[MemoryRule, typer.Option("--memory", rich_help_panel=P_OUT, help=(
         "What fits. estimate: the predicted peak memory within the HBM. sure: the high end of its 95 % range "
         "(from the model's error on measured peaks, docs/cost_model.md) within the HBM, so the plan fits with "
@@ -336,6 +349,7 @@ def plan(
         return
     con = console()
     _print_ranking(con, spec, found.cluster, workload, result)
+    con.print(calibration_line(doc.inputs.calibration))
     assert doc.economics is not None
     print_cost(con, doc.economics)
     if weighed is not None:

@@ -241,11 +241,13 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
                        min_gpus: int = 1, objective: ServeObjective = "throughput", disaggregation: bool = True,
                        top: int = 5,
                        mem_fraction: float = 0.9, time_limit_s: float | None = None,
-                       pinned: PinnedDeployment | None = None, timing: bool = False) -> ServingSearch:
+                       pinned: PinnedDeployment | None = None, timing: bool = False,
+                       calibration: str | None = None) -> ServingSearch:
     """The best serving deployment on at most `cluster.num_gpus` GPUs (and at least `min_gpus`) under the targets,
-    or the `pinned` one priced. InputError when nothing fits."""
+    or the `pinned` one priced. InputError when nothing fits. `calibration` as `calibrated` takes it, but None is
+    the GPU's defaults here: the public calibration is fit to training runs and unchecked on serving."""
     spec = _model(model)
-    hardware = Cluster(cluster)
+    hardware, eff = calibrated(cluster, calibration or NONE)
     if workload.weight_dtype not in hardware.gpu.peak_tflops:
         have = ", ".join(d for d in ("bf16", "fp8", "fp4") if d in hardware.gpu.peak_tflops)
         raise InputError(f"{hardware.gpu.name} has no {workload.weight_dtype} tensor cores; choose --weight-dtype "
@@ -254,20 +256,21 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
     alternatives: tuple[str, ...] = ()
     if pinned is not None:
         best = pinned_deployment(spec, hardware, workload, targets, pinned.layout, pinned.engines, pinned.batch,
-                                 pinned.prefill_layout, pinned.prefill_engines, mem_fraction=mem_fraction)
+                                 pinned.prefill_layout, pinned.prefill_engines, eff=eff, mem_fraction=mem_fraction)
         if best.gpus > hardware.num_gpus:
             raise InputError(f"the deployment needs {best.gpus} GPUs; --gpus gives {hardware.num_gpus}")
     else:
-        result = search_serving(spec, hardware, workload, targets, min_gpus, objective, disaggregation, top=top,
-                                mem_fraction=mem_fraction, time_limit_s=time_limit_s)
+        result = search_serving(spec, hardware, workload, targets, min_gpus, objective, disaggregation, eff=eff,
+                                top=top, mem_fraction=mem_fraction, time_limit_s=time_limit_s)
         if result.best is None:
             raise InputError(result.why_nothing or "no deployment fits")
-        result = checked_by_simulation(spec, hardware, workload, targets, result)
+        result = checked_by_simulation(spec, hardware, workload, targets, result, eff=eff)
         assert result.best is not None
         best, alternatives = result.best, tuple(explain_serving(result, targets, workload))
-    doc = priced(build_serving_plan(spec, hardware, workload, targets, best, result, objective, list(alternatives)))
+    doc = priced(build_serving_plan(spec, hardware, workload, targets, best, result, objective, list(alternatives),
+                                    calibration=eff.calibration if eff else None))
     return ServingSearch(plan=doc if timing else without_timing(doc), result=result, alternatives=alternatives,
-                         simulated=simulate_deployment(spec, hardware, workload, targets, best))
+                         simulated=simulate_deployment(spec, hardware, workload, targets, best, eff=eff))
 
 
 def serve(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targets: ServeTargets = ServeTargets(),

@@ -105,7 +105,7 @@ def build_plan(model: ModelSpec, cluster: Cluster, workload: Workload, config: P
 def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: ServeWorkload, targets: ServeTargets,
                        deployment: Deployment, result: ServeResult | None = None,
                        objective: ServeObjective = "throughput",
-                       alternatives: list[str] | None = None) -> ServingPlan:
+                       alternatives: list[str] | None = None, calibration: str | None = None) -> ServingPlan:
     """The plan of one deployment; `result` when a search made it."""
     engines = [ServingEngine(
         role=p.role, engines=n, tp=p.layout.tp, dp=p.layout.dp, pp=p.layout.pp, ep=p.layout.ep,
@@ -133,7 +133,7 @@ def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: ServeWorklo
     return ServingPlan(
         meshplan_version=meshplan_version(), cost_model=cost_model_digest(),
         inputs=ServingInputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
-                             workload=workload, targets=targets),
+                             workload=workload, targets=targets, calibration=calibration),
         mode=d.mode, engines=engines, prediction=prediction, search=search)
 
 

@@ -528,6 +528,8 @@ class ServingInputs(_Frozen):
     cluster: ClusterInput
     workload: ServeWorkload
     targets: ServeTargets
+    calibration: str | None = Field(default=None, description=(
+        "calibration the efficiencies came from (serve --calibration); null: GPU defaults"))
 
     @field_validator("model")
     @classmethod

@@ -49,13 +49,14 @@ def rederive(plan: Plan | ServingPlan, origin: str) -> Rederived:
     field and the recomputed value) when this cost model made the plan and a figure disagrees."""
     fresh: Plan | ServingPlan
     simulated: Simulated | None = None
-    if isinstance(plan, ServingPlan):
-        fresh = _serving(plan, origin)
-    elif planned_hardware(plan) is None:
+    hardware = planned_hardware(plan)
+    if hardware is None:
         return Rederived(plan, note=f"made with calibration {plan.inputs.calibration}, which the file does not hold: "
                                     f"its prediction is shown as stored, not re-simulated")
+    if isinstance(plan, ServingPlan):
+        fresh = _serving(plan, origin, *hardware)
     else:
-        fresh, simulated = _training(plan)
+        fresh, simulated = _training(plan, *hardware)
     difference = first_difference(_figures(fresh), _figures(plan), rel_tol=RELATIVE)
     if difference is None:
         return Rederived(plan, simulated)
@@ -70,7 +71,7 @@ def rederive(plan: Plan | ServingPlan, origin: str) -> Rederived:
         f"where the file has {_shown(stored)}"))
 
 
-def planned_hardware(plan: Plan) -> tuple[Cluster, Efficiency | None] | None:
+def planned_hardware(plan: Plan | ServingPlan) -> tuple[Cluster, Efficiency | None] | None:
     """The plan's cluster and efficiency model as it was planned: the GPU's defaults, or the public calibration it
     records (shipped with meshplan, so not in the file); None under any other calibration, which the file does not
     hold."""
@@ -81,12 +82,9 @@ def planned_hardware(plan: Plan) -> tuple[Cluster, Efficiency | None] | None:
     return None if shipped is None else factor_cluster(cluster.spec, shipped, f"public-{shipped.gpu}")
 
 
-def _training(plan: Plan) -> tuple[Plan, Simulated]:
-    """The plan simulated again, under the public calibration it records (shipped, so not in the file) if any."""
+def _training(plan: Plan, cluster: Cluster, eff: Efficiency | None) -> tuple[Plan, Simulated]:
+    """The plan simulated again on `cluster` with `eff` (planned_hardware)."""
     model, _, workload, config, runtime = plan_config(plan)
-    hardware = planned_hardware(plan)
-    assert hardware is not None, "rederive re-simulates only plans whose calibration it holds"
-    cluster, eff = hardware
     sim = simulate_config(model, cluster, workload, config, runtime, eff)
     built = build_plan(model, cluster, workload, config, sim, runtime, calibration=eff.calibration if eff else None)
     fresh = plan.model_copy(update={"memory": built.memory, "prediction": built.prediction,
@@ -96,22 +94,24 @@ def _training(plan: Plan) -> tuple[Plan, Simulated]:
     return fresh, sim
 
 
-def _serving(plan: ServingPlan, origin: str) -> ServingPlan:
-    """The deployment of the plan's engines (layouts, counts, batches, memory fraction) priced again; a layout the
-    model cannot take (ep on a dense model, tp that does not divide the heads) is refused as a training layout is."""
+def _serving(plan: ServingPlan, origin: str, cluster: Cluster, eff: Efficiency | None) -> ServingPlan:
+    """The deployment of the plan's engines (layouts, counts, batches, memory fraction) priced again on `cluster`
+    with `eff` (planned_hardware); a layout the model cannot take (ep on a dense model, tp that does not divide the
+    heads) is refused as a training layout is."""
     inputs = plan.inputs
-    model, cluster = inputs.model_spec(), inputs.cluster.cluster()
+    model = inputs.model_spec()
     decode = plan.engines[-1]
     prefill: ServingEngine | None = plan.engines[0] if plan.mode == "disaggregated" else None
     try:
         best = pinned_deployment(
             model, cluster, inputs.workload, inputs.targets, _layout(decode), decode.engines, decode.max_num_seqs,
             _layout(prefill) if prefill else None, prefill.engines if prefill else None,
-            prefill.max_num_seqs if prefill else None, mem_fraction=decode.gpu_memory_utilization,
+            prefill.max_num_seqs if prefill else None, eff=eff, mem_fraction=decode.gpu_memory_utilization,
             chunk=decode.max_num_batched_tokens)
     except InputError as exc:
         raise InputError(f"{origin}: invalid plan: engines: {exc}") from None
-    built = build_serving_plan(model, cluster, inputs.workload, inputs.targets, best)
+    built = build_serving_plan(model, cluster, inputs.workload, inputs.targets, best,
+                               calibration=eff.calibration if eff else None)
     fresh = plan.model_copy(update={"engines": built.engines, "prediction": built.prediction,
                                     "cost_model": cost_model_digest(), "economics": None})
     if plan.economics is not None:

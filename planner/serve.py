@@ -489,7 +489,7 @@ class SimulationCheck:
 
 
 def simulate_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
-                        d: Deployment, requests: int = 1000) -> SimulationCheck | None:
+                        d: Deployment, requests: int = 1000, eff: Efficiency | None = None) -> SimulationCheck | None:
     """An aggregated deployment of one-attention-group engines without speculative decoding, its engine simulated
     at its rate (Poisson, the lengths' spread, FCFS chunked prefill); None for what the simulation does not model."""
     from meshplan.costmodels.queueing import PERCENTILES
@@ -501,7 +501,7 @@ def simulate_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, t
     if p.layout.dp != 1:
         return None
     c = engine_cluster(cluster, p.layout.gpus)
-    curve = [s for s in (aggregated_state(model, c, p.layout, wl, b, p.chunk, None, p.mem_fraction)
+    curve = [s for s in (aggregated_state(model, c, p.layout, wl, b, p.chunk, eff, p.mem_fraction)
                          for b in sorted({b for b in BATCHES if b < p.batch} | {p.batch})) if s is not None]
     if not curve or curve[-1].batch != p.batch:
         return None
@@ -517,7 +517,7 @@ def simulate_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, t
 
 
 def checked_by_simulation(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
-                          result: ServeResult, most: int = 12) -> ServeResult:
+                          result: ServeResult, most: int = 12, eff: Efficiency | None = None) -> ServeResult:
     """The search's best, unless the simulation of its engine misses the targets: then the first of the ranked
     deployments and the Pareto front's others that meet them (in the ranking's order, at most `most` simulated)
     that the simulation does not contradict or cannot check (disaggregated, attention DP, speculation). The
@@ -528,7 +528,7 @@ def checked_by_simulation(model: ModelSpec, cluster: Cluster, wl: ServeWorkload,
     front = [d for d in result.pareto if meets(d, targets, wl) and d not in result.ranked]
     order = list(result.ranked) + sorted(front, key=lambda d: -d.tokens_per_s_per_gpu)
     for d in order[:most]:
-        check = simulate_deployment(model, cluster, wl, targets, d)
+        check = simulate_deployment(model, cluster, wl, targets, d, eff=eff)
         if check is None or not check.misses:
             if d is result.best:
                 return result

@@ -121,7 +121,7 @@ def halvings(gpus: int, smallest: int) -> list[int]:
 def sweep_csv(sw: Sweep) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
-    # step_s_low / step_s_high: the prediction's interval (costmodels/uncertainty.py; empty under a calibration)
+    # step_s_low / step_s_high: the prediction's interval (uncertainty.py; empty under a calibration of your own)
     header = ["gpu", "gpus", "fits", "tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "zero", "recompute", "step_s",
               "step_s_low", "step_s_high", "tokens_per_s", "mfu", "peak_memory_gib", "usd_per_hour",
               "usd_per_million_tokens", "gpu_hours_per_million_tokens", "expected_days", "goodput", "total_usd",

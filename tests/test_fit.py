@@ -240,3 +240,41 @@ def test_bad_runs_files_are_one_line(tmp_path, capsys):
         broken = tmp_path / f"{name}.json"
         broken.write_text(json.dumps(doc | edit))
         assert_input_error(*run(capsys, *estimate, str(broken)), word, "meshplan calibrate")
+
+
+def test_serve_takes_a_calibration_and_its_plan_says_which(tmp_path, capsys):
+    """`serve --calibration`: a factor file's memory factor slows the memory-bound decode of a pinned deployment;
+    the serving plan records the calibration, which a reader re-applies when it is the shipped public one and
+    otherwise shows as stored; without the flag serving keeps the GPU's defaults (the public factors are fit to
+    training runs)."""
+    import json
+
+    from cli_helpers import run
+
+    from meshplan.hardware_db.calibration import calibration_dir
+
+    cal = json.loads((calibration_dir() / "public-h100-sxm.json").read_text())
+    cal["factors"] = {"memory": {"factor": 0.5, "log_sd": 0.0}}
+    (tmp_path / "slow-hbm.json").write_text(json.dumps(cal))
+    args = ["serve", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "512", "--osl", "64",
+            "--layout", "tp1", "--engines", "1", "--batch", "32", "--json"]
+    plans = {}
+    for name, extra in (("default", ()), ("none", ("--calibration", "none")),
+                        ("slow", ("--calibration", str(tmp_path / "slow-hbm.json"))), ("public", ("--calibration",
+                                                                                              "public"))):
+        code, out, err = run(capsys, *args, *extra)
+        assert code == 0, err
+        plans[name] = json.loads(out)
+    tpot = {name: plan["prediction"]["tpot_ms"] for name, plan in plans.items()}
+    assert tpot["default"] == tpot["none"] and plans["default"]["inputs"]["calibration"] is None
+    assert 1.2 < tpot["slow"] / tpot["default"] < 2.0  # decode reads weights and KV: slower, not all of it HBM-bound
+    assert plans["slow"]["inputs"]["calibration"].startswith("slow-hbm.json sha256:")
+    for name in ("slow", "public"):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(plans[name]))
+        code, out, err = run(capsys, "show", str(path))
+        assert code == 0, err
+        assert ("not re-simulated" in " ".join(out.split())) == (name == "slow")
+    edited = dict(plans["public"], prediction={**plans["public"]["prediction"], "tpot_ms": 1.0})
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    assert run(capsys, "show", str(tmp_path / "edited.json"))[0] == 2  # re-derived under the public factors: caught
