@@ -189,6 +189,21 @@ def hardware_show(
             eff.add_row(field, "derived default" if value is None else _efficiency_value(value))
     con.print(eff)
     con.print(f"efficiency source: {g.efficiency.source}")
+    con.print(public_line(name))  # as plan --gpu NAME resolves it: a .toml file gets no public calibration
+
+
+def public_line(gpu: str) -> str:
+    """What plan uses for this GPU without --calibration: its public calibration's factors on the defaults above."""
+    from meshplan.hardware_db.calibration import FactorCalibration, default_calibration, load_any_calibration
+
+    name = default_calibration(gpu)
+    if name is None:
+        return "without --calibration, meshplan plans it with these defaults (it ships no public calibration for it)"
+    cal = load_any_calibration(name)
+    assert isinstance(cal, FactorCalibration)
+    factors = ", ".join(f"{key} x {f.factor:.3f}" for key, f in cal.factors.items())
+    return (f"without --calibration, meshplan plans it under {name}: {factors} on these defaults, fit to {cal.runs} "
+            f"published runs (docs/calibration.md; --calibration none: the defaults alone)")
 
 
 def _efficiency_value(value: float | bool | list[list[float]]) -> str:

@@ -121,6 +121,10 @@ def test_hardware_show_prints_sources(capsys):
     assert code == 0
     assert "datasheet" in out  # the source of the peak numbers
     assert "989.4" in out and "TFLOP/s" in out and "GiB" in out
+    # and what plan uses without --calibration: the public calibration's factors, or the defaults alone
+    assert "plans it under public-h100-sxm: gemm x 0.903" in " ".join(out.split())
+    code, out, _ = run(capsys, "hardware", "show", "l4")
+    assert code == 0 and "ships no public calibration" in " ".join(out.split())
 
 
 def test_help_and_version(capsys):
