@@ -91,4 +91,3 @@ def calibrate(
             con.print(f"peak memory left out of the fit: {100 * cal.memory_held_out_before:.1f} % with the defaults, "
                       f"{100 * cal.memory_held_out_after:.1f} % calibrated")
     con.print(f"calibration written to {out}; use it with --calibration {out}")
-

@@ -81,7 +81,6 @@ class Fit:
     before: tuple[float, ...]  # log(predicted / measured) with the defaults
     after: tuple[float, ...]  # with the fitted factors
     centred: tuple[float, ...] = ()  # with the factors the priors centre on (prior_mean), where not the defaults
-
     held: tuple[tuple[str, float], ...] = ()  # factors not fit, held at their prior's centre (name, log factor)
 
     def factor(self, name: str) -> float:
