@@ -176,8 +176,8 @@ def few_shot(runs: list[Held], shots: int = FEW_SHOTS, kernel_priors: bool = Fal
             if gpu in SYSTEMS:
                 found = gemm_factors(gpu).get("fp8" if members[0].region.fp8 else "bf16")
                 centre = None if found is None else {"gemm": found.log_factor}
-        if centres is not None and (publication, gpu) in centres:
-            centre = centres[(publication, gpu)]
+        if centres is not None and (publication, gpu) in centres:  # the table's GEMM centre over it, as calibrate
+            centre = {**centres[(publication, gpu)], **(centre or {})}
         calibrated = fit([h.step for h in members[:shots]], prior_mean=centre)
         rest = members[shots:]
         factors = dict(zip(calibrated.parameters, calibrated.log_factors, strict=True))
