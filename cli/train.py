@@ -23,7 +23,7 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.costmodels.uncertainty import (DEFAULT_MEMORY_RULE, DEFAULT_RANK, FEATURE_LABELS, MemoryRule, RankKind,
-                                             lead_note)
+                                             ResidualTable, lead_note)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.launchers.common import ExportError
@@ -192,10 +192,11 @@ def calibration_line(label: str | None) -> str:
     return f"calibration: {label}"
 
 
-def lead_line(faster: float, slower: float, first: str, second: str) -> str:
+def lead_line(faster: float, slower: float, first: str, second: str, table: ResidualTable) -> str:
     """Whether a lead in predicted throughput between two layouts on one cluster is more than the model's error on
-    such a pair (costmodels/uncertainty.py lead_note)."""
-    return f"lead of {first} over {second}: {faster / slower - 1:.1%} in tokens/s; {lead_note(faster, slower)}"
+    such a pair (costmodels/uncertainty.py lead_note), in the residuals of the model that priced them."""
+    return (f"lead of {first} over {second}: {faster / slower - 1:.1%} in tokens/s; "
+            f"{lead_note(faster, slower, table=table)}")
 
 
 def print_cost(con: Console, cost: TrainingCost) -> None:
@@ -348,7 +349,7 @@ def plan(
             raise refused
         return
     con = console()
-    _print_ranking(con, spec, found.cluster, workload, result)
+    _print_ranking(con, spec, found.cluster, workload, result, found.residual_table)
     con.print(calibration_line(doc.inputs.calibration))
     assert doc.economics is not None
     print_cost(con, doc.economics)
@@ -460,7 +461,8 @@ def _recompute_text(lay) -> str:
     return ",".join(p.label(n) for p, n in zip(lay.stage_recompute, lay.stage_layers, strict=True))
 
 
-def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload, result) -> None:
+def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload, result,
+                   table: ResidualTable | None) -> None:
     acc = result.account
     moe = spec.moe is not None
     con.print(Text.assemble((spec.name, "bold"), f" on {cluster.num_gpus} x {cluster.gpu.display_name} "
@@ -497,8 +499,10 @@ def _print_ranking(con: Console, spec: ModelSpec, cluster: Cluster, wl: Workload
     first = result.plans[0]
     if first.estimate.interval is not None:
         con.print(f"uncertainty of plan #1: {interval_line(first.estimate)}")
-        if len(result.plans) > 1 and first.estimate.tokens_per_s >= result.plans[1].estimate.tokens_per_s:
-            con.print(lead_line(first.estimate.tokens_per_s, result.plans[1].estimate.tokens_per_s, "plan #1", "#2"))
+        if (table is not None and len(result.plans) > 1
+                and first.estimate.tokens_per_s >= result.plans[1].estimate.tokens_per_s):
+            con.print(lead_line(first.estimate.tokens_per_s, result.plans[1].estimate.tokens_per_s, "plan #1", "#2",
+                                table))
     memory = first.estimate.memory_interval
     if memory is not None:
         con.print(f"memory of plan #1: {memory.line(first.estimate.peak_memory_gib, first.estimate.hbm_gib)}")

@@ -213,22 +213,23 @@ def lead_bound(runs: Sequence[MeasuredRun], level: float = DEFAULT_LEVEL) -> tup
 
 
 @cache
-def layout_lead_bound(level: float = DEFAULT_LEVEL) -> tuple[float, int]:
-    """lead_bound over the shipped runs."""
-    return lead_bound(measured_runs(), level)
+def layout_lead_bound(level: float = DEFAULT_LEVEL, table: ResidualTable = "defaults") -> tuple[float, int]:
+    """lead_bound over the shipped runs of the table of the model that predicts the two layouts."""
+    return lead_bound(measured_runs(table), level)
 
 
-def lead_is_significant(faster: float, slower: float, level: float = DEFAULT_LEVEL) -> bool:
+def lead_is_significant(faster: float, slower: float, level: float = DEFAULT_LEVEL,
+                        table: ResidualTable = "defaults") -> bool:
     """Whether one layout's predicted throughput leads another's on the same cluster by more than the model
     misjudges two layouts (layout_lead_bound): below it the ranking may be the model's error."""
-    return math.log(faster / slower) > layout_lead_bound(level)[0]
+    return math.log(faster / slower) > layout_lead_bound(level, table)[0]
 
 
-def lead_note(faster: float, slower: float, level: float = DEFAULT_LEVEL) -> str:
+def lead_note(faster: float, slower: float, level: float = DEFAULT_LEVEL, table: ResidualTable = "defaults") -> str:
     """The sentence `plan` and `compare` print of a lead between two layouts on one cluster: the model's error on
     such a pair (layout_lead_bound) and whether the lead exceeds it."""
-    bound, pairs = layout_lead_bound(level)
-    verdict = "a significant difference" if lead_is_significant(faster, slower, level) else \
+    bound, pairs = layout_lead_bound(level, table)
+    verdict = "a significant difference" if lead_is_significant(faster, slower, level, table) else \
         "not a significant difference"
     return (f"the model misjudges two layouts on one cluster by up to {math.exp(bound) - 1:.0%} ({100 * level:.0f} % "
             f"of {pairs} pairs of published runs): {verdict}")

@@ -23,7 +23,7 @@ from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
 from meshplan.costmodels.serving import EngineLayout, ServeObjective, ServeTargets, ServeWorkload
 from meshplan.costmodels.uncertainty import (DEFAULT_MEMORY_RULE, DEFAULT_RANK, MemoryRule, RankKind, Ranking,
-                                             memory_share)
+                                             ResidualTable, memory_share)
 from meshplan.hardware_db.calibration import (NONE, PUBLIC, FactorCalibration, default_calibration,
                                               load_any_calibration, public_calibration)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
@@ -57,6 +57,7 @@ class PlanSearch:
     result: SearchResult
     simulated: Simulated
     cluster: Cluster
+    residual_table: ResidualTable | None = None  # the shipped residuals of the model that priced it (none: own)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,8 @@ def search_plans(model: ModelInput, cluster: ClusterSpec, workload: Workload, co
                      bound_s=best.bound_s, partition_status=best.partition_status,
                      calibration=eff.calibration if eff else None)
     doc = priced(doc, budget)
-    return PlanSearch(plan=doc if timing else without_timing(doc), result=result, simulated=sim, cluster=hardware)
+    return PlanSearch(plan=doc if timing else without_timing(doc), result=result, simulated=sim, cluster=hardware,
+                      residual_table=table)
 
 
 def sweep(model: ModelInput, gpus: Sequence[str], counts: Sequence[int], workload: Workload,

@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshplan.costmodels.uncertainty import DEFAULT_LEVEL, MEMORY_LEVEL, lead_is_significant, lead_note
+from meshplan.costmodels.uncertainty import DEFAULT_LEVEL, MEMORY_LEVEL, ResidualTable, lead_is_significant, lead_note
 
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.plan import Plan
+from meshplan.planner.rederive import plan_residual_table
 
 __all__ = ["Comparison", "compare_plans"]
 
@@ -44,7 +45,7 @@ def _inputs(doc: Plan) -> dict[str, str]:
     wl, cl = doc.inputs.workload, doc.inputs.cluster
     return {"model": doc.inputs.model_spec().name, "gpu": cl.gpu, "gpus": str(cl.num_gpus),
             "global batch": str(wl.global_batch), "seq": str(wl.seq_len), "dtype": wl.dtype,
-            "runtime": doc.prediction.runtime}
+            "runtime": doc.prediction.runtime, "calibration": doc.inputs.calibration or "none"}
 
 
 def _differing(docs: Sequence[Plan]) -> tuple[Row, ...]:
@@ -124,14 +125,17 @@ def _verdict(docs: Sequence[Plan], names: Sequence[str]) -> tuple[str, ...]:
         lines.append(f"{names[win]} makes {slower:.1%} more tokens/s than {names[i]}"
                      + (f"; per step {names[i]} spends {why}" if why and same else "")
                      + ("" if same else " (their inputs differ: see the rows above)")
-                     + (_noise(best.tokens_per_s, p.tokens_per_s) if same else ""))
+                     + (_noise(best.tokens_per_s, p.tokens_per_s, plan_residual_table(docs[win])) if same else ""))
     return (f"fastest: {names[win]}",) + tuple(lines)
 
 
-def _noise(faster: float, slower: float) -> str:
+def _noise(faster: float, slower: float, table: ResidualTable | None) -> str:
     """Where a lead between two layouts of the same inputs is within the model's error on such a pair
-    (costmodels/uncertainty.py lead_note)."""
-    return "" if lead_is_significant(faster, slower) else f"; {lead_note(faster, slower)}"
+    (costmodels/uncertainty.py lead_note), in the residuals of the model that priced them; nothing under a
+    calibration whose errors no shipped table describes."""
+    if table is None or lead_is_significant(faster, slower, table=table):
+        return ""
+    return f"; {lead_note(faster, slower, table=table)}"
 
 
 def compare_plans(docs: Sequence[Plan], names: Sequence[str]) -> Comparison:

@@ -21,6 +21,7 @@ from meshplan.costmodels.economics import Budget
 from meshplan.costmodels.efficiency import Efficiency, factor_cluster
 from meshplan.costmodels.estimate import Simulated, simulate_config
 from meshplan.costmodels.serving import EngineLayout
+from meshplan.costmodels.uncertainty import ResidualTable
 from meshplan.hardware_db.calibration import shipped_calibration
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
@@ -28,7 +29,7 @@ from meshplan.planner.builders import build_plan, build_serving_plan, priced
 from meshplan.planner.plan import Plan, ServingEngine, ServingPlan, cost_model_digest, first_difference, plan_config
 from meshplan.planner.serve import pinned_deployment
 
-__all__ = ["Rederived", "planned_hardware", "rederive"]
+__all__ = ["Rederived", "plan_residual_table", "planned_hardware", "rederive"]
 
 RELATIVE = 1e-6  # beyond the rounding of a float written to JSON and read back
 
@@ -80,6 +81,15 @@ def planned_hardware(plan: Plan | ServingPlan) -> tuple[Cluster, Efficiency | No
         return cluster, None
     shipped = shipped_calibration(plan.inputs.calibration)
     return None if shipped is None else factor_cluster(cluster.spec, shipped, f"public-{shipped.gpu}")
+
+
+def plan_residual_table(plan: Plan | ServingPlan) -> ResidualTable | None:
+    """The shipped residuals that describe the model a plan was priced with (Efficiency.residual_table): the
+    defaults', the public calibration's, or None under a calibration of the user's own."""
+    hardware = planned_hardware(plan)
+    if hardware is None:
+        return None
+    return "defaults" if hardware[1] is None else hardware[1].residual_table
 
 
 def _training(plan: Plan, cluster: Cluster, eff: Efficiency | None) -> tuple[Plan, Simulated]:

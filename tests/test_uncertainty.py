@@ -448,7 +448,7 @@ def test_a_lead_inside_the_models_error_is_called_so(tmp_path, capsys):
     from meshplan.cli.main import main
     from meshplan.costmodels.uncertainty import layout_lead_bound
 
-    bound, pairs = layout_lead_bound()
+    bound, pairs = layout_lead_bound(table="public")  # the plans below are priced under the public calibration
     assert pairs > 100 and 0 < bound < 1
     args = ["plan", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "4096"]
     assert main([*args, "--top", "2", "--out", str(tmp_path / "a.json")]) in (0, None)
@@ -460,6 +460,12 @@ def test_a_lead_inside_the_models_error_is_called_so(tmp_path, capsys):
     verdict = " ".join(capsys.readouterr().out.split())
     a, b = (json.loads((tmp_path / f"{n}.json").read_text())["prediction"]["tokens_per_s"] for n in "ab")
     assert ("not a significant difference" in verdict) == (math.log(max(a, b) / min(a, b)) <= bound), verdict
+    # a plan of the same layout priced uncalibrated is another input, not a lead inside the model's error
+    assert main([*args, "--tp", "2", "--calibration", "none", "--out", str(tmp_path / "c.json")]) in (0, None)
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "b.json"), str(tmp_path / "c.json")]) in (0, None)
+    verdict = " ".join(capsys.readouterr().out.split())
+    assert "their inputs differ" in verdict and "significant difference" not in verdict, verdict
 
 
 def test_plan_ranks_by_the_slow_end_on_request(tmp_path, capsys):
