@@ -304,12 +304,12 @@ def public_calibration(gpu: str) -> str:
     """The name of `gpu`'s public calibration under hardware_db/calibrations (factors fit to every published run of
     that GPU in meshplan's development sets: benchmarks/crossval.py --write-public); one error line where the sets
     hold too few runs on it."""
-    name = f"public-{gpu}"
-    if not (calibration_dir() / f"{name}.json").exists():
+    name = default_calibration(gpu)
+    if name is None:
         have = sorted(p.stem.removeprefix("public-") for p in calibration_dir().glob("public-*.json"))
         raise InputError(f"no public calibration for {gpu}: the development sets hold too few published runs on it "
-                         f"(there is one for {', '.join(have)}); plan without --calibration, or fit one to your own "
-                         f"runs with meshplan calibrate --runs")
+                         f"(there is one for {', '.join(have)}); plan without --calibration (its defaults), or fit "
+                         f"one to your own runs with meshplan calibrate --runs")
     return name
 
 
