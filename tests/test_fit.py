@@ -278,3 +278,9 @@ def test_serve_takes_a_calibration_and_its_plan_says_which(tmp_path, capsys):
     edited = dict(plans["public"], prediction={**plans["public"]["prediction"], "tpot_ms": 1.0})
     (tmp_path / "edited.json").write_text(json.dumps(edited))
     assert run(capsys, "show", str(tmp_path / "edited.json"))[0] == 2  # re-derived under the public factors: caught
+    from cli_helpers import assert_input_error
+
+    on_h200 = [a if a != "h100-sxm" else "h200" for a in args]
+    assert_input_error(*run(capsys, *on_h200, "--calibration", str(tmp_path / "slow-hbm.json")),
+                       "was fit to runs on h100-sxm")
+    assert_input_error(*run(capsys, *args, "--calibration", str(tmp_path / "missing.json")), "missing.json")
