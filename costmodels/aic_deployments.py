@@ -233,7 +233,7 @@ def deployment_workload(d: Deployment) -> ServeWorkload:
                          kv_dtype="fp8" if weights in ("fp8", "fp4") else "bf16")
 
 
-def _cluster(gpu: str, gpus: int) -> Cluster:
+def cluster_of(gpu: str, gpus: int) -> Cluster:
     """A cluster of whole nodes holding `gpus`, and the engine's `gpus` of it."""
     per_node = Cluster(ClusterSpec(gpu=gpu, num_gpus=1)).gpus_per_node
     whole = Cluster(ClusterSpec(gpu=gpu, num_gpus=max(1, math.ceil(gpus / per_node)) * per_node))
@@ -251,7 +251,7 @@ def price(d: Deployment, eff: Efficiency | None = None) -> Priced:
             pool.check(model)
     if d.prefill is None:
         lay = d.pool.layout
-        point = concurrency_point(model, _cluster(d.gpu, lay.gpus), lay, wl, d.users, CHUNK, None, eff)
+        point = concurrency_point(model, cluster_of(d.gpu, lay.gpus), lay, wl, d.users, CHUNK, None, eff)
         if point is None:
             raise InputError(f"{d.users} users do not fit {lay.label()} (no batch fits, or prefill cannot keep up)")
         ttft, tpot = point.ttft_s, point.tpot_s
@@ -269,8 +269,8 @@ def _disaggregated(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Effi
     if x is None or y is None:
         raise InputError("the row gives no worker counts (prefill_num_workers, decode_num_workers)")
     pre_lay, dec_lay = d.prefill.layout, d.pool.layout
-    pre = prefill_state(model, _cluster(d.gpu, pre_lay.gpus), pre_lay, wl, pre_lay.dp, eff, crosses_nodes=True)
-    dec = decode_state(model, _cluster(d.gpu, dec_lay.gpus), dec_lay, wl, max(dec_lay.dp, round(d.users / y)), eff)
+    pre = prefill_state(model, cluster_of(d.gpu, pre_lay.gpus), pre_lay, wl, pre_lay.dp, eff, crosses_nodes=True)
+    dec = decode_state(model, cluster_of(d.gpu, dec_lay.gpus), dec_lay, wl, max(dec_lay.dp, round(d.users / y)), eff)
     if pre is None or dec is None:
         raise InputError(f"a prompt or {round(d.users / y)} sequences do not fit the prefill or decode engine")
     ttft = pre.step_s + pre.transfer_s
