@@ -2,7 +2,7 @@
 the installed `aiconfigurator-core` wheel (meshplan[aic]) priced by meshplan's serving model with its measured layout,
 precision and request shape (costmodels/aic_deployments.py), against its measured TTFT and TPOT.
 
-Usage:  pip install 'meshplan[aic]' && python benchmarks/serving_aic.py [--markdown] [--rows] [--from-idle EVERY]
+Usage:  pip install 'meshplan[aic]' && python benchmarks/serving_aic.py [--markdown] [--rows] [--steady]
 
 Printed: where the rows came from (the wheel's version and the file's hash); the rows that could not be read, the
 models meshplan cannot express (named, with their rows), the rows whose layout it refuses or cannot price (with the
@@ -11,11 +11,11 @@ throughput, overall and by GPU, engine, model and aggregated vs disaggregated. T
 and TPOT by Little's law for the closed loop, measured and predicted alike (the file has none). Issue 45's targets,
 leave one model out once a calibration exists: TPOT <= 12 %, TTFT <= 20 %, throughput <= 12 %. Nothing here is fit.
 
---from-idle EVERY: also every EVERY-th priced aggregated row with one attention group and at most 64 users (file
-order) simulated iteration by iteration from an idle engine, as AIConfigurator's benchmark template runs aiperf (all
-users' first requests together after a drained warm-up, concurrency x 20 requests: serving_reference.yaml's
-`rounds: 20`; serving_sim.simulate_benchmark), beside the steady state on the same rows. The simulation is slow in
-Python (about 1.5 s a row), hence the sample.
+How a row is priced (costmodels/aic_deployments.price): an aggregated engine of one attention group is simulated
+iteration by iteration from idle as AIConfigurator's benchmark template runs aiperf (all users' first requests
+together after a drained warm-up, 20 rounds; serving_sim.simulate_benchmark); an attention-DP engine in steady state
+(serving_load.concurrency_point, a lower bound on TTFT); a disaggregated deployment as serving_reference.py's.
+--steady prices every row in steady state instead, for comparison.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ from meshplan.costmodels.aic_deployments import (Deployment, Priced, models_name
 from meshplan.hardware_db.errors import InputError  # noqa: E402
 
 TARGETS = {"ttft": 0.20, "tpot": 0.12, "throughput": 0.12}  # issue 45, leave one model out
-ROUNDS = 20  # AIConfigurator's benchmark template: concurrency x 20 requests after a drained warm-up
-FROM_IDLE_USERS = 64  # the sample's largest concurrency: the simulation's time grows with users x rounds x OSL
 METRICS = ("ttft", "tpot", "throughput")
 
 
@@ -70,43 +68,12 @@ def summary(priced: list[tuple[Deployment, dict[str, float]]]) -> list[tuple[str
     return out
 
 
-def from_idle(rows: list[tuple[Deployment, Priced]], every: int) -> None:
-    """The sample of --from-idle: TTFT and TPOT errors in steady state and simulated from idle on the same rows."""
-    from meshplan.costmodels.aic_deployments import CHUNK, cluster_of, deployment_model, deployment_workload
-    from meshplan.costmodels.serving import aggregated_state
-    from meshplan.costmodels.serving_sim import simulate_benchmark
-    from meshplan.planner.serve import BATCHES
-
-    sample = [(d, p) for d, p in rows if d.mode == "aggregated" and d.pool.layout.dp == 1
-              and d.users <= FROM_IDLE_USERS][::every]
-    errs: dict[str, list[float]] = {k: [] for k in ("TTFT steady", "TTFT from idle", "TPOT steady", "TPOT from idle")}
-    for d, p in sample:
-        model, wl, lay = deployment_model(d.model_path), deployment_workload(d), d.pool.layout
-        cluster, curve = cluster_of(d.gpu, lay.gpus), []
-        for b in sorted({b for b in BATCHES if b < d.users} | {d.users}):
-            state = aggregated_state(model, cluster, lay, wl, b, CHUNK)
-            if state is None:
-                break
-            curve.append(state)
-        run = simulate_benchmark(curve, wl, d.users, ROUNDS)
-        errs["TTFT steady"].append(p.ttft_ms / d.ttft_ms - 1)
-        errs["TTFT from idle"].append(run.ttft(None) * 1e3 / d.ttft_ms - 1)
-        errs["TPOT steady"].append(p.tpot_ms / d.tpot_ms - 1)
-        errs["TPOT from idle"].append(run.tpot(None) * 1e3 / d.tpot_ms - 1)
-    print(f"\nfrom idle, {ROUNDS} rounds: every {every}th priced aggregated row with one attention group and <= "
-          f"{FROM_IDLE_USERS} users, {len(sample)} rows:")
-    for name, xs in errs.items():
-        if xs:
-            print(f"  {name:15s} median abs {100 * statistics.median(abs(x) for x in xs):5.1f}%  signed "
-                  f"{100 * statistics.median(xs):+6.1f}%")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true", help="print the tables in markdown for RESULTS.md")
     ap.add_argument("--rows", action="store_true", help="also print every priced row")
-    ap.add_argument("--from-idle", type=int, metavar="EVERY",
-                    help="also simulate every EVERY-th aggregated dp-1 row of <= 64 users from idle (slow)")
+    ap.add_argument("--steady", action="store_true",
+                    help="price every row in steady state (no run from idle): a lower bound on TTFT")
     args = ap.parse_args()
     try:
         rows = read_deployments()
@@ -122,16 +89,14 @@ def main() -> int:
         if why:
             print(f"  model meshplan cannot express: {path} ({counts[path]} rows): {why.split(';')[0]}")
     priced: list[tuple[Deployment, dict[str, float]]] = []
-    figures: list[tuple[Deployment, Priced]] = []
     refused: Counter[str] = Counter()
     expressible = [d for d in rows.deployments if not named[d.model_path]]
-    for outcome in price_all(expressible):
+    for outcome in price_all(expressible, from_idle=not args.steady):
         d, p = outcome.deployment, outcome.priced
         if p is None:
             refused[re.sub(r"\b\d+\b", "N", outcome.why)] += 1  # one line per kind of reason
             continue
         priced.append((d, errors(d, p)))
-        figures.append((d, p))
         if args.rows:
             e = priced[-1][1]
             print(f"  {d.id[:70]:70s} {d.pool.layout.label():14s} c{d.users:<5d} TTFT {d.ttft_ms:8.1f} -> "
@@ -159,8 +124,6 @@ def main() -> int:
         f"{m} {100 * overall[m][0]:.1f}% <= {100 * TARGETS[m]:.0f}%: "
         f"{'met' if overall[m][0] <= TARGETS[m] else 'not met'}"
         for m in METRICS if m in overall) + " (uncalibrated: nothing here is fit)")
-    if args.from_idle:
-        from_idle(figures, args.from_idle)
     return 0
 
 

@@ -13,7 +13,9 @@ meshplan's EngineLayout(tp, dp = attention DP, pp, ep) says the same: its expert
 
 Not in the file, so assumed (each stated where it is used): the KV-cache dtype (FP8 with FP8 or FP4 weights, else
 BF16: AIConfigurator's own default, sdk/models/helpers.py _infer_quant_modes_from_raw_config), fixed request lengths
-(the client's synthetic ISL/OSL), one aggregated engine taking all the users, and the token budget of 8,192.
+(the client's synthetic ISL/OSL), one aggregated engine taking all the users, the token budget of 8,192, and the
+client's run: AIConfigurator's benchmark template (aiperf, 20 rounds from idle), which an aggregated engine of one
+attention group is simulated under; other engines are priced in steady state (a lower bound on TTFT).
 The throughput is not measured in the file: it is derived from TTFT and TPOT by Little's law for the closed loop
 (users / (TTFT + (OSL - 1) TPOT) requests/s), for the measurement and the prediction alike.
 """
@@ -35,8 +37,9 @@ from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.kernel_tables import EXTRA, PACKAGE, SYSTEMS, aic_package
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model_file
-from meshplan.costmodels.serving import EngineLayout, ServeWorkload, decode_state, prefill_state
+from meshplan.costmodels.serving import EngineLayout, ServeWorkload, aggregated_state, decode_state, prefill_state
 from meshplan.costmodels.serving_load import concurrency_point, prefill_loaded
+from meshplan.costmodels.serving_sim import simulate_benchmark
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster
 from meshplan.hardware_db.errors import InputError
 
@@ -52,6 +55,7 @@ CONFIG_OF = {"meta-llama/Llama-3.1-70B": "meta-llama--Meta-Llama-3.1-70B",
              "zhipuai/GLM-5": "zai-org--GLM-5"}
 WEIGHTS = {"fp8": "fp8", "fp4": "fp4", "bf16": "bf16", "": "bf16"}  # the row's precision -> meshplan weight dtype
 CHUNK = 8192  # tokens per iteration: the default of vLLM's online server, SGLang and TensorRT-LLM (planner/serve.py)
+ROUNDS = 20  # AIConfigurator's benchmark template: users x 20 requests after a drained warm-up (serving_reference.yaml)
 Mode = Literal["aggregated", "disaggregated"]
 
 
@@ -240,24 +244,52 @@ def cluster_of(gpu: str, gpus: int) -> Cluster:
     return engine_cluster(whole, gpus)
 
 
-def price(d: Deployment, eff: Efficiency | None = None) -> Priced:
-    """meshplan's TTFT, TPOT and throughput for a measured deployment (steady state under its users); InputError
-    saying why it cannot be priced: a model meshplan cannot express, a layout it refuses, missing worker counts, a
-    batch that does not fit, a prefill pool that cannot keep up."""
+def price(d: Deployment, eff: Efficiency | None = None, from_idle: bool = True) -> Priced:
+    """meshplan's TTFT, TPOT and throughput for a measured deployment; InputError saying why it cannot be priced: a
+    model meshplan cannot express, a layout it refuses, missing worker counts, a batch that does not fit, a prefill
+    pool that cannot keep up. An aggregated engine of one attention group is run from idle as the rows were measured
+    (`from_idle`, benchmarked); other engines, and every one with `from_idle` False, in steady state."""
     model = deployment_model(d.model_path)
     wl = deployment_workload(d)
     for pool in (d.pool, d.prefill):
         if pool is not None:
             pool.check(model)
-    if d.prefill is None:
+    if d.prefill is not None:
+        ttft, tpot = _disaggregated(d, model, wl, eff)
+    elif from_idle and d.pool.layout.dp == 1:
+        ttft, tpot = benchmarked(d, model, wl, eff)
+    else:
         lay = d.pool.layout
         point = concurrency_point(model, cluster_of(d.gpu, lay.gpus), lay, wl, d.users, CHUNK, None, eff)
         if point is None:
             raise InputError(f"{d.users} users do not fit {lay.label()} (no batch fits, or prefill cannot keep up)")
         ttft, tpot = point.ttft_s, point.tpot_s
-    else:
-        ttft, tpot = _disaggregated(d, model, wl, eff)
     return Priced(ttft * 1e3, tpot * 1e3, little_throughput(d.users, d.osl, ttft, tpot, d.gpus))
+
+
+def curve_batches(users: int) -> list[int]:
+    """The running sequences an engine's iterations are timed at for a run of `users`: 1, 2, 3, 4, 6, 8, 12, ...
+    (powers of two and 1.5 times them) below it, and `users` itself; the simulation interpolates between them."""
+    grid = {b for k in range(0, 24) for b in (2 ** k, 3 * 2 ** k // 2) if b < users}
+    return sorted(grid | {users})
+
+
+def benchmarked(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficiency | None) -> tuple[float, float]:
+    """(TTFT, TPOT) of the row's closed loop as its client ran it: AIConfigurator's benchmark template runs aiperf
+    with a warm-up it drains, then all users' first requests together, ROUNDS x users requests in all
+    (serving_sim.simulate_benchmark; benchmarks/serving_reference.yaml cites the template). The engine holds the
+    largest batch up to the users that fits; the rest wait."""
+    lay = d.pool.layout
+    cluster, curve = cluster_of(d.gpu, lay.gpus), []
+    for b in curve_batches(d.users):
+        state = aggregated_state(model, cluster, lay, wl, b, CHUNK, eff)
+        if state is None:
+            break
+        curve.append(state)
+    if not curve:
+        raise InputError(f"no batch of {lay.label()} fits (or its prefill cannot keep pace)")
+    run = simulate_benchmark(curve, wl, d.users, ROUNDS)
+    return run.ttft(None), run.tpot(None)
 
 
 def _disaggregated(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficiency | None) -> tuple[float, float]:
@@ -292,12 +324,13 @@ class Outcome:
     why: str = ""
 
 
-def price_all(deployments: Iterable[Deployment], eff: Efficiency | None = None) -> list[Outcome]:
-    """Every deployment priced or, where it cannot be, kept with the reason: none is dropped."""
+def price_all(deployments: Iterable[Deployment], eff: Efficiency | None = None,
+              from_idle: bool = True) -> list[Outcome]:
+    """Every deployment priced (price) or, where it cannot be, kept with the reason: none is dropped."""
     out = []
     for d in deployments:
         try:
-            out.append(Outcome(d, price(d, eff)))
+            out.append(Outcome(d, price(d, eff, from_idle)))
         except InputError as exc:
             out.append(Outcome(d, None, str(exc)))
     return out

@@ -115,3 +115,17 @@ def test_the_wheels_file_is_read():
     assert {d.mode for d in got.deployments} == {"aggregated", "disaggregated"}
     assert {d.engine for d in got.deployments} == {"vllm", "sglang", "trtllm"}
     assert all(u.why for u in got.unread)
+
+
+def test_one_attention_group_is_run_from_idle():
+    """An aggregated engine of one attention group is priced as its client ran it, from idle (the first wave's
+    cohorts: 64 prompts of 1,024 tokens through a budget of 8,192 wait for each other), above the steady state's
+    TTFT; an attention-DP engine is priced in steady state either way."""
+    pytest.importorskip("aiconfigurator_core")
+    agg = aic.read_deployments(table(AGG)).deployments[0]
+    assert agg.pool.layout.dp == 1
+    from_idle, steady = aic.price(agg), aic.price(agg, from_idle=False)
+    assert from_idle.ttft_ms > 2 * steady.ttft_ms
+    wide = aic.read_deployments(table(AGG.replace(",64,8,1,1,1,8,", ",8,1,1,8,1,8,"))).deployments[0]
+    assert wide.pool.layout == EngineLayout(tp=1, dp=8, ep=8)
+    assert aic.price(wide) == aic.price(wide, from_idle=False)

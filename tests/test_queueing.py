@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -251,6 +252,23 @@ def test_a_closed_loop_run_obeys_littles_law():
     latency = run.ttft_s + run.tpot_s * (300 - 1)
     assert run.requests_per_s == pytest.approx(32 / latency.mean(), rel=0.1)
     assert run.mean_running <= curve[-1].batch
+
+
+@pytest.mark.parametrize("spread", [0.0, 1.0])
+def test_skipping_decode_iterations_changes_no_figure(monkeypatch, spread):
+    """A closed loop runs its decode-only stretches at once (_Engine.skip_decode); every figure is that of stepping
+    them one by one, with fixed and with spread lengths, and with more users than the engine holds."""
+    from meshplan.costmodels import serving_sim
+
+    wl = ServeWorkload(isl=700, osl=300, isl_cv2=spread, osl_cv2=spread)
+    curve = _llama8_curve(wl, 16)
+    fast = serving_sim.simulate_benchmark(curve, wl, users=24, rounds=4)
+    monkeypatch.setattr(serving_sim._Engine, "skip_decode", lambda self: None)
+    slow = serving_sim.simulate_benchmark(curve, wl, users=24, rounds=4)
+    np.testing.assert_allclose(fast.ttft_s, slow.ttft_s, rtol=1e-9)
+    np.testing.assert_allclose(fast.tpot_s, slow.tpot_s, rtol=1e-9)
+    assert fast.requests_per_s == pytest.approx(slow.requests_per_s, rel=1e-9)
+    assert fast.mean_running == pytest.approx(slow.mean_running, rel=1e-9)
 
 
 def test_serving_reference_set_is_valid_and_priced():
