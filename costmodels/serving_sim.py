@@ -73,6 +73,7 @@ def simulate_engine(curve: list[EngineState], wl: ServeWorkload, rate: float, re
         while nxt < requests and arrivals[nxt] <= engine.now:
             engine.waiting.append(_Request(float(arrivals[nxt]), int(prompts[nxt]), int(outputs[nxt]), order=nxt))
             nxt += 1
+        engine.skip_decode(float(arrivals[nxt]) if nxt < requests else math.inf)
         if not engine.step():
             engine.now = float(arrivals[nxt])
     return engine.result(warmup * requests)
@@ -141,18 +142,24 @@ class _Engine:
         xs, ys = zip(*points, strict=True)
         return float(np.interp(prompt_tokens, xs, ys, right=ys[-1] * prompt_tokens / max(xs[-1], 1.0)))
 
-    def skip_decode(self) -> None:
+    def skip_decode(self, until: float = math.inf) -> None:
         """Run at once the decode-only iterations before the next finish, when nothing can change until then: no
-        prompt being prefilled and none waiting to be admitted. Each is the same iteration, so the result is that of
-        stepping them one by one; only a closed loop may call it (an open loop's arrivals come on the clock)."""
+        prompt being prefilled, none waiting to be admitted, and no arrival before the last of them starts
+        (`until`: the next arrival's time; a closed loop's requests arrive only as others finish). Each is the same
+        iteration, and the clock adds them one by one, so every figure is that of stepping them."""
         if not self.running or (self.waiting and len(self.running) < self.cap) or any(r.prompt for r in self.running):
             return
-        skipped = min(r.output - r.made for r in self.running) - 1
-        if skipped <= 0:
+        most = min(r.output - r.made for r in self.running) - 1  # the next finish is left to step()
+        if most <= 0:
             return
         dt = self.iteration(len(self.running), 0)
-        self.now += skipped * dt
-        self.area += len(self.running) * skipped * dt
+        running, skipped = len(self.running), 0
+        # the clock adds them one by one as step() does, to the last bit; each must end before the next arrival,
+        # which the caller admits before the iteration after it
+        while skipped < most and self.now + dt < until:
+            self.now += dt
+            self.area += running * dt
+            skipped += 1
         for r in self.running:
             r.made += skipped
 

@@ -256,19 +256,25 @@ def test_a_closed_loop_run_obeys_littles_law():
 
 @pytest.mark.parametrize("spread", [0.0, 1.0])
 def test_skipping_decode_iterations_changes_no_figure(monkeypatch, spread):
-    """A closed loop runs its decode-only stretches at once (_Engine.skip_decode); every figure is that of stepping
-    them one by one, with fixed and with spread lengths, and with more users than the engine holds."""
+    """Both simulations run their decode-only stretches at once (_Engine.skip_decode: up to the next finish, and
+    in the open loop up to the next arrival); every figure is bit for bit that of stepping them one by one, with
+    fixed and spread lengths, with more users than the engine holds, and at light and heavy Poisson loads."""
     from meshplan.costmodels import serving_sim
 
     wl = ServeWorkload(isl=700, osl=300, isl_cv2=spread, osl_cv2=spread)
     curve = _llama8_curve(wl, 16)
-    fast = serving_sim.simulate_benchmark(curve, wl, users=24, rounds=4)
-    monkeypatch.setattr(serving_sim._Engine, "skip_decode", lambda self: None)
-    slow = serving_sim.simulate_benchmark(curve, wl, users=24, rounds=4)
-    np.testing.assert_allclose(fast.ttft_s, slow.ttft_s, rtol=1e-9)
-    np.testing.assert_allclose(fast.tpot_s, slow.tpot_s, rtol=1e-9)
-    assert fast.requests_per_s == pytest.approx(slow.requests_per_s, rel=1e-9)
-    assert fast.mean_running == pytest.approx(slow.mean_running, rel=1e-9)
+
+    def runs() -> list:
+        return [serving_sim.simulate_benchmark(curve, wl, users=24, rounds=4)] + [
+            serving_sim.simulate_engine(curve, wl, rate, requests=300) for rate in (1.0, 8.0)]
+
+    fast = runs()
+    monkeypatch.setattr(serving_sim._Engine, "skip_decode", lambda self, until=math.inf: None)
+    slow = runs()
+    for a, b in zip(fast, slow, strict=True):
+        np.testing.assert_array_equal(a.ttft_s, b.ttft_s)
+        np.testing.assert_array_equal(a.tpot_s, b.tpot_s)
+        assert (a.requests_per_s, a.mean_running) == (b.requests_per_s, b.mean_running)
 
 
 def test_serving_reference_set_is_valid_and_priced():
