@@ -14,9 +14,11 @@ delays (costmodels/queueing.py) the targets bound at their percentile.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -27,9 +29,9 @@ from meshplan.costmodels.deadline import cpu_now
 from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.queueing import Percentile
-from meshplan.costmodels.serving import (MEM_FRACTION, EngineLayout, EngineState, PoolPoint, ServeDtype,
-                                         ServeObjective, ServeTargets, ServeWorkload, aggregated_state, decode_state,
-                                         WeightDtype, engine_geometry, prefill_state)
+from meshplan.costmodels.serving import (MEM_FRACTION, EngineGeometry, EngineLayout, EngineState, PoolPoint,
+                                         ServeDtype, ServeObjective, ServeTargets, ServeWorkload, WeightDtype,
+                                         aggregated_state, decode_state, engine_geometry, prefill_state)
 from meshplan.costmodels.serving_load import loaded_points
 from meshplan.hardware_db.cluster import Cluster, engine_cluster
 from meshplan.hardware_db.errors import InputError
@@ -241,19 +243,33 @@ def _layout_points(model: ModelSpec, c: Cluster, lay: EngineLayout, wl: ServeWor
     dec: list[EngineState] = []
     pre: list[EngineState] = []
     geo = engine_geometry(model, c, lay, eff)  # the links and layers every state of the layout shares
+    step = lay.dp if model.moe is not None else 1
+    failed: dict[int, int] = {}  # chunk -> the first grid batch that did not fit
+    dec_failed = None
     for batch in BATCHES:
-        b = batch * lay.dp if model.moe is not None else batch
+        b = batch * step
         for chunk in (ch for ch in CHUNKS if ch - b * (1 + wl.spec_tokens) >= b * wl.computed_isl / wl.decode_steps):
+            if chunk in failed:
+                continue
             s = aggregated_state(model, c, lay, wl, b, chunk, eff, mem_fraction, geo)  # larger chunks: shorter TTFT
             if s is None:
-                break
+                failed[chunk] = b
+                continue
             by_chunk.setdefault(chunk, []).append(s)
-        if disaggregation:
+        if disaggregation and dec_failed is None:
             d = decode_state(model, c, lay, wl, b, eff, mem_fraction, geo)
             if d is not None:
                 dec.append(d)
             elif b > lay.dp:
-                break  # a larger batch needs more memory still
+                dec_failed = b  # a larger batch needs more memory still
+    # the largest batch that fits is a candidate too, not only the grid's batch below it
+    for chunk, curve in by_chunk.items():
+        if chunk in failed:
+            at = functools.partial(_aggregated_at, model, c, lay, wl, chunk, eff, mem_fraction, geo)
+            curve += largest_between(curve[-1].batch, failed[chunk], step, at)
+    if dec and dec_failed is not None:
+        dec += largest_between(dec[-1].batch, dec_failed, step,
+                               lambda b: decode_state(model, c, lay, wl, b, eff, mem_fraction, geo))
     if disaggregation:
         for prompts in (1, 2, 4, 8, 16, 32, 64):
             p = prefill_state(model, c, lay, wl, prompts * lay.dp, eff, crosses_nodes, mem_fraction, geo)
@@ -411,7 +427,8 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
             candidates, key=lambda d: _excess(d, targets, wl))
 
     if prefill_layout is None:
-        curves = [_fitting([aggregated_state(model, c, layout, wl, b, ch, eff, mem_fraction) for b in grid])
+        curves = [_fitting(grid, step, functools.partial(_aggregated_at, model, c, layout, wl, ch, eff, mem_fraction,
+                                                         None))
                   for ch in ((chunk,) if chunk is not None else CHUNKS)]
         points = [p for curve in curves for p in loaded_points(curve, wl, targets.percentile)
                   if batch is None or p.batch == batch]
@@ -419,7 +436,8 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
         return pick([_aggregated(p, n, wl) for p in points])
     prefill_layout.check(model)
     pc = engine_cluster(cluster, prefill_layout.gpus)
-    dec = [p for p in loaded_points(_fitting([decode_state(model, c, layout, wl, b, eff, mem_fraction) for b in grid]),
+    dec = [p for p in loaded_points(_fitting(grid, step, lambda b: decode_state(model, c, layout, wl, b, eff,
+                                                                                  mem_fraction)),
                                     wl, targets.percentile) if batch is None or p.batch == batch]
     prompts = [prefill_batch] if prefill_batch is not None else [k * prefill_layout.dp for k in (1, 2, 4, 8, 16)]
     pre = loaded_points([s for k in prompts for s in [prefill_state(model, pc, prefill_layout, wl, k, eff,
@@ -439,9 +457,40 @@ def pinned_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, tar
     return pick(candidates)
 
 
-def _fitting(states: list[EngineState | None]) -> list[EngineState]:
-    """The states that fit (batch ascending, as given)."""
-    return [s for s in states if s is not None]
+def _aggregated_at(model: ModelSpec, c: Cluster, lay: EngineLayout, wl: ServeWorkload, chunk: int,
+                   eff: Efficiency | None, mem_fraction: float, geo: EngineGeometry | None,
+                   batch: int) -> EngineState | None:
+    """aggregated_state with the batch last, for a search over batches."""
+    return aggregated_state(model, c, lay, wl, batch, chunk, eff, mem_fraction, geo)
+
+
+def largest_between(fits: int, fails: int, step: int,
+                    state: Callable[[int], EngineState | None]) -> list[EngineState]:
+    """The state of the largest batch between `fits` and `fails` (a batch that fits and a larger one that does not,
+    multiples of `step`) that fits, by bisection ([] when none lies between): a grid of batches jumps, 32 to 64,
+    and the deployment with the most sequences the memory holds may be the best one."""
+    best = None
+    lo, hi = fits // step, fails // step  # in multiples of step: lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        s = state(mid * step)
+        if s is None:
+            hi = mid
+        else:
+            lo, best = mid, s
+    return [best] if best is not None else []
+
+
+def _fitting(grid: list[int], step: int, state: Callable[[int], EngineState | None]) -> list[EngineState]:
+    """The states of the grid's batches (ascending) that fit, and of the largest batch that fits below the first
+    that does not (largest_between)."""
+    fits: list[EngineState] = []
+    for b in grid:
+        s = state(b)
+        if s is None:
+            return fits + (largest_between(fits[-1].batch, b, step, state) if fits else [])
+        fits.append(s)
+    return fits
 
 
 def explain_serving(result: ServeResult, targets: ServeTargets, wl: ServeWorkload, most: int = 4) -> list[str]:

@@ -570,3 +570,34 @@ def test_a_grouped_table_out_of_order_is_refused():
         broken = text.replace("[[256, 0.437], [512, 0.489], [1024, 0.539], [4096, 0.595], [8192, 0.599]]", bad)
         with pytest.raises(InputError, match="fp8_grouped_by_tokens"):
             parse_gpu(broken, "h800.toml")
+
+
+def test_largest_between_finds_the_largest_batch_that_fits():
+    """Bisection between a batch that fits and one that does not, in multiples of the step."""
+    from meshplan.planner.serve import largest_between
+
+    def state(b):  # fits up to 47
+        return None if b > 47 else b
+
+    assert largest_between(32, 64, 1, state) == [47]
+    assert largest_between(32, 64, 8, state) == [40]  # multiples of 8
+    assert largest_between(32, 33, 1, state) == []  # nothing lies between
+    assert largest_between(40, 48, 8, state) == []
+
+
+def test_the_largest_batch_that_fits_is_a_candidate():
+    """Issue 45: Qwen3-32B on 8 H100 with 32,000-token outputs: the batch grid jumps from 32 to 64, which does not
+    fit a TP8 engine; the largest batch that does is searched too, and serves more per GPU under a 30 ms TPOT."""
+    from meshplan.hardware_db.cluster import engine_cluster
+
+    qwen = load_zoo("qwen3-32b")
+    wl = ServeWorkload(isl=1000, osl=32000)
+    r = search_serving(qwen, cluster("h100-sxm", 8), wl, ServeTargets(tpot_ms=30), disaggregation=False)
+    assert r.best is not None
+    (p, _), = r.best.pools
+    assert p.layout == EngineLayout(tp=8) and 32 < p.batch < 64
+    c = engine_cluster(cluster("h100-sxm", 8), 8)
+    assert aggregated_state(qwen, c, p.layout, wl, p.batch, p.chunk) is not None
+    assert aggregated_state(qwen, c, p.layout, wl, p.batch + 1, p.chunk) is None
+    pinned = pinned_deployment(qwen, cluster("h100-sxm", 8), wl, ServeTargets(tpot_ms=30), EngineLayout(tp=8))
+    assert pinned.pools[0][0].batch == p.batch  # the pinned layout finds it too
