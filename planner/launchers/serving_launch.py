@@ -67,13 +67,20 @@ def place(plan: ServingPlan) -> list[Placement]:
     return out
 
 
+KV_HEADROOM = 0.9  # of the predicted KV capacity a sequence may take: the engine measures its own at start-up
+
+
 def max_model_len(plan: ServingPlan, engine: ServingEngine) -> int:
-    """The longest sequence an engine is started for: what one attention group's KV cache holds, at most the
-    model's context (vLLM refuses to start when one sequence of --max-model-len does not fit its cache; the
-    model's default is its whole context, 131,072 for Llama 3.1)."""
+    """The longest sequence an engine is started for: 90 % of what one attention group's KV cache is predicted to
+    hold, at most the model's context, and at least the workload's ISL + OSL. vLLM refuses to start when one
+    sequence of --max-model-len does not fit the cache it profiles at start-up (the model's default is its whole
+    context, 131,072 for Llama 3.1), and the prediction is an estimate: the exact capacity as the length would
+    leave the engine no room for an error of a few hundred MiB."""
     group_tokens = engine.kv_tokens // max(engine.dp, 1)
+    wl = plan.inputs.workload
+    length = max(min(wl.isl + wl.osl, group_tokens), int(KV_HEADROOM * group_tokens))
     context = plan.inputs.model_spec().max_seq_len
-    return max(1, group_tokens if context is None else min(context, group_tokens))
+    return max(1, length if context is None else min(context, length))
 
 
 EngineCommand = Callable[[Placement, int, int], list[str]]  # (placement, rank of this node in it, nodes) -> argv
@@ -81,13 +88,15 @@ EngineCommand = Callable[[Placement, int, int], list[str]]  # (placement, rank o
 
 def launch_files(plan: ServingPlan, target: str, command: EngineCommand, router: list[str] | None,
                  node_setup: Callable[[Placement, int], list[str]] | None = None,
-                 head: int = 1) -> tuple[ExportedFile, ...]:
+                 head: int = 1, env: Callable[[Placement], list[str]] | None = None) -> tuple[ExportedFile, ...]:
     """node-<k>.sh for every node and router.sh when the deployment has more than one engine. `command` gives an
     engine's argv on one of its nodes (its program the first `head` words); `node_setup` the lines an engine needs
-    on a node before it (a Ray start); `router` the router's argv."""
+    on a node before it (a Ray start); `env` the NAME=value settings its processes need beside their GPUs; `router`
+    the router's argv."""
     placements = place(plan)
     nodes = 1 + max(n for p in placements for n in p.nodes)
-    files = [ExportedFile(f"node-{k}.sh", _node_script(plan, target, placements, k, nodes, command, node_setup, head))
+    files = [ExportedFile(f"node-{k}.sh", _node_script(plan, target, placements, k, nodes, command, node_setup, head,
+                                                       env))
              for k in range(nodes)]
     if router is not None and len(placements) > 1:
         files.append(ExportedFile("router.sh", _router_script(plan, target, placements, nodes, router, head)))
@@ -117,7 +126,8 @@ def _preamble(plan: ServingPlan, target: str, nodes: int, what: str) -> list[str
 
 
 def _node_script(plan: ServingPlan, target: str, placements: list[Placement], node: int, nodes: int,
-                 command: EngineCommand, node_setup: Callable[[Placement, int], list[str]] | None, head: int) -> str:
+                 command: EngineCommand, node_setup: Callable[[Placement, int], list[str]] | None, head: int,
+                 env: Callable[[Placement], list[str]] | None) -> str:
     here = [p for p in placements if node in p.nodes]
     lines = _preamble(plan, target, nodes, f"node {node} of {nodes}: run this on it")
     for p in here:
@@ -129,9 +139,9 @@ def _node_script(plan: ServingPlan, target: str, placements: list[Placement], no
             lines += node_setup(p, rank)
         argv = command(p, rank, len(p.nodes))
         if argv:
-            env = "CUDA_VISIBLE_DEVICES=" + ",".join(map(str, p.gpus))
+            settings = " ".join(["CUDA_VISIBLE_DEVICES=" + ",".join(map(str, p.gpus))] + (env(p) if env else []))
             log = f' \\\n    > "$LOG_DIR/{p.name}.log" 2>&1 &'
-            lines.append(f"{env} nohup \\\n    " + shell_lines(argv, head) + log)
+            lines.append(f"{settings} nohup \\\n    " + shell_lines(argv, head) + log)
         lines.append("")
     heads = [p for p in here if p.nodes[0] == node]
     for p in heads:

@@ -24,6 +24,9 @@ __all__ = ["TARGET", "vllm_args", "export_vllm", "parse_vllm_command"]
 
 TARGET = "vllm"
 KV_TRANSFER = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+# the NIXL handshake's port (VLLM_NIXL_SIDE_CHANNEL_PORT, default 5600, vLLM's NixlConnector usage guide): an engine's
+# workers listen on it plus an offset below its GPU count (its DP rank), so engines sharing a node need bases apart
+NIXL_SIDE_CHANNEL_BASE = 5600
 
 
 def vllm_args(plan: ServingPlan, engine: ServingEngine) -> list[str]:
@@ -96,6 +99,15 @@ def _ray_setup(plan: ServingPlan, p: Placement, rank: int) -> list[str]:
             f"sys.exit(ray.cluster_resources().get('GPU', 0) < {gpus})\" 2>/dev/null; do sleep 5; done"]
 
 
+def _nixl_env(p: Placement) -> list[str]:
+    """A disaggregated engine's NIXL side-channel port: the base plus its first GPU on its node, so the engines of
+    one node, on disjoint GPU slices, take disjoint port ranges (an engine's workers add at most its GPUs on the
+    node); an engine of whole nodes starts at the base."""
+    if p.engine.role == "aggregated":
+        return []
+    return [f"VLLM_NIXL_SIDE_CHANNEL_PORT={NIXL_SIDE_CHANNEL_BASE + p.gpus[0]}"]
+
+
 def _router(plan: ServingPlan) -> list[str]:
     """vllm-router (github.com/vllm-project/router, `pip install vllm-router`): round robin over the engines, or
     each request to a prefill engine, then a decode engine (--vllm-pd-disaggregation)."""
@@ -107,7 +119,7 @@ def export_vllm(plan: ServingPlan) -> Exported:
     for e in plan.engines:
         vllm_args(plan, e)  # the refusals, before any file
     files = launch_files(plan, "vLLM", lambda p, rank, nodes: _instance_args(plan, p, rank, nodes), _router(plan),
-                         lambda p, rank: _ray_setup(plan, p, rank))
+                         lambda p, rank: _ray_setup(plan, p, rank), env=_nixl_env)
     # Dynamo's vLLM worker takes vLLM's engine arguments, the model as --model
     def worker(e: ServingEngine) -> list[str]:
         return ["--model", "${MODEL}"] + vllm_args(plan, e)[3:] + ["--max-model-len", str(max_model_len(plan, e))]
