@@ -66,11 +66,15 @@ class Deployment:
         return self.ttft_s + osl * self.tpot_s
 
     def label(self) -> str:
+        """Names the deployment and its load: one engine configuration runs at several loads (serving_load
+        loaded_points), each with its own figures, so the label says which (rN: N sequences running on average;
+        N% busy: a prefill engine's share of time at work)."""
         parts = []
         for p, n in self.pools:
             role = {"aggregated": "", "prefill": "prefill ", "decode": "decode "}[p.role]
             chunk = f" c{p.chunk}" if p.role == "aggregated" else ""
-            parts.append(f"{n}x {role}{p.layout.label()} b{p.batch}{chunk}")
+            load = f" {p.load:.0%} busy" if p.role == "prefill" else f" r{p.load * p.batch:.0f}"
+            parts.append(f"{n}x {role}{p.layout.label()} b{p.batch}{load}{chunk}")
         return " + ".join(parts)
 
 

@@ -601,3 +601,45 @@ def test_the_largest_batch_that_fits_is_a_candidate():
     assert aggregated_state(qwen, c, p.layout, wl, p.batch + 1, p.chunk) is None
     pinned = pinned_deployment(qwen, cluster("h100-sxm", 8), wl, ServeTargets(tpot_ms=30), EngineLayout(tp=8))
     assert pinned.pools[0][0].batch == p.batch  # the pinned layout finds it too
+
+
+def _table_rows(out: str, title: str) -> dict[str, tuple[str, str, str]]:
+    """A printed table's rows by deployment: (tok/s/GPU, TTFT ms, TPOT ms)."""
+    rows: dict[str, tuple[str, str, str]] = {}
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if title in line)
+    at = next(i for i in range(start, len(lines)) if "┃" in lines[i] and "deployment" in lines[i])
+    header = [c.strip() for c in lines[at].strip("┃ ").split("┃")]
+    for line in lines[at + 2:]:  # past the header's rule
+        if not line.startswith("│"):
+            break
+        cells = dict(zip(header, (c.strip() for c in line.strip("│ ").split("│")), strict=True))
+        rows[cells["deployment"]] = (cells["tok/s/GPU"], cells["TTFT ms"], cells["TPOT ms"])
+    return rows
+
+
+def test_every_figure_of_a_deployment_is_the_same_wherever_it_is_printed(capsys, monkeypatch):
+    """Issue 45: one engine configuration runs at several loads, each with its own figures; when the label did not
+    say which, a deployment was ranked as meeting the targets while the Pareto table and a "vs" line gave the same
+    label other figures and "no". Each label now names one deployment: its figures agree in the ranking and the
+    Pareto table, and no ranked deployment appears in a "vs" line as missing a target."""
+    monkeypatch.setenv("COLUMNS", "250")  # no wrapped rows
+    code, out, _ = run(capsys, "serve", "--model", "llama3.1-70b", "--gpu", "h100-sxm", "--gpus", "8-64",
+                       "--isl", "4000", "--osl", "500", "--ttft-ms", "300", "--tpot-ms", "50", "--top", "10")
+    assert code == 0, out
+    ranked = _table_rows(out, "deployments that meet the targets")
+    pareto = _table_rows(out, "Pareto front")
+    assert ranked and pareto
+    for label in ranked.keys() & pareto.keys():
+        assert ranked[label] == pareto[label], label
+    vs = [line.split("  vs ", 1)[1] for line in out.splitlines() if line.startswith("  vs ")]
+    assert vs
+    for line in vs:
+        label = line.split(" (")[0]
+        assert not (label in ranked and " > " in line), line
+    r = search_serving(LLAMA70, cluster("h100-sxm", 64), ServeWorkload(isl=4000, osl=500),
+                       ServeTargets(ttft_ms=300, tpot_ms=50), min_gpus=8)
+    figures: dict[str, tuple[float, float, float]] = {}
+    for d in r.ranked + r.pareto:
+        assert figures.setdefault(d.label(), (d.ttft_s, d.tpot_s, d.tokens_per_s_per_gpu)) == (
+            d.ttft_s, d.tpot_s, d.tokens_per_s_per_gpu), d.label()
