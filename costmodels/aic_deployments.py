@@ -37,7 +37,8 @@ from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.kernel_tables import EXTRA, PACKAGE, SYSTEMS, aic_package
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model_file
-from meshplan.costmodels.serving import EngineLayout, ServeWorkload, aggregated_state, decode_state, prefill_state
+from meshplan.costmodels.serving import (EngineLayout, ServeWorkload, WeightDtype, aggregated_state, decode_state,
+                                         prefill_state)
 from meshplan.costmodels.serving_load import concurrency_point, prefill_loaded
 from meshplan.costmodels.serving_sim import simulate_benchmark
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster
@@ -53,7 +54,8 @@ CONFIG_OF = {"meta-llama/Llama-3.1-70B": "meta-llama--Meta-Llama-3.1-70B",
              "nvidia/Qwen3-32B-NVFP4": "Qwen--Qwen3-32B",
              "nvidia/DeepSeek-R1-NVFP4": "deepseek-ai--DeepSeek-R1",
              "zhipuai/GLM-5": "zai-org--GLM-5"}
-WEIGHTS = {"fp8": "fp8", "fp4": "fp4", "bf16": "bf16", "": "bf16"}  # the row's precision -> meshplan weight dtype
+# the row's precision -> meshplan weight dtype
+WEIGHTS: dict[str, WeightDtype] = {"fp8": "fp8", "fp4": "fp4", "bf16": "bf16", "": "bf16"}
 CHUNK = 8192  # tokens per iteration: the default of vLLM's online server, SGLang and TensorRT-LLM (planner/serve.py)
 ROUNDS = 20  # AIConfigurator's benchmark template: users x 20 requests after a drained warm-up (serving_reference.yaml)
 Mode = Literal["aggregated", "disaggregated"]
@@ -233,7 +235,7 @@ def deployment_workload(d: Deployment) -> ServeWorkload:
     weights = WEIGHTS.get(d.precision)
     if weights is None:
         raise InputError(f"{d.precision} weights: meshplan's serving model has no such dtype")
-    return ServeWorkload(isl=d.isl, osl=d.osl, weight_dtype=weights,  # type: ignore[arg-type]
+    return ServeWorkload(isl=d.isl, osl=d.osl, weight_dtype=weights,
                          kv_dtype="fp8" if weights in ("fp8", "fp4") else "bf16")
 
 
