@@ -24,8 +24,9 @@ __all__ = ["TARGET", "vllm_args", "export_vllm", "parse_vllm_command"]
 
 TARGET = "vllm"
 KV_TRANSFER = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
-# the NIXL handshake's port (VLLM_NIXL_SIDE_CHANNEL_PORT, default 5600, vLLM's NixlConnector usage guide): an engine's
-# workers listen on it plus an offset below its GPU count (its DP rank), so engines sharing a node need bases apart
+# the NIXL handshake's port (VLLM_NIXL_SIDE_CHANNEL_PORT, default 5600, vLLM's NixlConnector usage guide): an engine
+# listens on it plus data_parallel_rank x tensor_parallel_size (vLLM's nixl_connector.py; data_parallel_index in later
+# releases), an offset below its GPU count, so engines sharing a node need bases apart
 NIXL_SIDE_CHANNEL_BASE = 5600
 
 
