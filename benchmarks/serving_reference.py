@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 from meshplan.costmodels.model_io import load_model  # noqa: E402
 from meshplan.costmodels.serving import (EngineLayout, EngineState, ServeWorkload, aggregated_state,  # noqa: E402
                                          decode_state, prefill_state)
-from meshplan.costmodels.serving_load import (concurrency_point, prefill_loaded, rate_point,  # noqa: E402
+from meshplan.costmodels.serving_load import (closed_loop_ttft, concurrency_point, rate_point,  # noqa: E402
                                               saturated_point)
 from meshplan.costmodels.serving_sim import simulate_benchmark  # noqa: E402
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster  # noqa: E402
@@ -211,8 +211,8 @@ def _benchmarked(e: Entry, model, c: Cluster, lay: EngineLayout, wl: ServeWorklo
 
 
 def _disaggregated(e: Entry, model, whole: Cluster, wl: ServeWorkload) -> dict[str, float]:
-    """Closed-loop users over x prefill and y decode engines: the users' rate N / (TTFT + OSL x TPOT) sets the
-    prefill pool's busy fraction, solved by iterating; TPOT is the decode step at N / y sequences."""
+    """Closed-loop users over x prefill and y decode engines (serving_load.closed_loop_ttft); TPOT is the decode
+    step at N / y sequences."""
     assert e.prefill_engine is not None and e.load.concurrency is not None
     pre_lay, dec_lay = e.prefill_engine.engine(), e.engine.engine()
     pre = prefill_state(model, engine_cluster(whole, pre_lay.gpus), pre_lay, wl, pre_lay.dp, crosses_nodes=True)
@@ -220,14 +220,9 @@ def _disaggregated(e: Entry, model, whole: Cluster, wl: ServeWorkload) -> dict[s
                        max(dec_lay.dp, round(e.load.concurrency / e.engines)))
     if pre is None or dec is None:
         return {}
-    x = e.prefill_engines or 1
-    ttft = pre.step_s + pre.transfer_s
-    for _ in range(50):
-        rate = e.load.concurrency / (ttft + wl.osl * dec.step_s)
-        busy = rate / x / (pre.batch / pre.step_s)
-        if busy >= 1:
-            return {"tpot_ms": dec.step_s * 1e3}
-        ttft = prefill_loaded(pre, busy, wl, None).ttft_s
+    ttft = closed_loop_ttft(pre, dec, e.load.concurrency, e.prefill_engines or 1, wl)
+    if ttft is None:  # the prefill pool cannot keep up: TTFT unpriced
+        return {"tpot_ms": dec.step_s * 1e3}
     return {"ttft_ms": ttft * 1e3, "tpot_ms": dec.step_s * 1e3}
 
 

@@ -39,7 +39,7 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model_file
 from meshplan.costmodels.serving import (EngineLayout, ServeWorkload, WeightDtype, aggregated_state, decode_state,
                                          prefill_state)
-from meshplan.costmodels.serving_load import concurrency_point, prefill_loaded
+from meshplan.costmodels.serving_load import closed_loop_ttft, concurrency_point
 from meshplan.costmodels.serving_sim import simulate_benchmark
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster
 from meshplan.hardware_db.errors import InputError
@@ -295,9 +295,8 @@ def benchmarked(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficie
 
 
 def _disaggregated(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficiency | None) -> tuple[float, float]:
-    """Closed-loop users over x prefill and y decode engines (as benchmarks/serving_reference.py): the users' rate
-    N / (TTFT + OSL x TPOT) sets the prefill pool's busy fraction, solved by iterating; TPOT is the decode step at
-    N / y sequences per engine."""
+    """Closed-loop users over x prefill and y decode engines (serving_load.closed_loop_ttft, as
+    benchmarks/serving_reference.py prices them); TPOT is the decode step at N / y sequences per engine."""
     assert d.prefill is not None
     x, y = d.prefill.workers, d.pool.workers
     if x is None or y is None:
@@ -307,13 +306,9 @@ def _disaggregated(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Effi
     dec = decode_state(model, cluster_of(d.gpu, dec_lay.gpus), dec_lay, wl, max(dec_lay.dp, round(d.users / y)), eff)
     if pre is None or dec is None:
         raise InputError(f"a prompt or {round(d.users / y)} sequences do not fit the prefill or decode engine")
-    ttft = pre.step_s + pre.transfer_s
-    for _ in range(50):
-        rate = d.users / (ttft + wl.osl * dec.step_s)
-        busy = rate / x / (pre.batch / pre.step_s)
-        if busy >= 1:
-            raise InputError(f"{x} prefill engine(s) cannot keep up with {d.users} users")
-        ttft = prefill_loaded(pre, busy, wl, None).ttft_s
+    ttft = closed_loop_ttft(pre, dec, d.users, x, wl)
+    if ttft is None:
+        raise InputError(f"{x} prefill engine(s) cannot keep up with {d.users} users")
     return ttft, dec.step_s
 
 

@@ -25,7 +25,8 @@ from meshplan.costmodels.serving import (MEM_FRACTION, EngineLayout, EngineState
 from meshplan.hardware_db.cluster import Cluster
 
 __all__ = ["RUNNING_SPAN", "PREFILL_LOADS", "loaded_points", "running_point", "rate_point", "concurrency_point",
-           "saturated_point", "prefill_loaded", "aggregated_point", "decode_point", "prefill_point"]
+           "saturated_point", "prefill_loaded", "closed_loop_ttft", "aggregated_point", "decode_point",
+           "prefill_point"]
 
 RUNNING_SPAN = 4  # an engine of max_num_seqs B runs at the 4 grid batches below B (at least about B / 4) on average
 PREFILL_LOADS = (0.5, 0.7, 0.85, 0.95)  # busy fraction of a prefill engine
@@ -197,6 +198,21 @@ def prefill_loaded(state: EngineState, busy: float, wl: ServeWorkload, q: float 
     wait = mgc_wait(1, rate / k, step, wl.isl_cv2 / k)
     return PoolPoint("prefill", state.layout, k, state.chunk, wait.quantile(q) + step + state.transfer_s, 0.0, rate,
                      state.memory, state.mem_fraction, busy)
+
+
+def closed_loop_ttft(pre: EngineState, dec: EngineState, users: float, prefill_engines: int,
+                     wl: ServeWorkload) -> float | None:
+    """The mean TTFT of `users` closed-loop users over `prefill_engines` engines of state `pre` and decode engines
+    stepping at dec.step_s: the users' rate N / (TTFT + OSL x TPOT) sets the prefill pool's busy fraction, and that
+    its TTFT (prefill_loaded), solved by iterating. None when the prefill pool cannot keep up with that rate."""
+    ttft = pre.step_s + pre.transfer_s
+    for _ in range(50):
+        rate = users / (ttft + wl.osl * dec.step_s)
+        busy = rate / prefill_engines / (pre.batch / pre.step_s)
+        if busy >= 1:
+            return None
+        ttft = prefill_loaded(pre, busy, wl, None).ttft_s
+    return ttft
 
 
 def concurrency_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, users: int,
