@@ -34,6 +34,7 @@ from importlib import metadata, resources
 from typing import Literal
 
 from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.engine_calibration import EngineParameters
 from meshplan.costmodels.kernel_tables import EXTRA, PACKAGE, SYSTEMS, aic_package
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model_file
@@ -43,6 +44,7 @@ from meshplan.costmodels.serving_load import closed_loop_ttft, concurrency_point
 from meshplan.costmodels.serving_sim import simulate_benchmark
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster
 from meshplan.hardware_db.errors import InputError
+from meshplan.hardware_db.gpu import GPUSpec, load_gpu
 
 CSV_PATH = ("systems", "silicon_sample.csv")
 GPUS = {system: gpu for gpu, system in SYSTEMS.items()}  # AIConfigurator system -> meshplan GPU
@@ -239,33 +241,41 @@ def deployment_workload(d: Deployment) -> ServeWorkload:
                          kv_dtype="fp8" if weights in ("fp8", "fp4") else "bf16")
 
 
-def cluster_of(gpu: str, gpus: int) -> Cluster:
-    """A cluster of whole nodes holding `gpus`, and the engine's `gpus` of it."""
-    per_node = Cluster(ClusterSpec(gpu=gpu, num_gpus=1)).gpus_per_node
-    whole = Cluster(ClusterSpec(gpu=gpu, num_gpus=max(1, math.ceil(gpus / per_node)) * per_node))
+def cluster_of(gpu: str, gpus: int, spec: GPUSpec | None = None) -> Cluster:
+    """A cluster of whole nodes holding `gpus`, and the engine's `gpus` of it (on `spec`, a calibrated copy of the
+    GPU's spec, where given)."""
+    per_node = Cluster(ClusterSpec(gpu=gpu, num_gpus=1), gpu=spec).gpus_per_node
+    whole = Cluster(ClusterSpec(gpu=gpu, num_gpus=max(1, math.ceil(gpus / per_node)) * per_node), gpu=spec)
     return engine_cluster(whole, gpus)
 
 
-def price(d: Deployment, eff: Efficiency | None = None, from_idle: bool = True) -> Priced:
+def price(d: Deployment, eff: Efficiency | None = None, from_idle: bool = True,
+          engine: EngineParameters | None = None) -> Priced:
     """meshplan's TTFT, TPOT and throughput for a measured deployment; InputError saying why it cannot be priced: a
     model meshplan cannot express, a layout it refuses, missing worker counts, a batch that does not fit, a prefill
     pool that cannot keep up. An aggregated engine of one attention group is run from idle as the rows were measured
-    (`from_idle`, benchmarked); other engines, and every one with `from_idle` False, in steady state."""
+    (`from_idle`, benchmarked); other engines, and every one with `from_idle` False, in steady state. With `engine`
+    (a calibration's parameters; it replaces `eff`) the iterations are timed under them and its request time adds
+    to TTFT."""
+    spec = None
+    if engine is not None:
+        spec, eff = engine.apply(load_gpu(d.gpu))
     model = deployment_model(d.model_path)
     wl = deployment_workload(d)
     for pool in (d.pool, d.prefill):
         if pool is not None:
             pool.check(model)
     if d.prefill is not None:
-        ttft, tpot = _disaggregated(d, model, wl, eff)
+        ttft, tpot = _disaggregated(d, model, wl, eff, spec)
     elif from_idle and d.pool.layout.dp == 1:
-        ttft, tpot = benchmarked(d, model, wl, eff)
+        ttft, tpot = benchmarked(d, model, wl, eff, spec)
     else:
         lay = d.pool.layout
-        point = concurrency_point(model, cluster_of(d.gpu, lay.gpus), lay, wl, d.users, CHUNK, None, eff)
+        point = concurrency_point(model, cluster_of(d.gpu, lay.gpus, spec), lay, wl, d.users, CHUNK, None, eff)
         if point is None:
             raise InputError(f"{d.users} users do not fit {lay.label()} (no batch fits, or prefill cannot keep up)")
         ttft, tpot = point.ttft_s, point.tpot_s
+    ttft += engine.request_s if engine is not None else 0.0
     return Priced(ttft * 1e3, tpot * 1e3, little_throughput(d.users, d.osl, ttft, tpot, d.gpus))
 
 
@@ -276,13 +286,14 @@ def curve_batches(users: int) -> list[int]:
     return sorted(grid | {users})
 
 
-def benchmarked(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficiency | None) -> tuple[float, float]:
+def benchmarked(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficiency | None,
+                spec: GPUSpec | None = None) -> tuple[float, float]:
     """(TTFT, TPOT) of the row's closed loop as its client ran it: AIConfigurator's benchmark template runs aiperf
     with a warm-up it drains, then all users' first requests together, ROUNDS x users requests in all
     (serving_sim.simulate_benchmark; benchmarks/serving_reference.yaml cites the template). The engine holds the
     largest batch up to the users that fits; the rest wait."""
     lay = d.pool.layout
-    cluster, curve = cluster_of(d.gpu, lay.gpus), []
+    cluster, curve = cluster_of(d.gpu, lay.gpus, spec), []
     for b in curve_batches(d.users):
         state = aggregated_state(model, cluster, lay, wl, b, CHUNK, eff)
         if state is None:
@@ -294,7 +305,8 @@ def benchmarked(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficie
     return run.ttft(None), run.tpot(None)
 
 
-def _disaggregated(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficiency | None) -> tuple[float, float]:
+def _disaggregated(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficiency | None,
+                   spec: GPUSpec | None = None) -> tuple[float, float]:
     """Closed-loop users over x prefill and y decode engines (serving_load.closed_loop_ttft, as
     benchmarks/serving_reference.py prices them); TPOT is the decode step at N / y sequences per engine."""
     assert d.prefill is not None
@@ -302,8 +314,10 @@ def _disaggregated(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Effi
     if x is None or y is None:
         raise InputError("the row gives no worker counts (prefill_num_workers, decode_num_workers)")
     pre_lay, dec_lay = d.prefill.layout, d.pool.layout
-    pre = prefill_state(model, cluster_of(d.gpu, pre_lay.gpus), pre_lay, wl, pre_lay.dp, eff, crosses_nodes=True)
-    dec = decode_state(model, cluster_of(d.gpu, dec_lay.gpus), dec_lay, wl, max(dec_lay.dp, round(d.users / y)), eff)
+    pre = prefill_state(model, cluster_of(d.gpu, pre_lay.gpus, spec), pre_lay, wl, pre_lay.dp, eff,
+                        crosses_nodes=True)
+    dec = decode_state(model, cluster_of(d.gpu, dec_lay.gpus, spec), dec_lay, wl,
+                       max(dec_lay.dp, round(d.users / y)), eff)
     if pre is None or dec is None:
         raise InputError(f"a prompt or {round(d.users / y)} sequences do not fit the prefill or decode engine")
     ttft = closed_loop_ttft(pre, dec, d.users, x, wl)
@@ -322,12 +336,12 @@ class Outcome:
 
 
 def price_all(deployments: Iterable[Deployment], eff: Efficiency | None = None,
-              from_idle: bool = True) -> list[Outcome]:
+              from_idle: bool = True, engine: EngineParameters | None = None) -> list[Outcome]:
     """Every deployment priced (price) or, where it cannot be, kept with the reason: none is dropped."""
     out = []
     for d in deployments:
         try:
-            out.append(Outcome(d, price(d, eff, from_idle)))
+            out.append(Outcome(d, price(d, eff, from_idle, engine)))
         except InputError as exc:
             out.append(Outcome(d, None, str(exc)))
     return out

@@ -1,0 +1,65 @@
+"""A serving engine's calibrated parameters (issue 45, item 2): what one engine (vLLM, SGLang, TensorRT-LLM) on one
+GPU type adds to, or takes from, the roofline of costmodels/serving.py. A few physical parameters, each with a stated
+physical bound, and the same for every model the engine serves: never a factor per deployment.
+
+- The training calibration's five factors on the GPU's sourced defaults (costmodels/efficiency.scaled): GEMM and
+  attention kernel ceilings, the memory-bound kernels' share of HBM bandwidth (decode's weight and KV reads), the
+  collectives' share of the link rates (the engine's all-reduce and expert dispatch) and the launch cost per operator.
+- iteration_s: seconds every engine iteration takes beyond its kernels: the scheduler's batch assembly, sampling and
+  the step's host-device synchronisation (vLLM's EngineCore loop, SGLang's scheduler, TensorRT-LLM's executor). It
+  adds to every iteration (as a calibration's step overhead, Efficiency.head_overhead).
+- request_s: seconds a request's first token takes beyond the engine's iterations: the HTTP front end, tokenisation,
+  the hand-off to the engine process and the first token's detokenisation and streaming. It adds to TTFT only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshplan.costmodels.efficiency import Efficiency, scaled
+from meshplan.hardware_db.calibration import StepOverhead
+from meshplan.hardware_db.gpu import GPUSpec
+
+__all__ = ["EngineParameters", "FACTORS", "ADDITIVE", "BOUNDS"]
+
+FACTORS = ("gemm", "attention", "memory", "network", "overhead")  # log factors (efficiency.scaled)
+ADDITIVE = ("iteration_s", "request_s")  # seconds
+# Physical bounds. Factors: a ceiling may fall to a quarter of its default (a kernel that bad would be a different
+# kernel), and may rise only as far as the GPU's peak allows (scaled() caps every share at 1); launch cost between a
+# tenth and 10x its 4 us default. Additive: no negative time; an iteration's host work at most 20 ms, four times a
+# whole Llama-8B decode step on an H100 (~5 ms, which the vLLM blog's "vLLM V1 Alpha", 2025-01-27, gives as where the
+# CPU's scheduling, input preparation and detokenisation become pronounced); a request's front-end time at most 0.5 s.
+BOUNDS = {"gemm": (-1.386, 0.405), "attention": (-1.386, 0.405), "memory": (-1.386, 0.405),
+          "network": (-1.386, 0.405), "overhead": (-2.303, 2.303), "iteration_s": (0.0, 0.020),
+          "request_s": (0.0, 0.5)}
+
+
+@dataclass(frozen=True)
+class EngineParameters:
+    """One engine's parameters on one GPU type: log factors on the defaults and two additive times (seconds)."""
+
+    log_factors: tuple[tuple[str, float], ...] = ()
+    iteration_s: float = 0.0
+    request_s: float = 0.0
+
+    def apply(self, gpu: GPUSpec) -> tuple[GPUSpec, Efficiency]:
+        """The GPU spec (its network shares scaled) and the efficiency model an engine iteration is timed with."""
+        spec, eff = scaled(gpu, Efficiency.from_gpu(gpu), dict(self.log_factors))
+        if self.iteration_s:
+            eff = dataclasses.replace(eff, head_overhead=StepOverhead(forward_s=self.iteration_s, backward_s=0.0))
+        return spec, eff
+
+    def vector(self) -> tuple[float, ...]:
+        """(the FACTORS' log factors, then the ADDITIVE seconds): the fit's parameter vector."""
+        logs = dict(self.log_factors)
+        return tuple(logs.get(name, 0.0) for name in FACTORS) + (self.iteration_s, self.request_s)
+
+    @classmethod
+    def of_vector(cls, values: tuple[float, ...] | list[float]) -> EngineParameters:
+        v = [float(x) for x in values]
+        return cls(tuple(zip(FACTORS, v[:len(FACTORS)], strict=True)), v[len(FACTORS)], v[len(FACTORS) + 1])
+
+    def within_bounds(self) -> bool:
+        return all(lo - 1e-12 <= x <= hi + 1e-12
+                   for x, (lo, hi) in zip(self.vector(), (BOUNDS[n] for n in FACTORS + ADDITIVE), strict=True))

@@ -1,0 +1,88 @@
+"""Serving engine calibration (costmodels/engine_calibration.py, engine_fit.py; issue 45 item 2): the parameters act
+on the iterations as stated, the fit recovers parameters that generated the measurements, and whatever the
+measurements say, the fitted parameters stay within their stated physical bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.costmodels import aic_deployments as aic
+from meshplan.costmodels.engine_calibration import BOUNDS, EngineParameters
+from meshplan.costmodels.engine_fit import Sensitivity, fit_engine
+from meshplan.hardware_db.gpu import load_gpu
+
+from test_aic_deployments import AGG, DENSE, table
+
+
+def _rows(truth: EngineParameters, n: int = 400) -> list[Sensitivity]:
+    """Synthetic rows whose measurements are what the local model gives under `truth`, with slopes drawn apart so
+    that every parameter shows (a seeded generator: the same rows every run)."""
+    base = aic.read_deployments(table(DENSE)).deployments[0]
+    rng = np.random.default_rng(7)
+    rows = []
+    for _ in range(n):
+        slopes = tuple((float(a), float(b)) for a, b in rng.uniform(-1.0, 0.0, (5, 2)))
+        s = Sensitivity(base, float(rng.uniform(0.05, 2.0)), float(rng.uniform(0.003, 0.05)), slopes,
+                        (float(rng.uniform(1.0, 50.0)), 1.0))
+        ttft, tpot = s.predict(truth)
+        rows.append(dataclasses.replace(s, deployment=dataclasses.replace(base, ttft_ms=ttft * 1e3,
+                                                                          tpot_ms=tpot * 1e3)))
+    return rows
+
+
+def test_parameters_act_as_stated():
+    gpu = load_gpu("h100-sxm")
+    spec, eff = EngineParameters((("memory", math.log(0.9)),), iteration_s=0.002).apply(gpu)
+    assert eff.memory_bandwidth == pytest.approx(0.9 * gpu.efficiency.memory_bandwidth)
+    assert eff.head_overhead is not None and eff.head_overhead.forward_s == 0.002
+    assert spec.efficiency.scaleup_bandwidth == gpu.efficiency.scaleup_bandwidth
+    p = EngineParameters((("gemm", -0.2), ("network", 0.1)), 0.001, 0.03)
+    assert EngineParameters.of_vector(p.vector()).vector() == p.vector()
+
+
+def test_the_fit_recovers_the_parameters_that_made_the_measurements():
+    truth = EngineParameters((("gemm", -0.15), ("memory", -0.2)), iteration_s=0.003, request_s=0.04)
+    fitted = fit_engine(_rows(truth))
+    got = fitted.parameters
+    assert got.iteration_s == pytest.approx(0.003, abs=3e-4)
+    assert got.request_s == pytest.approx(0.04, abs=5e-3)
+    assert dict(got.log_factors)["memory"] == pytest.approx(-0.2, abs=0.03)
+    assert dict(got.log_factors)["gemm"] == pytest.approx(-0.15, abs=0.03)
+    # the priors (centred on the defaults) hold back a little: 400 rows make that little
+    assert max(abs(r) for pair in fitted.after for r in pair) < 0.01 < 0.1 < max(abs(r) for pair in fitted.before
+                                                                                for r in pair)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(-3.0, 3.0), st.floats(-3.0, 3.0))
+def test_fitted_parameters_stay_within_their_physical_bounds(log_ttft, log_tpot):
+    """However far off the measurements are (here up to 20x either way), the parameters stay within BOUNDS."""
+    rows = []
+    for s in _rows(EngineParameters(), 40):
+        d = s.deployment
+        rows.append(dataclasses.replace(s, deployment=dataclasses.replace(
+            d, ttft_ms=d.ttft_ms * math.exp(log_ttft), tpot_ms=d.tpot_ms * math.exp(log_tpot))))
+    got = fit_engine(rows).parameters
+    assert got.within_bounds()
+    values = dict(zip(("iteration_s", "request_s"), (got.iteration_s, got.request_s), strict=True))
+    assert all(BOUNDS[n][0] <= v <= BOUNDS[n][1] for n, v in values.items())
+
+
+def test_a_priced_row_takes_the_engine_times():
+    """The request time adds to TTFT alone; the iteration time lengthens every iteration, so TPOT by about as
+    much; a slower HBM share slows the decode."""
+    pytest.importorskip("aiconfigurator_core")
+    row = aic.read_deployments(table(AGG.replace("silicon_concurrency=64", "silicon_concurrency=4"))).deployments[0]
+    base = aic.price(row)
+    assert aic.price(row, engine=EngineParameters()) == base
+    later = aic.price(row, engine=EngineParameters(request_s=0.05))
+    assert later.ttft_ms == pytest.approx(base.ttft_ms + 50.0) and later.tpot_ms == base.tpot_ms
+    slower = aic.price(row, engine=EngineParameters(iteration_s=0.002))
+    assert slower.tpot_ms == pytest.approx(base.tpot_ms + 2.0, rel=0.05)
+    assert aic.price(row, engine=EngineParameters((("memory", -0.3),))).tpot_ms > base.tpot_ms
