@@ -17,13 +17,13 @@ PARAMETER_HELP = {"gemm": "every GEMM kernel ceiling", "attention": "every atten
 
 
 def calibrate(
-    runs: Annotated[list[Path], typer.Option("--runs", help=(
+    out: Annotated[Path, typer.Option("--out", help=(
+        "Calibration file to write (atomically); plan, estimate and sweep take a GPU's with --calibration."))],
+    runs: Annotated[list[Path] | None, typer.Option("--runs", help=(
         "Runs file (TOML or JSON, one [[run]] per measured run: model, gpu, gpus, global_batch, seq_len, runtime, "
         "step_time_s or tokens_per_s_per_gpu, and a [run.layout] of the knobs; or log = FILE with format = megatron "
         "or torchtitan (and config = its TOML), gpu, and what else the log does not say; docs/calibration.md). "
-        "Repeatable; every run on one GPU type."))],
-    out: Annotated[Path, typer.Option("--out", help=(
-        "Calibration file to write (atomically); plan, estimate and sweep take it with --calibration."))],
+        "Repeatable; every run on one GPU type."))] = None,
     parameters: Annotated[str, typer.Option("--parameters", help=(
         "Factors to fit, comma-separated: gemm, attention, memory, network, overhead (default: all five; each "
         "keeps its prior where the runs cannot tell it)."))] = "gemm,attention,memory,network,overhead",
@@ -34,6 +34,15 @@ def calibrate(
         "Where each factor's prior is centred. public: on the GPU's public calibration (the factors fit to every "
         "published run on it, what plan uses without --calibration), where meshplan ships one, else the defaults; "
         "defaults: on the GPU's efficiency defaults."))] = "public",
+    deployments: Annotated[Literal["aic"] | None, typer.Option("--deployments", help=(
+        "Instead of --runs, fit a serving engine's parameters (kernel factors, host time per iteration, front-end "
+        "time per request) to measured deployments. aic: NVIDIA AIConfigurator's silicon_sample.csv from the "
+        "installed wheel (the extra meshplan[aic]; docs/serving.md). Prices every row about 7 times: minutes."))]
+    = None,
+    engine: Annotated[Literal["vllm", "sglang", "trtllm"] | None, typer.Option("--engine", help=(
+        "With --deployments: the engine to calibrate."))] = None,
+    jobs: Annotated[int, typer.Option("--jobs", min=1, help=(
+        "With --deployments: processes pricing the rows."))] = 1,
 ) -> None:
     """Fit the cost model's physical factors (GEMM and attention ceilings, memory and network efficiency, launch cost)
     to measured step times, each held near its default by a prior; never a factor per run.
@@ -47,6 +56,17 @@ def calibrate(
     from meshplan.planner.plan import write_text_atomic
 
     (out,) = output_targets(out=out)
+    if deployments is not None:
+        if runs:
+            raise InputError("--runs and --deployments fit different things (a GPU's factors, a serving engine's "
+                             "parameters): give one")
+        if engine is None:
+            raise InputError("--deployments needs --engine vllm, sglang or trtllm")
+        _engine_calibration(engine, out, jobs)
+        return
+    if not runs:
+        raise InputError("nothing to calibrate on: give --runs FILE (measured training runs) or --deployments aic "
+                         "--engine ENGINE (measured serving deployments)")
     names = tuple(p.strip() for p in parameters.split(",") if p.strip())
     steps = [step for path in runs for step in read_runs(path)]
     centre, label = prior_centre(steps, prior)
@@ -91,3 +111,33 @@ def calibrate(
             con.print(f"peak memory left out of the fit: {100 * cal.memory_held_out_before:.1f} % with the defaults, "
                       f"{100 * cal.memory_held_out_after:.1f} % calibrated")
     con.print(f"calibration written to {out}; use it with --calibration {out}")
+
+
+def _engine_calibration(engine: str, out: Path, jobs: int) -> None:
+    """`calibrate --deployments aic`: a serving engine's parameters from AIConfigurator's measured deployments."""
+    from meshplan.costmodels.aic_deployments import read_deployments
+    from meshplan.costmodels.engine_fit import engine_calibration, sensitivities
+    from meshplan.planner.plan import write_text_atomic
+
+    data = read_deployments()
+    con = console()
+    con.print(f"{data.source}: pricing {len(data.deployments):,} rows with slopes ({jobs} process(es))")
+    cal = engine_calibration(sensitivities(data.deployments, jobs), engine, data.source, date.today().isoformat())
+    try:
+        write_text_atomic(out, cal.model_dump_json(indent=1) + "\n")
+    except OSError as exc:
+        raise InputError(f"cannot write {out}: {exc.strerror}; choose a writable --out") from None
+    con.print(Text.assemble((f"{engine}", "bold"), f": {cal.rows} rows of {len(cal.models)} checkpoints on "
+                            f"{', '.join(cal.gpus)}"))
+    rows = [[name, PARAMETER_HELP[name], f"x {f.factor:.3f}", f"{100 * f.log_sd:.0f} %"]
+            for name, f in cal.factors.items()]
+    rows += [["iteration", "host time per engine iteration", f"{1e3 * cal.iteration_s:.2f} ms",
+              f"{1e3 * cal.iteration_sd_s:.2f} ms"],
+             ["request", "front-end time per request (TTFT)", f"{1e3 * cal.request_s:.1f} ms",
+              f"{1e3 * cal.request_sd_s:.1f} ms"]]
+    print_table(con, "engine parameters", ["parameter", "what it is", "fitted", "spread (1 sd)"], rows,
+                left=("parameter", "what it is"))
+    con.print("each model left out of the fit (median absolute error, calibrated / uncalibrated): " + ", ".join(
+        f"{m.upper() if m != 'throughput' else m} {100 * cal.held_out[m]:.1f} / {100 * cal.uncalibrated[m]:.1f} %"
+        for m in cal.held_out if m in cal.uncalibrated))
+    con.print(f"engine calibration written to {out}")

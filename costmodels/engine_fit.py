@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.costmodels.aic_deployments import Deployment, Priced, deployment_model, price
+from meshplan.costmodels.aic_deployments import Deployment, Priced, deployment_model, little_throughput, price
 from meshplan.costmodels.engine_calibration import ADDITIVE, BOUNDS, FACTORS, EngineParameters
 from meshplan.costmodels.fit import PRIOR_SD
+from meshplan.hardware_db.calibration import CALIBRATION_SCHEMA_VERSION, EngineCalibration, FittedFactor
 from meshplan.hardware_db.errors import InputError
 
-__all__ = ["Sensitivity", "EngineFit", "sensitivity", "fit_engine", "architecture", "NOISE_SD"]
+__all__ = ["Sensitivity", "EngineFit", "sensitivity", "sensitivities", "fit_engine", "fit_engines",
+           "leave_one_model_out", "architecture", "engine_calibration", "parameters_of", "median_errors", "NOISE_SD"]
 
 NAMES = FACTORS + ADDITIVE
 # Priors of the two additive times (centre, spread; seconds): stated assumptions, wide against what the rows show:
@@ -206,3 +209,73 @@ def leave_one_model_out(rows: Sequence[Sensitivity]) -> dict[tuple[str, str], En
             if engine in fits:
                 out[(engine, arch)] = fits[engine].parameters
     return out
+
+
+def _sensitivity_or_none(d: Deployment) -> Sensitivity | None:
+    try:
+        return sensitivity(d)
+    except InputError:
+        return None
+
+
+def sensitivities(deployments: Sequence[Deployment], jobs: int = 1) -> list[Sensitivity]:
+    """Every deployment that can be priced, with its slopes (rows that cannot are left out: serving_aic.py counts
+    them with their reasons), over `jobs` processes."""
+    if jobs <= 1:
+        found = [_sensitivity_or_none(d) for d in deployments]
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            found = list(pool.map(_sensitivity_or_none, deployments, chunksize=8))
+    return [s for s in found if s is not None]
+
+
+def median_errors(pairs: Sequence[tuple[Deployment, tuple[float, float]]]) -> dict[str, float]:
+    """Median |predicted / measured - 1| of TTFT, TPOT and throughput (Little's law) over (row, (TTFT, TPOT) s)."""
+    errs: dict[str, list[float]] = {"ttft": [], "tpot": [], "throughput": []}
+    for d, (ttft, tpot) in pairs:
+        errs["ttft"].append(abs(ttft * 1e3 / d.ttft_ms - 1))
+        errs["tpot"].append(abs(tpot * 1e3 / d.tpot_ms - 1))
+        predicted = little_throughput(d.users, d.osl, ttft, tpot, d.gpus)
+        if predicted is not None and d.tokens_per_s_per_gpu is not None:
+            errs["throughput"].append(abs(predicted / d.tokens_per_s_per_gpu - 1))
+    return {m: float(np.median(v)) for m, v in errs.items() if v}
+
+
+def engine_calibration(rows: Sequence[Sensitivity], engine: str, source: str, created: str) -> EngineCalibration:
+    """The calibration file of one engine: its parameters fit to all rows (fit_engines), and its rows' error
+    left one model out, each model's rows priced in full (aic_deployments.price) with parameters that never saw
+    it, beside the uncalibrated error on the same rows."""
+    own = [s for s in rows if s.deployment.engine == engine]
+    if not own:
+        engines = ", ".join(sorted({s.deployment.engine for s in rows}))
+        raise InputError(f"no priceable deployment of engine {engine!r}; the rows hold {engines}")
+    fitted = fit_engines(rows)[engine]
+    folds = leave_one_model_out(rows)
+    held, same = [], []
+    for s in own:
+        p = folds.get((engine, architecture(s.deployment)))
+        if p is None:
+            continue
+        try:
+            priced = price(s.deployment, engine=p)
+        except InputError:
+            continue
+        held.append((s.deployment, (priced.ttft_ms / 1e3, priced.tpot_ms / 1e3)))
+        same.append((s.deployment, (s.ttft_s, s.tpot_s)))
+    p = fitted.parameters
+    logs = dict(p.log_factors)
+    spread = dict(zip(NAMES, fitted.spread, strict=True))
+    return EngineCalibration(
+        kind="engine", schema_version=CALIBRATION_SCHEMA_VERSION, created=created, engine=engine, source=source,
+        rows=len(own), models=sorted({s.deployment.model_path for s in own}),
+        gpus=sorted({s.deployment.gpu for s in own}),
+        factors={n: FittedFactor(factor=math.exp(logs[n]), log_sd=spread[n]) for n in FACTORS},  # type: ignore[misc]
+        iteration_s=p.iteration_s, iteration_sd_s=spread["iteration_s"], request_s=p.request_s,
+        request_sd_s=spread["request_s"], held_out=median_errors(held),  # type: ignore[arg-type]
+        uncalibrated=median_errors(same))  # type: ignore[arg-type]
+
+
+def parameters_of(cal: EngineCalibration) -> EngineParameters:
+    """The parameters a calibration file states."""
+    return EngineParameters(tuple((n, math.log(cal.factors[n].factor)) for n in FACTORS if n in cal.factors),
+                            cal.iteration_s, cal.request_s)

@@ -275,6 +275,32 @@ class FactorCalibration(_Frozen):
         return {name: math.log(f.factor) for name, f in self.factors.items()}
 
 
+ServeMetric = Literal["ttft", "tpot", "throughput"]
+
+
+class EngineCalibration(_Frozen):
+    """A serving engine's parameters fit to measured deployments (meshplan calibrate --deployments aic;
+    costmodels/engine_fit.py): factors on each GPU's defaults and two additive times, with their posterior spreads
+    and the leave-one-model-out error beside the uncalibrated one on the same rows."""
+
+    kind: Literal["engine"]
+    schema_version: int
+    created: str
+    engine: str  # vllm, sglang, trtllm (AIConfigurator's backend names)
+    source: str  # the deployments: the wheel's version and the file's hash
+    rows: int = Field(ge=1, description="the engine's rows the parameters were fit to")
+    models: list[str]  # their checkpoints
+    gpus: list[str]  # the GPU types they ran on
+    factors: dict[FactorName, FittedFactor]
+    iteration_s: float = Field(ge=0, le=0.02, description="host time per engine iteration (s)")
+    iteration_sd_s: float = Field(ge=0)
+    request_s: float = Field(ge=0, le=0.5, description="front-end time per request, on TTFT only (s)")
+    request_sd_s: float = Field(ge=0)
+    held_out: dict[ServeMetric, float] = Field(description=(
+        "median absolute error of the engine's rows, each model's predicted by a fit that never saw it"))
+    uncalibrated: dict[ServeMetric, float] = Field(description="the same rows with the GPUs' defaults")
+
+
 def calibration_dir() -> Path:
     return Path(str(resources.files("meshplan.hardware_db.calibrations")))
 
@@ -342,7 +368,21 @@ def parse_any_calibration(text: str, origin: str) -> Calibration | FactorCalibra
     data = parse_document(text, "json", origin)
     if isinstance(data, dict) and data.get("kind") == "factors":
         return _validated(FactorCalibration, data, text, origin, "run meshplan calibrate again")
+    if isinstance(data, dict) and data.get("kind") == "engine":
+        raise InputError(f"{origin} holds a serving engine's parameters (meshplan calibrate --deployments), which "
+                         f"--calibration does not take yet; give it a GPU calibration (meshplan profile, or meshplan "
+                         f"calibrate --runs)")
     return parse_calibration(text, origin)
+
+
+def load_engine_calibration(path: str | Path) -> EngineCalibration:
+    """A serving engine calibration file (meshplan calibrate --deployments); one InputError line otherwise."""
+    text = read_text(Path(path), "an engine calibration .json")
+    data = parse_document(text, "json", str(path))
+    if not isinstance(data, dict) or data.get("kind") != "engine":
+        raise InputError(f"{path} is not a serving engine calibration (no \"kind\": \"engine\"); make one with "
+                         f"meshplan calibrate --deployments aic --engine ENGINE --out {path}")
+    return _validated(EngineCalibration, data, text, str(path), "run meshplan calibrate --deployments again")
 
 
 def load_any_calibration(path: str | Path) -> Calibration | FactorCalibration:

@@ -86,3 +86,47 @@ def test_a_priced_row_takes_the_engine_times():
     slower = aic.price(row, engine=EngineParameters(iteration_s=0.002))
     assert slower.tpot_ms == pytest.approx(base.tpot_ms + 2.0, rel=0.05)
     assert aic.price(row, engine=EngineParameters((("memory", -0.3),))).tpot_ms > base.tpot_ms
+
+
+QWEN = ("qwen_agg,src; silicon_concurrency=2,vllm,0.12.0,Qwen/Qwen3-32B,h100_sxm,,agg,1024,128,,,2,2,1,,1,1,,,,,,,,,"
+        ",,,,,,90.0,12.5")
+
+
+def test_an_engine_calibration_file_from_two_models(tmp_path):
+    """engine_calibration on two models' rows: parameters within their bounds, each model's rows checked by a
+    fit to the other's (the held-out error is there and finite), the file read back as written; plan's
+    --calibration refuses it with one line, and load_engine_calibration refuses a file of another kind."""
+    pytest.importorskip("aiconfigurator_core")
+    from meshplan.costmodels.engine_fit import engine_calibration, parameters_of, sensitivities
+    from meshplan.hardware_db.calibration import load_any_calibration, load_engine_calibration
+    from meshplan.hardware_db.errors import InputError
+
+    rows = sensitivities(aic.read_deployments(table(DENSE, QWEN)).deployments)
+    assert len(rows) == 2
+    cal = engine_calibration(rows, "vllm", "test rows", "2026-12-07")
+    assert cal.rows == 2 and cal.models == ["Qwen/Qwen3-32B", "meta-llama/Llama-3.1-8B-Instruct"]
+    assert parameters_of(cal).within_bounds()
+    assert set(cal.held_out) == {"ttft", "tpot", "throughput"} and all(math.isfinite(v) for v in cal.held_out.values())
+    path = tmp_path / "vllm.json"
+    path.write_text(cal.model_dump_json(indent=1))
+    assert load_engine_calibration(path) == cal
+    with pytest.raises(InputError, match="serving engine's parameters"):
+        load_any_calibration(path)
+    other = tmp_path / "other.json"
+    other.write_text('{"kind": "factors", "schema_version": 1}')
+    with pytest.raises(InputError, match="not a serving engine calibration"):
+        load_engine_calibration(other)
+    with pytest.raises(InputError, match="no priceable deployment of engine 'sglang'"):
+        engine_calibration(rows, "sglang", "test rows", "2026-12-07")
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    ((), ("--runs", "--deployments")),
+    (("--deployments", "aic"), ("--engine",)),
+    (("--deployments", "aic", "--engine", "vllm", "--runs", "r.toml"), ("--runs", "--deployments", "one")),
+])
+def test_calibrate_says_what_to_give(capsys, tmp_path, args, words):
+    from cli_helpers import assert_input_error, run
+
+    assert_input_error(*run(capsys, "calibrate", "--out", str(tmp_path / "c.json"), *args), *words)
+    assert not (tmp_path / "c.json").exists()
