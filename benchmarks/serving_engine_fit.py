@@ -9,8 +9,8 @@ about 7 x serving_aic.py's time, split over --jobs processes). For each model (a
 are one), every engine's parameters are fit to the other models' rows (engine_fit.leave_one_model_out: a fit to all
 engines' rows, then each engine's centred on it), and the model's rows are priced in full with them. Printed:
 the held-out median absolute and signed error of TTFT, TPOT and throughput (Little's law, as serving_aic.py),
-beside the uncalibrated error on the same rows, by GPU, engine, model and mode; and each engine's parameters fit to
-all its rows, with their posterior spreads. Issue 45's targets: TPOT <= 12 %, TTFT <= 20 %, throughput <= 12 %.
+beside the uncalibrated error on the same rows, by GPU, engine, model, mode and users; and each engine's parameters
+fit to all its rows, with their posterior spreads. Issue 45's targets: TPOT <= 12 %, TTFT <= 20 %, throughput <= 12 %.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ def _held_out(job: tuple[Deployment, EngineParameters]) -> tuple[str, Priced | N
         return d.id, price(d, engine=p)
     except InputError:
         return d.id, None
+
+
+def _users_band(users: int) -> str:
+    """The closed loop's users in bands of powers of two (the load the TTFT error follows)."""
+    low = 1 << (min(users, 256).bit_length() - 1)
+    return f"{low:>3d}+" if low == 256 else f"{low:>3d}-{2 * low - 1}"
 
 
 def table(by: dict[str, list[tuple[dict[str, float], dict[str, float]]]], markdown: bool) -> list[str]:
@@ -127,7 +133,8 @@ def main() -> int:
         before = errors(d, s.ttft_s, s.tpot_s)
         approx = s.predict(p)
         local.append(abs(approx[1] * 1e3 / priced.tpot_ms - 1))
-        for g in ("all", f"gpu: {d.gpu}", f"engine: {d.engine}", f"model: {d.model_path}", f"mode: {d.mode}"):
+        for g in ("all", f"gpu: {d.gpu}", f"engine: {d.engine}", f"model: {d.model_path}", f"mode: {d.mode}",
+                  f"users: {_users_band(d.users)}"):
             by.setdefault(g, []).append((after, before))
     print(f"held out, each model predicted with parameters fit to the others' rows (error held out (median signed) "
           f"/ uncalibrated, median absolute); {lost} rows not priceable under their fold's parameters")
