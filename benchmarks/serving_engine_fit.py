@@ -16,6 +16,7 @@ fit to all its rows, with their posterior spreads. Issue 45's targets: TPOT <= 1
 from __future__ import annotations
 
 import argparse
+from datetime import date
 import pickle
 import statistics
 import sys
@@ -28,8 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from meshplan.costmodels.aic_deployments import Deployment, Priced, little_throughput, price, read_deployments  # noqa: E402,E501
 from meshplan.costmodels.engine_calibration import ADDITIVE, FACTORS, EngineParameters  # noqa: E402
-from meshplan.costmodels.engine_fit import (Sensitivity, architecture, fit_engines, leave_one_model_out,  # noqa: E402
-                                            sensitivity)
+from meshplan.costmodels.engine_fit import (Sensitivity, architecture, engine_calibration,  # noqa: E402
+                                            fit_engines, leave_one_model_out, sensitivity)
+from meshplan.planner.plan import write_text_atomic  # noqa: E402
 from meshplan.hardware_db.errors import InputError  # noqa: E402
 
 TARGETS = {"ttft": 0.20, "tpot": 0.12, "throughput": 0.12}
@@ -94,6 +96,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=2, help="processes pricing the rows (default 2)")
     ap.add_argument("--markdown", action="store_true", help="print the tables in markdown for RESULTS.md")
+    ap.add_argument("--write", type=Path, metavar="DIR", help="also write each engine's calibration file there "
+                    "(engine-ENGINE.json; hardware_db/calibrations/ holds the ones meshplan ships)")
     ap.add_argument("--slopes", type=Path, help="a file to keep the priced rows and slopes in (pickle): written "
                     "when absent, read when present (the same wheel's rows), so the fit reruns without pricing")
     args = ap.parse_args()
@@ -157,6 +161,11 @@ def main() -> int:
                   zip(ADDITIVE, (f.parameters.iteration_s, f.parameters.request_s), f.spread[len(FACTORS):],
                       strict=True)]
         print(f"  {engine:7s} {f.rows:4d} rows: " + ", ".join(cells))
+    for engine in sorted({s.deployment.engine for s in rows}) if args.write else []:
+        cal = engine_calibration(rows, engine, data.source, date.today().isoformat())
+        path = args.write / f"engine-{engine}.json"
+        write_text_atomic(path, cal.model_dump_json(indent=1) + "\n")
+        print(f"wrote {path}: held out " + ", ".join(f"{m} {v:.1%}" for m, v in cal.held_out.items()))
     print(f"({time.perf_counter() - start:.0f} s)")
     return 0
 

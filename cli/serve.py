@@ -211,10 +211,13 @@ def serve(
         "USD per GPU-hour for the cost lines and the plan's economics; default the hardware database's indicative "
         "price (hardware show)."))] = None,
     calibration: Annotated[str | None, typer.Option("--calibration", rich_help_panel=P_CLUSTER, help=(
-        "A calibration of the GPU (a file from `meshplan calibrate` or `meshplan profile`, or `public`: the "
-        "factors fit to the published training runs on it): its factors scale the engine's kernels and collectives. "
-        "Default: the GPU's efficiency defaults (no calibration is checked against measured deployments yet; "
-        "docs/calibration.md)."))] = None,
+        "What prices the engine's iterations. Default: the calibration meshplan ships for --engine, fit to "
+        "AIConfigurator's measured deployments, where they ran on this GPU type, else the GPU's efficiency "
+        "defaults (the output says which; docs/serving.md 'Engine calibration'). Or: none (the defaults), an "
+        "engine calibration file (`meshplan calibrate --deployments`), a GPU calibration (`meshplan calibrate "
+        "--runs`, `meshplan profile`) or public (the factors fit to published training runs)."))] = None,
+    engine: Annotated[Literal["vllm", "sglang", "trtllm"], typer.Option("--engine", rich_help_panel=P_CLUSTER, help=(
+        "The serving engine whose calibration prices the deployment."))] = "vllm",
 ) -> None:
     """Search serving deployments: TP, attention DP, PP and EP per engine, batch and chunk sizes, aggregated or
     disaggregated prefill and decode pools, under TTFT and TPOT targets.
@@ -233,7 +236,7 @@ def serve(
         raise InputError("--report draws the search's Pareto front; a pinned --layout has none (drop one of them)")
     with working(f"searching deployments of {spec.name} on up to {gpus.cluster.num_gpus} GPUs"):
         found = api.search_deployments(spec, gpus.cluster, workload, targets, gpus.low, objective, disaggregation,
-                                       top, mem_fraction, time_limit, pinned, outputs.timing, calibration)
+                                       top, mem_fraction, time_limit, pinned, outputs.timing, calibration, engine)
     doc, result, alternatives = found.plan, found.result, list(found.alternatives)
     if price is not None:
         doc = api.priced(doc, Budget(usd_per_gpu_hour=price))
@@ -247,6 +250,7 @@ def serve(
         return
     con = console()
     print_serving(con, spec, cluster, workload, targets, doc, result, alternatives)
+    con.print(f"engines priced with {found.priced_with}")
     print_simulated(con, found.simulated, targets.percentile)
     if outputs.out is not None:
         con.print(f"serving plan written to {outputs.out}")

@@ -275,7 +275,6 @@ def price(d: Deployment, eff: Efficiency | None = None, from_idle: bool = True,
         if point is None:
             raise InputError(f"{d.users} users do not fit {lay.label()} (no batch fits, or prefill cannot keep up)")
         ttft, tpot = point.ttft_s, point.tpot_s
-    ttft += engine.request_s if engine is not None else 0.0
     return Priced(ttft * 1e3, tpot * 1e3, little_throughput(d.users, d.osl, ttft, tpot, d.gpus))
 
 

@@ -39,6 +39,7 @@ class Efficiency:
     attention_bwd_curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     layer_overhead: tuple[LayerOverhead, ...] = ()  # per decoder layer, by TP degree and SP
     head_overhead: StepOverhead | None = None  # per micro-batch, outside the layers
+    request_s: float = 0.0  # serving: a request's front-end time, on TTFT only (an engine calibration's; else 0)
     collectives: tuple[tuple[str, int, float, float], ...] = ()  # (kind, ranks, alpha_s, bytes_per_s)
     memory_classes: tuple[tuple[str, float, float], ...] = ()  # (ops.memory_class, alpha_s, bytes_per_s)
     optimizer_s_per_param: float | None = None  # measured optimizer step per local parameter

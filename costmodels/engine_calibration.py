@@ -17,11 +17,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from meshplan.costmodels.efficiency import Efficiency, scaled
-from meshplan.hardware_db.calibration import StepOverhead
-from meshplan.hardware_db.gpu import GPUSpec
+import math
 
-__all__ = ["EngineParameters", "FACTORS", "ADDITIVE", "BOUNDS"]
+from meshplan.costmodels.efficiency import Efficiency, scaled
+from meshplan.hardware_db.calibration import EngineCalibration, StepOverhead, digest
+from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.gpu import GPUSpec, load_gpu
+
+__all__ = ["EngineParameters", "FACTORS", "ADDITIVE", "BOUNDS", "parameters_of", "engine_calibrated_cluster"]
 
 FACTORS = ("gemm", "attention", "memory", "network", "overhead")  # log factors (efficiency.scaled)
 ADDITIVE = ("iteration_s", "request_s")  # seconds
@@ -48,7 +51,7 @@ class EngineParameters:
         spec, eff = scaled(gpu, Efficiency.from_gpu(gpu), dict(self.log_factors))
         if self.iteration_s:
             eff = dataclasses.replace(eff, head_overhead=StepOverhead(forward_s=self.iteration_s, backward_s=0.0))
-        return spec, eff
+        return spec, dataclasses.replace(eff, request_s=self.request_s)
 
     def vector(self) -> tuple[float, ...]:
         """(the FACTORS' log factors, then the ADDITIVE seconds): the fit's parameter vector."""
@@ -63,3 +66,17 @@ class EngineParameters:
     def within_bounds(self) -> bool:
         return all(lo - 1e-12 <= x <= hi + 1e-12
                    for x, (lo, hi) in zip(self.vector(), (BOUNDS[n] for n in FACTORS + ADDITIVE), strict=True))
+
+
+def parameters_of(cal: EngineCalibration) -> EngineParameters:
+    """The parameters a calibration file states."""
+    return EngineParameters(tuple((n, math.log(cal.factors[n].factor)) for n in FACTORS if n in cal.factors),
+                            cal.iteration_s, cal.request_s)
+
+
+def engine_calibrated_cluster(spec: ClusterSpec, cal: EngineCalibration, origin: str) -> tuple[Cluster, Efficiency]:
+    """The cluster (its GPU's network shares scaled) and the efficiency model an engine's iterations are timed
+    with under `cal`, labelled for the plan's record as a GPU calibration is (efficiency.factor_cluster)."""
+    gpu, eff = parameters_of(cal).apply(load_gpu(spec.gpu))
+    label = f"{origin.rsplit('/', 1)[-1]} sha256:{digest(cal)}"
+    return Cluster(spec, gpu=gpu), dataclasses.replace(eff, calibration=label)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.costmodels.aic_deployments import Deployment, Priced, deployment_model, little_throughput, price
-from meshplan.costmodels.engine_calibration import ADDITIVE, BOUNDS, FACTORS, EngineParameters
+from meshplan.costmodels.engine_calibration import ADDITIVE, BOUNDS, FACTORS, EngineParameters, parameters_of
 from meshplan.costmodels.fit import PRIOR_SD
 from meshplan.hardware_db.calibration import CALIBRATION_SCHEMA_VERSION, EngineCalibration, FittedFactor
 from meshplan.hardware_db.errors import InputError
@@ -273,9 +273,3 @@ def engine_calibration(rows: Sequence[Sensitivity], engine: str, source: str, cr
         iteration_s=p.iteration_s, iteration_sd_s=spread["iteration_s"], request_s=p.request_s,
         request_sd_s=spread["request_s"], held_out=median_errors(held),  # type: ignore[arg-type]
         uncalibrated=median_errors(same))  # type: ignore[arg-type]
-
-
-def parameters_of(cal: EngineCalibration) -> EngineParameters:
-    """The parameters a calibration file states."""
-    return EngineParameters(tuple((n, math.log(cal.factors[n].factor)) for n in FACTORS if n in cal.factors),
-                            cal.iteration_s, cal.request_s)

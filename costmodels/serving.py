@@ -48,6 +48,7 @@ __all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "WeightDtype", "Engi
 
 ServeDtype = Literal["bf16", "fp8"]  # the KV cache
 WeightDtype = Literal["bf16", "fp8", "fp4"]  # weights and GEMMs (fp4: NVFP4, Blackwell)
+ServeEngine = Literal["vllm", "sglang", "trtllm"]  # the engines an engine calibration is fit for (AIConfigurator's)
 ServeObjective = Literal["throughput", "min-gpus"]  # most output tokens/s per GPU, or fewest GPUs for a rate
 
 
@@ -678,6 +679,7 @@ class EngineState:
     transfer_s: float = 0.0  # prefill: a prompt's KV cache to its decode engine
     prompt_s: float = 0.0  # aggregated: an iteration carrying one new prompt's chunk in every attention group
     decode_s: float = 0.0  # aggregated: an iteration of the decode tokens alone
+    request_s: float = 0.0  # aggregated, prefill: the front end's time on each TTFT (Efficiency.request_s)
 
 
 @dataclass(frozen=True)
@@ -725,7 +727,8 @@ def aggregated_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: 
     # the steady iteration; one with the whole budget (prompts queued); one with a lone new prompt's chunk,
     # min(computed ISL, the group's share of the budget), in every attention group; one of the decode tokens alone
     return EngineState("aggregated", lay, batch, chunk, step(prefill_per_iter), step(budget), mem, mem_fraction,
-                       prompt_s=step(min(budget, lay.dp * wl.computed_isl)), decode_s=step(0.0))
+                       prompt_s=step(min(budget, lay.dp * wl.computed_isl)), decode_s=step(0.0),
+                       request_s=geo.eff.request_s)
 
 
 def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, prompts: int,
@@ -740,8 +743,9 @@ def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: Ser
     if prompts * wl.isl > mem.tokens:
         return None
     it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.prompt_context, StepOptions.of(wl), eff, geometry)
+    front = (geometry.eff if geometry is not None else eff or Efficiency.from_gpu(cluster.gpu)).request_s
     return EngineState("prefill", lay, prompts, math.ceil(tokens), it.seconds, it.seconds, mem, mem_fraction,
-                       kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes))
+                       kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes), request_s=front)
 
 
 def decode_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,

@@ -163,8 +163,9 @@ def running_point(curve: list[EngineState], running: float, wl: ServeWorkload, q
         return None
     residual = interval * (0.5 if q is None else q)  # the iteration in progress when the request arrives
     tpot = _tpot(curve, running, rate, per_request, prompt, wl, q, interval)
-    return PoolPoint(cap.role, lay, cap.batch, cap.chunk, residual + alone + wait, tpot, rate * lay.dp, cap.memory,
-                     cap.mem_fraction, running / cap.batch)
+    front = cap.request_s if cap.role == "aggregated" else 0.0  # a decode engine's requests came through prefill's
+    return PoolPoint(cap.role, lay, cap.batch, cap.chunk, residual + alone + wait + front, tpot, rate * lay.dp,
+                     cap.memory, cap.mem_fraction, running / cap.batch)
 
 
 def rate_point(curve: list[EngineState], rate: float, wl: ServeWorkload, q: float | None) -> PoolPoint | None:
@@ -196,8 +197,9 @@ def prefill_loaded(state: EngineState, busy: float, wl: ServeWorkload, q: float 
     k, step = state.batch, state.step_s
     rate = busy * k / step
     wait = mgc_wait(1, rate / k, step, wl.isl_cv2 / k)
-    return PoolPoint("prefill", state.layout, k, state.chunk, wait.quantile(q) + step + state.transfer_s, 0.0, rate,
-                     state.memory, state.mem_fraction, busy)
+    return PoolPoint("prefill", state.layout, k, state.chunk,
+                     wait.quantile(q) + step + state.transfer_s + state.request_s, 0.0, rate, state.memory,
+                     state.mem_fraction, busy)
 
 
 def closed_loop_ttft(pre: EngineState, dec: EngineState, users: float, prefill_engines: int,
@@ -252,7 +254,7 @@ def concurrency_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl:
 
     def ttft(rate: float) -> float:
         wait = mgc_wait(1, rate, wl.computed_isl / share * state.full_s, wl.isl_cv2, arrival_cv2=0.0).quantile(q)
-        return interval_at(rate) * (0.5 if q is None else q) + alone + wait
+        return interval_at(rate) * (0.5 if q is None else q) + alone + wait + state.request_s
 
     # the group's users' rate r solves r (TTFT(r) + OSL x interval(r)) = users, both growing with r, below the
     # limit of prompts the budget takes, share / ISL per iteration; beyond it the prompts queue and the users wait
@@ -294,7 +296,7 @@ def saturated_point(curve: list[EngineState], wl: ServeWorkload) -> PoolPoint | 
         rate, per_request, prompt = pace
         interval = _token_interval([s], s.batch, rate, per_request, prompt)
         share = (s.chunk - s.batch * (1 + wl.spec_tokens)) / s.layout.dp
-        ttft = math.ceil(wl.computed_isl / share) * s.prompt_s if s.role == "aggregated" else s.step_s
+        ttft = (math.ceil(wl.computed_isl / share) * s.prompt_s if s.role == "aggregated" else s.step_s) + s.request_s
         p = PoolPoint(s.role, s.layout, s.batch, s.chunk, ttft, interval / wl.tokens_per_step, rate * s.layout.dp,
                       s.memory, s.mem_fraction, 1.0)
         if best is None or p.requests_per_s > best.requests_per_s:

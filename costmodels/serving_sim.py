@@ -126,6 +126,7 @@ class _Engine:
         self.times = {name: np.array([getattr(s, name) for s in curve])
                       for name in ("decode_s", "step_s", "prompt_s", "full_s")}
         self.cap, self.chunk = curve[-1].batch, curve[-1].chunk
+        self.front = curve[-1].request_s  # the front end's time, added to every TTFT (the engine sees it at once)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.done: list[tuple[_Request, float]] = []
@@ -194,6 +195,6 @@ class _Engine:
 
     def result(self, first_kept: float) -> SimulatedLoad:
         kept = [(r, end) for r, end in self.done if r.order >= first_kept]
-        ttft = np.array([r.first_token - r.arrival for r, _ in kept])
+        ttft = np.array([r.first_token - r.arrival + self.front for r, _ in kept])
         tpot = np.array([(end - r.first_token) / max(r.output - 1, 1) for r, end in kept])
         return SimulatedLoad(ttft, tpot, len(self.done) / self.now, self.area / self.now)

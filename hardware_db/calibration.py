@@ -358,7 +358,34 @@ def shipped_calibration(label: str) -> FactorCalibration | None:
     return cal if isinstance(cal, FactorCalibration) and digest(cal) == recorded else None
 
 
-def digest(cal: Calibration | FactorCalibration) -> str:
+def shipped_engine_calibration(engine: str) -> EngineCalibration | None:
+    """The engine calibration this meshplan ships for `engine` (hardware_db/calibrations/engine-ENGINE.json, fit by
+    benchmarks/serving_engine_fit.py --write), or None."""
+    path = calibration_dir() / f"engine-{engine}.json"
+    return load_engine_calibration(path) if path.exists() else None
+
+
+def engine_calibration_named(label: str) -> EngineCalibration | None:
+    """The shipped engine calibration a serving plan records by `label` ("engine-vllm.json sha256:..."), where this
+    meshplan ships that very file; None otherwise."""
+    name, _, recorded = label.partition(" sha256:")
+    stem = name.removesuffix(".json")
+    if not stem.startswith("engine-"):
+        return None
+    cal = shipped_engine_calibration(stem.removeprefix("engine-"))
+    return cal if cal is not None and digest(cal) == recorded else None
+
+
+def is_engine_calibration_file(path: str | Path) -> bool:
+    """Whether `path` (an existing file) declares itself a serving engine calibration ("kind": "engine")."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    data = parse_document(read_text(p, "a calibration .json"), "json", str(p))
+    return isinstance(data, dict) and data.get("kind") == "engine"
+
+
+def digest(cal: Calibration | FactorCalibration | EngineCalibration) -> str:
     """A short content hash: a plan records the calibration by file name and this, so a changed file shows."""
     return hashlib.sha256(cal.model_dump_json().encode()).hexdigest()[:12]
 

@@ -16,15 +16,18 @@ from typing import TypeAlias
 from meshplan.costmodels.config import ParallelConfig, Workload
 from meshplan.costmodels.economics import Budget, TrainingCost, training_cost
 from meshplan.costmodels.efficiency import Efficiency, calibrated_cluster, factor_cluster
+from meshplan.costmodels.engine_calibration import engine_calibrated_cluster
 from meshplan.costmodels.estimate import Estimate, Simulated
 from meshplan.costmodels.estimate import estimate as estimate_cost
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
-from meshplan.costmodels.serving import EngineLayout, ServeObjective, ServeTargets, ServeWorkload
+from meshplan.costmodels.serving import EngineLayout, ServeEngine, ServeObjective, ServeTargets, ServeWorkload
 from meshplan.costmodels.uncertainty import (DEFAULT_MEMORY_RULE, DEFAULT_RANK, MemoryRule, RankKind, Ranking,
                                              ResidualTable, memory_share)
 from meshplan.hardware_db.calibration import (NONE, PUBLIC, FactorCalibration, default_calibration,
+                                              is_engine_calibration_file, load_engine_calibration,
+                                              shipped_engine_calibration,
                                               load_any_calibration, public_calibration)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
@@ -81,6 +84,7 @@ class ServingSearch:
     result: ServeResult | None
     alternatives: tuple[str, ...]
     simulated: SimulationCheck | None = None  # the best's engine simulated at its rate, where the simulation models it
+    priced_with: str = ""  # which calibration priced the engines (serving_hardware)
 
 
 def _model(model: ModelInput) -> ModelSpec:
@@ -239,17 +243,44 @@ def plan(model: ModelInput, cluster: ClusterSpec, workload: Workload, config: Pa
                         rank=rank, memory=memory).plan
 
 
+def serving_hardware(cluster: ClusterSpec, calibration: str | None = None,
+                     engine: ServeEngine = "vllm") -> tuple[Cluster, Efficiency | None, str]:
+    """The cluster and efficiency model a serving search prices `engine`'s iterations with, and a line saying which.
+    None: the engine calibration meshplan ships for `engine`, where its rows ran on the cluster's GPU type
+    (benchmarks/serving_engine_fit.py), else the GPU's defaults (the public calibration is fit to training runs and
+    unchecked on serving); "none": the defaults; a file: an engine calibration (`meshplan calibrate --deployments`),
+    which must be `engine`'s, or a GPU calibration as `calibrated` takes it."""
+    if calibration is None:
+        cal = shipped_engine_calibration(engine)
+        if cal is not None and cluster.gpu in cal.gpus:
+            hardware, eff = engine_calibrated_cluster(cluster, cal, f"engine-{engine}")
+            return hardware, eff, (f"{engine}'s engine calibration (engine-{engine}, fit to {cal.rows:,} measured "
+                                   f"deployments of {len(cal.models)} checkpoints; each model left out, median error "
+                                   f"TTFT {cal.held_out['ttft']:.0%}, TPOT {cal.held_out['tpot']:.0%})")
+        why = "meshplan ships no calibration of it" if cal is None else f"its calibration has no rows on {cluster.gpu}"
+        return Cluster(cluster), None, f"the GPU's efficiency defaults ({engine}: {why})"
+    if calibration != NONE and is_engine_calibration_file(calibration):
+        cal = load_engine_calibration(calibration)
+        if cal.engine != engine:
+            raise InputError(f"{calibration} calibrates {cal.engine}, not {engine}: pass --engine {cal.engine} or "
+                             f"a calibration of {engine}")
+        hardware, engine_eff = engine_calibrated_cluster(cluster, cal, calibration)
+        return hardware, engine_eff, f"engine calibration {calibration} ({cal.engine}, {cal.rows:,} deployments)"
+    hardware, gpu_eff = calibrated(cluster, calibration)
+    return hardware, gpu_eff, "the GPU's efficiency defaults" if gpu_eff is None else f"calibration {calibration}"
+
+
 def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targets: ServeTargets,
                        min_gpus: int = 1, objective: ServeObjective = "throughput", disaggregation: bool = True,
                        top: int = 5,
                        mem_fraction: float = 0.9, time_limit_s: float | None = None,
                        pinned: PinnedDeployment | None = None, timing: bool = False,
-                       calibration: str | None = None) -> ServingSearch:
+                       calibration: str | None = None, engine: ServeEngine = "vllm") -> ServingSearch:
     """The best serving deployment on at most `cluster.num_gpus` GPUs (and at least `min_gpus`) under the targets,
-    or the `pinned` one priced. InputError when nothing fits. `calibration` as `calibrated` takes it, but None is
-    the GPU's defaults here: the public calibration is fit to training runs and unchecked on serving."""
+    or the `pinned` one priced. InputError when nothing fits. `calibration` and `engine` as serving_hardware takes
+    them."""
     spec = _model(model)
-    hardware, eff = calibrated(cluster, calibration or NONE)
+    hardware, eff, priced_with = serving_hardware(cluster, calibration, engine)
     if workload.weight_dtype not in hardware.gpu.peak_tflops:
         have = ", ".join(d for d in ("bf16", "fp8", "fp4") if d in hardware.gpu.peak_tflops)
         raise InputError(f"{hardware.gpu.name} has no {workload.weight_dtype} tensor cores; choose --weight-dtype "
@@ -272,7 +303,8 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
     doc = priced(build_serving_plan(spec, hardware, workload, targets, best, result, objective, list(alternatives),
                                     calibration=eff.calibration if eff else None))
     return ServingSearch(plan=doc if timing else without_timing(doc), result=result, alternatives=alternatives,
-                         simulated=simulate_deployment(spec, hardware, workload, targets, best, eff=eff))
+                         simulated=simulate_deployment(spec, hardware, workload, targets, best, eff=eff),
+                         priced_with=priced_with)
 
 
 def serve(model: ModelInput, cluster: ClusterSpec, workload: ServeWorkload, targets: ServeTargets = ServeTargets(),

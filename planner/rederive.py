@@ -22,7 +22,8 @@ from meshplan.costmodels.efficiency import Efficiency, factor_cluster
 from meshplan.costmodels.estimate import Simulated, simulate_config
 from meshplan.costmodels.serving import EngineLayout
 from meshplan.costmodels.uncertainty import ResidualTable
-from meshplan.hardware_db.calibration import shipped_calibration
+from meshplan.costmodels.engine_calibration import engine_calibrated_cluster
+from meshplan.hardware_db.calibration import engine_calibration_named, shipped_calibration
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.builders import build_plan, build_serving_plan, priced
@@ -73,12 +74,15 @@ def rederive(plan: Plan | ServingPlan, origin: str) -> Rederived:
 
 
 def planned_hardware(plan: Plan | ServingPlan) -> tuple[Cluster, Efficiency | None] | None:
-    """The plan's cluster and efficiency model as it was planned: the GPU's defaults, or the public calibration it
-    records (shipped with meshplan, so not in the file); None under any other calibration, which the file does not
-    hold."""
+    """The plan's cluster and efficiency model as it was planned: the GPU's defaults, or the public calibration or
+    (a serving plan) the engine calibration it records (shipped with meshplan, so not in the file); None under any
+    other calibration, which the file does not hold."""
     cluster = plan.inputs.cluster.cluster()
     if plan.inputs.calibration is None:
         return cluster, None
+    engine = engine_calibration_named(plan.inputs.calibration) if isinstance(plan, ServingPlan) else None
+    if engine is not None:
+        return engine_calibrated_cluster(cluster.spec, engine, f"engine-{engine.engine}")
     shipped = shipped_calibration(plan.inputs.calibration)
     return None if shipped is None else factor_cluster(cluster.spec, shipped, f"public-{shipped.gpu}")
 

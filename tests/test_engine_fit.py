@@ -130,3 +130,63 @@ def test_calibrate_says_what_to_give(capsys, tmp_path, args, words):
 
     assert_input_error(*run(capsys, "calibrate", "--out", str(tmp_path / "c.json"), *args), *words)
     assert not (tmp_path / "c.json").exists()
+
+
+def test_the_front_end_time_adds_to_ttft_alone():
+    """An engine calibration's request time is on every aggregated and prefill TTFT once, and on nothing else."""
+    from meshplan.costmodels.model_io import load_model
+    from meshplan.costmodels.serving import EngineLayout, ServeWorkload
+    from meshplan.costmodels.serving_load import aggregated_point, decode_point, prefill_point
+    from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+
+    model, cluster = load_model("llama3.1-8b"), Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1))
+    wl, lay = ServeWorkload(isl=1000, osl=200), EngineLayout()
+    spec, eff = EngineParameters().apply(cluster.gpu)
+    slow = dataclasses.replace(eff, request_s=0.07)
+    a, b = (aggregated_point(model, cluster, lay, wl, 32, 8192, 16, e) for e in (eff, slow))
+    assert a is not None and b is not None and b.tpot_s == a.tpot_s
+    assert b.ttft_s == pytest.approx(a.ttft_s + 0.07, abs=1e-12)
+    a, b = (decode_point(model, cluster, lay, wl, 32, 16, e) for e in (eff, slow))
+    assert a is not None and b is not None and (b.ttft_s, b.tpot_s) == (a.ttft_s, a.tpot_s)
+    a, b = (prefill_point(model, cluster, lay, wl, 1, 0.5, e) for e in (eff, slow))
+    assert a is not None and b is not None and b.ttft_s == pytest.approx(a.ttft_s + 0.07, abs=1e-12)
+
+
+def test_serve_prices_with_the_engines_shipped_calibration(capsys, tmp_path):
+    """serve says which calibration priced the engines: vLLM's shipped one on a GPU its rows ran on (recorded in
+    the plan, which re-derives from it), the defaults where its rows never ran or with --calibration none; an engine
+    file of another engine than --engine is refused with one line."""
+    from cli_helpers import assert_input_error, run
+
+    from meshplan import api
+    from meshplan.hardware_db.calibration import calibration_dir, shipped_engine_calibration
+
+    vllm = shipped_engine_calibration("vllm")
+    assert vllm is not None and "h100-sxm" in vllm.gpus and "a100-80gb" not in vllm.gpus
+    args = ("serve", "--model", "llama3.1-8b", "--gpus", "8", "--isl", "1000", "--osl", "200", "--tpot-ms", "40",
+            "--no-disaggregation")
+    code, out, _ = run(capsys, *args, "--gpu", "h100-sxm", "--out", str(tmp_path / "serve.json"))
+    assert code == 0 and "engines priced with vllm's engine calibration (engine-vllm" in " ".join(out.split())
+    plan = api.open_plan(tmp_path / "serve.json")
+    assert plan.note is None and plan.repriced is None
+    assert plan.plan.inputs.calibration is not None and plan.plan.inputs.calibration.startswith("engine-vllm sha256:")
+    code, out, _ = run(capsys, *args, "--gpu", "a100-80gb")
+    assert code == 0 and "the GPU's efficiency defaults (vllm: its calibration has no rows on a100-80gb)" in " ".join(
+        out.split())
+    code, out, _ = run(capsys, *args, "--gpu", "h100-sxm", "--calibration", "none")
+    assert code == 0 and "engines priced with the GPU's efficiency defaults" in " ".join(out.split())
+    assert_input_error(*run(capsys, *args, "--gpu", "h100-sxm", "--engine", "sglang", "--calibration",
+                            str(calibration_dir() / "engine-vllm.json")), "calibrates vllm", "--engine vllm")
+
+
+def test_the_shipped_engine_calibrations_are_within_their_bounds():
+    """Every engine calibration meshplan ships: parameters within their physical bounds, its held-out error
+    recorded beside the uncalibrated one."""
+    from meshplan.costmodels.engine_calibration import parameters_of
+    from meshplan.hardware_db.calibration import shipped_engine_calibration
+
+    for engine in ("vllm", "sglang", "trtllm"):
+        cal = shipped_engine_calibration(engine)
+        assert cal is not None and cal.engine == engine and cal.rows >= 100
+        assert parameters_of(cal).within_bounds()
+        assert set(cal.held_out) == set(cal.uncalibrated) == {"ttft", "tpot", "throughput"}
