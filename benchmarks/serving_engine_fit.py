@@ -29,20 +29,13 @@ sys.path.insert(0, str(ROOT))
 
 from meshplan.costmodels.aic_deployments import Deployment, Priced, little_throughput, price, read_deployments  # noqa: E402,E501
 from meshplan.costmodels.engine_calibration import ADDITIVE, FACTORS, EngineParameters  # noqa: E402
-from meshplan.costmodels.engine_fit import (Sensitivity, architecture, engine_calibration,  # noqa: E402
-                                            fit_engines, leave_one_model_out, sensitivity)
+from meshplan.costmodels.engine_fit import (architecture, engine_calibration, fit_engines,  # noqa: E402
+                                            leave_one_model_out, sensitivities)
 from meshplan.planner.plan import write_text_atomic  # noqa: E402
 from meshplan.hardware_db.errors import InputError  # noqa: E402
 
 TARGETS = {"ttft": 0.20, "tpot": 0.12, "throughput": 0.12}
 METRICS = ("ttft", "tpot", "throughput")
-
-
-def _sensitivity(d: Deployment) -> Sensitivity | None:
-    try:
-        return sensitivity(d)
-    except InputError:
-        return None
 
 
 def errors(d: Deployment, ttft_s: float, tpot_s: float) -> dict[str, float]:
@@ -113,9 +106,7 @@ def main() -> int:
             print(f"error: {args.slopes} holds {source}'s rows, not {data.source}'s: delete it", file=sys.stderr)
             return 2
     else:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            found = list(pool.map(_sensitivity, data.deployments, chunksize=8))
-        rows = [s for s in found if s is not None]
+        rows = sensitivities(data.deployments, args.jobs)
         if args.slopes:
             args.slopes.write_bytes(pickle.dumps((data.source, rows)))
     print(f"{data.source}: {len(data.deployments)} rows read, {len(rows)} priced at the prior's centre with slopes "

@@ -376,13 +376,17 @@ def engine_calibration_named(label: str) -> EngineCalibration | None:
     return cal if cal is not None and digest(cal) == recorded else None
 
 
-def is_engine_calibration_file(path: str | Path) -> bool:
-    """Whether `path` (an existing file) declares itself a serving engine calibration ("kind": "engine")."""
-    p = Path(path)
+def engine_calibration_file(path: str | Path) -> Path | None:
+    """The file `path` names (a path, or a name under hardware_db/calibrations/ as --calibration takes it) where it
+    declares itself a serving engine calibration ("kind": "engine"); None where it is another kind or no file."""
+    try:
+        p = _calibration_path(path)
+    except InputError:
+        return None
     if not p.is_file():
-        return False
-    data = parse_document(read_text(p, "a calibration .json"), "json", str(p))
-    return isinstance(data, dict) and data.get("kind") == "engine"
+        return None
+    data = parse_document(read_text(p, "a calibration .json"), "json", str(path))
+    return p if isinstance(data, dict) and data.get("kind") == "engine" else None
 
 
 def digest(cal: Calibration | FactorCalibration | EngineCalibration) -> str:
@@ -397,8 +401,8 @@ def parse_any_calibration(text: str, origin: str) -> Calibration | FactorCalibra
         return _validated(FactorCalibration, data, text, origin, "run meshplan calibrate again")
     if isinstance(data, dict) and data.get("kind") == "engine":
         raise InputError(f"{origin} holds a serving engine's parameters (meshplan calibrate --deployments), which "
-                         f"--calibration does not take yet; give it a GPU calibration (meshplan profile, or meshplan "
-                         f"calibrate --runs)")
+                         f"only meshplan serve takes; give this command a GPU calibration (meshplan profile, or "
+                         f"meshplan calibrate --runs)")
     return parse_calibration(text, origin)
 
 

@@ -26,7 +26,7 @@ from meshplan.costmodels.serving import EngineLayout, ServeEngine, ServeObjectiv
 from meshplan.costmodels.uncertainty import (DEFAULT_MEMORY_RULE, DEFAULT_RANK, MemoryRule, RankKind, Ranking,
                                              ResidualTable, memory_share)
 from meshplan.hardware_db.calibration import (NONE, PUBLIC, FactorCalibration, default_calibration,
-                                              is_engine_calibration_file, load_engine_calibration,
+                                              engine_calibration_file, load_engine_calibration,
                                               shipped_engine_calibration,
                                               load_any_calibration, public_calibration)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
@@ -259,8 +259,9 @@ def serving_hardware(cluster: ClusterSpec, calibration: str | None = None,
                                    f"TTFT {cal.held_out['ttft']:.0%}, TPOT {cal.held_out['tpot']:.0%})")
         why = "meshplan ships no calibration of it" if cal is None else f"its calibration has no rows on {cluster.gpu}"
         return Cluster(cluster), None, f"the GPU's efficiency defaults ({engine}: {why})"
-    if calibration != NONE and is_engine_calibration_file(calibration):
-        cal = load_engine_calibration(calibration)
+    engine_file = engine_calibration_file(calibration) if calibration != NONE else None
+    if engine_file is not None:
+        cal = load_engine_calibration(engine_file)
         if cal.engine != engine:
             raise InputError(f"{calibration} calibrates {cal.engine}, not {engine}: pass --engine {cal.engine} or "
                              f"a calibration of {engine}")

@@ -177,6 +177,12 @@ def test_serve_prices_with_the_engines_shipped_calibration(capsys, tmp_path):
     assert code == 0 and "engines priced with the GPU's efficiency defaults" in " ".join(out.split())
     assert_input_error(*run(capsys, *args, "--gpu", "h100-sxm", "--engine", "sglang", "--calibration",
                             str(calibration_dir() / "engine-vllm.json")), "calibrates vllm", "--engine vllm")
+    # by name, as --calibration takes the shipped files; a training command refuses it
+    code, out, _ = run(capsys, *args, "--gpu", "h100-sxm", "--calibration", "engine-vllm")
+    assert code == 0 and "engines priced with engine calibration engine-vllm (vllm" in " ".join(out.split())
+    assert_input_error(*run(capsys, "plan", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8",
+                            "--calibration", "engine-vllm"),
+                       "engine-vllm", "only meshplan serve")
 
 
 def test_the_shipped_engine_calibrations_are_within_their_bounds():
