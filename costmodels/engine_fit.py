@@ -19,7 +19,7 @@ fit.py's.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -67,10 +67,11 @@ class Sensitivity:
         return ttft, tpot
 
 
-def sensitivity(d: Deployment, pricer: Callable[[Deployment, EngineParameters], Priced] | None = None
-                ) -> Sensitivity:
+def sensitivity(d: Deployment) -> Sensitivity:
     """A deployment's Sensitivity (1 + FACTORS + 1 pricings); InputError where it cannot be priced."""
-    run = pricer or (lambda dep, p: price(dep, engine=p))
+    def run(dep: Deployment, p: EngineParameters) -> Priced:
+        return price(dep, engine=p)
+
     base = run(d, EngineParameters())
     ttft, tpot = base.ttft_ms / 1e3, base.tpot_ms / 1e3
     slopes = []
@@ -114,8 +115,8 @@ def _prior(centre: EngineParameters | None, scale: float) -> tuple[np.ndarray, n
 def fit_engine(rows: Sequence[Sensitivity], centre: EngineParameters | None = None, prior_scale: float = 1.0,
                iterations: int = 30) -> EngineFit:
     """The engine's parameters that best explain these rows' TTFT and TPOT under the priors (module docstring):
-    centred on the defaults, or on `centre` (a fit one level up: every engine, or this engine on every GPU), with
-    the spreads times `prior_scale`."""
+    centred on the defaults, or on `centre` (the fit one level up: to every engine's rows), with the spreads times
+    `prior_scale`."""
     if not rows:
         raise InputError("no measured deployments to calibrate the engine on")
     mean, sd = _prior(centre, prior_scale)
@@ -138,16 +139,22 @@ def fit_engine(rows: Sequence[Sensitivity], centre: EngineParameters | None = No
         loss = np.where(a <= HUBER, 0.5 * z * z, HUBER * a - 0.5 * HUBER ** 2)
         return float(loss.sum() + 0.5 * np.sum(((t - mean) / sd) ** 2))
 
-    r = _residuals(rows, params(theta))
-    before = r.copy()
     steps = np.maximum(sd * 0.05, 1e-6)
-    jac = np.zeros((2 * len(rows), len(NAMES)))
-    for _ in range(iterations):
+
+    def jacobian(t: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """Of the weighted residuals, by forward differences (the weights held)."""
         _, scale = weighted(r)
+        jac = np.zeros((2 * len(rows), len(NAMES)))
         for j in range(len(NAMES)):
-            moved = theta.copy()
+            moved = t.copy()
             moved[j] += steps[j]
             jac[:, j] = (_residuals(rows, params(moved)) - r).ravel() / steps[j] * scale
+        return jac
+
+    r = _residuals(rows, params(theta))
+    before = r.copy()
+    for _ in range(iterations):
+        jac = jacobian(theta, r)
         z, _ = weighted(r)
         normal = jac.T @ jac + np.diag(1 / sd ** 2)
         gradient = jac.T @ z + (theta - mean) / sd ** 2
@@ -165,11 +172,7 @@ def fit_engine(rows: Sequence[Sensitivity], centre: EngineParameters | None = No
         r = _residuals(rows, params(theta))
         if moved_by < 1e-4:
             break
-    _, scale = weighted(r)
-    for j in range(len(NAMES)):
-        moved = theta.copy()
-        moved[j] += steps[j]
-        jac[:, j] = (_residuals(rows, params(moved)) - r).ravel() / steps[j] * scale
+    jac = jacobian(theta, r)
     posterior = np.linalg.inv(jac.T @ jac + np.diag(1 / sd ** 2))
     return EngineFit(params(theta), tuple(np.sqrt(np.diag(posterior)).tolist()), len(rows),
                      tuple(map(tuple, before.tolist())), tuple(map(tuple, r.tolist())))
