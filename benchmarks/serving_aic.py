@@ -11,10 +11,10 @@ throughput, overall and by GPU, engine, model and aggregated vs disaggregated. T
 and TPOT by Little's law for the closed loop, measured and predicted alike (the file has none). Issue 45's targets,
 leave one model out once a calibration exists: TPOT <= 12 %, TTFT <= 20 %, throughput <= 12 %. Nothing here is fit.
 
-How a row is priced (costmodels/aic_deployments.price): an aggregated engine of one attention group is simulated
-iteration by iteration from idle as AIConfigurator's benchmark template runs aiperf (all users' first requests
-together after a drained warm-up, 20 rounds; serving_sim.simulate_benchmark); an attention-DP engine in steady state
-(serving_load.concurrency_point, a lower bound on TTFT); a disaggregated deployment as serving_reference.py's.
+How a row is priced (costmodels/aic_deployments.price): an aggregated engine is simulated iteration by iteration
+from idle as AIConfigurator's benchmark template runs aiperf (all users' first requests together after a drained
+warm-up, 20 rounds; serving_sim.simulate_benchmark), an attention-DP engine as one of its groups with its share of
+the users, stepping with the others (serving_sim.group_view); a disaggregated deployment as serving_reference.py's.
 --steady prices every row in steady state instead, for comparison.
 """
 

@@ -14,8 +14,9 @@ meshplan's EngineLayout(tp, dp = attention DP, pp, ep) says the same: its expert
 Not in the file, so assumed (each stated where it is used): the KV-cache dtype (FP8 with FP8 or FP4 weights, else
 BF16: AIConfigurator's own default, sdk/models/helpers.py _infer_quant_modes_from_raw_config), fixed request lengths
 (the client's synthetic ISL/OSL), one aggregated engine taking all the users, the token budget of 8,192, and the
-client's run: AIConfigurator's benchmark template (aiperf, 20 rounds from idle), which an aggregated engine of one
-attention group is simulated under; other engines are priced in steady state (a lower bound on TTFT).
+client's run: AIConfigurator's benchmark template (aiperf, 20 rounds from idle), which an aggregated engine is
+simulated under (an attention-DP one as one of its groups in lockstep); disaggregated deployments are priced in
+steady state (a lower bound on TTFT).
 The throughput is not measured in the file: it is derived from TTFT and TPOT by Little's law for the closed loop
 (users / (TTFT + (OSL - 1) TPOT) requests/s), for the measurement and the prediction alike.
 """
@@ -41,7 +42,7 @@ from meshplan.costmodels.model_io import load_model_file
 from meshplan.costmodels.serving import (EngineLayout, ServeWorkload, WeightDtype, aggregated_state, decode_state,
                                          prefill_state)
 from meshplan.costmodels.serving_load import closed_loop_ttft, concurrency_point
-from meshplan.costmodels.serving_sim import simulate_benchmark
+from meshplan.costmodels.serving_sim import group_view, simulate_benchmark
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
@@ -253,8 +254,8 @@ def price(d: Deployment, eff: Efficiency | None = None, from_idle: bool = True,
           engine: EngineParameters | None = None) -> Priced:
     """meshplan's TTFT, TPOT and throughput for a measured deployment; InputError saying why it cannot be priced: a
     model meshplan cannot express, a layout it refuses, missing worker counts, a batch that does not fit, a prefill
-    pool that cannot keep up. An aggregated engine of one attention group is run from idle as the rows were measured
-    (`from_idle`, benchmarked); other engines, and every one with `from_idle` False, in steady state. With `engine`
+    pool that cannot keep up. An aggregated engine is run from idle as the rows were measured (`from_idle`,
+    benchmarked); disaggregated deployments, and every engine with `from_idle` False, in steady state. With `engine`
     (a calibration's parameters; it replaces `eff`) the iterations are timed under them and its request time adds
     to TTFT."""
     spec = None
@@ -267,7 +268,7 @@ def price(d: Deployment, eff: Efficiency | None = None, from_idle: bool = True,
             pool.check(model)
     if d.prefill is not None:
         ttft, tpot = _disaggregated(d, model, wl, eff, spec)
-    elif from_idle and d.pool.layout.dp == 1:
+    elif from_idle:
         ttft, tpot = benchmarked(d, model, wl, eff, spec)
     else:
         lay = d.pool.layout
@@ -290,17 +291,19 @@ def benchmarked(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficie
     """(TTFT, TPOT) of the row's closed loop as its client ran it: AIConfigurator's benchmark template runs aiperf
     with a warm-up it drains, then all users' first requests together, ROUNDS x users requests in all
     (serving_sim.simulate_benchmark; benchmarks/serving_reference.yaml cites the template). The engine holds the
-    largest batch up to the users that fits; the rest wait."""
+    largest batch up to the users that fits; the rest wait. An attention-DP engine of dp groups is run as one group
+    with its 1 / dp of the users (serving_sim.group_view: the groups take the users in turn and step together)."""
     lay = d.pool.layout
     cluster, curve = cluster_of(d.gpu, lay.gpus, spec), []
-    for b in curve_batches(d.users):
-        state = aggregated_state(model, cluster, lay, wl, b, CHUNK, eff)
+    users = max(1, math.ceil(d.users / lay.dp))  # the busiest group's
+    for b in curve_batches(users):
+        state = aggregated_state(model, cluster, lay, wl, b * lay.dp, CHUNK, eff)
         if state is None:
             break
         curve.append(state)
     if not curve:
         raise InputError(f"no batch of {lay.label()} fits (or its prefill cannot keep pace)")
-    run = simulate_benchmark(curve, wl, d.users, ROUNDS)
+    run = simulate_benchmark(group_view(curve) if lay.dp > 1 else curve, wl, users, ROUNDS)
     return run.ttft(None), run.tpot(None)
 
 

@@ -13,6 +13,7 @@ dependencies simulates a token-budget scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import numpy as np
 
 from meshplan.costmodels.serving import EngineState, ServeWorkload
 
-__all__ = ["SimulatedLoad", "simulate_benchmark", "simulate_engine"]
+__all__ = ["SimulatedLoad", "group_view", "simulate_benchmark", "simulate_engine"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,21 @@ def simulate_benchmark(curve: list[EngineState], wl: ServeWorkload, users: int, 
             if sent < total:
                 send(engine.now)
     return engine.result(0)
+
+
+def group_view(curve: list[EngineState]) -> list[EngineState]:
+    """An attention-DP engine's states as one of its dp attention groups sees them, for the simulation of one group:
+    the groups take the requests in turn (SGLang's round-robin DP assignment), so with all users alike each holds
+    1 / dp of the running sequences and of the token budget, and they step in lockstep, every iteration the
+    engine's (its MoE layers gather every group's tokens). A state at the engine's batch B is the group's at B / dp."""
+    out = []
+    for s in curve:
+        dp = s.layout.dp
+        if s.batch % dp:
+            continue
+        one = dataclasses.replace(s.layout, dp=1, ep=1)  # the group's own layout, as the simulation checks it
+        out.append(dataclasses.replace(s, layout=one, batch=s.batch // dp, chunk=s.chunk // dp))
+    return out
 
 
 def _check(curve: list[EngineState], wl: ServeWorkload) -> None:

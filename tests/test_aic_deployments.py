@@ -11,7 +11,8 @@ import pytest
 
 from meshplan.costmodels import aic_deployments as aic
 from meshplan.costmodels import kernel_tables
-from meshplan.costmodels.serving import EngineLayout
+from meshplan.costmodels.serving import EngineLayout, aggregated_state
+from meshplan.costmodels.serving_sim import group_view, simulate_benchmark
 from meshplan.hardware_db.errors import InputError
 
 HEADER = ("id,silicon_data_source,backend,backend_version,model_path,system,precision,mode,isl,osl,gemm_quant_mode,"
@@ -117,10 +118,10 @@ def test_the_wheels_file_is_read():
     assert all(u.why for u in got.unread)
 
 
-def test_one_attention_group_is_run_from_idle():
-    """An aggregated engine of one attention group is priced as its client ran it, from idle (the first wave's
-    cohorts: 64 prompts of 1,024 tokens through a budget of 8,192 wait for each other), above the steady state's
-    TTFT; an attention-DP engine is priced in steady state either way."""
+def test_aggregated_engines_are_run_from_idle():
+    """An aggregated engine is priced as its client ran it, from idle (the first wave's cohorts: 64 prompts of 1,024
+    tokens through a budget of 8,192 wait for each other), above the steady state's TTFT; an attention-DP engine as
+    one of its groups, with its share of the users and of the budget and the engine's iterations."""
     pytest.importorskip("aiconfigurator_core")
     agg = aic.read_deployments(table(AGG)).deployments[0]
     assert agg.pool.layout.dp == 1
@@ -128,4 +129,13 @@ def test_one_attention_group_is_run_from_idle():
     assert from_idle.ttft_ms > 2 * steady.ttft_ms
     wide = aic.read_deployments(table(AGG.replace(",64,8,1,1,1,8,", ",8,1,1,8,1,8,"))).deployments[0]
     assert wide.pool.layout == EngineLayout(tp=1, dp=8, ep=8)
-    assert aic.price(wide) == aic.price(wide, from_idle=False)
+    model, wl = aic.deployment_model(wide.model_path), aic.deployment_workload(wide)
+    curve = [s for b in aic.curve_batches(8) for s in [aggregated_state(model, aic.cluster_of("h200", 8),
+                                                                        wide.pool.layout, wl, 8 * b, aic.CHUNK)]]
+    groups = group_view(curve)
+    assert [(g.batch, g.chunk, g.step_s, g.layout.dp) for g in groups] == [(s.batch // 8, s.chunk // 8, s.step_s, 1)
+                                                                          for s in curve]
+    run = simulate_benchmark(groups, wl, 8, aic.ROUNDS)
+    assert aic.price(wide) == aic.Priced(run.ttft(None) * 1e3, run.tpot(None) * 1e3,
+                                         aic.little_throughput(64, 1024, run.ttft(None), run.tpot(None), 8))
+    assert aic.price(wide) != aic.price(wide, from_idle=False)

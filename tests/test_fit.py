@@ -244,9 +244,9 @@ def test_bad_runs_files_are_one_line(tmp_path, capsys):
 
 def test_serve_takes_a_calibration_and_its_plan_says_which(tmp_path, capsys):
     """`serve --calibration`: a factor file's memory factor slows the memory-bound decode of a pinned deployment;
-    the serving plan records the calibration, which a reader re-applies when it is the shipped public one and
-    otherwise shows as stored; without the flag serving keeps the GPU's defaults (the public factors are fit to
-    training runs)."""
+    the serving plan records the calibration, which a reader re-applies when it is a shipped one (public, or an
+    engine's) and otherwise shows as stored; without the flag serving takes vLLM's shipped engine calibration, never
+    the public factors (they are fit to training runs)."""
     import json
 
     from cli_helpers import run
@@ -266,15 +266,17 @@ def test_serve_takes_a_calibration_and_its_plan_says_which(tmp_path, capsys):
         assert code == 0, err
         plans[name] = json.loads(out)
     tpot = {name: plan["prediction"]["tpot_ms"] for name, plan in plans.items()}
-    assert tpot["default"] == tpot["none"] and plans["default"]["inputs"]["calibration"] is None
-    assert 1.2 < tpot["slow"] / tpot["default"] < 2.0  # decode reads weights and KV: slower, not all of it HBM-bound
+    # without the flag, vLLM's engine calibration (its rows ran on H100s); none: the GPU's defaults
+    assert plans["default"]["inputs"]["calibration"].startswith("engine-vllm sha256:")
+    assert plans["none"]["inputs"]["calibration"] is None and tpot["default"] != tpot["none"]
+    assert 1.2 < tpot["slow"] / tpot["none"] < 2.0  # decode reads weights and KV: slower, not all of it HBM-bound
     assert plans["slow"]["inputs"]["calibration"].startswith("slow-hbm.json sha256:")
-    for name in ("slow", "public"):
+    for name in ("slow", "public", "default"):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(plans[name]))
         code, out, err = run(capsys, "show", str(path))
         assert code == 0, err
-        assert ("not re-simulated" in " ".join(out.split())) == (name == "slow")
+        assert ("not re-simulated" in " ".join(out.split())) == (name == "slow")  # the shipped ones are re-derived
     edited = dict(plans["public"], prediction={**plans["public"]["prediction"], "tpot_ms": 1.0})
     (tmp_path / "edited.json").write_text(json.dumps(edited))
     assert run(capsys, "show", str(tmp_path / "edited.json"))[0] == 2  # re-derived under the public factors: caught
