@@ -1,6 +1,7 @@
-"""A serving engine's calibrated parameters (issue 45, item 2): what one engine (vLLM, SGLang, TensorRT-LLM) on one
-GPU type adds to, or takes from, the roofline of costmodels/serving.py. A few physical parameters, each with a stated
-physical bound, and the same for every model the engine serves: never a factor per deployment.
+"""A serving engine's calibrated parameters (issue 45, item 2): what one engine (vLLM, SGLang, TensorRT-LLM) adds to,
+or takes from, the roofline of costmodels/serving.py. A few physical parameters, each with a stated physical bound,
+the same for every model the engine serves (never a factor per deployment) and for every GPU its rows ran on (the
+factors scale each GPU's own defaults).
 
 - The training calibration's five factors on the GPU's sourced defaults (costmodels/efficiency.scaled): GEMM and
   attention kernel ceilings, the memory-bound kernels' share of HBM bandwidth (decode's weight and KV reads), the
@@ -15,9 +16,8 @@ physical bound, and the same for every model the engine serves: never a factor p
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 from meshplan.costmodels.efficiency import Efficiency, scaled
 from meshplan.hardware_db.calibration import EngineCalibration, StepOverhead, digest

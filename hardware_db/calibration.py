@@ -366,7 +366,7 @@ def shipped_engine_calibration(engine: str) -> EngineCalibration | None:
 
 
 def engine_calibration_named(label: str) -> EngineCalibration | None:
-    """The shipped engine calibration a serving plan records by `label` ("engine-vllm.json sha256:..."), where this
+    """The shipped engine calibration a serving plan records by `label` ("engine-vllm sha256:..."), where this
     meshplan ships that very file; None otherwise."""
     name, _, recorded = label.partition(" sha256:")
     stem = name.removesuffix(".json")
