@@ -59,6 +59,10 @@ CONFIG_OF = {"meta-llama/Llama-3.1-70B": "meta-llama--Meta-Llama-3.1-70B",
              "zhipuai/GLM-5": "zai-org--GLM-5"}
 # the row's precision -> meshplan weight dtype
 WEIGHTS: dict[str, WeightDtype] = {"fp8": "fp8", "fp4": "fp4", "bf16": "bf16", "": "bf16"}
+# engines that by default never mix prompt chunks with decode tokens, running prefill first (SGLang's ServerArgs
+# enable_mixed_chunk = False, python/sglang/srt/server_args.py); vLLM's V1 scheduler and TensorRT-LLM's chunked
+# context mix them
+UNMIXED = frozenset({"sglang"})
 CHUNK = 8192  # tokens per iteration: the default of vLLM's online server, SGLang and TensorRT-LLM (planner/serve.py)
 ROUNDS = 20  # AIConfigurator's benchmark template: users x 20 requests after a drained warm-up (serving_reference.yaml)
 Mode = Literal["aggregated", "disaggregated"]
@@ -303,7 +307,8 @@ def benchmarked(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficie
         curve.append(state)
     if not curve:
         raise InputError(f"no batch of {lay.label()} fits (or its prefill cannot keep pace)")
-    run = simulate_benchmark(group_view(curve) if lay.dp > 1 else curve, wl, users, ROUNDS)
+    run = simulate_benchmark(group_view(curve) if lay.dp > 1 else curve, wl, users, ROUNDS,
+                             mixed=d.engine not in UNMIXED)
     return run.ttft(None), run.tpot(None)
 
 

@@ -81,19 +81,22 @@ def simulate_engine(curve: list[EngineState], wl: ServeWorkload, rate: float, re
 
 
 def simulate_benchmark(curve: list[EngineState], wl: ServeWorkload, users: int, rounds: int = 20,
-                       seed: int = 0) -> SimulatedLoad:
+                       seed: int = 0, mixed: bool = True) -> SimulatedLoad:
     """A closed-loop benchmark as its clients run it (aiperf's --concurrency, vLLM's and SGLang's bench_serving
     --max-concurrency): `users` requests sent together into an idle engine (a drained warm-up leaves it so; aiperf
     waits for every warm-up response before profiling, its docs/tutorials/warmup.md), then each user sends its next
     request the moment its last one ends, until users x rounds have been sent; every request is measured. With
     fixed lengths the first wave's prompts, sliced by the token budget, keep finishing together, so later waves come
-    in cohorts too: a TTFT the steady smooth-arrival model of serving_load.concurrency_point does not see."""
+    in cohorts too: a TTFT the steady smooth-arrival model of serving_load.concurrency_point does not see.
+    `mixed` False: the engine never puts prompt chunks and decode tokens in one iteration, and prompts go first
+    (SGLang's default: ServerArgs.enable_mixed_chunk False, the scheduler running a prefill batch whenever one can
+    be formed), so every running sequence waits while a wave is prefilled and the cohorts never spread."""
     _check(curve, wl)
     rng = np.random.default_rng(seed)
     total = users * rounds
     prompts = _lengths(rng, wl.computed_isl, wl.isl_cv2, total)
     outputs = _lengths(rng, wl.osl, wl.osl_cv2, total)
-    engine = _Engine(curve, wl)
+    engine = _Engine(curve, wl, mixed)
     sent = 0
 
     def send(now: float) -> None:
@@ -136,8 +139,9 @@ def _check(curve: list[EngineState], wl: ServeWorkload) -> None:
 class _Engine:
     """One engine's scheduler and clock: each step() runs one iteration over the running sequences."""
 
-    def __init__(self, curve: list[EngineState], wl: ServeWorkload) -> None:
+    def __init__(self, curve: list[EngineState], wl: ServeWorkload, mixed: bool = True) -> None:
         self.wl = wl
+        self.mixed = mixed  # prompt chunks ride with the decode tokens (else prefill-only iterations go first)
         self.batches = np.array([s.batch for s in curve], dtype=float)
         self.times = {name: np.array([getattr(s, name) for s in curve])
                       for name in ("decode_s", "step_s", "prompt_s", "full_s")}
@@ -187,6 +191,8 @@ class _Engine:
         if not self.running:
             return False
         decoding = [r for r in self.running if r.prompt == 0]
+        if not self.mixed and len(decoding) < len(self.running):
+            decoding = []  # a prefill-only iteration: the decoding sequences wait for it
         budget = self.chunk - len(decoding)
         chunks: list[tuple[_Request, int]] = []
         for r in self.running:  # first come first served: the running list keeps admission order

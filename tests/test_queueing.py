@@ -240,6 +240,24 @@ def test_a_closed_loop_run_from_idle_keeps_its_cohorts():
     assert loose.ttft_s.max() > 2 * loose.ttft_s.min() and loose.ttft(None) < run.ttft(None)
 
 
+def test_an_unmixed_engine_keeps_every_wave_whole():
+    """Prefill first and never mixed with decode (SGLang's default): 64 users of 1,024-token prompts through a
+    budget of 8,192 tokens. The first wave's prompts finish prefill at eight different times, but every sequence
+    decodes only after the whole wave, so they all finish together and come back as one wave, round after round:
+    the mean TTFT is that of the first wave every time, above the mixed engine's, whose cohorts spread."""
+    from meshplan.costmodels.serving_sim import simulate_benchmark
+
+    wl = ServeWorkload(isl=1024, osl=128)
+    curve = _llama8_curve(wl, 64)
+    unmixed = simulate_benchmark(curve, wl, users=64, rounds=5, mixed=False)
+    waves = unmixed.ttft_s.reshape(5, 64)
+    assert np.allclose(np.sort(waves, axis=1), np.sort(waves[0]), rtol=1e-9)  # every round the first wave again
+    assert len(set(np.round(waves[0], 12))) == 8  # eight iterations of eight prompts each
+    mixed = simulate_benchmark(curve, wl, users=64, rounds=5)
+    assert unmixed.ttft(None) > mixed.ttft(None)
+    assert simulate_benchmark(curve, wl, users=64, rounds=5, mixed=True).ttft_s.tolist() == mixed.ttft_s.tolist()
+
+
 def test_a_closed_loop_run_obeys_littles_law():
     """N users, each always waiting on one request: the run's rate is N over the mean request time (TTFT + the
     tokens after the first), within the share of the start and the drain, and the engine never runs more than its
