@@ -30,20 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshplan.costmodels.aic_deployments import (Deployment, Priced, models_named, price_all,  # noqa: E402
-                                                 read_deployments)
+from meshplan.costmodels.aic_deployments import (Deployment, models_named, price_all,  # noqa: E402
+                                                 read_deployments, relative_errors)
 from meshplan.hardware_db.errors import InputError  # noqa: E402
 
 TARGETS = {"ttft": 0.20, "tpot": 0.12, "throughput": 0.12}  # issue 45, leave one model out
 METRICS = ("ttft", "tpot", "throughput")
-
-
-def errors(d: Deployment, p: Priced) -> dict[str, float]:
-    """predicted / measured - 1 for each metric."""
-    out = {"ttft": p.ttft_ms / d.ttft_ms - 1, "tpot": p.tpot_ms / d.tpot_ms - 1}
-    if p.tokens_per_s_per_gpu is not None and d.tokens_per_s_per_gpu is not None:
-        out["throughput"] = p.tokens_per_s_per_gpu / d.tokens_per_s_per_gpu - 1
-    return out
 
 
 def groups(d: Deployment) -> list[str]:
@@ -96,7 +88,7 @@ def main() -> int:
         if p is None:
             refused[re.sub(r"\b\d+\b", "N", outcome.why)] += 1  # one line per kind of reason
             continue
-        priced.append((d, errors(d, p)))
+        priced.append((d, relative_errors(d, p.ttft_ms / 1e3, p.tpot_ms / 1e3)))
         if args.rows:
             e = priced[-1][1]
             print(f"  {d.id[:70]:70s} {d.pool.layout.label():14s} c{d.users:<5d} TTFT {d.ttft_ms:8.1f} -> "

@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshplan.costmodels.aic_deployments import Deployment, Priced, little_throughput, price, read_deployments  # noqa: E402,E501
+from meshplan.costmodels.aic_deployments import (Deployment, Priced, price, read_deployments,  # noqa: E402
+                                                 relative_errors)
 from meshplan.costmodels.engine_calibration import ADDITIVE, FACTORS, EngineParameters  # noqa: E402
 from meshplan.costmodels.engine_fit import (architecture, engine_calibration, fit_engines,  # noqa: E402
                                             leave_one_model_out, sensitivities)
@@ -36,14 +37,6 @@ from meshplan.hardware_db.errors import InputError  # noqa: E402
 
 TARGETS = {"ttft": 0.20, "tpot": 0.12, "throughput": 0.12}
 METRICS = ("ttft", "tpot", "throughput")
-
-
-def errors(d: Deployment, ttft_s: float, tpot_s: float) -> dict[str, float]:
-    out = {"ttft": ttft_s * 1e3 / d.ttft_ms - 1, "tpot": tpot_s * 1e3 / d.tpot_ms - 1}
-    predicted = little_throughput(d.users, d.osl, ttft_s, tpot_s, d.gpus)
-    if predicted is not None and d.tokens_per_s_per_gpu is not None:
-        out["throughput"] = predicted / d.tokens_per_s_per_gpu - 1
-    return out
 
 
 def _held_out(job: tuple[Deployment, EngineParameters]) -> tuple[str, Priced | None]:
@@ -124,8 +117,8 @@ def main() -> int:
         if priced is None:
             lost += 1
             continue
-        after = errors(d, priced.ttft_ms / 1e3, priced.tpot_ms / 1e3)
-        before = errors(d, s.ttft_s, s.tpot_s)
+        after = relative_errors(d, priced.ttft_ms / 1e3, priced.tpot_ms / 1e3)
+        before = relative_errors(d, s.ttft_s, s.tpot_s)
         approx = s.predict(p)
         local.append(abs(approx[1] * 1e3 / priced.tpot_ms - 1))
         for g in ("all", f"gpu: {d.gpu}", f"engine: {d.engine}", f"model: {d.model_path}", f"mode: {d.mode}",

@@ -156,6 +156,15 @@ def little_throughput(users: int, osl: int, ttft_s: float, tpot_s: float, gpus: 
     return users * osl / (ttft_s + (osl - 1) * tpot_s) / gpus
 
 
+def relative_errors(d: Deployment, ttft_s: float, tpot_s: float) -> dict[str, float]:
+    """predicted / measured - 1 of TTFT, TPOT and, where the GPU count is known, the throughput (Little's law)."""
+    out = {"ttft": ttft_s * 1e3 / d.ttft_ms - 1, "tpot": tpot_s * 1e3 / d.tpot_ms - 1}
+    predicted = little_throughput(d.users, d.osl, ttft_s, tpot_s, d.gpus)
+    if predicted is not None and d.tokens_per_s_per_gpu is not None:
+        out["throughput"] = predicted / d.tokens_per_s_per_gpu - 1
+    return out
+
+
 def _int(value: str) -> int | None:
     """A count cell: None when empty; ValueError when not a whole number."""
     if value.strip() == "":

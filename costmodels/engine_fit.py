@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.costmodels.aic_deployments import Deployment, Priced, deployment_model, little_throughput, price
+from meshplan.costmodels.aic_deployments import Deployment, Priced, deployment_model, price, relative_errors
 from meshplan.costmodels.engine_calibration import ADDITIVE, BOUNDS, FACTORS, EngineParameters, parameters_of
 from meshplan.costmodels.fit import PRIOR_SD
 from meshplan.hardware_db.calibration import CALIBRATION_SCHEMA_VERSION, EngineCalibration, FittedFactor
@@ -233,14 +233,11 @@ def sensitivities(deployments: Sequence[Deployment], jobs: int = 1) -> list[Sens
 
 
 def median_errors(pairs: Sequence[tuple[Deployment, tuple[float, float]]]) -> dict[str, float]:
-    """Median |predicted / measured - 1| of TTFT, TPOT and throughput (Little's law) over (row, (TTFT, TPOT) s)."""
+    """Median |predicted / measured - 1| of each metric (aic_deployments.relative_errors) over (row, (TTFT, TPOT) s)."""
     errs: dict[str, list[float]] = {"ttft": [], "tpot": [], "throughput": []}
     for d, (ttft, tpot) in pairs:
-        errs["ttft"].append(abs(ttft * 1e3 / d.ttft_ms - 1))
-        errs["tpot"].append(abs(tpot * 1e3 / d.tpot_ms - 1))
-        predicted = little_throughput(d.users, d.osl, ttft, tpot, d.gpus)
-        if predicted is not None and d.tokens_per_s_per_gpu is not None:
-            errs["throughput"].append(abs(predicted / d.tokens_per_s_per_gpu - 1))
+        for metric, value in relative_errors(d, ttft, tpot).items():
+            errs[metric].append(abs(value))
     return {m: float(np.median(v)) for m, v in errs.items() if v}
 
 

@@ -742,10 +742,10 @@ def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: Ser
     mem = capacity(model, cluster, lay, wl.weight_dtype, wl.kv_dtype, mem_fraction, math.ceil(tokens), prompts)
     if prompts * wl.isl > mem.tokens:
         return None
-    it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.prompt_context, StepOptions.of(wl), eff, geometry)
-    front = (geometry.eff if geometry is not None else eff or Efficiency.from_gpu(cluster.gpu)).request_s
+    geo = geometry or engine_geometry(model, cluster, lay, eff)
+    it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.prompt_context, StepOptions.of(wl), geometry=geo)
     return EngineState("prefill", lay, prompts, math.ceil(tokens), it.seconds, it.seconds, mem, mem_fraction,
-                       kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes), request_s=front)
+                       kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes), request_s=geo.eff.request_s)
 
 
 def decode_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,
