@@ -35,7 +35,8 @@ def export_(
         "Training plans: megatron (pretrain_gpt.py arguments in a torchrun script), torchtitan (the TOML job "
         "config <= 0.2 and the config-registry function >= 0.3), deepspeed (ds_config.json and the "
         "Megatron-DeepSpeed script), torchrun (meshplan's executor on the plan's world), nemo (NeMo 2 "
-        "MegatronStrategy and Megatron-Bridge overrides). Serving plans: vllm, sglang (a command line per pool)."))],
+        "MegatronStrategy and Megatron-Bridge overrides). Serving plans: vllm, sglang, trtllm (TensorRT-LLM's "
+        "trtllm-serve): launch scripts per node and a Dynamo graph."))],
     out: Annotated[Path | None, typer.Option("--out", help=(
         "Write here (atomically): the file, or a directory when the export has several files. Default: print."))
     ] = None,

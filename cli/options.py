@@ -34,7 +34,8 @@ MAX_VERIFY_RANKS = 4096  # one process each, on this host
 
 
 ExportTarget = Literal["megatron", "torchtitan", "deepspeed", "torchrun", "nemo"]  # planner.launchers.TARGETS
-AnyExportTarget = Literal["megatron", "torchtitan", "deepspeed", "torchrun", "nemo", "vllm", "sglang"]  # + SERVING
+# the training targets, then the serving ones (planner/launchers/registry.py TARGETS, SERVING_TARGETS)
+AnyExportTarget = Literal["megatron", "torchtitan", "deepspeed", "torchrun", "nemo", "vllm", "sglang", "trtllm"]
 P_MODEL, P_CLUSTER, P_PAR, P_OUT = "Model and workload", "Cluster", "Parallelism (unset: defaults)", "Output"
 P_SEARCHED = "Parallelism (unset: searched)"  # plan's knobs
 P_COST = "Cost and time to train"

@@ -15,10 +15,12 @@ from meshplan.cli.options import (P_CLUSTER, P_COST, P_MODEL, P_OUT, P_PAR, Beyo
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.serving import ServeTargets, ServeWorkload
+from meshplan.costmodels.serving_uncertainty import SERVING_BACKOFF, SERVING_FEATURE_LABELS
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
 from meshplan.hardware_db.errors import InputError
 from meshplan.planner.report import serving_report
 from meshplan.planner.outputs import OutputFile, write_all
+from meshplan.planner.plan import ServingRange, ServingRanges
 from meshplan.planner.serve import SimulationCheck
 
 
@@ -84,7 +86,7 @@ class ServeOutputs:
     out: Path | None = None
     as_json: bool = False
     timing: bool = False
-    export_to: Literal["vllm", "sglang"] | None = None
+    export_to: Literal["vllm", "sglang", "trtllm"] | None = None
     export_out: Path | None = None
     report: Path | None = None
 
@@ -99,7 +101,7 @@ def _serve_outputs(**given: Any) -> ServeOutputs:
     out, export_out, report = output_targets(folders=("report",), contents=contents, out=outputs.out,
                                              export_out=outputs.export_out, report=outputs.report)
     if export_out is not None and outputs.export_to is None:
-        raise InputError("--export-out needs --export vllm|sglang")
+        raise InputError("--export-out needs --export vllm|sglang|trtllm")
     if outputs.as_json and outputs.export_to is not None and export_out is None:
         raise InputError("--json prints only the plan; give --export-out for the --export files")
     return replace(outputs, out=out, export_out=export_out, report=report)
@@ -173,9 +175,10 @@ OUTPUT_OPTIONS = [
     option("timing", Annotated[bool, typer.Option("--timing", rich_help_panel=P_OUT, help=(
         "Record the search's wall time in the plan JSON (search.seconds). Off by default, so the same input "
         "writes a byte-identical plan; the table shows the time either way."))], False),
-    option("export_to", Annotated[Literal["vllm", "sglang"] | None, typer.Option("--export", rich_help_panel=P_OUT,
-                                                                                 help=(
-        "Also export the best deployment's command lines (printed, or written to --export-out)."))]),
+    option("export_to", Annotated[Literal["vllm", "sglang", "trtllm"] | None, typer.Option(
+        "--export", rich_help_panel=P_OUT, help=(
+            "Also export the best deployment's launch scripts and Dynamo graph (printed, or written to "
+            "--export-out); trtllm: TensorRT-LLM's trtllm-serve."))]),
     option("export_out", Annotated[Path | None, typer.Option("--export-out", rich_help_panel=P_OUT,
                                                              help="Where --export writes.")]),
     option("report", Annotated[Path | None, typer.Option("--report", rich_help_panel=P_OUT, help=(
@@ -259,6 +262,23 @@ def serve(
         con.print(f"report written to {outputs.report}: " + ", ".join(f.path.name for f in report))
 
 
+def _range(r: ServingRange | None, fmt: str) -> str:
+    """' (lo-hi)' of one metric's interval, or nothing without one."""
+    return "" if r is None else f" ({r.low:{fmt}}-{r.high:{fmt}})"
+
+
+def serving_interval_line(ranges: ServingRanges) -> str:
+    """Where the serving ranges in brackets come from (costmodels/serving_uncertainty.py)."""
+    r = ranges.ttft_ms
+    dropped = {d for m in (ranges.ttft_ms, ranges.tpot_ms, ranges.tokens_per_s_per_gpu) for d in m.dropped}
+    given_up = ", ".join(SERVING_FEATURE_LABELS[d] for d in SERVING_BACKOFF if d in dropped)
+    return (f"{100 * r.level:.0f} % ranges in brackets for a model the engine calibration never saw: the spread of "
+            f"{r.models} models' errors, each measured with a fit that never saw it, and of {r.runs} measured "
+            f"deployments about their model's"
+            + (f" (of any {given_up}: too few share its)" if dropped else " (of its mode and users per engine)")
+            + "; docs/serving.md")
+
+
 def print_serving_cost(con: Console, cost: ServingCost) -> None:
     con.print(f"cost: ${cost.usd_per_hour:,.2f}/hour at ${cost.usd_per_gpu_hour:g} per GPU-hour, "
               f"${cost.usd_per_million_output_tokens:,.3f} and {cost.gpu_hours_per_million_output_tokens:,.3f} "
@@ -304,9 +324,15 @@ def print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, targ
             con.print(f"time-limit: {doc.search.layouts_skipped:,} engine layouts (the largest) not evaluated; "
                       f"raise --time-limit to search them")
     p = doc.prediction
-    con.print(f"best: {doc.mode}, {p.gpus} GPUs: {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
-              f"{p.tokens_per_s_per_user:.1f} tokens/s/user, TTFT {p.ttft_ms:.0f} ms, TPOT {p.tpot_ms:.1f} ms, "
+    ranges = p.intervals
+    con.print(f"best: {doc.mode}, {p.gpus} GPUs: {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
+              f"{_range(ranges.tokens_per_s_per_gpu if ranges else None, ',.0f')}, "
+              f"{p.tokens_per_s_per_user:.1f} tokens/s/user, TTFT {p.ttft_ms:.0f} ms"
+              f"{_range(ranges.ttft_ms if ranges else None, ',.0f')}, TPOT {p.tpot_ms:.1f} ms"
+              f"{_range(ranges.tpot_ms if ranges else None, '.1f')}, "
               f"{p.requests_per_s:.2f} requests/s" + ("" if p.meets_targets else f" (misses {p.misses})"))
+    if ranges is not None:
+        con.print(f"uncertainty: {serving_interval_line(ranges)}")
     if doc.economics is not None:
         print_serving_cost(con, doc.economics)
     for e in doc.engines:

@@ -25,10 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.costmodels.aic_deployments import Deployment, Priced, deployment_model, price, relative_errors
+from meshplan.costmodels.aic_deployments import (Deployment, Priced, deployment_model, little_throughput, price,
+                                                 relative_errors)
 from meshplan.costmodels.engine_calibration import ADDITIVE, BOUNDS, FACTORS, EngineParameters, parameters_of
 from meshplan.costmodels.fit import PRIOR_SD
-from meshplan.hardware_db.calibration import CALIBRATION_SCHEMA_VERSION, EngineCalibration, FittedFactor
+from meshplan.costmodels.serving_uncertainty import residuals_of
+from meshplan.hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, EngineCalibration, FittedFactor,
+                                              ServingResidual)
 from meshplan.hardware_db.errors import InputError
 
 __all__ = ["Sensitivity", "EngineFit", "sensitivity", "sensitivities", "fit_engine", "fit_engines",
@@ -241,6 +244,22 @@ def median_errors(pairs: Sequence[tuple[Deployment, tuple[float, float]]]) -> di
     return {m: float(np.median(v)) for m, v in errs.items() if v}
 
 
+RESIDUAL_DIGITS = 4  # a residual's decimals in the file: 1e-4 in log is 0.01 %, far below any interval's width
+
+
+def serving_residual(d: Deployment, ttft_s: float, tpot_s: float) -> ServingResidual:
+    """A row's held-out error as the serving intervals read it (costmodels/serving_uncertainty.py); its load is the
+    users per engine (per decode engine where disaggregated, all of them where the row lacks the engine count)."""
+    engines = d.pool.workers if d.prefill is not None and d.pool.workers else 1
+    ttft, tpot, throughput = residuals_of(ttft_s, tpot_s, little_throughput(d.users, d.osl, ttft_s, tpot_s, d.gpus),
+                                          d.ttft_ms / 1e3, d.tpot_ms / 1e3, d.tokens_per_s_per_gpu)
+    moe = deployment_model(d.model_path).moe is not None
+    return ServingResidual(model=d.model_path, architecture=architecture(d), gpu=d.gpu, mode=d.mode, moe=moe,
+                           sequences=max(1, round(d.users / engines)), ttft=round(ttft, RESIDUAL_DIGITS),
+                           tpot=round(tpot, RESIDUAL_DIGITS),
+                           throughput=None if throughput is None else round(throughput, RESIDUAL_DIGITS))
+
+
 def engine_calibration(rows: Sequence[Sensitivity], engine: str, source: str, created: str) -> EngineCalibration:
     """The calibration file of one engine: its parameters fit to all rows (fit_engines), and its rows' error
     left one model out, each model's rows priced in full (aic_deployments.price) with parameters that never saw
@@ -272,4 +291,5 @@ def engine_calibration(rows: Sequence[Sensitivity], engine: str, source: str, cr
         factors={n: FittedFactor(factor=math.exp(logs[n]), log_sd=spread[n]) for n in FACTORS},  # type: ignore[misc]
         iteration_s=p.iteration_s, iteration_sd_s=spread["iteration_s"], request_s=p.request_s,
         request_sd_s=spread["request_s"], held_out=median_errors(held),  # type: ignore[arg-type]
-        uncalibrated=median_errors(same))  # type: ignore[arg-type]
+        uncalibrated=median_errors(same),  # type: ignore[arg-type]
+        residuals=[serving_residual(d, ttft, tpot) for d, (ttft, tpot) in held])

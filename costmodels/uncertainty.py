@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Literal
+from typing import Literal, TypeVar
 
 from meshplan.costmodels.config import Layout, Workload
 from meshplan.costmodels.model import ModelSpec
@@ -69,6 +69,9 @@ FEATURE_LABELS = {"gpu": "gpu", "runtime": "runtime", "moe": "experts", "ep_acro
 # Features given up first when a region holds too few runs, least telling first: the last ones are the groups
 # where the uncalibrated model errs most (MoE, long context, the GPU generation: issue 44).
 REGION_BACKOFF = ("wide_tp", "fp8", "context_parallel", "ep_across_nodes", "runtime", "gpu", "long_context", "moe")
+
+
+RegionT = TypeVar("RegionT")  # a frozen dataclass of the features an error is grouped by
 
 
 def region_of(model: ModelSpec, lay: Layout, wl: Workload, gpu: str, gpus_per_node: int, runtime: str) -> Region:
@@ -142,17 +145,20 @@ class Interval:
         return predicted * math.exp(self.lo), predicted * math.exp(self.hi)
 
 
-def region_interval(target: Region, table: Sequence[tuple[Region, float]], level: float = 0.8) -> Interval:
+def region_interval(target: RegionT, table: Sequence[tuple[RegionT, float]], level: float = 0.8,
+                    backoff: tuple[str, ...] = REGION_BACKOFF) -> Interval:
     """The interval of `target` from (region, residual) pairs of measured runs: those of its own region when they
-    are at least min_runs(level), else those matching on the features left after dropping REGION_BACKOFF's first
-    ones, one at a time. With every feature dropped, all residuals; with too few of those, an infinite interval."""
+    are at least min_runs(level), else those matching on the features left after dropping `backoff`'s first
+    ones, one at a time. With every feature dropped, all residuals; with too few of those, an infinite interval.
+    A region is any frozen dataclass of features (Region here, serving_uncertainty.ServingRegion for serving)."""
     need = min_runs(level)
-    for k in range(len(REGION_BACKOFF) + 1):
-        kept = [f.name for f in dataclasses.fields(Region) if f.name not in REGION_BACKOFF[:k]]
+    names = [f.name for f in dataclasses.fields(target)]  # type: ignore[arg-type]
+    for k in range(len(backoff) + 1):
+        kept = [n for n in names if n not in backoff[:k]]
         same = [r for region, r in table if all(getattr(region, f) == getattr(target, f) for f in kept)]
-        if len(same) >= need or k == len(REGION_BACKOFF):
+        if len(same) >= need or k == len(backoff):
             lo, hi = conformal_bounds(same, level)
-            return Interval(lo, hi, level, len(same), REGION_BACKOFF[:k])
+            return Interval(lo, hi, level, len(same), backoff[:k])
     raise AssertionError("unreachable: the last step keeps every residual")
 
 

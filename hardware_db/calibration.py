@@ -278,6 +278,22 @@ class FactorCalibration(_Frozen):
 ServeMetric = Literal["ttft", "tpot", "throughput"]
 
 
+class ServingResidual(_Frozen):
+    """One measured deployment's error under a fit that never saw its model, as the serving intervals read it
+    (costmodels/serving_uncertainty.py): positive where the prediction was optimistic, as the training residuals."""
+
+    model: str  # the row's checkpoint
+    architecture: str  # the model it is an instance of (engine_fit.architecture): the unit a new model's error is of
+    gpu: str
+    mode: Literal["aggregated", "disaggregated"]
+    moe: bool
+    sequences: int = Field(ge=1, description="the closed loop's users per engine (decode engine where disaggregated)")
+    ttft: float = Field(description="log(measured / predicted TTFT)")
+    tpot: float = Field(description="log(measured / predicted TPOT)")
+    throughput: float | None = Field(default=None, description=(
+        "log(predicted / measured tokens/s/GPU); None where the row lacks a pool's engine count"))
+
+
 class EngineCalibration(_Frozen):
     """A serving engine's parameters fit to measured deployments (meshplan calibrate --deployments aic;
     costmodels/engine_fit.py): factors on each GPU's defaults and two additive times, with their posterior spreads
@@ -299,6 +315,8 @@ class EngineCalibration(_Frozen):
     held_out: dict[ServeMetric, float] = Field(description=(
         "median absolute error of the engine's rows, each model's predicted by a fit that never saw it"))
     uncalibrated: dict[ServeMetric, float] = Field(description="the same rows with the GPUs' defaults")
+    residuals: list[ServingResidual] = Field(default_factory=list, description=(
+        "each held-out row's error, for the intervals of `serve` under this calibration"))
 
 
 def calibration_dir() -> Path:

@@ -295,7 +295,7 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
             raise InputError(f"the deployment needs {best.gpus} GPUs; --gpus gives {hardware.num_gpus}")
     else:
         result = search_serving(spec, hardware, workload, targets, min_gpus, objective, disaggregation, eff=eff,
-                                top=top, mem_fraction=mem_fraction, time_limit_s=time_limit_s)
+                                top=top, mem_fraction=mem_fraction, time_limit_s=time_limit_s, engine=engine)
         if result.best is None:
             raise InputError(result.why_nothing or "no deployment fits")
         result = checked_by_simulation(spec, hardware, workload, targets, result, eff=eff)

@@ -14,11 +14,14 @@ from meshplan.costmodels.memory import FRAGMENTATION, GIB, MemoryBreakdown
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import to_model_file
 from meshplan.costmodels.serving import ServeObjective, ServeTargets, ServeWorkload
+from meshplan.costmodels.serving_uncertainty import MetricInterval, ServingRegion, load_band, serving_interval
+from meshplan.hardware_db.calibration import engine_calibration_named
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.planner.plan import (ClusterInput, Inputs, Memory, MemoryGiB, MemoryRange, MemoryStage, ParetoPoint,
                                    PartitionStatus, Plan, PredictedStage, Prediction, PredictionInterval, RealismRecord,
                                    SearchInfo, ServingEngine, ServingInputs, ServingPlan, ServingPrediction,
-                                   ServingSearch, StageTime, cost_model_digest, layout_sections, meshplan_version)
+                                   ServingRange, ServingRanges, ServingSearch, StageTime, cost_model_digest,
+                                   layout_sections, meshplan_version)
 from meshplan.planner.search import SearchAccount
 from meshplan.planner.serve import Deployment, ServeResult, meets, misses
 
@@ -119,7 +122,8 @@ def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: ServeWorklo
         e2e_ms=d.e2e_s(workload.osl) * 1e3,
         requests_per_s=d.requests_per_s, output_tokens_per_s=d.output_tokens_per_s,
         tokens_per_s_per_gpu=d.tokens_per_s_per_gpu, tokens_per_s_per_user=d.tokens_per_s_per_user, gpus=d.gpus,
-        meets_targets=meets(d, targets, workload), misses=misses(d, targets, workload))
+        meets_targets=meets(d, targets, workload), misses=misses(d, targets, workload),
+        intervals=serving_ranges(deployment, calibration))
     search = None
     if result is not None:
         pareto = [ParetoPoint(deployment=p.label(), gpus=p.gpus, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu,
@@ -135,6 +139,28 @@ def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: ServeWorklo
         inputs=ServingInputs(model=to_model_file(model), cluster=ClusterInput(**spec_fields, gpu_spec=cluster.gpu),
                              workload=workload, targets=targets, calibration=calibration),
         mode=d.mode, engines=engines, prediction=prediction, search=search)
+
+
+def serving_ranges(d: Deployment, calibration: str | None) -> ServingRanges | None:
+    """The deployment's intervals (costmodels/serving_uncertainty.py) under the shipped engine calibration the plan
+    records; None under any other (the residuals describe that calibration's predictions only)."""
+    cal = engine_calibration_named(calibration) if calibration is not None else None
+    if cal is None:
+        return None
+    decode, _ = d.pools[-1]  # the aggregated or decode pool: where the closed loop's users run
+    found = serving_interval(cal, ServingRegion(d.mode, load_band(decode.load * decode.batch)))
+    if found is None:
+        return None
+
+    def of(m: MetricInterval, ends: tuple[float, float]) -> ServingRange:
+        i = m.interval
+        return ServingRange(level=i.level, models=m.models, runs=i.runs, dropped=list(i.dropped), low=ends[0],
+                            high=ends[1])
+
+    return ServingRanges(ttft_ms=of(found.ttft, found.ttft.interval.step_time(d.ttft_s * 1e3)),
+                         tpot_ms=of(found.tpot, found.tpot.interval.step_time(d.tpot_s * 1e3)),
+                         tokens_per_s_per_gpu=of(found.throughput,
+                                                 found.throughput.interval.throughput(d.tokens_per_s_per_gpu)))
 
 
 def priced(doc: PlanT, budget: Budget = Budget()) -> PlanT:

@@ -571,6 +571,28 @@ class ServingEngine(_Frozen):
         return self
 
 
+class ServingRange(_Frozen):
+    """Where one metric's measurement falls at `level` for a model the engine calibration never saw
+    (costmodels/serving_uncertainty.py): `models` models' offsets and the spread of `runs` measured deployments of
+    the region about theirs, the region features given up for want of them in `dropped`."""
+
+    level: float = Field(gt=0, lt=1)
+    models: int = Field(ge=2)
+    runs: int = Field(ge=0)
+    dropped: list[str]
+    low: float
+    high: float
+
+
+class ServingRanges(_Frozen):
+    """The prediction's intervals: how far deployments of models the engine calibration never saw measured from
+    their predictions (its held-out residuals)."""
+
+    ttft_ms: ServingRange
+    tpot_ms: ServingRange
+    tokens_per_s_per_gpu: ServingRange
+
+
 class ServingPrediction(_Frozen):
     percentile: Literal["mean", "p50", "p90", "p99"] = Field(
         description="the statistic of TTFT, TPOT and e2e below, over requests at the predicted load (queueing "
@@ -585,6 +607,8 @@ class ServingPrediction(_Frozen):
     gpus: int = Field(gt=0)
     meets_targets: bool
     misses: str = Field(description="the targets missed, in words; empty when all are met")
+    intervals: ServingRanges | None = Field(default=None, description=(
+        "under an engine calibration meshplan ships; none under the defaults or another calibration"))
 
 
 class ParetoPoint(_Frozen):

@@ -30,8 +30,8 @@ from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.queueing import Percentile
 from meshplan.costmodels.serving import (MEM_FRACTION, EngineGeometry, EngineLayout, EngineState, PoolPoint,
-                                         ServeDtype, ServeObjective, ServeTargets, ServeWorkload, WeightDtype,
-                                         aggregated_state, decode_state, engine_geometry, prefill_state)
+                                         ServeDtype, ServeEngine, ServeObjective, ServeTargets, ServeWorkload,
+                                         WeightDtype, aggregated_state, decode_state, engine_geometry, prefill_state)
 from meshplan.costmodels.serving_load import loaded_points
 from meshplan.hardware_db.cluster import Cluster, engine_cluster
 from meshplan.hardware_db.errors import InputError
@@ -96,13 +96,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def engine_layouts(model: ModelSpec, max_gpus: int, per_node: int) -> list[EngineLayout]:
+def engine_runs(engine: ServeEngine | None, model: ModelSpec, lay: EngineLayout) -> bool:
+    """Whether `engine` runs the layout as its export writes it (None: any engine). TensorRT-LLM's attention DP
+    makes every rank its own attention group (enable_attention_dp: attention TP 1, tensorrt_llm/mapping.py), and
+    its export writes no redundant experts (planner/launchers/trtllm.py)."""
+    if engine != "trtllm":
+        return True
+    if lay.dp > 1 and lay.tp > 1:
+        return False
+    return model.moe is None or lay.ep == 1 or model.moe.num_experts % lay.ep == 0
+
+
+def engine_layouts(model: ModelSpec, max_gpus: int, per_node: int,
+                   engine: ServeEngine | None = None) -> list[EngineLayout]:
     """Every engine of at most `max_gpus` GPUs that fits in a node or fills whole nodes (`_engine_sizes`): TP a power
     of two dividing the heads, at most two nodes; pipeline stages of whole nodes (TP and attention DP inside a node,
     PP across nodes: how vLLM and SGLang deploy a model larger than a node; the cost model's PP has no bubble, so a
     single-node PP engine would only look better); for MoE models attention DP filling the stage and EP over every
     rank of it (expert TP 1) or off (experts tensor-parallel over the stage), EP beyond the experts meaning
-    redundant experts (DeepSeek-V3's decode)."""
+    redundant experts (DeepSeek-V3's decode). `engine`: only the layouts it runs (engine_runs)."""
     out: list[EngineLayout] = []
     sizes = _engine_sizes(max_gpus, per_node)
     for size in sizes:
@@ -119,7 +131,7 @@ def engine_layouts(model: ModelSpec, max_gpus: int, per_node: int) -> list[Engin
                     continue
                 for ep in sorted({1, tp * dp}):
                     lay = EngineLayout(tp=tp, dp=dp, pp=pp, ep=ep)
-                    if _ep_ok(model, lay):
+                    if _ep_ok(model, lay) and engine_runs(engine, model, lay):
                         out.append(lay)
     return out
 
@@ -288,17 +300,18 @@ def _layout_points(model: ModelSpec, c: Cluster, lay: EngineLayout, wl: ServeWor
 def search_serving(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
                    min_gpus: int = 1, objective: ServeObjective = "throughput",
                    disaggregation: bool = True, eff: Efficiency | None = None, top: int = 5,
-                   mem_fraction: float = MEM_FRACTION, time_limit_s: float | None = None) -> ServeResult:
+                   mem_fraction: float = MEM_FRACTION, time_limit_s: float | None = None,
+                   engine: ServeEngine | None = None) -> ServeResult:
     """Every engine layout, batch and chunk within `cluster.num_gpus` GPUs (deployments using at least
     `min_gpus`), aggregated and disaggregated; the best under the targets by tokens/s/GPU (objective
     throughput) or by fewest GPUs for targets.request_rate (objective min-gpus). time_limit_s: stop taking engine
     layouts (smallest first) once it has passed (in CPU seconds: costmodels/deadline.py) and a deployment can be
-    formed; layouts_skipped says how many."""
+    formed; layouts_skipped says how many. `engine`: only the engine layouts it runs (engine_runs)."""
     start, cpu_start = time.perf_counter(), cpu_now()
     if objective == "min-gpus" and targets.request_rate is None:
         raise InputError("objective min-gpus needs a request rate (--request-rate)")
     budget, per_node = cluster.num_gpus, cluster.gpus_per_node
-    layouts = engine_layouts(model, budget, per_node)
+    layouts = engine_layouts(model, budget, per_node, engine)
     if not layouts:
         raise InputError(f"no engine of at most {budget} GPUs can hold {model.name}'s heads and layers")
     evaluated = 0

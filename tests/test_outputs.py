@@ -171,7 +171,7 @@ def test_every_export_and_report_writes_only_the_names_it_declares(capsys, tmp_p
     and each report's actual files are held to them."""
     import fnmatch
 
-    from meshplan.planner.launchers import EXPORT_NAMES, export_plan
+    from meshplan.planner.launchers import EXPORT_NAMES, SERVING_TARGETS, export_plan
     from meshplan.planner.plan import read_any_plan
     from meshplan.planner.report import SERVE_FILES, SWEEP_FILES
 
@@ -181,7 +181,7 @@ def test_every_export_and_report_writes_only_the_names_it_declares(capsys, tmp_p
     assert run(capsys, "sweep", "--model", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8,16", "--gbs", "16",
                "--seq", "2048", "--out", str(tmp_path / "S"))[0] == 0
     for target, names in EXPORT_NAMES.items():
-        doc = read_any_plan(plans["serving" if target in ("vllm", "sglang") else "training"])
+        doc = read_any_plan(plans["serving" if target in SERVING_TARGETS else "training"])
         produced = [f.name for f in export_plan(doc, target).files]
         assert produced and all(any(fnmatch.fnmatch(n, p) for p in names) for n in produced), (target, produced)
     for folder, names in ((tmp_path / "R", SERVE_FILES), (tmp_path / "S", SWEEP_FILES)):

@@ -266,7 +266,7 @@ def test_sglang_writes_redundant_experts_and_nodes():
 
 
 def test_serving_exports_refuse_training_targets():
-    with pytest.raises(InputError, match="serving plan: export it --to vllm or sglang"):
+    with pytest.raises(InputError, match="serving plan: export it --to vllm, sglang, trtllm"):
         export_plan(searched_plan(), "megatron")
 
 

@@ -1,11 +1,14 @@
-"""Serving launch scripts (planner/launchers/serving_launch.py, vllm.py, sglang.py): every engine placed on its own
-GPUs and port, its command reading back to its pool's settings with a --max-model-len its cache holds, a router
-naming every engine, valid bash, and a run of the scripts against stub engines that records what they start."""
+"""Serving launch scripts (planner/launchers/serving_launch.py, vllm.py, sglang.py, trtllm.py): every engine placed
+on its own GPUs and port, its command reading back to its pool's settings with a --max-model-len its cache holds, a
+router naming every engine, valid bash, and a run of the scripts against stub engines that records what they
+start."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 
@@ -19,12 +22,14 @@ from meshplan.planner.launchers import export_plan
 from meshplan.planner.launchers.common import ExportError
 from meshplan.planner.launchers.serving_launch import max_model_len, place
 from meshplan.planner.launchers.sglang import parse_sglang_command
+from meshplan.planner.launchers.trtllm import kv_free_fraction, llm_api_options, parse_trtllm_command
 from meshplan.planner.launchers.vllm import parse_vllm_command
 from meshplan.planner.plan import ServingPlan
 from meshplan.planner.serve import parse_engine_layout, pinned_deployment, search_serving
 
 LLAMA8, LLAMA70, DSV3 = load_zoo("llama3.1-8b"), load_zoo("llama3.1-70b"), load_zoo("deepseek-v3")
-PARSE = {"vllm": parse_vllm_command, "sglang": parse_sglang_command}
+PARSE = {"vllm": parse_vllm_command, "sglang": parse_sglang_command, "trtllm": parse_trtllm_command}
+LENGTH_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length", "trtllm": "--max_seq_len"}
 
 
 def _plan(model, gpu: str, gpus: int, wl: ServeWorkload, targets: ServeTargets, **pinned) -> ServingPlan:
@@ -63,13 +68,15 @@ def _blocks(text: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", list(plans()))
-@pytest.mark.parametrize("target", ["vllm", "sglang"])
+@pytest.mark.parametrize("target", ["vllm", "sglang", "trtllm"])
 def test_every_engine_has_its_gpus_port_and_settings(name, target):
     plan = plans()[name]
     try:
         exported = export_plan(plan, target)
     except ExportError as exc:
-        assert target == "vllm" and "redundant experts" in str(exc)  # vLLM's EPLB settings are not written
+        # vLLM's EPLB settings are not written; TensorRT-LLM's attention DP has no attention TP inside it
+        assert (target == "vllm" and "redundant experts" in str(exc)) or (
+            target == "trtllm" and name == "dsv3 authors" and "attention TP 1" in str(exc))
         return
     files = {f.name: f.text for f in exported.files}
     placements = place(plan)
@@ -90,16 +97,23 @@ def test_every_engine_has_its_gpus_port_and_settings(name, target):
         e = p.engine
         assert (got["tp"], got["dp"], got["pp"]) == (e.tp, e.dp, e.pp)
         assert got["max_num_seqs"] == e.max_num_seqs and got["max_num_batched_tokens"] == e.max_num_batched_tokens
-        assert got["gpu_memory_utilization"] == pytest.approx(e.gpu_memory_utilization)
+        if target == "trtllm":  # a fraction of the memory free after the weights, at most the plan's cache
+            assert got["free_fraction"] == kv_free_fraction(plan, e)
+            free = plan.inputs.cluster.gpu_spec.hbm_gib.value - e.weights_gib
+            assert e.kv_cache_gib - 0.01 * free <= got["free_fraction"] * free <= e.kv_cache_gib
+            assert got["options"] == json.loads(json.dumps(llm_api_options(plan, e)))
+        else:
+            assert got["gpu_memory_utilization"] == pytest.approx(e.gpu_memory_utilization)
         length = max_model_len(plan, e)
         assert plan.inputs.workload.isl + plan.inputs.workload.osl <= length <= e.kv_tokens // e.dp
-        assert f"--{'max-model-len' if target == 'vllm' else 'context-length'} {length}" in block
+        assert f"{LENGTH_FLAG[target]} {length}" in block
         assert f"--port {p.port}" in block
-    assert len(files) == len({n for p in placements for n in p.nodes}) + (len(placements) > 1) + 1  # + Dynamo
-    if len(placements) > 1:
-        router = files["router.sh"]
+    router = len(placements) > 1 and (target != "trtllm" or plan.mode == "disaggregated")  # no aggregated router
+    assert len(files) == len({n for p in placements for n in p.nodes}) + router + 1  # + Dynamo
+    if router:
+        text = files["router.sh"]
         for p in placements:
-            assert f"http://${{HOSTS[{p.nodes[0]}]}}:{p.port}" in router
+            assert f"${{HOSTS[{p.nodes[0]}]}}:{p.port}" in text
     bash = shutil.which("bash")
     for name, text in files.items():
         if name.endswith(".sh"):
@@ -140,7 +154,7 @@ def test_disaggregated_vllm_engines_of_a_node_get_their_own_nixl_ports():
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-@pytest.mark.parametrize("target", ["vllm", "sglang"])
+@pytest.mark.parametrize("target", ["vllm", "sglang", "trtllm"])
 def test_scripts_start_every_engine_and_the_router(tmp_path, target):
     """The node and router scripts run against stub programs (an engine and a router that record their arguments
     and environment, a curl that answers healthy): every engine starts once with its GPUs and port, and the
@@ -150,7 +164,7 @@ def test_scripts_start_every_engine_and_the_router(tmp_path, target):
     stubs = tmp_path / "bin"
     stubs.mkdir()
     record = tmp_path / "started"
-    for prog in ("vllm", "python", "vllm-router", "ray"):
+    for prog in ("vllm", "python", "vllm-router", "ray", "trtllm-serve"):
         stub = f'#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES|$(basename "$0") $*" >> "{record}"\n'
         (stubs / prog).write_text(stub)
     (stubs / "curl").write_text("#!/usr/bin/env bash\nexit 0\n")
@@ -169,6 +183,17 @@ def test_scripts_start_every_engine_and_the_router(tmp_path, target):
         mine = [line for line in lines if f"--port {p.port}" in line]
         assert len(mine) == 1, (p.name, lines)
         assert mine[0].split("|")[0] == ",".join(map(str, p.gpus))
+    if target == "trtllm":  # TensorRT-LLM's proxy reads the engines from the file the router script wrote
+        (router,) = [line for line in lines if "trtllm-serve disaggregated -c" in line]
+        config = (tmp_path / "disagg.yaml").read_text()
+        assert router.endswith(f"-c {tmp_path}/disagg.yaml")
+        for p in placements:
+            assert f"10.0.0.{p.nodes[0]}:{p.port}" in config
+            options = json.loads((tmp_path / f"{p.name}.yaml").read_text())  # the file each engine was given
+            (started,) = [m for m in lines if f"--port {p.port}" in m]
+            assert f"--extra_llm_api_options {tmp_path}/{p.name}.yaml" in started
+            assert options == llm_api_options(plan, p.engine)
+        return
     router = [line for line in lines if "router" in line]
     assert len(router) == 1 and all(f"10.0.0.{p.nodes[0]}:{p.port}" in router[0] for p in placements)
 
@@ -212,7 +237,7 @@ def test_two_batch_overlap_reaches_the_engine(target, flags):
 
 
 @pytest.mark.parametrize("name", list(plans()))
-@pytest.mark.parametrize("target", ["vllm", "sglang"])
+@pytest.mark.parametrize("target", ["vllm", "sglang", "trtllm"])
 def test_dynamo_graph_reads_back_to_the_plan(name, target):
     """dynamo-graph.yaml (a DynamoGraphDeployment, nvidia.com/v1alpha1): YAML that parses; a frontend and one worker
     service per pool with the pool's engines as replicas, its role as subComponentType, nodeCount x GPUs per pod =
@@ -239,9 +264,62 @@ def test_dynamo_graph_reads_back_to_the_plan(name, target):
         main = svc["extraPodSpec"]["mainContainer"]
         assert main["command"] == ["python3", "-m", f"dynamo.{target}"]
         assert "$(MODEL)" in main["args"] and {"name": "MODEL", "value": "MODEL"} in main["env"]
-        got = PARSE[target](" ".join(main["args"]))
+        got = PARSE[target](shlex.join(main["args"]))
         assert (got["tp"], got["dp"], got["pp"]) == (e.tp, e.dp, e.pp)
         assert got["max_num_seqs"] == e.max_num_seqs and got["max_num_batched_tokens"] == e.max_num_batched_tokens
         if e.role != "aggregated":
             i = main["args"].index("--disaggregation-mode")
             assert main["args"][i + 1] == e.role
+
+
+def test_trtllm_expresses_attention_dp_expert_tp_fp8_kv_and_mtp():
+    """TensorRT-LLM's options: attention DP as enable_attention_dp over every rank, experts split ep ways and the
+    rest of the ranks inside each (moe_tensor_parallel_size x ep = tp_size), the FP8 KV cache, DeepSeek's MTP for
+    speculative decoding; an FP8 plan says MODEL must be an FP8 checkpoint (no flag quantises at load)."""
+    wl = ServeWorkload(isl=2000, osl=500, weight_dtype="fp8", kv_dtype="fp8", spec_tokens=2, accept_rate=0.85)
+    loose = ServeTargets(ttft_ms=5000, tpot_ms=200)
+    plan = _plan(DSV3, "h200", 8, wl, loose, layout=parse_engine_layout("tp1,dp8,ep8"))
+    files = {f.name: f.text for f in export_plan(plan, "trtllm").files}
+    (block,) = _blocks(files["node-0.sh"]).values()
+    got = parse_trtllm_command(block)
+    assert (got["tp"], got["dp"], got["ep"], got["moe_tp"]) == (1, 8, 8, 1)
+    assert got["kv_cache_dtype"] == "fp8"
+    assert got["options"]["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 2}
+    assert "FP8 checkpoint" in files["node-0.sh"]
+    split = _plan(DSV3, "h200", 8, wl, loose, layout=parse_engine_layout("tp8,ep4"))
+    (block,) = _blocks({f.name: f.text for f in export_plan(split, "trtllm").files}["node-0.sh"]).values()
+    got = parse_trtllm_command(block)
+    assert (got["tp"], got["dp"], got["ep"], got["moe_tp"]) == (8, 1, 4, 2)
+    with pytest.raises(ExportError, match="attention TP 1"):
+        export_plan(_plan(DSV3, "h200", 8, wl, loose, layout=parse_engine_layout("tp2,dp4,ep8")), "trtllm")
+
+
+def test_trtllm_engine_across_nodes_starts_from_its_head_under_mpi():
+    """An engine of two nodes: its head node's script runs mpirun over both nodes' GPUs, one rank per GPU through
+    trtllm-llmapi-launch; the other node's script starts nothing of it. The Dynamo graph gives it two pods."""
+    import yaml
+
+    wl = ServeWorkload(isl=2000, osl=500, weight_dtype="fp8")
+    plan = _plan(DSV3, "h200", 16, wl, ServeTargets(ttft_ms=5000, tpot_ms=200),
+                 layout=parse_engine_layout("tp1,dp16,ep16"))
+    files = {f.name: f.text for f in export_plan(plan, "trtllm").files}
+    (block,) = _blocks(files["node-0.sh"]).values()
+    assert "mpirun --allow-run-as-root" in block and '-H "${HOSTS[0]}:8,${HOSTS[1]}:8"' in block
+    got = parse_trtllm_command(block)
+    assert got["mpi_ranks"] == 16 and (got["tp"], got["dp"]) == (1, 16)
+    assert "trtllm-llmapi-launch" in block and "trtllm-serve" not in files["node-1.sh"]
+    (worker,) = [s for name, s in yaml.safe_load(files["dynamo-graph.yaml"])["spec"]["services"].items()
+                 if name == "TRTLLMWorker"]
+    assert worker["multinode"]["nodeCount"] == 2 and worker["resources"]["limits"]["gpu"] == "8"
+
+
+def test_serve_for_trtllm_searches_only_the_layouts_it_runs():
+    """--engine trtllm: the search leaves out TP inside attention DP and redundant experts, which TensorRT-LLM's
+    export refuses; every other layout stays."""
+    from meshplan.planner.serve import engine_layouts, engine_runs
+
+    every = engine_layouts(DSV3, 512, 8)
+    runs = engine_layouts(DSV3, 512, 8, "trtllm")
+    assert set(runs) == {lay for lay in every if not (lay.dp > 1 and lay.tp > 1) and 256 % lay.ep == 0}
+    assert len(runs) < len(every) and any(lay.dp > 1 for lay in runs)
+    assert all(engine_runs("vllm", DSV3, lay) for lay in every)

@@ -6,7 +6,8 @@ The resource as Dynamo documents it (nvidia.com/v1alpha1, docs/kubernetes/deploy
 decode for a disaggregated pool, `replicas` the pool's engines, `resources.limits.gpu` the GPUs of one pod (one
 node), `multinode.nodeCount` the nodes of an engine that spans several (its GPUs = nodeCount x gpu; the operator then
 adds the cross-node flags itself: Ray or data-parallel addresses for vLLM, --dist-init-addr/--nnodes/--node-rank
-for SGLang). Workers run `python3 -m dynamo.vllm` or `dynamo.sglang` with the engine's arguments and
+for SGLang, MPI for TensorRT-LLM). Workers run `python3 -m dynamo.vllm`, `dynamo.sglang` or `dynamo.trtllm`
+(examples/backends/trtllm/deploy: TRTLLMWorker, TRTLLMPrefillWorker, TRTLLMDecodeWorker) with the engine's arguments and
 `--disaggregation-mode prefill|decode` in a disaggregated pool (Dynamo >= 1.0); the frontend runs
 `python3 -m dynamo.frontend`. MODEL and IMAGE are the container's environment and image, set before applying.
 
@@ -29,13 +30,15 @@ DYNAMO_FILE = "dynamo-graph.yaml"
 API_VERSION = "nvidia.com/v1alpha1"
 SERVICE_NAMES = {("vllm", "aggregated"): "VllmWorker", ("vllm", "prefill"): "VllmPrefillWorker",
                  ("vllm", "decode"): "VllmDecodeWorker", ("sglang", "aggregated"): "SGLangWorker",
-                 ("sglang", "prefill"): "SGLangPrefillWorker", ("sglang", "decode"): "SGLangDecodeWorker"}
+                 ("sglang", "prefill"): "SGLangPrefillWorker", ("sglang", "decode"): "SGLangDecodeWorker",
+                 ("trtllm", "aggregated"): "TRTLLMWorker", ("trtllm", "prefill"): "TRTLLMPrefillWorker",
+                 ("trtllm", "decode"): "TRTLLMDecodeWorker"}  # the names of Dynamo's own examples
 
 Node = dict[str, "Node"] | list["Node"] | str | int
 
 
 def dynamo_graph(plan: ServingPlan, backend: str, engine_args: Callable[[ServingEngine], list[str]]) -> ExportedFile:
-    """The DynamoGraphDeployment of `plan` for `backend` (vllm or sglang); `engine_args` gives a pool's engine
+    """The DynamoGraphDeployment of `plan` for `backend` (vllm, sglang or trtllm); `engine_args` gives a pool's engine
     arguments after the program (the launch scripts' ${MODEL} becomes $(MODEL), Kubernetes' expansion of the
     container's environment)."""
     per_node = plan.inputs.cluster.gpus_per_node

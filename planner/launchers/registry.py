@@ -17,7 +17,7 @@ from meshplan.costmodels.estimate import Simulated, simulate_config
 from meshplan.costmodels.model import ModelSpec
 from meshplan.hardware_db.cluster import Cluster
 from meshplan.hardware_db.errors import InputError
-from meshplan.planner.launchers import deepspeed, megatron, nemo, sglang, torchrun, torchtitan, vllm
+from meshplan.planner.launchers import deepspeed, megatron, nemo, sglang, torchrun, torchtitan, trtllm, vllm
 from meshplan.planner.launchers.common import Exported, ExportedFile, ExportError
 from meshplan.planner.launchers.dynamo import DYNAMO_FILE
 from meshplan.planner.launchers.megatron import LaunchSpec
@@ -38,23 +38,26 @@ TARGETS: dict[str, Callable[[Plan], Exported]] = {
 SERVING_TARGETS: dict[str, Callable[[ServingPlan], Exported]] = {
     "vllm": vllm.export_vllm,
     "sglang": sglang.export_sglang,
+    "trtllm": trtllm.export_trtllm,
 }
 # the names each target's files may take (fnmatch patterns), against which a command checks its other outputs
 # before any work (planner.outputs.check_folder_contents); tests/test_outputs.py holds every export to them
 EXPORT_NAMES: dict[str, tuple[str, ...]] = {
     "megatron": ("megatron.sh",), "torchtitan": ("torchtitan.toml", "torchtitan_config.py"),
     "deepspeed": ("ds_config.json", "megatron_deepspeed.sh"), "torchrun": ("torchrun.sh",), "nemo": ("nemo_plan.py",),
-    "vllm": ("node-*.sh", "router.sh", DYNAMO_FILE), "sglang": ("node-*.sh", "router.sh", DYNAMO_FILE)}
+    "vllm": ("node-*.sh", "router.sh", DYNAMO_FILE), "sglang": ("node-*.sh", "router.sh", DYNAMO_FILE),
+    "trtllm": ("node-*.sh", "router.sh", DYNAMO_FILE)}
 
 
 def export_plan(plan: Plan | ServingPlan, target: str) -> Exported:
-    """The files of `plan` for `target`: a training plan for a training launcher, a serving plan for vLLM or
-    SGLang."""
+    """The files of `plan` for `target`: a training plan for a training launcher, a serving plan for vLLM, SGLang
+    or TensorRT-LLM."""
     if isinstance(plan, ServingPlan):
         if target in SERVING_TARGETS:
             return SERVING_TARGETS[target](plan)
         if target in TARGETS:
-            raise InputError(f"{target} launches training; this is a serving plan: export it --to vllm or sglang")
+            raise InputError(f"{target} launches training; this is a serving plan: export it --to "
+                             f"{', '.join(SERVING_TARGETS)}")
     elif target in TARGETS:
         if plan.memory.offload_layers and target not in ("megatron", "nemo"):
             raise ExportError(target, f"the plan offloads {plan.memory.offload_layers} layers' activations to host "

@@ -1,6 +1,7 @@
 """A serving plan as scripts that start it: one per node, each starting the engines (or the engine parts) placed on
 that node in the background on their own GPUs and ports, then waiting for their health; and a router script that
-waits for every engine and puts the engine's router in front (vLLM's vllm-router, SGLang's sglang_router).
+waits for every engine and puts the engine's router in front (vLLM's vllm-router, SGLang's sglang_router,
+TensorRT-LLM's disaggregated proxy).
 
 Placement: engines in the plan's order, each one of a node's GPUs in a contiguous slice of the first node with
 room, an engine of more than a node on whole nodes of its own (the plan's engines fill whole nodes or fit in one).
@@ -88,18 +89,20 @@ EngineCommand = Callable[[Placement, int, int], list[str]]  # (placement, rank o
 
 def launch_files(plan: ServingPlan, target: str, command: EngineCommand, router: list[str] | None,
                  node_setup: Callable[[Placement, int], list[str]] | None = None,
-                 head: int = 1, env: Callable[[Placement], list[str]] | None = None) -> tuple[ExportedFile, ...]:
+                 head: int = 1, env: Callable[[Placement], list[str]] | None = None,
+                 router_setup: list[str] | None = None) -> tuple[ExportedFile, ...]:
     """node-<k>.sh for every node and router.sh when the deployment has more than one engine. `command` gives an
     engine's argv on one of its nodes (its program the first `head` words); `node_setup` the lines an engine needs
-    on a node before it (a Ray start); `env` the NAME=value settings its processes need beside their GPUs; `router`
-    the router's argv."""
+    on a node before it (a Ray start, a file it reads); `env` the NAME=value settings its processes need beside
+    their GPUs; `router` the router's argv (None: no router), `router_setup` the lines before it (its file)."""
     placements = place(plan)
     nodes = 1 + max(n for p in placements for n in p.nodes)
     files = [ExportedFile(f"node-{k}.sh", _node_script(plan, target, placements, k, nodes, command, node_setup, head,
                                                        env))
              for k in range(nodes)]
     if router is not None and len(placements) > 1:
-        files.append(ExportedFile("router.sh", _router_script(plan, target, placements, nodes, router, head)))
+        files.append(ExportedFile("router.sh", _router_script(plan, target, placements, nodes, router, head,
+                                                              router_setup or [])))
     return tuple(files)
 
 
@@ -153,12 +156,12 @@ def _node_script(plan: ServingPlan, target: str, placements: list[Placement], no
 
 
 def _router_script(plan: ServingPlan, target: str, placements: list[Placement], nodes: int,
-                   router: list[str], head: int) -> str:
+                   router: list[str], head: int, setup: list[str]) -> str:
     lines = _preamble(plan, target, nodes, f"the router: run it on any host that reaches the nodes, after them; it "
                                            f"serves on port {ROUTER_PORT}")
     for p in placements:
         lines.append(f'wait_healthy "${{HOSTS[{p.nodes[0]}]}}" {p.port} {p.name}')
-    lines += ["", "nohup \\\n    " + shell_lines(router, head) + ' \\\n    > "$LOG_DIR/router.log" 2>&1 &',
+    lines += ["", *setup, "nohup \\\n    " + shell_lines(router, head) + ' \\\n    > "$LOG_DIR/router.log" 2>&1 &',
               f'wait_healthy 127.0.0.1 {ROUTER_PORT} router', "wait"]
     return "\n".join(lines) + "\n"
 
