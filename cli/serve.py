@@ -290,9 +290,11 @@ def print_simulated(con: Console, sim: SimulationCheck | None, percentile: str) 
     if sim is None:
         return
     verdict = f"misses {sim.misses}" if sim.misses else "meets the targets"
+    scheduling = "" if sim.mixed else ", prompts first and unmixed as SGLang schedules by default"
     con.print(f"checked by simulation (one engine, Poisson arrivals at {sim.rate:.2f} requests/s, iteration by "
-              f"iteration): TTFT {percentile} {sim.ttft_s * 1e3:.0f} ms (model {sim.model_ttft_s * 1e3:.0f}), TPOT "
-              f"{percentile} {sim.tpot_s * 1e3:.1f} ms (model {sim.model_tpot_s * 1e3:.1f}): {verdict}")
+              f"iteration{scheduling}): TTFT {percentile} {sim.ttft_s * 1e3:.0f} ms "
+              f"(model {sim.model_ttft_s * 1e3:.0f}), TPOT {percentile} {sim.tpot_s * 1e3:.1f} ms "
+              f"(model {sim.model_tpot_s * 1e3:.1f}): {verdict}")
 
 
 def print_serving(con: Console, spec: ModelSpec, cluster: Cluster, wl: Any, targets: Any, doc: Any, result: Any,

@@ -39,8 +39,8 @@ from meshplan.costmodels.engine_calibration import EngineParameters
 from meshplan.costmodels.kernel_tables import EXTRA, PACKAGE, SYSTEMS, aic_package
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model_file
-from meshplan.costmodels.serving import (EngineLayout, ServeWorkload, WeightDtype, aggregated_state, decode_state,
-                                         prefill_state)
+from meshplan.costmodels.serving import (UNMIXED_ENGINES, EngineLayout, ServeWorkload, WeightDtype, aggregated_state,
+                                         decode_state, prefill_state)
 from meshplan.costmodels.serving_load import closed_loop_ttft, concurrency_point
 from meshplan.costmodels.serving_sim import group_view, simulate_benchmark
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster
@@ -59,10 +59,6 @@ CONFIG_OF = {"meta-llama/Llama-3.1-70B": "meta-llama--Meta-Llama-3.1-70B",
              "zhipuai/GLM-5": "zai-org--GLM-5"}
 # the row's precision -> meshplan weight dtype
 WEIGHTS: dict[str, WeightDtype] = {"fp8": "fp8", "fp4": "fp4", "bf16": "bf16", "": "bf16"}
-# engines that by default never mix prompt chunks with decode tokens, running prefill first (SGLang's ServerArgs
-# enable_mixed_chunk = False, python/sglang/srt/server_args.py); vLLM's V1 scheduler and TensorRT-LLM's chunked
-# context mix them
-UNMIXED = frozenset({"sglang"})
 CHUNK = 8192  # tokens per iteration: the default of vLLM's online server, SGLang and TensorRT-LLM (planner/serve.py)
 ROUNDS = 20  # AIConfigurator's benchmark template: users x 20 requests after a drained warm-up (serving_reference.yaml)
 Mode = Literal["aggregated", "disaggregated"]
@@ -317,7 +313,7 @@ def benchmarked(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficie
     if not curve:
         raise InputError(f"no batch of {lay.label()} fits (or its prefill cannot keep pace)")
     run = simulate_benchmark(group_view(curve) if lay.dp > 1 else curve, wl, users, ROUNDS,
-                             mixed=d.engine not in UNMIXED)
+                             mixed=d.engine not in UNMIXED_ENGINES)
     return run.ttft(None), run.tpot(None)
 
 

@@ -49,6 +49,10 @@ __all__ = ["ServeWorkload", "ServeTargets", "WEIGHT_BYTES", "WeightDtype", "Engi
 ServeDtype = Literal["bf16", "fp8"]  # the KV cache
 WeightDtype = Literal["bf16", "fp8", "fp4"]  # weights and GEMMs (fp4: NVFP4, Blackwell)
 ServeEngine = Literal["vllm", "sglang", "trtllm"]  # the engines an engine calibration is fit for (AIConfigurator's)
+# engines that by default never mix prompt chunks with decode tokens, running prefill first (SGLang's ServerArgs
+# enable_mixed_chunk = False, python/sglang/srt/server_args.py); vLLM's V1 scheduler and TensorRT-LLM's chunked
+# context mix them
+UNMIXED_ENGINES: frozenset[str] = frozenset({"sglang"})
 ServeObjective = Literal["throughput", "min-gpus"]  # most output tokens/s per GPU, or fewest GPUs for a rate
 
 

@@ -59,16 +59,16 @@ def _lengths(rng: np.random.Generator, mean: float, cv2: float, n: int) -> np.nd
 
 
 def simulate_engine(curve: list[EngineState], wl: ServeWorkload, rate: float, requests: int = 3000,
-                    seed: int = 0, warmup: float = 0.2) -> SimulatedLoad:
+                    seed: int = 0, warmup: float = 0.2, mixed: bool = True) -> SimulatedLoad:
     """`requests` Poisson arrivals at `rate` requests/s to the engine whose states (one layout and budget, batch
     ascending) are `curve`, at most curve[-1].batch running; the first `warmup` share of requests is dropped.
-    One attention group (dp 1): the simulation checks the queues, not attention DP."""
+    One attention group (dp 1): the simulation checks the queues, not attention DP. `mixed` as simulate_benchmark."""
     _check(curve, wl)
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, requests))
     prompts = _lengths(rng, wl.computed_isl, wl.isl_cv2, requests)
     outputs = _lengths(rng, wl.osl, wl.osl_cv2, requests)
-    engine = _Engine(curve, wl)
+    engine = _Engine(curve, wl, mixed)
     nxt = 0
     while len(engine.done) < requests:
         while nxt < requests and arrivals[nxt] <= engine.now:

@@ -22,7 +22,8 @@ from meshplan.costmodels.estimate import estimate as estimate_cost
 from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.model_io import load_model
 from meshplan.costmodels.runtime import DEFAULT_RUNTIME
-from meshplan.costmodels.serving import EngineLayout, ServeEngine, ServeObjective, ServeTargets, ServeWorkload
+from meshplan.costmodels.serving import (UNMIXED_ENGINES, EngineLayout, ServeEngine, ServeObjective, ServeTargets,
+                                         ServeWorkload)
 from meshplan.costmodels.uncertainty import (DEFAULT_MEMORY_RULE, DEFAULT_RANK, MemoryRule, RankKind, Ranking,
                                              ResidualTable, memory_share)
 from meshplan.hardware_db.calibration import (NONE, PUBLIC, FactorCalibration, default_calibration,
@@ -282,6 +283,7 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
     them."""
     spec = _model(model)
     hardware, eff, priced_with = serving_hardware(cluster, calibration, engine)
+    mixed = engine not in UNMIXED_ENGINES  # the simulation check schedules as the engine does by default
     if workload.weight_dtype not in hardware.gpu.peak_tflops:
         have = ", ".join(d for d in ("bf16", "fp8", "fp4") if d in hardware.gpu.peak_tflops)
         raise InputError(f"{hardware.gpu.name} has no {workload.weight_dtype} tensor cores; choose --weight-dtype "
@@ -298,13 +300,13 @@ def search_deployments(model: ModelInput, cluster: ClusterSpec, workload: ServeW
                                 top=top, mem_fraction=mem_fraction, time_limit_s=time_limit_s, engine=engine)
         if result.best is None:
             raise InputError(result.why_nothing or "no deployment fits")
-        result = checked_by_simulation(spec, hardware, workload, targets, result, eff=eff)
+        result = checked_by_simulation(spec, hardware, workload, targets, result, eff=eff, mixed=mixed)
         assert result.best is not None
         best, alternatives = result.best, tuple(explain_serving(result, targets, workload))
     doc = priced(build_serving_plan(spec, hardware, workload, targets, best, result, objective, list(alternatives),
                                     calibration=eff.calibration if eff else None))
     return ServingSearch(plan=doc if timing else without_timing(doc), result=result, alternatives=alternatives,
-                         simulated=simulate_deployment(spec, hardware, workload, targets, best, eff=eff),
+                         simulated=simulate_deployment(spec, hardware, workload, targets, best, eff=eff, mixed=mixed),
                          priced_with=priced_with)
 
 

@@ -552,12 +552,15 @@ class SimulationCheck:
     model_ttft_s: float
     model_tpot_s: float
     misses: str  # the targets the simulated figures miss, in words; "" when none
+    mixed: bool = True  # prompt chunks share iterations with decode (False: prompts first, on their own: SGLang)
 
 
 def simulate_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
-                        d: Deployment, requests: int = 1000, eff: Efficiency | None = None) -> SimulationCheck | None:
+                        d: Deployment, requests: int = 1000, eff: Efficiency | None = None,
+                        mixed: bool = True) -> SimulationCheck | None:
     """An aggregated deployment of one-attention-group engines without speculative decoding, its engine simulated
-    at its rate (Poisson, the lengths' spread, FCFS chunked prefill); None for what the simulation does not model."""
+    at its rate (Poisson, the lengths' spread, FCFS chunked prefill, `mixed` with decode or, as SGLang by default,
+    prompts first on their own: serving_sim.simulate_engine); None for what the simulation does not model."""
     from meshplan.costmodels.queueing import PERCENTILES
     from meshplan.costmodels.serving_sim import simulate_engine
 
@@ -571,7 +574,7 @@ def simulate_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, t
                          for b in sorted({b for b in BATCHES if b < p.batch} | {p.batch})) if s is not None]
     if not curve or curve[-1].batch != p.batch:
         return None
-    sim = simulate_engine(curve, wl, p.requests_per_s, requests=requests)
+    sim = simulate_engine(curve, wl, p.requests_per_s, requests=requests, mixed=mixed)
     q = PERCENTILES[targets.percentile]
     ttft, tpot = sim.ttft(q), sim.tpot(q)
     out = []
@@ -579,22 +582,23 @@ def simulate_deployment(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, t
         out.append(f"TTFT {ttft * 1e3:.0f} ms > {targets.ttft_ms:g}")
     if targets.tpot_ms is not None and tpot * 1e3 > targets.tpot_ms:
         out.append(f"TPOT {tpot * 1e3:.1f} ms > {targets.tpot_ms:g}")
-    return SimulationCheck(p.requests_per_s, ttft, tpot, p.ttft_s, p.tpot_s, ", ".join(out))
+    return SimulationCheck(p.requests_per_s, ttft, tpot, p.ttft_s, p.tpot_s, ", ".join(out), mixed)
 
 
 def checked_by_simulation(model: ModelSpec, cluster: Cluster, wl: ServeWorkload, targets: ServeTargets,
-                          result: ServeResult, most: int = 12, eff: Efficiency | None = None) -> ServeResult:
+                          result: ServeResult, most: int = 12, eff: Efficiency | None = None,
+                          mixed: bool = True) -> ServeResult:
     """The search's best, unless the simulation of its engine misses the targets: then the first of the ranked
     deployments and the Pareto front's others that meet them (in the ranking's order, at most `most` simulated)
     that the simulation does not contradict or cannot check (disaggregated, attention DP, speculation). The
     analytic queues are optimistic near capacity (docs/serving.md), so a deployment chosen at the edge of a p90
-    target may miss it. When every candidate misses, the ranking stays as it was."""
+    target may miss it. When every candidate misses, the ranking stays as it was. `mixed` as simulate_deployment."""
     if result.best is None:
         return result
     front = [d for d in result.pareto if meets(d, targets, wl) and d not in result.ranked]
     order = list(result.ranked) + sorted(front, key=lambda d: -d.tokens_per_s_per_gpu)
     for d in order[:most]:
-        check = simulate_deployment(model, cluster, wl, targets, d, eff=eff)
+        check = simulate_deployment(model, cluster, wl, targets, d, eff=eff, mixed=mixed)
         if check is None or not check.misses:
             if d is result.best:
                 return result

@@ -450,3 +450,28 @@ def test_a_best_the_simulation_contradicts_is_set_aside():
     assert found.result.best is not analytic
     assert found.result.best.tokens_per_s_per_gpu < analytic.tokens_per_s_per_gpu
     assert not found.simulated.misses and found.simulated.tpot_s * 1e3 <= 20
+
+
+def test_serve_checks_an_sglang_best_as_sglang_schedules(capsys):
+    """--engine sglang: the simulation that checks the best runs prompts first and unmixed (SGLang's default), the
+    others mix; on the same pinned deployment and efficiencies the two schedules give different figures, and the
+    output says which ran."""
+    from cli_helpers import run
+
+    from meshplan import api
+    from meshplan.hardware_db.cluster import ClusterSpec as Spec
+
+    pinned = api.PinnedDeployment(EngineLayout(), 8, 32)
+    found = {engine: api.search_deployments("llama3.1-8b", Spec(gpu="h100-sxm", num_gpus=8),
+                                            ServeWorkload(isl=2000, osl=300), api.ServeTargets(), pinned=pinned,
+                                            calibration="none", engine=engine)
+             for engine in ("vllm", "sglang", "trtllm")}
+    sims = {engine: f.simulated for engine, f in found.items()}
+    assert all(s is not None for s in sims.values())
+    assert not sims["sglang"].mixed and sims["vllm"].mixed and sims["trtllm"].mixed  # type: ignore[union-attr]
+    assert sims["vllm"].ttft_s == sims["trtllm"].ttft_s  # type: ignore[union-attr]
+    assert sims["sglang"].ttft_s != sims["vllm"].ttft_s  # type: ignore[union-attr]
+    code, out, err = run(capsys, "serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "2000",
+                         "--osl", "300", "--layout", "tp1", "--batch", "32", "--engine", "sglang")
+    assert code == 0, err
+    assert "prompts first and unmixed as SGLang schedules by default" in " ".join(out.split())
