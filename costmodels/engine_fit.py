@@ -254,7 +254,7 @@ def serving_residual(d: Deployment, ttft_s: float, tpot_s: float) -> ServingResi
     ttft, tpot, throughput = residuals_of(ttft_s, tpot_s, little_throughput(d.users, d.osl, ttft_s, tpot_s, d.gpus),
                                           d.ttft_ms / 1e3, d.tpot_ms / 1e3, d.tokens_per_s_per_gpu)
     moe = deployment_model(d.model_path).moe is not None
-    return ServingResidual(model=d.model_path, architecture=architecture(d), gpu=d.gpu, mode=d.mode, moe=moe,
+    return ServingResidual(id=d.id, model=d.model_path, architecture=architecture(d), gpu=d.gpu, mode=d.mode, moe=moe,
                            sequences=max(1, round(d.users / engines)), ttft=round(ttft, RESIDUAL_DIGITS),
                            tpot=round(tpot, RESIDUAL_DIGITS),
                            throughput=None if throughput is None else round(throughput, RESIDUAL_DIGITS))

@@ -282,6 +282,7 @@ class ServingResidual(_Frozen):
     """One measured deployment's error under a fit that never saw its model, as the serving intervals read it
     (costmodels/serving_uncertainty.py): positive where the prediction was optimistic, as the training residuals."""
 
+    id: str  # the measured row's (AIConfigurator's silicon_sample.csv `id`), to set meshplan's figure beside others'
     model: str  # the row's checkpoint
     architecture: str  # the model it is an instance of (engine_fit.architecture): the unit a new model's error is of
     gpu: str

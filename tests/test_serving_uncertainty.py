@@ -20,7 +20,7 @@ from meshplan.hardware_db.calibration import ServingResidual, shipped_engine_cal
 
 def _residual(arch: str = "a", mode: str = "aggregated", sequences: int = 8, ttft: float = 0.0, tpot: float = 0.0,
               throughput: float | None = 0.0) -> ServingResidual:
-    return ServingResidual(model=arch, architecture=arch, gpu="h100-sxm", mode=mode, moe=False,  # type: ignore[arg-type]
+    return ServingResidual(id="row", model=arch, architecture=arch, gpu="h100-sxm", mode=mode, moe=False,  # type: ignore[arg-type]
                            sequences=sequences, ttft=ttft, tpot=tpot, throughput=throughput)
 
 
