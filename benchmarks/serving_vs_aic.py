@@ -239,13 +239,15 @@ def picks() -> None:
                                        ServeWorkload(isl=4000, osl=500, weight_dtype=dtype),  # type: ignore[arg-type]
                                        ServeTargets(ttft_ms=ttft, tpot_ms=tpot))
         plan = found.plan
-        # AIConfigurator's batch per attention-DP rank: a prefill engine's prompts per iteration, else the sequences
-        # meshplan predicts running on average (its TPOT is at that load)
+        # AIConfigurator's batch is per attention-DP rank and pipeline micro-batch (its concurrency is batch x dp x
+        # pp): a prefill engine's prompts per iteration, else the sequences meshplan predicts running on average
+        # (its TPOT is at that load)
         pools = [PoolInput(tp=e.tp, pp=e.pp, dp=e.dp, moe_tp=e.tp * e.dp // e.ep, moe_ep=e.ep,
                            batch=max(1, round((e.max_num_seqs if e.role == "prefill" else e.load * e.max_num_seqs)
-                                              / e.dp)), workers=e.engines) for e in plan.engines]
-        quant = "fp8" if dtype == "fp8" else None
-        got = estimate(aic_name, "h200_sxm", "vllm", 4000, 500, pools, quant, quant)
+                                              / (e.dp * e.pp))), workers=e.engines) for e in plan.engines]
+        # the quantisation AIConfigurator reads from the checkpoint: DeepSeek-V3's own FP8 is block-scaled
+        # (fp8_block; per-tensor fp8 prices its MLA block three times slower on vLLM's kernels)
+        got = estimate(aic_name, "h200_sxm", "vllm", 4000, 500, pools)
         p = plan.prediction
         label = " + ".join(f"{e.engines}x {e.role} TP{e.tp} DP{e.dp} PP{e.pp} EP{e.ep} b{e.max_num_seqs}"
                            for e in plan.engines)
