@@ -14,8 +14,9 @@ leave one model out once a calibration exists: TPOT <= 12 %, TTFT <= 20 %, throu
 How a row is priced (costmodels/aic_deployments.price): an aggregated engine is simulated iteration by iteration
 from idle as AIConfigurator's benchmark template runs aiperf (all users' first requests together after a drained
 warm-up, 20 rounds; serving_sim.simulate_benchmark), an attention-DP engine as one of its groups with its share of
-the users, stepping with the others (serving_sim.group_view); a disaggregated deployment as serving_reference.py's.
---steady prices every row in steady state instead, for comparison.
+the users, stepping with the others (serving_sim.group_view); a disaggregated deployment from idle too, request by
+request through its prefill and decode engines (serving_sim.simulate_disaggregated). --steady prices every row in
+steady state instead, for comparison.
 """
 
 from __future__ import annotations

@@ -275,7 +275,8 @@ def serving_interval_line(ranges: ServingRanges) -> str:
     return (f"{100 * r.level:.0f} % ranges in brackets for a model the engine calibration never saw: the spread of "
             f"{r.models} models' errors, each measured with a fit that never saw it, and of {r.runs} measured "
             f"deployments about their model's"
-            + (f" (of any {given_up}: too few share its)" if dropped else " (of its mode and users per engine)")
+            + (f" (rows of every {given_up}: too few share the plan's)" if dropped
+               else " (of the plan's mode and users per engine)")
             + "; docs/serving.md")
 
 

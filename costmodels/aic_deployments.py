@@ -42,7 +42,7 @@ from meshplan.costmodels.model_io import load_model_file
 from meshplan.costmodels.serving import (UNMIXED_ENGINES, EngineLayout, ServeWorkload, WeightDtype, aggregated_state,
                                          decode_state, prefill_state)
 from meshplan.costmodels.serving_load import closed_loop_ttft, concurrency_point
-from meshplan.costmodels.serving_sim import group_view, simulate_benchmark
+from meshplan.costmodels.serving_sim import group_view, simulate_benchmark, simulate_disaggregated
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec, engine_cluster
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
@@ -263,10 +263,10 @@ def price(d: Deployment, eff: Efficiency | None = None, from_idle: bool = True,
           engine: EngineParameters | None = None) -> Priced:
     """meshplan's TTFT, TPOT and throughput for a measured deployment; InputError saying why it cannot be priced: a
     model meshplan cannot express, a layout it refuses, missing worker counts, a batch that does not fit, a prefill
-    pool that cannot keep up. An aggregated engine is run from idle as the rows were measured (`from_idle`,
-    benchmarked); disaggregated deployments, and every engine with `from_idle` False, in steady state. With `engine`
-    (a calibration's parameters; it replaces `eff`) the iterations are timed under them and its request time adds
-    to TTFT."""
+    pool that cannot keep up. Every deployment is run from idle as the rows were measured (`from_idle`: benchmarked,
+    and the disaggregated ones serving_sim.simulate_disaggregated); with `from_idle` False, in steady state. With
+    `engine` (a calibration's parameters; it replaces `eff`) the iterations are timed under them and its request
+    time adds to TTFT."""
     spec = None
     if engine is not None:
         spec, eff = engine.apply(load_gpu(d.gpu))
@@ -276,7 +276,7 @@ def price(d: Deployment, eff: Efficiency | None = None, from_idle: bool = True,
         if pool is not None:
             pool.check(model)
     if d.prefill is not None:
-        ttft, tpot = _disaggregated(d, model, wl, eff, spec)
+        ttft, tpot = _disaggregated(d, model, wl, eff, spec, from_idle)
     elif from_idle:
         ttft, tpot = benchmarked(d, model, wl, eff, spec)
     else:
@@ -318,9 +318,12 @@ def benchmarked(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficie
 
 
 def _disaggregated(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficiency | None,
-                   spec: GPUSpec | None = None) -> tuple[float, float]:
-    """Closed-loop users over x prefill and y decode engines (serving_load.closed_loop_ttft, as
-    benchmarks/serving_reference.py prices them); TPOT is the decode step at N / y sequences per engine."""
+                   spec: GPUSpec | None = None, from_idle: bool = True) -> tuple[float, float]:
+    """Closed-loop users over x prefill engines of one prompt per attention group and iteration and y decode
+    engines: run from idle as the benchmark runs them (serving_sim.simulate_disaggregated, the decode steps timed
+    at 1, 2, 3, 4, 6, ... sequences up to the users per engine), or in steady state (`from_idle` False:
+    serving_load.closed_loop_ttft, as benchmarks/serving_reference.py prices them, TPOT the decode step at N / y
+    sequences per engine)."""
     assert d.prefill is not None
     x, y = d.prefill.workers, d.pool.workers
     if x is None or y is None:
@@ -328,10 +331,16 @@ def _disaggregated(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Effi
     pre_lay, dec_lay = d.prefill.layout, d.pool.layout
     pre = prefill_state(model, cluster_of(d.gpu, pre_lay.gpus, spec), pre_lay, wl, pre_lay.dp, eff,
                         crosses_nodes=True)
-    dec = decode_state(model, cluster_of(d.gpu, dec_lay.gpus, spec), dec_lay, wl,
-                       max(dec_lay.dp, round(d.users / y)), eff)
+    dec_cluster = cluster_of(d.gpu, dec_lay.gpus, spec)
+    dec = decode_state(model, dec_cluster, dec_lay, wl, max(dec_lay.dp, round(d.users / y)), eff)
     if pre is None or dec is None:
         raise InputError(f"a prompt or {round(d.users / y)} sequences do not fit the prefill or decode engine")
+    if from_idle:
+        per_group = max(1, math.ceil(d.users / y / dec_lay.dp))
+        curve = [st for b in curve_batches(per_group)
+                 for st in [decode_state(model, dec_cluster, dec_lay, wl, b * dec_lay.dp, eff)] if st is not None]
+        run = simulate_disaggregated(pre, x, curve, y, wl, d.users, ROUNDS)
+        return run.ttft(None), run.tpot(None)
     ttft = closed_loop_ttft(pre, dec, d.users, x, wl)
     if ttft is None:
         raise InputError(f"{x} prefill engine(s) cannot keep up with {d.users} users")

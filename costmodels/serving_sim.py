@@ -14,6 +14,7 @@ dependencies simulates a token-budget scheduler.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import numpy as np
 
 from meshplan.costmodels.serving import EngineState, ServeWorkload
 
-__all__ = ["SimulatedLoad", "group_view", "simulate_benchmark", "simulate_engine"]
+__all__ = ["SimulatedLoad", "group_view", "simulate_benchmark", "simulate_disaggregated", "simulate_engine"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,133 @@ def simulate_benchmark(curve: list[EngineState], wl: ServeWorkload, users: int, 
             if sent < total:
                 send(engine.now)
     return engine.result(0)
+
+
+def simulate_disaggregated(prefill: EngineState, prefill_engines: int, decode: list[EngineState],
+                           decode_engines: int, wl: ServeWorkload, users: int, rounds: int = 20) -> SimulatedLoad:
+    """A closed-loop benchmark of a disaggregated deployment as its client runs it (simulate_benchmark's: all users'
+    first requests together into idle engines, each user's next request the moment its last one ends, users x
+    rounds requests, every one measured), request by request:
+    - each of `prefill_engines` engines takes up to prefill.batch waiting prompts (first come first served) per
+      iteration of prefill.step_s; a prompt's first token comes transfer_s + request_s after (its KV cache sent on,
+      the front end);
+    - the sequence then joins the decode engine holding the fewest, at the first of its steps that starts after the
+      KV cache arrived, and makes the other OSL - 1 tokens one per step; a step takes the decode time at the
+      engine's running sequences (`decode`: its states, batch ascending, interpolated as simulate_engine does).
+    The lengths are the workload's means (the measured rows' are fixed). A decode engine's steps between joins and
+    finishes are one event. Where steady state (serving_load.closed_loop_ttft) sees a smooth stream, this sees the
+    start-up wave: users prompts waiting for prefill together, and the cohorts it leaves."""
+    total, decode_tokens = users * rounds, round(wl.osl) - 1
+    if wl.spec_tokens or decode_tokens < 1:
+        raise ValueError("the disaggregated simulation models decode tokens (OSL >= 2), without speculative decoding")
+    batches = np.array([st.batch for st in decode], dtype=float)
+    steps = np.array([st.step_s for st in decode])
+    first_token_delay = prefill.transfer_s + prefill.request_s
+    waiting: deque[int] = deque()  # request numbers waiting for prefill
+    arrival = np.zeros(total)
+    first = np.full(total, math.nan)
+    finish = np.full(total, math.nan)
+    events: list[tuple[float, int, str, int, int]] = []  # (time, tie-break, kind, engine, version)
+    counter = 0
+    sent = 0
+
+    def push(t: float, kind: str, engine: int, version: int = 0) -> None:
+        nonlocal counter
+        counter += 1
+        heapq.heappush(events, (t, counter, kind, engine, version))
+
+    pre_busy = [False] * prefill_engines
+    prefill_batches: list[list[int]] = [[] for _ in range(prefill_engines)]  # the prompts each engine is running
+
+    @dataclass
+    class _Decode:
+        running: int = 0  # sequences in its steps
+        step: int = 0  # steps done
+        start: float = 0.0  # when the current run of equal steps began (at `step`)
+        dt: float = 0.0  # the duration of each of them (0: idle)
+        version: int = 0  # invalidates a scheduled event when a join moves it earlier
+        due: float = math.inf  # when its next event is scheduled
+        finishes: list[tuple[int, int]] = field(default_factory=list)  # heap of (step it finishes at, request)
+        joining: list[tuple[float, int]] = field(default_factory=list)  # heap of (KV ready, request)
+
+    dec = [_Decode() for _ in range(decode_engines)]
+
+    def send(t: float) -> None:
+        nonlocal sent
+        arrival[sent] = t
+        waiting.append(sent)
+        sent += 1
+
+    def start_prefill(t: float) -> None:
+        for i in range(prefill_engines):
+            if not pre_busy[i] and waiting:
+                batch = [waiting.popleft() for _ in range(min(prefill.batch, len(waiting)))]
+                pre_busy[i] = True
+                push(t + prefill.step_s, "prefill", i, 0)
+                prefill_batches[i] = batch
+
+    def plan_run(j: int, t: float) -> None:
+        """Engine j at a step boundary t: admit the ready joiners, then schedule the end of its next run of equal
+        steps (the next finish, or the boundary a pending join needs)."""
+        e = dec[j]
+        while e.joining and e.joining[0][0] <= t:
+            _, r = heapq.heappop(e.joining)
+            heapq.heappush(e.finishes, (e.step + decode_tokens, r))
+            e.running += 1
+        e.start, e.due = t, math.inf
+        if not e.running:
+            e.dt = 0.0
+            if e.joining:
+                schedule(j, e.joining[0][0])
+            return
+        e.dt = float(np.interp(e.running, batches, steps))
+        k = e.finishes[0][0] - e.step
+        if e.joining:
+            k = min(k, max(1, math.ceil((e.joining[0][0] - t) / e.dt)))
+        schedule(j, t + k * e.dt)
+
+    def schedule(j: int, t: float) -> None:
+        """Engine j's next event at t, unless one is due sooner (the older one is then void)."""
+        e = dec[j]
+        if t < e.due:
+            e.due, e.version = t, e.version + 1
+            push(t, "decode", j, e.version)
+
+    def retire(r: int, t: float) -> None:
+        finish[r] = t
+        if sent < total:
+            send(t)
+
+    for _ in range(min(users, total)):
+        send(0.0)
+    start_prefill(0.0)
+    while events:
+        t, _, kind, i, version = heapq.heappop(events)
+        if kind == "prefill":
+            pre_busy[i] = False
+            for r in prefill_batches[i]:
+                first[r] = t + first_token_delay
+                j = min(range(decode_engines), key=lambda j: dec[j].running + len(dec[j].joining))
+                e = dec[j]
+                heapq.heappush(e.joining, (first[r], r))
+                # idle: wake at the KV cache's arrival; stepping: end the run at the first boundary after it
+                schedule(j, first[r] if e.dt == 0.0 else e.start + max(1, math.ceil((first[r] - e.start) / e.dt))
+                         * e.dt)
+        elif version == dec[i].version:  # else moved earlier since, and void
+            e = dec[i]
+            if e.dt:
+                e.step += round((t - e.start) / e.dt)
+            while e.finishes and e.finishes[0][0] <= e.step:
+                _, r = heapq.heappop(e.finishes)
+                e.running -= 1
+                retire(r, t)
+            plan_run(i, t)
+        if not events or events[0][0] > t:  # every request sent at t is queued before a prefill engine takes some
+            start_prefill(t)
+    ttft = first - arrival
+    tpot = (finish - first) / max(decode_tokens, 1)
+    span = float(np.nanmax(finish))
+    return SimulatedLoad(ttft, tpot, total / span if span > 0 else math.inf, float("nan"))  # running: not tracked
 
 
 def group_view(curve: list[EngineState]) -> list[EngineState]:

@@ -5,6 +5,7 @@ reading and writing only, so that what reads plans (the exporters, the executor)
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TypeVar
 
 from meshplan.costmodels.config import ParallelConfig, Workload, resolve
@@ -143,7 +144,8 @@ def build_serving_plan(model: ModelSpec, cluster: Cluster, workload: ServeWorklo
 
 def serving_ranges(d: Deployment, calibration: str | None) -> ServingRanges | None:
     """The deployment's intervals (costmodels/serving_uncertainty.py) under the shipped engine calibration the plan
-    records; None under any other (the residuals describe that calibration's predictions only)."""
+    records; None under any other (the residuals describe that calibration's predictions only) or where an end is
+    unbounded."""
     cal = engine_calibration_named(calibration) if calibration is not None else None
     if cal is None:
         return None
@@ -157,10 +159,12 @@ def serving_ranges(d: Deployment, calibration: str | None) -> ServingRanges | No
         return ServingRange(level=i.level, models=m.models, runs=i.runs, dropped=list(i.dropped), low=ends[0],
                             high=ends[1])
 
-    return ServingRanges(ttft_ms=of(found.ttft, found.ttft.interval.step_time(d.ttft_s * 1e3)),
-                         tpot_ms=of(found.tpot, found.tpot.interval.step_time(d.tpot_s * 1e3)),
-                         tokens_per_s_per_gpu=of(found.throughput,
-                                                 found.throughput.interval.throughput(d.tokens_per_s_per_gpu)))
+    ranges = ServingRanges(ttft_ms=of(found.ttft, found.ttft.interval.step_time(d.ttft_s * 1e3)),
+                           tpot_ms=of(found.tpot, found.tpot.interval.step_time(d.tpot_s * 1e3)),
+                           tokens_per_s_per_gpu=of(found.throughput,
+                                                   found.throughput.interval.throughput(d.tokens_per_s_per_gpu)))
+    ends = [e for r in (ranges.ttft_ms, ranges.tpot_ms, ranges.tokens_per_s_per_gpu) for e in (r.low, r.high)]
+    return ranges if all(math.isfinite(e) for e in ends) else None  # too few rows for a bounded range
 
 
 def priced(doc: PlanT, budget: Budget = Budget()) -> PlanT:

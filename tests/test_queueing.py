@@ -475,3 +475,51 @@ def test_serve_checks_an_sglang_best_as_sglang_schedules(capsys):
                          "--osl", "300", "--layout", "tp1", "--batch", "32", "--engine", "sglang")
     assert code == 0, err
     assert "prompts first and unmixed as SGLang schedules by default" in " ".join(out.split())
+
+
+def _disaggregated_states(prompts: int, step_s: float, transfer_s: float, request_s: float, decode_s: float):
+    """A prefill state of `prompts` prompts per iteration of `step_s`, and decode states that step in `decode_s` at
+    any batch: the simulation's inputs with round figures, from real states of Llama-3.1-8B."""
+    import dataclasses
+
+    from meshplan.costmodels.serving import decode_state, prefill_state
+
+    wl = ServeWorkload(isl=1000, osl=50)
+    c = Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1))
+    pre = prefill_state(LLAMA8, c, EngineLayout(), wl, 1)
+    dec = [decode_state(LLAMA8, c, EngineLayout(), wl, b) for b in (1, 64)]
+    assert pre is not None and all(s is not None for s in dec)
+    pre = dataclasses.replace(pre, batch=prompts, step_s=step_s, transfer_s=transfer_s, request_s=request_s)
+    return pre, [dataclasses.replace(s, step_s=decode_s) for s in dec], wl  # type: ignore[type-var]
+
+
+def test_a_disaggregated_run_from_idle_as_by_hand():
+    """simulate_disaggregated, worked by hand: one user sees one prefill iteration, the KV transfer and the front end
+    to its first token, then a decode step per token; four users on a prefill engine of one prompt per iteration
+    wait their turn in the first wave (TTFTs 1, 2, 3, 4 iterations); a prefill engine taking all of them at once
+    keeps every round whole, every request seeing the same."""
+    from meshplan.costmodels.serving_sim import simulate_disaggregated
+
+    pre, dec, wl = _disaggregated_states(1, 0.1, 0.01, 0.005, 0.02)
+    one = simulate_disaggregated(pre, 1, dec, 1, wl, users=1, rounds=3)
+    assert one.ttft_s.tolist() == pytest.approx([0.115] * 3)
+    assert one.tpot_s.tolist() == pytest.approx([0.02] * 3)
+    four = simulate_disaggregated(pre, 1, dec, 1, wl, users=4, rounds=3)
+    assert sorted(four.ttft_s[:4].tolist()) == pytest.approx([0.1 * k + 0.015 for k in (1, 2, 3, 4)])
+    assert np.all(four.ttft_s >= 0.115 - 1e-12)
+    whole, dec, wl = _disaggregated_states(4, 0.1, 0.01, 0.005, 0.02)
+    run = simulate_disaggregated(whole, 1, dec, 2, wl, users=4, rounds=5)
+    assert run.ttft_s.tolist() == pytest.approx([0.115] * 20) and run.tpot_s.tolist() == pytest.approx([0.02] * 20)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 3), st.integers(1, 3), st.integers(1, 4))
+def test_a_disaggregated_run_measures_every_request_and_never_beats_an_idle_engine(users, prefill, decode, prompts):
+    """Every one of users x rounds requests is measured; none gets its first token sooner than one prefill
+    iteration, the transfer and the front end after it was sent, nor its tokens faster than the decode step."""
+    from meshplan.costmodels.serving_sim import simulate_disaggregated
+
+    pre, dec, wl = _disaggregated_states(prompts, 0.1, 0.01, 0.005, 0.02)
+    run = simulate_disaggregated(pre, prefill, dec, decode, wl, users=users, rounds=3)
+    assert len(run.ttft_s) == 3 * users and np.all(np.isfinite(run.ttft_s)) and np.all(np.isfinite(run.tpot_s))
+    assert np.all(run.ttft_s >= 0.115 - 1e-9) and np.all(run.tpot_s >= 0.02 - 1e-9)

@@ -110,8 +110,9 @@ def _write_options(plan: ServingPlan, p: Placement, rank: int) -> list[str]:
     if rank:
         return []
     dtype = plan.inputs.workload.weight_dtype
-    note = ([f"# weights {dtype}: TensorRT-LLM takes the quantisation from the checkpoint, so MODEL must be an "
-             f"{dtype.upper()} checkpoint (e.g. quantised by NVIDIA Model Optimizer)"] if dtype != "bf16" else [])
+    checkpoint = {"fp8": "an FP8", "fp4": "an NVFP4"}.get(dtype)
+    note = ([f"# weights {dtype}: TensorRT-LLM takes the quantisation from the checkpoint, so MODEL must be "
+             f"{checkpoint} checkpoint (e.g. quantised by NVIDIA Model Optimizer)"] if checkpoint else [])
     text = json.dumps(llm_api_options(plan, p.engine), indent=2)
     return [*note, f'cat > "{_options_file(p)}" <<EOF', text, "EOF"]
 
