@@ -31,7 +31,8 @@ from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.queueing import Percentile
 from meshplan.costmodels.serving import (MEM_FRACTION, EngineGeometry, EngineLayout, EngineState, PoolPoint,
                                          ServeDtype, ServeEngine, ServeObjective, ServeTargets, ServeWorkload,
-                                         WeightDtype, aggregated_state, decode_state, engine_geometry, prefill_state)
+                                         WeightDtype, aggregated_state, decode_state, engine_geometry, prefill_state,
+                                         redundant_experts)
 from meshplan.costmodels.serving_load import loaded_points
 from meshplan.hardware_db.cluster import Cluster, engine_cluster
 from meshplan.hardware_db.errors import InputError
@@ -104,7 +105,7 @@ def engine_runs(engine: ServeEngine | None, model: ModelSpec, lay: EngineLayout)
         return True
     if lay.dp > 1 and lay.tp > 1:
         return False
-    return model.moe is None or lay.ep == 1 or model.moe.num_experts % lay.ep == 0
+    return model.moe is None or not redundant_experts(model.moe.num_experts, lay.ep)
 
 
 def engine_layouts(model: ModelSpec, max_gpus: int, per_node: int,

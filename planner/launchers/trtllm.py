@@ -18,7 +18,8 @@ A disaggregated deployment's proxy is `trtllm-serve disaggregated -c FILE` with 
 own port: TensorRT-LLM ships no router for them, so put an HTTP load balancer in front, or use the Dynamo graph. An
 engine of several nodes starts from its head node under Open MPI, one rank per GPU, each through
 trtllm-llmapi-launch (TensorRT-LLM's multi-node launcher; its docs start it with srun, for which mpirun is the
-bare-node equivalent); every node of it needs MPI over SSH from the head.
+bare-node equivalent); every node of it needs MPI over SSH from the head, and the same working directory and
+LOG_DIR, where each node's script writes the engine's options file.
 """
 
 from __future__ import annotations
@@ -106,9 +107,8 @@ def _options_file(p: Placement) -> str:
 
 
 def _write_options(plan: ServingPlan, p: Placement, rank: int) -> list[str]:
-    """The engine's options file, written on its head node before it starts (a heredoc that expands ${DRAFT_MODEL})."""
-    if rank:
-        return []
+    """The engine's options file, written before it starts (a heredoc that expands ${DRAFT_MODEL}) on every node of
+    it: mpirun starts the other nodes' ranks with the head's arguments, in the same working directory."""
     dtype = plan.inputs.workload.weight_dtype
     checkpoint = {"fp8": "an FP8", "fp4": "an NVFP4"}.get(dtype)
     note = ([f"# weights {dtype}: TensorRT-LLM takes the quantisation from the checkpoint, so MODEL must be "
