@@ -12,8 +12,8 @@ The fit is maximum a posteriori under independent Gaussian priors (costmodels/fi
 robust loss on the residuals log(predicted / measured): Huber's (Huber 1964, "Robust Estimation of a Location
 Parameter"), solved by iteratively reweighted Gauss-Newton (Holland and Welsch 1977) and projected onto the
 parameters' physical bounds. A measured TTFT may hold queueing that no engine model sees (a cap on running sequences
-the row does not state), so a far-off row must not drag the rest. Posterior spreads: the Laplace approximation, as
-fit.py's.
+the row does not state), so a far-off row must not drag the rest; a disaggregated row's TTFT is not fit at all
+(_residuals). Posterior spreads: the Laplace approximation, as fit.py's.
 """
 
 from __future__ import annotations
