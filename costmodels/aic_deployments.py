@@ -15,8 +15,8 @@ Not in the file, so assumed (each stated where it is used): the KV-cache dtype (
 BF16: AIConfigurator's own default, sdk/models/helpers.py _infer_quant_modes_from_raw_config), fixed request lengths
 (the client's synthetic ISL/OSL), one aggregated engine taking all the users, the token budget of 8,192, and the
 client's run: AIConfigurator's benchmark template (aiperf, 20 rounds from idle), which an aggregated engine is
-simulated under (an attention-DP one as one of its groups in lockstep); disaggregated deployments are priced in
-steady state (a lower bound on TTFT).
+simulated under (an attention-DP one as one of its groups in lockstep), and disaggregated deployments request by
+request through their prefill and decode engines (serving_sim.simulate_disaggregated).
 The throughput is not measured in the file: it is derived from TTFT and TPOT by Little's law for the closed loop
 (users / (TTFT + (OSL - 1) TPOT) requests/s), for the measurement and the prediction alike.
 """

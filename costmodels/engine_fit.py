@@ -29,6 +29,7 @@ from meshplan.costmodels.aic_deployments import (Deployment, Priced, deployment_
                                                  relative_errors)
 from meshplan.costmodels.engine_calibration import ADDITIVE, BOUNDS, FACTORS, EngineParameters, parameters_of
 from meshplan.costmodels.fit import PRIOR_SD
+from meshplan.costmodels.model import ModelSpec
 from meshplan.costmodels.serving_uncertainty import residuals_of
 from meshplan.hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, EngineCalibration, FittedFactor,
                                               ServingResidual)
@@ -191,7 +192,11 @@ def architecture(d: Deployment) -> str:
     """The model a row's checkpoint is an instance of, for leaving one model out: checkpoints of one architecture
     (DeepSeek-R1 and V3, a model and its FP8 or NVFP4 quantisation) are one model, since they share every shape the
     engine times. Named by those shapes: hidden size, layers, heads, FFN width and experts."""
-    m = deployment_model(d.model_path)
+    return model_architecture(deployment_model(d.model_path))
+
+
+def model_architecture(m: ModelSpec) -> str:
+    """architecture's name of a model's shapes."""
     moe = f" E{m.moe.num_experts}k{m.moe.top_k}" if m.moe is not None else ""
     return f"h{m.hidden} L{m.num_layers} H{m.num_heads} F{m.ffn_hidden}{moe}"
 
@@ -259,8 +264,9 @@ def serving_residual(d: Deployment, ttft_s: float, tpot_s: float) -> ServingResi
     engines = d.pool.workers if d.prefill is not None and d.pool.workers else 1
     ttft, tpot, throughput = residuals_of(ttft_s, tpot_s, little_throughput(d.users, d.osl, ttft_s, tpot_s, d.gpus),
                                           d.ttft_ms / 1e3, d.tpot_ms / 1e3, d.tokens_per_s_per_gpu)
-    moe = deployment_model(d.model_path).moe is not None
-    return ServingResidual(id=d.id, model=d.model_path, architecture=architecture(d), gpu=d.gpu, mode=d.mode, moe=moe,
+    m = deployment_model(d.model_path)
+    return ServingResidual(id=d.id, model=d.model_path, architecture=model_architecture(m), gpu=d.gpu, mode=d.mode,
+                           moe=m.moe is not None,
                            sequences=max(1, round(d.users / engines)), ttft=round(ttft, RESIDUAL_DIGITS),
                            tpot=round(tpot, RESIDUAL_DIGITS),
                            throughput=None if throughput is None else round(throughput, RESIDUAL_DIGITS))

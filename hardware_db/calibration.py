@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from functools import cache
 from importlib import resources
 from itertools import pairwise
 from pathlib import Path
@@ -379,9 +380,16 @@ def shipped_calibration(label: str) -> FactorCalibration | None:
 
 def shipped_engine_calibration(engine: str) -> EngineCalibration | None:
     """The engine calibration this meshplan ships for `engine` (hardware_db/calibrations/engine-ENGINE.json, fit by
-    benchmarks/serving_engine_fit.py --write), or None."""
+    benchmarks/serving_engine_fit.py --write), or None. Read once per version of the file: a serve reads it to price
+    the engines, to give the plan its intervals and to re-derive a plan, and its residuals take ~0.1 s to validate."""
     path = calibration_dir() / f"engine-{engine}.json"
-    return load_engine_calibration(path) if path.exists() else None
+    return _engine_calibration_at(str(path), path.stat().st_mtime_ns) if path.exists() else None
+
+
+@cache
+def _engine_calibration_at(path: str, mtime_ns: int) -> EngineCalibration:
+    """load_engine_calibration, kept per path and modification time (the model is frozen, so sharing it is safe)."""
+    return load_engine_calibration(path)
 
 
 def engine_calibration_named(label: str) -> EngineCalibration | None:

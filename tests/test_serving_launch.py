@@ -323,3 +323,17 @@ def test_serve_for_trtllm_searches_only_the_layouts_it_runs():
     assert set(runs) == {lay for lay in every if not (lay.dp > 1 and lay.tp > 1) and 256 % lay.ep == 0}
     assert len(runs) < len(every) and any(lay.dp > 1 for lay in runs)
     assert all(engine_runs("vllm", DSV3, lay) for lay in every)
+
+
+def test_a_plan_trtllm_cannot_run_is_refused_on_one_line(capsys, tmp_path):
+    """`meshplan export --to trtllm` of DeepSeek's own deployment (TP4 inside attention DP80): exit 2, one error line
+    saying why and what to re-plan with, no traceback, nothing written."""
+    from cli_helpers import assert_input_error, run
+
+    from meshplan.planner.plan import plan_text
+
+    path = tmp_path / "serve.json"
+    path.write_text(plan_text(plans()["dsv3 authors"]))
+    line = assert_input_error(*run(capsys, "export", str(path), "--to", "trtllm", "--out", str(tmp_path / "out")),
+                              "attention TP 1", "--layout tp1,dp")
+    assert "cannot export to trtllm" in line and not (tmp_path / "out").exists()
