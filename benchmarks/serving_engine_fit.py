@@ -5,9 +5,11 @@
 Usage:  pip install 'meshplan[aic]' && python benchmarks/serving_engine_fit.py [--jobs 2] [--markdown]
 
 How: every priceable row is priced at the prior's centre and with each parameter moved (costmodels/engine_fit.py,
-about 7 x serving_aic.py's time, split over --jobs processes). For each model (an architecture: DeepSeek-R1 and V3
+about 7 x serving_aic.py's time, split over --jobs processes), and again at its engine's fit to those slopes (the
+outer step: the slopes the fit uses are then those where it lands). For each model (an architecture: DeepSeek-R1 and V3
 are one), every engine's parameters are fit to the other models' rows (engine_fit.leave_one_model_out: a fit to all
-engines' rows, then each engine's centred on it), and the model's rows are priced in full with them. Printed:
+engines' rows, then each engine's centred on it; that engine's rows linearised again at the fold's fit and fit once
+more), and the model's rows are priced in full with them. Printed:
 the held-out median absolute and signed error of TTFT, TPOT and throughput (Little's law, as serving_aic.py),
 beside the uncalibrated error on the same rows, by GPU, engine, model, mode and users; and each engine's parameters
 fit to all its rows, with their posterior spreads. Issue 45's targets: TPOT <= 12 %, TTFT <= 20 %, throughput <= 12 %.
@@ -31,7 +33,7 @@ from meshplan.costmodels.aic_deployments import (Deployment, Priced, price, read
                                                  relative_errors)
 from meshplan.costmodels.engine_calibration import ADDITIVE, FACTORS, EngineParameters  # noqa: E402
 from meshplan.costmodels.engine_fit import (architecture, engine_calibration, fit_engines,  # noqa: E402
-                                            leave_one_model_out, sensitivities)
+                                            leave_one_model_out, relinearized, sensitivities)
 from meshplan.planner.plan import write_text_atomic  # noqa: E402
 from meshplan.hardware_db.errors import InputError  # noqa: E402
 
@@ -45,6 +47,12 @@ def _held_out(job: tuple[Deployment, EngineParameters]) -> tuple[str, Priced | N
         return d.id, price(d, engine=p)
     except InputError:
         return d.id, None
+
+
+def _parameters(p: EngineParameters) -> str:
+    logs = dict(p.log_factors)
+    return " ".join([f"{n} x{2.718281828 ** logs.get(n, 0.0):.2f}" for n in FACTORS]
+                    + [f"iteration {p.iteration_s * 1e3:.2f} ms", f"request {p.request_s * 1e3:.0f} ms"])
 
 
 def _users_band(users: int) -> str:
@@ -93,18 +101,24 @@ def main() -> int:
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    rows = None
     if args.slopes and args.slopes.exists():
         source, rows = pickle.loads(args.slopes.read_bytes())
         if source != data.source:
             print(f"error: {args.slopes} holds {source}'s rows, not {data.source}'s: delete it", file=sys.stderr)
             return 2
-    else:
+    if rows is None:
         rows = sensitivities(data.deployments, args.jobs)
+    if all(s.centre == EngineParameters() for s in rows):  # not yet linearised where the fit lands
+        first = fit_engines(rows)
+        rows = relinearized(rows, args.jobs)
+        print("linearised again at each engine's fit to all rows: " + "; ".join(
+            f"{e} {_parameters(f.parameters)}" for e, f in first.items()))
         if args.slopes:
             args.slopes.write_bytes(pickle.dumps((data.source, rows)))
-    print(f"{data.source}: {len(data.deployments)} rows read, {len(rows)} priced at the prior's centre with slopes "
+    print(f"{data.source}: {len(data.deployments)} rows read, {len(rows)} priced with slopes at their engine's fit "
           f"({time.perf_counter() - start:.0f} s)")
-    fits = leave_one_model_out(rows)
+    fits = leave_one_model_out(rows, args.jobs)
     rows = [s for s in rows if (s.deployment.engine, architecture(s.deployment)) in fits]
     jobs = [(s.deployment, fits[(s.deployment.engine, architecture(s.deployment))]) for s in rows]
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -118,7 +132,7 @@ def main() -> int:
             lost += 1
             continue
         after = relative_errors(d, priced.ttft_ms / 1e3, priced.tpot_ms / 1e3)
-        before = relative_errors(d, s.ttft_s, s.tpot_s)
+        before = relative_errors(d, *s.uncalibrated_s())
         approx = s.predict(p)
         local.append(abs(approx[1] * 1e3 / priced.tpot_ms - 1))
         for g in ("all", f"gpu: {d.gpu}", f"engine: {d.engine}", f"model: {d.model_path}", f"mode: {d.mode}",
@@ -146,7 +160,7 @@ def main() -> int:
                       strict=True)]
         print(f"  {engine:7s} {f.rows:4d} rows: " + ", ".join(cells))
     for engine in sorted({s.deployment.engine for s in rows}) if args.write else []:
-        cal = engine_calibration(rows, engine, data.source, date.today().isoformat())
+        cal = engine_calibration(rows, engine, data.source, date.today().isoformat(), folds=fits)
         path = args.write / f"engine-{engine}.json"
         write_text_atomic(path, cal.model_dump_json(indent=1) + "\n")
         print(f"wrote {path}: held out " + ", ".join(f"{m} {v:.1%}" for m, v in cal.held_out.items()))

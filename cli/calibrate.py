@@ -37,7 +37,8 @@ def calibrate(
     deployments: Annotated[Literal["aic"] | None, typer.Option("--deployments", help=(
         "Instead of --runs, fit a serving engine's parameters (kernel factors, host time per iteration, front-end "
         "time per request) to measured deployments. aic: NVIDIA AIConfigurator's silicon_sample.csv from the "
-        "installed wheel (the extra meshplan[aic]; docs/serving.md). Prices every row about 7 times: minutes."))]
+        "installed wheel (the extra meshplan[aic]; docs/serving.md). Prices every row 7 times at the defaults, 7 at "
+        "the fit, and the engine's rows 7 more per model left out: half an hour on 2 processes (--jobs)."))]
     = None,
     engine: Annotated[Literal["vllm", "sglang", "trtllm"] | None, typer.Option("--engine", help=(
         "With --deployments: the engine to calibrate."))] = None,
@@ -116,13 +117,14 @@ def calibrate(
 def _engine_calibration(engine: str, out: Path, jobs: int) -> None:
     """`calibrate --deployments aic`: a serving engine's parameters from AIConfigurator's measured deployments."""
     from meshplan.costmodels.aic_deployments import read_deployments
-    from meshplan.costmodels.engine_fit import engine_calibration, sensitivities
+    from meshplan.costmodels.engine_fit import calibration_rows, engine_calibration
     from meshplan.planner.plan import write_text_atomic
 
     data = read_deployments()
     con = console()
-    con.print(f"{data.source}: pricing {len(data.deployments):,} rows with slopes ({jobs} process(es))")
-    cal = engine_calibration(sensitivities(data.deployments, jobs), engine, data.source, date.today().isoformat())
+    con.print(f"{data.source}: pricing {len(data.deployments):,} rows with slopes, twice ({jobs} process(es))")
+    cal = engine_calibration(calibration_rows(data.deployments, jobs), engine, data.source, date.today().isoformat(),
+                             jobs)
     try:
         write_text_atomic(out, cal.model_dump_json(indent=1) + "\n")
     except OSError as exc:

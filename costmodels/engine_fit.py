@@ -2,11 +2,16 @@
 held-out error: leave one model out (issue 45, item 2).
 
 Pricing a deployment runs its benchmark iteration by iteration (aic_deployments.price), too slow to repeat inside a
-fit. So each deployment is priced once at the prior's centre and once with each parameter moved (secant slopes), and
+fit. So each deployment is priced once at a centre and once with each parameter moved from it (secant slopes), and
 the fit works on the resulting local model of log TTFT and log TPOT:
-    prediction = base x exp(sum_j slope_j x log factor_j) + slope_iteration x iteration_s (+ request_s for TTFT),
-the factors entering multiplicatively (a kernel's rate scales its time) and the two times additively. The fitted
-parameters are then checked by pricing the held-out deployments in full with them, not with the local model.
+    prediction = base x exp(sum_j slope_j x (log factor_j - centre_j)) + slope_iteration x (iteration_s - centre)
+                 (+ request_s - centre, for TTFT),
+the factors entering multiplicatively (a kernel's rate scales its time) and the two times additively. The rows are
+linearised twice (calibration_rows): at the prior's centre, then again at their engine's fit, and fit once more: one
+outer Gauss-Newton step, so the local model is exact where the fit lands rather than where it started (Nocedal and
+Wright, "Numerical Optimization", 2nd ed., sec. 10.3). Each fold of the held-out check takes the same step at its own
+fit (leave_one_model_out). The fitted parameters are then checked by pricing the held-out
+deployments in full with them, not with the local model.
 
 The fit is maximum a posteriori under independent Gaussian priors (costmodels/fit.py's, for the factors), with a
 robust loss on the residuals log(predicted / measured): Huber's (Huber 1964, "Robust Estimation of a Location
@@ -18,6 +23,7 @@ the row does not state), so a far-off row must not drag the rest; a disaggregate
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -35,8 +41,9 @@ from meshplan.hardware_db.calibration import (CALIBRATION_SCHEMA_VERSION, Engine
                                               ServingResidual)
 from meshplan.hardware_db.errors import InputError
 
-__all__ = ["Sensitivity", "EngineFit", "sensitivity", "sensitivities", "fit_engine", "fit_engines",
-           "leave_one_model_out", "architecture", "engine_calibration", "parameters_of", "median_errors", "NOISE_SD"]
+__all__ = ["Sensitivity", "EngineFit", "sensitivity", "sensitivities", "relinearized", "calibration_rows",
+           "fit_engine", "fit_engines", "leave_one_model_out", "architecture", "engine_calibration", "parameters_of",
+           "median_errors", "NOISE_SD"]
 
 NAMES = FACTORS + ADDITIVE
 # Priors of the two additive times (centre, spread; seconds): stated assumptions, wide against what the rows show:
@@ -52,41 +59,55 @@ HUBER = 1.5  # residuals beyond 1.5 noise spreads count linearly, not squared
 
 @dataclass(frozen=True)
 class Sensitivity:
-    """A deployment priced at the prior's centre, and the slopes of log TTFT and log TPOT in each factor's log
-    (FACTORS order) and of TTFT and TPOT (seconds per second) in the iteration time."""
+    """A deployment priced at `centre` (default: the prior's centre), and the slopes there of log TTFT and log
+    TPOT in each factor's log (FACTORS order) and of TTFT and TPOT (seconds per second) in the iteration time."""
 
     deployment: Deployment
     ttft_s: float
     tpot_s: float
     log_slopes: tuple[tuple[float, float], ...]  # (d log TTFT, d log TPOT) per factor
     iteration_slopes: tuple[float, float]
+    centre: EngineParameters = EngineParameters()
+    uncalibrated: tuple[float, float] | None = None  # (TTFT, TPOT) seconds at the prior's centre, if not the centre
+
+    def uncalibrated_s(self) -> tuple[float, float]:
+        """(TTFT, TPOT) seconds with the defaults: the error every calibrated figure is set beside."""
+        return self.uncalibrated or (self.ttft_s, self.tpot_s)
 
     def predict(self, p: EngineParameters) -> tuple[float, float]:
         """(TTFT, TPOT) seconds under `p` by the local model (module docstring)."""
-        logs = dict(p.log_factors)
-        a = sum(s[0] * logs.get(n, 0.0) for s, n in zip(self.log_slopes, FACTORS, strict=True))
-        b = sum(s[1] * logs.get(n, 0.0) for s, n in zip(self.log_slopes, FACTORS, strict=True))
-        ttft = self.ttft_s * math.exp(a) + self.iteration_slopes[0] * p.iteration_s + p.request_s
-        tpot = self.tpot_s * math.exp(b) + self.iteration_slopes[1] * p.iteration_s
+        logs, at = dict(p.log_factors), dict(self.centre.log_factors)
+        moved = [logs.get(n, 0.0) - at.get(n, 0.0) for n in FACTORS]
+        a = sum(s[0] * x for s, x in zip(self.log_slopes, moved, strict=True))
+        b = sum(s[1] * x for s, x in zip(self.log_slopes, moved, strict=True))
+        iteration = p.iteration_s - self.centre.iteration_s
+        ttft = (self.ttft_s * math.exp(a) + self.iteration_slopes[0] * iteration
+                + p.request_s - self.centre.request_s)
+        tpot = self.tpot_s * math.exp(b) + self.iteration_slopes[1] * iteration
         return ttft, tpot
 
 
-def sensitivity(d: Deployment) -> Sensitivity:
-    """A deployment's Sensitivity (1 + FACTORS + 1 pricings); InputError where it cannot be priced."""
-    def run(dep: Deployment, p: EngineParameters) -> Priced:
-        return price(dep, engine=p)
+def sensitivity(d: Deployment, centre: EngineParameters | None = None) -> Sensitivity:
+    """A deployment's Sensitivity at `centre` (default the prior's; 1 + FACTORS + 1 pricings); InputError where it
+    cannot be priced."""
+    centre = centre or EngineParameters()
+    def run(p: EngineParameters) -> Priced:
+        return price(d, engine=p)
 
-    base = run(d, EngineParameters())
+    base = run(centre)
     ttft, tpot = base.ttft_ms / 1e3, base.tpot_ms / 1e3
+    logs = dict(centre.log_factors)
     slopes = []
     for name in FACTORS:
-        moved = run(d, EngineParameters(((name, FACTOR_STEP),)))
-        slopes.append((math.log(moved.ttft_ms / 1e3 / ttft) / FACTOR_STEP,
-                       math.log(moved.tpot_ms / 1e3 / tpot) / FACTOR_STEP))
-    it = run(d, EngineParameters(iteration_s=ITERATION_STEP))
+        step = FACTOR_STEP if logs.get(name, 0.0) + FACTOR_STEP <= BOUNDS[name][1] else -FACTOR_STEP
+        moved = run(dataclasses.replace(centre, log_factors=tuple(
+            (n, logs.get(n, 0.0) + (step if n == name else 0.0)) for n in FACTORS)))
+        slopes.append((math.log(moved.ttft_ms / 1e3 / ttft) / step, math.log(moved.tpot_ms / 1e3 / tpot) / step))
+    it = run(dataclasses.replace(centre, iteration_s=centre.iteration_s + ITERATION_STEP))
     # longer iterations never make a request faster: a negative secant is the benchmark's waves shifting, so 0
     return Sensitivity(d, ttft, tpot, tuple(slopes), (max(0.0, (it.ttft_ms / 1e3 - ttft) / ITERATION_STEP),
-                                                      max(0.0, (it.tpot_ms / 1e3 - tpot) / ITERATION_STEP)))
+                                                      max(0.0, (it.tpot_ms / 1e3 - tpot) / ITERATION_STEP)),
+                       centre)
 
 
 @dataclass(frozen=True)
@@ -216,34 +237,70 @@ def fit_engines(rows: Sequence[Sensitivity]) -> dict[str, EngineFit]:
             for engine in sorted({s.deployment.engine for s in rows})}
 
 
-def leave_one_model_out(rows: Sequence[Sensitivity]) -> dict[tuple[str, str], EngineParameters]:
-    """(engine, architecture) -> the parameters that engine's rows of that model are predicted with: fit_engines
-    on the rows of every other model (of every engine), so neither level saw the model."""
+def leave_one_model_out(rows: Sequence[Sensitivity], jobs: int = 1,
+                        engines: Sequence[str] | None = None) -> dict[tuple[str, str], EngineParameters]:
+    """(engine, architecture) -> the parameters that engine's rows of that model are predicted with, for `engines`
+    (default all): fit_engines on the rows of every other model (of every engine), so neither level saw the model,
+    with the fold's own outer step (the module docstring): that engine's rows linearised again at the fold's fit,
+    and fit once more. A fold lands far from the fit to all rows (DeepSeek left out moves SGLang's launch cost
+    x0.45 -> x1.3), where slopes taken at the latter mislead (benchmarks/RESULTS.md "Stop 52")."""
     out = {}
     for arch in sorted({architecture(s.deployment) for s in rows}):
-        fits = fit_engines([s for s in rows if architecture(s.deployment) != arch])
-        for engine in sorted({s.deployment.engine for s in rows if architecture(s.deployment) == arch}):
-            if engine in fits:
-                out[(engine, arch)] = fits[engine].parameters
+        others = [s for s in rows if architecture(s.deployment) != arch]
+        fits = fit_engines(others)
+        wanted = sorted({s.deployment.engine for s in rows if architecture(s.deployment) == arch} & set(fits)
+                        & set(engines if engines is not None else fits))
+        if not wanted:
+            continue
+        fits = fit_engines(_relinearized_at(others, {e: fits[e].parameters for e in wanted}, jobs))
+        for engine in wanted:
+            out[(engine, arch)] = fits[engine].parameters
     return out
 
 
-def _sensitivity_or_none(d: Deployment) -> Sensitivity | None:
+def _sensitivity_or_none(job: tuple[Deployment, EngineParameters]) -> Sensitivity | None:
     try:
-        return sensitivity(d)
+        return sensitivity(*job)
     except InputError:
         return None
 
 
+def _priced(jobs: Sequence[tuple[Deployment, EngineParameters]], workers: int) -> list[Sensitivity | None]:
+    if workers <= 1:
+        return [_sensitivity_or_none(j) for j in jobs]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_sensitivity_or_none, jobs, chunksize=8))
+
+
 def sensitivities(deployments: Sequence[Deployment], jobs: int = 1) -> list[Sensitivity]:
-    """Every deployment that can be priced, with its slopes (rows that cannot are left out: serving_aic.py counts
-    them with their reasons), over `jobs` processes."""
-    if jobs <= 1:
-        found = [_sensitivity_or_none(d) for d in deployments]
-    else:
-        with ProcessPoolExecutor(jobs) as pool:
-            found = list(pool.map(_sensitivity_or_none, deployments, chunksize=8))
+    """Every deployment that can be priced, with its slopes at the prior's centre (rows that cannot are left out:
+    serving_aic.py counts them with their reasons), over `jobs` processes."""
+    found = _priced([(d, EngineParameters()) for d in deployments], jobs)
     return [s for s in found if s is not None]
+
+
+def _relinearized_at(rows: Sequence[Sensitivity], centres: dict[str, EngineParameters],
+                     jobs: int) -> list[Sensitivity]:
+    """The rows of the engines in `centres` linearised again at their engine's centre (kept where that cannot be
+    priced); the other rows as they were."""
+    moved = [i for i, s in enumerate(rows) if s.deployment.engine in centres]
+    found = _priced([(rows[i].deployment, centres[rows[i].deployment.engine]) for i in moved], jobs)
+    out = list(rows)
+    for i, new in zip(moved, found, strict=True):
+        if new is not None:
+            out[i] = dataclasses.replace(new, uncalibrated=rows[i].uncalibrated_s())
+    return out
+
+
+def relinearized(rows: Sequence[Sensitivity], jobs: int = 1) -> list[Sensitivity]:
+    """The rows linearised again at their engine's fit to them (fit_engines): the outer step of the module
+    docstring. A row that cannot be priced there keeps its slopes."""
+    return _relinearized_at(rows, {e: f.parameters for e, f in fit_engines(rows).items()}, jobs)
+
+
+def calibration_rows(deployments: Sequence[Deployment], jobs: int = 1) -> list[Sensitivity]:
+    """The priceable deployments with their slopes where the fit lands (sensitivities, then relinearized)."""
+    return relinearized(sensitivities(deployments, jobs), jobs)
 
 
 def median_errors(pairs: Sequence[tuple[Deployment, tuple[float, float]]]) -> dict[str, float]:
@@ -272,16 +329,17 @@ def serving_residual(d: Deployment, ttft_s: float, tpot_s: float) -> ServingResi
                            throughput=None if throughput is None else round(throughput, RESIDUAL_DIGITS))
 
 
-def engine_calibration(rows: Sequence[Sensitivity], engine: str, source: str, created: str) -> EngineCalibration:
+def engine_calibration(rows: Sequence[Sensitivity], engine: str, source: str, created: str, jobs: int = 1,
+                       folds: dict[tuple[str, str], EngineParameters] | None = None) -> EngineCalibration:
     """The calibration file of one engine: its parameters fit to all rows (fit_engines), and its rows' error
-    left one model out, each model's rows priced in full (aic_deployments.price) with parameters that never saw
-    it, beside the uncalibrated error on the same rows."""
+    left one model out (leave_one_model_out, or `folds` where already fit), each model's rows priced in full
+    (aic_deployments.price) with parameters that never saw it, beside the uncalibrated error on the same rows."""
     own = [s for s in rows if s.deployment.engine == engine]
     if not own:
         engines = ", ".join(sorted({s.deployment.engine for s in rows}))
         raise InputError(f"no priceable deployment of engine {engine!r}; the rows hold {engines}")
     fitted = fit_engines(rows)[engine]
-    folds = leave_one_model_out(rows)
+    folds = folds if folds is not None else leave_one_model_out(rows, jobs, [engine])
     held, same = [], []
     for s in own:
         p = folds.get((engine, architecture(s.deployment)))
@@ -292,7 +350,7 @@ def engine_calibration(rows: Sequence[Sensitivity], engine: str, source: str, cr
         except InputError:
             continue
         held.append((s.deployment, (priced.ttft_ms / 1e3, priced.tpot_ms / 1e3)))
-        same.append((s.deployment, (s.ttft_s, s.tpot_s)))
+        same.append((s.deployment, s.uncalibrated_s()))
     p = fitted.parameters
     logs = dict(p.log_factors)
     spread = dict(zip(NAMES, fitted.spread, strict=True))

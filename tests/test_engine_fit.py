@@ -88,6 +88,40 @@ def test_a_priced_row_takes_the_engine_times():
     assert aic.price(row, engine=EngineParameters((("memory", -0.3),))).tpot_ms > base.tpot_ms
 
 
+def test_a_row_linearised_elsewhere_predicts_its_own_pricing_there():
+    """sensitivity at a centre off the prior's: the local model gives the full pricing at the centre exactly, and
+    near it within a few per cent; a factor at its upper bound takes its secant downward (slopes stay finite)."""
+    pytest.importorskip("aiconfigurator_core")
+    row = aic.read_deployments(table(AGG.replace("silicon_concurrency=64", "silicon_concurrency=4"))).deployments[0]
+    from meshplan.costmodels.engine_fit import sensitivity
+
+    centre = EngineParameters((("memory", -0.3), ("gemm", BOUNDS["gemm"][1])), iteration_s=0.001, request_s=0.02)
+    s = sensitivity(row, centre)
+    at = aic.price(row, engine=centre)
+    assert s.predict(centre) == pytest.approx((at.ttft_ms / 1e3, at.tpot_ms / 1e3), rel=1e-12)
+    near = EngineParameters((("memory", -0.25), ("gemm", BOUNDS["gemm"][1])), iteration_s=0.0015, request_s=0.03)
+    full = aic.price(row, engine=near)
+    assert s.predict(near) == pytest.approx((full.ttft_ms / 1e3, full.tpot_ms / 1e3), rel=0.03)
+    assert all(math.isfinite(x) for pair in s.log_slopes for x in pair)
+    # a slower HBM share at the centre still slows decode: the memory slope of log TPOT is negative
+    assert dict(zip(("gemm", "attention", "memory"), s.log_slopes, strict=False))["memory"][1] < 0
+
+
+def test_relinearised_rows_keep_the_uncalibrated_figures():
+    """relinearized moves each row's slopes to its engine's fit and keeps what the defaults gave, which the
+    held-out error is set beside."""
+    pytest.importorskip("aiconfigurator_core")
+    from meshplan.costmodels.engine_fit import fit_engines, relinearized, sensitivities
+
+    rows = sensitivities(aic.read_deployments(table(DENSE, QWEN)).deployments)
+    again = relinearized(rows)
+    fits = fit_engines(rows)
+    for old, new in zip(rows, again, strict=True):
+        assert new.centre == fits[new.deployment.engine].parameters != EngineParameters()
+        assert new.uncalibrated_s() == (old.ttft_s, old.tpot_s) == old.uncalibrated_s()
+        assert new.predict(new.centre) == pytest.approx((new.ttft_s, new.tpot_s), rel=1e-12)
+
+
 QWEN = ("qwen_agg,src; silicon_concurrency=2,vllm,0.12.0,Qwen/Qwen3-32B,h100_sxm,,agg,1024,128,,,2,2,1,,1,1,,,,,,,,,"
         ",,,,,,90.0,12.5")
 
