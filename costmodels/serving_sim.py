@@ -28,7 +28,8 @@ __all__ = ["SimulatedLoad", "group_view", "simulate_benchmark", "simulate_disagg
 
 @dataclass(frozen=True)
 class SimulatedLoad:
-    """What the requests of a simulated run saw (after its warm-up): TTFT and TPOT per request, seconds."""
+    """What the requests of a simulated run saw (after its warm-up): TTFT and TPOT per request, seconds, and the
+    sequences an engine held on average (a decode engine's, disaggregated)."""
 
     ttft_s: np.ndarray
     tpot_s: np.ndarray
@@ -241,7 +242,10 @@ def simulate_disaggregated(prefill: EngineState, prefill_engines: int, decode: l
     ttft = first - arrival
     tpot = (finish - first) / max(decode_tokens, 1)
     span = float(np.nanmax(finish))
-    return SimulatedLoad(ttft, tpot, total / span if span > 0 else math.inf, float("nan"))  # running: not tracked
+    # Little's law: the sequences a decode engine holds on average are the time all requests spent there (from the
+    # first token, which includes the wait for the step that takes them in) over the run, per engine
+    held = float(np.sum(finish - first)) / span / decode_engines if span > 0 else 0.0
+    return SimulatedLoad(ttft, tpot, total / span if span > 0 else math.inf, held)
 
 
 def group_view(curve: list[EngineState]) -> list[EngineState]:

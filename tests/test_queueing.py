@@ -510,16 +510,21 @@ def test_a_disaggregated_run_from_idle_as_by_hand():
     whole, dec, wl = _disaggregated_states(4, 0.1, 0.01, 0.005, 0.02)
     run = simulate_disaggregated(whole, 1, dec, 2, wl, users=4, rounds=5)
     assert run.ttft_s.tolist() == pytest.approx([0.115] * 20) and run.tpot_s.tolist() == pytest.approx([0.02] * 20)
+    # each decode engine holds two sequences for 49 x 0.02 s of every 0.115 + 0.98 s round
+    assert run.mean_running == pytest.approx(2 * 0.98 / 1.095)
 
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 3), st.integers(1, 3), st.integers(1, 4))
 def test_a_disaggregated_run_measures_every_request_and_never_beats_an_idle_engine(users, prefill, decode, prompts):
     """Every one of users x rounds requests is measured; none gets its first token sooner than one prefill
-    iteration, the transfer and the front end after it was sent, nor its tokens faster than the decode step."""
+    iteration, the transfer and the front end after it was sent, nor its tokens faster than the decode step; the
+    decode engines hold at most the users between them."""
     from meshplan.costmodels.serving_sim import simulate_disaggregated
 
     pre, dec, wl = _disaggregated_states(prompts, 0.1, 0.01, 0.005, 0.02)
     run = simulate_disaggregated(pre, prefill, dec, decode, wl, users=users, rounds=3)
     assert len(run.ttft_s) == 3 * users and np.all(np.isfinite(run.ttft_s)) and np.all(np.isfinite(run.tpot_s))
     assert np.all(run.ttft_s >= 0.115 - 1e-9) and np.all(run.tpot_s >= 0.02 - 1e-9)
+    # never more than every user's sequence at once, spread over the decode engines
+    assert 0 < run.mean_running <= users / decode + 1e-9
