@@ -1,6 +1,7 @@
 """`meshplan calibrate`: fit the cost model's few physical factors to step times a team measured."""
 
 import math
+import time
 from datetime import date
 from pathlib import Path
 from typing import Annotated, Literal
@@ -122,9 +123,15 @@ def _engine_calibration(engine: str, out: Path, jobs: int) -> None:
 
     data = read_deployments()
     con = console()
-    con.print(f"{data.source}: pricing {len(data.deployments):,} rows with slopes, twice ({jobs} process(es))")
-    cal = engine_calibration(calibration_rows(data.deployments, jobs), engine, data.source, date.today().isoformat(),
-                             jobs)
+    con.print(f"{data.source}: pricing {len(data.deployments):,} rows with slopes at the defaults, again at the "
+              f"fit, and {engine}'s again for each model left out ({jobs} process(es); about half an hour on 2)")
+    start = time.perf_counter()
+
+    def progress(step: str) -> None:
+        con.print(f"  {time.perf_counter() - start:5.0f} s  {step}")
+
+    cal = engine_calibration(calibration_rows(data.deployments, jobs, progress), engine, data.source,
+                             date.today().isoformat(), jobs, progress=progress)
     try:
         write_text_atomic(out, cal.model_dump_json(indent=1) + "\n")
     except OSError as exc:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -237,15 +237,17 @@ def fit_engines(rows: Sequence[Sensitivity]) -> dict[str, EngineFit]:
             for engine in sorted({s.deployment.engine for s in rows})}
 
 
-def leave_one_model_out(rows: Sequence[Sensitivity], jobs: int = 1,
-                        engines: Sequence[str] | None = None) -> dict[tuple[str, str], EngineParameters]:
+def leave_one_model_out(rows: Sequence[Sensitivity], jobs: int = 1, engines: Sequence[str] | None = None,
+                        progress: Callable[[str], None] | None = None) -> dict[tuple[str, str], EngineParameters]:
     """(engine, architecture) -> the parameters that engine's rows of that model are predicted with, for `engines`
     (default all): fit_engines on the rows of every other model (of every engine), so neither level saw the model,
     with the fold's own outer step (the module docstring): that engine's rows linearised again at the fold's fit,
     and fit once more. A fold lands far from the fit to all rows (DeepSeek left out moves SGLang's launch cost
-    x0.45 -> x1.3), where slopes taken at the latter mislead (benchmarks/RESULTS.md "Stop 52")."""
+    x0.45 -> x1.3), where slopes taken at the latter mislead (benchmarks/RESULTS.md "Stop 52"). `progress` hears
+    of each fold."""
     out = {}
-    for arch in sorted({architecture(s.deployment) for s in rows}):
+    archs = sorted({architecture(s.deployment) for s in rows})
+    for n, arch in enumerate(archs, 1):
         others = [s for s in rows if architecture(s.deployment) != arch]
         fits = fit_engines(others)
         wanted = sorted({s.deployment.engine for s in rows if architecture(s.deployment) == arch} & set(fits)
@@ -255,6 +257,8 @@ def leave_one_model_out(rows: Sequence[Sensitivity], jobs: int = 1,
         fits = fit_engines(_relinearized_at(others, {e: fits[e].parameters for e in wanted}, jobs))
         for engine in wanted:
             out[(engine, arch)] = fits[engine].parameters
+        if progress is not None:
+            progress(f"model {n} of {len(archs)} left out ({arch}): fit, linearised again there, fit again")
     return out
 
 
@@ -298,9 +302,16 @@ def relinearized(rows: Sequence[Sensitivity], jobs: int = 1) -> list[Sensitivity
     return _relinearized_at(rows, {e: f.parameters for e, f in fit_engines(rows).items()}, jobs)
 
 
-def calibration_rows(deployments: Sequence[Deployment], jobs: int = 1) -> list[Sensitivity]:
+def calibration_rows(deployments: Sequence[Deployment], jobs: int = 1,
+                     progress: Callable[[str], None] | None = None) -> list[Sensitivity]:
     """The priceable deployments with their slopes where the fit lands (sensitivities, then relinearized)."""
-    return relinearized(sensitivities(deployments, jobs), jobs)
+    rows = sensitivities(deployments, jobs)
+    if progress is not None:
+        progress(f"{len(rows):,} of {len(deployments):,} rows priced with slopes at the defaults")
+    rows = relinearized(rows, jobs)
+    if progress is not None:
+        progress("priced again with slopes at each engine's fit")
+    return rows
 
 
 def median_errors(pairs: Sequence[tuple[Deployment, tuple[float, float]]]) -> dict[str, float]:
@@ -330,7 +341,8 @@ def serving_residual(d: Deployment, ttft_s: float, tpot_s: float) -> ServingResi
 
 
 def engine_calibration(rows: Sequence[Sensitivity], engine: str, source: str, created: str, jobs: int = 1,
-                       folds: dict[tuple[str, str], EngineParameters] | None = None) -> EngineCalibration:
+                       folds: dict[tuple[str, str], EngineParameters] | None = None,
+                       progress: Callable[[str], None] | None = None) -> EngineCalibration:
     """The calibration file of one engine: its parameters fit to all rows (fit_engines), and its rows' error
     left one model out (leave_one_model_out, or `folds` where already fit), each model's rows priced in full
     (aic_deployments.price) with parameters that never saw it, beside the uncalibrated error on the same rows."""
@@ -339,7 +351,7 @@ def engine_calibration(rows: Sequence[Sensitivity], engine: str, source: str, cr
         engines = ", ".join(sorted({s.deployment.engine for s in rows}))
         raise InputError(f"no priceable deployment of engine {engine!r}; the rows hold {engines}")
     fitted = fit_engines(rows)[engine]
-    folds = folds if folds is not None else leave_one_model_out(rows, jobs, [engine])
+    folds = folds if folds is not None else leave_one_model_out(rows, jobs, [engine], progress)
     held, same = [], []
     for s in own:
         p = folds.get((engine, architecture(s.deployment)))

@@ -154,6 +154,27 @@ def test_an_engine_calibration_file_from_two_models(tmp_path):
         engine_calibration(rows, "sglang", "test rows", "2026-12-07")
 
 
+def test_calibrate_deployments_reports_each_step_and_writes_the_file(capsys, tmp_path, monkeypatch):
+    """`calibrate --deployments aic` on two models' rows (the wheel's file replaced by them): it says what it
+    prices, reports each step as it goes (a run on the whole file takes half an hour), and writes a file that
+    reads back."""
+    pytest.importorskip("aiconfigurator_core")
+    from cli_helpers import run
+
+    from meshplan.hardware_db.calibration import load_engine_calibration
+
+    rows = aic.read_deployments(table(DENSE, QWEN))
+    monkeypatch.setattr(aic, "read_deployments", lambda: rows)
+    out = tmp_path / "vllm.json"
+    code, text, err = run(capsys, "calibrate", "--deployments", "aic", "--engine", "vllm", "--out", str(out))
+    assert code == 0, err
+    said = " ".join(text.split())
+    for step in ("2 of 2 rows priced with slopes at the defaults", "priced again with slopes at each engine's fit",
+                 "model 1 of 2 left out", "model 2 of 2 left out", f"engine calibration written to {out}"):
+        assert step in said, step
+    assert load_engine_calibration(out).rows == 2
+
+
 @pytest.mark.parametrize(("args", "words"), [
     ((), ("--runs", "--deployments")),
     (("--deployments", "aic"), ("--engine",)),
