@@ -97,15 +97,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def trtllm_refusal(model: ModelSpec, tp: int, dp: int, ep: int) -> Literal["tp inside dp", "redundant experts"] | None:
+    """Why TensorRT-LLM does not run an engine of these degrees as its export writes it, or None where it does: its
+    attention DP makes every rank its own attention group (enable_attention_dp: attention TP 1,
+    tensorrt_llm/mapping.py), and the export writes no redundant experts (planner/launchers/trtllm.py)."""
+    if dp > 1 and tp > 1:
+        return "tp inside dp"
+    if model.moe is not None and redundant_experts(model.moe.num_experts, ep):
+        return "redundant experts"
+    return None
+
+
 def engine_runs(engine: ServeEngine | None, model: ModelSpec, lay: EngineLayout) -> bool:
-    """Whether `engine` runs the layout as its export writes it (None: any engine). TensorRT-LLM's attention DP
-    makes every rank its own attention group (enable_attention_dp: attention TP 1, tensorrt_llm/mapping.py), and
-    its export writes no redundant experts (planner/launchers/trtllm.py)."""
-    if engine != "trtllm":
-        return True
-    if lay.dp > 1 and lay.tp > 1:
-        return False
-    return model.moe is None or not redundant_experts(model.moe.num_experts, lay.ep)
+    """Whether `engine` runs the layout as its export writes it (None: any engine; trtllm_refusal)."""
+    return engine != "trtllm" or trtllm_refusal(model, lay.tp, lay.dp, lay.ep) is None
 
 
 def engine_layouts(model: ModelSpec, max_gpus: int, per_node: int,

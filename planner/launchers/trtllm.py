@@ -29,11 +29,11 @@ import json
 import re
 import shlex
 
-from meshplan.costmodels.serving import redundant_experts
 from meshplan.planner.launchers.common import Exported, refuse
 from meshplan.planner.launchers.dynamo import dynamo_graph
 from meshplan.planner.launchers.serving_launch import ROUTER_PORT, Placement, launch_files, max_model_len, place
 from meshplan.planner.plan import ServingEngine, ServingPlan
+from meshplan.planner.serve import trtllm_refusal
 
 __all__ = ["TARGET", "trtllm_args", "llm_api_options", "kv_free_fraction", "export_trtllm", "parse_trtllm_command"]
 
@@ -53,12 +53,14 @@ def kv_free_fraction(plan: ServingPlan, engine: ServingEngine) -> float:
 def _check(plan: ServingPlan, engine: ServingEngine) -> None:
     """The plans this export refuses, each with why and what to re-plan with."""
     model = plan.inputs.model_spec()
-    if engine.dp > 1 and engine.tp > 1:
+    why = trtllm_refusal(model, engine.tp, engine.dp, engine.ep)
+    if why == "tp inside dp":
         raise refuse(TARGET, f"TensorRT-LLM's attention DP makes every rank its own attention group "
                      f"(enable_attention_dp: attention TP 1); the plan's engine has TP{engine.tp} inside DP{engine.dp}",
                      f"re-plan with --layout tp1,dp{engine.tp * engine.dp},ep{engine.ep} or export it --to sglang")
-    if model.moe is not None and redundant_experts(model.moe.num_experts, engine.ep):
-        raise refuse(TARGET, f"EP {engine.ep} over {model.moe.num_experts} experts needs redundant experts (TensorRT-"
+    if why == "redundant experts":
+        experts = model.moe.num_experts if model.moe is not None else 0
+        raise refuse(TARGET, f"EP {engine.ep} over {experts} experts needs redundant experts (TensorRT-"
                      "LLM's expert load balancer slots), which this export does not write", "use --to sglang")
     if plan.inputs.workload.two_batch_overlap and engine.ep > 1 and engine.dp > 1:
         raise refuse(TARGET, "the plan overlaps two micro-batches' expert all-to-all (--two-batch-overlap), which "
