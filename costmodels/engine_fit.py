@@ -72,7 +72,11 @@ class Sensitivity:
 
     def uncalibrated_s(self) -> tuple[float, float]:
         """(TTFT, TPOT) seconds with the defaults: the error every calibrated figure is set beside."""
-        return self.uncalibrated or (self.ttft_s, self.tpot_s)
+        if self.uncalibrated is not None:
+            return self.uncalibrated
+        if self.centre != EngineParameters():
+            raise ValueError(f"{self.deployment.id} was linearised off the defaults without their figures")
+        return self.ttft_s, self.tpot_s
 
     def predict(self, p: EngineParameters) -> tuple[float, float]:
         """(TTFT, TPOT) seconds under `p` by the local model (module docstring)."""
@@ -243,8 +247,9 @@ def leave_one_model_out(rows: Sequence[Sensitivity], jobs: int = 1, engines: Seq
     (default all): fit_engines on the rows of every other model (of every engine), so neither level saw the model,
     with the fold's own outer step (the module docstring): that engine's rows linearised again at the fold's fit,
     and fit once more. A fold lands far from the fit to all rows (DeepSeek left out moves SGLang's launch cost
-    x0.45 -> x1.3), where slopes taken at the latter mislead (benchmarks/RESULTS.md "Stop 52"). `progress` hears
-    of each fold."""
+    x0.45 -> x1.3), where slopes taken at the latter mislead (benchmarks/RESULTS.md "Stop 52"). The fold's first
+    fit starts from the rows' slopes as given (at the fit to all rows, after calibration_rows): a point of expansion
+    only; no residual of the left-out model enters the fold's objective. `progress` hears of each fold."""
     out = {}
     archs = sorted({architecture(s.deployment) for s in rows})
     for n, arch in enumerate(archs, 1):

@@ -103,6 +103,8 @@ def test_a_row_linearised_elsewhere_predicts_its_own_pricing_there():
     full = aic.price(row, engine=near)
     assert s.predict(near) == pytest.approx((full.ttft_ms / 1e3, full.tpot_ms / 1e3), rel=0.03)
     assert all(math.isfinite(x) for pair in s.log_slopes for x in pair)
+    with pytest.raises(ValueError, match="without their figures"):  # the defaults' figures were not kept
+        s.uncalibrated_s()
     # a slower HBM share at the centre still slows decode: the memory slope of log TPOT is negative
     assert dict(zip(("gemm", "attention", "memory"), s.log_slopes, strict=False))["memory"][1] < 0
 
