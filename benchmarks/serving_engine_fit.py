@@ -3,13 +3,15 @@
 (costmodels/aic_deployments.py), each model's rows predicted with parameters fit to the other models' rows only.
 
 Usage:  pip install 'meshplan[aic]' && python benchmarks/serving_engine_fit.py [--jobs 2] [--markdown]
+            [--slopes FILE] [--write DIR]
+(about 41 minutes on 2 processes; from a --slopes file already written, about 28)
 
 How: every priceable row is priced at the prior's centre and with each parameter moved (costmodels/engine_fit.py,
 about 7 x serving_aic.py's time, split over --jobs processes), and again at its engine's fit to those slopes (the
-outer step: the slopes the fit uses are then those where it lands). For each model (an architecture: DeepSeek-R1 and V3
-are one), every engine's parameters are fit to the other models' rows (engine_fit.leave_one_model_out: a fit to all
-engines' rows, then each engine's centred on it; that engine's rows linearised again at the fold's fit and fit once
-more), and the model's rows are priced in full with them. Printed:
+outer step: the slopes the fit uses are then those where it lands). For each model (an architecture: DeepSeek-R1
+and V3 are one), every engine's parameters are fit to the other models' rows (engine_fit.leave_one_model_out: a fit
+to all engines' rows, then each engine's centred on it; that engine's rows linearised again at the fold's fit and
+fit once more), and the model's rows are priced in full with them. Printed:
 the held-out median absolute and signed error of TTFT, TPOT and throughput (Little's law, as serving_aic.py),
 beside the uncalibrated error on the same rows, by GPU, engine, model, mode and users; and each engine's parameters
 fit to all its rows, with their posterior spreads. Issue 45's targets: TPOT <= 12 %, TTFT <= 20 %, throughput <= 12 %.
