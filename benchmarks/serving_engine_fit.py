@@ -113,7 +113,7 @@ def main() -> int:
         rows = sensitivities(data.deployments, args.jobs)
     if all(s.centre == EngineParameters() for s in rows):  # not yet linearised where the fit lands
         first = fit_engines(rows)
-        rows = relinearized(rows, args.jobs)
+        rows = relinearized(rows, args.jobs, first)
         print("linearised again at each engine's fit to all rows: " + "; ".join(
             f"{e} {_parameters(f.parameters)}" for e, f in first.items()))
         if args.slopes:

@@ -301,10 +301,12 @@ def _relinearized_at(rows: Sequence[Sensitivity], centres: dict[str, EngineParam
     return out
 
 
-def relinearized(rows: Sequence[Sensitivity], jobs: int = 1) -> list[Sensitivity]:
-    """The rows linearised again at their engine's fit to them (fit_engines): the outer step of the module
-    docstring. A row that cannot be priced there keeps its slopes."""
-    return _relinearized_at(rows, {e: f.parameters for e, f in fit_engines(rows).items()}, jobs)
+def relinearized(rows: Sequence[Sensitivity], jobs: int = 1,
+                 fits: dict[str, EngineFit] | None = None) -> list[Sensitivity]:
+    """The rows linearised again at their engine's fit to them (`fits` where already made, else fit_engines): the
+    outer step of the module docstring. A row that cannot be priced there keeps its slopes."""
+    fits = fits if fits is not None else fit_engines(rows)
+    return _relinearized_at(rows, {e: f.parameters for e, f in fits.items()}, jobs)
 
 
 def calibration_rows(deployments: Sequence[Deployment], jobs: int = 1,

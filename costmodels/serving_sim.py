@@ -240,7 +240,7 @@ def simulate_disaggregated(prefill: EngineState, prefill_engines: int, decode: l
         if not events or events[0][0] > t:  # every request sent at t is queued before a prefill engine takes some
             start_prefill(t)
     ttft = first - arrival
-    tpot = (finish - first) / max(decode_tokens, 1)
+    tpot = (finish - first) / decode_tokens  # at least 1 (checked above)
     span = float(np.nanmax(finish))
     # Little's law: the sequences a decode engine holds on average are the time all requests spent there (from the
     # first token, which includes the wait for the step that takes them in) over the run, per engine

@@ -59,8 +59,8 @@ def _check(plan: ServingPlan, engine: ServingEngine) -> None:
                      f"(enable_attention_dp: attention TP 1); the plan's engine has TP{engine.tp} inside DP{engine.dp}",
                      f"re-plan with --layout tp1,dp{engine.tp * engine.dp},ep{engine.ep} or export it --to sglang")
     if why == "redundant experts":
-        experts = model.moe.num_experts if model.moe is not None else 0
-        raise refuse(TARGET, f"EP {engine.ep} over {experts} experts needs redundant experts (TensorRT-"
+        assert model.moe is not None  # trtllm_refusal finds redundant experts in MoE models only
+        raise refuse(TARGET, f"EP {engine.ep} over {model.moe.num_experts} experts needs redundant experts (TensorRT-"
                      "LLM's expert load balancer slots), which this export does not write", "use --to sglang")
     if plan.inputs.workload.two_batch_overlap and engine.ep > 1 and engine.dp > 1:
         raise refuse(TARGET, "the plan overlaps two micro-batches' expert all-to-all (--two-batch-overlap), which "
