@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshplan.costmodels.aic_deployments import (Deployment, models_named, price_all,  # noqa: E402
+from meshplan.costmodels.aic_deployments import (COPY, Deployment, models_named, price_all,  # noqa: E402
                                                  read_deployments, relative_errors)
 from meshplan.hardware_db.errors import InputError  # noqa: E402
 
@@ -74,7 +74,10 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{rows.source}: {len(rows.deployments) + len(rows.unread)} rows, {len(rows.deployments)} read")
-    for why, n in Counter(u.why for u in rows.unread).most_common():
+    copies = [u for u in rows.unread if u.why.startswith(COPY)]
+    if copies:
+        print(f"  not read: {len(copies):4d} rows: copies of another row (one run listed twice), counted once")
+    for why, n in Counter(u.why for u in rows.unread if u not in copies).most_common():
         print(f"  not read: {n:4d} rows: {why}")
     named = models_named(rows.deployments)
     counts = Counter(d.model_path for d in rows.deployments)

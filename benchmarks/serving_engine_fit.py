@@ -4,7 +4,7 @@
 
 Usage:  pip install 'meshplan[aic]' && python benchmarks/serving_engine_fit.py [--jobs 2] [--markdown]
             [--slopes FILE] [--write DIR]
-(about 41 minutes on 2 processes; from a --slopes file already written, about 28)
+(about 41 minutes on 2 processes, 57 on a loaded VM at stop 53; from a --slopes file already written, about 28)
 
 How: every priceable row is priced at the prior's centre and with each parameter moved (costmodels/engine_fit.py,
 about 7 x serving_aic.py's time, split over --jobs processes), and again at its engine's fit to those slopes (the
@@ -109,6 +109,8 @@ def main() -> int:
         if source != data.source:
             print(f"error: {args.slopes} holds {source}'s rows, not {data.source}'s: delete it", file=sys.stderr)
             return 2
+        read = {d.id for d in data.deployments}
+        rows = [s for s in rows if s.deployment.id in read]  # a file written before the reader counted copies once
     if rows is None:
         rows = sensitivities(data.deployments, args.jobs)
     if all(s.centre == EngineParameters() for s in rows):  # not yet linearised where the fit lands

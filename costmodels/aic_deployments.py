@@ -10,10 +10,14 @@ TPOT. Its layout, as AIConfigurator writes it:
 - disaggregated: prefill and decode pools, each with its layout, worker count and batch size; most rows lack the
   counts (AIConfigurator's own curation keeps only the complete ones), and those are not priced.
 meshplan's EngineLayout(tp, dp = attention DP, pp, ep) says the same: its expert TP is tp x dp / ep.
+Some runs are listed twice (under a database dump and the CSV it came from: every cell the same but the id and the
+source); the copy is kept as unread, with the row it repeats, so that each measurement counts once. Rows that measure
+one deployment with different figures (another engine version, or a rerun) are all read; `repeats` pairs them.
 
 Not in the file, so assumed (each stated where it is used): the KV-cache dtype (FP8 with FP8 or FP4 weights, else
 BF16: AIConfigurator's own default, sdk/models/helpers.py _infer_quant_modes_from_raw_config), fixed request lengths
-(the client's synthetic ISL/OSL), one aggregated engine taking all the users, the token budget of 8,192, and the
+(the client's synthetic ISL/OSL), one aggregated engine taking all the users, the token budget AIConfigurator's
+benchmark rules set (token_budget: each attention-DP rank's batch + ISL + 1,500 tokens per iteration), and the
 client's run: AIConfigurator's benchmark template (aiperf, 20 rounds from idle), which an aggregated engine is
 simulated under (an attention-DP one as one of its groups in lockstep), and disaggregated deployments request by
 request through their prefill and decode engines (serving_sim.simulate_disaggregated).
@@ -24,6 +28,7 @@ The throughput is not measured in the file: it is derived from TTFT and TPOT by 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import math
@@ -59,7 +64,12 @@ CONFIG_OF = {"meta-llama/Llama-3.1-70B": "meta-llama--Meta-Llama-3.1-70B",
              "zhipuai/GLM-5": "zai-org--GLM-5"}
 # the row's precision -> meshplan weight dtype
 WEIGHTS: dict[str, WeightDtype] = {"fp8": "fp8", "fp4": "fp4", "bf16": "bf16", "": "bf16"}
-CHUNK = 8192  # tokens per iteration: the default of vLLM's online server, SGLang and TensorRT-LLM (planner/serve.py)
+COPY = "a copy of row"  # the start of a copied row's reason (Unread.why)
+# An aggregated engine's tokens per iteration, per attention-DP rank, as AIConfigurator's benchmark rules set them:
+# the rank's batch + ISL + 1,500 (generator/rule_plugin/benchmark/{vllm,trtllm,sglang}.rule: max_num_tokens, or
+# SGLang's max_prefill_tokens = ISL + 1,500), TensorRT-LLM's rounded up to its 32-token KV blocks
+BUDGET_MARGIN = 1500
+TRTLLM_BLOCK = 32
 ROUNDS = 20  # AIConfigurator's benchmark template: users x 20 requests after a drained warm-up (serving_reference.yaml)
 Mode = Literal["aggregated", "disaggregated"]
 
@@ -221,12 +231,49 @@ def read_deployments(text: str | None = None) -> DeploymentSet:
         source = (f"aiconfigurator-core {metadata.version('aiconfigurator-core')} {'/'.join(CSV_PATH)} "
                   f"sha256:{hashlib.sha256(text.encode()).hexdigest()[:16]}")
     read, unread = [], []
+    first_of: dict[Deployment, str] = {}  # a row without its id -> the first row's id
     for row in csv.DictReader(io.StringIO(text)):
         try:
-            read.append(parse_row(row))
+            d = parse_row(row)
         except (ValueError, KeyError) as exc:
             unread.append(Unread(row.get("id", "?"), row.get("model_path", "?"), str(exc)))
+            continue
+        first = first_of.setdefault(dataclasses.replace(d, id=""), d.id)
+        if first == d.id:
+            read.append(d)
+        else:  # one run listed twice (under a database dump and the CSV it came from): counted once
+            unread.append(Unread(d.id, d.model_path, f"{COPY} {first} (the same engine version, layout, load and "
+                                                     "measured TTFT and TPOT)"))
     return DeploymentSet(tuple(read), tuple(unread), source)
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """Two rows measuring one deployment (the same engine, model, GPU, precision, layout, request shape and users)
+    with different figures: another engine version, or the same version run again."""
+
+    first: Deployment
+    second: Deployment
+
+    @property
+    def same_version(self) -> bool:
+        return self.first.version == self.second.version
+
+    def spread(self, metric: Literal["ttft", "tpot"]) -> float:
+        """The larger measured figure over the smaller, less 1."""
+        a, b = ((self.first.ttft_ms, self.second.ttft_ms) if metric == "ttft"
+                else (self.first.tpot_ms, self.second.tpot_ms))
+        return max(a, b) / min(a, b) - 1
+
+
+def repeats(deployments: Iterable[Deployment]) -> list[Repeat]:
+    """Every pair of rows that measure one deployment, in file order. How far the measurements disagree bounds what
+    any prediction from the deployment alone can reach: exact on one row of a pair, it is off on the other by
+    1 - smaller / larger."""
+    rows_of: dict[Deployment, list[Deployment]] = {}
+    for d in deployments:
+        rows_of.setdefault(dataclasses.replace(d, id="", version="", ttft_ms=0.0, tpot_ms=0.0), []).append(d)
+    return [Repeat(a, b) for rows in rows_of.values() for i, a in enumerate(rows) for b in rows[i + 1:]]
 
 
 @cache
@@ -281,11 +328,24 @@ def price(d: Deployment, eff: Efficiency | None = None, from_idle: bool = True,
         ttft, tpot = benchmarked(d, model, wl, eff, spec)
     else:
         lay = d.pool.layout
-        point = concurrency_point(model, cluster_of(d.gpu, lay.gpus, spec), lay, wl, d.users, CHUNK, None, eff)
+        point = concurrency_point(model, cluster_of(d.gpu, lay.gpus, spec), lay, wl, d.users, token_budget(d), None,
+                                  eff)
         if point is None:
             raise InputError(f"{d.users} users do not fit {lay.label()} (no batch fits, or prefill cannot keep up)")
         ttft, tpot = point.ttft_s, point.tpot_s
     return Priced(ttft * 1e3, tpot * 1e3, little_throughput(d.users, d.osl, ttft, tpot, d.gpus))
+
+
+def token_budget(d: Deployment) -> int:
+    """The aggregated engine's tokens per iteration over all its attention-DP ranks (BUDGET_MARGIN's rules), the
+    chunk the serving model takes. SGLang's cap counts prompt tokens only, so the rank's batch is added as the others'
+    decode tokens are: the same prompt tokens beside a full decode batch (an unmixed prefill iteration may take that
+    many more)."""
+    lay = d.pool.layout
+    per_rank = (d.pool.batch or math.ceil(d.users / lay.dp)) + d.isl + BUDGET_MARGIN
+    if d.engine == "trtllm":
+        per_rank = math.ceil(per_rank / TRTLLM_BLOCK) * TRTLLM_BLOCK
+    return lay.dp * per_rank
 
 
 def curve_batches(users: int) -> list[int]:
@@ -299,14 +359,15 @@ def benchmarked(d: Deployment, model: ModelSpec, wl: ServeWorkload, eff: Efficie
                 spec: GPUSpec | None = None) -> tuple[float, float]:
     """(TTFT, TPOT) of the row's closed loop as its client ran it: AIConfigurator's benchmark template runs aiperf
     with a warm-up it drains, then all users' first requests together, ROUNDS x users requests in all
-    (serving_sim.simulate_benchmark; benchmarks/serving_reference.yaml cites the template). The engine holds the
-    largest batch up to the users that fits; the rest wait. An attention-DP engine of dp groups is run as one group
-    with its 1 / dp of the users (serving_sim.group_view: the groups take the users in turn and step together)."""
+    (serving_sim.simulate_benchmark; benchmarks/serving_reference.yaml cites the template), at the token budget its
+    rules set (token_budget). The engine holds the largest batch up to the users that fits; the rest wait. An
+    attention-DP engine of dp groups is run as one group with its 1 / dp of the users (serving_sim.group_view: the
+    groups take the users in turn and step together)."""
     lay = d.pool.layout
-    cluster, curve = cluster_of(d.gpu, lay.gpus, spec), []
+    cluster, curve, chunk = cluster_of(d.gpu, lay.gpus, spec), [], token_budget(d)
     users = max(1, math.ceil(d.users / lay.dp))  # the busiest group's
     for b in curve_batches(users):
-        state = aggregated_state(model, cluster, lay, wl, b * lay.dp, CHUNK, eff)
+        state = aggregated_state(model, cluster, lay, wl, b * lay.dp, chunk, eff)
         if state is None:
             break
         curve.append(state)

@@ -71,6 +71,38 @@ def test_an_unreadable_row_is_kept_with_its_reason():
     assert "attention_dp_size is 0" in reasons["zero_dp"]
 
 
+def test_a_copied_row_counts_once_and_a_remeasured_one_is_a_repeat():
+    """A row equal to an earlier one in all but its id and source is one run listed twice: kept as unread, naming the
+    row it copies. A row of the same deployment with other figures (another engine version) is read, and the two
+    are a Repeat whose spread is larger / smaller - 1 of each figure."""
+    copy = AGG.replace("dsr1_agg,src;", "dsr1_copy,other source;")
+    rerun = AGG.replace("dsr1_agg", "dsr1_rerun").replace(",trtllm,1.0,", ",trtllm,1.1,").replace(
+        ",250.5,12.25", ",300.6,9.8")
+    got = aic.read_deployments(table(AGG, DENSE, copy, rerun))
+    assert [d.id for d in got.deployments] == ["dsr1_agg", "llama_agg", "dsr1_rerun"]
+    assert [(u.id, u.why.split(" (")[0]) for u in got.unread] == [("dsr1_copy", f"{aic.COPY} dsr1_agg")]
+    pairs = aic.repeats(got.deployments)
+    assert [(p.first.id, p.second.id) for p in pairs] == [("dsr1_agg", "dsr1_rerun")]
+    assert not pairs[0].same_version
+    assert pairs[0].spread("ttft") == pytest.approx(300.6 / 250.5 - 1)
+    assert pairs[0].spread("tpot") == pytest.approx(12.25 / 9.8 - 1)
+    # the same deployment at other users is another deployment
+    assert aic.repeats(aic.read_deployments(table(AGG, AGG.replace("dsr1_agg", "more").replace(
+        "silicon_concurrency=64", "silicon_concurrency=128"))).deployments) == []
+
+
+def test_the_token_budget_is_the_benchmark_rules():
+    """Each attention-DP rank's batch + ISL + 1,500 tokens per iteration (AIConfigurator's benchmark rules),
+    TensorRT-LLM's rounded up to 32-token blocks; the engine's is its ranks' sum."""
+    agg, dense = aic.read_deployments(table(AGG, DENSE)).deployments
+    assert aic.token_budget(agg) == 2592  # TensorRT-LLM: 64 + 1,024 + 1,500 = 2,588, up to 81 blocks of 32
+    assert aic.token_budget(dense) == 4 + 1024 + 1500  # vLLM: not rounded
+    wide = aic.read_deployments(table(AGG.replace(",64,8,1,1,1,8,", ",8,1,1,8,1,8,"))).deployments[0]
+    assert aic.token_budget(wide) == 8 * 2560  # 8 ranks of 8 + 1,024 + 1,500 = 2,532, up to 80 blocks
+    no_batch = aic.read_deployments(table(DENSE.replace(",,agg,1024,128,,,4,", ",,agg,1024,128,,,,"))).deployments[0]
+    assert no_batch.pool.batch is None and aic.token_budget(no_batch) == 4 + 1024 + 1500  # the users per rank
+
+
 def test_workload_dtypes():
     agg, dense = aic.read_deployments(table(AGG, DENSE)).deployments
     assert (aic.deployment_workload(agg).weight_dtype, aic.deployment_workload(agg).kv_dtype) == ("fp8", "fp8")
@@ -120,7 +152,7 @@ def test_the_wheels_file_is_read():
 
 def test_aggregated_engines_are_run_from_idle():
     """An aggregated engine is priced as its client ran it, from idle (the first wave's cohorts: 64 prompts of 1,024
-    tokens through a budget of 8,192 wait for each other), above the steady state's TTFT; an attention-DP engine as
+    tokens through a budget of 2,592 wait for each other), above the steady state's TTFT; an attention-DP engine as
     one of its groups, with its share of the users and of the budget and the engine's iterations."""
     pytest.importorskip("aiconfigurator_core")
     agg = aic.read_deployments(table(AGG)).deployments[0]
@@ -130,8 +162,9 @@ def test_aggregated_engines_are_run_from_idle():
     wide = aic.read_deployments(table(AGG.replace(",64,8,1,1,1,8,", ",8,1,1,8,1,8,"))).deployments[0]
     assert wide.pool.layout == EngineLayout(tp=1, dp=8, ep=8)
     model, wl = aic.deployment_model(wide.model_path), aic.deployment_workload(wide)
+    budget = aic.token_budget(wide)
     curve = [s for b in aic.curve_batches(8) for s in [aggregated_state(model, aic.cluster_of("h200", 8),
-                                                                        wide.pool.layout, wl, 8 * b, aic.CHUNK)]]
+                                                                        wide.pool.layout, wl, 8 * b, budget)]]
     groups = group_view(curve)
     assert [(g.batch, g.chunk, g.step_s, g.layout.dp) for g in groups] == [(s.batch // 8, s.chunk // 8, s.step_s, 1)
                                                                           for s in curve]
