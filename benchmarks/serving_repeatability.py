@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshplan.costmodels.aic_deployments import (COPY, Deployment, Repeat, models_named,  # noqa: E402
-                                                 read_deployments, repeats)  # noqa: E402
+from meshplan.costmodels.aic_deployments import (COPY, Deployment, Repeat, measured_deployment,  # noqa: E402
+                                                 models_named, read_deployments, repeats)
 from meshplan.hardware_db.errors import InputError  # noqa: E402
 
 
@@ -43,12 +43,18 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
-def spread_table(pairs: list[Repeat], markdown: bool) -> list[str]:
-    head = ["engine, versions", "pairs", "deployments", "TTFT spread", "TPOT spread"]
-    widths = [30, 6, 12, 12, 12]
+def _head(head: list[str], widths: list[int], markdown: bool) -> list[str]:
+    """The header line, and markdown's alignment line (the first column left, the others right but the last text)."""
     lines = [_row(head, markdown, widths)]
     if markdown:
-        lines.append("| --- | ---: | ---: | ---: | ---: |")
+        lines.append("| --- | " + " | ".join("---:" for _ in head[1:-1]) + (" | --- |" if head[-1] == "models"
+                                                                             else " | ---: |"))
+    return lines
+
+
+def spread_table(pairs: list[Repeat], markdown: bool) -> list[str]:
+    widths = [30, 6, 12, 12, 12]
+    lines = _head(["engine, versions", "pairs", "deployments", "TTFT spread", "TPOT spread"], widths, markdown)
     groups: dict[str, list[Repeat]] = defaultdict(list)
     for p in pairs:
         kind = "one version" if p.same_version else "two versions"
@@ -56,7 +62,7 @@ def spread_table(pairs: list[Repeat], markdown: bool) -> list[str]:
         groups[f"all, {kind}"].append(p)
     for name in sorted(groups, key=lambda g: (g.startswith("all"), g)):
         ps = groups[name]
-        deployments = len({p.first.id for p in ps})
+        deployments = len({measured_deployment(p.first) for p in ps})
         lines.append(_row([name, str(len(ps)), str(deployments),
                            _pct(statistics.median(p.spread("ttft") for p in ps)),
                            _pct(statistics.median(p.spread("tpot") for p in ps))], markdown, widths))
@@ -69,11 +75,8 @@ def _natural(version: str) -> tuple[tuple[int, int | str], ...]:
 
 
 def version_table(pairs: list[Repeat], markdown: bool) -> list[str]:
-    head = ["engine: from -> to", "pairs", "TTFT change", "TPOT change", "models"]
     widths = [54, 6, 12, 12, 30]
-    lines = [_row(head, markdown, widths)]
-    if markdown:
-        lines.append("| --- | ---: | ---: | ---: | --- |")
+    lines = _head(["engine: from -> to", "pairs", "TTFT change", "TPOT change", "models"], widths, markdown)
     by: dict[tuple[str, str, str], list[tuple[Deployment, Deployment]]] = defaultdict(list)
     for p in pairs:
         if not p.same_version:

@@ -272,8 +272,13 @@ def repeats(deployments: Iterable[Deployment]) -> list[Repeat]:
     1 - smaller / larger."""
     rows_of: dict[Deployment, list[Deployment]] = {}
     for d in deployments:
-        rows_of.setdefault(dataclasses.replace(d, id="", version="", ttft_ms=0.0, tpot_ms=0.0), []).append(d)
+        rows_of.setdefault(measured_deployment(d), []).append(d)
     return [Repeat(a, b) for rows in rows_of.values() for i, a in enumerate(rows) for b in rows[i + 1:]]
+
+
+def measured_deployment(d: Deployment) -> Deployment:
+    """What a row measures, without the measurement: its id, engine version and figures blanked."""
+    return dataclasses.replace(d, id="", version="", ttft_ms=0.0, tpot_ms=0.0)
 
 
 @cache
