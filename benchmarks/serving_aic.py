@@ -74,10 +74,10 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{rows.source}: {len(rows.deployments) + len(rows.unread)} rows, {len(rows.deployments)} read")
-    copies = [u for u in rows.unread if u.why.startswith(COPY)]
+    copies = sum(u.why.startswith(COPY) for u in rows.unread)
     if copies:
-        print(f"  not read: {len(copies):4d} rows: copies of another row (one run listed twice), counted once")
-    for why, n in Counter(u.why for u in rows.unread if u not in copies).most_common():
+        print(f"  not read: {copies:4d} rows: copies of another row (one run listed twice), counted once")
+    for why, n in Counter(u.why for u in rows.unread if not u.why.startswith(COPY)).most_common():
         print(f"  not read: {n:4d} rows: {why}")
     named = models_named(rows.deployments)
     counts = Counter(d.model_path for d in rows.deployments)
