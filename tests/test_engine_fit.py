@@ -232,6 +232,29 @@ def test_the_front_end_time_adds_to_ttft_alone():
     assert a is not None and b is not None and b.ttft_s == pytest.approx(a.ttft_s + 0.07, abs=1e-12)
 
 
+def test_serve_queues_requests_at_the_front_end():
+    """serve's load model (serving_load.frontend_time): an engine's requests pass its front end, ISL x the time per
+    token each, and wait there for one another at the engine's rate; TPOT is untouched, a decode engine sees none of
+    it, and a front end slower than the rate leaves no operating point."""
+    from meshplan.costmodels.model_io import load_model
+    from meshplan.costmodels.serving import EngineLayout, ServeWorkload
+    from meshplan.costmodels.serving_load import aggregated_point, decode_point
+    from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+
+    model, cluster = load_model("llama3.1-8b"), Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1))
+    wl, lay = ServeWorkload(isl=1000, osl=200), EngineLayout()
+    _, eff = EngineParameters().apply(cluster.gpu)
+    front = dataclasses.replace(eff, frontend_token_s=1e-5)  # 10 ms per request
+    a, b = (aggregated_point(model, cluster, lay, wl, 32, 8192, 16, e, percentile="mean") for e in (eff, front))
+    assert a is not None and b is not None and b.tpot_s == a.tpot_s and b.requests_per_s == a.requests_per_s
+    busy = a.requests_per_s * 0.010
+    assert b.ttft_s - a.ttft_s == pytest.approx(0.010 + busy * 0.010 / (2 * (1 - busy)), rel=1e-9)
+    a, b = (decode_point(model, cluster, lay, wl, 32, 16, e) for e in (eff, front))
+    assert a is not None and b is not None and (b.ttft_s, b.tpot_s) == (a.ttft_s, a.tpot_s)
+    assert aggregated_point(model, cluster, lay, wl, 32, 8192, 16, dataclasses.replace(eff, frontend_token_s=1e-3)) \
+        is None
+
+
 def test_serve_prices_with_the_engines_shipped_calibration(capsys, tmp_path):
     """serve says which calibration priced the engines: vLLM's shipped one on a GPU its rows ran on (recorded in
     the plan, which re-derives from it), the defaults where its rows never ran or with --calibration none; an engine
