@@ -275,16 +275,21 @@ def test_a_closed_loop_run_obeys_littles_law():
 @pytest.mark.parametrize("spread", [0.0, 1.0])
 def test_skipping_decode_iterations_changes_no_figure(monkeypatch, spread):
     """Both simulations run their decode-only stretches at once (_Engine.skip_decode: up to the next finish, and
-    in the open loop up to the next arrival); every figure is bit for bit that of stepping them one by one, with
-    fixed and spread lengths, with more users than the engine holds, and at light and heavy Poisson loads."""
+    up to the next arrival from the front end); every figure is bit for bit that of stepping them one by one, with
+    fixed and spread lengths, with more users than the engine holds, at light and heavy Poisson loads, with and
+    without a front end."""
+    import dataclasses
+
     from meshplan.costmodels import serving_sim
 
     wl = ServeWorkload(isl=700, osl=300, isl_cv2=spread, osl_cv2=spread)
     curve = _llama8_curve(wl, 16)
 
+    fronted = [dataclasses.replace(st, frontend_s=0.004) for st in curve]  # requests reach it spaced out
+
     def runs() -> list:
-        return [serving_sim.simulate_benchmark(curve, wl, users=24, rounds=4)] + [
-            serving_sim.simulate_engine(curve, wl, rate, requests=300) for rate in (1.0, 8.0)]
+        return [serving_sim.simulate_benchmark(c, wl, users=24, rounds=4) for c in (curve, fronted)] + [
+            serving_sim.simulate_engine(c, wl, rate, requests=300) for rate in (1.0, 8.0) for c in (curve, fronted)]
 
     fast = runs()
     monkeypatch.setattr(serving_sim._Engine, "skip_decode", lambda self, until=math.inf: None)
