@@ -7,7 +7,7 @@ Usage:  pip install 'meshplan[aic]' && python benchmarks/serving_engine_fit.py [
 (about 41 minutes on 2 processes, 57 on a loaded VM at stop 53; from a --slopes file already written, about 28)
 
 How: every priceable row is priced at the prior's centre and with each parameter moved (costmodels/engine_fit.py,
-about 8 x serving_aic.py's time, split over --jobs processes), and again at its engine's fit to those slopes (the
+about 7 x serving_aic.py's time, split over --jobs processes), and again at its engine's fit to those slopes (the
 outer step: the slopes the fit uses are then those where it lands). For each model (an architecture: DeepSeek-R1
 and V3 are one), every engine's parameters are fit to the other models' rows (engine_fit.leave_one_model_out: a fit
 to all engines' rows, then each engine's centred on it; that engine's rows linearised again at the fold's fit and
@@ -54,8 +54,7 @@ def _held_out(job: tuple[Deployment, EngineParameters]) -> tuple[str, Priced | N
 def _parameters(p: EngineParameters) -> str:
     logs = dict(p.log_factors)
     return " ".join([f"{n} x{2.718281828 ** logs.get(n, 0.0):.2f}" for n in FACTORS]
-                    + [f"iteration {p.iteration_s * 1e3:.2f} ms", f"request {p.request_s * 1e3:.0f} ms",
-                       f"front end {p.frontend_token_s * 1e6:.2f} us/token"])
+                    + [f"iteration {p.iteration_s * 1e3:.2f} ms", f"request {p.request_s * 1e3:.0f} ms"])
 
 
 def _users_band(users: int) -> str:
@@ -160,9 +159,9 @@ def main() -> int:
     for engine, f in fit_engines(rows).items():
         logs = dict(f.parameters.log_factors)
         cells = [f"{n} x{2.718281828 ** logs[n]:.2f}±{sd:.2f}" for n, sd in zip(FACTORS, f.spread, strict=False)]
-        cells += [f"{n} {v * 1e3:.2f}±{sd * 1e3:.2f} ms" if n != "frontend_token_s" else
-                  f"{n} {v * 1e6:.2f}±{sd * 1e6:.2f} us/token" for n, v, sd in
-                  zip(ADDITIVE, f.parameters.vector()[len(FACTORS):], f.spread[len(FACTORS):], strict=True)]
+        cells += [f"{n} {v * 1e3:.2f}±{sd * 1e3:.2f} ms" for n, v, sd in
+                  zip(ADDITIVE, (f.parameters.iteration_s, f.parameters.request_s), f.spread[len(FACTORS):],
+                      strict=True)]
         print(f"  {engine:7s} {f.rows:4d} rows: " + ", ".join(cells))
     for engine in sorted({s.deployment.engine for s in rows}) if args.write else []:
         cal = engine_calibration(rows, engine, data.source, date.today().isoformat(), folds=fits)

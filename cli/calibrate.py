@@ -37,10 +37,9 @@ def calibrate(
         "defaults: on the GPU's efficiency defaults."))] = "public",
     deployments: Annotated[Literal["aic"] | None, typer.Option("--deployments", help=(
         "Instead of --runs, fit a serving engine's parameters (kernel factors, host time per iteration, front-end "
-        "time per request and per prompt token) to measured deployments. aic: NVIDIA AIConfigurator's "
-        "silicon_sample.csv from the installed wheel (the extra meshplan[aic]; docs/serving.md). Prices every row 8 "
-        "times at the defaults, 8 at the fit, and the engine's rows 8 more per model left out: half an hour or more "
-        "on 2 processes (--jobs)."))]
+        "time per request) to measured deployments. aic: NVIDIA AIConfigurator's silicon_sample.csv from the "
+        "installed wheel (the extra meshplan[aic]; docs/serving.md). Prices every row 7 times at the defaults, 7 at "
+        "the fit, and the engine's rows 7 more per model left out: half an hour on 2 processes (--jobs)."))]
     = None,
     engine: Annotated[Literal["vllm", "sglang", "trtllm"] | None, typer.Option("--engine", help=(
         "With --deployments: the engine to calibrate."))] = None,
@@ -144,9 +143,7 @@ def _engine_calibration(engine: str, out: Path, jobs: int) -> None:
     rows += [["iteration", "host time per engine iteration", f"{1e3 * cal.iteration_s:.2f} ms",
               f"{1e3 * cal.iteration_sd_s:.2f} ms"],
              ["request", "front-end time per request (TTFT)", f"{1e3 * cal.request_s:.1f} ms",
-              f"{1e3 * cal.request_sd_s:.1f} ms"],
-             ["front end", "serial front end per prompt token (TTFT, queued)", f"{1e6 * cal.frontend_token_s:.2f} us",
-              f"{1e6 * cal.frontend_token_sd_s:.2f} us"]]
+              f"{1e3 * cal.request_sd_s:.1f} ms"]]
     print_table(con, "engine parameters", ["parameter", "what it is", "fitted", "spread (1 sd)"], rows,
                 left=("parameter", "what it is"))
     con.print("each model left out of the fit (median absolute error, calibrated / uncalibrated): " + ", ".join(

@@ -40,7 +40,6 @@ class Efficiency:
     layer_overhead: tuple[LayerOverhead, ...] = ()  # per decoder layer, by TP degree and SP
     head_overhead: StepOverhead | None = None  # per micro-batch, outside the layers
     request_s: float = 0.0  # serving: a request's front-end time, on TTFT only (an engine calibration's; else 0)
-    frontend_token_s: float = 0.0  # serving: the serial front end's time per prompt token (engine calibration's)
     collectives: tuple[tuple[str, int, float, float], ...] = ()  # (kind, ranks, alpha_s, bytes_per_s)
     memory_classes: tuple[tuple[str, float, float], ...] = ()  # (ops.memory_class, alpha_s, bytes_per_s)
     optimizer_s_per_param: float | None = None  # measured optimizer step per local parameter

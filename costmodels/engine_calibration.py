@@ -11,11 +11,6 @@ factors scale each GPU's own defaults).
   adds to every iteration (as a calibration's step overhead, Efficiency.head_overhead).
 - request_s: seconds a request's first token takes beyond the engine's iterations: the HTTP front end, tokenisation,
   the hand-off to the engine process and the first token's detokenisation and streaming. It adds to TTFT only.
-- frontend_token_s: seconds per prompt token of the deployment's one serial front end (in AIConfigurator's
-  benchmarks Dynamo's frontend before every engine: tokenisation and the prompt's hand-off to a worker). Every
-  request passes it in turn before the engine sees it, so requests sent together wait for each other there: a TTFT
-  that grows with the users sent at once and with the prompt's length (the closed loop's start-up wave;
-  serving_sim.FrontEnd), where request_s is the same for every request.
 """
 
 from __future__ import annotations
@@ -32,48 +27,41 @@ from meshplan.hardware_db.gpu import GPUSpec, load_gpu
 __all__ = ["EngineParameters", "FACTORS", "ADDITIVE", "BOUNDS", "parameters_of", "engine_calibrated_cluster"]
 
 FACTORS = ("gemm", "attention", "memory", "network", "overhead")  # log factors (efficiency.scaled)
-ADDITIVE = ("iteration_s", "request_s", "frontend_token_s")  # seconds
+ADDITIVE = ("iteration_s", "request_s")  # seconds
 # Physical bounds. Factors: a ceiling may fall to a quarter of its default (a kernel that bad would be a different
 # kernel), and may rise only as far as the GPU's peak allows (scaled() caps every share at 1); launch cost between a
 # tenth and 10x its 4 us default. Additive: no negative time; an iteration's host work at most 20 ms, four times a
 # whole Llama-8B decode step on an H100 (~5 ms, which the vLLM blog's "vLLM V1 Alpha", 2025-01-27, gives as where the
-# CPU's scheduling, input preparation and detokenisation become pronounced); a request's front-end time at most 0.5 s;
-# the front end at most 20 us per prompt token, 250x what tokenising alone takes (HF tokenizers' README: under 20 s
-# for a GB of text on a server's CPU, ~0.08 us per token at ~4 bytes per token); the rest of its per-token work
-# (parsing the request, copying the prompt to a worker) no public source times, hence the wide bound.
+# CPU's scheduling, input preparation and detokenisation become pronounced); a request's front-end time at most 0.5 s.
 BOUNDS = {"gemm": (-1.386, 0.405), "attention": (-1.386, 0.405), "memory": (-1.386, 0.405),
           "network": (-1.386, 0.405), "overhead": (-2.303, 2.303), "iteration_s": (0.0, 0.020),
-          "request_s": (0.0, 0.5), "frontend_token_s": (0.0, 20e-6)}
+          "request_s": (0.0, 0.5)}
 
 
 @dataclass(frozen=True)
 class EngineParameters:
-    """One engine's parameters on one GPU type: log factors on the defaults and three additive times (seconds)."""
+    """One engine's parameters on one GPU type: log factors on the defaults and two additive times (seconds)."""
 
     log_factors: tuple[tuple[str, float], ...] = ()
     iteration_s: float = 0.0
     request_s: float = 0.0
-    frontend_token_s: float = 0.0
 
     def apply(self, gpu: GPUSpec) -> tuple[GPUSpec, Efficiency]:
         """The GPU spec (its network shares scaled) and the efficiency model an engine iteration is timed with."""
         spec, eff = scaled(gpu, Efficiency.from_gpu(gpu), dict(self.log_factors))
         if self.iteration_s:
             eff = dataclasses.replace(eff, head_overhead=StepOverhead(forward_s=self.iteration_s, backward_s=0.0))
-        return spec, dataclasses.replace(eff, request_s=self.request_s, frontend_token_s=self.frontend_token_s)
+        return spec, dataclasses.replace(eff, request_s=self.request_s)
 
     def vector(self) -> tuple[float, ...]:
         """(the FACTORS' log factors, then the ADDITIVE seconds): the fit's parameter vector."""
         logs = dict(self.log_factors)
-        return tuple(logs.get(name, 0.0) for name in FACTORS) + tuple(getattr(self, name) for name in ADDITIVE)
+        return tuple(logs.get(name, 0.0) for name in FACTORS) + (self.iteration_s, self.request_s)
 
     @classmethod
     def of_vector(cls, values: tuple[float, ...] | list[float]) -> EngineParameters:
         v = [float(x) for x in values]
-        if len(v) != len(FACTORS) + len(ADDITIVE):
-            raise ValueError(f"{len(v)} values for {len(FACTORS) + len(ADDITIVE)} parameters")
-        return cls(tuple(zip(FACTORS, v[:len(FACTORS)], strict=True)),
-                   **dict(zip(ADDITIVE, v[len(FACTORS):], strict=True)))
+        return cls(tuple(zip(FACTORS, v[:len(FACTORS)], strict=True)), v[len(FACTORS)], v[len(FACTORS) + 1])
 
     def within_bounds(self) -> bool:
         return all(lo - 1e-12 <= x <= hi + 1e-12
@@ -83,7 +71,7 @@ class EngineParameters:
 def parameters_of(cal: EngineCalibration) -> EngineParameters:
     """The parameters a calibration file states."""
     return EngineParameters(tuple((n, math.log(cal.factors[n].factor)) for n in FACTORS if n in cal.factors),
-                            cal.iteration_s, cal.request_s, cal.frontend_token_s)
+                            cal.iteration_s, cal.request_s)
 
 
 def engine_calibrated_cluster(spec: ClusterSpec, cal: EngineCalibration, origin: str) -> tuple[Cluster, Efficiency]:

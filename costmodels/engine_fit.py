@@ -5,8 +5,8 @@ Pricing a deployment runs its benchmark iteration by iteration (aic_deployments.
 fit. So each deployment is priced once at a centre and once with each parameter moved from it (secant slopes), and
 the fit works on the resulting local model of log TTFT and log TPOT:
     prediction = base x exp(sum_j slope_j x (log factor_j - centre_j)) + slope_iteration x (iteration_s - centre)
-                 + slope_frontend x (frontend_token_s - centre) (+ request_s - centre, for TTFT),
-the factors entering multiplicatively (a kernel's rate scales its time) and the three times additively. The rows are
+                 (+ request_s - centre, for TTFT),
+the factors entering multiplicatively (a kernel's rate scales its time) and the two times additively. The rows are
 linearised twice (calibration_rows): at the prior's centre, then again at their engine's fit, and fit once more: one
 outer Gauss-Newton step, so the local model is exact where the fit lands rather than where it started (Nocedal and
 Wright, "Numerical Optimization", 2nd ed., sec. 10.3). Each fold of the held-out check takes the same step at its own
@@ -46,13 +46,11 @@ __all__ = ["Sensitivity", "EngineFit", "sensitivity", "sensitivities", "relinear
            "median_errors", "NOISE_SD"]
 
 NAMES = FACTORS + ADDITIVE
-# Priors of the three additive times (centre, spread; seconds): stated assumptions, wide against what the rows show:
-# no host time at the centre, a few ms per iteration, tens of ms per request and a few us per prompt token plausible.
-ADDITIVE_PRIOR = {"iteration_s": (0.0, 0.005), "request_s": (0.0, 0.1),
-                  "frontend_token_s": (0.0, 2e-6)}
+# Priors of the two additive times (centre, spread; seconds): stated assumptions, wide against what the rows show:
+# no host time at the centre, a few ms per iteration and tens of ms per request plausible.
+ADDITIVE_PRIOR = {"iteration_s": (0.0, 0.005), "request_s": (0.0, 0.1)}
 FACTOR_STEP = 0.1  # secant step of a log factor (10 %: the benchmark's discrete waves make small steps noisy)
 ITERATION_STEP = 0.002  # secant step of the iteration time, seconds
-FRONTEND_STEP = 1e-6  # secant step of the front end's time per prompt token, seconds
 # The residuals' noise (log): a measured TPOT against the model's, and TTFT, which queueing makes noisier. Stated
 # assumptions: AIConfigurator's own estimates of these rows miss by a median 24 % (TPOT) and 50 % (TTFT) (issue 45).
 NOISE_SD = {"ttft": 0.3, "tpot": 0.1}
@@ -62,8 +60,7 @@ HUBER = 1.5  # residuals beyond 1.5 noise spreads count linearly, not squared
 @dataclass(frozen=True)
 class Sensitivity:
     """A deployment priced at `centre` (default: the prior's centre), and the slopes there of log TTFT and log
-    TPOT in each factor's log (FACTORS order) and of TTFT and TPOT (seconds per second) in the iteration time and
-    in the front end's time per prompt token."""
+    TPOT in each factor's log (FACTORS order) and of TTFT and TPOT (seconds per second) in the iteration time."""
 
     deployment: Deployment
     ttft_s: float
@@ -71,7 +68,6 @@ class Sensitivity:
     log_slopes: tuple[tuple[float, float], ...]  # (d log TTFT, d log TPOT) per factor
     iteration_slopes: tuple[float, float]
     centre: EngineParameters = EngineParameters()
-    frontend_slopes: tuple[float, float] = (0.0, 0.0)
     uncalibrated: tuple[float, float] | None = None  # (TTFT, TPOT) seconds at the prior's centre, if not the centre
 
     def uncalibrated_s(self) -> tuple[float, float]:
@@ -89,15 +85,14 @@ class Sensitivity:
         a = sum(s[0] * x for s, x in zip(self.log_slopes, moved, strict=True))
         b = sum(s[1] * x for s, x in zip(self.log_slopes, moved, strict=True))
         iteration = p.iteration_s - self.centre.iteration_s
-        front = p.frontend_token_s - self.centre.frontend_token_s
-        ttft = (self.ttft_s * math.exp(a) + self.iteration_slopes[0] * iteration + self.frontend_slopes[0] * front
+        ttft = (self.ttft_s * math.exp(a) + self.iteration_slopes[0] * iteration
                 + p.request_s - self.centre.request_s)
-        tpot = self.tpot_s * math.exp(b) + self.iteration_slopes[1] * iteration + self.frontend_slopes[1] * front
+        tpot = self.tpot_s * math.exp(b) + self.iteration_slopes[1] * iteration
         return ttft, tpot
 
 
 def sensitivity(d: Deployment, centre: EngineParameters | None = None) -> Sensitivity:
-    """A deployment's Sensitivity at `centre` (default the prior's; 1 + FACTORS + 2 pricings); InputError where it
+    """A deployment's Sensitivity at `centre` (default the prior's; 1 + FACTORS + 1 pricings); InputError where it
     cannot be priced."""
     centre = centre or EngineParameters()
     def run(p: EngineParameters) -> Priced:
@@ -113,16 +108,10 @@ def sensitivity(d: Deployment, centre: EngineParameters | None = None) -> Sensit
             (n, logs.get(n, 0.0) + (step if n == name else 0.0)) for n in FACTORS)))
         slopes.append((math.log(moved.ttft_ms / 1e3 / ttft) / step, math.log(moved.tpot_ms / 1e3 / tpot) / step))
     it = run(dataclasses.replace(centre, iteration_s=centre.iteration_s + ITERATION_STEP))
-    # a slower front end spreads the requests out, which may shorten what they wait for in the engine: a secant of
-    # either sign, stepped down where the bound is near
-    front_step = FRONTEND_STEP if centre.frontend_token_s + FRONTEND_STEP <= BOUNDS["frontend_token_s"][1] \
-        else -FRONTEND_STEP
-    fe = run(dataclasses.replace(centre, frontend_token_s=centre.frontend_token_s + front_step))
     # longer iterations never make a request faster: a negative secant is the benchmark's waves shifting, so 0
     return Sensitivity(d, ttft, tpot, tuple(slopes), (max(0.0, (it.ttft_ms / 1e3 - ttft) / ITERATION_STEP),
                                                       max(0.0, (it.tpot_ms / 1e3 - tpot) / ITERATION_STEP)),
-                       centre, frontend_slopes=((fe.ttft_ms / 1e3 - ttft) / front_step,
-                                                (fe.tpot_ms / 1e3 - tpot) / front_step))
+                       centre)
 
 
 @dataclass(frozen=True)
@@ -390,7 +379,6 @@ def engine_calibration(rows: Sequence[Sensitivity], engine: str, source: str, cr
         gpus=sorted({s.deployment.gpu for s in own}),
         factors={n: FittedFactor(factor=math.exp(logs[n]), log_sd=spread[n]) for n in FACTORS},  # type: ignore[misc]
         iteration_s=p.iteration_s, iteration_sd_s=spread["iteration_s"], request_s=p.request_s,
-        request_sd_s=spread["request_s"], frontend_token_s=p.frontend_token_s,
-        frontend_token_sd_s=spread["frontend_token_s"], held_out=median_errors(held),  # type: ignore[arg-type]
+        request_sd_s=spread["request_s"], held_out=median_errors(held),  # type: ignore[arg-type]
         uncalibrated=median_errors(same),  # type: ignore[arg-type]
         residuals=[serving_residual(d, ttft, tpot) for d, (ttft, tpot) in held])

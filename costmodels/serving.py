@@ -684,7 +684,6 @@ class EngineState:
     prompt_s: float = 0.0  # aggregated: an iteration carrying one new prompt's chunk in every attention group
     decode_s: float = 0.0  # aggregated: an iteration of the decode tokens alone
     request_s: float = 0.0  # aggregated, prefill: the front end's time on each TTFT (Efficiency.request_s)
-    frontend_s: float = 0.0  # aggregated, prefill: a request's time in the one serial front end (ISL x its per token)
 
 
 @dataclass(frozen=True)
@@ -733,7 +732,7 @@ def aggregated_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: 
     # min(computed ISL, the group's share of the budget), in every attention group; one of the decode tokens alone
     return EngineState("aggregated", lay, batch, chunk, step(prefill_per_iter), step(budget), mem, mem_fraction,
                        prompt_s=step(min(budget, lay.dp * wl.computed_isl)), decode_s=step(0.0),
-                       request_s=geo.eff.request_s, frontend_s=geo.eff.frontend_token_s * wl.isl)
+                       request_s=geo.eff.request_s)
 
 
 def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, prompts: int,
@@ -750,8 +749,7 @@ def prefill_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: Ser
     geo = geometry or engine_geometry(model, cluster, lay, eff)
     it = iteration_time(model, cluster, lay, 0, 0, tokens, wl.prompt_context, StepOptions.of(wl), geometry=geo)
     return EngineState("prefill", lay, prompts, math.ceil(tokens), it.seconds, it.seconds, mem, mem_fraction,
-                       kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes), request_s=geo.eff.request_s,
-                       frontend_s=geo.eff.frontend_token_s * wl.isl)
+                       kv_transfer_s(model, cluster, wl.isl, wl.kv_dtype, crosses_nodes), request_s=geo.eff.request_s)
 
 
 def decode_state(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl: ServeWorkload, batch: int,

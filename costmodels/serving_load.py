@@ -24,8 +24,7 @@ from meshplan.costmodels.serving import (MEM_FRACTION, EngineLayout, EngineState
                                          aggregated_state, decode_state, prefill_state)
 from meshplan.hardware_db.cluster import Cluster
 
-__all__ = ["RUNNING_SPAN", "PREFILL_LOADS", "loaded_points", "frontend_time", "running_point", "rate_point",
-           "concurrency_point",
+__all__ = ["RUNNING_SPAN", "PREFILL_LOADS", "loaded_points", "running_point", "rate_point", "concurrency_point",
            "saturated_point", "prefill_loaded", "closed_loop_ttft", "aggregated_point", "decode_point",
            "prefill_point"]
 
@@ -138,22 +137,12 @@ def _tpot(curve: list[EngineState], running: float, rate: float, per_request: fl
     return (decode + (prompt - decode) * share) / wl.tokens_per_step
 
 
-def frontend_time(state: EngineState, rate: float, wl: ServeWorkload, q: float | None,
-                  arrival_cv2: float = 1.0) -> float:
-    """A request's time in the serial front end (EngineState.frontend_s) with `rate` requests/s through it: its own
-    time there and the wait for those before it (G/G/1, Kingman's: the prompts' lengths vary its time as the ISL
-    does); infinite where the front end cannot keep up. serve gives each engine its own front end."""
-    if state.frontend_s <= 0:
-        return 0.0
-    return state.frontend_s + mgc_wait(1, rate, state.frontend_s, wl.isl_cv2, arrival_cv2).quantile(q)
-
-
 def running_point(curve: list[EngineState], running: float, wl: ServeWorkload, q: float | None) -> PoolPoint | None:
     """An engine of max_num_seqs curve[-1].batch with `running` sequences running on average, arrivals Poisson, at
     the rate of _pace. A new request waits for the iteration in progress to end (uniform), for a slot (M/G/c over
     its attention group's slots), and, aggregated, for the prefill budget its group has beside its decode tokens
-    (M/G/1), then takes ceil(ISL / share) iterations carrying its chunk; before all that, aggregated, it passes the
-    front end (frontend_time). TPOT: _tpot. None where a queue is unstable (q: a quantile, None the mean)."""
+    (M/G/1), then takes ceil(ISL / share) iterations carrying its chunk. TPOT: _tpot. None where a queue is
+    unstable (q: a quantile, None the mean)."""
     cap = curve[-1]
     lay = cap.layout
     pace = _pace(curve, running, wl)
@@ -174,11 +163,7 @@ def running_point(curve: list[EngineState], running: float, wl: ServeWorkload, q
         return None
     residual = interval * (0.5 if q is None else q)  # the iteration in progress when the request arrives
     tpot = _tpot(curve, running, rate, per_request, prompt, wl, q, interval)
-    front = 0.0  # a decode engine's requests came through prefill's front end
-    if cap.role == "aggregated":
-        front = cap.request_s + frontend_time(cap, rate * lay.dp, wl, q)
-        if not math.isfinite(front):
-            return None
+    front = cap.request_s if cap.role == "aggregated" else 0.0  # a decode engine's requests came through prefill's
     return PoolPoint(cap.role, lay, cap.batch, cap.chunk, residual + alone + wait + front, tpot, rate * lay.dp,
                      cap.memory, cap.mem_fraction, running / cap.batch)
 
@@ -208,14 +193,13 @@ def rate_point(curve: list[EngineState], rate: float, wl: ServeWorkload, q: floa
 def prefill_loaded(state: EngineState, busy: float, wl: ServeWorkload, q: float | None) -> PoolPoint:
     """A prefill engine busy a fraction `busy` of the time: prompts arrive at busy x batch / step and wait for the
     batch in progress and those queued before them, a batch at a time (M/G/1 of batches, whose time varies with
-    their prompts' lengths: cs^2 = ISL's / batch); TTFT = the front end (frontend_time, one per prefill engine)
-    + the wait + its batch + the KV transfer."""
+    their prompts' lengths: cs^2 = ISL's / batch); TTFT = the wait + its batch + the KV transfer."""
     k, step = state.batch, state.step_s
     rate = busy * k / step
     wait = mgc_wait(1, rate / k, step, wl.isl_cv2 / k)
     return PoolPoint("prefill", state.layout, k, state.chunk,
-                     frontend_time(state, rate, wl, q) + wait.quantile(q) + step + state.transfer_s + state.request_s,
-                     0.0, rate, state.memory, state.mem_fraction, busy)
+                     wait.quantile(q) + step + state.transfer_s + state.request_s, 0.0, rate, state.memory,
+                     state.mem_fraction, busy)
 
 
 def closed_loop_ttft(pre: EngineState, dec: EngineState, users: float, prefill_engines: int,
@@ -270,8 +254,7 @@ def concurrency_point(model: ModelSpec, cluster: Cluster, lay: EngineLayout, wl:
 
     def ttft(rate: float) -> float:
         wait = mgc_wait(1, rate, wl.computed_isl / share * state.full_s, wl.isl_cv2, arrival_cv2=0.0).quantile(q)
-        front = frontend_time(state, rate * lay.dp, wl, q, arrival_cv2=0.0)
-        return interval_at(rate) * (0.5 if q is None else q) + alone + wait + state.request_s + front
+        return interval_at(rate) * (0.5 if q is None else q) + alone + wait + state.request_s
 
     # the group's users' rate r solves r (TTFT(r) + OSL x interval(r)) = users, both growing with r, below the
     # limit of prompts the budget takes, share / ISL per iteration; beyond it the prompts queue and the users wait
@@ -313,9 +296,7 @@ def saturated_point(curve: list[EngineState], wl: ServeWorkload) -> PoolPoint | 
         rate, per_request, prompt = pace
         interval = _token_interval([s], s.batch, rate, per_request, prompt)
         share = (s.chunk - s.batch * (1 + wl.spec_tokens)) / s.layout.dp
-        # the front end's own time; its queue is the offline backlog every request here sits in anyway
-        ttft = ((math.ceil(wl.computed_isl / share) * s.prompt_s if s.role == "aggregated" else s.step_s)
-                + s.request_s + s.frontend_s)
+        ttft = (math.ceil(wl.computed_isl / share) * s.prompt_s if s.role == "aggregated" else s.step_s) + s.request_s
         p = PoolPoint(s.role, s.layout, s.batch, s.chunk, ttft, interval / wl.tokens_per_step, rate * s.layout.dp,
                       s.memory, s.mem_fraction, 1.0)
         if best is None or p.requests_per_s > best.requests_per_s:

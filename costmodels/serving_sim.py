@@ -44,22 +44,6 @@ class SimulatedLoad:
 
 
 @dataclass
-class _FrontEnd:
-    """The deployment's one serial front end (engine_calibration's frontend_token_s): each request holds it for
-    `service_s` in turn, first come first served, before an engine sees it. Requests sent together (a closed loop's
-    first wave, a cohort finishing at once) so reach the engine spread out, the last a wave's length late: a FIFO
-    single server (Kleinrock, "Queueing Systems" vol. 1, sec. 1.4's D/1), hand-written as it is two lines."""
-
-    service_s: float
-    free: float = 0.0
-
-    def passed(self, sent: float) -> float:
-        """When a request sent at `sent` (sent in time order) reaches the engine."""
-        self.free = max(sent, self.free) + self.service_s
-        return self.free
-
-
-@dataclass
 class _Request:
     arrival: float
     prompt: int  # prompt tokens left to prefill
@@ -87,16 +71,14 @@ def simulate_engine(curve: list[EngineState], wl: ServeWorkload, rate: float, re
     prompts = _lengths(rng, wl.computed_isl, wl.isl_cv2, requests)
     outputs = _lengths(rng, wl.osl, wl.osl_cv2, requests)
     engine = _Engine(curve, wl, mixed)
-    front = _FrontEnd(curve[-1].frontend_s)
-    ready = [front.passed(float(t)) for t in arrivals]  # when each reaches the engine (its TTFT counts from arrival)
     nxt = 0
     while len(engine.done) < requests:
-        while nxt < requests and ready[nxt] <= engine.now:
+        while nxt < requests and arrivals[nxt] <= engine.now:
             engine.waiting.append(_Request(float(arrivals[nxt]), int(prompts[nxt]), int(outputs[nxt]), order=nxt))
             nxt += 1
-        engine.skip_decode(ready[nxt] if nxt < requests else math.inf)
+        engine.skip_decode(float(arrivals[nxt]) if nxt < requests else math.inf)
         if not engine.step():
-            engine.now = ready[nxt]
+            engine.now = float(arrivals[nxt])
     return engine.result(warmup * requests)
 
 
@@ -117,26 +99,19 @@ def simulate_benchmark(curve: list[EngineState], wl: ServeWorkload, users: int, 
     prompts = _lengths(rng, wl.computed_isl, wl.isl_cv2, total)
     outputs = _lengths(rng, wl.osl, wl.osl_cv2, total)
     engine = _Engine(curve, wl, mixed)
-    front = _FrontEnd(curve[-1].frontend_s)
-    passing: deque[tuple[float, _Request]] = deque()  # (when it reaches the engine, the request), in that order
     sent = 0
 
     def send(now: float) -> None:
         nonlocal sent
-        passing.append((front.passed(now), _Request(now, int(prompts[sent]), int(outputs[sent]), order=sent)))
+        engine.waiting.append(_Request(now, int(prompts[sent]), int(outputs[sent]), order=sent))
         sent += 1
 
     for _ in range(min(users, total)):
         send(0.0)
     while len(engine.done) < total:
-        while passing and passing[0][0] <= engine.now:
-            engine.waiting.append(passing.popleft()[1])
         finished = len(engine.done)
-        # exact: requests reach the engine only as others finish and pass the front end
-        engine.skip_decode(passing[0][0] if passing else math.inf)
-        if not engine.step():  # idle until the front end hands on the next
-            engine.now = passing[0][0]
-            continue
+        engine.skip_decode()  # exact here: a closed loop's requests arrive only as others finish
+        engine.step()
         for _ in engine.done[finished:]:
             if sent < total:
                 send(engine.now)
@@ -148,7 +123,6 @@ def simulate_disaggregated(prefill: EngineState, prefill_engines: int, decode: l
     """A closed-loop benchmark of a disaggregated deployment as its client runs it (simulate_benchmark's: all users'
     first requests together into idle engines, each user's next request the moment its last one ends, users x
     rounds requests, every one measured), request by request:
-    - each request passes the deployment's one serial front end first (prefill.frontend_s each, in turn);
     - each of `prefill_engines` engines takes up to prefill.batch waiting prompts (first come first served) per
       iteration of prefill.step_s; a prompt's first token comes transfer_s + request_s after (its KV cache sent on,
       the front end);
@@ -193,16 +167,10 @@ def simulate_disaggregated(prefill: EngineState, prefill_engines: int, decode: l
 
     dec = [_Decode() for _ in range(decode_engines)]
 
-    front = _FrontEnd(prefill.frontend_s)
-
     def send(t: float) -> None:
         nonlocal sent
         arrival[sent] = t
-        ready = front.passed(t)
-        if ready > t:
-            push(ready, "front", 0, sent)  # `version` carries the request
-        else:
-            waiting.append(sent)
+        waiting.append(sent)
         sent += 1
 
     def start_prefill(t: float) -> None:
@@ -250,9 +218,7 @@ def simulate_disaggregated(prefill: EngineState, prefill_engines: int, decode: l
     start_prefill(0.0)
     while events:
         t, _, kind, i, version = heapq.heappop(events)
-        if kind == "front":
-            waiting.append(version)
-        elif kind == "prefill":
+        if kind == "prefill":
             pre_busy[i] = False
             for r in prefill_batches[i]:
                 first[r] = t + first_token_delay
@@ -286,17 +252,14 @@ def group_view(curve: list[EngineState]) -> list[EngineState]:
     """An attention-DP engine's states as one of its dp attention groups sees them, for the simulation of one group:
     the groups take the requests in turn (SGLang's round-robin DP assignment), so with all users alike each holds
     1 / dp of the running sequences and of the token budget, and they step in lockstep, every iteration the
-    engine's (its MoE layers gather every group's tokens). A state at the engine's batch B is the group's at B / dp.
-    The front end (the deployment's one) hands the group every dp-th request."""
+    engine's (its MoE layers gather every group's tokens). A state at the engine's batch B is the group's at B / dp."""
     out = []
     for s in curve:
         dp = s.layout.dp
         if s.batch % dp:
             continue
         one = dataclasses.replace(s.layout, dp=1, ep=1)  # the group's own layout, as the simulation checks it
-        # the front end hands the group every dp-th request: to it, a request's time there is dp times as long
-        out.append(dataclasses.replace(s, layout=one, batch=s.batch // dp, chunk=s.chunk // dp,
-                                       frontend_s=s.frontend_s * dp))
+        out.append(dataclasses.replace(s, layout=one, batch=s.batch // dp, chunk=s.chunk // dp))
     return out
 
 

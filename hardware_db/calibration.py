@@ -298,7 +298,7 @@ class ServingResidual(_Frozen):
 
 class EngineCalibration(_Frozen):
     """A serving engine's parameters fit to measured deployments (meshplan calibrate --deployments aic;
-    costmodels/engine_fit.py): factors on each GPU's defaults and three additive times, with their posterior spreads
+    costmodels/engine_fit.py): factors on each GPU's defaults and two additive times, with their posterior spreads
     and the leave-one-model-out error beside the uncalibrated one on the same rows."""
 
     kind: Literal["engine"]
@@ -314,9 +314,6 @@ class EngineCalibration(_Frozen):
     iteration_sd_s: float = Field(ge=0)
     request_s: float = Field(ge=0, le=0.5, description="front-end time per request, on TTFT only (s)")
     request_sd_s: float = Field(ge=0)
-    frontend_token_s: float = Field(default=0.0, ge=0, le=20e-6, description=(
-        "the deployment's serial front end's time per prompt token, on TTFT (s); files before it: 0"))
-    frontend_token_sd_s: float = Field(default=0.0, ge=0)
     held_out: dict[ServeMetric, float] = Field(description=(
         "median absolute error of the engine's rows, each model's predicted by a fit that never saw it"))
     uncalibrated: dict[ServeMetric, float] = Field(description="the same rows with the GPUs' defaults")

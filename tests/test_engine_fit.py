@@ -29,8 +29,7 @@ def _rows(truth: EngineParameters, n: int = 400) -> list[Sensitivity]:
     for _ in range(n):
         slopes = tuple((float(a), float(b)) for a, b in rng.uniform(-1.0, 0.0, (5, 2)))
         s = Sensitivity(base, float(rng.uniform(0.05, 2.0)), float(rng.uniform(0.003, 0.05)), slopes,
-                        (float(rng.uniform(1.0, 50.0)), 1.0),
-                        frontend_slopes=(float(rng.uniform(0.0, 2e5)), float(rng.uniform(-200.0, 0.0))))
+                        (float(rng.uniform(1.0, 50.0)), 1.0))
         ttft, tpot = s.predict(truth)
         rows.append(dataclasses.replace(s, deployment=dataclasses.replace(base, ttft_ms=ttft * 1e3,
                                                                           tpot_ms=tpot * 1e3)))
@@ -43,21 +42,16 @@ def test_parameters_act_as_stated():
     assert eff.memory_bandwidth == pytest.approx(0.9 * gpu.efficiency.memory_bandwidth)
     assert eff.head_overhead is not None and eff.head_overhead.forward_s == 0.002
     assert spec.efficiency.scaleup_bandwidth == gpu.efficiency.scaleup_bandwidth
-    p = EngineParameters((("gemm", -0.2), ("network", 0.1)), 0.001, 0.03, 1e-6)
+    p = EngineParameters((("gemm", -0.2), ("network", 0.1)), 0.001, 0.03)
     assert EngineParameters.of_vector(p.vector()).vector() == p.vector()
-    assert p.apply(gpu)[1].frontend_token_s == 1e-6
-    with pytest.raises(ValueError, match="7 values for 8 parameters"):
-        EngineParameters.of_vector(p.vector()[:-1])
 
 
 def test_the_fit_recovers_the_parameters_that_made_the_measurements():
-    truth = EngineParameters((("gemm", -0.15), ("memory", -0.2)), iteration_s=0.003, request_s=0.04,
-                             frontend_token_s=1.5e-6)
+    truth = EngineParameters((("gemm", -0.15), ("memory", -0.2)), iteration_s=0.003, request_s=0.04)
     fitted = fit_engine(_rows(truth))
     got = fitted.parameters
     assert got.iteration_s == pytest.approx(0.003, abs=3e-4)
     assert got.request_s == pytest.approx(0.04, abs=5e-3)
-    assert got.frontend_token_s == pytest.approx(1.5e-6, abs=1.5e-7)
     assert dict(got.log_factors)["memory"] == pytest.approx(-0.2, abs=0.03)
     assert dict(got.log_factors)["gemm"] == pytest.approx(-0.15, abs=0.03)
     # the priors (centred on the defaults) hold back a little: 400 rows make that little
@@ -76,7 +70,7 @@ def test_fitted_parameters_stay_within_their_physical_bounds(log_ttft, log_tpot)
             d, ttft_ms=d.ttft_ms * math.exp(log_ttft), tpot_ms=d.tpot_ms * math.exp(log_tpot))))
     got = fit_engine(rows).parameters
     assert got.within_bounds()
-    values = {n: getattr(got, n) for n in ("iteration_s", "request_s", "frontend_token_s")}
+    values = dict(zip(("iteration_s", "request_s"), (got.iteration_s, got.request_s), strict=True))
     assert all(BOUNDS[n][0] <= v <= BOUNDS[n][1] for n, v in values.items())
 
 
@@ -94,21 +88,6 @@ def test_a_priced_row_takes_the_engine_times():
     assert aic.price(row, engine=EngineParameters((("memory", -0.3),))).tpot_ms > base.tpot_ms
 
 
-def test_the_front_end_delays_a_wave_more_the_more_users_it_holds():
-    """The serial front end: every request's first token comes at least its own time there later; users sent
-    together queue for it, so at 64 users TTFT grows by more than at 4, and by more than one request's time."""
-    pytest.importorskip("aiconfigurator_core")
-    front = EngineParameters(frontend_token_s=5e-6)
-    grew = {}
-    for users in (4, 64):
-        row = aic.read_deployments(table(AGG.replace("silicon_concurrency=64",
-                                                     f"silicon_concurrency={users}"))).deployments[0]
-        own = 5e-6 * row.isl * 1e3  # ms
-        grew[users] = aic.price(row, engine=front).ttft_ms - aic.price(row).ttft_ms
-        assert grew[users] >= own - 1e-9
-    assert grew[64] > 2 * grew[4] and grew[64] > 3 * 5e-6 * row.isl * 1e3
-
-
 def test_a_row_linearised_elsewhere_predicts_its_own_pricing_there():
     """sensitivity at a centre off the prior's: the local model gives the full pricing at the centre exactly, and
     near it within a few per cent; a factor at its upper bound takes its secant downward (slopes stay finite)."""
@@ -116,13 +95,11 @@ def test_a_row_linearised_elsewhere_predicts_its_own_pricing_there():
     row = aic.read_deployments(table(AGG.replace("silicon_concurrency=64", "silicon_concurrency=4"))).deployments[0]
     from meshplan.costmodels.engine_fit import sensitivity
 
-    centre = EngineParameters((("memory", -0.3), ("gemm", BOUNDS["gemm"][1])), iteration_s=0.001, request_s=0.02,
-                              frontend_token_s=1e-6)
+    centre = EngineParameters((("memory", -0.3), ("gemm", BOUNDS["gemm"][1])), iteration_s=0.001, request_s=0.02)
     s = sensitivity(row, centre)
     at = aic.price(row, engine=centre)
     assert s.predict(centre) == pytest.approx((at.ttft_ms / 1e3, at.tpot_ms / 1e3), rel=1e-12)
-    near = EngineParameters((("memory", -0.25), ("gemm", BOUNDS["gemm"][1])), iteration_s=0.0015, request_s=0.03,
-                            frontend_token_s=1.5e-6)
+    near = EngineParameters((("memory", -0.25), ("gemm", BOUNDS["gemm"][1])), iteration_s=0.0015, request_s=0.03)
     full = aic.price(row, engine=near)
     assert s.predict(near) == pytest.approx((full.ttft_ms / 1e3, full.tpot_ms / 1e3), rel=0.03)
     assert all(math.isfinite(x) for pair in s.log_slopes for x in pair)
@@ -230,29 +207,6 @@ def test_the_front_end_time_adds_to_ttft_alone():
     assert a is not None and b is not None and (b.ttft_s, b.tpot_s) == (a.ttft_s, a.tpot_s)
     a, b = (prefill_point(model, cluster, lay, wl, 1, 0.5, e) for e in (eff, slow))
     assert a is not None and b is not None and b.ttft_s == pytest.approx(a.ttft_s + 0.07, abs=1e-12)
-
-
-def test_serve_queues_requests_at_the_front_end():
-    """serve's load model (serving_load.frontend_time): an engine's requests pass its front end, ISL x the time per
-    token each, and wait there for one another at the engine's rate; TPOT is untouched, a decode engine sees none of
-    it, and a front end slower than the rate leaves no operating point."""
-    from meshplan.costmodels.model_io import load_model
-    from meshplan.costmodels.serving import EngineLayout, ServeWorkload
-    from meshplan.costmodels.serving_load import aggregated_point, decode_point
-    from meshplan.hardware_db.cluster import Cluster, ClusterSpec
-
-    model, cluster = load_model("llama3.1-8b"), Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1))
-    wl, lay = ServeWorkload(isl=1000, osl=200), EngineLayout()
-    _, eff = EngineParameters().apply(cluster.gpu)
-    front = dataclasses.replace(eff, frontend_token_s=1e-5)  # 10 ms per request
-    a, b = (aggregated_point(model, cluster, lay, wl, 32, 8192, 16, e, percentile="mean") for e in (eff, front))
-    assert a is not None and b is not None and b.tpot_s == a.tpot_s and b.requests_per_s == a.requests_per_s
-    busy = a.requests_per_s * 0.010
-    assert b.ttft_s - a.ttft_s == pytest.approx(0.010 + busy * 0.010 / (2 * (1 - busy)), rel=1e-9)
-    a, b = (decode_point(model, cluster, lay, wl, 32, 16, e) for e in (eff, front))
-    assert a is not None and b is not None and (b.ttft_s, b.tpot_s) == (a.ttft_s, a.tpot_s)
-    assert aggregated_point(model, cluster, lay, wl, 32, 8192, 16, dataclasses.replace(eff, frontend_token_s=1e-3)) \
-        is None
 
 
 def test_serve_prices_with_the_engines_shipped_calibration(capsys, tmp_path):

@@ -275,21 +275,16 @@ def test_a_closed_loop_run_obeys_littles_law():
 @pytest.mark.parametrize("spread", [0.0, 1.0])
 def test_skipping_decode_iterations_changes_no_figure(monkeypatch, spread):
     """Both simulations run their decode-only stretches at once (_Engine.skip_decode: up to the next finish, and
-    up to the next arrival from the front end); every figure is bit for bit that of stepping them one by one, with
-    fixed and spread lengths, with more users than the engine holds, at light and heavy Poisson loads, with and
-    without a front end."""
-    import dataclasses
-
+    in the open loop up to the next arrival); every figure is bit for bit that of stepping them one by one, with
+    fixed and spread lengths, with more users than the engine holds, and at light and heavy Poisson loads."""
     from meshplan.costmodels import serving_sim
 
     wl = ServeWorkload(isl=700, osl=300, isl_cv2=spread, osl_cv2=spread)
     curve = _llama8_curve(wl, 16)
 
-    fronted = [dataclasses.replace(st, frontend_s=0.004) for st in curve]  # requests reach it spaced out
-
     def runs() -> list:
-        return [serving_sim.simulate_benchmark(c, wl, users=24, rounds=4) for c in (curve, fronted)] + [
-            serving_sim.simulate_engine(c, wl, rate, requests=300) for rate in (1.0, 8.0) for c in (curve, fronted)]
+        return [serving_sim.simulate_benchmark(curve, wl, users=24, rounds=4)] + [
+            serving_sim.simulate_engine(curve, wl, rate, requests=300) for rate in (1.0, 8.0)]
 
     fast = runs()
     monkeypatch.setattr(serving_sim._Engine, "skip_decode", lambda self, until=math.inf: None)
@@ -533,66 +528,3 @@ def test_a_disaggregated_run_measures_every_request_and_never_beats_an_idle_engi
     assert np.all(run.ttft_s >= 0.115 - 1e-9) and np.all(run.tpot_s >= 0.02 - 1e-9)
     # never more than every user's sequence at once, spread over the decode engines
     assert 0 < run.mean_running <= users / decode + 1e-9
-
-
-def test_a_front_end_queues_a_disaggregated_wave_by_hand():
-    """The deployment's serial front end (EngineState.frontend_s) before one prefill engine of one prompt per
-    0.1 s iteration: four users sent together reach prefill 0.05 s apart and still wait for it (TTFTs 0.165, 0.265,
-    0.365, 0.465 s); a front end of 0.2 s is the slower stage, so each prompt is prefilled as it comes
-    (TTFT k x 0.2 + 0.115 s)."""
-    import dataclasses
-
-    from meshplan.costmodels.serving_sim import simulate_disaggregated
-
-    pre, dec, wl = _disaggregated_states(1, 0.1, 0.01, 0.005, 0.02)
-    fast = simulate_disaggregated(dataclasses.replace(pre, frontend_s=0.05), 1, dec, 1, wl, users=4, rounds=2)
-    assert sorted(fast.ttft_s[:4].tolist()) == pytest.approx([0.165, 0.265, 0.365, 0.465])
-    slow = simulate_disaggregated(dataclasses.replace(pre, frontend_s=0.2), 1, dec, 1, wl, users=4, rounds=2)
-    assert sorted(slow.ttft_s[:4].tolist()) == pytest.approx([0.2 * k + 0.115 for k in (1, 2, 3, 4)])
-
-
-def test_a_front_end_spreads_a_closed_loop_wave():
-    """Aggregated, closed loop (simulate_benchmark): the k-th of the users sent together reaches the engine k front
-    end times after it was sent, so its first token comes no sooner. A short front end may even shorten the mean
-    TTFT (the wave's prompts no longer wait for one another's iteration); one slower than the engine sets the pace:
-    at most one request per front-end time, and TTFTs of its queue. An attention-DP engine's group (group_view) sees
-    every dp-th request, each dp times as long apart."""
-    import dataclasses
-
-    from meshplan.costmodels.serving_sim import group_view, simulate_benchmark
-
-    wl = ServeWorkload(isl=1024, osl=64)
-    curve = _llama8_curve(wl, 16)
-    runs = {}
-    for s in (0.0, 0.005, 0.02, 0.1):
-        runs[s] = simulate_benchmark([dataclasses.replace(st, frontend_s=s) for st in curve], wl, users=16, rounds=3)
-        first = np.sort(runs[s].ttft_s[:16])
-        assert np.all(first >= s * np.arange(1, 17) - 1e-12)
-    assert runs[0.1].requests_per_s <= 1 / 0.1 < runs[0.0].requests_per_s
-    assert runs[0.1].ttft(None) > 3 * runs[0.0].ttft(None)
-    c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=2)), 2)
-    wide = aggregated_state(LLAMA8, c, EngineLayout(tp=1, dp=2), wl, 8, 8192)
-    assert wide is not None
-    assert group_view([dataclasses.replace(wide, frontend_s=0.01)])[0].frontend_s == pytest.approx(0.02)
-
-
-def test_an_open_loop_front_end_adds_its_time_and_its_queue():
-    """Poisson arrivals through the front end: served at a light load, every request takes its time there and
-    the M/D/1 wait for those before it (Pollaczek-Khinchine); serving_load.frontend_time states the same, and an
-    engine whose front end cannot keep up with the rate has no operating point."""
-    import dataclasses
-
-    from meshplan.costmodels.serving_load import frontend_time
-    from meshplan.costmodels.serving_sim import simulate_engine
-
-    wl = ServeWorkload(isl=1024, osl=64)
-    curve = _llama8_curve(wl, 16)
-    s, rate = 0.1, 4.0  # 40 % of the front end
-    added = frontend_time(dataclasses.replace(curve[-1], frontend_s=s), rate, wl, None)
-    assert added == pytest.approx(s + 0.4 * s / (2 * 0.6))
-    base = simulate_engine(curve, wl, rate, requests=2000)
-    front = simulate_engine([dataclasses.replace(st, frontend_s=s) for st in curve], wl, rate, requests=2000)
-    assert front.ttft(None) - base.ttft(None) == pytest.approx(added, rel=0.15)
-    saturated = [dataclasses.replace(st, frontend_s=1.0) for st in curve]
-    assert math.isinf(frontend_time(saturated[-1], 2.0, wl, None))
-    assert running_point(saturated, 8.0, wl, None) is None
