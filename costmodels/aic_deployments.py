@@ -321,7 +321,7 @@ def price(d: Deployment, eff: Efficiency | None = None, from_idle: bool = True,
     time adds to TTFT."""
     spec = None
     if engine is not None:
-        spec, eff = engine.apply(load_gpu(d.gpu))
+        spec, eff = engine.apply(load_gpu(d.gpu), d.engine)
     model = deployment_model(d.model_path)
     wl = deployment_workload(d)
     for pool in (d.pool, d.prefill):

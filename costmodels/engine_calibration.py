@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from meshplan.costmodels.efficiency import Efficiency, scaled
 from meshplan.hardware_db.calibration import EngineCalibration, StepOverhead, digest
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
+from meshplan.hardware_db.decode_attention import decode_attention_kernels
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
 
 __all__ = ["EngineParameters", "FACTORS", "ADDITIVE", "BOUNDS", "parameters_of", "engine_calibrated_cluster"]
@@ -46,9 +47,12 @@ class EngineParameters:
     iteration_s: float = 0.0
     request_s: float = 0.0
 
-    def apply(self, gpu: GPUSpec) -> tuple[GPUSpec, Efficiency]:
-        """The GPU spec (its network shares scaled) and the efficiency model an engine iteration is timed with."""
+    def apply(self, gpu: GPUSpec, engine: str | None = None) -> tuple[GPUSpec, Efficiency]:
+        """The GPU spec (its network shares scaled) and the efficiency model an engine iteration is timed with; with
+        `engine`, decode attention as that engine's kernels run it on this GPU (hardware_db/decode_attention.py)."""
         spec, eff = scaled(gpu, Efficiency.from_gpu(gpu), dict(self.log_factors))
+        if engine is not None:
+            eff = dataclasses.replace(eff, decode_attention=decode_attention_kernels(gpu.name, engine))
         if self.iteration_s:
             eff = dataclasses.replace(eff, head_overhead=StepOverhead(forward_s=self.iteration_s, backward_s=0.0))
         return spec, dataclasses.replace(eff, request_s=self.request_s)
@@ -77,6 +81,6 @@ def parameters_of(cal: EngineCalibration) -> EngineParameters:
 def engine_calibrated_cluster(spec: ClusterSpec, cal: EngineCalibration, origin: str) -> tuple[Cluster, Efficiency]:
     """The cluster (its GPU's network shares scaled) and the efficiency model an engine's iterations are timed
     with under `cal`, labelled for the plan's record as a GPU calibration is (efficiency.factor_cluster)."""
-    gpu, eff = parameters_of(cal).apply(load_gpu(spec.gpu))
+    gpu, eff = parameters_of(cal).apply(load_gpu(spec.gpu), cal.engine)
     label = f"{origin.rsplit('/', 1)[-1]} sha256:{digest(cal)}"
     return Cluster(spec, gpu=gpu), dataclasses.replace(eff, calibration=label)

@@ -9,6 +9,9 @@ cuBLAS, the library Megatron-Core and torchtitan call for dense GEMMs). Only tra
 tokens or more, both weight dimensions TRAINING_NK or more): inference's small-m GEMMs sit on another part of the
 efficiency curve. The factor is exp(median log(predicted / measured)) over those rows, in BF16 and per-tensor FP8;
 its spread is the rows' scaled median absolute deviation (1.4826 MAD: the standard deviation of a normal).
+
+The same wheel's generation-attention tables give serving's decode attention on paged caches (issue 45 item 2):
+fit_decode_attention below, written to hardware_db/decode_attention.toml by benchmarks/decode_attention_tables.py.
 """
 
 from __future__ import annotations
@@ -140,3 +143,102 @@ def gemm_prior(gpu_name: str, dtypes: list[str]) -> KernelFactor:
     if found is None:
         raise InputError(f"AIConfigurator's table for {gpu_name} has no {dtype} GEMMs; use --kernels none")
     return found
+
+
+# Decode attention (issue 45 item 2): AIConfigurator's generation-attention tables, `systems/data/<system>/attention/
+# <engine>/<version>/generation_attention_perf.parquet`, one row per (batch_size, step = cached tokens, num_heads,
+# num_key_value_heads, head_dim, window_size, kv_cache_dtype) and its latency in ms, timed under CUDA graphs
+# (collector/helper.py benchmark_with_power). Full attention only (window 0); reads below DECODE_MIN_BYTES are left
+# out (a served model's layer reads more: 64 sequences of 1,000 tokens through one 128-wide FP8 KV head, 16 MB).
+DECODE_ENGINES = ("sglang", "trtllm", "vllm")
+DECODE_KV = {"bfloat16": ("bf16", 2), "fp8": ("fp8", 1)}  # table dtype -> (meshplan KV dtype, bytes per element)
+DECODE_MIN_BYTES = 1e6
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    kv_dtype: str  # meshplan's: bf16 or fp8
+    bytes_read: float  # the cached K and V of every sequence, once
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class DecodeAttentionFit:
+    """t = latency_s + bytes / (HBM x bandwidth) over one table's rows of one KV dtype, and how well it holds: the
+    median |log(fit / measured)|."""
+
+    latency_s: float
+    bandwidth: float
+    rows: int
+    log_spread: float
+
+
+def decode_table_path(gpu: str, engine: str) -> tuple[Any, str]:
+    """The newest generation-attention table of `engine` for this GPU, and its system/attention/engine/version."""
+    system = SYSTEMS.get(gpu)
+    if system is None:
+        raise InputError(f"AIConfigurator has no attention table for {gpu}; it covers {', '.join(sorted(SYSTEMS))}")
+    folder = aic_package().joinpath("systems", "data", system, "attention", engine)
+    name = "generation_attention_perf.parquet"
+    from packaging.version import InvalidVersion, Version
+
+    def order(v: str) -> tuple[int, Any]:
+        try:
+            return 1, Version(v)
+        except InvalidVersion:
+            return 0, v
+
+    versions = sorted((v.name for v in folder.iterdir() if v.joinpath(name).is_file()), key=order) \
+        if folder.is_dir() else []
+    if not versions:
+        raise InputError(f"the installed aiconfigurator-core has no {engine} decode-attention table for {system} "
+                         f"({gpu}); upgrade it ({EXTRA})")
+    return folder.joinpath(versions[-1], name), f"{system}/attention/{engine}/{versions[-1]}"
+
+
+def decode_points(gpu: str, engine: str) -> tuple[list[DecodePoint], str]:
+    """The table's full-attention rows for this GPU and engine (module note above), and where they are from."""
+    path, source = decode_table_path(gpu, engine)
+    import pyarrow.parquet as pq  # a dependency of aiconfigurator-core
+
+    columns = ["batch_size", "step", "num_key_value_heads", "head_dim", "window_size", "kv_cache_dtype", "latency"]
+    with resources.as_file(path) as local:
+        have = set(pq.read_schema(local).names)
+        t = pq.read_table(local, columns=[c for c in columns if c in have]).to_pydict()
+    t.setdefault("window_size", [0] * len(t["latency"]))  # older tables time full attention only
+    points = []
+    for b, s, kv, d, w, dtype, lat in zip(*(t[c] for c in columns), strict=True):
+        if w or dtype not in DECODE_KV or lat <= 0:
+            continue
+        name, element = DECODE_KV[dtype]
+        read = 2.0 * b * s * kv * d * element  # K and V
+        if read >= DECODE_MIN_BYTES:
+            points.append(DecodePoint(name, read, lat / 1e3))
+    if not points:
+        raise InputError(f"{source} holds no full-attention decode row reading {DECODE_MIN_BYTES:.0e} bytes or more")
+    return points, source
+
+
+def fit_decode_attention(points: list[DecodePoint], hbm_bytes_per_s: float) -> DecodeAttentionFit:
+    """Least squares on the relative error (each row's equation divided by its latency, so a 10 us row weighs as
+    much as a 10 ms one): latency + bytes / (HBM x bandwidth) = measured."""
+    import numpy as np
+
+    x = np.array([p.bytes_read / hbm_bytes_per_s for p in points])
+    t = np.array([p.latency_s for p in points])
+    (latency, inverse), *_ = np.linalg.lstsq(np.c_[np.ones_like(x), x] / t[:, None], np.ones_like(t), rcond=None)
+    if latency <= 0 or inverse < 1.0:
+        raise InputError(f"the decode-attention rows fit a fixed time of {latency * 1e6:.1f} us and {1 / inverse:.2f} "
+                         f"of HBM bandwidth: no paged decode reads that way, so the table is not used")
+    spread = float(np.median(np.abs(np.log((latency + inverse * x) / t))))
+    return DecodeAttentionFit(float(latency), float(1.0 / inverse), len(points), spread)
+
+
+def decode_attention_fits(gpu: str, engine: str) -> tuple[dict[str, DecodeAttentionFit], str]:
+    """The fit per KV dtype of `engine`'s newest table for this GPU, and the table's name."""
+    points, source = decode_points(gpu, engine)
+    hbm = load_gpu(gpu).hbm_bytes_per_s
+    fits = {}
+    for dtype in sorted({p.kv_dtype for p in points}):
+        fits[dtype] = fit_decode_attention([p for p in points if p.kv_dtype == dtype], hbm)
+    return fits, source

@@ -579,13 +579,22 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
     pre = pre_tokens / layout.dp / micro
     t = dec * queries + pre
 
+    # GQA / MHA decode attention as the engine's kernels run it on paged caches (hardware_db/decode_attention.py);
+    # MLA's latent attention is another kernel, left to the roofline
+    paged = {dtype: (fixed, share) for dtype, fixed, share in eff.decode_attention} if model.mla is None else {}
+    measured = paged.get("bf16" if kv_dtype == "fp16" else kv_dtype)
+
     def ops_time(ops: list[Op]) -> float:
         total = 0.0
         for op in ops:
             peak = peak8 if (op.kind == "gemm" and op.gemm_dtype_scale > 1) else peak16
             # weights are read at their own width: scale a GEMM's bytes for fp8 weights
-            total += op_time(op.fwd_flops, op.fwd_bytes * (wbytes / ACT_BYTES if op.kind == "gemm" else 1.0),
-                             op.kind, peak, hbm, eff)
+            t = op_time(op.fwd_flops, op.fwd_bytes * (wbytes / ACT_BYTES if op.kind == "gemm" else 1.0),
+                        op.kind, peak, hbm, eff)
+            if op.name == "decode_attention" and measured is not None:
+                # the measured kernel's fixed time and bandwidth, never below the roofline
+                t = max(t, measured[0] + op.fwd_bytes / (hbm * measured[1]))
+            total += t
         return total
 
     tp_link, ep_link, etp_link = geo.tp_link, geo.ep_link, geo.etp_link

@@ -23,7 +23,14 @@ import numpy as np
 
 from meshplan.costmodels.serving import EngineState, ServeWorkload
 
-__all__ = ["SimulatedLoad", "group_view", "simulate_benchmark", "simulate_disaggregated", "simulate_engine"]
+__all__ = ["SEND_GAP_S", "SimulatedLoad", "group_view", "simulate_benchmark", "simulate_disaggregated",
+           "simulate_engine"]
+
+# A closed loop's requests "sent together" reach the engine one after another (each its own HTTP request through
+# the front end), never in one instant: the first starts an iteration alone and the rest wait for it. Any gap far
+# below an iteration prices that the same (stop 54's screen: 10 us, 0.1 ms and 1 ms gave identical TTFTs), so it
+# is fixed, not fit.
+SEND_GAP_S = 1e-5
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,21 @@ class SimulatedLoad:
 
     def tpot(self, q: float | None) -> float:
         return float(self.tpot_s.mean() if q is None else np.quantile(self.tpot_s, q))
+
+
+@dataclass
+class _Sender:
+    """The order in which requests sent at one instant reach the engine: first come first served, `gap_s` apart (a
+    FIFO single server with constant service, Kleinrock, "Queueing Systems" vol. 1, sec. 1.4's D/1; hand-written as
+    it is two lines)."""
+
+    gap_s: float
+    free: float = 0.0
+
+    def passed(self, sent: float) -> float:
+        """When a request sent at `sent` (sent in time order) reaches the engine."""
+        self.free = max(sent, self.free) + self.gap_s
+        return self.free
 
 
 @dataclass
@@ -83,11 +105,12 @@ def simulate_engine(curve: list[EngineState], wl: ServeWorkload, rate: float, re
 
 
 def simulate_benchmark(curve: list[EngineState], wl: ServeWorkload, users: int, rounds: int = 20,
-                       seed: int = 0, mixed: bool = True) -> SimulatedLoad:
+                       seed: int = 0, mixed: bool = True, gap_s: float = SEND_GAP_S) -> SimulatedLoad:
     """A closed-loop benchmark as its clients run it (aiperf's --concurrency, vLLM's and SGLang's bench_serving
     --max-concurrency): `users` requests sent together into an idle engine (a drained warm-up leaves it so; aiperf
     waits for every warm-up response before profiling, its docs/tutorials/warmup.md), then each user sends its next
-    request the moment its last one ends, until users x rounds have been sent; every request is measured. With
+    request the moment its last one ends, until users x rounds have been sent; every request is measured. Requests
+    sent at one instant reach the engine `gap_s` apart (SEND_GAP_S), so an idle engine starts on the first alone. With
     fixed lengths the first wave's prompts, sliced by the token budget, keep finishing together, so later waves come
     in cohorts too: a TTFT the steady smooth-arrival model of serving_load.concurrency_point does not see.
     `mixed` False: the engine never puts prompt chunks and decode tokens in one iteration, and prompts go first
@@ -99,19 +122,26 @@ def simulate_benchmark(curve: list[EngineState], wl: ServeWorkload, users: int, 
     prompts = _lengths(rng, wl.computed_isl, wl.isl_cv2, total)
     outputs = _lengths(rng, wl.osl, wl.osl_cv2, total)
     engine = _Engine(curve, wl, mixed)
+    sender = _Sender(gap_s)
+    passing: deque[tuple[float, _Request]] = deque()  # (when it reaches the engine, the request), in that order
     sent = 0
 
     def send(now: float) -> None:
         nonlocal sent
-        engine.waiting.append(_Request(now, int(prompts[sent]), int(outputs[sent]), order=sent))
+        passing.append((sender.passed(now), _Request(now, int(prompts[sent]), int(outputs[sent]), order=sent)))
         sent += 1
 
     for _ in range(min(users, total)):
         send(0.0)
     while len(engine.done) < total:
+        while passing and passing[0][0] <= engine.now:
+            engine.waiting.append(passing.popleft()[1])
         finished = len(engine.done)
-        engine.skip_decode()  # exact here: a closed loop's requests arrive only as others finish
-        engine.step()
+        # exact: a closed loop's requests reach the engine only as others finish, a gap after they are sent
+        engine.skip_decode(passing[0][0] if passing else math.inf)
+        if not engine.step():  # idle until the next one arrives
+            engine.now = passing[0][0]
+            continue
         for _ in engine.done[finished:]:
             if sent < total:
                 send(engine.now)
@@ -119,10 +149,12 @@ def simulate_benchmark(curve: list[EngineState], wl: ServeWorkload, users: int, 
 
 
 def simulate_disaggregated(prefill: EngineState, prefill_engines: int, decode: list[EngineState],
-                           decode_engines: int, wl: ServeWorkload, users: int, rounds: int = 20) -> SimulatedLoad:
+                           decode_engines: int, wl: ServeWorkload, users: int, rounds: int = 20,
+                           gap_s: float = SEND_GAP_S) -> SimulatedLoad:
     """A closed-loop benchmark of a disaggregated deployment as its client runs it (simulate_benchmark's: all users'
     first requests together into idle engines, each user's next request the moment its last one ends, users x
     rounds requests, every one measured), request by request:
+    - requests sent at one instant reach the prefill engines `gap_s` apart (simulate_benchmark's);
     - each of `prefill_engines` engines takes up to prefill.batch waiting prompts (first come first served) per
       iteration of prefill.step_s; a prompt's first token comes transfer_s + request_s after (its KV cache sent on,
       the front end);
@@ -166,11 +198,12 @@ def simulate_disaggregated(prefill: EngineState, prefill_engines: int, decode: l
         joining: list[tuple[float, int]] = field(default_factory=list)  # heap of (KV ready, request)
 
     dec = [_Decode() for _ in range(decode_engines)]
+    sender = _Sender(gap_s)
 
     def send(t: float) -> None:
         nonlocal sent
         arrival[sent] = t
-        waiting.append(sent)
+        push(sender.passed(t), "arrive", 0, sent)  # `version` carries the request
         sent += 1
 
     def start_prefill(t: float) -> None:
@@ -215,10 +248,11 @@ def simulate_disaggregated(prefill: EngineState, prefill_engines: int, decode: l
 
     for _ in range(min(users, total)):
         send(0.0)
-    start_prefill(0.0)
     while events:
         t, _, kind, i, version = heapq.heappop(events)
-        if kind == "prefill":
+        if kind == "arrive":
+            waiting.append(version)
+        elif kind == "prefill":
             pre_busy[i] = False
             for r in prefill_batches[i]:
                 first[r] = t + first_token_delay

@@ -221,27 +221,48 @@ def _llama8_curve(wl: ServeWorkload, top: int) -> list:
 
 
 def test_a_closed_loop_run_from_idle_keeps_its_cohorts():
-    """Eight users of fixed 1,024-token prompts sent together into an idle engine: the budget (8,192) takes all
-    eight prompts in one iteration, so they finish together and come back together, round after round; every TTFT
-    is that whole iteration, several times what the smooth steady state (concurrency_point) gives one prompt.
-    Spread lengths break the cohorts: TTFTs differ and their mean falls."""
+    """Eight users of fixed 1,024-token prompts reaching an idle engine in one instant (gap_s 0): the budget (8,192)
+    takes all eight prompts in one iteration, so they finish together and come back together, round after round;
+    every TTFT is that whole iteration, several times what the smooth steady state (concurrency_point) gives one
+    prompt. Spread lengths break the cohorts: TTFTs differ and their mean falls."""
     from meshplan.costmodels.serving_load import concurrency_point
     from meshplan.costmodels.serving_sim import simulate_benchmark
 
     fixed = ServeWorkload(isl=1024, osl=128)
-    run = simulate_benchmark(_llama8_curve(fixed, 8), fixed, users=8, rounds=5)
+    run = simulate_benchmark(_llama8_curve(fixed, 8), fixed, users=8, rounds=5, gap_s=0.0)
     assert len(run.ttft_s) == 40
     assert run.ttft_s.max() == pytest.approx(run.ttft_s.min(), rel=1e-9)
     c = engine_cluster(Cluster(ClusterSpec(gpu="h100-sxm", num_gpus=1)), 1)
     smooth = concurrency_point(LLAMA8, c, EngineLayout(tp=1), fixed, 8, 8192, None)
     assert smooth is not None and run.ttft(None) > 3 * smooth.ttft_s
     spread = ServeWorkload(isl=1024, osl=128, isl_cv2=1.0, osl_cv2=1.0)
-    loose = simulate_benchmark(_llama8_curve(spread, 8), spread, users=8, rounds=5)
+    loose = simulate_benchmark(_llama8_curve(spread, 8), spread, users=8, rounds=5, gap_s=0.0)
     assert loose.ttft_s.max() > 2 * loose.ttft_s.min() and loose.ttft(None) < run.ttft(None)
 
 
+@pytest.mark.parametrize("gap", [1e-5, 1e-4, 1e-3])
+def test_a_wave_sent_together_reaches_the_engine_one_by_one(gap):
+    """The same eight users as the requests really come, one after another however close (SEND_GAP_S): the first
+    prompt starts an iteration alone, as a lone user's does, and the other seven wait for it and go together in
+    the next, shorter than one of all eight but later than all eight in one instant would have had their first
+    tokens. Any gap far below an iteration gives the same TTFTs, but for the gaps themselves."""
+    from meshplan.costmodels.serving_sim import SEND_GAP_S, simulate_benchmark
+
+    wl = ServeWorkload(isl=1024, osl=128)
+    curve = _llama8_curve(wl, 8)
+    first = np.sort(simulate_benchmark(curve, wl, users=8, rounds=1, gap_s=gap).ttft_s)
+    lone = simulate_benchmark(curve, wl, users=1, rounds=1, gap_s=gap).ttft_s[0]
+    together = simulate_benchmark(curve, wl, users=8, rounds=1, gap_s=0.0).ttft_s
+    assert first[0] == pytest.approx(lone, rel=1e-9)
+    assert first[1:] == pytest.approx([first[1]] * 7, abs=8 * gap)
+    assert first[1] > together.max() and first[1] - first[0] < together.max()
+    shipped = np.sort(simulate_benchmark(curve, wl, users=8, rounds=1).ttft_s)
+    assert first == pytest.approx(shipped, abs=8 * max(gap, SEND_GAP_S))
+
+
 def test_an_unmixed_engine_keeps_every_wave_whole():
-    """Prefill first and never mixed with decode (SGLang's default): 64 users of 1,024-token prompts through a
+    """Prefill first and never mixed with decode (SGLang's default): 64 users of 1,024-token prompts (in one instant)
+    through a
     budget of 8,192 tokens. The first wave's prompts finish prefill at eight different times, but every sequence
     decodes only after the whole wave, so they all finish together and come back as one wave, round after round:
     the mean TTFT is that of the first wave every time, above the mixed engine's, whose cohorts spread."""
@@ -249,13 +270,14 @@ def test_an_unmixed_engine_keeps_every_wave_whole():
 
     wl = ServeWorkload(isl=1024, osl=128)
     curve = _llama8_curve(wl, 64)
-    unmixed = simulate_benchmark(curve, wl, users=64, rounds=5, mixed=False)
+    unmixed = simulate_benchmark(curve, wl, users=64, rounds=5, mixed=False, gap_s=0.0)
     waves = unmixed.ttft_s.reshape(5, 64)
     assert np.allclose(np.sort(waves, axis=1), np.sort(waves[0]), rtol=1e-9)  # every round the first wave again
     assert len(set(np.round(waves[0], 12))) == 8  # eight iterations of eight prompts each
-    mixed = simulate_benchmark(curve, wl, users=64, rounds=5)
+    mixed = simulate_benchmark(curve, wl, users=64, rounds=5, gap_s=0.0)
     assert unmixed.ttft(None) > mixed.ttft(None)
-    assert simulate_benchmark(curve, wl, users=64, rounds=5, mixed=True).ttft_s.tolist() == mixed.ttft_s.tolist()
+    assert simulate_benchmark(curve, wl, users=64, rounds=5, mixed=True, gap_s=0.0).ttft_s.tolist() == \
+        mixed.ttft_s.tolist()
 
 
 def test_a_closed_loop_run_obeys_littles_law():
@@ -413,20 +435,22 @@ def test_speculation_in_the_exports_and_its_refusals(capsys, tmp_path):
 
 def test_serve_checks_its_best_by_simulation(capsys):
     """An aggregated best is simulated at its rate and printed beside the model's figures; the search's p50s sit
-    within 20 % of the simulated ones here (one engine well below capacity)."""
+    within 25 % of the simulated ones here (TTFT 75 ms analytic against 91 simulated, TPOT 25 against 29: the
+    analytic means run low as the best nears its engine's capacity, benchmarks/RESULTS.md "Serving queueing model
+    against its simulation")."""
     from cli_helpers import run
 
     from meshplan import api
     from meshplan.hardware_db.cluster import ClusterSpec as Spec
 
-    # the GPU's defaults, as when this bound was set (the engine calibration's slower prefill widens the gap to 20 %)
+    # the GPU's defaults (under an engine calibration the search picks another best)
     found = api.search_deployments("llama3.1-8b", Spec(gpu="h100-sxm", num_gpus=8), ServeWorkload(isl=2000, osl=200),
                                    api.ServeTargets(ttft_ms=500, tpot_ms=30), disaggregation=False,
                                    calibration="none")
     sim = found.simulated
     assert sim is not None and found.plan.mode == "aggregated"
-    assert sim.ttft_s == pytest.approx(sim.model_ttft_s, rel=0.2)
-    assert sim.tpot_s == pytest.approx(sim.model_tpot_s, rel=0.2)
+    assert sim.ttft_s == pytest.approx(sim.model_ttft_s, rel=0.25)
+    assert sim.tpot_s == pytest.approx(sim.model_tpot_s, rel=0.25)
     code, out, err = run(capsys, "serve", "-m", "llama3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--isl", "2000",
                          "--osl", "200", "--ttft-ms", "500", "--tpot-ms", "30", "--no-disaggregation")
     assert code == 0, err
@@ -497,21 +521,25 @@ def test_a_disaggregated_run_from_idle_as_by_hand():
     """simulate_disaggregated, worked by hand: one user sees one prefill iteration, the KV transfer and the front end
     to its first token, then a decode step per token; four users on a prefill engine of one prompt per iteration
     wait their turn in the first wave (TTFTs 1, 2, 3, 4 iterations); a prefill engine taking all of them at once
-    keeps every round whole, every request seeing the same."""
+    keeps every round whole when they come in one instant, every request seeing the same, and takes the first alone
+    when they come one by one."""
     from meshplan.costmodels.serving_sim import simulate_disaggregated
 
     pre, dec, wl = _disaggregated_states(1, 0.1, 0.01, 0.005, 0.02)
-    one = simulate_disaggregated(pre, 1, dec, 1, wl, users=1, rounds=3)
-    assert one.ttft_s.tolist() == pytest.approx([0.115] * 3)
+    one = simulate_disaggregated(pre, 1, dec, 1, wl, users=1, rounds=3, gap_s=0.001)
+    assert one.ttft_s.tolist() == pytest.approx([0.116] * 3)  # reaching the engine 1 ms after it is sent
     assert one.tpot_s.tolist() == pytest.approx([0.02] * 3)
-    four = simulate_disaggregated(pre, 1, dec, 1, wl, users=4, rounds=3)
+    four = simulate_disaggregated(pre, 1, dec, 1, wl, users=4, rounds=3, gap_s=0.0)
     assert sorted(four.ttft_s[:4].tolist()) == pytest.approx([0.1 * k + 0.015 for k in (1, 2, 3, 4)])
     assert np.all(four.ttft_s >= 0.115 - 1e-12)
     whole, dec, wl = _disaggregated_states(4, 0.1, 0.01, 0.005, 0.02)
-    run = simulate_disaggregated(whole, 1, dec, 2, wl, users=4, rounds=5)
+    run = simulate_disaggregated(whole, 1, dec, 2, wl, users=4, rounds=5, gap_s=0.0)
     assert run.ttft_s.tolist() == pytest.approx([0.115] * 20) and run.tpot_s.tolist() == pytest.approx([0.02] * 20)
     # each decode engine holds two sequences for 49 x 0.02 s of every 0.115 + 0.98 s round
     assert run.mean_running == pytest.approx(2 * 0.98 / 1.095)
+    # sent together but 1 ms apart, the first prompt is prefilled alone and the other three wait for it
+    broken = simulate_disaggregated(whole, 1, dec, 2, wl, users=4, rounds=1, gap_s=0.001)
+    assert sorted(broken.ttft_s.tolist()) == pytest.approx([0.116, 0.216, 0.216, 0.216])
 
 
 @settings(max_examples=25, deadline=None)
