@@ -77,6 +77,15 @@ def gemm_table_path(gpu: str) -> tuple[Any, str]:
     if not folder.is_dir():
         raise InputError(f"the installed aiconfigurator-core has no {FRAMEWORK} GEMM table for {system} ({gpu}); "
                          f"upgrade it ({EXTRA})")
+    newest = _newest_version(folder, "gemm_perf.parquet")
+    if newest is None:
+        raise InputError(f"the installed aiconfigurator-core has no {FRAMEWORK} GEMM table for {system} ({gpu})")
+    return folder.joinpath(newest, "gemm_perf.parquet"), f"aiconfigurator-core {system}/{FRAMEWORK}/{newest}"
+
+
+def _newest_version(folder: Any, table: str) -> str | None:
+    """The newest version folder under `folder` that holds `table` (PEP 440 order; names that are no version sort
+    first), or None."""
     from packaging.version import InvalidVersion, Version
 
     def order(name: str) -> tuple[int, Any]:
@@ -85,11 +94,9 @@ def gemm_table_path(gpu: str) -> tuple[Any, str]:
         except InvalidVersion:
             return 0, name
 
-    versions = sorted((v.name for v in folder.iterdir() if v.joinpath("gemm_perf.parquet").is_file()), key=order)
-    if not versions:
-        raise InputError(f"the installed aiconfigurator-core has no {FRAMEWORK} GEMM table for {system} ({gpu})")
-    newest = versions[-1]
-    return folder.joinpath(newest, "gemm_perf.parquet"), f"aiconfigurator-core {system}/{FRAMEWORK}/{newest}"
+    versions = sorted((v.name for v in folder.iterdir() if v.joinpath(table).is_file()), key=order) \
+        if folder.is_dir() else []
+    return versions[-1] if versions else None
 
 
 def gemm_points(gpu: str) -> tuple[list[GemmPoint], str]:
@@ -180,20 +187,11 @@ def decode_table_path(gpu: str, engine: str) -> tuple[Any, str]:
         raise InputError(f"AIConfigurator has no attention table for {gpu}; it covers {', '.join(sorted(SYSTEMS))}")
     folder = aic_package().joinpath("systems", "data", system, "attention", engine)
     name = "generation_attention_perf.parquet"
-    from packaging.version import InvalidVersion, Version
-
-    def order(v: str) -> tuple[int, Any]:
-        try:
-            return 1, Version(v)
-        except InvalidVersion:
-            return 0, v
-
-    versions = sorted((v.name for v in folder.iterdir() if v.joinpath(name).is_file()), key=order) \
-        if folder.is_dir() else []
-    if not versions:
+    newest = _newest_version(folder, name)
+    if newest is None:
         raise InputError(f"the installed aiconfigurator-core has no {engine} decode-attention table for {system} "
                          f"({gpu}); upgrade it ({EXTRA})")
-    return folder.joinpath(versions[-1], name), f"{system}/attention/{engine}/{versions[-1]}"
+    return folder.joinpath(newest, name), f"{system}/attention/{engine}/{newest}"
 
 
 def decode_points(gpu: str, engine: str) -> tuple[list[DecodePoint], str]:

@@ -62,6 +62,7 @@ def _shipped() -> DecodeAttentionTables:
     return parse_decode_attention(text, f"hardware_db/{FILE}")
 
 
+@functools.lru_cache(maxsize=128)  # every Efficiency.from_gpu asks, training's fits many times over
 def decode_attention_kernels(gpu: str, engine: str | None = None) -> tuple[tuple[str, float, float], ...]:
     """(KV dtype, fixed seconds, share of HBM bandwidth) of `engine`'s decode attention on `gpu`; with no engine (or
     one without a table there), the median of the engines' values per dtype; () for a GPU with no table (the cost
