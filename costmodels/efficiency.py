@@ -14,7 +14,7 @@ from meshplan.costmodels.ops import memory_class
 from meshplan.hardware_db.calibration import (Calibration, Curve, FactorCalibration, LayerOverhead, StepOverhead,
                                               calibrated_gpu, cpu_device_spec, digest, is_public)
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
-from meshplan.hardware_db.decode_attention import decode_attention_kernels
+from meshplan.hardware_db.decode_kernels import decode_kernels
 from meshplan.hardware_db.errors import InputError
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
 
@@ -64,9 +64,11 @@ class Efficiency:
     attention_cudnn_bwd_max: float = 0.0  # 0: attention_bwd_max
     attention_causal_s0: float = 0.0
     bf16_peak: float = 0.0  # the GPU's 16-bit peak: an FP8 GEMM's half-saturation FLOPs scale with its peak
-    # serving: decode attention measured on paged caches, (KV dtype, fixed seconds, share of HBM bandwidth) of the
-    # engine's kernels (hardware_db/decode_attention.py; from_gpu: the engines' median); () keeps the roofline
+    # serving: decode attention on paged caches and decode GEMMs as the engine's kernels run them, (KV dtype or
+    # weight format, fixed seconds, share of HBM bandwidth) (hardware_db/decode_kernels.py; from_gpu: the engines'
+    # median); () keeps the roofline
     decode_attention: tuple[tuple[str, float, float], ...] = ()
+    decode_gemm: tuple[tuple[str, float, float], ...] = ()
     physics: Physics = Physics()
 
     def __post_init__(self) -> None:
@@ -98,7 +100,8 @@ class Efficiency:
                    attention_cudnn_bwd_max=e.attention_cudnn_bwd_max or 0.0,
                    attention_causal_s0=e.attention_causal_s0,
                    bf16_peak=gpu.peak_flops("bf16" if "bf16" in gpu.peak_tflops else "fp16"),
-                   decode_attention=decode_attention_kernels(gpu.name), physics=physics or Physics())
+                   decode_attention=decode_kernels(gpu.name, "attention"),
+                   decode_gemm=decode_kernels(gpu.name, "gemm"), physics=physics or Physics())
 
     @classmethod
     def from_calibration(cls, cal: Calibration, gpu: GPUSpec, label: str, runtime: str | None = None) -> Efficiency:

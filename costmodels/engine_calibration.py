@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from meshplan.costmodels.efficiency import Efficiency, scaled
 from meshplan.hardware_db.calibration import EngineCalibration, StepOverhead, digest
 from meshplan.hardware_db.cluster import Cluster, ClusterSpec
-from meshplan.hardware_db.decode_attention import decode_attention_kernels
+from meshplan.hardware_db.decode_kernels import decode_kernels
 from meshplan.hardware_db.gpu import GPUSpec, load_gpu
 
 __all__ = ["EngineParameters", "FACTORS", "ADDITIVE", "BOUNDS", "parameters_of", "engine_calibrated_cluster"]
@@ -49,10 +49,12 @@ class EngineParameters:
 
     def apply(self, gpu: GPUSpec, engine: str | None = None) -> tuple[GPUSpec, Efficiency]:
         """The GPU spec (its network shares scaled) and the efficiency model an engine iteration is timed with; with
-        `engine`, decode attention as that engine's kernels run it on this GPU (hardware_db/decode_attention.py)."""
+        `engine`, decode attention and GEMMs as that engine's kernels run them on this GPU
+        (hardware_db/decode_kernels.py)."""
         spec, eff = scaled(gpu, Efficiency.from_gpu(gpu), dict(self.log_factors))
         if engine is not None:
-            eff = dataclasses.replace(eff, decode_attention=decode_attention_kernels(gpu.name, engine))
+            eff = dataclasses.replace(eff, decode_attention=decode_kernels(gpu.name, "attention", engine),
+                                      decode_gemm=decode_kernels(gpu.name, "gemm", engine))
         if self.iteration_s:
             eff = dataclasses.replace(eff, head_overhead=StepOverhead(forward_s=self.iteration_s, backward_s=0.0))
         return spec, dataclasses.replace(eff, request_s=self.request_s)

@@ -10,8 +10,9 @@ tokens or more, both weight dimensions TRAINING_NK or more): inference's small-m
 efficiency curve. The factor is exp(median log(predicted / measured)) over those rows, in BF16 and per-tensor FP8;
 its spread is the rows' scaled median absolute deviation (1.4826 MAD: the standard deviation of a normal).
 
-The same wheel's generation-attention tables give serving's decode attention on paged caches (issue 45 item 2):
-fit_decode_attention below, written to hardware_db/decode_attention.toml by benchmarks/decode_attention_tables.py.
+The same wheel's generation-attention and GEMM tables give serving's decode attention on paged caches and its decode
+GEMMs (issue 45 item 2): fit_decode_kernel below, written to hardware_db/decode_kernels.toml by
+benchmarks/decode_kernel_tables.py.
 """
 
 from __future__ import annotations
@@ -152,26 +153,39 @@ def gemm_prior(gpu_name: str, dtypes: list[str]) -> KernelFactor:
     return found
 
 
-# Decode attention (issue 45 item 2): AIConfigurator's generation-attention tables, `systems/data/<system>/attention/
-# <engine>/<version>/generation_attention_perf.parquet`, one row per (batch_size, step = cached tokens, num_heads,
-# num_key_value_heads, head_dim, window_size, kv_cache_dtype) and its latency in ms, timed under CUDA graphs
-# (collector/helper.py benchmark_with_power). Full attention only (window 0); reads below DECODE_MIN_BYTES are left
-# out (a served model's layer reads more: 64 sequences of 1,000 tokens through one 128-wide FP8 KV head, 16 MB).
+# Decode kernels (issue 45 item 2): AIConfigurator's tables of the engines' own kernels, timed under CUDA graphs as the
+# engines run decode (collector/helper.py benchmark_with_power), give the two ops that read most of a decode step's
+# bytes a measured fixed time and share of HBM bandwidth:
+# - attention: `systems/data/<system>/attention/<engine>/<version>/generation_attention_perf.parquet`, one row per
+#   (batch_size, step = cached tokens, num_heads, num_key_value_heads, head_dim, window_size, kv_cache_dtype) and its
+#   latency in ms. Full attention only (window 0); reads below DECODE_MIN_BYTES are left out (a served model's layer
+#   reads more: 64 sequences of 1,000 tokens through one 128-wide FP8 KV head, 16 MB).
+# - GEMMs: `gemm/<engine>/<version>/gemm_perf.parquet` (columns m, n, k, gemm_dtype, latency in ms), each engine's
+#   own linear kernel per weight format; rows of DECODE_GEMM_M tokens or fewer, where a GEMM streams its weight, and
+#   weights of DECODE_MIN_WEIGHTS elements or more (a served model's projections are larger).
 DECODE_ENGINES = ("sglang", "trtllm", "vllm")
 DECODE_KV = {"bfloat16": ("bf16", 2), "fp8": ("fp8", 1)}  # table dtype -> (meshplan KV dtype, bytes per element)
 DECODE_MIN_BYTES = 1e6
+# table gemm_dtype -> (meshplan weight format, bytes per weight and per activation element): NVFP4 packs two values
+# a byte and one FP8 scale per 16 (NVIDIA's NVFP4 format, TensorRT Model Optimizer docs); FP8 block scales (one FP32
+# per 128x128 block, DeepSeek-V3 report sec. 3.3.2) add 1/4096 of a byte: left out
+GEMM_FORMATS = {"bfloat16": ("bf16", 2.0), "fp8": ("fp8", 1.0), "fp8_block": ("fp8_block", 1.0),
+                "nvfp4": ("fp4", 0.5625)}
+DECODE_GEMM_M = 64
+DECODE_MIN_WEIGHTS = 2 ** 20
 
 
 @dataclass(frozen=True)
-class DecodePoint:
-    kv_dtype: str  # meshplan's: bf16 or fp8
-    bytes_read: float  # the cached K and V of every sequence, once
+class ReadPoint:
+    dtype: str  # meshplan's: the KV cache dtype (attention) or the weight format (GEMM)
+    bytes_read: float  # attention: the cached K and V of every sequence, once; GEMM: weight, input and output once
     latency_s: float
+    flops: float = 0.0  # GEMM: 2mnk (what the roofline before prices beside the bytes)
 
 
 @dataclass(frozen=True)
-class DecodeAttentionFit:
-    """t = latency_s + bytes / (HBM x bandwidth) over one table's rows of one KV dtype, and how well it holds: the
+class DecodeKernelFit:
+    """t = latency_s + bytes / (HBM x bandwidth) over one table's rows of one dtype, and how well it holds: the
     median |log(fit / measured)|."""
 
     latency_s: float
@@ -180,23 +194,25 @@ class DecodeAttentionFit:
     log_spread: float
 
 
-def decode_table_path(gpu: str, engine: str) -> tuple[Any, str]:
-    """The newest generation-attention table of `engine` for this GPU, and its system/attention/engine/version."""
+def decode_table_path(gpu: str, engine: str, op: str) -> tuple[Any, str]:
+    """The newest table of `engine`'s decode `op` ("attention" or "gemm") for this GPU, and its system/folder/engine/
+    version."""
     system = SYSTEMS.get(gpu)
     if system is None:
-        raise InputError(f"AIConfigurator has no attention table for {gpu}; it covers {', '.join(sorted(SYSTEMS))}")
-    folder = aic_package().joinpath("systems", "data", system, "attention", engine)
-    name = "generation_attention_perf.parquet"
+        raise InputError(f"AIConfigurator has no {op} table for {gpu}; it covers {', '.join(sorted(SYSTEMS))}")
+    folder_name, name = {"attention": ("attention", "generation_attention_perf.parquet"),
+                         "gemm": ("gemm", "gemm_perf.parquet")}[op]
+    folder = aic_package().joinpath("systems", "data", system, folder_name, engine)
     newest = _newest_version(folder, name)
     if newest is None:
-        raise InputError(f"the installed aiconfigurator-core has no {engine} decode-attention table for {system} "
-                         f"({gpu}); upgrade it ({EXTRA})")
-    return folder.joinpath(newest, name), f"{system}/attention/{engine}/{newest}"
+        raise InputError(f"the installed aiconfigurator-core has no {engine} {op} table for {system} ({gpu}); "
+                         f"upgrade it ({EXTRA})")
+    return folder.joinpath(newest, name), f"{system}/{folder_name}/{engine}/{newest}"
 
 
-def decode_points(gpu: str, engine: str) -> tuple[list[DecodePoint], str]:
-    """The table's full-attention rows for this GPU and engine (module note above), and where they are from."""
-    path, source = decode_table_path(gpu, engine)
+def decode_points(gpu: str, engine: str) -> tuple[list[ReadPoint], str]:
+    """The attention table's full-attention rows for this GPU and engine (note above), and where they are from."""
+    path, source = decode_table_path(gpu, engine, "attention")
     import pyarrow.parquet as pq  # a dependency of aiconfigurator-core
 
     columns = ["batch_size", "step", "num_key_value_heads", "head_dim", "window_size", "kv_cache_dtype", "latency"]
@@ -211,32 +227,58 @@ def decode_points(gpu: str, engine: str) -> tuple[list[DecodePoint], str]:
         name, element = DECODE_KV[dtype]
         read = 2.0 * b * s * kv * d * element  # K and V
         if read >= DECODE_MIN_BYTES:
-            points.append(DecodePoint(name, read, lat / 1e3))
+            points.append(ReadPoint(name, read, lat / 1e3))
     if not points:
         raise InputError(f"{source} holds no full-attention decode row reading {DECODE_MIN_BYTES:.0e} bytes or more")
     return points, source
 
 
-def fit_decode_attention(points: list[DecodePoint], hbm_bytes_per_s: float) -> DecodeAttentionFit:
+def gemm_read_bytes(m: float, n: float, k: float, element: float) -> float:
+    """A decode GEMM's traffic: its [k, n] weight and [m, k] input at the weight format's width, its output in 16
+    bits, each once."""
+    return element * (n * k + m * k) + 2.0 * m * n
+
+
+def decode_gemm_points(gpu: str, engine: str) -> tuple[list[ReadPoint], str]:
+    """The GEMM table's decode rows for this GPU and engine (note above), and where they are from."""
+    path, source = decode_table_path(gpu, engine, "gemm")
+    import pyarrow.parquet as pq  # a dependency of aiconfigurator-core
+
+    with resources.as_file(path) as local:
+        t = pq.read_table(local, columns=["gemm_dtype", "m", "n", "k", "latency"]).to_pydict()
+    points = [ReadPoint(GEMM_FORMATS[d][0], gemm_read_bytes(m, n, k, GEMM_FORMATS[d][1]), lat / 1e3, 2.0 * m * n * k)
+              for d, m, n, k, lat in zip(t["gemm_dtype"], t["m"], t["n"], t["k"], t["latency"], strict=True)
+              if d in GEMM_FORMATS and lat > 0 and m <= DECODE_GEMM_M and n * k >= DECODE_MIN_WEIGHTS]
+    if not points:
+        raise InputError(f"{source} holds no GEMM of {DECODE_GEMM_M} tokens or fewer")
+    return points, source
+
+
+def fit_decode_kernel(points: list[ReadPoint], hbm_bytes_per_s: float) -> DecodeKernelFit:
     """Least squares on the relative error (each row's equation divided by its latency, so a 10 us row weighs as
-    much as a 10 ms one): latency + bytes / (HBM x bandwidth) = measured."""
+    much as a 10 ms one): latency + bytes / (HBM x bandwidth) = measured. A fit beyond HBM's rate is refused: those
+    rows are some other cost than reading memory (vLLM's block-FP8 GEMMs: a flat 57 us on H200 at any size)."""
     import numpy as np
 
     x = np.array([p.bytes_read / hbm_bytes_per_s for p in points])
     t = np.array([p.latency_s for p in points])
     (latency, inverse), *_ = np.linalg.lstsq(np.c_[np.ones_like(x), x] / t[:, None], np.ones_like(t), rcond=None)
     if latency <= 0 or inverse < 1.0:
-        raise InputError(f"the decode-attention rows fit a fixed time of {latency * 1e6:.1f} us and {1 / inverse:.2f} "
-                         f"of HBM bandwidth: no paged decode reads that way, so the table is not used")
+        raise InputError(f"the rows fit a fixed time of {latency * 1e6:.1f} us and {1 / inverse:.2f} of HBM "
+                         f"bandwidth: no kernel that reads its bytes runs that way, so the table is not used")
     spread = float(np.median(np.abs(np.log((latency + inverse * x) / t))))
-    return DecodeAttentionFit(float(latency), float(1.0 / inverse), len(points), spread)
+    return DecodeKernelFit(float(latency), float(1.0 / inverse), len(points), spread)
 
 
-def decode_attention_fits(gpu: str, engine: str) -> tuple[dict[str, DecodeAttentionFit], str]:
-    """The fit per KV dtype of `engine`'s newest table for this GPU, and the table's name."""
-    points, source = decode_points(gpu, engine)
+def decode_kernel_fits(gpu: str, engine: str, op: str) -> tuple[dict[str, DecodeKernelFit], str]:
+    """The fit per dtype of `engine`'s newest `op` table for this GPU (the dtypes whose rows fit), and the table's
+    name."""
+    points, source = (decode_points if op == "attention" else decode_gemm_points)(gpu, engine)
     hbm = load_gpu(gpu).hbm_bytes_per_s
     fits = {}
-    for dtype in sorted({p.kv_dtype for p in points}):
-        fits[dtype] = fit_decode_attention([p for p in points if p.kv_dtype == dtype], hbm)
+    for dtype in sorted({p.dtype for p in points}):
+        try:
+            fits[dtype] = fit_decode_kernel([p for p in points if p.dtype == dtype], hbm)
+        except InputError:
+            continue
     return fits, source

@@ -121,6 +121,9 @@ class ModelSpec(BaseModel):
     dropout: float | None = Field(default=None, ge=0, lt=1.0)  # hidden and attention dropout probability
     # the published checkpoint's weights (DeepSeek-V3 ships FP8): what `serve` loads unless told otherwise
     weight_dtype: Literal["bf16", "fp8", "fp4"] | None = None
+    # its FP8 weights carry one scale per 128x128 block (quantization_config.weight_block_size; DeepSeek-V3, Qwen3
+    # FP8), which the engines run on their block-scaled GEMM kernels
+    weight_block_scaled: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -133,6 +136,8 @@ class ModelSpec(BaseModel):
             )
         if self.moe is not None and self.moe.first_k_dense > self.num_layers:
             raise ValueError(f"moe.first_k_dense ({self.moe.first_k_dense}) exceeds num_layers ({self.num_layers})")
+        if self.weight_block_scaled and self.weight_dtype != "fp8":
+            raise ValueError("weight_block_scaled describes FP8 weights: set weight_dtype \"fp8\" or drop it")
         return self
 
     # ---- derived shape -------------------------------------------------------------------------

@@ -61,6 +61,7 @@ MODEL_FILE_KEYS: dict[str, str] = {
     "norm_eps": "norm_eps",
     "dropout": "dropout",
     "weight_dtype": "weight_dtype",
+    "weight_block_scaled": "weight_block_scaled",
 }
 MOE_KEYS: dict[str, str] = {
     "experts": "num_experts",
@@ -225,7 +226,8 @@ def _training_fields(hf: _HF) -> dict[str, Any]:
     """rope_theta, rms_norm_eps, attention_dropout and a llama3 or yarn rope_scaling block, as stated (the launch
     exports carry them); other rope_scaling kinds are not kept (docs/models.md)."""
     fields: dict[str, Any] = {"rope_theta": hf.opt("rope_theta"), "norm_eps": hf.opt("rms_norm_eps"),
-                              "dropout": hf.opt("attention_dropout"), "weight_dtype": _published_dtype(hf)}
+                              "dropout": hf.opt("attention_dropout"), "weight_dtype": _published_dtype(hf),
+                              "weight_block_scaled": _block_scaled(hf)}
     scaling = hf.opt("rope_scaling")
     if isinstance(scaling, dict):
         kind = scaling.get("rope_type") or scaling.get("type")
@@ -247,6 +249,12 @@ def _published_dtype(hf: _HF) -> str | None:
         if str(quant.get("quant_algo", "")).upper() == "NVFP4":
             return "fp4"
     return "bf16" if (hf.opt("torch_dtype") or hf.opt("dtype")) == "bfloat16" else None
+
+
+def _block_scaled(hf: _HF) -> bool:
+    """FP8 weights scaled per block: quant_method "fp8" with a weight_block_size (DeepSeek-V3's [128, 128])."""
+    quant = hf.opt("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "fp8" and bool(quant.get("weight_block_size"))
 
 
 def _llama(hf: _HF) -> _Mapped:

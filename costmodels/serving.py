@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from meshplan.costmodels import comm
 from meshplan.costmodels.comm import Link
 from meshplan.costmodels.efficiency import Efficiency
+from meshplan.costmodels.kernel_tables import gemm_read_bytes
 from meshplan.costmodels.kernels import CONTENTION_SM
 from meshplan.costmodels.timing import group_link, op_time, timed_collective
 from meshplan.costmodels.model import ModelSpec
@@ -579,15 +580,26 @@ def _step(model: ModelSpec, cluster: Cluster, layout: EngineLayout, dec_seqs: fl
     pre = pre_tokens / layout.dp / micro
     t = dec * queries + pre
 
-    # GQA / MHA decode attention as the engine's kernels run it on paged caches (hardware_db/decode_attention.py);
+    # GQA / MHA decode attention as the engine's kernels run it on paged caches (hardware_db/decode_kernels.py);
     # MLA's latent attention is another kernel, left to the roofline
     paged = {dtype: (fixed, share) for dtype, fixed, share in eff.decode_attention} if model.mla is None else {}
     measured = paged.get("bf16" if kv_dtype == "fp16" else kv_dtype)
+    # the linear layers as the engine's own GEMM kernels run them at a few tokens, for the weights' format
+    # (hardware_db/decode_kernels.py; block-scaled FP8 checkpoints on their block-scaled kernels)
+    weight_format = {"fp16": "bf16", "fp8": "fp8_block" if model.weight_block_scaled else "fp8"}.get(weight_dtype,
+                                                                                                 weight_dtype)
+    linear = {dtype: (fixed, share) for dtype, fixed, share in eff.decode_gemm}.get(weight_format)
 
     def ops_time(ops: list[Op]) -> float:
         total = 0.0
         for op in ops:
             peak = peak8 if (op.kind == "gemm" and op.gemm_dtype_scale > 1) else peak16
+            if op.kind == "gemm" and op.shape is not None and linear is not None:  # one weight, not per expert
+                # the measured kernel streaming its bytes, or its FLOPs at the roofline's compute rate where more
+                # (many tokens); the fixed time stands for the launch as well, as decode replays CUDA graphs
+                compute = op_time(op.fwd_flops, 0.0, op.kind, peak, hbm, eff) - eff.kernel_overhead_s
+                total += max(compute, linear[0] + gemm_read_bytes(*op.shape, wbytes) / (hbm * linear[1]))
+                continue
             # weights are read at their own width: scale a GEMM's bytes for fp8 weights
             t = op_time(op.fwd_flops, op.fwd_bytes * (wbytes / ACT_BYTES if op.kind == "gemm" else 1.0),
                         op.kind, peak, hbm, eff)

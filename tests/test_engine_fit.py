@@ -13,8 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.costmodels import aic_deployments as aic
+from meshplan.costmodels.efficiency import Efficiency
 from meshplan.costmodels.engine_calibration import BOUNDS, EngineParameters
 from meshplan.costmodels.engine_fit import Sensitivity, fit_engine
+from meshplan.hardware_db.decode_kernels import decode_kernels
 from meshplan.hardware_db.gpu import load_gpu
 
 from test_aic_deployments import AGG, DENSE, table
@@ -75,12 +77,15 @@ def test_fitted_parameters_stay_within_their_physical_bounds(log_ttft, log_tpot)
 
 
 def test_a_priced_row_takes_the_engine_times():
-    """The request time adds to TTFT alone; the iteration time lengthens every iteration, so TPOT by about as
-    much; a slower HBM share slows the decode."""
+    """Neutral parameters price as the GPU's defaults with the row's engine's measured decode kernels; the request
+    time adds to TTFT alone; the iteration time lengthens every iteration, so TPOT by about as much; a slower HBM
+    share slows the decode."""
     pytest.importorskip("aiconfigurator_core")
     row = aic.read_deployments(table(AGG.replace("silicon_concurrency=64", "silicon_concurrency=4"))).deployments[0]
-    base = aic.price(row)
-    assert aic.price(row, engine=EngineParameters()) == base
+    base = aic.price(row, engine=EngineParameters())
+    kernels = {"decode_attention": decode_kernels(row.gpu, "attention", row.engine),
+               "decode_gemm": decode_kernels(row.gpu, "gemm", row.engine)}
+    assert aic.price(row, eff=dataclasses.replace(Efficiency.from_gpu(load_gpu(row.gpu)), **kernels)) == base
     later = aic.price(row, engine=EngineParameters(request_s=0.05))
     assert later.ttft_ms == pytest.approx(base.ttft_ms + 50.0) and later.tpot_ms == base.tpot_ms
     slower = aic.price(row, engine=EngineParameters(iteration_s=0.002))
