@@ -55,6 +55,7 @@ ITERATION_STEP = 0.002  # secant step of the iteration time, seconds
 # assumptions: AIConfigurator's own estimates of these rows miss by a median 24 % (TPOT) and 50 % (TTFT) (issue 45).
 NOISE_SD = {"ttft": 0.3, "tpot": 0.1}
 HUBER = 1.5  # residuals beyond 1.5 noise spreads count linearly, not squared
+HELD: frozenset[str] = frozenset()  # parameters held at their prior's centre (a screen sets it; none by default)
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ def fit_engine(rows: Sequence[Sensitivity], centre: EngineParameters | None = No
         _, scale = weighted(r)
         jac = np.zeros((2 * len(rows), len(NAMES)))
         for j in range(len(NAMES)):
+            if NAMES[j] in HELD:  # no column: the step leaves it at the centre
+                continue
             moved = t.copy()
             moved[j] += steps[j]
             jac[:, j] = (_residuals(rows, params(moved)) - r).ravel() / steps[j] * scale
