@@ -55,7 +55,6 @@ ITERATION_STEP = 0.002  # secant step of the iteration time, seconds
 # assumptions: AIConfigurator's own estimates of these rows miss by a median 24 % (TPOT) and 50 % (TTFT) (issue 45).
 NOISE_SD = {"ttft": 0.3, "tpot": 0.1}
 HUBER = 1.5  # residuals beyond 1.5 noise spreads count linearly, not squared
-HELD: frozenset[str] = frozenset()  # parameters held at their prior's centre (a screen sets it; none by default)
 
 
 @dataclass(frozen=True)
@@ -149,10 +148,11 @@ def _prior(centre: EngineParameters | None, scale: float) -> tuple[np.ndarray, n
 
 
 def fit_engine(rows: Sequence[Sensitivity], centre: EngineParameters | None = None, prior_scale: float = 1.0,
-               iterations: int = 30) -> EngineFit:
+               iterations: int = 30, held: frozenset[str] = frozenset()) -> EngineFit:
     """The engine's parameters that best explain these rows' TTFT and TPOT under the priors (module docstring):
     centred on the defaults, or on `centre` (the fit one level up: to every engine's rows), with the spreads times
-    `prior_scale`."""
+    `prior_scale`; the parameters named in `held` stay at the centre (their spread: the prior's, which no row
+    informs)."""
     if not rows:
         raise InputError("no measured deployments to calibrate the engine on")
     mean, sd = _prior(centre, prior_scale)
@@ -182,7 +182,7 @@ def fit_engine(rows: Sequence[Sensitivity], centre: EngineParameters | None = No
         _, scale = weighted(r)
         jac = np.zeros((2 * len(rows), len(NAMES)))
         for j in range(len(NAMES)):
-            if NAMES[j] in HELD:  # no column: the step leaves it at the centre
+            if NAMES[j] in held:  # no column: the step leaves it at the centre
                 continue
             moved = t.copy()
             moved[j] += steps[j]
@@ -235,12 +235,19 @@ def model_architecture(m: ModelSpec) -> str:
 # level per GPU was tried and left out: with two to four models per engine and GPU it fit each model's own errors
 # (held-out TPOT 20.8 % against 18.1 %, benchmarks/RESULTS.md "Engine calibration").
 ENGINE_PRIOR_SCALE = 1 / 3
+# The kernels' factors are held at the GPU's defaults and only the engine's host times (iteration_s, request_s) are
+# fit: decode's GEMMs and attention now come from the engines' measured kernel tables (hardware_db/decode_kernels.toml),
+# and factors fit to whole deployments chased each model's own errors, which held out made TPOT worse than none: 20.0
+# against 15.0 % uncalibrated over 2,116 rows (benchmarks/RESULTS.md, stop 56).
+ENGINE_HELD = frozenset(FACTORS)
 
 
-def fit_engines(rows: Sequence[Sensitivity]) -> dict[str, EngineFit]:
-    """Each engine's fit (by Deployment.engine), its priors centred on the fit to all rows."""
-    pooled = fit_engine(rows).parameters
-    return {engine: fit_engine([s for s in rows if s.deployment.engine == engine], pooled, ENGINE_PRIOR_SCALE)
+def fit_engines(rows: Sequence[Sensitivity], held: frozenset[str] = ENGINE_HELD) -> dict[str, EngineFit]:
+    """Each engine's fit (by Deployment.engine), its priors centred on the fit to all rows; `held` stays at the
+    defaults."""
+    pooled = fit_engine(rows, held=held).parameters
+    return {engine: fit_engine([s for s in rows if s.deployment.engine == engine], pooled, ENGINE_PRIOR_SCALE,
+                               held=held)
             for engine in sorted({s.deployment.engine for s in rows})}
 
 

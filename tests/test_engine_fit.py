@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from meshplan.costmodels import aic_deployments as aic
 from meshplan.costmodels.efficiency import Efficiency
-from meshplan.costmodels.engine_calibration import BOUNDS, EngineParameters
-from meshplan.costmodels.engine_fit import Sensitivity, fit_engine
+from meshplan.costmodels.engine_calibration import BOUNDS, FACTORS, EngineParameters
+from meshplan.costmodels.engine_fit import ENGINE_HELD, Sensitivity, fit_engine, fit_engines
+from meshplan.costmodels.fit import PRIOR_SD
 from meshplan.hardware_db.decode_kernels import decode_kernels
 from meshplan.hardware_db.gpu import load_gpu
 
@@ -59,6 +60,27 @@ def test_the_fit_recovers_the_parameters_that_made_the_measurements():
     # the priors (centred on the defaults) hold back a little: 400 rows make that little
     assert max(abs(r) for pair in fitted.after for r in pair) < 0.01 < 0.1 < max(abs(r) for pair in fitted.before
                                                                                 for r in pair)
+
+
+def test_held_parameters_stay_at_the_centre_and_the_rest_fit():
+    """With the factors held (the engines' default: ENGINE_HELD), rows made with only host times are fit back to
+    them, every factor at 1 and its spread the prior's; made with a slower memory too, the held fit cannot take it
+    and the host times absorb what they can, while the free fit recovers it."""
+    truth = EngineParameters(iteration_s=0.003, request_s=0.04)
+    got = fit_engine(_rows(truth), held=ENGINE_HELD)
+    assert all(v == 0.0 for _, v in got.parameters.log_factors)
+    assert got.parameters.iteration_s == pytest.approx(0.003, abs=3e-4)
+    assert got.parameters.request_s == pytest.approx(0.04, abs=5e-3)
+    assert got.spread[:len(FACTORS)] == pytest.approx([PRIOR_SD[n] for n in FACTORS], rel=1e-9)
+    assert frozenset(FACTORS) == ENGINE_HELD
+    slower = EngineParameters((("memory", -0.2),), iteration_s=0.003, request_s=0.04)
+    held = fit_engine(_rows(slower), held=ENGINE_HELD)
+    free = fit_engine(_rows(slower))
+    assert dict(held.parameters.log_factors)["memory"] == 0.0
+    assert dict(free.parameters.log_factors)["memory"] == pytest.approx(-0.2, abs=0.03)
+    assert max(abs(r) for pair in free.after for r in pair) < max(abs(r) for pair in held.after for r in pair)
+    by_engine = fit_engines(_rows(truth, 100))
+    assert all(v == 0.0 for f in by_engine.values() for _, v in f.parameters.log_factors)
 
 
 @settings(max_examples=25, deadline=None)
@@ -118,7 +140,7 @@ def test_relinearised_rows_keep_the_uncalibrated_figures():
     """relinearized moves each row's slopes to its engine's fit and keeps what the defaults gave, which the
     held-out error is set beside."""
     pytest.importorskip("aiconfigurator_core")
-    from meshplan.costmodels.engine_fit import fit_engines, relinearized, sensitivities
+    from meshplan.costmodels.engine_fit import relinearized, sensitivities
 
     rows = sensitivities(aic.read_deployments(table(DENSE, QWEN)).deployments)
     again = relinearized(rows)
