@@ -194,7 +194,10 @@ def scaled(gpu: GPUSpec, eff: Efficiency, log_factors: dict[str, float]) -> tupl
     update |= {f: min(getattr(eff, f) * factor("attention"), 1.0) for f in ATTENTION_CEILINGS}
     update["memory_bandwidth"] = min(eff.memory_bandwidth * factor("memory"), 1.0)
     update["kernel_overhead_s"] = eff.kernel_overhead_s * factor("overhead")
-    return gpu, dataclasses.replace(eff, **update)  # type: ignore[arg-type]
+    # the engines' measured decode kernels stream at their own shares of HBM, scaled as the memory-bound kernels are
+    tables = {name: tuple((dtype, fixed, min(share * factor("memory"), 1.0)) for dtype, fixed, share in
+                          getattr(eff, name)) for name in ("decode_attention", "decode_gemm")}
+    return gpu, dataclasses.replace(eff, **update, **tables)  # type: ignore[arg-type]
 
 
 def factor_cluster(spec: ClusterSpec, cal: FactorCalibration, origin: str) -> tuple[Cluster, Efficiency]:

@@ -173,3 +173,20 @@ def test_the_shipped_file_is_what_the_tables_give(op):
     assert source.startswith(f"h200_sxm/{op}/trtllm/")
     assert kernels["fp8"][0] == pytest.approx(fits["fp8"].latency_s, abs=1e-8)
     assert kernels["fp8"][1] == pytest.approx(fits["fp8"].bandwidth, abs=1e-4)
+
+
+def test_a_memory_factor_scales_the_measured_kernels_shares():
+    """A calibration's memory factor (efficiency.scaled) slows the measured decode kernels' reads as it slows the
+    roofline's, within HBM's rate; their fixed times stay."""
+    import math
+
+    from meshplan.costmodels.efficiency import scaled
+
+    gpu = load_gpu("h200")
+    eff = Efficiency.from_gpu(gpu)
+    _, slow = scaled(gpu, eff, {"memory": math.log(0.5)})
+    _, fast = scaled(gpu, eff, {"memory": math.log(3.0)})
+    for name in ("decode_attention", "decode_gemm"):
+        for (d, t, s), (d2, t2, s2), (_, t3, s3) in zip(getattr(eff, name), getattr(slow, name), getattr(fast, name),
+                                                        strict=True):
+            assert (d2, t2, t3) == (d, t, t) and s2 == pytest.approx(0.5 * s) and s3 == 1.0
