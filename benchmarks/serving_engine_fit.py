@@ -4,7 +4,7 @@
 
 Usage:  pip install 'meshplan[aic]' && python benchmarks/serving_engine_fit.py [--jobs 2] [--markdown]
             [--slopes FILE] [--write DIR]
-(about 41 minutes on 2 processes, 57 on a loaded VM at stop 53; from a --slopes file already written, about 28)
+(about 55 minutes on 2 processes at stop 56; from a --slopes file already written, about 38)
 
 How: every priceable row is priced at the prior's centre and with each parameter moved (costmodels/engine_fit.py,
 about 7 x serving_aic.py's time, split over --jobs processes), and again at its engine's fit to those slopes (the
@@ -14,7 +14,8 @@ to all engines' rows, then each engine's centred on it; that engine's rows linea
 fit once more), and the model's rows are priced in full with them. Printed:
 the held-out median absolute and signed error of TTFT, TPOT and throughput (Little's law, as serving_aic.py),
 beside the uncalibrated error on the same rows, by GPU, engine, model, mode and users; and each engine's parameters
-fit to all its rows, with their posterior spreads. Issue 45's targets: TPOT <= 12 %, TTFT <= 20 %, throughput <= 12 %.
+fit to all its rows, with their posterior spreads (the kernel factors held at x1: engine_fit.ENGINE_HELD). Issue
+45's targets: TPOT <= 12 %, TTFT <= 20 %, throughput <= 12 %.
 """
 
 from __future__ import annotations

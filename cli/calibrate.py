@@ -36,9 +36,9 @@ def calibrate(
         "published run on it, what plan uses without --calibration), where meshplan ships one, else the defaults; "
         "defaults: on the GPU's efficiency defaults."))] = "public",
     deployments: Annotated[Literal["aic"] | None, typer.Option("--deployments", help=(
-        "Instead of --runs, fit a serving engine's parameters (kernel factors, host time per iteration, front-end "
-        "time per request) to measured deployments. aic: NVIDIA AIConfigurator's silicon_sample.csv from the "
-        "installed wheel (the extra meshplan[aic]; docs/serving.md). Prices every row 7 times at the defaults, 7 at "
+        "Instead of --runs, fit a serving engine's host time per iteration and front-end time per request (its "
+        "kernels' factors held at the GPU's defaults) to measured deployments. aic: NVIDIA AIConfigurator's "
+        "silicon_sample.csv from the installed wheel (the extra meshplan[aic]; docs/serving.md). Prices every row 7 times at the defaults, 7 at "
         "the fit, and the engine's rows 7 more per model left out: half an hour on 2 processes (--jobs)."))]
     = None,
     engine: Annotated[Literal["vllm", "sglang", "trtllm"] | None, typer.Option("--engine", help=(

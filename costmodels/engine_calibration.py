@@ -6,6 +6,8 @@ factors scale each GPU's own defaults).
 - The training calibration's five factors on the GPU's sourced defaults (costmodels/efficiency.scaled): GEMM and
   attention kernel ceilings, the memory-bound kernels' share of HBM bandwidth (decode's weight and KV reads), the
   collectives' share of the link rates (the engine's all-reduce and expert dispatch) and the launch cost per operator.
+  The engine fit holds them at x1 since stop 56 (engine_fit.ENGINE_HELD): the engines' measured kernel tables now
+  price decode.
 - iteration_s: seconds every engine iteration takes beyond its kernels: the scheduler's batch assembly, sampling and
   the step's host-device synchronisation (vLLM's EngineCore loop, SGLang's scheduler, TensorRT-LLM's executor). It
   adds to every iteration (as a calibration's step overhead, Efficiency.head_overhead).
