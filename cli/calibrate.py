@@ -38,8 +38,9 @@ def calibrate(
     deployments: Annotated[Literal["aic"] | None, typer.Option("--deployments", help=(
         "Instead of --runs, fit a serving engine's host time per iteration and front-end time per request (its "
         "kernels' factors held at the GPU's defaults) to measured deployments. aic: NVIDIA AIConfigurator's "
-        "silicon_sample.csv from the installed wheel (the extra meshplan[aic]; docs/serving.md). Prices every row 7 times at the defaults, 7 at "
-        "the fit, and the engine's rows 7 more per model left out: half an hour on 2 processes (--jobs)."))]
+        "silicon_sample.csv from the installed wheel (the extra meshplan[aic]; docs/serving.md). Prices every row 7 "
+        "times at the defaults, 7 at the fit, and the engine's rows 7 more per model left out: about an hour on 2 "
+        "processes (--jobs)."))]
     = None,
     engine: Annotated[Literal["vllm", "sglang", "trtllm"] | None, typer.Option("--engine", help=(
         "With --deployments: the engine to calibrate."))] = None,
