@@ -190,3 +190,20 @@ def test_a_memory_factor_scales_the_measured_kernels_shares():
         for (d, t, s), (d2, t2, s2), (_, t3, s3) in zip(getattr(eff, name), getattr(slow, name), getattr(fast, name),
                                                         strict=True):
             assert (d2, t2, t3) == (d, t, t) and s2 == pytest.approx(0.5 * s) and s3 == 1.0
+
+
+def test_a_block_scale_on_bf16_weights_in_a_model_file_is_one_line(tmp_path, capsys):
+    """`serve --model FILE` whose file sets weight_block_scaled with BF16 weights: exit 2, one error line that names
+    the key and the fix, no traceback, nothing written."""
+    import json
+
+    from cli_helpers import assert_input_error, run
+
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"name": "m", "layers": 2, "hidden": 64, "heads": 4, "ffn_hidden": 128,
+                                "vocab": 100, "weight_dtype": "bf16", "weight_block_scaled": True}))
+    out_file = tmp_path / "serve.json"
+    code, out, err = run(capsys, "serve", "--model", str(path), "--gpu", "h100-sxm", "--gpus", "1", "--isl", "64",
+                         "--osl", "8", "--out", str(out_file))
+    assert_input_error(code, out, err, "weight_block_scaled", "fp8")
+    assert not out_file.exists()
